@@ -1,0 +1,1 @@
+"""tensord_server: the daemon that owns every Storage in a caching pool."""

@@ -1,0 +1,5 @@
+import sys
+
+from tensord_server.cli import main
+
+sys.exit(main())
