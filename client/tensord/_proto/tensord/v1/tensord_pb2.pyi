@@ -1,0 +1,605 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorMeta(_message.Message):
+    __slots__ = ("handle", "shape", "stride", "storage_offset", "dtype", "device", "requires_grad", "storage_id", "storage_nbytes", "storage_data_ptr")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DATA_PTR_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    dtype: str
+    device: str
+    requires_grad: bool
+    storage_id: str
+    storage_nbytes: int
+    storage_data_ptr: int
+    def __init__(self, handle: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., storage_id: _Optional[str] = ..., storage_nbytes: _Optional[int] = ..., storage_data_ptr: _Optional[int] = ...) -> None: ...
+
+class Scalar(_message.Message):
+    __slots__ = ("bool_value", "int_value", "float_value", "complex_value")
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    COMPLEX_VALUE_FIELD_NUMBER: _ClassVar[int]
+    bool_value: bool
+    int_value: int
+    float_value: float
+    complex_value: Complex
+    def __init__(self, bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., complex_value: _Optional[_Union[Complex, _Mapping]] = ...) -> None: ...
+
+class Complex(_message.Message):
+    __slots__ = ("real", "imag")
+    REAL_FIELD_NUMBER: _ClassVar[int]
+    IMAG_FIELD_NUMBER: _ClassVar[int]
+    real: float
+    imag: float
+    def __init__(self, real: _Optional[float] = ..., imag: _Optional[float] = ...) -> None: ...
+
+class HandleRequest(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    def __init__(self, handle: _Optional[str] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("device", "capacity_bytes", "description")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    capacity_bytes: int
+    description: str
+    def __init__(self, device: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class ServerInfoResponse(_message.Message):
+    __slots__ = ("version", "devices", "max_message_bytes", "chunk_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    max_message_bytes: int
+    chunk_bytes: int
+    def __init__(self, version: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "resume_session_id")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    resume_session_id: str
+    def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_seconds", "grace_seconds", "resumed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_seconds: float
+    grace_seconds: float
+    resumed: bool
+    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., grace_seconds: _Optional[float] = ..., resumed: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sent_at",)
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    sent_at: float
+    def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("released_handles",)
+    RELEASED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    released_handles: int
+    def __init__(self, released_handles: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, handles: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class IntList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Slice(_message.Message):
+    __slots__ = ("start", "stop", "step")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    step: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class IndexItem(_message.Message):
+    __slots__ = ("integer", "slice", "none", "ellipsis")
+    INTEGER_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    ELLIPSIS_FIELD_NUMBER: _ClassVar[int]
+    integer: int
+    slice: Slice
+    none: bool
+    ellipsis: bool
+    def __init__(self, integer: _Optional[int] = ..., slice: _Optional[_Union[Slice, _Mapping]] = ..., none: _Optional[bool] = ..., ellipsis: _Optional[bool] = ...) -> None: ...
+
+class ViewShape(_message.Message):
+    __slots__ = ("shape",)
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ViewDtype(_message.Message):
+    __slots__ = ("dtype",)
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    def __init__(self, dtype: _Optional[str] = ...) -> None: ...
+
+class Narrow(_message.Message):
+    __slots__ = ("dim", "start", "length")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    start: int
+    length: int
+    def __init__(self, dim: _Optional[int] = ..., start: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Select(_message.Message):
+    __slots__ = ("dim", "index")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    index: int
+    def __init__(self, dim: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Index(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[IndexItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[IndexItem, _Mapping]]] = ...) -> None: ...
+
+class Transpose(_message.Message):
+    __slots__ = ("dim0", "dim1")
+    DIM0_FIELD_NUMBER: _ClassVar[int]
+    DIM1_FIELD_NUMBER: _ClassVar[int]
+    dim0: int
+    dim1: int
+    def __init__(self, dim0: _Optional[int] = ..., dim1: _Optional[int] = ...) -> None: ...
+
+class T(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Permute(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Movedim(_message.Message):
+    __slots__ = ("source", "destination")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    source: _containers.RepeatedScalarFieldContainer[int]
+    destination: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[_Iterable[int]] = ..., destination: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Expand(_message.Message):
+    __slots__ = ("shape",)
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Squeeze(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: IntList
+    def __init__(self, dims: _Optional[_Union[IntList, _Mapping]] = ...) -> None: ...
+
+class Unsqueeze(_message.Message):
+    __slots__ = ("dim",)
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    def __init__(self, dim: _Optional[int] = ...) -> None: ...
+
+class Flatten(_message.Message):
+    __slots__ = ("start_dim", "end_dim")
+    START_DIM_FIELD_NUMBER: _ClassVar[int]
+    END_DIM_FIELD_NUMBER: _ClassVar[int]
+    start_dim: int
+    end_dim: int
+    def __init__(self, start_dim: _Optional[int] = ..., end_dim: _Optional[int] = ...) -> None: ...
+
+class Unflatten(_message.Message):
+    __slots__ = ("dim", "sizes")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dim: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Split(_message.Message):
+    __slots__ = ("split_size", "sections", "dim")
+    SPLIT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    split_size: int
+    sections: IntList
+    dim: int
+    def __init__(self, split_size: _Optional[int] = ..., sections: _Optional[_Union[IntList, _Mapping]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("chunks", "dim")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    dim: int
+    def __init__(self, chunks: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class Unbind(_message.Message):
+    __slots__ = ("dim",)
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    def __init__(self, dim: _Optional[int] = ...) -> None: ...
+
+class Diagonal(_message.Message):
+    __slots__ = ("offset", "dim1", "dim2")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DIM1_FIELD_NUMBER: _ClassVar[int]
+    DIM2_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    dim1: int
+    dim2: int
+    def __init__(self, offset: _Optional[int] = ..., dim1: _Optional[int] = ..., dim2: _Optional[int] = ...) -> None: ...
+
+class AsStrided(_message.Message):
+    __slots__ = ("size", "stride", "storage_offset")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    def __init__(self, size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ...) -> None: ...
+
+class Detach(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetRequiresGrad(_message.Message):
+    __slots__ = ("requires_grad",)
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    requires_grad: bool
+    def __init__(self, requires_grad: _Optional[bool] = ...) -> None: ...
+
+class ViewRequest(_message.Message):
+    __slots__ = ("handle", "view", "view_dtype", "narrow", "select", "index", "transpose", "t", "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal", "as_strided", "detach", "set_requires_grad")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NARROW_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TRANSPOSE_FIELD_NUMBER: _ClassVar[int]
+    T_FIELD_NUMBER: _ClassVar[int]
+    PERMUTE_FIELD_NUMBER: _ClassVar[int]
+    MOVEDIM_FIELD_NUMBER: _ClassVar[int]
+    EXPAND_FIELD_NUMBER: _ClassVar[int]
+    SQUEEZE_FIELD_NUMBER: _ClassVar[int]
+    UNSQUEEZE_FIELD_NUMBER: _ClassVar[int]
+    FLATTEN_FIELD_NUMBER: _ClassVar[int]
+    UNFLATTEN_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    UNBIND_FIELD_NUMBER: _ClassVar[int]
+    DIAGONAL_FIELD_NUMBER: _ClassVar[int]
+    AS_STRIDED_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    SET_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    view: ViewShape
+    view_dtype: ViewDtype
+    narrow: Narrow
+    select: Select
+    index: Index
+    transpose: Transpose
+    t: T
+    permute: Permute
+    movedim: Movedim
+    expand: Expand
+    squeeze: Squeeze
+    unsqueeze: Unsqueeze
+    flatten: Flatten
+    unflatten: Unflatten
+    split: Split
+    chunk: Chunk
+    unbind: Unbind
+    diagonal: Diagonal
+    as_strided: AsStrided
+    detach: Detach
+    set_requires_grad: SetRequiresGrad
+    def __init__(self, handle: _Optional[str] = ..., view: _Optional[_Union[ViewShape, _Mapping]] = ..., view_dtype: _Optional[_Union[ViewDtype, _Mapping]] = ..., narrow: _Optional[_Union[Narrow, _Mapping]] = ..., select: _Optional[_Union[Select, _Mapping]] = ..., index: _Optional[_Union[Index, _Mapping]] = ..., transpose: _Optional[_Union[Transpose, _Mapping]] = ..., t: _Optional[_Union[T, _Mapping]] = ..., permute: _Optional[_Union[Permute, _Mapping]] = ..., movedim: _Optional[_Union[Movedim, _Mapping]] = ..., expand: _Optional[_Union[Expand, _Mapping]] = ..., squeeze: _Optional[_Union[Squeeze, _Mapping]] = ..., unsqueeze: _Optional[_Union[Unsqueeze, _Mapping]] = ..., flatten: _Optional[_Union[Flatten, _Mapping]] = ..., unflatten: _Optional[_Union[Unflatten, _Mapping]] = ..., split: _Optional[_Union[Split, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unbind: _Optional[_Union[Unbind, _Mapping]] = ..., diagonal: _Optional[_Union[Diagonal, _Mapping]] = ..., as_strided: _Optional[_Union[AsStrided, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ..., set_requires_grad: _Optional[_Union[SetRequiresGrad, _Mapping]] = ...) -> None: ...
+
+class ViewResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class EmptyRequest(_message.Message):
+    __slots__ = ("shape", "stride", "dtype", "device", "requires_grad")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: IntList
+    dtype: str
+    device: str
+    requires_grad: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Union[IntList, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class FullRequest(_message.Message):
+    __slots__ = ("shape", "dtype", "device", "value", "requires_grad")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    value: Scalar
+    requires_grad: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., value: _Optional[_Union[Scalar, _Mapping]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class ArangeRequest(_message.Message):
+    __slots__ = ("start", "end", "step", "dtype", "device", "requires_grad")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    start: Scalar
+    end: Scalar
+    step: Scalar
+    dtype: str
+    device: str
+    requires_grad: bool
+    def __init__(self, start: _Optional[_Union[Scalar, _Mapping]] = ..., end: _Optional[_Union[Scalar, _Mapping]] = ..., step: _Optional[_Union[Scalar, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class CloneRequest(_message.Message):
+    __slots__ = ("handle", "memory_format")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    memory_format: str
+    def __init__(self, handle: _Optional[str] = ..., memory_format: _Optional[str] = ...) -> None: ...
+
+class ReshapeRequest(_message.Message):
+    __slots__ = ("handle", "shape")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ToRequest(_message.Message):
+    __slots__ = ("handle", "device", "dtype", "copy")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    device: str
+    dtype: str
+    copy: bool
+    def __init__(self, handle: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., copy: _Optional[bool] = ...) -> None: ...
+
+class RepeatRequest(_message.Message):
+    __slots__ = ("handle", "repeats")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    repeats: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[str] = ..., repeats: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CatRequest(_message.Message):
+    __slots__ = ("handles", "dim")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[str]
+    dim: int
+    def __init__(self, handles: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class CopyRequest(_message.Message):
+    __slots__ = ("dst", "src")
+    DST_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    dst: str
+    src: str
+    def __init__(self, dst: _Optional[str] = ..., src: _Optional[str] = ...) -> None: ...
+
+class FillRequest(_message.Message):
+    __slots__ = ("handle", "value")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    value: Scalar
+    def __init__(self, handle: _Optional[str] = ..., value: _Optional[_Union[Scalar, _Mapping]] = ...) -> None: ...
+
+class SetItemRequest(_message.Message):
+    __slots__ = ("handle", "index", "scalar", "src_handle")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    SRC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    index: _containers.RepeatedCompositeFieldContainer[IndexItem]
+    scalar: Scalar
+    src_handle: str
+    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[IndexItem, _Mapping]]] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("shape", "dtype", "device", "nbytes", "requires_grad")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    nbytes: int
+    requires_grad: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., nbytes: _Optional[int] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class RawChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("handle", "chunk_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    chunk_bytes: int
+    def __init__(self, handle: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ShareResponse(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class PutNameRequest(_message.Message):
+    __slots__ = ("name", "handle", "overwrite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    handle: str
+    overwrite: bool
+    def __init__(self, name: _Optional[str] = ..., handle: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+
+class PutNameResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetNameRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteNameRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteNameResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNamesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNamesResponse(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeviceRequest(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
+
+class MemoryStatsResponse(_message.Message):
+    __slots__ = ("counters", "ratios")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RatiosEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    RATIOS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    ratios: _containers.ScalarMap[str, float]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., ratios: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MemorySummaryResponse(_message.Message):
+    __slots__ = ("summary",)
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    summary: str
+    def __init__(self, summary: _Optional[str] = ...) -> None: ...
+
+class MemorySnapshotResponse(_message.Message):
+    __slots__ = ("snapshot_json",)
+    SNAPSHOT_JSON_FIELD_NUMBER: _ClassVar[int]
+    snapshot_json: bytes
+    def __init__(self, snapshot_json: _Optional[bytes] = ...) -> None: ...
+
+class EmptyCacheResponse(_message.Message):
+    __slots__ = ("released_bytes",)
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    released_bytes: int
+    def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
