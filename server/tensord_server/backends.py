@@ -1,0 +1,182 @@
+"""Device backends: where the pool's segments come from.
+
+A backend does one upstream allocation per pool segment (``reserve``), gives it
+back (``release``) and moves bytes in and out of it.  The pool above it never
+touches memory itself, so the same policy runs on host memory (NumPy), on a GPU
+(CuPy, in its own module) or on nothing at all (bookkeeping, for replays and
+simulations of a device of any size).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# Segments start on a 512-byte boundary: the pool's own granularity (kMinBlockSize),
+# so every block handed out is 512-byte aligned, as cudaMalloc's are (at least).
+SEGMENT_ALIGNMENT = 512
+
+# Host pools may reserve up to this share of physical memory unless told otherwise:
+# the server shares the machine with its clients and the OS page cache.
+HOST_DEFAULT_CAPACITY_FRACTION = 0.5
+
+# The bookkeeping backend simulates a device this large unless told otherwise:
+# "any capacity", yet a finite int that fits int64 stats (1 EiB).
+BOOKKEEPING_DEFAULT_CAPACITY = 1 << 60
+
+# First fake address of the bookkeeping backend: nonzero so that 0 stays "null",
+# and high like a real device pointer so snapshots look familiar.
+BOOKKEEPING_BASE_ADDRESS = 0x7F00_0000_0000
+
+
+class BackendOutOfMemory(MemoryError):
+    """The device itself cannot provide another segment (cudaErrorMemoryAllocation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """One upstream allocation (one pool segment).
+
+    Invariants: ``address % SEGMENT_ALIGNMENT == 0`` when ``nbytes > 0``;
+    ``nbytes >= 0``; ``payload`` is the backend's own handle (a NumPy array for
+    the host backend, ``None`` for bookkeeping) and keeps the memory alive.
+    """
+
+    address: int
+    nbytes: int
+    payload: Any = field(default=None, compare=False, repr=False)
+
+
+# The null allocation that zero-byte requests point into (torch hands back nullptr).
+NULL_MEMORY = DeviceMemory(address=0, nbytes=0, payload=None)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the pool needs from a device."""
+
+    device: str  # "cpu", "cuda:0", "sim"
+    xp: Any  # the array module of ``view`` results, or None (bookkeeping)
+    total_bytes: int  # the device's capacity; the pool's default capacity
+
+    def reserve(self, nbytes: int) -> DeviceMemory: ...
+
+    def release(self, memory: DeviceMemory) -> None: ...
+
+    def view(self, memory: DeviceMemory, offset: int, nbytes: int) -> Any: ...
+
+    def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes: ...
+
+    def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None: ...
+
+
+def check_range(memory: DeviceMemory, offset: int, nbytes: int) -> None:
+    """Refuse a byte range that leaves its segment (a server bug, never client input)."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > memory.nbytes:
+        raise IndexError(
+            f"byte range [{offset}, {offset + nbytes}) outside a segment of {memory.nbytes} bytes"
+        )
+
+
+def physical_memory_bytes() -> int:
+    """Physical RAM of this machine, or 0 where the OS will not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def host_default_capacity() -> int:
+    """The host pool's default capacity: a share of physical memory (4 GiB if unknown)."""
+    physical = physical_memory_bytes()
+    if physical <= 0:
+        return 4 << 30
+    return int(physical * HOST_DEFAULT_CAPACITY_FRACTION)
+
+
+class HostBackend:
+    """Host memory on NumPy: each segment is one 512-byte-aligned ``uint8`` array.
+
+    ``address`` is the real data pointer, so a Storage's ``data_ptr()`` means
+    something; the array in ``payload`` owns the memory, so releasing is
+    dropping the last reference.
+    """
+
+    xp = np
+
+    def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
+        self.device = device
+        self.total_bytes = host_default_capacity() if total_bytes is None else int(total_bytes)
+
+    def reserve(self, nbytes: int) -> DeviceMemory:
+        try:
+            raw = np.empty(nbytes + SEGMENT_ALIGNMENT, dtype=np.uint8)
+        except MemoryError as exc:
+            raise BackendOutOfMemory(f"host allocation of {nbytes} bytes failed") from exc
+        start = -raw.ctypes.data % SEGMENT_ALIGNMENT
+        array = raw[start : start + nbytes]
+        return DeviceMemory(address=int(array.ctypes.data), nbytes=nbytes, payload=array)
+
+    def release(self, memory: DeviceMemory) -> None:
+        # The payload array owns the bytes; the pool drops its DeviceMemory after this.
+        del memory
+
+    def view(self, memory: DeviceMemory, offset: int, nbytes: int) -> np.ndarray:
+        check_range(memory, offset, nbytes)
+        if memory.payload is None:  # the null allocation of zero-byte blocks
+            return np.empty(0, dtype=np.uint8)
+        array: np.ndarray = memory.payload[offset : offset + nbytes]
+        return array
+
+    def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes:
+        return self.view(memory, offset, nbytes).tobytes()
+
+    def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None:
+        source = np.frombuffer(data, dtype=np.uint8)
+        self.view(memory, offset, source.size)[:] = source
+
+
+class BookkeepingBackend:
+    """No bytes at all: fake, increasing, never reused addresses, for replays and simulations.
+
+    ``total_bytes`` is the simulated device size; ``reserve`` fails beyond it,
+    as cudaMalloc does on a full device.
+    """
+
+    xp = None
+
+    def __init__(self, *, device: str = "sim", total_bytes: int | None = None) -> None:
+        self.device = device
+        self.total_bytes = BOOKKEEPING_DEFAULT_CAPACITY if total_bytes is None else int(total_bytes)
+        self._lock = threading.Lock()  # guards the two fields below
+        self._in_use = 0  # sum of nbytes of reserved, unreleased segments
+        self._next_address = BOOKKEEPING_BASE_ADDRESS  # only grows: addresses never reused
+
+    def reserve(self, nbytes: int) -> DeviceMemory:
+        with self._lock:
+            if self._in_use + nbytes > self.total_bytes:
+                raise BackendOutOfMemory(
+                    f"simulated device {self.device} of {self.total_bytes} bytes is full"
+                )
+            self._in_use += nbytes
+            address = self._next_address
+            # Round the stride up so every segment starts aligned, however odd nbytes is.
+            self._next_address += -(-max(nbytes, 1) // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+        return DeviceMemory(address=address, nbytes=nbytes)
+
+    def release(self, memory: DeviceMemory) -> None:
+        with self._lock:
+            self._in_use -= memory.nbytes
+
+    def view(self, memory: DeviceMemory, offset: int, nbytes: int) -> Any:
+        raise NotImplementedError("the bookkeeping backend holds no bytes")
+
+    def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes:
+        raise NotImplementedError("the bookkeeping backend holds no bytes")
+
+    def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None:
+        raise NotImplementedError("the bookkeeping backend holds no bytes")
