@@ -1,0 +1,943 @@
+"""The caching pool: PyTorch's native CUDA caching allocator, its statistics and snapshots.
+
+Every Storage the server holds lives in a Block of this pool.  The policy
+mirrors ``c10/cuda/CUDACachingAllocator.cpp`` (DeviceCachingAllocator) rule for
+rule, so its figures can be compared with PyTorch's on the same trace:
+
+- ``malloc``: round the size (``round_size``) -> pick the small or large pool
+  -> best fit by (stream, size, address) (``get_free_block``, with the
+  ``max_split_size`` oversize rules) || a new segment (``alloc_block``) ||
+  release oversize cached segments and retry || release every whole cached
+  segment and retry (counted in ``num_alloc_retries``) || out of memory ->
+  split the block if the remainder is worth keeping (``should_split``).
+- ``free``: merge with the free previous neighbour, then the next one (never
+  across segments: neighbours are links inside one segment) -> back into its pool.
+- Segments go back to the backend only in ``empty_cache`` and on the
+  out-of-memory path.
+
+Statistics keep torch's ``memory_stats()`` names and move exactly as torch's
+do (``inactive_split`` counts free pieces of split segments; a block that is
+not split counts whole in ``allocated_bytes``).  One lock guards everything:
+many gRPC threads call the pool at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tensord.errors import InvalidArgumentError, OutOfMemoryError
+
+from tensord_server.backends import NULL_MEMORY, Backend, BackendOutOfMemory, DeviceMemory
+
+# ---------------------------------------------------------------------------
+# Policy constants (PyTorch's names in the comments)
+
+MIN_BLOCK_SIZE = 512  # kMinBlockSize: every size is rounded up to a multiple of this
+SMALL_SIZE = 1 << 20  # kSmallSize: the largest request served by the small pool (1 MiB)
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small requests are packed into 2 MiB segments
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: requests of 1-10 MiB share 20 MiB segments
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from 10 MiB a request gets its own segment
+ROUND_LARGE = 2 << 20  # kRoundLarge: own segments are rounded up to 2 MiB
+UNLIMITED_SPLIT_SIZE = (1 << 64) - 1  # SIZE_MAX: max_split_size unset, any block may split
+TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
+
+# Indices into a StatArray, in torch's StatType order.
+ALL, SMALL_POOL, LARGE_POOL = 0, 1, 2
+STAT_TYPE_NAMES = ("all", "small_pool", "large_pool")
+
+# The StatArrays of memory_stats(), in torch's order.
+STAT_ARRAY_NAMES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+
+
+# ---------------------------------------------------------------------------
+# Pure policy functions
+
+
+def round_size(nbytes: int) -> int:
+    """Mirrors round_size (without roundup_power2_divisions): at least and a multiple of 512 B."""
+    if nbytes < MIN_BLOCK_SIZE:
+        return MIN_BLOCK_SIZE
+    return MIN_BLOCK_SIZE * ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE)
+
+
+def is_small_size(size: int) -> bool:
+    """Mirrors get_pool: rounded sizes up to 1 MiB go to the small pool."""
+    return size <= SMALL_SIZE
+
+
+def get_allocation_size(size: int) -> int:
+    """Mirrors get_allocation_size: the segment to reserve when no cached block fits."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+def should_split(block_size: int, size: int, small: bool, max_split_size: int) -> bool:
+    """Mirrors should_split: is the rest of a block, after taking ``size``, worth keeping free?"""
+    remaining = block_size - size
+    if small:
+        return remaining >= MIN_BLOCK_SIZE
+    return size < max_split_size and remaining > SMALL_SIZE
+
+
+def oversize_rules_allow(block_size: int, size: int, max_split_size: int) -> bool:
+    """Mirrors get_free_block's max_split_size rules for the best-fit candidate.
+
+    A request below max_split_size never takes an oversize block (it would be
+    split, and oversize blocks are kept whole); an oversize request takes a
+    block only if less than 20 MiB would be wasted.
+    """
+    if size < max_split_size and block_size >= max_split_size:
+        return False
+    return not (size >= max_split_size and block_size >= size + LARGE_BUFFER)
+
+
+def format_size(nbytes: int) -> str:
+    """Mirrors c10's format_size, used in the out-of-memory message."""
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1048576:
+        return f"{nbytes / 1024.0:.2f} KiB"
+    if nbytes <= 1073741824:
+        return f"{nbytes / 1048576.0:.2f} MiB"
+    return f"{nbytes / 1073741824.0:.2f} GiB"
+
+
+def device_index(device: str) -> int:
+    """The integer torch puts in snapshots: N of "cuda:N", else 0."""
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+
+
+class Stat:
+    """One torch Stat.  Invariants: 0 <= current <= peak; allocated - freed == current
+    unless reset_accumulated_memory_stats() ran since."""
+
+    __slots__ = ("allocated", "current", "freed", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.allocated = 0
+        self.freed = 0
+
+    def increase(self, amount: int) -> None:
+        self.current += amount
+        if self.current > self.peak:
+            self.peak = self.current
+        self.allocated += amount
+
+    def decrease(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+
+# One Stat per StatType: [all, small_pool, large_pool].
+StatArray = list[Stat]
+
+
+def new_stat_array() -> StatArray:
+    return [Stat(), Stat(), Stat()]
+
+
+def increase(array: StatArray, kind: int, amount: int) -> None:
+    """increase_stat on the aggregate and on one pool's Stat (for_each_selected_stat_type)."""
+    array[ALL].increase(amount)
+    array[kind].increase(amount)
+
+
+def decrease(array: StatArray, kind: int, amount: int) -> None:
+    array[ALL].decrease(amount)
+    array[kind].decrease(amount)
+
+
+class DeviceStats:
+    """torch's DeviceStats: one StatArray per name in STAT_ARRAY_NAMES plus counters."""
+
+    def __init__(self) -> None:
+        self.allocation = new_stat_array()  # allocated blocks
+        self.segment = new_stat_array()  # segments reserved from the backend
+        self.active = new_stat_array()  # blocks in use (== allocation: no cross-stream events)
+        self.inactive_split = new_stat_array()  # free blocks inside split segments
+        self.allocated_bytes = new_stat_array()  # sum of allocated block sizes
+        self.reserved_bytes = new_stat_array()  # sum of segment sizes
+        self.active_bytes = new_stat_array()
+        self.inactive_split_bytes = new_stat_array()  # non-releasable cached bytes
+        self.requested_bytes = new_stat_array()  # sum of the sizes callers asked for
+        self.oversize_allocations = Stat()  # allocated blocks >= max_split_size
+        self.oversize_segments = Stat()  # segments >= max_split_size
+        self.num_alloc_retries = (
+            0  # allocations that succeeded or failed after release_cached_blocks
+        )
+        self.num_ooms = 0  # OutOfMemoryErrors raised
+        self.num_sync_all_streams = 0  # release_cached_blocks calls (they synchronize in torch)
+        self.num_device_alloc = 0  # backend.reserve calls that succeeded
+        self.num_device_free = 0  # backend.release calls
+
+    def arrays(self) -> dict[str, StatArray]:
+        return {name: getattr(self, name) for name in STAT_ARRAY_NAMES}
+
+    def all_stats(self) -> list[Stat]:
+        stats = [stat for array in self.arrays().values() for stat in array]
+        return [*stats, self.oversize_allocations, self.oversize_segments]
+
+
+# ---------------------------------------------------------------------------
+# Named types: Segment, Block, BlockPool
+
+
+class Segment:
+    """One upstream allocation from the backend, tiled by Blocks.
+
+    Invariants (guarded by the CachingPool lock): walking ``head`` -> ``next``
+    visits blocks whose sizes sum to ``size``, each starting where the previous
+    ended, from ``address``; ``head.prev is None``; every block's ``segment``
+    is this one; no two neighbouring blocks are both free.
+    """
+
+    __slots__ = ("head", "is_small", "memory", "stream")
+
+    def __init__(self, memory: DeviceMemory, stream: int, is_small: bool) -> None:
+        self.memory = memory  # the backend's allocation; owns the bytes
+        self.stream = stream  # every block of the segment has this stream
+        self.is_small = is_small  # in the small pool (2 MiB segments) or the large one
+        self.head: Block | None = None  # the lowest-address block; None only for NULL_SEGMENT
+
+    @property
+    def address(self) -> int:
+        return self.memory.address
+
+    @property
+    def size(self) -> int:
+        return self.memory.nbytes
+
+    def blocks(self) -> list[Block]:
+        """The blocks tiling this segment, by address."""
+        result = []
+        block = self.head
+        while block is not None:
+            result.append(block)
+            block = block.next
+        return result
+
+    def __repr__(self) -> str:
+        return f"Segment(address={self.address:#x}, size={self.size}, small={self.is_small})"
+
+
+# Zero-byte blocks point into this empty segment (torch hands back a null pointer).
+NULL_SEGMENT = Segment(NULL_MEMORY, stream=0, is_small=True)
+
+
+class Block:
+    """A span of a Segment: allocated to a caller, or cached free in its BlockPool.
+
+    Invariants: ``segment.address <= address`` and ``address + size <=
+    segment.address + segment.size``; ``size`` is a positive multiple of 512
+    (0 only for zero-byte blocks on NULL_SEGMENT); ``prev``/``next`` are the
+    neighbours in the same segment (never another segment's blocks); a free
+    block is in ``pool`` under the key (stream, size, address), an allocated
+    one is not; ``requested_size <= size`` while allocated, 0 while free.
+    """
+
+    __slots__ = (
+        "address",
+        "allocated",
+        "next",
+        "pool",
+        "prev",
+        "requested_size",
+        "segment",
+        "size",
+        "stream",
+    )
+
+    def __init__(
+        self, address: int, size: int, stream: int, pool: BlockPool | None, segment: Segment
+    ) -> None:
+        self.address = address  # device address of the first byte
+        self.size = size  # bytes in the block (rounded; what allocated_bytes counts)
+        self.requested_size = 0  # bytes the caller asked for, while allocated
+        self.stream = stream  # allocation stream; reused only on the same stream
+        self.pool = pool  # the BlockPool it is cached in when free; None for zero-byte blocks
+        self.segment = segment
+        self.allocated = False
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    @property
+    def offset(self) -> int:
+        """Bytes from the start of the segment (what a backend view needs)."""
+        return self.address - self.segment.address
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.stream, self.size, self.address)
+
+    def __repr__(self) -> str:
+        state = "allocated" if self.allocated else "free"
+        return f"Block(address={self.address:#x}, size={self.size}, {state})"
+
+
+class BlockPool:
+    """The cached free blocks of one pool (small or large), torch's BlockPool.
+
+    Invariants: ``keys`` is sorted and holds ``block.key()`` of exactly the
+    blocks in ``free_blocks`` (free blocks of this pool, by address); best
+    fit is the first key >= (stream, size).
+    """
+
+    __slots__ = ("free_blocks", "is_small", "keys", "kind")
+
+    def __init__(self, is_small: bool) -> None:
+        self.is_small = is_small
+        self.kind = SMALL_POOL if is_small else LARGE_POOL  # its StatType index
+        self.keys: list[tuple[int, int, int]] = []  # (stream, size, address), sorted
+        self.free_blocks: dict[int, Block] = {}  # address -> free block
+
+    def insert(self, block: Block) -> None:
+        bisect.insort(self.keys, (block.stream, block.size, block.address))
+        self.free_blocks[block.address] = block
+
+    def remove(self, block: Block) -> None:
+        key = (block.stream, block.size, block.address)
+        index = bisect.bisect_left(self.keys, key)
+        assert self.keys[index] == key, (key, "not in pool")
+        del self.keys[index]
+        del self.free_blocks[block.address]
+
+    def best_fit(self, stream: int, size: int) -> Block | None:
+        """The smallest free block of ``stream`` with at least ``size`` bytes, lowest address first."""
+        index = bisect.bisect_left(self.keys, (stream, size, -1))
+        if index == len(self.keys) or self.keys[index][0] != stream:
+            return None
+        return self.free_blocks[self.keys[index][2]]
+
+    def largest_free(self) -> int:
+        return max((key[1] for key in self.keys), default=0)
+
+    def free_bytes(self) -> int:
+        return sum(key[1] for key in self.keys)
+
+
+# ---------------------------------------------------------------------------
+# The pool
+
+
+class CachingPool:
+    """One device's caching allocator (torch's DeviceCachingAllocator); thread-safe."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        capacity: int | None = None,
+        max_split_size: int | None = None,
+        record_history: bool = False,
+    ) -> None:
+        if max_split_size is not None and max_split_size <= LARGE_BUFFER:
+            # As PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: it must exceed kLargeBuffer.
+            raise ValueError(f"max_split_size too small, must be > {LARGE_BUFFER} bytes")
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.backend = backend
+        self.device: str = backend.device
+        self.capacity: int = backend.total_bytes if capacity is None else int(capacity)
+        self.max_split_size: int = (
+            UNLIMITED_SPLIT_SIZE if max_split_size is None else int(max_split_size)
+        )
+        self._lock = threading.Lock()  # guards every field below
+        self._small = BlockPool(is_small=True)
+        self._large = BlockPool(is_small=False)
+        self._segments: dict[int, Segment] = {}  # segment address -> segment
+        self._stats = DeviceStats()
+        # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
+        self._trace: deque[dict[str, Any]] | None = (
+            deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
+        )
+
+    # -- public API ---------------------------------------------------------
+
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
+        """Mirrors DeviceCachingAllocator::malloc.  Raises OutOfMemoryError."""
+        if nbytes < 0:
+            raise InvalidArgumentError(f"cannot allocate a negative number of bytes: {nbytes}")
+        if nbytes == 0:
+            return Block(0, 0, stream, None, NULL_SEGMENT)
+        with self._lock:
+            size = round_size(nbytes)
+            pool = self._small if is_small_size(size) else self._large
+            alloc_size = get_allocation_size(size)
+            block = self._get_free_block(pool, size, stream)
+            if block is None:
+                block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+            if block is None and self._release_available_cached_blocks(pool, size, stream):
+                block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+            if block is None:
+                self._release_cached_blocks()
+                block = self._alloc_block(pool, alloc_size, stream, is_retry=True)
+            if block is None:
+                self._stats.num_ooms += 1
+                self._record("oom", self.capacity - self._reserved(), size, stream)
+                raise OutOfMemoryError(self._oom_message(nbytes))
+            split = should_split(block.size, size, pool.is_small, self.max_split_size)
+            return self._alloc_found_block(block, size, nbytes, split)
+
+    def free(self, block: Block) -> None:
+        """Mirrors DeviceCachingAllocator::free (no cross-stream uses: free completes at once)."""
+        if block.segment is NULL_SEGMENT:
+            return  # a zero-byte block holds no pool memory
+        with self._lock:
+            if (
+                not block.allocated
+                or self._segments.get(block.segment.address) is not block.segment
+            ):
+                raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
+            assert block.pool is not None
+            kind = block.pool.kind
+            block.allocated = False
+            decrease(self._stats.allocation, kind, 1)
+            decrease(self._stats.allocated_bytes, kind, block.size)
+            self._record("free_requested", block.address, block.requested_size, block.stream)
+            if block.size >= self.max_split_size:
+                self._stats.oversize_allocations.decrease(1)
+            self._free_block(block)
+
+    def empty_cache(self) -> None:
+        """Return every whole free segment to the backend (torch.cuda.empty_cache)."""
+        with self._lock:
+            self._release_cached_blocks()
+
+    def memory_stats(self) -> dict[str, int | float]:
+        """torch.cuda.memory_stats(): flat, sorted, same key names, plus free-block figures."""
+        with self._lock:
+            result: dict[str, int | float] = {}
+            for name, array in self._stats.arrays().items():
+                for kind, kind_name in enumerate(STAT_TYPE_NAMES):
+                    result.update(stat_items(f"{name}.{kind_name}", array[kind]))
+            result.update(stat_items("oversize_allocations", self._stats.oversize_allocations))
+            result.update(stat_items("oversize_segments", self._stats.oversize_segments))
+            for counter in (
+                "num_alloc_retries",
+                "num_ooms",
+                "num_sync_all_streams",
+                "num_device_alloc",
+                "num_device_free",
+            ):
+                result[counter] = getattr(self._stats, counter)
+            # torch reports SIZE_MAX as int64, i.e. -1, when max_split_size is unset.
+            unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE
+            result["max_split_size"] = -1 if unlimited else self.max_split_size
+            result.update(self._free_block_figures())
+            return dict(sorted(result.items()))
+
+    def reset_peak_memory_stats(self) -> None:
+        with self._lock:
+            for stat in self._stats.all_stats():
+                stat.peak = stat.current
+
+    def reset_accumulated_memory_stats(self) -> None:
+        with self._lock:
+            for stat in self._stats.all_stats():
+                stat.allocated = 0
+                stat.freed = 0
+            stats = self._stats
+            stats.num_alloc_retries = stats.num_ooms = stats.num_sync_all_streams = 0
+            stats.num_device_alloc = stats.num_device_free = 0
+
+    def memory_summary(self, abbreviated: bool = False) -> str:
+        """torch.cuda.memory_summary()'s table, for this pool."""
+        return format_summary(self.memory_stats(), self.device, abbreviated)
+
+    def memory_snapshot(self) -> dict[str, Any]:
+        """torch.cuda.memory._snapshot()'s structure: picklable, readable by memory_viz."""
+        with self._lock:
+            index = device_index(self.device)
+            segments = [
+                segment_info(segment, index) for _, segment in sorted(self._segments.items())
+            ]
+            total_active = sum(info["active_size"] for info in segments)
+            self._record("snapshot", 0, total_active, 0)
+            unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE
+            return {
+                "segments": segments,
+                "device_traces": [list(self._trace) if self._trace is not None else []],
+                "allocator_settings": {
+                    "PYTORCH_CUDA_ALLOC_CONF": "",
+                    "max_split_size": -1 if unlimited else self.max_split_size,
+                    "garbage_collection_threshold": 0.0,
+                    "expandable_segments": False,
+                    "pinned_num_register_threads": 1,
+                    "release_lock_on_cudamalloc": False,
+                    "pinned_use_cuda_host_register": False,
+                    "roundup_power2_divisions": {},
+                },
+            }
+
+    def assert_invariants(self) -> None:
+        """Check every invariant written beside the fields; raise AssertionError naming the first broken."""
+        with self._lock:
+            check_pool_invariants(self)
+
+    # -- the malloc story -----------------------------------------------------
+
+    def _get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
+        """Mirrors get_free_block: best fit, unless the oversize rules forbid it."""
+        block = pool.best_fit(stream, size)
+        if block is None or not oversize_rules_allow(block.size, size, self.max_split_size):
+            return None
+        pool.remove(block)
+        return block
+
+    def _alloc_block(
+        self, pool: BlockPool, alloc_size: int, stream: int, *, is_retry: bool
+    ) -> Block | None:
+        """Mirrors alloc_block: reserve a new segment, one free block spanning it (not in the pool)."""
+        if is_retry:
+            self._stats.num_alloc_retries += 1
+        if self._reserved() + alloc_size > self.capacity:
+            return None
+        try:
+            memory = self.backend.reserve(alloc_size)
+        except BackendOutOfMemory:
+            return None
+        segment = Segment(memory, stream, pool.is_small)
+        block = Block(memory.address, alloc_size, stream, pool, segment)
+        segment.head = block
+        self._segments[memory.address] = segment
+        increase(self._stats.segment, pool.kind, 1)
+        increase(self._stats.reserved_bytes, pool.kind, alloc_size)
+        if alloc_size >= self.max_split_size:
+            self._stats.oversize_segments.increase(1)
+        self._stats.num_device_alloc += 1
+        self._record("segment_alloc", memory.address, alloc_size, stream)
+        return block
+
+    def _alloc_found_block(self, block: Block, size: int, requested: int, split: bool) -> Block:
+        """Mirrors alloc_found_block: split off the front ``size`` bytes if asked, mark allocated."""
+        pool = block.pool
+        assert pool is not None
+        kind = pool.kind
+        stats = self._stats
+        already_split = block.is_split()
+        if split:
+            remaining = block
+            block = Block(remaining.address, size, remaining.stream, pool, remaining.segment)
+            block.prev = remaining.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.segment.head = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.address += size
+            remaining.size -= size
+            pool.insert(remaining)
+            if already_split:
+                # An already-split free block shrinks by the bytes handed out.
+                decrease(stats.inactive_split_bytes, kind, size)
+            else:
+                # A whole segment becomes split: its free rest is non-releasable.
+                increase(stats.inactive_split_bytes, kind, remaining.size)
+                increase(stats.inactive_split, kind, 1)
+        elif already_split:
+            # A free piece of a split segment becomes active as a whole.
+            decrease(stats.inactive_split_bytes, kind, block.size)
+            decrease(stats.inactive_split, kind, 1)
+        block.allocated = True
+        block.requested_size = requested
+        increase(stats.allocation, kind, 1)
+        increase(stats.allocated_bytes, kind, block.size)
+        increase(stats.active, kind, 1)
+        increase(stats.active_bytes, kind, block.size)
+        increase(stats.requested_bytes, kind, requested)
+        if block.size >= self.max_split_size:
+            stats.oversize_allocations.increase(1)
+        self._record("alloc", block.address, requested, block.stream)
+        return block
+
+    # -- the free story ---------------------------------------------------------
+
+    def _free_block(self, block: Block) -> None:
+        """Mirrors free_block: merge with free neighbours, cache, move the inactive_split stats."""
+        pool = block.pool
+        assert pool is not None
+        self._record("free_completed", block.address, block.requested_size, block.stream)
+        original_size = block.size
+        requested = block.requested_size
+        block.requested_size = 0
+        net_blocks = 0
+        net_bytes = 0
+        for candidate in (block.prev, block.next):
+            subsumed = self._try_merge_blocks(block, candidate, pool)
+            if subsumed:
+                net_blocks -= 1
+                net_bytes -= subsumed
+        pool.insert(block)
+        if block.is_split():
+            net_blocks += 1
+            net_bytes += block.size
+        stats = self._stats
+        kind = pool.kind
+        if net_blocks > 0:
+            increase(stats.inactive_split, kind, net_blocks)
+        elif net_blocks < 0:
+            decrease(stats.inactive_split, kind, -net_blocks)
+        if net_bytes > 0:
+            increase(stats.inactive_split_bytes, kind, net_bytes)
+        elif net_bytes < 0:
+            decrease(stats.inactive_split_bytes, kind, -net_bytes)
+        decrease(stats.active, kind, 1)
+        decrease(stats.active_bytes, kind, original_size)
+        decrease(stats.requested_bytes, kind, requested)
+
+    def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
+        """Mirrors try_merge_blocks: ``dst`` absorbs its free neighbour ``src``; returns its size."""
+        if src is None or src.allocated:
+            return 0
+        pool.remove(src)
+        if dst.prev is src:  # [src dst]
+            dst.address = src.address
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+            else:
+                dst.segment.head = dst
+        else:  # [dst src]
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+        return src.size
+
+    # -- giving segments back -------------------------------------------------
+
+    def _release_block(self, block: Block) -> None:
+        """Mirrors release_block: a free block spanning its whole segment goes back to the backend."""
+        pool = block.pool
+        assert pool is not None and not block.is_split() and not block.allocated, block
+        pool.remove(block)
+        segment = block.segment
+        del self._segments[segment.address]
+        self.backend.release(segment.memory)
+        self._stats.num_device_free += 1
+        decrease(self._stats.segment, pool.kind, 1)
+        decrease(self._stats.reserved_bytes, pool.kind, block.size)
+        if block.size >= self.max_split_size:
+            self._stats.oversize_segments.decrease(1)
+        self._record("segment_free", segment.address, block.size, block.stream)
+
+    def _release_available_cached_blocks(self, pool: BlockPool, size: int, stream: int) -> bool:
+        """Mirrors release_available_cached_blocks: free just enough oversize cached segments."""
+        if self.max_split_size == UNLIMITED_SPLIT_SIZE:
+            return False
+        target = max(size, self.max_split_size)
+        keys = pool.keys
+        index = bisect.bisect_left(keys, (stream, target, -1))
+        if index < len(keys) and keys[index][0] == stream:
+            self._release_block(pool.free_blocks[keys[index][2]])
+            return True
+        # No single block is large enough: free oversize ones, the largest first.
+        released = 0
+        index -= 1
+        while (
+            released < target
+            and index >= 0
+            and keys[index][0] == stream
+            and keys[index][1] >= self.max_split_size
+        ):
+            block = pool.free_blocks[keys[index][2]]
+            released += block.size
+            self._release_block(block)  # deletes keys[index]; the ones below keep their places
+            index -= 1
+        return released >= target
+
+    def _release_cached_blocks(self) -> bool:
+        """Mirrors release_cached_blocks: every free block that spans its whole segment goes back."""
+        self._stats.num_sync_all_streams += 1
+        for pool in (self._large, self._small):
+            for block in [pool.free_blocks[key[2]] for key in pool.keys]:
+                if not block.is_split():
+                    self._release_block(block)
+        return True
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _reserved(self) -> int:
+        return self._stats.reserved_bytes[ALL].current
+
+    def _oom_message(self, nbytes: int) -> str:
+        """PyTorch's out-of-memory message, with tensord's names."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        reserved = self._reserved()
+        return (
+            f"{self.device} out of memory. Tried to allocate {format_size(nbytes)}. "
+            f"Device {self.device} has a total capacity of {format_size(self.capacity)} "
+            f"of which {format_size(max(self.capacity - reserved, 0))} is free. "
+            f"Of the allocated memory {format_size(allocated)} is allocated by tensord, "
+            f"and {format_size(reserved - allocated)} is reserved by tensord but unallocated."
+        )
+
+    def _record(self, action: str, addr: int, size: int, stream: int) -> None:
+        """record_trace: one TraceEntry in _snapshot()'s form, when history is on."""
+        if self._trace is None:
+            return
+        address_key = "device_free" if action == "oom" else "addr"
+        self._trace.append(
+            {
+                "action": action,
+                address_key: addr,
+                "size": size,
+                "stream": stream,
+                "time_us": time.time_ns() // 1000,
+                "frames": [],
+            }
+        )
+
+    def _free_block_figures(self) -> dict[str, int | float]:
+        """Beyond torch: the largest free block and external fragmentation, per pool."""
+        result: dict[str, int | float] = {}
+        pools = {
+            "all": (self._small, self._large),
+            "small_pool": (self._small,),
+            "large_pool": (self._large,),
+        }
+        for name, members in pools.items():
+            largest = max(pool.largest_free() for pool in members)
+            free = sum(pool.free_bytes() for pool in members)
+            result[f"largest_free_block_bytes.{name}"] = largest
+            result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free)
+        return result
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers for stats, summaries and snapshots
+
+
+def external_fragmentation(largest_free: int, free_bytes: int) -> float:
+    """1 - largest free block / free bytes: 0.0 when the free memory is one block (or none)."""
+    if free_bytes <= 0:
+        return 0.0
+    return 1.0 - largest_free / free_bytes
+
+
+def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
+    return {
+        f"{prefix}.current": stat.current,
+        f"{prefix}.peak": stat.peak,
+        f"{prefix}.allocated": stat.allocated,
+        f"{prefix}.freed": stat.freed,
+    }
+
+
+def segment_info(segment: Segment, device: int) -> dict[str, Any]:
+    """One segment of _snapshot(), as torch's _memory_snapshot_pickled writes it."""
+    blocks = []
+    allocated_size = requested_size = 0
+    for block in segment.blocks():
+        blocks.append(
+            {
+                "address": block.address,
+                "size": block.size,
+                "requested_size": block.requested_size,
+                "state": "active_allocated" if block.allocated else "inactive",
+                "frames": [],
+            }
+        )
+        if block.allocated:
+            allocated_size += block.size
+            requested_size += block.requested_size
+    return {
+        "device": device,
+        "address": segment.address,
+        "total_size": segment.size,
+        "allocated_size": allocated_size,
+        "active_size": allocated_size,  # no block awaits a cross-stream free
+        "requested_size": requested_size,
+        "stream": segment.stream,
+        "segment_type": "small" if segment.is_small else "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": blocks,
+    }
+
+
+def _format_size_cell(size: int, preferred: float) -> str:
+    """memory_summary's _format_size: the unit follows the first (aggregate) value of the row group."""
+    prefix = "B  "
+    for new_prefix in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if preferred < 768 * 1024:
+            break
+        prefix = new_prefix
+        size //= 1024
+        preferred /= 1024
+    return f"{size:6d} {prefix}"
+
+
+def _format_count_cell(count: int, preferred: float) -> str:
+    prefix = " "
+    for new_prefix in ("K", "M"):
+        if preferred < 750 * 1000:
+            break
+        prefix = new_prefix
+        count //= 1000
+        preferred /= 1000
+    return f"{count:7d} {prefix} "
+
+
+SUMMARY_METRICS = (
+    ("allocated_bytes", "Allocated memory", _format_size_cell),
+    ("active_bytes", "Active memory", _format_size_cell),
+    ("requested_bytes", "Requested memory", _format_size_cell),
+    ("reserved_bytes", "GPU reserved memory", _format_size_cell),
+    ("inactive_split_bytes", "Non-releasable memory", _format_size_cell),
+    ("allocation", "Allocations", _format_count_cell),
+    ("active", "Active allocs", _format_count_cell),
+    ("segment", "GPU reserved segments", _format_count_cell),
+    ("inactive_split", "Non-releasable allocs", _format_count_cell),
+)
+
+SUMMARY_WIDTH = 75  # memory_summary's table width
+
+
+def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool = False) -> str:
+    """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord)."""
+    lines = ["=" * SUMMARY_WIDTH]
+    lines.append(f" {'':16} tensord memory summary, device {device:<24} ")
+    lines.append("-" * SUMMARY_WIDTH)
+    lines.append(
+        f"  {'':9} CUDA OOMs: {int(stats['num_ooms']):<12d} | "
+        f"{'':6} cudaMalloc retries: {int(stats['num_alloc_retries']):<8d}  "
+    )
+    lines.append("=" * SUMMARY_WIDTH)
+    lines.append("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")
+    for key, name, cell in SUMMARY_METRICS:
+        lines.append("-" * SUMMARY_WIDTH)
+        rows = [("all", name)]
+        if not abbreviated:
+            rows += [
+                ("large_pool", "      from large pool"),
+                ("small_pool", "      from small pool"),
+            ]
+        preferred: list[int] = []
+        for kind, row_name in rows:
+            values = [
+                int(stats[f"{key}.{kind}.{field}"])
+                for field in ("current", "peak", "allocated", "freed")
+            ]
+            preferred = preferred or values
+            cells = " | ".join(cell(v, p) for v, p in zip(values, preferred, strict=True))
+            lines.append(f" {row_name:<21} | {cells} ")
+    for key, name in (
+        ("oversize_allocations", "Oversize allocations"),
+        ("oversize_segments", "Oversize GPU segments"),
+    ):
+        lines.append("-" * SUMMARY_WIDTH)
+        values = [
+            int(stats[f"{key}.{field}"]) for field in ("current", "peak", "allocated", "freed")
+        ]
+        cells = " | ".join(_format_count_cell(v, v) for v in values)
+        lines.append(f" {name:<21} | {cells} ")
+    lines.append("=" * SUMMARY_WIDTH)
+    return "|" + "|\n|".join(lines) + "|\n"
+
+
+# ---------------------------------------------------------------------------
+# Invariants
+
+
+def check_pool_invariants(pool: CachingPool) -> None:
+    """Every invariant of Segment, Block, BlockPool and the stats (caller holds the lock)."""
+    stats = pool._stats
+    expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
+    oversize_allocations = oversize_segments = 0
+    free_seen = {SMALL_POOL: 0, LARGE_POOL: 0}
+    previous_end = -1
+    for address, segment in sorted(pool._segments.items()):
+        assert address == segment.address, (address, segment)
+        assert segment.address >= previous_end, f"{segment} overlaps the segment before it"
+        previous_end = segment.address + segment.size
+        block_pool = pool._small if segment.is_small else pool._large
+        kind = block_pool.kind
+        expected["segment"][kind] += 1
+        expected["reserved_bytes"][kind] += segment.size
+        oversize_segments += segment.size >= pool.max_split_size
+        head = segment.head
+        assert head is not None and head.prev is None, f"{segment} head {head} has a prev"
+        cursor = segment.address
+        block: Block | None = head
+        prev: Block | None = None
+        while block is not None:
+            assert block.segment is segment, (
+                f"{block} points to {block.segment}, walked from {segment}"
+            )
+            assert block.prev is prev, f"{block}.prev is {block.prev}, expected {prev}"
+            assert block.address == cursor, (
+                f"{block} starts at {block.address:#x}, expected {cursor:#x}"
+            )
+            assert block.size > 0 and block.size % MIN_BLOCK_SIZE == 0, block
+            assert block.pool is block_pool and block.stream == segment.stream, block
+            if block.allocated:
+                assert 0 < block.requested_size <= block.size, block
+                assert block.address not in block_pool.free_blocks, f"allocated {block} cached"
+                expected["allocation"][kind] += 1
+                expected["active"][kind] += 1
+                expected["allocated_bytes"][kind] += block.size
+                expected["active_bytes"][kind] += block.size
+                expected["requested_bytes"][kind] += block.requested_size
+                oversize_allocations += block.size >= pool.max_split_size
+            else:
+                assert block_pool.free_blocks.get(block.address) is block, (
+                    f"free {block} not cached"
+                )
+                assert prev is None or prev.allocated, (
+                    f"free neighbours {prev} and {block} not merged"
+                )
+                assert block.requested_size == 0, block
+                free_seen[kind] += 1
+                if block.is_split():
+                    expected["inactive_split"][kind] += 1
+                    expected["inactive_split_bytes"][kind] += block.size
+            cursor += block.size
+            prev, block = block, block.next
+        assert cursor == segment.address + segment.size, f"blocks of {segment} end at {cursor:#x}"
+    for block_pool in (pool._small, pool._large):
+        keys = block_pool.keys
+        assert all(keys[i] < keys[i + 1] for i in range(len(keys) - 1)), "pool keys not sorted"
+        assert len(keys) == len(block_pool.free_blocks) == free_seen[block_pool.kind], (
+            "free blocks in the pool differ from free blocks in the segments"
+        )
+        for key in keys:
+            assert block_pool.free_blocks[key[2]].key() == key, key
+    for name, sums in expected.items():
+        array = getattr(stats, name)
+        for kind in (SMALL_POOL, LARGE_POOL):
+            assert array[kind].current == sums[kind], (name, kind, array[kind].current, sums[kind])
+        assert array[ALL].current == sums[SMALL_POOL] + sums[LARGE_POOL], (name, array[ALL].current)
+    assert stats.oversize_allocations.current == oversize_allocations
+    assert stats.oversize_segments.current == oversize_segments
+    for stat in stats.all_stats():
+        assert 0 <= stat.current <= stat.peak, (stat.current, stat.peak)
+    assert stats.reserved_bytes[ALL].current <= pool.capacity, "reserved beyond capacity"

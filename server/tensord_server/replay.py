@@ -1,0 +1,295 @@
+"""``tensord replay``: run a recorded allocator trace through the pool and compare with PyTorch.
+
+A trace is PyTorch's ``torch.cuda.memory._snapshot()["device_traces"][0]``,
+either as the shared ``*.events.json.gz`` (a gzipped JSON list of
+``[action, addr, size, stream]``) or as the pickled snapshot itself.  Replay
+mallocs on ``alloc`` (size = the bytes requested) and frees on
+``free_completed``; ``free_requested`` and ``segment_*`` are skipped, because
+the pool's own policy decides when and how large segments are.
+
+One thing is taken from the trace when it has it: the *addresses* cudaMalloc
+returned.  Best fit breaks ties between equal-sized free blocks by address,
+and CUDA does not hand out addresses in increasing order, so on a device the
+tie-breaks follow the recorded addresses.  ``RecordedAddressBackend`` gives a
+new segment the next recorded address of the same size (falling back to fresh
+fake addresses), which makes the replay follow PyTorch block for block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import pickle
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensord.errors import OutOfMemoryError
+
+from tensord_server.backends import BookkeepingBackend, DeviceMemory
+from tensord_server.pool import CachingPool
+
+# One trace event: (action, addr, size, stream), as in the shared traces.
+TraceEvent = tuple[str, int, int, int]
+
+# Suffixes of a trace file name that its PyTorch stats file does not share.
+TRACE_SUFFIXES = (".events.json.gz", ".json.gz", ".json", ".pickle", ".pkl")
+
+# Space left between the highest recorded segment and the first fresh fake address.
+RECORDED_ADDRESS_GAP = 1 << 30
+
+# The figures compared with PyTorch's, in the order they are printed.
+COMPARED_KEYS = (
+    "allocated_bytes.all.peak",
+    "reserved_bytes.all.peak",
+    "inactive_split_bytes.all.peak",
+    "segment.all.peak",
+    "num_device_alloc",
+    "num_alloc_retries",
+    "num_ooms",
+)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
+    """The events of a ``_snapshot()`` dict (device 0) or of a bare list of trace dicts."""
+    entries = snapshot["device_traces"][0] if isinstance(snapshot, dict) else snapshot
+    return [
+        (
+            entry["action"],
+            int(entry.get("addr", 0)),
+            int(entry["size"]),
+            int(entry.get("stream", 0)),
+        )
+        for entry in entries
+    ]
+
+
+def load_trace(path: str | Path) -> list[TraceEvent]:
+    """Read a ``.events.json.gz`` / ``.json`` list or a pickled ``_snapshot()``."""
+    path = Path(path)
+    if path.suffix in (".pickle", ".pkl"):
+        with path.open("rb") as handle:
+            # Only open pickles you trust: this is the format torch itself writes.
+            return events_from_snapshot(pickle.load(handle))
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        data = json.load(handle)
+    if isinstance(data, dict) or (data and isinstance(data[0], dict)):
+        return events_from_snapshot(data)
+    return [(str(a), int(addr), int(size), int(stream)) for a, addr, size, stream in data]
+
+
+def trace_stem(path: str | Path) -> str:
+    """``resnet50_train`` for ``resnet50_train.events.json.gz``."""
+    name = Path(path).name
+    for suffix in TRACE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def load_pytorch_stats(path: str | Path, variant: str = "") -> dict[str, Any] | None:
+    """PyTorch's own figures for the trace (``<stem>.pytorch[_variant]_stats.json``), if beside it."""
+    suffix = f".pytorch_{variant}_stats.json" if variant else ".pytorch_stats.json"
+    stats_path = Path(path).with_name(trace_stem(path) + suffix)
+    if not stats_path.exists():
+        return None
+    result: dict[str, Any] = json.loads(stats_path.read_text())
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Replaying
+
+
+class RecordedAddressBackend(BookkeepingBackend):
+    """Bookkeeping, but a new segment takes the next address the trace recorded for its size.
+
+    Invariant: a recorded address is handed out at most once while reserved;
+    released ones go back to the front of their size's queue (CUDA reuses them).
+    """
+
+    def __init__(self, segments: Iterable[tuple[int, int]], *, total_bytes: int | None = None):
+        super().__init__(device="sim", total_bytes=total_bytes)
+        self._recorded: defaultdict[int, deque[int]] = defaultdict(deque)  # size -> free addresses
+        self._recorded_addresses: set[int] = set()  # every address the trace recorded
+        for address, size in segments:
+            self._recorded[size].append(address)
+            self._recorded_addresses.add(address)
+            # Fresh fake addresses start above every recorded one, so the two never overlap.
+            self._next_address = max(self._next_address, address + size + RECORDED_ADDRESS_GAP)
+
+    def reserve(self, nbytes: int) -> DeviceMemory:
+        memory = super().reserve(nbytes)  # the capacity accounting and a fresh address
+        queue = self._recorded.get(nbytes)
+        if not queue:
+            return memory
+        return DeviceMemory(address=queue.popleft(), nbytes=nbytes)
+
+    def release(self, memory: DeviceMemory) -> None:
+        super().release(memory)
+        if memory.address in self._recorded_addresses:
+            self._recorded[memory.nbytes].appendleft(memory.address)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What one replay measured.  Invariant: ``events > 0`` implies ``seconds > 0``."""
+
+    events: int  # trace events walked
+    seconds: float  # wall time of the replay loop alone (loading excluded)
+    stats: dict[str, int | float]  # the pool's memory_stats() at the end
+    unmatched_frees: (
+        int  # free_completed of blocks allocated before the trace began (or that OOMed)
+    )
+    failed_allocs: int  # allocations that raised OutOfMemoryError
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return int(self.stats["allocated_bytes.all.peak"])
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return int(self.stats["reserved_bytes.all.peak"])
+
+    @property
+    def reserved_over_allocated(self) -> float:
+        return ratio(self.peak_reserved_bytes, self.peak_allocated_bytes)
+
+    @property
+    def events_per_second(self) -> float:
+        return self.events / self.seconds if self.seconds > 0 else float("inf")
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def replay(
+    events: Sequence[TraceEvent],
+    *,
+    capacity: int | None = None,
+    max_split_size: int | None = None,
+    recorded_addresses: bool = True,
+) -> ReplayResult:
+    """Run ``events`` through a fresh pool on a bookkeeping backend."""
+    if recorded_addresses:
+        segments = [(addr, size) for action, addr, size, _ in events if action == "segment_alloc"]
+        backend: BookkeepingBackend = RecordedAddressBackend(segments, total_bytes=capacity)
+    else:
+        backend = BookkeepingBackend(total_bytes=capacity)
+    pool = CachingPool(backend, capacity=capacity, max_split_size=max_split_size)
+    live = {}  # trace address -> our Block
+    unmatched = failed = 0
+    malloc, free = pool.malloc, pool.free
+    start = time.perf_counter()
+    for action, addr, size, stream in events:
+        if action == "alloc":
+            try:
+                live[addr] = malloc(size, stream)
+            except OutOfMemoryError:
+                failed += 1
+        elif action == "free_completed":
+            block = live.pop(addr, None)
+            if block is None:
+                unmatched += 1
+            else:
+                free(block)
+    seconds = time.perf_counter() - start
+    return ReplayResult(len(events), seconds, pool.memory_stats(), unmatched, failed)
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+
+
+def summary(result: ReplayResult, pytorch: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--json`` object."""
+    stats = result.stats
+    report: dict[str, Any] = {
+        "peak_allocated_bytes": result.peak_allocated_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "reserved_over_allocated": result.reserved_over_allocated,
+        "peak_inactive_split_bytes": int(stats["inactive_split_bytes.all.peak"]),
+        "peak_segments": int(stats["segment.all.peak"]),
+        "num_device_alloc": int(stats["num_device_alloc"]),
+        "num_alloc_retries": int(stats["num_alloc_retries"]),
+        "num_ooms": int(stats["num_ooms"]),
+        "unmatched_frees": result.unmatched_frees,
+        "events": result.events,
+        "seconds": result.seconds,
+        "events_per_second": result.events_per_second,
+        "memory_stats": stats,
+    }
+    if pytorch is not None:
+        report["pytorch"] = {key: pytorch[key] for key in COMPARED_KEYS if key in pytorch}
+        report["pytorch"]["reserved_over_allocated"] = ratio(
+            pytorch["reserved_bytes.all.peak"], pytorch["allocated_bytes.all.peak"]
+        )
+    return report
+
+
+def format_table(result: ReplayResult, pytorch: dict[str, Any] | None) -> str:
+    """A plain table: our figure, and PyTorch's beside it when known."""
+    stats = result.stats
+    rows: list[tuple[str, str, str]] = []
+    for key in COMPARED_KEYS:
+        theirs = f"{pytorch[key]:,}" if pytorch and key in pytorch else "-"
+        rows.append((key, f"{int(stats[key]):,}", theirs))
+    theirs_ratio = (
+        f"{ratio(pytorch['reserved_bytes.all.peak'], pytorch['allocated_bytes.all.peak']):.4f}"
+        if pytorch
+        else "-"
+    )
+    rows.append(
+        ("reserved / allocated (peaks)", f"{result.reserved_over_allocated:.4f}", theirs_ratio)
+    )
+    lines = [f"{'figure':<32} {'tensord':>18} {'pytorch':>18}"]
+    lines += [f"{name:<32} {ours:>18} {theirs:>18}" for name, ours, theirs in rows]
+    lines.append(
+        f"{result.events:,} events in {result.seconds:.3f} s: "
+        f"{result.events_per_second:,.0f} events/s; {result.unmatched_frees} unmatched frees"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace", help="a .events.json.gz trace or a pickled torch.cuda.memory._snapshot()"
+    )
+    parser.add_argument("--capacity", type=int, default=None, help="device capacity in bytes")
+    parser.add_argument("--max-split-size", type=int, default=None, help="max_split_size in bytes")
+    parser.add_argument(
+        "--fresh-addresses",
+        action="store_true",
+        help="give segments fresh increasing addresses instead of the recorded ones",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    events = load_trace(args.trace)
+    result = replay(
+        events,
+        capacity=args.capacity,
+        max_split_size=args.max_split_size,
+        recorded_addresses=not args.fresh_addresses,
+    )
+    pytorch = load_pytorch_stats(args.trace)
+    if args.json:
+        print(json.dumps(summary(result, pytorch)))
+    else:
+        print(format_table(result, pytorch))
+    return 0
