@@ -1,0 +1,818 @@
+"""The strided-layout math of torch's views, as pure functions over (shape, stride, offset).
+
+Both the server (which checks and issues handles) and the SDK (which predicts
+shapes) use this module.  Each function names the ATen / c10 function it
+mirrors; results, exception types and error texts match torch 2.13 eager
+(CPU) exactly — ``tests/test_layout_vs_torch.py`` checks that against torch.
+
+Strides and offsets are in elements.  Exceptions are the plain built-ins torch
+raises (RuntimeError, IndexError, ValueError, TypeError); the service maps them
+to status codes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import EllipsisType
+from typing import TypeAlias
+
+Shape: TypeAlias = tuple[int, ...]
+Index: TypeAlias = int | slice | EllipsisType | None
+IntOrSeq: TypeAlias = int | Sequence[int]
+
+_INT64_MAX = 2**63 - 1
+_UINT64 = 2**64
+
+
+def _fmt(values: Sequence[int]) -> str:
+    """c10's printing of an IntArrayRef: ``[2, 3]``."""
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ints(name: str, values: Sequence[object]) -> None:
+    for v in values:
+        if not _is_int(v):
+            raise TypeError(f"{name} must be a sequence of ints, got {type(v).__name__} {v!r}")
+
+
+def _as_tuple(args: tuple[IntOrSeq, ...], name: str) -> tuple[int, ...]:
+    """torch's varargs-or-one-sequence convention: ``f(2, 3)`` == ``f((2, 3))``."""
+    if len(args) == 1 and not _is_int(args[0]):
+        seq = args[0]
+        assert not isinstance(seq, int)
+        result = tuple(seq)
+    else:
+        result = tuple(args)  # type: ignore[arg-type]
+    _check_ints(name, result)
+    return result
+
+
+def _int_or_seq(value: IntOrSeq, name: str) -> tuple[int, ...]:
+    """An int or a sequence of ints -> a tuple of ints."""
+    result = (value,) if isinstance(value, int) else tuple(value)
+    _check_ints(name, result)
+    return result
+
+
+def normalize_dim(dim: int, ndim: int, *, wrap_scalar: bool = True) -> int:
+    """Wrap a negative dim.  mirrors c10::maybe_wrap_dim (a 0-dim tensor takes -1 and 0)."""
+    if not _is_int(dim):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if ndim <= 0:
+        if not wrap_scalar:
+            raise IndexError(f"Dimension specified as {dim} but tensor has no dimensions")
+        ndim = 1
+    lo, hi = -ndim, ndim - 1
+    if dim < lo or dim > hi:
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{lo}, {hi}], but got {dim})"
+        )
+    return dim + ndim if dim < 0 else dim
+
+
+def contiguous_strides(shape: Sequence[int]) -> Shape:
+    """Row-major strides.  mirrors c10::contiguous_strides (size-0 dims count as 1)."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return tuple(strides)
+
+
+def _is_contiguous(shape: Shape, stride: Shape) -> bool:
+    # mirrors c10 compute_contiguous: size-1 dims ignored, zero-numel contiguous
+    if math.prod(shape) == 0:
+        return True
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1:
+            if st != expected:
+                return False
+            expected *= size
+    return True
+
+
+def _is_non_overlapping_and_dense(shape: Shape, stride: Shape) -> bool:
+    # mirrors torch._prims_common._is_non_overlapping_and_dense_or_false
+    if math.prod(shape) < 2:
+        return True
+    if len(shape) == 1:
+        return stride[0] == 1
+    pairs = sorted(zip(stride, shape, strict=True))
+    expected = 1
+    for st, size in pairs:
+        if size != 1:
+            if st != expected:
+                return False
+            expected *= size
+    return True
+
+
+def infer_size(shape: Sequence[int], numel: int) -> Shape:
+    """Resolve one ``-1``.  mirrors ATen infer_size_impl (its texts, RuntimeError)."""
+    newsize = 1
+    infer_dim: int | None = None
+    for i, size in enumerate(shape):
+        if size == -1:
+            if infer_dim is not None:
+                raise RuntimeError("only one dimension can be inferred")
+            infer_dim = i
+        elif size >= 0:
+            newsize *= size
+        else:
+            raise RuntimeError(
+                f"invalid shape dimension {size} at index {i} of shape {_fmt(shape)}"
+            )
+    if numel == newsize or (infer_dim is not None and newsize > 0 and numel % newsize == 0):
+        if infer_dim is None:
+            return tuple(shape)
+        if newsize == 0:
+            raise RuntimeError(
+                f"cannot reshape tensor of 0 elements into shape {_fmt(shape)} because the "
+                "unspecified dimension size -1 can be any value and is ambiguous"
+            )
+        result = list(shape)
+        result[infer_dim] = numel // newsize
+        return tuple(result)
+    raise RuntimeError(f"shape '{_fmt(shape)}' is invalid for input of size {numel}")
+
+
+def compute_stride(old_shape: Shape, old_stride: Shape, new_shape: Shape) -> Shape | None:
+    """Strides viewing (old_shape, old_stride) as new_shape, or None if a copy is needed.
+
+    mirrors ATen computeStride_impl (TensorUtils.cpp), including its zero-numel rules.
+    """
+    if not old_shape:
+        return (1,) * len(new_shape)
+    numel = math.prod(old_shape)
+    if numel == 0 and old_shape == new_shape:
+        return old_stride
+    if numel == 0:
+        return contiguous_strides(new_shape)
+    new_stride = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = old_stride[-1]
+    tensor_numel = 1
+    view_numel = 1
+    for tensor_d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[tensor_d]
+        # a chunk ends where the next-outer dim is not laid out right after this one
+        if tensor_d == 0 or (
+            old_shape[tensor_d - 1] != 1
+            and old_stride[tensor_d - 1] != tensor_numel * chunk_base_stride
+        ):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_stride[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = old_stride[tensor_d - 1]
+                tensor_numel = 1
+                view_numel = 1
+    if view_d != -1:
+        return None
+    return tuple(new_stride)
+
+
+def _infer_dense_strides(shape: Shape, stride: Shape) -> Shape:
+    # mirrors ATen infer_dense_strides: keep the input's dim order (TensorIterator's sort)
+    ndim = len(shape)
+    perm = list(range(ndim - 1, -1, -1))
+
+    def should_swap(d0: int, d1: int) -> int:
+        s0, s1 = stride[d0], stride[d1]
+        if s0 == 0 or s1 == 0:
+            return 0  # ambiguous: keep the contiguous order
+        if s0 != s1:
+            return -1 if s0 < s1 else 1
+        return 1 if shape[d0] > shape[d1] else 0
+
+    for i in range(1, ndim):
+        dim1 = i
+        for j in range(1, i + 1):
+            dim0 = i - j
+            cmp = should_swap(perm[dim0], perm[dim1])
+            if cmp > 0:
+                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+                dim1 = dim0
+            elif cmp < 0:
+                break
+    out = [0] * ndim
+    current = 1
+    for idx in perm:
+        out[idx] = current
+        if shape[idx] > 1:
+            current *= shape[idx]
+    return tuple(out)
+
+
+def _storage_nbytes(shape: Shape, stride: Shape, itemsize: int, offset: int) -> int:
+    # mirrors at::detail::computeStorageNbytes: uint64 arithmetic with overflow checks
+    size = (offset + 1) % _UINT64
+    overflowed = False
+    for sz, st in zip(shape, stride, strict=True):
+        if sz == 0:
+            return 0
+        strided = (st % _UINT64) * ((sz - 1) % _UINT64)
+        overflowed |= strided >= _UINT64
+        size += strided % _UINT64
+        overflowed |= size >= _UINT64
+        size %= _UINT64
+    size *= itemsize
+    overflowed |= size >= _UINT64
+    size %= _UINT64
+    overflowed |= size > _INT64_MAX
+    if overflowed:
+        raise RuntimeError(
+            f"Storage size calculation overflowed with sizes={_fmt(shape)} and strides={_fmt(stride)}"
+        )
+    return size
+
+
+def _check_numel(shape: Shape) -> None:
+    # torch computes numel with unsigned overflow checks; a negative size trips it
+    if any(s < 0 for s in shape):
+        raise RuntimeError("numel: integer multiplication overflow")
+
+
+def broadcast_shapes(*shapes: IntOrSeq) -> Shape:
+    """torch.broadcast_shapes.  mirrors torch._refs._broadcast_shapes (its texts)."""
+    normalized: list[Sequence[int]] = [(s,) if _is_int(s) else s for s in shapes]  # type: ignore[misc]
+    if not normalized:
+        return ()
+    for shape in normalized:
+        if not isinstance(shape, Sequence):
+            raise RuntimeError(
+                "Input shapes should be of type ints, a tuple of ints, or a list of ints, "
+                f"got {shape}"
+            )
+    common = [1] * max(len(s) for s in normalized)
+    for arg_idx, shape in enumerate(normalized):
+        for idx in range(-1, -1 - len(shape), -1):
+            if shape[idx] == common[idx]:
+                continue
+            if common[idx] == 1:
+                if shape[idx] < 0:
+                    raise ValueError("Attempting to broadcast a dimension with negative length!")
+                common[idx] = shape[idx]
+            if shape[idx] != 1 and common[idx] != shape[idx]:
+                raise RuntimeError(
+                    f"Attempting to broadcast a dimension of length {shape[idx]} at {idx}! "
+                    f"Mismatching argument at index {arg_idx} had {shape}; but expected shape "
+                    f"should be broadcastable to {common}"
+                )
+    return tuple(common)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A strided view of a storage: element ``i`` lives at ``offset + sum(i[k]*stride[k])``."""
+
+    shape: Shape
+    stride: Shape
+    offset: int = 0  # in elements
+
+    def __post_init__(self) -> None:
+        assert isinstance(self.shape, tuple) and isinstance(self.stride, tuple), self
+        assert all(_is_int(v) for v in self.shape + self.stride), self
+        assert _is_int(self.offset), self
+        assert len(self.shape) == len(self.stride), f"shape/stride lengths differ: {self}"
+        assert all(s >= 0 for s in self.shape), f"negative size: {self}"
+        assert self.offset >= 0, f"negative offset: {self}"
+
+    # -- construction and queries ---------------------------------------------------------
+
+    @staticmethod
+    def contiguous(shape: Sequence[int], offset: int = 0) -> Layout:
+        shape = tuple(shape)
+        _check_ints("shape", shape)
+        return Layout(shape, contiguous_strides(shape), offset)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        return _is_contiguous(self.shape, self.stride)
+
+    def is_non_overlapping_and_dense(self) -> bool:
+        return _is_non_overlapping_and_dense(self.shape, self.stride)
+
+    def storage_extent(self) -> int:
+        """Elements a storage must hold for this view (0 when it has no elements)."""
+        if self.numel == 0:
+            return 0
+        return (
+            self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) + 1
+        )
+
+    def dense_like(self) -> Layout:
+        """The layout of torch.empty_like(x) (preserve_format), offset 0; used by clone()."""
+        if self.is_non_overlapping_and_dense():
+            return Layout(self.shape, self.stride, 0)
+        return Layout(self.shape, _infer_dense_strides(self.shape, self.stride), 0)
+
+    def _with(
+        self, shape: Sequence[int], stride: Sequence[int], offset: int | None = None
+    ) -> Layout:
+        return Layout(tuple(shape), tuple(stride), self.offset if offset is None else offset)
+
+    # -- view / reshape ---------------------------------------------------------------------
+
+    def reshape(self, *shape: IntOrSeq) -> Layout | None:
+        """torch.reshape as a view, or None when torch would copy."""
+        new_shape = infer_size(_as_tuple(shape, "shape"), self.numel)
+        stride = compute_stride(self.shape, self.stride, new_shape)
+        return None if stride is None else self._with(new_shape, stride)
+
+    def view(self, *shape: IntOrSeq) -> Layout:
+        """torch.Tensor.view(shape).  mirrors ATen view_impl."""
+        result = self.reshape(*shape)
+        if result is None:
+            raise RuntimeError(
+                "view size is not compatible with input tensor's size and stride (at least one "
+                "dimension spans across two contiguous subspaces). Use .reshape(...) instead."
+            )
+        return result
+
+    def view_dtype(
+        self,
+        old_itemsize: int,
+        new_itemsize: int,
+        *,
+        old_name: str | None = None,
+        new_name: str | None = None,
+    ) -> Layout:
+        """torch.Tensor.view(dtype) between element sizes.  mirrors ATen view_dtype.
+
+        ``old_name``/``new_name`` are c10 ScalarType names (``DType.scalar_type``,
+        e.g. "Float") used in the error texts, as torch prints them.
+        """
+        if old_itemsize == new_itemsize:
+            return self
+        what = (
+            f"to view {old_name or f'{old_itemsize}-byte elements'} as "
+            f"{new_name or f'{new_itemsize}-byte elements'} (different element sizes)"
+        )
+        if self.ndim == 0:
+            raise RuntimeError(f"self.dim() cannot be 0 {what}")
+        shape, stride = list(self.shape), list(self.stride)
+        if old_itemsize > new_itemsize:
+            ratio = old_itemsize // new_itemsize
+            if stride[-1] != 1:
+                raise RuntimeError(f"self.stride(-1) must be 1 {what}, but got {stride[-1]}")
+            stride = [s * ratio for s in stride[:-1]] + [1]
+            shape[-1] *= ratio
+            return self._with(shape, stride, self.offset * ratio)
+        ratio = new_itemsize // old_itemsize
+        if shape[-1] % ratio != 0:
+            raise RuntimeError(
+                f"self.size(-1) must be divisible by {ratio} {what}, but got {shape[-1]}"
+            )
+        if self.offset % ratio != 0:
+            raise RuntimeError(
+                f"self.storage_offset() must be divisible by {ratio} {what}, but got {self.offset}"
+            )
+        if stride[-1] != 1:
+            raise RuntimeError(f"self.stride(-1) must be 1 {what}, but got {stride[-1]}")
+        for i in range(self.ndim - 1):
+            if stride[i] % ratio != 0:
+                raise RuntimeError(
+                    f"self.stride({i}) must be divisible by {ratio} {what}, but got {stride[i]}"
+                )
+        stride = [s // ratio for s in stride[:-1]] + [1]
+        shape[-1] //= ratio
+        return self._with(shape, stride, self.offset // ratio)
+
+    # -- slicing ----------------------------------------------------------------------------
+
+    def _slice(self, dim: int, start: int | None, end: int | None, step: int) -> Layout:
+        # mirrors ATen slice: clamp start/end into [0, size], round the length up by step
+        size = self.shape[dim]
+        lo = 0 if start is None else start
+        hi = _INT64_MAX if end is None else end
+        if lo < 0:
+            lo += size
+        if hi < 0:
+            hi += size
+        lo = min(max(lo, 0), size)
+        hi = min(max(hi, lo), size)
+        shape, stride = list(self.shape), list(self.stride)
+        shape[dim] = (hi - lo + step - 1) // step
+        stride[dim] *= step
+        return self._with(shape, stride, self.offset + lo * self.stride[dim])
+
+    def narrow(self, dim: int, start: int, length: int) -> Layout:
+        """mirrors ATen narrow."""
+        if self.ndim == 0:
+            raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
+        if length < 0:
+            raise RuntimeError("narrow(): length must be non-negative.")
+        dim = normalize_dim(dim, self.ndim)
+        size = self.shape[dim]
+        if not -size <= start <= size:
+            raise IndexError(
+                f"start out of range (expected to be in range of [{-size}, {size}], but got {start})"
+            )
+        if start < 0:
+            start += size
+        if start > size - length:
+            raise RuntimeError(
+                f"start ({start}) + length ({length}) exceeds dimension size ({size})."
+            )
+        return self._slice(dim, start, start + length, 1)
+
+    def select(self, dim: int, index: int) -> Layout:
+        """mirrors ATen select."""
+        if self.ndim == 0:
+            raise IndexError("select() cannot be applied to a 0-dim tensor.")
+        dim = normalize_dim(dim, self.ndim)
+        size = self.shape[dim]
+        if index < -size or index >= size:
+            raise IndexError(
+                f"select(): index {index} out of range for tensor of size {_fmt(self.shape)} "
+                f"at dimension {dim}"
+            )
+        if index < 0:
+            index += size
+        return self._with(
+            self.shape[:dim] + self.shape[dim + 1 :],
+            self.stride[:dim] + self.stride[dim + 1 :],
+            self.offset + index * self.stride[dim],
+        )
+
+    def __getitem__(self, index: Index | tuple[Index, ...]) -> Layout:
+        """Basic indexing x[...]: ints, slices (step > 0), None, Ellipsis.
+
+        mirrors torch/csrc/autograd/python_variable_indexing.cpp and applySlicing.
+        """
+        if not isinstance(index, tuple):
+            # torch's single-index fast paths skip the "too many indices" count
+            if _is_int(index):
+                assert isinstance(index, int)
+                return self._index_int(0, index, 0)
+            if isinstance(index, slice):
+                return self._index_slice(0, index)
+            if index is None:
+                return self.unsqueeze(0)
+            if index is Ellipsis:
+                return self
+            index = (index,)
+        for item in index:
+            if not (_is_int(item) or isinstance(item, slice) or item is None or item is Ellipsis):
+                raise TypeError(
+                    "tensord supports only basic indexing (ints, slices, None, Ellipsis); "
+                    f"got {type(item).__name__}"
+                )
+        specified = sum(1 for i in index if _is_int(i) or isinstance(i, slice))
+        if specified > self.ndim:
+            raise IndexError(f"too many indices for tensor of dimension {self.ndim}")
+        result = self
+        dim = 0
+        for real_dim, item in enumerate(index):
+            if _is_int(item):
+                assert isinstance(item, int)
+                result = result._index_int(dim, item, real_dim)
+            elif isinstance(item, slice):
+                result = result._index_slice(dim, item)
+                dim += 1
+            elif item is None:
+                result = result.unsqueeze(dim)
+                dim += 1
+            else:
+                dim += self.ndim - specified
+        return result
+
+    def _index_int(self, dim: int, index: int, real_dim: int) -> Layout:
+        # mirrors applySelect
+        if index == 0 and dim == 0 and self.ndim == 0:
+            raise IndexError(
+                "invalid index of a 0-dim tensor. Use `tensor.item()` in Python or "
+                "`tensor.item<T>()` in C++ to convert a 0-dim tensor to a number"
+            )
+        size = self.shape[dim] if dim < self.ndim else 0
+        if not -size <= index < size:
+            raise IndexError(
+                f"index {index} is out of bounds for dimension {real_dim} with size {size}"
+            )
+        return self.select(dim, index)
+
+    def _index_slice(self, dim: int, item: slice) -> Layout:
+        step = 1 if item.step is None else item.step
+        for part in (item.start, item.stop, item.step):
+            if part is not None and not _is_int(part):
+                raise TypeError(
+                    "slice indices must be integers or None or have an __index__ method"
+                )
+        if step == 0:
+            raise ValueError("slice step cannot be zero")
+        if step < 0:
+            raise ValueError("step must be greater than zero")
+        if self.ndim == 0:
+            raise IndexError("slice() cannot be applied to a 0-dim tensor.")
+        dim = normalize_dim(dim, self.ndim)
+        return self._slice(dim, item.start, item.stop, step)
+
+    # -- dim shuffles -----------------------------------------------------------------------
+
+    def transpose(self, dim0: int, dim1: int) -> Layout:
+        dim0 = normalize_dim(dim0, self.ndim)
+        dim1 = normalize_dim(dim1, self.ndim)
+        if dim0 == dim1:
+            return self
+        shape, stride = list(self.shape), list(self.stride)
+        shape[dim0], shape[dim1] = shape[dim1], shape[dim0]
+        stride[dim0], stride[dim1] = stride[dim1], stride[dim0]
+        return self._with(shape, stride)
+
+    def t(self) -> Layout:
+        if self.ndim > 2:
+            raise RuntimeError(
+                f"t() expects a tensor with <= 2 dimensions, but self is {self.ndim}D"
+            )
+        return self.transpose(0, 1) if self.ndim == 2 else self
+
+    def permute(self, *dims: IntOrSeq) -> Layout:
+        """mirrors ATen permute (its text, oddly naming sparse_coo, included)."""
+        order = _as_tuple(dims, "dims")
+        if len(order) != self.ndim:
+            raise RuntimeError(
+                "permute(sparse_coo): number of dimensions in the tensor input does not match "
+                "the length of the desired ordering of dimensions i.e. input.dim() = "
+                f"{self.ndim} is not equal to len(dims) = {len(order)}"
+            )
+        seen: set[int] = set()
+        wrapped = []
+        for d in order:
+            w = normalize_dim(d, self.ndim)
+            if w in seen:
+                raise RuntimeError("permute(): duplicate dims are not allowed.")
+            seen.add(w)
+            wrapped.append(w)
+        return self._with([self.shape[d] for d in wrapped], [self.stride[d] for d in wrapped])
+
+    def movedim(self, source: IntOrSeq, destination: IntOrSeq) -> Layout:
+        """mirrors ATen movedim."""
+        src = _int_or_seq(source, "source")
+        dst = _int_or_seq(destination, "destination")
+        if len(src) != len(dst):
+            raise RuntimeError(
+                f"movedim: Invalid source or destination dims: source ({_fmt(src)} dims) should "
+                f"contain the same number of dims as destination ({_fmt(dst)} dims)"
+            )
+        nsrc = [normalize_dim(d, self.ndim) for d in src]
+        ndst = [normalize_dim(d, self.ndim) for d in dst]
+        if len(set(nsrc)) != len(nsrc):
+            raise RuntimeError(f"movedim: repeated dim in `source` ({_fmt(src)})")
+        if len(set(ndst)) != len(ndst):
+            raise RuntimeError(f"movedim: repeated dim in `destination` ({_fmt(dst)})")
+        if self.ndim == 0:
+            return self
+        order: list[int | None] = [None] * self.ndim
+        for s, d in zip(nsrc, ndst, strict=True):
+            order[d] = s
+        rest = iter(d for d in range(self.ndim) if d not in set(nsrc))
+        perm = [next(rest) if o is None else o for o in order]
+        return self._with([self.shape[d] for d in perm], [self.stride[d] for d in perm])
+
+    def expand(self, *sizes: IntOrSeq, type_name: str = "Tensor") -> Layout:
+        """mirrors ATen expand / inferExpandGeometry.
+
+        ``type_name`` is what torch prints for the tensor in one error text
+        (``DType.legacy_type``, e.g. "torch.FloatTensor").
+        """
+        target = _as_tuple(sizes, "size")
+        if len(target) < self.ndim:
+            raise RuntimeError(
+                f"expand({type_name}{{{_fmt(self.shape)}}}, size={_fmt(target)}): the number of "
+                f"sizes provided ({len(target)}) must be greater or equal to the number of "
+                f"dimensions in the tensor ({self.ndim})"
+            )
+        ndim = len(target)
+        if self.ndim == 0:
+            _check_numel(target)
+            return self._with(target, (0,) * ndim)
+        shape = [0] * ndim
+        stride = [0] * ndim
+        for i in range(ndim - 1, -1, -1):
+            dim = self.ndim - (ndim - i)
+            size = self.shape[dim] if dim >= 0 else 1
+            st = self.stride[dim] if dim >= 0 else shape[i + 1] * stride[i + 1]
+            want = target[i]
+            if want == -1:
+                if dim < 0:
+                    raise RuntimeError(
+                        f"The expanded size of the tensor ({want}) isn't allowed in a leading, "
+                        f"non-existing dimension {i}"
+                    )
+                want = size
+            if size != want:
+                if size != 1:
+                    raise RuntimeError(
+                        f"The expanded size of the tensor ({want}) must match the existing size "
+                        f"({size}) at non-singleton dimension {i}.  Target sizes: {_fmt(target)}.  "
+                        f"Tensor sizes: {_fmt(self.shape)}"
+                    )
+                size, st = want, 0
+            shape[i], stride[i] = size, st
+        _check_numel(tuple(shape))
+        return self._with(shape, stride)
+
+    def squeeze(self, dim: IntOrSeq | None = None) -> Layout:
+        """mirrors ATen squeeze / inferSqueezeGeometry (all, one dim, or a list)."""
+        if dim is None:
+            keep = [d for d in range(self.ndim) if self.shape[d] != 1]
+        else:
+            dims = _int_or_seq(dim, "dim")
+            wrapped: set[int] = set()
+            for d in dims:
+                w = normalize_dim(d, self.ndim)
+                if w in wrapped:
+                    raise RuntimeError(f"dim {w} appears multiple times in the list of dims")
+                wrapped.add(w)
+            keep = [d for d in range(self.ndim) if not (d in wrapped and self.shape[d] == 1)]
+        return self._with([self.shape[d] for d in keep], [self.stride[d] for d in keep])
+
+    def unsqueeze(self, dim: int) -> Layout:
+        """mirrors ATen inferUnsqueezeGeometry."""
+        dim = normalize_dim(dim, self.ndim + 1)
+        new_stride = 1 if dim >= self.ndim else self.shape[dim] * self.stride[dim]
+        return self._with(
+            (*self.shape[:dim], 1, *self.shape[dim:]),
+            (*self.stride[:dim], new_stride, *self.stride[dim:]),
+        )
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Layout | None:
+        """torch.flatten as a view, or None when torch would copy (it reshapes)."""
+        start = normalize_dim(start_dim, self.ndim)
+        end = normalize_dim(end_dim, self.ndim)
+        if start > end:
+            raise RuntimeError("flatten() has invalid args: start_dim cannot come after end_dim")
+        if self.ndim == 0:
+            return self.reshape((1,))
+        if start == end:
+            return self
+        merged = math.prod(self.shape[start : end + 1])
+        return self.reshape((*self.shape[:start], merged, *self.shape[end + 1 :]))
+
+    def unflatten(self, dim: int, sizes: Sequence[int]) -> Layout:
+        """mirrors ATen unflatten (a view: raises when not viewable)."""
+        sizes = tuple(sizes)
+        _check_ints("sizes", sizes)
+        dim = normalize_dim(dim, self.ndim)
+        if not sizes:
+            raise RuntimeError("unflatten: sizes must be non-empty")
+        if self.ndim == 0:
+            raise RuntimeError(
+                "unflatten got an unexpected error:\n"
+                f"Dimension specified as {dim} but tensor has no dimensions"
+            )
+        try:
+            inferred = infer_size(sizes, self.shape[dim])
+        except RuntimeError as e:
+            if "is invalid for input of size" in str(e):
+                raise RuntimeError(
+                    f"unflatten: Provided sizes {_fmt(sizes)} don't multiply up to the size of "
+                    f"dim {dim} ({self.shape[dim]}) in the input tensor"
+                ) from None
+            raise RuntimeError(f"unflatten got an unexpected error:\n{e}") from None
+        return self.view(self.shape[:dim] + inferred + self.shape[dim + 1 :])
+
+    # -- splitting --------------------------------------------------------------------------
+
+    def split(self, split_size_or_sections: IntOrSeq, dim: int = 0) -> tuple[Layout, ...]:
+        """mirrors ATen split / split_with_sizes (torch.Tensor.split's dispatch on the type)."""
+        if not _is_int(split_size_or_sections):
+            sections = tuple(split_size_or_sections)  # type: ignore[arg-type]
+            _check_ints("split_sizes", sections)
+            return self._split_with_sizes(sections, dim)
+        split_size = split_size_or_sections
+        assert isinstance(split_size, int)
+        if self.ndim == 0:
+            raise RuntimeError("split expects at least a 1-dimensional tensor")
+        if split_size < 0:
+            raise RuntimeError(
+                f"split expects split_size be non-negative, but got split_size={split_size}"
+            )
+        dim = normalize_dim(dim, self.ndim)
+        size = self.shape[dim]
+        if split_size == 0 and size != 0:
+            raise RuntimeError(
+                f"split_size can only be 0 if dimension size is 0, but got dimension size of {size}"
+            )
+        n = max((size + split_size - 1) // split_size, 1) if split_size else 1
+        last = split_size - (split_size * n - size)
+        return tuple(
+            self.narrow(dim, i * split_size, last if i == n - 1 else split_size) for i in range(n)
+        )
+
+    def _split_with_sizes(self, sizes: Shape, dim: int) -> tuple[Layout, ...]:
+        if self.ndim == 0:
+            raise RuntimeError("split expects at least a 1-dimensional tensor")
+        dim = normalize_dim(dim, self.ndim)
+        parts = []
+        start = 0
+        for length in sizes:  # torch narrows as it goes, so a narrow error can come first
+            if length < 0:
+                raise RuntimeError(
+                    "split_with_sizes expects split_sizes have only non-negative entries, but got "
+                    f"split_sizes={_fmt(sizes)}"
+                )
+            parts.append(self.narrow(dim, start, length))
+            start += length
+        if start != self.shape[dim]:
+            raise RuntimeError(
+                f"split_with_sizes expects split_sizes to sum exactly to {self.shape[dim]} (input "
+                f"tensor's size at dimension {dim}), but got split_sizes={_fmt(sizes)}"
+            )
+        return tuple(parts)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[Layout, ...]:
+        """mirrors ATen chunk."""
+        if self.ndim == 0:
+            raise RuntimeError("chunk expects at least a 1-dimensional tensor")
+        if chunks <= 0:
+            raise RuntimeError(f"chunk expects `chunks` to be greater than 0, got: {chunks}")
+        dim = normalize_dim(dim, self.ndim)
+        size = self.shape[dim]
+        split_size = (size + chunks - 1) // chunks
+        if split_size == 0 and size == 0:
+            # split() would lose the chunk count: n empty chunks add up to 0
+            return self._split_with_sizes((0,) * chunks, dim)
+        return self.split(split_size, dim)
+
+    def unbind(self, dim: int = 0) -> tuple[Layout, ...]:
+        """mirrors ATen unbind."""
+        dim = normalize_dim(dim, self.ndim, wrap_scalar=False)
+        return tuple(self.select(dim, i) for i in range(self.shape[dim]))
+
+    def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Layout:
+        """mirrors ATen diagonal."""
+        d1 = normalize_dim(dim1, self.ndim)
+        d2 = normalize_dim(dim2, self.ndim)
+        if d1 == d2:
+            raise RuntimeError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+        new_offset = self.offset
+        if offset >= 0:
+            diag = max(min(self.shape[d1], self.shape[d2] - offset), 0)
+        else:
+            diag = max(min(self.shape[d1] + offset, self.shape[d2]), 0)
+        if diag > 0:
+            new_offset += offset * self.stride[d2] if offset >= 0 else -offset * self.stride[d1]
+        keep = [d for d in range(self.ndim) if d not in (d1, d2)]
+        return self._with(
+            [self.shape[d] for d in keep] + [diag],
+            [self.stride[d] for d in keep] + [self.stride[d1] + self.stride[d2]],
+            new_offset,
+        )
+
+    def as_strided(
+        self,
+        size: Sequence[int],
+        stride: Sequence[int],
+        storage_offset: int | None = None,
+        *,
+        storage_elements: int,
+        itemsize: int = 1,
+    ) -> Layout:
+        """mirrors ATen as_strided / setStrided / checkInBoundsForStorage.
+
+        ``storage_elements`` is the storage's size in elements of ``itemsize``
+        bytes; the error text speaks in bytes, as torch's does.
+        """
+        shape, strides = tuple(size), tuple(stride)
+        _check_ints("size", shape)
+        _check_ints("stride", strides)
+        offset = self.offset if storage_offset is None else storage_offset
+        if len(shape) != len(strides):
+            raise RuntimeError("mismatch in length of strides and shape")
+        if any(s < 0 for s in strides):
+            raise RuntimeError(
+                "as_strided: Negative strides are not supported at the moment, got strides: "
+                f"{_fmt(strides)}"
+            )
+        needed = _storage_nbytes(shape, strides, itemsize, 0)
+        if needed != 0:
+            needed_with_offset = _storage_nbytes(shape, strides, itemsize, offset)
+            have = storage_elements * itemsize
+            if needed_with_offset > have:
+                raise RuntimeError(
+                    f"setStorage: sizes {_fmt(shape)}, strides {_fmt(strides)}, storage offset "
+                    f"{offset}, and itemsize {itemsize} requiring a storage size of "
+                    f"{needed_with_offset} are out of bounds for storage of size {have}"
+                )
+        if offset < 0:
+            raise RuntimeError(f"Tensor: invalid storage offset {offset}")
+        _check_numel(shape)
+        return Layout(shape, strides, offset)
