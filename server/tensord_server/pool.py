@@ -753,7 +753,7 @@ def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
 
 def segment_info(segment: Segment, device: int) -> dict[str, Any]:
     """One segment of _snapshot(), as torch's _memory_snapshot_pickled writes it."""
-    blocks = []
+    blocks: list[dict[str, Any]] = []
     allocated_size = requested_size = 0
     for block in segment.blocks():
         blocks.append(
@@ -825,7 +825,7 @@ SUMMARY_WIDTH = 75  # memory_summary's table width
 def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool = False) -> str:
     """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord)."""
     lines = ["=" * SUMMARY_WIDTH]
-    lines.append(f" {'':16} tensord memory summary, device {device:<24} ")
+    lines.append(f" {'':16} tensord memory summary, device {device}".ljust(SUMMARY_WIDTH))
     lines.append("-" * SUMMARY_WIDTH)
     lines.append(
         f"  {'':9} CUDA OOMs: {int(stats['num_ooms']):<12d} | "
