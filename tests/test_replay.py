@@ -1,0 +1,187 @@
+"""Trace replay: loading, the shared ResNet-50 trace against PyTorch's figures, and the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensord_server.backends import BookkeepingBackend
+from tensord_server.pool import CachingPool
+from tensord_server.replay import (
+    RecordedAddressBackend,
+    load_pytorch_stats,
+    load_trace,
+    replay,
+    trace_stem,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# CI keeps a copy of the project's shared folder beside the clone.
+SHARED_TRACES = REPO_ROOT.parent / "shared" / "traces"
+RESNET_TRACE = SHARED_TRACES / "resnet50_train.events.json.gz"
+
+needs_resnet_trace = pytest.mark.skipif(
+    not RESNET_TRACE.exists(), reason=f"shared trace not found at {RESNET_TRACE}"
+)
+
+MiB = 1 << 20
+
+# A small trace in the shared format: two allocations share a 2 MiB segment, a
+# large one gets a 20 MiB segment; segment_* and free_requested are ignored.
+SMALL_TRACE = [
+    ["segment_alloc", 1 << 30, 2 * MiB, 0],
+    ["alloc", 1 << 30, 1000, 0],
+    ["alloc", (1 << 30) + 1024, 3000, 0],
+    ["alloc", 2 << 30, 5 * MiB, 0],
+    ["free_requested", 1 << 30, 1000, 0],
+    ["free_completed", 1 << 30, 1000, 0],
+    ["free_completed", 999, 512, 0],  # allocated before the trace began
+]
+
+
+def write_trace(path: Path, events: list[list[object]]) -> Path:
+    with gzip.open(path, "wt") as handle:
+        json.dump(events, handle)
+    return path
+
+
+def test_small_trace_replay(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "tiny.events.json.gz", SMALL_TRACE)
+    events = load_trace(trace)
+    assert events[1] == ("alloc", 1 << 30, 1000, 0)
+    result = replay(events)
+    assert result.events == len(SMALL_TRACE) and result.unmatched_frees == 1
+    assert result.peak_allocated_bytes == 1024 + 3072 + 5 * MiB  # split off its 20 MiB segment
+    assert result.peak_reserved_bytes == 22 * MiB
+    assert result.reserved_over_allocated == pytest.approx(22 * MiB / result.peak_allocated_bytes)
+
+
+def test_replay_under_a_capacity_counts_ooms() -> None:
+    events = load_trace_list(SMALL_TRACE)
+    result = replay(events, capacity=4 * MiB)
+    assert result.failed_allocs == 1 and result.stats["num_ooms"] == 1
+    assert result.stats["num_alloc_retries"] == 1
+
+
+def load_trace_list(events: list[list[object]]) -> list[tuple[str, int, int, int]]:
+    return [(str(a), int(b), int(c), int(d)) for a, b, c, d in events]  # type: ignore[call-overload]
+
+
+def test_snapshot_pickle_is_a_trace(tmp_path: Path) -> None:
+    recorder = CachingPool(BookkeepingBackend(), record_history=True)
+    blocks = [recorder.malloc(n) for n in (100, 4 * MiB, 12 * MiB, 2000)]
+    recorder.free(blocks[1])
+    recorder.free(blocks[0])
+    path = tmp_path / "run.pickle"
+    path.write_bytes(pickle.dumps(recorder.memory_snapshot()))
+    events = load_trace(path)
+    assert [e[0] for e in events][:2] == ["segment_alloc", "alloc"]
+    result = replay(events)
+    expected = recorder.memory_stats()
+    assert result.peak_allocated_bytes == expected["allocated_bytes.all.peak"]
+    assert result.peak_reserved_bytes == expected["reserved_bytes.all.peak"]
+
+
+def test_recorded_address_backend_reuses_trace_addresses() -> None:
+    backend = RecordedAddressBackend([(5 << 30, 2 * MiB), (3 << 30, 2 * MiB)])
+    first, second = backend.reserve(2 * MiB), backend.reserve(2 * MiB)
+    assert (first.address, second.address) == (5 << 30, 3 << 30)
+    fresh = backend.reserve(2 * MiB)
+    assert fresh.address > (5 << 30) + 2 * MiB  # never overlaps a recorded segment
+    backend.release(second)
+    assert backend.reserve(2 * MiB).address == 3 << 30
+
+
+def test_trace_names() -> None:
+    assert trace_stem("a/resnet50_train.events.json.gz") == "resnet50_train"
+    assert trace_stem("snap.pickle") == "snap"
+    assert load_pytorch_stats("/nonexistent/x.events.json.gz") is None
+
+
+@needs_resnet_trace
+def test_resnet50_replay_matches_pytorch() -> None:
+    events = load_trace(RESNET_TRACE)
+    assert len(events) == 13_735
+    pytorch = load_pytorch_stats(RESNET_TRACE)
+    assert pytorch is not None
+    for recorded in (True, False):
+        result = replay(events, recorded_addresses=recorded)
+        stats = result.stats
+        assert result.unmatched_frees == 0 and stats["num_ooms"] == 0
+        allocated, reserved = (
+            pytorch["allocated_bytes.all.peak"],
+            pytorch["reserved_bytes.all.peak"],
+        )
+        assert abs(stats["allocated_bytes.all.peak"] - allocated) <= 0.001 * allocated
+        assert abs(stats["reserved_bytes.all.peak"] - reserved) <= 0.01 * reserved
+        assert stats["segment.all.peak"] == pytorch["segment.all.peak"]
+    # With the recorded addresses, best-fit tie-breaks follow PyTorch's: the figures are exact.
+    exact = replay(events).stats
+    for key in (
+        "allocated_bytes.all.peak",
+        "reserved_bytes.all.peak",
+        "inactive_split_bytes.all.peak",
+        "num_device_alloc",
+    ):
+        assert exact[key] == pytorch[key], key
+
+
+def run_cli(*args: str) -> dict[str, object]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "replay", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(completed.stdout)
+    return result
+
+
+def test_cli_replay_json(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "tiny.events.json.gz", SMALL_TRACE)
+    (tmp_path / "tiny.pytorch_stats.json").write_text(
+        json.dumps({"allocated_bytes.all.peak": 100, "reserved_bytes.all.peak": 150})
+    )
+    report = run_cli(str(trace), "--capacity", str(1 << 30))
+    assert report["peak_allocated_bytes"] == 1024 + 3072 + 5 * MiB
+    assert report["peak_reserved_bytes"] == 22 * MiB
+    assert report["reserved_over_allocated"] == pytest.approx(22 * MiB / (1024 + 3072 + 5 * MiB))
+    assert report["pytorch"] == {
+        "allocated_bytes.all.peak": 100,
+        "reserved_bytes.all.peak": 150,
+        "reserved_over_allocated": 1.5,
+    }
+
+
+@needs_resnet_trace
+def test_cli_replay_resnet50() -> None:
+    report = run_cli(str(RESNET_TRACE))
+    assert report["peak_allocated_bytes"] == 7_051_840_000
+    assert report["peak_reserved_bytes"] == 10_125_049_856
+    assert report["num_ooms"] == 0 and report["peak_segments"] == 148
+
+
+def test_cli_replay_table(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "tiny.events.json.gz", SMALL_TRACE)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tensord_server",
+            "replay",
+            str(trace),
+            "--max-split-size",
+            str(40 * MiB),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "reserved_bytes.all.peak" in completed.stdout and "events/s" in completed.stdout
