@@ -1,5 +1,6 @@
 """tensord: tensors whose bytes live in a tensord server, used as if they were torch."""
 
+from tensord.client import Client, cat, connect, stack
 from tensord.errors import (
     FailedPreconditionError,
     InternalError,
@@ -15,10 +16,13 @@ from tensord.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from tensord.tensor import Device, Size, Tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Client",
+    "Device",
     "FailedPreconditionError",
     "InternalError",
     "InvalidArgumentError",
@@ -26,6 +30,8 @@ __all__ = [
     "OutOfMemoryError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "Size",
+    "Tensor",
     "TensordError",
     "TensordIndexError",
     "TensordRuntimeError",
@@ -33,4 +39,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "__version__",
+    "cat",
+    "connect",
+    "stack",
 ]

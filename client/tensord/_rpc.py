@@ -1,0 +1,314 @@
+"""The SDK's wire: one gRPC channel, one ``_call``, raw-byte transfers, the session.
+
+Everything that knows about gRPC lives here, so the rest of the SDK deals in
+protobuf messages and :mod:`tensord.errors` only.  :func:`error_from_rpc` is
+the single place that maps a status code (and the ``tensord-error-type``
+trailer) back to an exception class.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from tensord import errors
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+ADDRESS_ENV = "TENSORD_ADDRESS"
+SESSION_KEY = "tensord-session"
+ERROR_TYPE_KEY = "tensord-error-type"
+UPLOAD_HEADER_KEY = "tensord-upload-bin"
+
+# Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
+CHUNK_BYTES = 1 << 20
+# Large enough for any chunk and for big ViewResponses (split into many pieces).
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+# Dropped handles are sent in one Release per interval (or sooner once this many wait).
+RELEASE_INTERVAL_S = 0.05
+RELEASE_BATCH = 1024
+
+_UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
+_DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
+
+M = TypeVar("M")
+
+# The Python built-in torch raises (sent by the server in the trailer) -> our subclass of it.
+_INVALID_ARGUMENT_BY_BUILTIN: dict[str, type[errors.TensordError]] = {
+    "RuntimeError": errors.TensordRuntimeError,
+    "IndexError": errors.TensordIndexError,
+    "TypeError": errors.TensordTypeError,
+    "ValueError": errors.InvalidArgumentError,
+}
+
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
+    # The pool is the resource a client exhausts; torch raises OutOfMemoryError there.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.OutOfMemoryError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.UnavailableError,
+    grpc.StatusCode.INTERNAL: errors.InternalError,
+    grpc.StatusCode.UNKNOWN: errors.InternalError,
+}
+
+# Every tensord error class by name, so a trailer may also name one precisely
+# (e.g. "ResourceExhaustedError" for a quota rather than the pool).
+_ERROR_BY_NAME: dict[str, type[errors.TensordError]] = {
+    name: cls
+    for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, errors.TensordError)
+}
+
+
+def resolve_address(address: str | None) -> str:
+    """The address argument, else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051."""
+    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[errors.TensordError]:
+    """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
+    base = _ERROR_BY_CODE.get(code, errors.TensordError) if code is not None else errors.TensordError
+    named = _ERROR_BY_NAME.get(error_type or "")
+    if named is not None and issubclass(named, base):
+        return named
+    if base is errors.InvalidArgumentError:
+        return _INVALID_ARGUMENT_BY_BUILTIN.get(error_type or "", base)
+    return base
+
+
+def error_from_rpc(err: grpc.RpcError) -> errors.TensordError:
+    """Turn a failed call into the matching tensord exception, keeping the server's message."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = (err.details() if isinstance(err, grpc.Call) else None) or str(err)
+    error_type = None
+    if isinstance(err, grpc.Call):
+        for key, value in err.trailing_metadata() or ():
+            if key == ERROR_TYPE_KEY:
+                error_type = value.decode() if isinstance(value, bytes) else value
+    exc = error_class(code, error_type)(details)
+    exc.grpc_code = code  # type: ignore[attr-defined]  # kept for callers who want it
+    return exc
+
+
+def _call(fn: Callable[[], M]) -> M:
+    """Run one gRPC call, raising tensord's exception instead of grpc.RpcError."""
+    try:
+        return fn()
+    except grpc.RpcError as err:
+        raise error_from_rpc(err) from None
+
+
+def _chunks(data: memoryview, size: int) -> Iterator[bytes]:
+    # Each message must be ``bytes``: gRPC's identity serializer sends it as is.
+    for start in range(0, len(data), size):
+        yield bytes(data[start : start + size])
+
+
+class Connection:
+    """A channel to one server, the session on it, and the background threads that keep it.
+
+    Thread-safe: gRPC channels are, and the session id only changes under ``_lock``.
+    """
+
+    def __init__(self, address: str, *, timeout: float, client_name: str | None = None) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise errors.UnavailableError(
+                f"no tensord server answers at {address} (waited {timeout:g} s); "
+                f"start one with `tensord serve --address {address}`"
+            ) from None
+        self._stub = tensord_pb2_grpc.TensordStub(self._channel)
+        self._upload = self._channel.stream_unary(
+            _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
+        )
+        self._download = self._channel.unary_stream(
+            _DOWNLOAD_METHOD,
+            request_serializer=pb.DownloadRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pending: collections.deque[str] = collections.deque()
+        self._keepalive_call: Any = None
+        self.server_info: pb.ServerInfoResponse = self._unary(
+            "ServerInfo", pb.ServerInfoRequest(), session=False
+        )
+        name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
+        session = self._unary("OpenSession", pb.OpenSessionRequest(client_name=name), session=False)
+        self.session_id: str = session.session_id
+        self.lease_seconds: float = session.lease_seconds or 10.0
+        self.grace_seconds: float = session.grace_seconds
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name="tensord-keepalive", daemon=True
+        )
+        self._flusher = threading.Thread(
+            target=self._flush_forever, name="tensord-release", daemon=True
+        )
+        self._keepalive.start()
+        self._flusher.start()
+
+    # ---- calls ---------------------------------------------------------------------
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SESSION_KEY, self.session_id),)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise errors.UnavailableError(f"this tensord client ({self.address}) is closed")
+
+    def _unary(self, method: str, request: Any, *, session: bool = True) -> Any:
+        self._check_open()
+        stub_method = getattr(self._stub, method)
+        metadata = self.metadata() if session else ()
+        return _call(lambda: stub_method(request, metadata=metadata))
+
+    def call(self, method: str, request: Any) -> Any:
+        """One unary call in this session (``method`` as named in the proto)."""
+        return self._unary(method, request)
+
+    def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
+        """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
+        self._check_open()
+        chunk = self.server_info.chunk_bytes or CHUNK_BYTES
+        metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
+        result: pb.TensorMeta = _call(
+            lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
+        )
+        return result
+
+    def download_into(self, handle: str, out: memoryview) -> None:
+        """Fill ``out`` (a writable byte buffer of the tensor's nbytes) with its elements."""
+        self._check_open()
+        request = pb.DownloadRequest(handle=handle, chunk_bytes=CHUNK_BYTES)
+
+        def receive() -> int:
+            pos = 0
+            for piece in self._download(request, metadata=self.metadata()):
+                end = pos + len(piece)
+                if end > len(out):
+                    raise errors.InternalError(
+                        f"download of {handle} sent more than the {len(out)} bytes expected"
+                    )
+                out[pos:end] = piece
+                pos = end
+            return pos
+
+        received = _call(receive)
+        if received != len(out):
+            raise errors.InternalError(
+                f"download of {handle} ended after {received} of {len(out)} bytes"
+            )
+
+    # ---- releases (batched) --------------------------------------------------------
+
+    def queue_release(self, handle: str) -> None:
+        """Called from finalizers: must never block or raise, so it only appends."""
+        self._pending.append(handle)
+
+    def flush_releases(self) -> None:
+        while self._pending:
+            batch: list[str] = []
+            with contextlib.suppress(IndexError):  # another flusher emptied the deque
+                while len(batch) < RELEASE_BATCH:
+                    batch.append(self._pending.popleft())
+            if batch and not self._closed.is_set():
+                # A failed release is harmless: the session's close or grace frees them anyway.
+                with contextlib.suppress(errors.TensordError):
+                    self.call("Release", pb.ReleaseRequest(handles=batch))
+
+    def _flush_forever(self) -> None:
+        while not self._closed.wait(RELEASE_INTERVAL_S):
+            with contextlib.suppress(Exception):  # never let a background thread die loudly
+                self.flush_releases()
+
+    # ---- the session's liveness ------------------------------------------------------
+
+    def _heartbeats(self) -> Iterator[pb.Heartbeat]:
+        # Heartbeat at lease/3, so two may be lost before the lease lapses.
+        interval = max(self.lease_seconds / 3.0, 0.05)
+        while True:
+            yield pb.Heartbeat(sent_at=time.time())
+            if self._closed.wait(interval):
+                return
+
+    def _keep_alive(self) -> None:
+        """Hold the KeepAlive stream open; when it breaks, resume the session within its grace."""
+        while not self._closed.is_set():
+            try:
+                call = self._stub.KeepAlive(self._heartbeats(), metadata=self.metadata())
+                with self._lock:
+                    self._keepalive_call = call
+                if self._closed.is_set():
+                    call.cancel()
+                for _ in call:
+                    pass
+            except grpc.RpcError:
+                pass
+            except Exception:  # never let a background thread die loudly
+                pass
+            if self._closed.is_set() or not self._resume():
+                return
+
+    def _resume(self) -> bool:
+        """Reopen the session by id until it answers or the grace is over."""
+        deadline = time.monotonic() + max(self.grace_seconds, 1.0)
+        request = pb.OpenSessionRequest(
+            client_name=f"pid {os.getpid()} on {socket.gethostname()} (resumed)",
+            resume_session_id=self.session_id,
+        )
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            try:
+                response = self._stub.OpenSession(request, timeout=max(self.lease_seconds, 1.0))
+            except grpc.RpcError:
+                if self._closed.wait(0.2):
+                    return False
+                continue
+            with self._lock:
+                # Not resumed: the old handles are gone; carry on in the new session.
+                self.session_id = response.session_id
+            return True
+        return False
+
+    # ---- closing ---------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self.flush_releases()
+        with contextlib.suppress(errors.TensordError):
+            self.call("CloseSession", pb.CloseSessionRequest())
+        self._closed.set()
+        with self._lock:
+            call = self._keepalive_call
+        if call is not None:
+            call.cancel()
+        self._keepalive.join(timeout=5.0)
+        self._flusher.join(timeout=5.0)
+        self._pending.clear()
+        self._channel.close()
+

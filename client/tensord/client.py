@@ -1,0 +1,318 @@
+"""``tensord.connect()`` and the Client: factories, transfers, sharing and the pool's figures.
+
+A Client owns one :class:`~tensord._rpc.Connection` (channel + session) and
+makes :class:`~tensord.tensor.Tensor` handles.  Every RPC goes through the
+connection's ``call``, which raises :mod:`tensord.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from tensord import _convert, dtypes, errors
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._rpc import Connection, resolve_address
+from tensord.dtypes import DType
+from tensord.tensor import Meta, Tensor, as_dtype, device_name, scalar_pb, shape_args
+
+
+def connect(address: str | None = None, *, timeout: float = 10.0) -> Client:
+    """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
+
+    Raises :class:`tensord.UnavailableError` (a ConnectionError) when no server answers in time.
+    """
+    return Client(address, timeout=timeout)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return "" if dtype is None else as_dtype(dtype).name
+
+
+class Client:
+    """One session on a tensord server.  Thread-safe; a context manager that closes the session."""
+
+    def __init__(self, address: str | None = None, *, timeout: float = 10.0) -> None:
+        self._conn = Connection(resolve_address(address), timeout=timeout)
+
+    # ---- life ------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self._conn.address
+
+    @property
+    def session_id(self) -> str:
+        return self._conn.session_id
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def close(self) -> None:
+        """Send pending releases, close the session (the server frees its handles) and the channel."""
+        self._conn.close()
+
+    def flush(self) -> None:
+        """Send the releases of dropped tensors now rather than at the next interval."""
+        self._conn.flush_releases()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"session {self.session_id}"
+        return f"<tensord.Client {self.address} {state}>"
+
+    def _wrap(self, meta: pb.TensorMeta) -> Tensor:
+        return Tensor(self, Meta.from_pb(meta))
+
+    def _call(self, method: str, request: Any) -> Any:
+        return self._conn.call(method, request)
+
+    # ---- from Python data --------------------------------------------------------------
+
+    def tensor(
+        self, data: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+    ) -> Tensor:
+        """torch.tensor: a new tensor holding a copy of ``data`` (array, nested list, scalar, tensor)."""
+        if isinstance(data, Tensor):
+            result = data.to(device, dtype, copy=True).detach()
+            return result.requires_grad_(True) if requires_grad else result
+        array, dt = _convert.as_array(data, as_dtype(dtype) if dtype is not None else None)
+        return self._upload(array, dt, device_name(device), requires_grad)
+
+    def from_numpy(self, array: np.ndarray) -> Tensor:
+        """torch.from_numpy, except that the bytes are copied into the server."""
+        if not isinstance(array, np.ndarray):
+            raise errors.TensordTypeError(f"expected np.ndarray (got {type(array).__name__})")
+        return self.tensor(array)
+
+    def _upload(self, array: np.ndarray, dtype: DType, device: str, requires_grad: bool) -> Tensor:
+        header = pb.UploadHeader(
+            shape=array.shape,
+            dtype=dtype.name,
+            device=device,
+            nbytes=array.nbytes,
+            requires_grad=requires_grad,
+        )
+        # Bytes through uint8: the buffer protocol knows no bfloat16.
+        data = memoryview(array.reshape(-1).view(np.uint8))
+        return self._wrap(self._conn.upload(header, data))
+
+    # ---- factories ---------------------------------------------------------------------
+
+    def empty(
+        self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+    ) -> Tensor:
+        request = pb.EmptyRequest(
+            shape=shape_args(size),
+            dtype=_dtype_name(dtype) or dtypes.float32.name,
+            device=device_name(device),
+            requires_grad=requires_grad,
+        )
+        return self._wrap(self._call("Empty", request))
+
+    def full(
+        self,
+        size: Sequence[int],
+        fill_value: Any,
+        *,
+        dtype: Any = None,
+        device: Any = "cpu",
+        requires_grad: bool = False,
+    ) -> Tensor:
+        """torch.full: with no dtype, the server infers it from the value as torch does."""
+        request = pb.FullRequest(
+            shape=shape_args((size,)),
+            dtype=_dtype_name(dtype),
+            device=device_name(device),
+            value=scalar_pb(fill_value),
+            requires_grad=requires_grad,
+        )
+        return self._wrap(self._call("Full", request))
+
+    def zeros(
+        self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+    ) -> Tensor:
+        return self.full(
+            shape_args(size), 0, dtype=dtype or dtypes.float32, device=device, requires_grad=requires_grad
+        )
+
+    def ones(
+        self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+    ) -> Tensor:
+        return self.full(
+            shape_args(size), 1, dtype=dtype or dtypes.float32, device=device, requires_grad=requires_grad
+        )
+
+    def arange(
+        self,
+        start: Any,
+        end: Any = None,
+        step: Any = 1,
+        *,
+        dtype: Any = None,
+        device: Any = "cpu",
+        requires_grad: bool = False,
+    ) -> Tensor:
+        if end is None:
+            start, end = 0, start
+        request = pb.ArangeRequest(
+            start=scalar_pb(start),
+            end=scalar_pb(end),
+            step=scalar_pb(step),
+            dtype=_dtype_name(dtype),
+            device=device_name(device),
+            requires_grad=requires_grad,
+        )
+        return self._wrap(self._call("Arange", request))
+
+    def empty_like(
+        self, other: Tensor, *, dtype: Any = None, device: Any = None, requires_grad: bool = False
+    ) -> Tensor:
+        """torch.empty_like with preserve_format: a dense tensor keeps its strides."""
+        dense = other._meta.layout.dense_like()
+        request = pb.EmptyRequest(
+            shape=dense.shape,
+            stride=pb.IntList(values=dense.stride),
+            dtype=_dtype_name(dtype) or other.dtype.name,
+            device=device_name(device) if device is not None else other.device,
+            requires_grad=requires_grad,
+        )
+        return self._wrap(self._call("Empty", request))
+
+    def zeros_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
+        return self.empty_like(other, dtype=dtype, device=device).zero_()
+
+    def ones_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
+        return self.empty_like(other, dtype=dtype, device=device).fill_(1)
+
+    def full_like(
+        self, other: Tensor, fill_value: Any, *, dtype: Any = None, device: Any = None
+    ) -> Tensor:
+        return self.empty_like(other, dtype=dtype, device=device).fill_(fill_value)
+
+    def cat(self, tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+        return self._join("Cat", tensors, dim)
+
+    def stack(self, tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+        return self._join("Stack", tensors, dim)
+
+    def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
+        handles = [self._own(t, i) for i, t in enumerate(tensors)]
+        return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
+
+    def _own(self, tensor: Any, position: int) -> str:
+        if not isinstance(tensor, Tensor):
+            raise errors.TensordTypeError(
+                f"expected Tensor as element {position} in argument 0, but got {type(tensor).__name__}"
+            )
+        if tensor.client is not self:
+            raise errors.InvalidArgumentError(
+                f"tensor {position} belongs to another tensord client ({tensor.client.address})"
+            )
+        return tensor.handle
+
+    # ---- sharing -------------------------------------------------------------------------
+
+    def attach(self, token: str) -> Tensor:
+        """This session's own handle on the Storage behind another session's ``x.share()``."""
+        return self._wrap(self._call("Attach", pb.AttachRequest(token=token)))
+
+    def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
+        """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
+        handle = self._own(tensor, 0)
+        self._call("PutName", pb.PutNameRequest(name=name, handle=handle, overwrite=overwrite))
+
+    def get(self, name: str) -> Tensor:
+        return self._wrap(self._call("GetName", pb.GetNameRequest(name=name)))
+
+    def delete(self, name: str) -> None:
+        self._call("DeleteName", pb.DeleteNameRequest(name=name))
+
+    def names(self) -> list[str]:
+        return list(self._call("ListNames", pb.ListNamesRequest()).names)
+
+    # ---- the pool --------------------------------------------------------------------------
+
+    def memory_stats(self, device: Any = "cpu") -> dict[str, int | float]:
+        """torch.cuda.memory_stats(): torch's key names, sorted as torch returns them."""
+        response = self._call("MemoryStats", pb.DeviceRequest(device=device_name(device)))
+        merged: dict[str, int | float] = {**response.counters, **response.ratios}
+        return dict(sorted(merged.items()))
+
+    def memory_allocated(self, device: Any = "cpu") -> int:
+        return int(self.memory_stats(device).get("allocated_bytes.all.current", 0))
+
+    def memory_reserved(self, device: Any = "cpu") -> int:
+        return int(self.memory_stats(device).get("reserved_bytes.all.current", 0))
+
+    def memory_summary(self, device: Any = "cpu") -> str:
+        response = self._call("MemorySummary", pb.DeviceRequest(device=device_name(device)))
+        return str(response.summary)
+
+    def memory_snapshot(self, device: Any = "cpu") -> dict[str, Any]:
+        """torch.cuda.memory._snapshot()'s structure; pickle it for PyTorch's memory_viz."""
+        response = self._call("MemorySnapshot", pb.DeviceRequest(device=device_name(device)))
+        snapshot: dict[str, Any] = json.loads(response.snapshot_json)
+        return snapshot
+
+    def empty_cache(self, device: Any = "cpu") -> int:
+        """Return cached, unused segments to the device; the bytes released."""
+        response = self._call("EmptyCache", pb.DeviceRequest(device=device_name(device)))
+        return int(response.released_bytes)
+
+    def server_info(self) -> dict[str, Any]:
+        info = self._call("ServerInfo", pb.ServerInfoRequest())
+        return {
+            "version": info.version,
+            "devices": [
+                {
+                    "device": d.device,
+                    "capacity_bytes": d.capacity_bytes,
+                    "description": d.description,
+                }
+                for d in info.devices
+            ],
+            "max_message_bytes": info.max_message_bytes,
+            "chunk_bytes": info.chunk_bytes,
+        }
+
+
+def _client_of(tensors: Sequence[Any]) -> Client:
+    first = tensors[0]
+    if not isinstance(first, Tensor):
+        raise errors.TensordTypeError(
+            f"expected Tensor as element 0 in argument 0, but got {type(first).__name__}"
+        )
+    return first.client
+
+
+def cat(tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+    """torch.cat, on the server of the tensors' client."""
+    items = list(tensors)
+    if not items:
+        raise errors.InvalidArgumentError("torch.cat(): expected a non-empty list of Tensors")
+    return _client_of(items).cat(items, dim)
+
+
+def stack(tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+    """torch.stack, on the server of the tensors' client."""
+    items = list(tensors)
+    if not items:
+        raise errors.TensordRuntimeError("stack expects a non-empty TensorList")
+    return _client_of(items).stack(items, dim)
+

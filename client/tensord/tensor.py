@@ -1,0 +1,738 @@
+"""``tensord.Tensor``: a torch-like handle on bytes that live in a tensord server.
+
+A Tensor is its client plus immutable metadata (:class:`Meta`): handle, layout,
+dtype, device.  Metadata reads never make an RPC.  A view op first computes
+the result with :mod:`tensord.layout` — so a bad argument raises torch's
+exception type and text without a round trip — then asks the server to
+register the handle.  Copies and writes run on the server.
+
+Dropping the last reference to a Tensor queues its handle for release; the
+client sends the queue in batches.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import operator
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tensord import _format, dtypes, errors
+from tensord._convert import as_scalar
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.dtypes import DType
+from tensord.layout import Layout, normalize_dim
+
+if TYPE_CHECKING:
+    from tensord.client import Client
+
+Number = builtins.bool | builtins.int | builtins.float | builtins.complex
+
+
+class Size(tuple[int, ...]):
+    """torch.Size: a tuple of ints that prints as ``tensord.Size([2, 3])``."""
+
+    def numel(self) -> builtins.int:
+        return math.prod(self)
+
+    def __repr__(self) -> str:
+        return f"tensord.Size([{', '.join(str(s) for s in self)}])"
+
+    __str__ = __repr__
+
+
+class Device(str):
+    """torch.device as a string subclass: ``x.device == "cpu"`` and ``x.device.type`` both work."""
+
+    @property
+    def type(self) -> str:
+        return self.partition(":")[0]
+
+    @property
+    def index(self) -> builtins.int | None:
+        _, sep, index = self.partition(":")
+        return builtins.int(index) if sep else None
+
+    def __repr__(self) -> str:
+        if self.index is None:
+            return f"device(type='{self.type}')"
+        return f"device(type='{self.type}', index={self.index})"
+
+
+def device_name(device: Any) -> str:
+    """torch's device arguments (``"cuda"``, ``"cuda:1"``, ``1``, torch.device) -> ``"cuda:1"``."""
+    if isinstance(device, builtins.int) and not isinstance(device, builtins.bool):
+        return f"cuda:{device}"
+    name = str(device)
+    if name == "cuda":
+        return "cuda:0"  # torch resolves a bare "cuda" to the current device, 0 here
+    if name == "cpu:0":
+        return "cpu"
+    return name
+
+
+def as_dtype(value: Any) -> DType:
+    """A tensord DType from a DType, a torch.dtype or a dtype name."""
+    if isinstance(value, DType):
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
+        return dtypes.from_torch(value)
+    if isinstance(value, str):
+        return dtypes.dtype_from_name(value)
+    raise errors.TensordTypeError(f"expected a dtype, got {type(value).__name__}")
+
+
+def _is_dtype(value: Any) -> builtins.bool:
+    torch = sys.modules.get("torch")
+    return isinstance(value, DType) or (torch is not None and isinstance(value, torch.dtype))
+
+
+def _is_number(value: Any) -> builtins.bool:
+    return isinstance(value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.generic))
+
+
+def scalar_pb(value: Any) -> pb.Scalar:
+    value = as_scalar(value)
+    if isinstance(value, builtins.bool):
+        return pb.Scalar(bool_value=value)
+    if isinstance(value, builtins.int):
+        return pb.Scalar(int_value=value)
+    if isinstance(value, builtins.float):
+        return pb.Scalar(float_value=value)
+    return pb.Scalar(complex_value=pb.Complex(real=value.real, imag=value.imag))
+
+
+def _ints(values: Any) -> tuple[builtins.int, ...]:
+    return tuple(operator.index(v) for v in values)
+
+
+def shape_args(args: tuple[Any, ...]) -> tuple[builtins.int, ...]:
+    """torch's ``f(2, 3)`` == ``f((2, 3))`` convention; NumPy ints accepted."""
+    if len(args) == 1 and not isinstance(args[0], (builtins.int, np.integer)):
+        return _ints(args[0])
+    return _ints(args)
+
+
+def index_items(key: Any) -> list[pb.IndexItem]:
+    """A basic index (ints, slices, None, Ellipsis) as the wire's IndexItems."""
+    items = key if isinstance(key, tuple) else (key,)
+    out = []
+    for item in items:
+        if item is None:
+            out.append(pb.IndexItem(none=True))
+        elif item is Ellipsis:
+            out.append(pb.IndexItem(ellipsis=True))
+        elif isinstance(item, slice):
+            out.append(pb.IndexItem(slice=pb.Slice(start=item.start, stop=item.stop, step=item.step)))
+        else:
+            out.append(pb.IndexItem(integer=item))
+    return out
+
+
+def plain_index(key: Any) -> Any:
+    """NumPy ints -> ints, so the layout engine sees what torch would."""
+
+    def one(item: Any) -> Any:
+        if isinstance(item, np.integer):
+            return builtins.int(item)
+        if isinstance(item, slice):
+            return slice(*(builtins.int(v) if isinstance(v, np.integer) else v for v in (item.start, item.stop, item.step)))
+        return item
+
+    return tuple(one(i) for i in key) if isinstance(key, tuple) else one(key)
+
+
+@contextlib.contextmanager
+def torch_errors() -> Iterator[None]:
+    """Raise the layout engine's built-in errors as tensord's subclasses of the same built-ins.
+
+    ``except RuntimeError`` still catches them, and so does ``except tensord.TensordError``,
+    exactly as for the same error coming back from the server.
+    """
+    try:
+        yield
+    except errors.TensordError:
+        raise
+    except IndexError as e:
+        raise errors.TensordIndexError(str(e)) from None
+    except TypeError as e:
+        raise errors.TensordTypeError(str(e)) from None
+    except RuntimeError as e:
+        raise errors.TensordRuntimeError(str(e)) from None
+    except ValueError as e:
+        raise errors.InvalidArgumentError(str(e)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """What the server said about one handle (TensorMeta), decoded once."""
+
+    handle: str
+    layout: Layout
+    dtype: DType
+    device: Device
+    requires_grad: builtins.bool
+    storage_id: str
+    storage_nbytes: builtins.int
+    storage_data_ptr: builtins.int
+
+    @classmethod
+    def from_pb(cls, m: pb.TensorMeta) -> Meta:
+        return cls(
+            handle=m.handle,
+            layout=Layout(tuple(m.shape), tuple(m.stride), m.storage_offset),
+            dtype=dtypes.dtype_from_name(m.dtype),
+            device=Device(m.device or "cpu"),
+            requires_grad=m.requires_grad,
+            storage_id=m.storage_id,
+            storage_nbytes=m.storage_nbytes,
+            storage_data_ptr=m.storage_data_ptr,
+        )
+
+
+class UntypedStorage:
+    """What ``x.untyped_storage()`` tells about the Storage under a tensor (no bytes here)."""
+
+    __slots__ = ("_data_ptr", "_id", "_nbytes", "device")
+
+    def __init__(self, meta: Meta) -> None:
+        self._nbytes = meta.storage_nbytes
+        self._data_ptr = meta.storage_data_ptr
+        self._id = meta.storage_id
+        self.device = meta.device
+
+    def nbytes(self) -> builtins.int:
+        return self._nbytes
+
+    def size(self) -> builtins.int:
+        return self._nbytes
+
+    def data_ptr(self) -> builtins.int:
+        return self._data_ptr
+
+    @property
+    def storage_id(self) -> str:
+        return self._id
+
+    def __repr__(self) -> str:
+        return f"<tensord.UntypedStorage {self._id} of {self._nbytes} bytes on {self.device}>"
+
+
+class Tensor:
+    """A handle on a tensor in a tensord server, with torch.Tensor's names and return types."""
+
+    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta")
+
+    def __init__(self, client: Client, meta: Meta) -> None:
+        self._client = client
+        self._meta = meta
+        self._finalizer = weakref.finalize(self, client._conn.queue_release, meta.handle)
+        self._finalizer.atexit = False  # at exit the session's close frees everything
+
+    # ---- metadata: no RPC ----------------------------------------------------------
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    @property
+    def handle(self) -> str:
+        return self._meta.handle
+
+    @property
+    def shape(self) -> Size:
+        return Size(self._meta.layout.shape)
+
+    def size(self, dim: builtins.int | None = None) -> Any:
+        if dim is None:
+            return self.shape
+        with torch_errors():
+            return self._meta.layout.shape[normalize_dim(dim, self.ndim, wrap_scalar=False)]
+
+    def stride(self, dim: builtins.int | None = None) -> Any:
+        if dim is None:
+            return self._meta.layout.stride
+        with torch_errors():
+            return self._meta.layout.stride[normalize_dim(dim, self.ndim, wrap_scalar=False)]
+
+    def storage_offset(self) -> builtins.int:
+        return self._meta.layout.offset
+
+    @property
+    def dtype(self) -> DType:
+        return self._meta.dtype
+
+    @property
+    def device(self) -> Device:
+        return self._meta.device
+
+    @property
+    def is_cuda(self) -> builtins.bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_cpu(self) -> builtins.bool:
+        return self.device.type == "cpu"
+
+    @property
+    def requires_grad(self) -> builtins.bool:
+        return self._meta.requires_grad
+
+    def is_contiguous(self, memory_format: Any = None) -> builtins.bool:
+        return self._meta.layout.is_contiguous()
+
+    def numel(self) -> builtins.int:
+        return self._meta.layout.numel
+
+    def nelement(self) -> builtins.int:
+        return self.numel()
+
+    def dim(self) -> builtins.int:
+        return self._meta.layout.ndim
+
+    @property
+    def ndim(self) -> builtins.int:
+        return self._meta.layout.ndim
+
+    def element_size(self) -> builtins.int:
+        return self.dtype.itemsize
+
+    @property
+    def itemsize(self) -> builtins.int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> builtins.int:
+        return self.numel() * self.dtype.itemsize
+
+    def data_ptr(self) -> builtins.int:
+        # torch: the storage's address plus the offset in bytes
+        return self._meta.storage_data_ptr + self._meta.layout.offset * self.dtype.itemsize
+
+    def untyped_storage(self) -> UntypedStorage:
+        return UntypedStorage(self._meta)
+
+    def __len__(self) -> builtins.int:
+        if self.ndim == 0:
+            raise errors.TensordTypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # ---- views: checked locally, then registered by one RPC ---------------------------
+
+    def _views(self, **op: Any) -> list[Tensor]:
+        response = self._client._conn.call("View", pb.ViewRequest(handle=self.handle, **op))
+        return [self._client._wrap(m) for m in response.tensors]
+
+    def _view(self, **op: Any) -> Tensor:
+        (result,) = self._views(**op)
+        return result
+
+    def view(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and _is_dtype(shape[0]):
+            return self._view_dtype(as_dtype(shape[0]))
+        with torch_errors():
+            sizes = shape_args(shape)
+            self._meta.layout.view(sizes)
+        return self._view(view=pb.ViewShape(shape=sizes))
+
+    def _view_dtype(self, dtype: DType) -> Tensor:
+        old = self.dtype
+        with torch_errors():
+            self._meta.layout.view_dtype(
+                old.itemsize, dtype.itemsize, old_name=old.scalar_type, new_name=dtype.scalar_type
+            )
+        return self._view(view_dtype=pb.ViewDtype(dtype=dtype.name))
+
+    def view_as(self, other: Tensor) -> Tensor:
+        return self.view(other.shape)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        with torch_errors():
+            sizes = shape_args(shape)
+            viewed = self._meta.layout.reshape(sizes)
+        if viewed is not None:
+            return self._view(view=pb.ViewShape(shape=sizes))
+        meta = self._client._conn.call("Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes))
+        return self._client._wrap(meta)
+
+    def reshape_as(self, other: Tensor) -> Tensor:
+        return self.reshape(other.shape)
+
+    def narrow(self, dim: builtins.int, start: builtins.int, length: builtins.int) -> Tensor:
+        with torch_errors():
+            self._meta.layout.narrow(dim, start, length)
+        return self._view(narrow=pb.Narrow(dim=dim, start=start, length=length))
+
+    def select(self, dim: builtins.int, index: builtins.int) -> Tensor:
+        with torch_errors():
+            self._meta.layout.select(dim, index)
+        return self._view(select=pb.Select(dim=dim, index=index))
+
+    def __getitem__(self, key: Any) -> Tensor:
+        key = plain_index(key)
+        with torch_errors():
+            self._meta.layout[key]
+        return self._view(index=pb.Index(items=index_items(key)))
+
+    def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        with torch_errors():
+            self._meta.layout.transpose(dim0, dim1)
+        return self._view(transpose=pb.Transpose(dim0=dim0, dim1=dim1))
+
+    def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
+        return self.transpose(axis0, axis1)
+
+    def t(self) -> Tensor:
+        with torch_errors():
+            self._meta.layout.t()
+        return self._view(t=pb.T())
+
+    def permute(self, *dims: Any) -> Tensor:
+        with torch_errors():
+            order = shape_args(dims)
+            self._meta.layout.permute(order)
+        return self._view(permute=pb.Permute(dims=order))
+
+    def movedim(self, source: Any, destination: Any) -> Tensor:
+        with torch_errors():
+            self._meta.layout.movedim(source, destination)
+        src = [source] if isinstance(source, builtins.int) else list(source)
+        dst = [destination] if isinstance(destination, builtins.int) else list(destination)
+        return self._view(movedim=pb.Movedim(source=src, destination=dst))
+
+    def expand(self, *sizes: Any) -> Tensor:
+        with torch_errors():
+            target = shape_args(sizes)
+            self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
+        return self._view(expand=pb.Expand(shape=target))
+
+    def expand_as(self, other: Tensor) -> Tensor:
+        return self.expand(other.shape)
+
+    def squeeze(self, dim: Any = None) -> Tensor:
+        with torch_errors():
+            self._meta.layout.squeeze(dim)
+        if dim is None:
+            return self._view(squeeze=pb.Squeeze())
+        dims = [dim] if isinstance(dim, builtins.int) else list(dim)
+        return self._view(squeeze=pb.Squeeze(dims=pb.IntList(values=dims)))
+
+    def unsqueeze(self, dim: builtins.int) -> Tensor:
+        with torch_errors():
+            self._meta.layout.unsqueeze(dim)
+        return self._view(unsqueeze=pb.Unsqueeze(dim=dim))
+
+    def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
+        with torch_errors():
+            viewed = self._meta.layout.flatten(start_dim, end_dim)
+        if viewed is not None:
+            return self._view(flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
+        # torch.flatten reshapes, and a reshape that cannot view copies
+        start = normalize_dim(start_dim, self.ndim)
+        end = normalize_dim(end_dim, self.ndim)
+        shape = self.shape
+        return self.reshape((*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]))
+
+    def unflatten(self, dim: builtins.int, sizes: Sequence[builtins.int]) -> Tensor:
+        with torch_errors():
+            self._meta.layout.unflatten(dim, sizes)
+        return self._view(unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
+
+    def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        with torch_errors():
+            self._meta.layout.split(split_size_or_sections, dim)
+        if isinstance(split_size_or_sections, builtins.int):
+            op = pb.Split(split_size=split_size_or_sections, dim=dim)
+        else:
+            op = pb.Split(sections=pb.IntList(values=list(split_size_or_sections)), dim=dim)
+        return tuple(self._views(split=op))
+
+    def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        with torch_errors():
+            self._meta.layout.chunk(chunks, dim)
+        return tuple(self._views(chunk=pb.Chunk(chunks=chunks, dim=dim)))
+
+    def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        with torch_errors():
+            self._meta.layout.unbind(dim)
+        return tuple(self._views(unbind=pb.Unbind(dim=dim)))
+
+    def diagonal(
+        self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
+    ) -> Tensor:
+        with torch_errors():
+            self._meta.layout.diagonal(offset, dim1, dim2)
+        return self._view(diagonal=pb.Diagonal(offset=offset, dim1=dim1, dim2=dim2))
+
+    def as_strided(
+        self,
+        size: Sequence[builtins.int],
+        stride: Sequence[builtins.int],
+        storage_offset: builtins.int | None = None,
+    ) -> Tensor:
+        itemsize = self.dtype.itemsize
+        with torch_errors():
+            self._meta.layout.as_strided(
+                size,
+                stride,
+                storage_offset,
+                storage_elements=self._meta.storage_nbytes // itemsize,
+                itemsize=itemsize,
+            )
+        op = pb.AsStrided(size=list(size), stride=list(stride), storage_offset=storage_offset)
+        return self._view(as_strided=op)
+
+    def detach(self) -> Tensor:
+        return self._view(detach=pb.Detach())
+
+    def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
+        """In place, as torch: this object now carries the flag (the server holds it too)."""
+        (meta,) = self._client._conn.call(
+            "View",
+            pb.ViewRequest(
+                handle=self.handle,
+                set_requires_grad=pb.SetRequiresGrad(requires_grad=requires_grad),
+            ),
+        ).tensors
+        self._adopt(Meta.from_pb(meta))
+        return self
+
+    def _adopt(self, meta: Meta) -> None:
+        # Swap in new metadata; a new handle replaces the old one, which is released.
+        if meta.handle != self._meta.handle:
+            self._finalizer()
+            self._finalizer = weakref.finalize(self, self._client._conn.queue_release, meta.handle)
+            self._finalizer.atexit = False
+        self._meta = meta
+
+    def share(self) -> str:
+        """A token another session turns into its own handle on this Storage (``attach``)."""
+        token: str = self._client._conn.call("Share", pb.HandleRequest(handle=self.handle)).token
+        return token
+
+    # ---- copies and writes on the server ----------------------------------------------
+
+    def _copy_op(self, method: str, request: Any) -> Tensor:
+        return self._client._wrap(self._client._conn.call(method, request))
+
+    def clone(self, *, memory_format: Any = None) -> Tensor:
+        fmt = "" if memory_format is None else str(memory_format).removeprefix("torch.")
+        return self._copy_op("Clone", pb.CloneRequest(handle=self.handle, memory_format=fmt))
+
+    def contiguous(self, memory_format: Any = None) -> Tensor:
+        if self.is_contiguous():
+            return self  # torch returns self
+        return self._copy_op("Contiguous", pb.HandleRequest(handle=self.handle))
+
+    def repeat(self, *sizes: Any) -> Tensor:
+        repeats = shape_args(sizes)
+        return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
+
+    def to(self, *args: Any, **kwargs: Any) -> Tensor:
+        """torch's forms: to(device), to(dtype), to(device, dtype), to(other), copy=True."""
+        device, dtype, copy = _parse_to(args, kwargs)
+        request = pb.ToRequest(
+            handle=self.handle,
+            device=device_name(device) if device is not None else "",
+            dtype=dtype.name if dtype is not None else "",
+            copy=copy,
+        )
+        meta = self._client._conn.call("To", request)
+        if meta.handle == self.handle:
+            return self  # nothing changed: torch returns self
+        return self._client._wrap(meta)
+
+    def cpu(self) -> Tensor:
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None) -> Tensor:
+        return self.to(device_name(0 if device is None else device))
+
+    def type_as(self, other: Tensor) -> Tensor:
+        return self.to(other.dtype)
+
+    def copy_(self, src: Any) -> Tensor:
+        source = src if isinstance(src, Tensor) else self._client.tensor(src, device=self.device)
+        self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=source.handle))
+        return self
+
+    def fill_(self, value: Any) -> Tensor:
+        if isinstance(value, Tensor):
+            value = value.item()
+        self._client._conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
+        return self
+
+    def zero_(self) -> Tensor:
+        return self.fill_(0)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        key = plain_index(key)
+        with torch_errors():
+            self._meta.layout[key]
+        request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
+        if isinstance(value, Tensor):
+            request.src_handle = value.handle
+        elif _is_number(value):
+            request.scalar.CopyFrom(scalar_pb(value))
+        else:  # an array or nested list: uploaded first, then copied in on the server
+            source = self._client.tensor(value, device=self.device)
+            request.src_handle = source.handle
+        self._client._conn.call("SetItem", request)
+
+    # ---- bytes to Python ----------------------------------------------------------------
+
+    def _download(self) -> np.ndarray:
+        """The elements in logical order, as a new NumPy array (any device)."""
+        np_dtype = dtypes.to_numpy_dtype(self.dtype)
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        if self.nbytes:
+            self._client._conn.download_into(self.handle, memoryview(out))
+        return out.view(np_dtype).reshape(self.shape)
+
+    def numpy(self, *, force: builtins.bool = False) -> np.ndarray:
+        if not force and self.requires_grad:
+            raise errors.TensordRuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
+        if not force and self.device.type != "cpu":
+            raise errors.TensordTypeError(
+                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
+                "copy the tensor to host memory first."
+            )
+        return self._download()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def tolist(self) -> Any:
+        return _python_values(self._download(), self.dtype).tolist()
+
+    def item(self) -> Number:
+        if self.numel() != 1:
+            raise errors.TensordRuntimeError(
+                f"a Tensor with {self.numel()} elements cannot be converted to Scalar"
+            )
+        value: Number = _python_values(self._download(), self.dtype).reshape(()).item()
+        return value
+
+    def __bool__(self) -> builtins.bool:
+        if self.numel() != 1:
+            raise errors.TensordRuntimeError(
+                f"Boolean value of Tensor with more than one value is ambiguous"
+                if self.numel() > 1
+                else "Boolean value of Tensor with no values is ambiguous"
+            )
+        return builtins.bool(self.item())
+
+    def __int__(self) -> builtins.int:
+        return builtins.int(self.item().real)
+
+    def __float__(self) -> builtins.float:
+        return builtins.float(self.item().real)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        if self.ndim == 0:
+            raise errors.TensordTypeError("iteration over a 0-d tensor")
+        return iter(self.unbind(0))
+
+    def __repr__(self) -> str:
+        if self._client.closed:
+            return f"<tensord.Tensor {self.handle} of a closed client>"
+        shape = tuple(self.shape)
+        values = self._edge_values() if _format.summarize(shape) else self._download()
+        return _format.tensor_repr(values, shape, self.dtype, self.device, self.requires_grad)
+
+    def _edge_values(self, dim: builtins.int = 0) -> np.ndarray:
+        # Only the head and tail of each long dim, as torch's summary shows them.
+        if dim == self.ndim:
+            return self._download()
+        parts = [
+            self.narrow(dim, s.start, s.stop - s.start)._edge_values(dim + 1)
+            for s in _format.edge_index(self.shape[dim])
+        ]
+        return np.concatenate(parts, axis=dim) if len(parts) > 1 else parts[0]
+
+    # ---- dtype conversions: to(dtype) ---------------------------------------------------
+
+    def double(self) -> Tensor:
+        return self.to(dtypes.float64)
+
+    def half(self) -> Tensor:
+        return self.to(dtypes.float16)
+
+    def bfloat16(self) -> Tensor:
+        return self.to(dtypes.bfloat16)
+
+    def long(self) -> Tensor:
+        return self.to(dtypes.int64)
+
+    def short(self) -> Tensor:
+        return self.to(dtypes.int16)
+
+    def byte(self) -> Tensor:
+        return self.to(dtypes.uint8)
+
+    def char(self) -> Tensor:
+        return self.to(dtypes.int8)
+
+    def cfloat(self) -> Tensor:
+        return self.to(dtypes.complex64)
+
+    def cdouble(self) -> Tensor:
+        return self.to(dtypes.complex128)
+
+    # Last in the class body: these names shadow the built-ins below them.
+    def float(self) -> Tensor:
+        return self.to(dtypes.float32)
+
+    def int(self) -> Tensor:
+        return self.to(dtypes.int32)
+
+    def bool(self) -> Tensor:
+        return self.to(dtypes.bool)
+
+
+def _python_values(values: np.ndarray, dtype: DType) -> np.ndarray:
+    # bfloat16 is an ml_dtypes scalar type; tolist()/item() should give Python floats.
+    return values.astype(np.float32) if dtype is dtypes.bfloat16 else values
+
+
+def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, DType | None, builtins.bool]:
+    """torch.Tensor.to's overloads -> (device or None, dtype or None, copy)."""
+    device = kwargs.pop("device", None)
+    dtype = kwargs.pop("dtype", None)
+    copy = builtins.bool(kwargs.pop("copy", False))
+    kwargs.pop("non_blocking", None)  # transfers run on the server; nothing to overlap here
+    kwargs.pop("memory_format", None)
+    if kwargs:
+        raise errors.TensordTypeError(f"to() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    rest = list(args)
+    if rest and isinstance(rest[0], Tensor):
+        other = rest.pop(0)
+        device, dtype = other.device, other.dtype
+    elif rest and _is_dtype(rest[0]):
+        dtype = rest.pop(0)
+    elif rest and rest[0] is not None and not isinstance(rest[0], builtins.bool):
+        device = rest.pop(0)
+        if rest and _is_dtype(rest[0]):
+            dtype = rest.pop(0)
+    elif rest and rest[0] is None:
+        rest.pop(0)
+        if rest and _is_dtype(rest[0]):
+            dtype = rest.pop(0)
+    if rest:  # trailing positionals: non_blocking, copy
+        rest.pop(0)
+    if rest:
+        copy = builtins.bool(rest.pop(0))
+    if rest:
+        raise errors.TensordTypeError(f"to() received too many positional arguments: {args!r}")
+    return device, (as_dtype(dtype) if dtype is not None else None), copy
