@@ -33,7 +33,7 @@ def measure(
 
 def row(name: str, allocated: int, reserved: int, segments: Any, speed: str) -> str:
     ratio = reserved / allocated if allocated else 0.0
-    return f"{name:<36} {allocated:>15,} {reserved:>15,} {ratio:>8.4f} {segments!s:>10} {speed:>22}"
+    return f"{name:<40} {allocated:>15,} {reserved:>15,} {ratio:>8.4f} {segments!s:>10} {speed:>22}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     events = load_trace(trace)
     print(f"trace: {trace.name}, {len(events):,} events, {args.repeats} replays per variant\n")
-    header = f"{'allocator':<36} {'peak allocated':>15} {'peak reserved':>15} {'res/alloc':>8} {'dev allocs':>10} {'events/s (best, median)':>22}"
+    header = f"{'allocator':<40} {'peak allocated':>15} {'peak reserved':>15} {'res/alloc':>8} {'dev allocs':>10} {'events/s (best, median)':>22}"
     lines = [header, "-" * len(header)]
     for name, recorded in (
         ("tensord (recorded addresses)", True),

@@ -21,6 +21,7 @@ from tensord_server.backends import (
 from tensord_server.pool import (
     LARGE_BUFFER,
     SMALL_BUFFER,
+    Block,
     CachingPool,
     external_fragmentation,
     get_allocation_size,
@@ -451,7 +452,7 @@ def test_many_threads_share_one_pool() -> None:
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        live = []
+        live: list[Block] = []
         try:
             for _ in range(steps):
                 if live and rng.random() < 0.45:

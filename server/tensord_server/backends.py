@@ -106,10 +106,9 @@ class HostBackend:
     dropping the last reference.
     """
 
-    xp = np
-
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         self.device = device
+        self.xp: Any = np
         self.total_bytes = host_default_capacity() if total_bytes is None else int(total_bytes)
 
     def reserve(self, nbytes: int) -> DeviceMemory:
@@ -147,10 +146,9 @@ class BookkeepingBackend:
     as cudaMalloc does on a full device.
     """
 
-    xp = None
-
     def __init__(self, *, device: str = "sim", total_bytes: int | None = None) -> None:
         self.device = device
+        self.xp: Any = None
         self.total_bytes = BOOKKEEPING_DEFAULT_CAPACITY if total_bytes is None else int(total_bytes)
         self._lock = threading.Lock()  # guards the two fields below
         self._in_use = 0  # sum of nbytes of reserved, unreleased segments
