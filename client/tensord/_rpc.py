@@ -86,7 +86,7 @@ def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[er
     """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
     base = _ERROR_BY_CODE.get(code, errors.TensordError) if code is not None else errors.TensordError
     named = _ERROR_BY_NAME.get(error_type or "")
-    if named is not None and issubclass(named, base):
+    if named is not None and named.status_code == base.status_code:
         return named
     if base is errors.InvalidArgumentError:
         return _INVALID_ARGUMENT_BY_BUILTIN.get(error_type or "", base)
