@@ -129,6 +129,17 @@ def test_large_remainder_of_one_mib_is_not_split_and_counts_whole() -> None:
     pool.assert_invariants()
 
 
+def test_blocks_are_reused_only_on_their_stream() -> None:
+    pool = make_pool()
+    first = pool.malloc(1000, stream=0)
+    segment = first.segment
+    pool.free(first)
+    other = pool.malloc(1000, stream=1)
+    assert other.segment is not segment and other.stream == 1
+    assert pool.malloc(1000, stream=0).segment is segment
+    pool.assert_invariants()
+
+
 def test_small_split_leaves_512_byte_remainder() -> None:
     pool = make_pool()
     left, hole, right = pool.malloc(512), pool.malloc(1024), pool.malloc(512)

@@ -27,12 +27,12 @@ sizes = st.one_of(
     st.integers(10 * MiB, 48 * MiB),
 )
 
-# ("alloc", size) | ("free", index into the live blocks) | ("empty_cache", 0)
+# ("alloc", size, stream) | ("free", index into the live blocks, 0) | ("empty_cache", 0, 0)
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("alloc"), sizes),
-        st.tuples(st.just("free"), st.integers(0, 1000)),
-        st.tuples(st.just("empty_cache"), st.just(0)),
+        st.tuples(st.just("alloc"), sizes, st.sampled_from([0, 0, 0, 7])),
+        st.tuples(st.just("free"), st.integers(0, 1000), st.just(0)),
+        st.tuples(st.just("empty_cache"), st.just(0), st.just(0)),
     ),
     max_size=60,
 )
@@ -60,15 +60,15 @@ def check_live_blocks(pool: CachingPool, live: list[Block]) -> None:
     capacity=st.sampled_from([None, 64 * MiB]),
 )
 def test_random_sequences_keep_invariants(
-    ops: list[tuple[str, int]], max_split_size: int | None, capacity: int | None
+    ops: list[tuple[str, int, int]], max_split_size: int | None, capacity: int | None
 ) -> None:
     pool = CachingPool(BookkeepingBackend(), capacity=capacity, max_split_size=max_split_size)
     live: list[Block] = []
     ooms = 0
-    for action, value in ops:
+    for action, value, stream in ops:
         if action == "alloc":
             try:
-                live.append(pool.malloc(value))
+                live.append(pool.malloc(value, stream))
             except OutOfMemoryError:
                 ooms += 1
         elif action == "free" and live:

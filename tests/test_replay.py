@@ -159,6 +159,19 @@ def test_cli_replay_json(tmp_path: Path) -> None:
     }
 
 
+def test_cli_replay_reports_unreadable_trace(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    for path in (empty, tmp_path / "missing.events.json.gz"):
+        completed = subprocess.run(
+            [sys.executable, "-m", "tensord_server", "replay", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 2 and "cannot read" in completed.stderr
+
+
 @needs_resnet_trace
 def test_cli_replay_resnet50() -> None:
     report = run_cli(str(RESNET_TRACE))

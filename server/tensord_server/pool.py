@@ -688,7 +688,11 @@ class CachingPool:
         return self._stats.reserved_bytes[ALL].current
 
     def _oom_message(self, nbytes: int) -> str:
-        """PyTorch's out-of-memory message, with tensord's names."""
+        """PyTorch's out-of-memory message, with tensord's names.
+
+        PyTorch names the segment size it tried to reserve; the bytes the caller
+        asked for are what an operator can act on, so those are named here.
+        """
         allocated = self._stats.allocated_bytes[ALL].current
         reserved = self._reserved()
         return (

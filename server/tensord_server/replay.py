@@ -21,6 +21,7 @@ import argparse
 import gzip
 import json
 import pickle
+import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -60,7 +61,16 @@ COMPARED_KEYS = (
 
 def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
     """The events of a ``_snapshot()`` dict (device 0) or of a bare list of trace dicts."""
-    entries = snapshot["device_traces"][0] if isinstance(snapshot, dict) else snapshot
+    if isinstance(snapshot, dict):
+        traces = snapshot.get("device_traces") or [[]]
+        if not traces[0]:
+            raise ValueError(
+                "the snapshot has no device trace: record it with "
+                "torch.cuda.memory._record_memory_history() before taking it"
+            )
+        entries = traces[0]
+    else:
+        entries = snapshot
     return [
         (
             entry["action"],
@@ -280,7 +290,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    events = load_trace(args.trace)
+    try:
+        events = load_trace(args.trace)
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+        print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
+        return 2
     result = replay(
         events,
         capacity=args.capacity,
