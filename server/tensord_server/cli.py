@@ -14,6 +14,10 @@ from collections.abc import Sequence
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("tensord_server.replay", "replay an allocator trace through the pool"),
+    "stats": ("tensord_server.admin", "print a server's memory_stats() for one device"),
+    "summary": ("tensord_server.admin", "print a server's memory_summary() for one device"),
+    "snapshot": ("tensord_server.admin", "save a server's memory snapshot for memory_viz"),
+    "empty-cache": ("tensord_server.admin", "return a server's cached, unused segments"),
 }
 
 
