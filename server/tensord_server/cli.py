@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("tensord_server.admin", "print a server's memory_summary() for one device"),
     "snapshot": ("tensord_server.admin", "save a server's memory snapshot for memory_viz"),
     "empty-cache": ("tensord_server.admin", "return a server's cached, unused segments"),
+    "loadtest": ("tensord_server.loadtest", "load-test a server's fragmentation with Locust"),
 }
 
 

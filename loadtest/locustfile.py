@@ -1,0 +1,164 @@
+"""Locust users that drive tensord through its SDK, one workload per user class.
+
+Run by ``tensord loadtest`` (which starts a server, Locust and the sampler and
+writes the report), or by hand / by docker-compose::
+
+    locust -f loadtest/locustfile.py --headless -u 20 -t 30s --host 127.0.0.1:50051
+
+Every SDK operation fires one Locust request event (``request_type="grpc"``,
+named ``workload.op``), so Locust's statistics cover every op.  Errors a
+workload provokes on purpose (an out-of-memory pool, a name deleted under a
+reader) are fired with ``request_type="expected"`` and no exception: they
+show in their own rows and never count as failures.
+
+Configuration, by environment variable (read by master and workers alike):
+
+- ``TENSORD_ADDRESS``: the server, when ``--host`` is not given;
+- ``TENSORD_WORKLOADS``: weights, e.g. ``kv=3,train=2,churn=3`` (unnamed: off;
+  empty: every workload at its default weight);
+- ``TENSORD_SCALE``: multiplies every allocation size (default 1.0);
+- ``TENSORD_TRACE``, ``TENSORD_TRACE_DIVISOR``: the trace the ``trace`` users
+  replay and how much to divide its sizes by (default 256);
+- ``TENSORD_WAIT``: ``min,max`` seconds each user waits between steps;
+- ``TENSORD_RUN_ID``: names shared tensors ``loadtest/<run id>/...``;
+- ``TENSORD_SAMPLER``: ``on`` (default when ``--csv`` is given) samples the
+  server's memory statistics into ``<csv prefix>_timeseries.csv`` from the
+  master; ``off`` when ``tensord loadtest`` samples by itself;
+- ``TENSORD_SAMPLE_INTERVAL``: seconds between samples (default 0.5).
+"""
+
+from __future__ import annotations
+
+# gRPC must cooperate with gevent before any channel exists (Locust's gRPC pattern).
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import gevent  # noqa: E402
+import tensord  # noqa: E402
+from locust import User, between, events, task  # noqa: E402
+from locust.runners import WorkerRunner  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, OpFailed, TraceReplay, Workload, parse_weights  # noqa: E402
+
+WEIGHTS = parse_weights(os.environ.get("TENSORD_WORKLOADS"))
+SCALE = float(os.environ.get("TENSORD_SCALE", "1.0"))
+RUN_ID = os.environ.get("TENSORD_RUN_ID", "run")
+WAIT_MIN, WAIT_MAX = (float(v) for v in os.environ.get("TENSORD_WAIT", "0,0.05").split(","))
+
+
+class TensordUser(User):
+    """One tensord session running one :class:`Workload`."""
+
+    abstract = True
+    workload_class: type[Workload]
+    wait_time = between(WAIT_MIN, WAIT_MAX)
+
+    def on_start(self) -> None:
+        address = self.host or os.environ.get("TENSORD_ADDRESS")
+        start = time.perf_counter()
+        try:
+            self.client = tensord.connect(address)
+        except Exception as exc:
+            self._record("session.connect", time.perf_counter() - start, 0, exc, False)
+            raise
+        self._record("session.connect", time.perf_counter() - start, 0, None, False)
+        kwargs: dict[str, Any] = {"rng": random.Random(), "scale": SCALE, "run_id": RUN_ID}
+        if self.workload_class is TraceReplay:
+            kwargs["divisor"] = int(os.environ.get("TENSORD_TRACE_DIVISOR", "256"))
+        self.workload = self.workload_class(self.client, self._record, **kwargs)
+        with contextlib.suppress(OpFailed):  # recorded; the user carries on with what it has
+            self.workload.start()
+
+    @task
+    def step(self) -> None:
+        with contextlib.suppress(OpFailed):  # recorded as a failure already
+            self.workload.step()
+
+    def on_stop(self) -> None:
+        client = getattr(self, "client", None)
+        if client is None:
+            return
+        try:
+            workload = getattr(self, "workload", None)
+            if workload is not None:
+                workload.stop()
+        except OpFailed:
+            pass
+        finally:
+            start = time.perf_counter()
+            try:
+                client.close()
+            except Exception as exc:
+                self._record("session.close", time.perf_counter() - start, 0, exc, False)
+            else:
+                self._record("session.close", time.perf_counter() - start, 0, None, False)
+
+    def _record(
+        self, op: str, seconds: float, nbytes: int, exc: BaseException | None, expected: bool
+    ) -> None:
+        fire = self.environment.events.request.fire
+        if expected:
+            name = f"{op} ({type(exc).__name__})"
+            fire(request_type="expected", name=name, response_time=seconds * 1000.0,
+                 response_length=0, exception=None, context={})  # fmt: skip
+        else:
+            fire(request_type="grpc", name=op, response_time=seconds * 1000.0,
+                 response_length=nbytes, exception=exc, context={})  # fmt: skip
+
+
+def _user_class(workload: type[Workload]) -> type[TensordUser]:
+    weight = WEIGHTS[workload.name]
+    attrs = {
+        "workload_class": workload,
+        "weight": max(weight, 1),
+        "abstract": weight == 0,  # off: Locust skips abstract classes
+        "__module__": __name__,
+        "__doc__": workload.__doc__,
+    }
+    return type(f"{workload.__name__}User", (TensordUser,), attrs)
+
+
+for _workload in WORKLOADS.values():
+    globals()[f"{_workload.__name__}User"] = _user_class(_workload)
+
+
+# -- the sampler, when Locust runs without `tensord loadtest` ------------------------
+_sampler: gevent.Greenlet | None = None
+
+
+@events.test_start.add_listener
+def _start_sampler(environment: Any, **_: Any) -> None:
+    global _sampler
+    options = environment.parsed_options
+    prefix = getattr(options, "csv_prefix", None)
+    wanted = os.environ.get("TENSORD_SAMPLER", "on" if prefix else "off") == "on"
+    if not wanted or not prefix or isinstance(environment.runner, WorkerRunner) or _sampler:
+        return
+    from tensord_server.loadtest import TimeSeries
+
+    address = environment.host or os.environ.get("TENSORD_ADDRESS")
+    interval = float(os.environ.get("TENSORD_SAMPLE_INTERVAL", "0.5"))
+
+    def sample() -> None:
+        with tensord.connect(address) as client, TimeSeries(f"{prefix}_timeseries.csv") as series:
+            while True:
+                series.sample(client, "load")
+                gevent.sleep(interval)
+
+    _sampler = gevent.spawn(sample)
+
+
+@events.quitting.add_listener
+def _stop_sampler(**_: Any) -> None:
+    if _sampler is not None:
+        _sampler.kill()

@@ -1,0 +1,577 @@
+"""tensord's load-test workloads: plain classes over the SDK, no Locust, no gevent.
+
+Each workload is one client session doing one kind of allocation pattern.  It
+calls the SDK through :meth:`Workload.call`, which times the operation and
+hands ``(op, seconds, nbytes, exception, expected)`` to a recorder: Locust's
+request event in ``locustfile.py``, a plain list in the tests.
+
+Errors a workload provokes on purpose are *expected* (an OOM when the pool is
+full, NOT_FOUND when another user deleted the name it was about to read); they
+are recorded as such and the workload carries on.  Any other error is recorded
+as a failure and raised as :class:`OpFailed`, which ends the current step.
+
+Sizes are in bytes and scale with ``scale`` (1.0: the defaults here, sized so
+50 users fit a 4 GiB pool with room for the fragmentation to show).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from tensord import dtypes
+from tensord.errors import NotFoundError, OutOfMemoryError
+
+#: (op, seconds, response bytes, exception or None, expected?)
+Recorder = Callable[[str, float, int, BaseException | None, bool], None]
+
+#: every workload may meet a full pool; that is the load test's finding, not a failure
+ALWAYS_EXPECTED: tuple[type[BaseException], ...] = (OutOfMemoryError,)
+
+#: where the shared folder lies relative to a checkout (CI puts it beside the repo)
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parent.parent.parent / "shared/traces/resnet50_train.events.json.gz"
+)
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+class OpFailed(Exception):
+    """An operation failed unexpectedly; it has already been recorded."""
+
+    def __init__(self, op: str, cause: BaseException) -> None:
+        super().__init__(f"{op}: {type(cause).__name__}: {cause}")
+        self.op = op
+        self.cause = cause
+
+
+class DataMismatch(AssertionError):
+    """Bytes read back from the server differ from what the workload computed."""
+
+
+def result_nbytes(result: Any) -> int:
+    """Bytes a result covers: a tensor's or array's ``nbytes``, else 0."""
+    nbytes = getattr(result, "nbytes", 0)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
+class Workload:
+    """One session's worth of one allocation pattern.
+
+    ``start()`` once, ``step()`` repeatedly, ``stop()`` once: ``stop`` drops every
+    tensor and name the workload holds, so a finished workload leaks nothing.
+    """
+
+    name: ClassVar[str]
+    #: relative share of users when the operator does not say otherwise
+    default_weight: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        client: Any,
+        record: Recorder,
+        *,
+        rng: random.Random | None = None,
+        scale: float = 1.0,
+        run_id: str = "run",
+    ) -> None:
+        self.client = client
+        self.record = record
+        self.rng = rng or random.Random()
+        self.scale = scale
+        self.run_id = run_id
+        self.user_id = uuid.uuid4().hex[:12]
+
+    # -- plumbing ---------------------------------------------------------------
+    def call(
+        self,
+        op: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        expect: tuple[type[BaseException], ...] = (),
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``fn``, record it as ``op``; None when it raised an expected error."""
+        start = time.perf_counter()
+        try:
+            result = fn(*args, **kwargs)
+        except ALWAYS_EXPECTED + expect as exc:
+            self.record(op, time.perf_counter() - start, 0, exc, True)
+            return None
+        except Exception as exc:
+            self.record(op, time.perf_counter() - start, 0, exc, False)
+            raise OpFailed(op, exc) from exc
+        self.record(op, time.perf_counter() - start, result_nbytes(result), None, False)
+        return result
+
+    def verify(self, op: str, ok: bool, message: str) -> None:
+        """Record a data check as its own op; a mismatch is an unexpected failure."""
+        if ok:
+            self.record(op, 0.0, 0, None, False)
+            return
+        exc = DataMismatch(message)
+        self.record(op, 0.0, 0, exc, False)
+        raise OpFailed(op, exc)
+
+    def size(self, nbytes: float) -> int:
+        """A size from this module's defaults, scaled, at least one byte."""
+        return max(1, int(nbytes * self.scale))
+
+    # -- the pattern ------------------------------------------------------------
+    def start(self) -> None:
+        """Allocate what lives for the whole session (nothing by default)."""
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Drop every tensor (the SDK releases the handles)."""
+
+
+class KVCache(Workload):
+    """LLM serving: sequences grow token by token and finish out of order.
+
+    Half the sequences grow by ``cat`` (a new Storage each time); the other half
+    write into a preallocated buffer through ``narrow().copy_()`` and double it
+    when full, as paged servers do.  A sequence finishes when it reaches its
+    own random target length, or is preempted, so releases come out of order.
+    """
+
+    name = "kv"
+    default_weight = 3
+    max_sequences = 4
+    token_bytes = 2 * KiB  # one token's keys and values for every head, float16
+
+    def start(self) -> None:
+        self.width = max(1, self.size(self.token_bytes) // 2)  # float16 elements
+        self.seqs: list[dict[str, Any]] = []
+
+    def step(self) -> None:
+        rng = self.rng
+        if len(self.seqs) < self.max_sequences and (not self.seqs or rng.random() < 0.25):
+            self._prefill()
+            return
+        seq = rng.choice(self.seqs)
+        if rng.random() < 0.03:  # preempted: dropped before it finished
+            self.seqs.remove(seq)
+            return
+        self._decode(seq)
+        if seq["length"] >= seq["target"]:
+            self.seqs.remove(seq)
+
+    def _prefill(self) -> None:
+        prompt = self.rng.randint(16, 256)
+        buf = self.call("kv.prefill", self.client.zeros, prompt, self.width, dtype=dtypes.float16)
+        if buf is not None:
+            mode = self.rng.choice(("cat", "paged"))
+            target = prompt + self.rng.randint(16, 1792)
+            self.seqs.append({"buf": buf, "length": prompt, "target": target, "mode": mode})
+
+    def _decode(self, seq: dict[str, Any]) -> None:
+        n = self.rng.randint(1, 16)
+        new = self.call(
+            "kv.new_tokens", self.client.full, (n, self.width), 1.0, dtype=dtypes.float16
+        )
+        if new is None:
+            return
+        length = seq["length"]
+        if seq["mode"] == "cat":
+            grown = self.call("kv.cat", self.client.cat, [seq["buf"], new], dim=0)
+            if grown is None:
+                return
+            seq["buf"] = grown
+        else:
+            buf = seq["buf"]
+            if length + n > buf.shape[0]:
+                capacity = max(2 * buf.shape[0], length + n)
+                bigger = self.call(
+                    "kv.grow", self.client.empty, capacity, self.width, dtype=dtypes.float16
+                )
+                if bigger is None:
+                    return
+                dst = self.call("kv.narrow", bigger.narrow, 0, 0, length)
+                self.call("kv.copy", dst.copy_, self.call("kv.narrow", buf.narrow, 0, 0, length))
+                seq["buf"] = buf = bigger
+            dst = self.call("kv.narrow", buf.narrow, 0, length, n)
+            self.call("kv.copy", dst.copy_, new)
+        seq["length"] = length + n
+
+    def stop(self) -> None:
+        self.seqs = []
+
+
+class TrainingStep(Workload):
+    """Training with a batch size that changes every step.
+
+    Activations are allocated layer by layer going forward and freed in
+    reverse going backward, each replaced by a gradient of its size; the
+    weights live for the whole session.
+    """
+
+    name = "train"
+    default_weight = 2
+    batch_sizes = (2, 4, 6, 8, 12, 16, 24, 32)
+    layer_bytes = (
+        48 * KiB,
+        96 * KiB,
+        96 * KiB,
+        64 * KiB,
+        32 * KiB,
+        16 * KiB,
+        4 * KiB,
+    )  # per sample
+
+    def start(self) -> None:
+        self.weights = self.call("train.weights", self.client.zeros, self.size(2 * MiB) // 4)
+        self.steps = 0
+
+    def step(self) -> None:
+        batch = self.rng.choice(self.batch_sizes)
+        activations = []
+        for per_sample in self.layer_bytes:
+            features = max(1, self.size(per_sample) // 4)  # float32 per sample
+            act = self.call("train.forward", self.client.empty, batch, features)
+            if act is None:  # out of memory: abandon the step as a trainer would
+                return
+            activations.append(act)
+        grad = None
+        while activations:
+            act = activations.pop()
+            grad = self.call("train.backward", self.client.empty_like, act)
+            del act
+            if grad is None:
+                return
+        del grad
+        self.steps += 1
+        if self.weights is not None:
+            head = self.call("train.optimizer", self.weights.narrow, 0, 0, 256)
+            self.call("train.optimizer", head.fill_, float(self.steps))
+
+    def stop(self) -> None:
+        self.weights = None
+
+
+class SmallChurn(Workload):
+    """Many tensors under 1 MiB with random lifetimes, freed in random order."""
+
+    name = "churn"
+    default_weight = 3
+    max_live = 256
+
+    def start(self) -> None:
+        self.live: list[tuple[int, Any]] = []
+        self.clock = 0
+
+    def step(self) -> None:
+        self.clock += 1
+        rng = self.rng
+        for _ in range(rng.randint(1, 8)):
+            nbytes = min(self.size(2 ** rng.uniform(9, 20)), MiB)  # log-uniform 512 B .. 1 MiB
+            t = self.call("churn.alloc", self.client.empty, nbytes, dtype=dtypes.uint8)
+            if t is None:
+                continue
+            if rng.random() < 0.2:
+                self.call("churn.fill", t.fill_, rng.randint(0, 255))
+            self.live.append((self.clock + 1 + int(rng.expovariate(1 / 10)), t))
+        rng.shuffle(self.live)
+        self.live = [(due, t) for due, t in self.live if due > self.clock][-self.max_live :]
+
+    def stop(self) -> None:
+        self.live = []
+
+
+class Bimodal(Workload):
+    """Large short-lived and small long-lived requests interleaved.
+
+    Small blocks that outlive the large ones between them pin segments, so
+    freed large blocks cannot be reused for the next, differently sized, large
+    request: the pattern that strands free memory.
+    """
+
+    name = "bimodal"
+    default_weight = 1
+    max_small = 48
+    max_large = 2
+
+    def start(self) -> None:
+        self.small: list[tuple[int, Any]] = []
+        self.large: list[tuple[int, Any]] = []
+        self.clock = 0
+
+    def step(self) -> None:
+        self.clock += 1
+        rng = self.rng
+        if rng.random() < 0.25:
+            nbytes = self.size(rng.uniform(8, 48) * MiB)
+            t = self.call("bimodal.large", self.client.empty, nbytes, dtype=dtypes.uint8)
+            if t is not None:
+                self.large.append((self.clock + rng.randint(1, 4), t))
+        else:
+            nbytes = self.size(rng.uniform(64 * KiB, 3 * MiB))
+            t = self.call("bimodal.small", self.client.empty, nbytes, dtype=dtypes.uint8)
+            if t is not None:
+                self.small.append((self.clock + rng.randint(20, 200), t))
+        self.large = [(d, t) for d, t in self.large if d > self.clock][-self.max_large :]
+        self.small = [(d, t) for d, t in self.small if d > self.clock][-self.max_small :]
+
+    def stop(self) -> None:
+        self.small, self.large = [], []
+
+
+#: a view chain: (op name, on the tensord tensor, on the NumPy mirror)
+ViewOp = tuple[str, Callable[[Any], Any], Callable[[np.ndarray], np.ndarray]]
+
+
+class ViewHeavy(Workload):
+    """Chains of views ending in ``contiguous()`` or ``clone()``; some read back and checked.
+
+    The base tensor is an ``arange``, mirrored in NumPy, so a result read back
+    can be compared with the same chain applied to the mirror.
+    """
+
+    name = "views"
+    default_weight = 2
+    rows, cols = 256, 512
+    verify_probability = 0.1
+
+    def start(self) -> None:
+        r, c = self.rows, self.cols
+        flat = self.call("views.arange", self.client.arange, r * c, dtype=dtypes.float32)
+        self.base = self.call("views.view", flat.view, r, c)
+        self.mirror = np.arange(r * c, dtype=np.float32).reshape(r, c)
+
+    def chain(self) -> list[ViewOp]:
+        rng, r, c = self.rng, self.rows, self.cols
+        a, n = rng.randrange(c - 8), rng.randint(1, 8)
+        i, j = rng.randrange(r), rng.randrange(4)
+        k = rng.randrange(1, r // 2)
+        chains: list[list[ViewOp]] = [
+            [
+                ("t", lambda x: x.t(), lambda m: m.T),
+                ("narrow", lambda x: x.narrow(0, a, n), lambda m: m[a : a + n]),
+                ("unsqueeze", lambda x: x.unsqueeze(0), lambda m: m[None]),
+            ],
+            [
+                ("view", lambda x: x.view(r // 2, 2, c), lambda m: m.reshape(r // 2, 2, c)),
+                ("permute", lambda x: x.permute(2, 0, 1), lambda m: m.transpose(2, 0, 1)),
+                ("index", lambda x: x[:, k:, 1], lambda m: m[:, k:, 1]),
+            ],
+            [
+                ("select", lambda x: x.select(0, i), lambda m: m[i]),
+                ("unsqueeze", lambda x: x.unsqueeze(0), lambda m: m[None]),
+                ("expand", lambda x: x.expand(4, c), lambda m: np.broadcast_to(m, (4, c))),
+            ],
+            [
+                ("chunk", lambda x: x.chunk(4, dim=1)[j], lambda m: np.split(m, 4, axis=1)[j]),
+                ("transpose", lambda x: x.transpose(0, 1), lambda m: m.T),
+                ("index", lambda x: x[::3, k:], lambda m: m[::3, k:]),
+            ],
+            [
+                ("index", lambda x: x[k:, ::2], lambda m: m[k:, ::2]),
+                ("split", lambda x: x.split(8, dim=0)[0], lambda m: m[:8]),
+                ("t", lambda x: x.t(), lambda m: m.T),
+            ],
+        ]
+        return rng.choice(chains)
+
+    def step(self) -> None:
+        if self.base is None:
+            return
+        chain = self.chain()
+        cur, ref = self.base, self.mirror
+        for op, on_tensor, on_mirror in chain:
+            cur = self.call(f"views.{op}", on_tensor, cur)
+            ref = on_mirror(ref)
+        finish = self.rng.choice(("contiguous", "clone"))
+        out = self.call(f"views.{finish}", getattr(cur, finish))
+        if out is None or self.rng.random() >= self.verify_probability:
+            return
+        got = self.call("views.numpy", out.numpy)
+        ok = got.shape == ref.shape and bool(np.array_equal(got, ref))
+        self.verify("views.verify", ok, f"chain {[op for op, _, _ in chain]} read back wrong data")
+
+    def stop(self) -> None:
+        self.base = None
+
+
+#: tokens handed between users of one process (cross-process sharing goes by name)
+_TOKENS: deque[str] = deque(maxlen=64)
+
+
+class Sharing(Workload):
+    """Users pass tensors to each other by name (``put``/``get``) and by token (``share``/``attach``).
+
+    Every tensor is filled with one value, so a reader checks that what it
+    got is whole.  A name may be deleted or overwritten by its owner between
+    ``names()`` and ``get()``: that NOT_FOUND is expected.  Each user deletes its
+    own names when it stops.
+    """
+
+    name = "sharing"
+    default_weight = 1
+    slots = 4
+
+    def start(self) -> None:
+        self.prefix = f"loadtest/{self.run_id}/"
+        self.own: set[str] = set()
+        self.held: list[Any] = []  # what this user attached, kept a few steps
+
+    def _make(self, op: str) -> Any:
+        n = self.size(self.rng.randint(1, 64) * 4 * KiB) // 4 or 1
+        return self.call(op, self.client.full, (n,), float(self.rng.randint(1, 1000)))
+
+    def _check(self, op: str, t: Any) -> None:
+        head = self.call(f"{op}.numpy", t.numpy) if t.shape[0] <= 4096 else None
+        if head is None:
+            head = self.call(f"{op}.numpy", t.narrow(0, 0, 4096).numpy)
+        self.verify(f"{op}.verify", bool((head == head[0]).all()), f"{op}: mixed values")
+
+    def step(self) -> None:
+        action = self.rng.choice(("put", "get", "get", "share", "attach", "delete"))
+        client = self.client
+        if action == "put":
+            name = f"{self.prefix}{self.user_id}/{self.rng.randrange(self.slots)}"
+            t = self._make("share.make")
+            if t is not None:
+                self.own.add(name)  # before the call: a put cut short may still land
+                self.call("share.put", client.put, name, t, overwrite=True)
+        elif action == "get":
+            names = self.call("share.names", client.names)
+            mine = f"{self.prefix}{self.user_id}/"
+            theirs = [n for n in names if n.startswith(self.prefix) and not n.startswith(mine)]
+            if theirs:
+                t = self.call(
+                    "share.get", client.get, self.rng.choice(theirs), expect=(NotFoundError,)
+                )
+                if t is not None:
+                    self._check("share.get", t)
+                    self.held.append(t)
+        elif action == "share":
+            t = self._make("share.make")
+            if t is not None:
+                _TOKENS.append(self.call("share.token", t.share))
+                self.held.append(t)
+        elif action == "attach":
+            if _TOKENS:
+                t = self.call(
+                    "share.attach", client.attach, _TOKENS.popleft(), expect=(NotFoundError,)
+                )
+                if t is not None:
+                    self._check("share.attach", t)
+                    self.held.append(t)
+        elif self.own:
+            name = self.rng.choice(sorted(self.own))
+            self.call("share.delete", client.delete, name, expect=(NotFoundError,))
+            self.own.discard(name)
+        self.held = self.held[-8:]
+
+    def stop(self) -> None:
+        self.held = []
+        for name in sorted(self.own):
+            self.call("share.delete", self.client.delete, name, expect=(NotFoundError,))
+        self.own.clear()
+
+
+#: (is_alloc, block id, bytes) for each alloc / free_completed of a trace
+TraceOps = list[tuple[bool, int, int]]
+_TRACE_CACHE: dict[tuple[str, int], TraceOps] = {}
+
+
+def load_trace(path: str | os.PathLike[str], divisor: int) -> TraceOps:
+    """The allocs and completed frees of a ``[action, addr, size, stream]`` trace, sizes divided.
+
+    ``addr`` names a block from its alloc to its free; it becomes a dense id.
+    Cached per process: every replaying user shares one copy.
+    """
+    key = (str(path), divisor)
+    if key not in _TRACE_CACHE:
+        with gzip.open(path, "rt") as f:
+            events: Sequence[Sequence[Any]] = json.load(f)
+        _TRACE_CACHE[key] = scale_trace(events, divisor)
+    return _TRACE_CACHE[key]
+
+
+def scale_trace(events: Iterable[Sequence[Any]], divisor: int) -> TraceOps:
+    ops: TraceOps = []
+    live: dict[int, int] = {}  # addr -> block id
+    next_id = 0
+    for action, addr, size, _stream in events:
+        if action == "alloc":
+            live[addr] = next_id
+            ops.append((True, next_id, max(1, int(size) // divisor)))
+            next_id += 1
+        elif action == "free_completed" and addr in live:
+            ops.append((False, live.pop(addr), 0))
+    return ops
+
+
+class TraceReplay(Workload):
+    """Replays a PyTorch allocator trace (``shared/traces/``), sizes divided to fit, in a loop.
+
+    Each step plays the next ``events_per_step`` events; at the end of the
+    trace everything still live is dropped and the replay starts over.
+    """
+
+    name = "trace"
+    default_weight = 1
+    events_per_step = 32
+
+    def __init__(self, *args: Any, trace: str | None = None, divisor: int = 256, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.trace_path = trace or os.environ.get("TENSORD_TRACE") or str(DEFAULT_TRACE)
+        self.divisor = max(1, int(divisor / self.scale))
+
+    def start(self) -> None:
+        self.ops = load_trace(self.trace_path, self.divisor)
+        self.position = 0
+        self.live: dict[int, Any] = {}
+        self.loops = 0
+
+    def step(self) -> None:
+        end = min(self.position + self.events_per_step, len(self.ops))
+        for is_alloc, block, nbytes in self.ops[self.position : end]:
+            self.position += 1
+            if is_alloc:
+                t = self.call("trace.alloc", self.client.empty, nbytes, dtype=dtypes.uint8)
+                if t is not None:
+                    self.live[block] = t
+            else:
+                self.live.pop(block, None)
+        if self.position >= len(self.ops):
+            self.live.clear()
+            self.position = 0
+            self.loops += 1
+
+    def stop(self) -> None:
+        self.live = {}
+
+
+WORKLOADS: dict[str, type[Workload]] = {
+    w.name: w for w in (KVCache, TrainingStep, SmallChurn, Bimodal, ViewHeavy, Sharing, TraceReplay)
+}
+
+
+def parse_weights(spec: str | None) -> dict[str, int]:
+    """``"kv=3,train=2"`` (or ``"kv,train"``, weight 1) -> weights; empty: every default.
+
+    Workloads not named get weight 0.  Raises ValueError naming an unknown workload.
+    """
+    if not spec:
+        return {name: w.default_weight for name, w in WORKLOADS.items()}
+    weights = dict.fromkeys(WORKLOADS, 0)
+    for item in spec.split(","):
+        name, _, weight = item.strip().partition("=")
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        weights[name] = int(weight) if weight else WORKLOADS[name].default_weight
+    return weights

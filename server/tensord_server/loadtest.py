@@ -1,0 +1,635 @@
+"""``tensord loadtest``: a fragmentation load test in one command.
+
+Starts a server (unless ``--address``), samples its memory statistics into a
+time series while Locust drives it headless with the workloads of
+``loadtest/locustfile.py``, waits for every user's memory to come back, stops
+everything and writes a results folder:
+
+- ``locust_stats.csv``, ``locust_stats_history.csv``, ``locust_failures.csv``,
+  ``locust_exceptions.csv``, ``locust.html``: Locust's own report;
+- ``timeseries.csv``: the server's memory statistics at a fixed interval;
+- ``summary.md`` and ``summary.json``: the figures and the verdict;
+- ``report.png``: memory, fragmentation and request rate over time.
+
+It exits 1 when a request failed unexpectedly, a workload raised, or the
+server's allocated bytes did not return to their baseline after all users left
+(a leak); 2 when the run itself could not be made.  Locust and matplotlib are
+imported only in the processes that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+#: the repository's loadtest/ folder, where the locustfile lives in a checkout
+LOADTEST_DIR = Path(__file__).resolve().parent.parent.parent / "loadtest"
+
+#: the time series' columns, in order
+COLUMNS = (
+    "time",
+    "elapsed_s",
+    "phase",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "largest_free_block_bytes",
+    "reserved_over_allocated",
+    "external_fragmentation",
+    "num_alloc_retries",
+    "num_ooms",
+    "allocated_bytes_peak",
+    "reserved_bytes_peak",
+    "live_sessions",
+    "live_storages",
+)
+
+#: time-series column -> the server's memory_stats() key (torch's names)
+STAT_KEYS = {
+    "allocated_bytes": "allocated_bytes.all.current",
+    "reserved_bytes": "reserved_bytes.all.current",
+    "active_bytes": "active_bytes.all.current",
+    "inactive_split_bytes": "inactive_split_bytes.all.current",
+    "largest_free_block_bytes": "largest_free_block_bytes.all",
+    "external_fragmentation": "external_fragmentation.all",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+    "allocated_bytes_peak": "allocated_bytes.all.peak",
+    "reserved_bytes_peak": "reserved_bytes.all.peak",
+}
+
+#: keys a server may report its live sessions and Storages under (blank when none does)
+SESSION_KEYS = ("sessions.live", "sessions.active", "num_sessions", "live_sessions")
+STORAGE_KEYS = ("storages.live", "storages.active", "num_storages", "live_storages")
+
+LISTENING = re.compile(r"tensord listening on (\S+)")
+SERVER_START_TIMEOUT_S = 60.0
+LOCUST_GRACE_S = 90.0  # beyond the run time: spawning, stopping, writing the report
+
+
+# -- the time series ---------------------------------------------------------------
+def memory_row(stats: Mapping[str, Any], *, now: float, t0: float, phase: str) -> dict[str, Any]:
+    """One time-series row from a ``memory_stats()`` dict; missing figures stay blank."""
+    row: dict[str, Any] = dict.fromkeys(COLUMNS, "")
+    row.update(time=f"{now:.3f}", elapsed_s=f"{now - t0:.3f}", phase=phase)
+    for column, key in STAT_KEYS.items():
+        if key in stats:
+            row[column] = stats[key]
+    allocated, reserved = (
+        stats.get(STAT_KEYS["allocated_bytes"]),
+        stats.get(STAT_KEYS["reserved_bytes"]),
+    )
+    if allocated and reserved is not None:
+        row["reserved_over_allocated"] = f"{reserved / allocated:.4f}"
+    for column, keys in (("live_sessions", SESSION_KEYS), ("live_storages", STORAGE_KEYS)):
+        row[column] = next((stats[k] for k in keys if k in stats), "")
+    return row
+
+
+class TimeSeries:
+    """A CSV of :func:`memory_row` rows, flushed as it grows (a killed run keeps its rows)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, device: str = "cpu", t0: float | None = None
+    ):
+        self.path = Path(path)
+        self.device = device
+        self.t0 = time.time() if t0 is None else t0
+        self._file: TextIO = open(self.path, "w", newline="")  # noqa: SIM115 (closed in close())
+        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._writer.writeheader()
+        self._lock = threading.Lock()
+
+    def sample(self, client: Any, phase: str) -> dict[str, Any]:
+        stats = client.memory_stats(self.device)
+        row = memory_row(stats, now=time.time(), t0=self.t0, phase=phase)
+        with self._lock:
+            self._writer.writerow(row)
+            self._file.flush()
+        return row
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> TimeSeries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sampler(threading.Thread):
+    """Samples ``memory_stats`` every ``interval`` seconds on its own client until stopped."""
+
+    def __init__(self, client: Any, series: TimeSeries, interval: float) -> None:
+        super().__init__(name="tensord-loadtest-sampler", daemon=True)
+        self.client, self.series, self.interval = client, series, interval
+        self.phase = "baseline"
+        self.errors = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.series.sample(self.client, self.phase)
+            except Exception:  # a busy server answers late: the next sample will do
+                self.errors += 1
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+
+
+# -- processes -----------------------------------------------------------------------
+def _pump(stream: TextIO, log: TextIO, lines: queue.Queue[str] | None) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if lines is not None:
+            lines.put(line)
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[str], str]:
+    """``tensord serve`` on a free loopback port; returns the process and its address."""
+    command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
+    command += ["--device", args.device, "--session-grace", str(args.session_grace)]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log = open(log_path, "w")  # noqa: SIM115 (the pump thread owns it until the server exits)
+    assert proc.stdout is not None
+    threading.Thread(target=_pump, args=(proc.stdout, log, lines), daemon=True).start()
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if match := LISTENING.search(line):
+            return proc, match.group(1)
+    stop_process(proc)
+    raise RuntimeError(f"the server did not start; see {log_path}")
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> int | None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_locust(args: argparse.Namespace, address: str, out: Path, run_id: str) -> int:
+    """Locust headless (a master and ``--workers`` workers when asked); returns its exit status."""
+    env = dict(os.environ)
+    env.update(
+        TENSORD_ADDRESS=address,
+        TENSORD_WORKLOADS=args.workloads or "",
+        TENSORD_SCALE=str(args.scale),
+        TENSORD_TRACE_DIVISOR=str(args.trace_divisor),
+        TENSORD_RUN_ID=run_id,
+        TENSORD_SAMPLER="off",  # this process samples
+    )
+    if args.trace:
+        env["TENSORD_TRACE"] = str(args.trace)
+    if args.wait:
+        env["TENSORD_WAIT"] = args.wait
+    locust = [sys.executable, "-m", "locust", "-f", str(args.locustfile)]
+    master = [*locust, "--headless", "-u", str(args.users), "-r", str(args.spawn_rate)]
+    master += ["-t", args.run_time, "--host", address, "--stop-timeout", str(args.stop_timeout)]
+    master += [
+        "--csv",
+        str(out / "locust"),
+        "--csv-full-history",
+        "--html",
+        str(out / "locust.html"),
+    ]
+    master += ["--only-summary", "--loglevel", "WARNING"]
+    workers: list[list[str]] = []
+    if args.workers > 0:
+        port = free_loopback_port()
+        master += ["--master", "--expect-workers", str(args.workers)]
+        master += ["--master-bind-host", "127.0.0.1", "--master-bind-port", str(port)]
+        worker = [*locust, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]
+        workers = [[*worker, "--host", address, "--loglevel", "WARNING"]] * args.workers
+    limit = parse_duration(args.run_time) + args.stop_timeout + LOCUST_GRACE_S
+    with open(out / "locust.log", "w") as log:
+        procs = [
+            subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, env=env)
+            for c in [master, *workers]
+        ]
+        try:
+            procs[0].wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            log.write(f"tensord loadtest: Locust ran past {limit:.0f} s; stopped\n")
+        for proc in procs:
+            try:
+                proc.wait(timeout=30 if proc.poll() is None else 0)
+            except subprocess.TimeoutExpired:
+                stop_process(proc)
+        return procs[0].returncode if procs[0].returncode is not None else -1
+
+
+def parse_duration(text: str) -> float:
+    """Locust's run-time syntax: ``60``, ``60s``, ``2m``, ``1h30m``."""
+    if re.fullmatch(r"\d+", text):
+        return float(text)
+    parts = re.fullmatch(r"(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s)?", text.strip())
+    if not parts or not any(parts.groups()):
+        raise argparse.ArgumentTypeError(f"bad run time {text!r}: use e.g. 60s, 2m, 1h30m")
+    h, m, s = (int(g or 0) for g in parts.groups())
+    return float(h * 3600 + m * 60 + s)
+
+
+# -- the report --------------------------------------------------------------------
+def read_csv(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def summarize(
+    out: Path, *, baseline: Mapping[str, Any], final: Mapping[str, Any], leftover_names: list[str]
+) -> dict[str, Any]:
+    """The run's figures from Locust's CSVs, the time series and the server's last stats."""
+    stats = read_csv(out / "locust_stats.csv")
+    total = next((r for r in stats if r.get("Name") == "Aggregated"), None)
+    per_op = [r for r in stats if r.get("Name") != "Aggregated"]
+    expected = [r for r in per_op if r.get("Type") == "expected"]
+    exceptions = read_csv(out / "locust_exceptions.csv")
+    failures = read_csv(out / "locust_failures.csv")
+    series = read_csv(out / "timeseries.csv")
+    load = [r for r in series if r["phase"] == "load"]
+
+    def peak(column: str, key: str) -> int:
+        samples = [_num(r[column]) for r in series if r[column] != ""]
+        sampled = max((v for v in samples if not math.isnan(v)), default=0.0)
+        return int(max(sampled, _num(final.get(key, 0)) if key in final else 0.0))
+
+    def delta(key: str) -> int:
+        return int(_num(final.get(key, 0)) - _num(baseline.get(key, 0)))
+
+    ratios = [_num(r["reserved_over_allocated"]) for r in load if r["reserved_over_allocated"]]
+    frags = [_num(r["external_fragmentation"]) for r in load if r["external_fragmentation"] != ""]
+    peak_allocated = peak("allocated_bytes", "allocated_bytes.all.peak")
+    peak_reserved = peak("reserved_bytes", "reserved_bytes.all.peak")
+    allocated_key = STAT_KEYS["allocated_bytes"]
+    leaked = int(_num(final.get(allocated_key, 0)) - _num(baseline.get(allocated_key, 0)))
+    requests = int(_num(total["Request Count"])) if total else 0
+    summary: dict[str, Any] = {
+        "requests": requests,
+        "requests_per_s": _num(total["Requests/s"]) if total else 0.0,
+        "expected_errors": sum(int(_num(r["Request Count"])) for r in expected),
+        "expected_by_op": {r["Name"]: int(_num(r["Request Count"])) for r in expected},
+        "unexpected_failures": int(_num(total["Failure Count"])) if total else 0,
+        "failures_by_op": {
+            f"{r['Name']}: {r['Error']}": int(_num(r["Occurrences"])) for r in failures
+        },
+        "exceptions": sum(int(_num(r["Count"])) for r in exceptions),
+        "exception_messages": [r["Message"] for r in exceptions][:10],
+        "latency_ms": {
+            p: _num(total[p]) if total and p in total else math.nan for p in ("50%", "95%", "99%")
+        },
+        "peak_allocated_bytes": peak_allocated,
+        "peak_reserved_bytes": peak_reserved,
+        "peak_reserved_over_peak_allocated": peak_reserved / peak_allocated
+        if peak_allocated
+        else math.nan,
+        "mean_reserved_over_allocated": sum(ratios) / len(ratios) if ratios else math.nan,
+        "max_external_fragmentation": max(frags, default=math.nan),
+        "num_ooms": delta("num_ooms"),
+        "num_alloc_retries": delta("num_alloc_retries"),
+        "baseline_allocated_bytes": int(_num(baseline.get(allocated_key, 0))),
+        "final_allocated_bytes": int(_num(final.get(allocated_key, 0))),
+        "final_reserved_bytes": int(_num(final.get(STAT_KEYS["reserved_bytes"], 0))),
+        "leaked_bytes": leaked,
+        "leftover_names": leftover_names,
+        "samples": len(series),
+        "locust_ran": total is not None,
+        "ops": [
+            {
+                "type": r["Type"],
+                "name": r["Name"],
+                "count": int(_num(r["Request Count"])),
+                "failures": int(_num(r["Failure Count"])),
+                "median_ms": _num(r["Median Response Time"]),
+                "p95_ms": _num(r.get("95%")),
+                "per_s": _num(r["Requests/s"]),
+            }
+            for r in sorted(per_op, key=lambda r: -_num(r["Request Count"]))
+        ],
+    }
+    summary["passed"] = bool(
+        summary["locust_ran"]
+        and summary["unexpected_failures"] == 0
+        and summary["exceptions"] == 0
+        and leaked <= 0
+        and not leftover_names
+    )
+    return summary
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def render_markdown(
+    summary: Mapping[str, Any], *, command: str, settings: Mapping[str, Any]
+) -> str:
+    s = summary
+    lat = s["latency_ms"]
+    lines = [
+        "# tensord load test",
+        "",
+        f"Verdict: **{'PASS' if s['passed'] else 'FAIL'}**",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in settings.items()),
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        f"| requests (all ops) | {s['requests']:,} |",
+        f"| requests/s | {s['requests_per_s']:,.1f} |",
+        f"| latency p50 / p95 / p99 | {lat['50%']:.0f} / {lat['95%']:.0f} / {lat['99%']:.0f} ms |",
+        f"| unexpected failures | {s['unexpected_failures']} |",
+        f"| exceptions in workloads | {s['exceptions']} |",
+        f"| expected errors (OOM, races) | {s['expected_errors']} |",
+        f"| peak allocated | {mib(s['peak_allocated_bytes'])} |",
+        f"| peak reserved | {mib(s['peak_reserved_bytes'])} |",
+        f"| peak reserved / peak allocated | {s['peak_reserved_over_peak_allocated']:.3f} |",
+        f"| mean reserved / allocated under load | {s['mean_reserved_over_allocated']:.3f} |",
+        f"| max external fragmentation | {s['max_external_fragmentation']:.3f} |",
+        f"| OOMs / allocation retries | {s['num_ooms']} / {s['num_alloc_retries']} |",
+        f"| allocated: baseline -> after users left | {s['baseline_allocated_bytes']:,} -> {s['final_allocated_bytes']:,} B |",
+        f"| leaked bytes | {s['leaked_bytes']:,} |",
+        f"| reserved after users left (cached) | {mib(s['final_reserved_bytes'])} |",
+        f"| named tensors left behind | {len(s['leftover_names'])} |",
+        "",
+    ]
+    if s["expected_by_op"]:
+        lines += ["Expected errors by op:", ""]
+        lines += [f"- `{name}`: {n}" for name, n in s["expected_by_op"].items()]
+        lines.append("")
+    if s["failures_by_op"] or s["exception_messages"]:
+        lines += ["Unexpected failures and exceptions:", ""]
+        lines += [f"- `{name}`: {n}" for name, n in s["failures_by_op"].items()]
+        lines += [f"- exception: {m}" for m in s["exception_messages"]]
+        lines.append("")
+    lines += [
+        "| type | op | count | failures | median ms | p95 ms | per s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {o['type']} | {o['name']} | {o['count']:,} | {o['failures']} | {o['median_ms']:.0f} | {o['p95_ms']:.0f} | {o['per_s']:.1f} |"
+        for o in s["ops"]
+    ]
+    lines += ["", "![memory, fragmentation and requests over time](report.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(out: Path, t0: float) -> Path:
+    """``report.png``: memory, fragmentation and requests over the run, one x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = read_csv(out / "timeseries.csv")
+    history = read_csv(out / "locust_stats_history.csv")
+    x = [_num(r["elapsed_s"]) for r in series]
+
+    def col(name: str, div: float = 1.0) -> list[float]:
+        return [_num(r[name]) / div for r in series]
+
+    fig, (ax_mem, ax_frag, ax_req) = plt.subplots(3, 1, figsize=(11, 10), sharex=True)
+    for name, label in (
+        ("reserved_bytes", "reserved"),
+        ("allocated_bytes", "allocated"),
+        ("active_bytes", "active"),
+        ("inactive_split_bytes", "inactive split"),
+        ("largest_free_block_bytes", "largest free block"),
+    ):
+        ax_mem.plot(x, col(name, 1 << 20), label=label)
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_title("server memory (sampled memory_stats)")
+    ax_mem.legend(loc="upper left", fontsize="small")
+
+    ax_frag.plot(x, col("reserved_over_allocated"), label="reserved / allocated", color="C0")
+    ax_frag.plot(x, col("external_fragmentation"), label="external fragmentation", color="C1")
+    ax_frag.set_ylabel("ratio")
+    ax_frag.set_title("fragmentation")
+    ax_count = ax_frag.twinx()
+    ax_count.step(x, col("num_ooms"), where="post", label="OOMs (cumulative)", color="C3")
+    ax_count.step(x, col("num_alloc_retries"), where="post", label="alloc retries", color="C4")
+    ax_count.set_ylabel("count")
+    handles = ax_frag.get_legend_handles_labels()
+    extra = ax_count.get_legend_handles_labels()
+    ax_frag.legend(handles[0] + extra[0], handles[1] + extra[1], loc="upper left", fontsize="small")
+
+    by_time: dict[float, dict[str, float]] = {}
+    for r in history:
+        at = by_time.setdefault(
+            _num(r["Timestamp"]) - t0, {"rps": 0.0, "fail": 0.0, "exp": 0.0, "users": 0.0}
+        )
+        if r["Name"] == "Aggregated":
+            at["rps"] = _num(r["Requests/s"])
+            at["fail"] = _num(r["Failures/s"])
+            at["users"] = _num(r["User Count"])
+        elif r["Type"] == "expected":
+            at["exp"] += _num(r["Requests/s"])
+    times = sorted(by_time)
+    for key, label, color in (
+        ("rps", "requests/s", "C0"),
+        ("exp", "expected errors/s", "C1"),
+        ("fail", "unexpected failures/s", "C3"),
+    ):
+        ax_req.plot(times, [by_time[t][key] for t in times], label=label, color=color)
+    ax_req.set_ylabel("per second")
+    ax_req.set_xlabel("seconds since start")
+    ax_req.set_title("Locust")
+    ax_users = ax_req.twinx()
+    ax_users.plot(times, [by_time[t]["users"] for t in times], label="users", color="grey", ls="--")
+    ax_users.set_ylabel("users")
+    handles = ax_req.get_legend_handles_labels()
+    extra = ax_users.get_legend_handles_labels()
+    ax_req.legend(handles[0] + extra[0], handles[1] + extra[1], loc="upper left", fontsize="small")
+    for ax in (ax_mem, ax_frag, ax_req):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "report.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the subcommand ------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="an existing server (default: start one on loopback)")
+    parser.add_argument("-u", "--users", type=int, default=20, help="Locust users (default 20)")
+    parser.add_argument(
+        "-r", "--spawn-rate", type=float, default=10.0, help="users started per second"
+    )
+    parser.add_argument("-t", "--run-time", default="30s", help="how long users run: 30s, 2m...")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="Locust worker processes (0: one process)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results folder (default loadtest-results/<time>)"
+    )
+    parser.add_argument("--device", default="cpu=4GiB", help="the started server's pool: cpu=LIMIT")
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="weights, e.g. kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1",
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every allocation size")
+    parser.add_argument("--trace", type=Path, default=None, help="the trace the trace users replay")
+    parser.add_argument(
+        "--trace-divisor", type=int, default=256, help="divide the trace's sizes by this"
+    )
+    parser.add_argument("--wait", default="", help="min,max seconds a user waits between steps")
+    parser.add_argument(
+        "--interval", type=float, default=0.5, help="seconds between memory samples"
+    )
+    parser.add_argument(
+        "--leak-timeout", type=float, default=30.0, help="seconds to wait for memory to return"
+    )
+    parser.add_argument(
+        "--session-grace", type=float, default=2.0, help="the started server's session grace"
+    )
+    parser.add_argument(
+        "--stop-timeout", type=int, default=10, help="seconds users get to finish when stopping"
+    )
+    parser.add_argument("--locustfile", type=Path, default=LOADTEST_DIR / "locustfile.py")
+    parser.add_argument("--no-plot", action="store_true", help="skip report.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    import tensord
+
+    parse_duration(args.run_time)
+    if not args.locustfile.exists():
+        print(
+            f"tensord loadtest: no locustfile at {args.locustfile} (use --locustfile)",
+            file=sys.stderr,
+        )
+        return 2
+    out: Path = args.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    command = (
+        "tensord loadtest " + " ".join(sys.argv[2:])
+        if sys.argv[1:2] == ["loadtest"]
+        else "tensord loadtest"
+    )
+    device = args.device.split("=")[0] if not args.address else "cpu"
+    server = None
+    try:
+        if args.address:
+            address = args.address
+        else:
+            server, address = start_server(args, out / "server.log")
+        print(f"tensord loadtest: server {address}, results in {out}", flush=True)
+        with (
+            tensord.connect(address) as monitor,
+            TimeSeries(out / "timeseries.csv", device=device) as series,
+        ):
+            baseline = monitor.memory_stats(device)
+            series.sample(monitor, "baseline")
+            sampler = Sampler(monitor, series, args.interval)
+            sampler.phase = "load"
+            sampler.start()
+            locust_status = run_locust(args, address, out, run_id)
+            sampler.phase = "drain"
+            allocated_key = STAT_KEYS["allocated_bytes"]
+            deadline = time.monotonic() + args.leak_timeout
+            final = monitor.memory_stats(device)
+            while (
+                final.get(allocated_key, 0) > baseline.get(allocated_key, 0)
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.25)
+                final = monitor.memory_stats(device)
+            prefix = f"loadtest/{run_id}/"
+            leftover = sorted(n for n in monitor.names() if n.startswith(prefix))
+            sampler.stop()
+        summary = summarize(out, baseline=baseline, final=final, leftover_names=leftover)
+        summary["locust_exit_status"] = locust_status
+        if locust_status not in (0, 1):  # 1: Locust saw failures, which the summary counts
+            summary["passed"] = False
+        settings = {
+            "users": args.users,
+            "spawn rate": args.spawn_rate,
+            "run time": args.run_time,
+            "workers": args.workers,
+            "server": args.address or f"started here, --device {args.device}",
+            "workloads": args.workloads
+            or "defaults (kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1)",
+            "size scale": args.scale,
+            "sample interval": f"{args.interval} s",
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (out / "summary.md").write_text(
+            render_markdown(summary, command=command, settings=settings)
+        )
+        if not args.no_plot:
+            plot(out, series.t0)
+    except RuntimeError as exc:
+        print(f"tensord loadtest: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            stop_process(server)
+    print(
+        f"tensord loadtest: {'PASS' if summary['passed'] else 'FAIL'}: "
+        f"{summary['requests']:,} requests, {summary['requests_per_s']:,.1f}/s, "
+        f"{summary['unexpected_failures']} unexpected failures, {summary['exceptions']} exceptions, "
+        f"{summary['expected_errors']} expected errors, peak reserved/allocated "
+        f"{mib(summary['peak_reserved_bytes'])}/{mib(summary['peak_allocated_bytes'])}, "
+        f"leaked {summary['leaked_bytes']:,} B; {out / 'summary.md'}",
+        flush=True,
+    )
+    return 0 if summary["passed"] else 1
