@@ -1,0 +1,385 @@
+"""Copy kernels and the torch rules around them, written against an array module ``xp``.
+
+Nothing here knows about sessions or gRPC.  The array functions take the
+backend's array module (numpy for host memory) so a CuPy backend reuses them
+unchanged; the rest are small pure functions over shapes, layouts and Python
+scalars that mirror the torch checks they name, with torch's texts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensord import dtypes
+from tensord.dtypes import DType
+from tensord.layout import Layout, broadcast_shapes, normalize_dim
+
+Scalar = bool | int | float | complex
+
+# torch's text when a write would go through an expanded (stride-0) destination.
+INTERNAL_OVERLAP_TEXT = (
+    "unsupported operation: more than one element of the written-to tensor refers to a single "
+    "memory location. Please clone() the tensor before performing the operation."
+)
+PARTIAL_OVERLAP_TEXT = (
+    "unsupported operation: some elements of the input tensor and the written-to tensor refer "
+    "to a single memory location. Please clone() the tensor before performing the operation."
+)
+
+# c10's C++ type names, as torch prints them in "value cannot be converted" errors.
+_CXX_TYPE_NAMES = {
+    "bool": "bool",
+    "uint8": "uint8_t",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int",
+    "int64": "int64_t",
+    "float16": "c10::Half",
+    "bfloat16": "c10::BFloat16",
+    "float32": "float",
+    "float64": "double",
+    "complex64": "c10::complex<float>",
+    "complex128": "c10::complex<double>",
+}
+
+
+# ---------------------------------------------------------------------------
+# arrays over Storage bytes
+
+
+@contextlib.contextmanager
+def _quiet(xp: Any) -> Iterator[None]:
+    """Casts of NaN/inf/out-of-range values are defined by torch's rules, not warnings."""
+    errstate = getattr(xp, "errstate", None)
+    if errstate is None:
+        yield
+        return
+    with errstate(all="ignore"):
+        yield
+
+
+def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
+    """A zero-copy array of ``dtype`` over the uint8 bytes ``raw`` of a Storage, as ``layout`` sees them."""
+    np_dtype = dtype.numpy_dtype
+    if layout.numel == 0:
+        return xp.empty(layout.shape, dtype=np_dtype)
+    itemsize = dtype.itemsize
+    start = layout.offset * itemsize
+    stop = layout.storage_extent() * itemsize
+    base = raw[start:stop].view(np_dtype)
+    strides = tuple(s * itemsize for s in layout.stride)
+    return xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
+
+
+def assign(xp: Any, dst: Any, src: Any) -> None:
+    """``dst[...] = src`` with torch's conversions (complex to real drops the imaginary part)."""
+    if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
+        src = src.real
+    with _quiet(xp):
+        dst[...] = src
+
+
+def to_module(xp: Any, array: Any) -> Any:
+    """``array`` as an array of module ``xp`` (a cross-device copy goes through the host)."""
+    if isinstance(array, np.ndarray) and xp is np:
+        return array
+    if xp is np:
+        return array.get() if hasattr(array, "get") else np.asarray(array)
+    return xp.asarray(array)
+
+
+def contiguous_bytes(xp: Any, array: Any) -> Any:
+    """The elements of ``array`` in logical (row-major) order, as a flat uint8 array."""
+    flat = xp.ascontiguousarray(array).reshape(-1)
+    return flat.view(xp.uint8)
+
+
+# ---------------------------------------------------------------------------
+# overlap rules — mirrors ATen MemoryOverlap.cpp
+
+
+def has_internal_overlap(layout: Layout) -> bool:
+    """mirrors at::has_internal_overlap: only "YES" counts (a size>1 dim of stride 0)."""
+    if layout.is_non_overlapping_and_dense():
+        return False
+    return any(n > 1 and s == 0 for n, s in zip(layout.shape, layout.stride, strict=True))
+
+
+def assert_no_internal_overlap(layout: Layout) -> None:
+    if has_internal_overlap(layout):
+        raise RuntimeError(INTERNAL_OVERLAP_TEXT)
+
+
+def _byte_span(layout: Layout, itemsize: int) -> tuple[int, int]:
+    start = layout.offset * itemsize
+    return start, start + layout.numel * itemsize
+
+
+def assert_no_partial_overlap(
+    same_storage: bool, a: Layout, a_itemsize: int, b: Layout, b_itemsize: int
+) -> None:
+    """mirrors at::assert_no_partial_overlap / get_overlap_status for two tensors.
+
+    Exactly the same memory (FULL) is fine; overlap torch cannot judge (either
+    tensor not dense) is left to the kernel, which copies through a temporary.
+    """
+    if not same_storage or a.numel == 0 or b.numel == 0:
+        return
+    if not (a.is_non_overlapping_and_dense() and b.is_non_overlapping_and_dense()):
+        return
+    a_begin, a_end = _byte_span(a, a_itemsize)
+    b_begin, b_end = _byte_span(b, b_itemsize)
+    if a_begin == b_begin and a_end == b_end:
+        if a.stride == b.stride:
+            return  # FULL overlap: the same elements
+        raise RuntimeError(PARTIAL_OVERLAP_TEXT)
+    if a_begin < b_end and b_begin < a_end:
+        raise RuntimeError(PARTIAL_OVERLAP_TEXT)
+
+
+# ---------------------------------------------------------------------------
+# shapes of copies
+
+
+def _fmt(values: Sequence[int]) -> str:
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def copy_broadcast_check(dst_shape: tuple[int, ...], src_shape: tuple[int, ...]) -> None:
+    """copy_'s TensorIterator check: src must broadcast to exactly dst's shape."""
+    try:
+        common = broadcast_shapes(dst_shape, src_shape)
+    except RuntimeError:
+        # TensorIterator's own wording (infer_size), naming the first mismatching dim
+        ndim = max(len(dst_shape), len(src_shape))
+        for i in range(ndim - 1, -1, -1):
+            offset = ndim - 1 - i
+            a = dst_shape[len(dst_shape) - 1 - offset] if offset < len(dst_shape) else 1
+            b = src_shape[len(src_shape) - 1 - offset] if offset < len(src_shape) else 1
+            if a != b and a != 1 and b != 1:
+                raise RuntimeError(
+                    f"The size of tensor a ({a}) must match the size of tensor b ({b}) at "
+                    f"non-singleton dimension {i}"
+                ) from None
+        raise
+    if tuple(common) != tuple(dst_shape):
+        raise RuntimeError(
+            f"output with shape {_fmt(dst_shape)} doesn't match the broadcast shape {_fmt(common)}"
+        )
+
+
+def strip_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """mirrors slicePrefix1sSize: x[i] = v ignores v's leading size-1 dims."""
+    first = next((i for i, n in enumerate(shape) if n != 1), len(shape))
+    return shape[first:]
+
+
+def repeat_shape(shape: tuple[int, ...], repeats: Sequence[int]) -> tuple[int, ...]:
+    """mirrors ATen repeat's checks and output size."""
+    if len(repeats) < len(shape):
+        raise RuntimeError(
+            "Number of dimensions of repeat dims can not be smaller than number of dimensions of "
+            "tensor"
+        )
+    padded = (1,) * (len(repeats) - len(shape)) + tuple(shape)
+    result = tuple(n * r for n, r in zip(padded, repeats, strict=True))
+    for n in result:
+        if n < 0:
+            raise RuntimeError(
+                f"Trying to create tensor with negative dimension {n}: {_fmt(result)}"
+            )
+    return result
+
+
+def cat_shape(shapes: Sequence[tuple[int, ...]], dim: int) -> tuple[tuple[int, ...], int, list[int]]:
+    """mirrors ATen cat's checks: (output shape, wrapped dim, indices of the inputs that count).
+
+    Legacy 1-D empty tensors (shape ``(0,)``) are skipped, as torch skips them.
+    """
+    if not shapes:
+        raise ValueError("torch.cat(): expected a non-empty list of Tensors")
+    for i, shape in enumerate(shapes):
+        if len(shape) == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+    kept = [i for i, s in enumerate(shapes) if s != (0,)]
+    if not kept:
+        return shapes[0], normalize_dim(dim, 1), []
+    ref = shapes[kept[0]]
+    dim = normalize_dim(dim, len(ref))
+    total = 0
+    for i in kept:
+        shape = shapes[i]
+        if len(shape) != len(ref):
+            raise RuntimeError(
+                f"Tensors must have same number of dimensions: got {len(ref)} and {len(shape)}"
+            )
+        for d in range(len(ref)):
+            if d != dim and shape[d] != ref[d]:
+                raise RuntimeError(
+                    f"Sizes of tensors must match except in dimension {dim}. Expected size "
+                    f"{ref[d]} but got size {shape[d]} for tensor number {i} in the list."
+                )
+        total += shape[dim]
+    return (*ref[:dim], total, *ref[dim + 1 :]), dim, kept
+
+
+def stack_dim(shapes: Sequence[tuple[int, ...]], dim: int) -> int:
+    """mirrors ATen stack's checks: the wrapped dim of the new axis."""
+    if not shapes:
+        raise RuntimeError("stack expects a non-empty TensorList")
+    dim = normalize_dim(dim, len(shapes[0]) + 1)
+    for i, shape in enumerate(shapes):
+        if shape != shapes[0]:
+            raise RuntimeError(
+                f"stack expects each tensor to be equal size, but got {_fmt(shapes[0])} at entry "
+                f"0 and {_fmt(shape)} at entry {i}"
+            )
+    return dim
+
+
+def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A factory's size argument: torch refuses negative dims."""
+    shape = tuple(int(n) for n in shape)
+    for n in shape:
+        if n < 0:
+            raise RuntimeError(
+                f"Trying to create tensor with negative dimension {n}: {_fmt(shape)}"
+            )
+    return shape
+
+
+def check_requires_grad(dtype: DType, requires_grad: bool) -> None:
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
+
+
+# ---------------------------------------------------------------------------
+# scalars
+
+
+def scalar_dtype(value: Scalar) -> DType:
+    """torch.full's inferred dtype: bool, int64, the default float or complex dtype."""
+    if isinstance(value, bool):
+        return dtypes.bool
+    if isinstance(value, int):
+        return dtypes.int64
+    if isinstance(value, float):
+        return dtypes.float32
+    return dtypes.complex64
+
+
+def _overflow(dtype: DType) -> RuntimeError:
+    name = _CXX_TYPE_NAMES.get(dtype.name, dtype.name)
+    return RuntimeError(f"value cannot be converted to type {name} without overflow")
+
+
+def check_scalar_fits(value: Scalar, dtype: DType) -> None:
+    """mirrors c10::checked_convert: refuse a value the dtype cannot hold (bool takes anything)."""
+    if dtype is dtypes.bool or isinstance(value, bool):
+        return
+    if isinstance(value, complex):
+        if not dtype.is_complex and value.imag != 0:
+            raise _overflow(dtype)
+        value = value.real if not dtype.is_complex else value
+    if dtype.is_complex:
+        parts = (value.real, value.imag) if isinstance(value, complex) else (value,)
+        finfo = np.finfo(np.float32 if dtype is dtypes.complex64 else np.float64)
+        if any(math.isfinite(p) and abs(p) > finfo.max for p in parts):
+            raise _overflow(dtype)
+        return
+    assert isinstance(value, (int, float))
+    if dtype.is_floating_point:
+        if isinstance(value, float) and not math.isfinite(value):
+            return
+        limit = float(ml_max(dtype))
+        if abs(float(value)) > limit:
+            raise _overflow(dtype)
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _overflow(dtype)
+    info = np.iinfo(dtype.numpy_dtype)
+    low = -int(info.max) if not dtype.is_signed else int(info.min)  # unsigned wraps small negatives
+    if not low <= value <= int(info.max):
+        raise _overflow(dtype)
+
+
+def ml_max(dtype: DType) -> float:
+    """The largest finite value of a floating dtype (bfloat16 included)."""
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(dtype.numpy_dtype).max)
+
+
+def fill(xp: Any, dst: Any, value: Scalar) -> None:
+    """``dst.fill_(value)`` (after check_scalar_fits); expanded destinations are fine, as in torch."""
+    if isinstance(value, complex) and not xp.iscomplexobj(dst):
+        value = value.real
+    if isinstance(value, float) and xp.issubdtype(dst.dtype, xp.integer):
+        value = math.trunc(value)  # C++ truncation toward zero
+    with _quiet(xp):
+        dst[...] = value
+
+
+# ---------------------------------------------------------------------------
+# arange — mirrors ATen RangeFactories.cpp
+
+
+def arange_dtype(start: Scalar, end: Scalar, step: Scalar) -> DType:
+    """torch.arange's inferred dtype: the default float if any bound is a float, else int64."""
+    if any(isinstance(v, complex) for v in (start, end, step)):
+        raise RuntimeError("value cannot be converted to type double without overflow")
+    if any(isinstance(v, float) for v in (start, end, step)):
+        return dtypes.float32
+    return dtypes.int64
+
+
+def _cfmt(value: float | int) -> str:
+    """A number as C++'s default ostream prints it ("0", "inf", "0.5")."""
+    return f"{value:g}"
+
+
+def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Any:
+    """torch.arange's elements, computed as torch does (in int64 or double), cast to ``dtype``."""
+    if any(isinstance(v, complex) for v in (start, end, step)):
+        raise RuntimeError("value cannot be converted to type double without overflow")
+    if dtype is dtypes.bool or dtype.is_complex:
+        raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
+    integral = not dtype.is_floating_point
+    acc = int if integral else float
+
+    def to_acc(v: Scalar) -> int | float:
+        if integral and isinstance(v, float) and not math.isfinite(v):
+            return v  # reported as an unsupported range below
+        return acc(math.trunc(v)) if integral else float(v)
+
+    xstart, xend, xstep = to_acc(start), to_acc(end), to_acc(step)
+    if not (xstep > 0 or xstep < 0):
+        raise RuntimeError("step must be nonzero")
+    if not (math.isfinite(xstart) and math.isfinite(xend)):
+        raise RuntimeError(f"unsupported range: {_cfmt(xstart)} -> {_cfmt(xend)}")
+    if not ((xstep > 0 and xend >= xstart) or (xstep < 0 and xend <= xstart)):
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+    if dtype is dtypes.int64:
+        assert isinstance(xstart, int) and isinstance(xend, int) and isinstance(xstep, int)
+        sgn = (xstep > 0) - (xstep < 0)
+        size_d = float(_trunc_div(xend - xstart + xstep - sgn, xstep))
+    else:
+        size_d = math.ceil((float(end) - float(start)) / float(step))
+    if not (0 <= size_d <= 2**63 - 1):
+        raise RuntimeError("invalid size, possible overflow?")
+    size = int(size_d)
+    index = xp.arange(size, dtype=xp.int64 if integral else xp.float64)
+    values = xstart + index * xstep
+    with _quiet(xp):
+        return values.astype(dtype.numpy_dtype)
+
+
+def _trunc_div(a: int, b: int) -> int:
+    """C++ integer division (truncation toward zero)."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q

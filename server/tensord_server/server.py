@@ -1,0 +1,555 @@
+"""The daemon (plain domain object: devices, storages, sessions, tensor ops) and the gRPC server factory.
+
+Every tensor op reads as: pin the input handles' Storages -> layout math (the
+shared layout engine) -> allocate an output Storage if the op copies -> run a
+kernel -> issue a handle.  The gRPC layer (service.py) only decodes requests
+into calls here and encodes the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tensord import dtypes
+from tensord.dtypes import DType
+from tensord.layout import Layout
+from tensord_server import kernels
+from tensord_server.devices import Device, DeviceSpec, DeviceTable
+from tensord_server.kernels import Scalar
+from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, Session, SessionManager
+from tensord_server.storage import StorageRegistry, TensorRef
+
+# Raw-byte transfers move this much per message unless the client asks otherwise.
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Chunk sizes a client may ask for: at least 4 KiB (fewer, larger messages) ...
+MIN_CHUNK_BYTES = 4 << 10
+# ... and at most 16 MiB, well inside the message limit below.
+MAX_CHUNK_BYTES = 16 << 20
+# gRPC message limit both ways: any chunk and large ViewResponses (split into many pieces).
+MAX_MESSAGE_BYTES = 256 << 20
+# Worker threads: each connected client holds one for its KeepAlive stream.
+DEFAULT_MAX_WORKERS = 64
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """A handle the server issued (or returned unchanged) and what it names."""
+
+    handle: str
+    ref: TensorRef
+
+
+@dataclass(frozen=True, slots=True)
+class ViewOp:
+    """One layout-engine call: ``Layout.<name>(*args, **kwargs)`` (plus the dtype/grad ops)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
+    """The tensors a view op makes (no bytes move); None when torch would copy (flatten)."""
+    layout, kwargs = ref.layout, dict(op.kwargs)
+    if op.name == "view_dtype":
+        new = dtypes.dtype_from_name(op.args[0])
+        old = ref.dtype
+        return [
+            ref.with_layout(
+                layout.view_dtype(
+                    old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
+                ),
+                new,
+            )
+        ]
+    if op.name == "detach":
+        return [TensorRef(ref.storage, layout, ref.dtype, False)]
+    if op.name == "set_requires_grad":
+        kernels.check_requires_grad(ref.dtype, op.args[0])
+        return [TensorRef(ref.storage, layout, ref.dtype, bool(op.args[0]))]
+    if op.name == "expand":
+        kwargs["type_name"] = ref.dtype.legacy_type
+    if op.name == "as_strided":
+        kwargs["storage_elements"] = ref.storage_elements
+        kwargs["itemsize"] = ref.dtype.itemsize
+    if op.name not in VIEW_OPS:
+        raise ValueError(f"unknown view op {op.name!r}")
+    result = getattr(layout, op.name)(*op.args, **kwargs)
+    if result is None:
+        return None
+    layouts = result if isinstance(result, tuple) else (result,)
+    return [ref.with_layout(lay) for lay in layouts]
+
+
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "narrow",
+        "select",
+        "__getitem__",
+        "transpose",
+        "t",
+        "permute",
+        "movedim",
+        "expand",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "unflatten",
+        "split",
+        "chunk",
+        "unbind",
+        "diagonal",
+        "as_strided",
+    }
+)
+
+
+class Daemon:
+    """Everything a tensord server owns.  Thread-safe; the gRPC handlers call it concurrently."""
+
+    def __init__(
+        self,
+        devices: Iterable[DeviceSpec | str] = ("cpu",),
+        *,
+        session_grace: float = DEFAULT_GRACE_S,
+        lease: float = DEFAULT_LEASE_S,
+    ) -> None:
+        self.devices = DeviceTable(devices)
+        self.storages = StorageRegistry()
+        self.sessions = SessionManager(self.storages, grace=session_grace, lease=lease)
+
+    def start(self) -> None:
+        self.sessions.start_reaper()
+
+    def close(self) -> None:
+        """Stop the reaper and release everything (after the gRPC server stopped)."""
+        self.sessions.shutdown()
+
+    def device(self, name: str) -> Device:
+        return self.devices.get(name)
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _issue(self, session: Session, ref: TensorRef) -> Issued:
+        return Issued(self.sessions.register(session, ref), ref)
+
+    @staticmethod
+    def array(ref: TensorRef) -> Any:
+        """A zero-copy strided array over the tensor's bytes."""
+        return kernels.strided_array(ref.device.xp, ref.storage.raw(), ref.layout, ref.dtype)
+
+    @contextlib.contextmanager
+    def _allocated(
+        self, device: Device, layout: Layout, dtype: DType, requires_grad: bool = False
+    ) -> Iterator[TensorRef]:
+        """A new Storage just big enough for ``layout``, pinned while the block runs."""
+        kernels.check_requires_grad(dtype, requires_grad)
+        storage = self.storages.allocate(device, layout.storage_extent() * dtype.itemsize)
+        try:
+            yield TensorRef(storage, layout, dtype, requires_grad)
+        finally:
+            self.storages.decref(storage)
+
+    def _copy_of(
+        self, session: Session, src: TensorRef, layout: Layout, dtype: DType, device: Device
+    ) -> Issued:
+        """A new tensor of ``layout`` (same shape as src) holding src's values."""
+        with self._allocated(device, layout, dtype, src.requires_grad) as out:
+            self._assign(out, self.array(src))
+            return self._issue(session, out)
+
+    def _assign(self, dst: TensorRef, src_array: Any) -> None:
+        xp = dst.device.xp
+        kernels.assign(xp, self.array(dst), kernels.to_module(xp, src_array))
+
+    # -- views ------------------------------------------------------------------
+
+    def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
+        with self.sessions.pinned(session, handle) as (ref,):
+            results = apply_view(ref, op)
+            if results is None:  # flatten of a non-viewable tensor copies, as reshape does
+                return [self._reshape_copy(session, ref, _flatten_shape(ref.layout, op))]
+            return [self._issue(session, r) for r in results]
+
+    # -- copies -----------------------------------------------------------------
+
+    def clone(self, session: Session, handle: str, memory_format: str = "") -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            if memory_format in ("", "preserve_format"):
+                layout = ref.layout.dense_like()
+            elif memory_format == "contiguous_format":
+                layout = Layout.contiguous(ref.layout.shape)
+            else:
+                raise ValueError(f"unsupported memory_format {memory_format!r}")
+            return self._copy_of(session, ref, layout, ref.dtype, ref.device)
+
+    def contiguous(self, session: Session, handle: str) -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            if ref.layout.is_contiguous():  # torch returns self: a new handle on the same tensor
+                return self._issue(session, ref)
+            return self._copy_of(
+                session, ref, Layout.contiguous(ref.layout.shape), ref.dtype, ref.device
+            )
+
+    def reshape(self, session: Session, handle: str, shape: Sequence[int]) -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            viewed = ref.layout.reshape(tuple(shape))
+            if viewed is not None:
+                return self._issue(session, ref.with_layout(viewed))
+            return self._reshape_copy(session, ref, tuple(shape))
+
+    def _reshape_copy(self, session: Session, ref: TensorRef, shape: tuple[int, ...]) -> Issued:
+        # mirrors torch: _unsafe_view(clone(contiguous_format), shape)
+        target = Layout.contiguous(ref.layout.shape).view(shape)
+        with self._allocated(
+            ref.device, Layout.contiguous(ref.layout.shape), ref.dtype, ref.requires_grad
+        ) as out:
+            self._assign(out, self.array(ref))
+            return self._issue(session, out.with_layout(target))
+
+    def to(
+        self, session: Session, handle: str, device: str = "", dtype: str = "", copy: bool = False
+    ) -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            target_device = self.device(device) if device else ref.device
+            target_dtype = dtypes.dtype_from_name(dtype) if dtype else ref.dtype
+            if target_device is ref.device and target_dtype is ref.dtype and not copy:
+                return Issued(handle, ref)  # torch returns self
+            return self._copy_of(session, ref, ref.layout.dense_like(), target_dtype, target_device)
+
+    def repeat(self, session: Session, handle: str, repeats: Sequence[int]) -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            repeats = tuple(repeats)
+            shape = kernels.repeat_shape(ref.layout.shape, repeats)
+            with self._allocated(
+                ref.device, Layout.contiguous(shape), ref.dtype, ref.requires_grad
+            ) as out:
+                # out viewed as (r0, n0, r1, n1, ...) takes src broadcast along each r_k
+                padded = (1,) * (len(repeats) - ref.layout.ndim) + ref.layout.shape
+                pairs = tuple(x for r, n in zip(repeats, padded, strict=True) for x in (r, n))
+                src_pairs = tuple(x for n in padded for x in (1, n))
+                if math.prod(shape) > 0:
+                    src = self.array(ref).reshape(src_pairs)
+                    kernels.assign(out.device.xp, self.array(out).reshape(pairs), src)
+                return self._issue(session, out)
+
+    def cat(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
+        with self.sessions.pinned(session, *handles) as refs:
+            shape, dim, kept = kernels.cat_shape([r.layout.shape for r in refs], dim)
+            device = _common_device(refs)
+            dtype = _promote(refs)
+            with self._allocated(
+                device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
+            ) as out:
+                out_array = self.array(out)
+                start = 0
+                for i in kept:
+                    n = refs[i].layout.shape[dim]
+                    part = out_array[(slice(None),) * dim + (slice(start, start + n),)]
+                    kernels.assign(device.xp, part, kernels.to_module(device.xp, self.array(refs[i])))
+                    start += n
+                return self._issue(session, out)
+
+    def stack(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
+        with self.sessions.pinned(session, *handles) as refs:
+            dim = kernels.stack_dim([r.layout.shape for r in refs], dim)
+            device = _common_device(refs)
+            dtype = _promote(refs)
+            base = refs[0].layout.shape
+            shape = (*base[:dim], len(refs), *base[dim:])
+            with self._allocated(
+                device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
+            ) as out:
+                out_array = self.array(out)
+                for i, ref in enumerate(refs):
+                    part = out_array[(slice(None),) * dim + (i,)]
+                    kernels.assign(device.xp, part, kernels.to_module(device.xp, self.array(ref)))
+                return self._issue(session, out)
+
+    # -- in-place writes --------------------------------------------------------
+
+    def copy(self, session: Session, dst_handle: str, src_handle: str) -> Issued:
+        with self.sessions.pinned(session, dst_handle, src_handle) as (dst, src):
+            kernels.copy_broadcast_check(dst.layout.shape, src.layout.shape)
+            self._write(dst, src, self.array(src))
+            return Issued(dst_handle, dst)
+
+    def _write(self, dst: TensorRef, src: TensorRef, src_array: Any) -> None:
+        """dst.copy_(src) after the shape checks: torch's overlap rules, then the kernel."""
+        if dst.storage is src.storage and dst.layout == src.layout and dst.dtype == src.dtype:
+            return  # torch: copying a tensor onto itself is a no-op
+        kernels.assert_no_internal_overlap(dst.layout)
+        kernels.assert_no_partial_overlap(
+            dst.storage is src.storage,
+            dst.layout,
+            dst.dtype.itemsize,
+            src.layout,
+            src.dtype.itemsize,
+        )
+        self._assign(dst, src_array)
+
+    def fill(self, session: Session, handle: str, value: Scalar) -> Issued:
+        with self.sessions.pinned(session, handle) as (ref,):
+            kernels.check_scalar_fits(value, ref.dtype)
+            kernels.fill(ref.device.xp, self.array(ref), value)
+            return Issued(handle, ref)
+
+    def setitem(
+        self,
+        session: Session,
+        handle: str,
+        index: tuple[Any, ...],
+        value: Scalar | None = None,
+        src_handle: str | None = None,
+    ) -> Issued:
+        handles = (handle,) if src_handle is None else (handle, src_handle)
+        with self.sessions.pinned(session, *handles) as refs:
+            ref = refs[0]
+            target = ref.with_layout(_index(ref.layout, index))
+            if src_handle is None:
+                assert value is not None
+                kernels.check_scalar_fits(value, ref.dtype)
+                kernels.fill(ref.device.xp, self.array(target), value)
+                return Issued(handle, ref)
+            src = refs[1]
+            # mirrors torch's copy_to: drop src's leading 1s, then expand to the slice
+            stripped = kernels.strip_leading_ones(src.layout.shape)
+            Layout.contiguous(stripped).expand(target.layout.shape, type_name=src.dtype.legacy_type)
+            self._write(target, src, self.array(src).reshape(stripped))
+            return Issued(handle, ref)
+
+    # -- factories --------------------------------------------------------------
+
+    def empty(
+        self,
+        session: Session,
+        shape: Sequence[int],
+        stride: Sequence[int] | None,
+        dtype: str,
+        device: str,
+        requires_grad: bool = False,
+    ) -> Issued:
+        shape = kernels.check_shape(shape)
+        if stride is None:
+            layout = Layout.contiguous(shape)
+        else:
+            stride = tuple(stride)
+            if len(stride) != len(shape):
+                raise RuntimeError(
+                    f"dimensionality of sizes ({len(shape)}) must match dimensionality of "
+                    f"strides ({len(stride)})"
+                )
+            layout = Layout(shape, stride, 0)
+        dt = dtypes.dtype_from_name(dtype) if dtype else dtypes.float32
+        with self._allocated(self.device(device), layout, dt, requires_grad) as out:
+            return self._issue(session, out)
+
+    def full(
+        self,
+        session: Session,
+        shape: Sequence[int],
+        value: Scalar,
+        dtype: str,
+        device: str,
+        requires_grad: bool = False,
+    ) -> Issued:
+        shape = kernels.check_shape(shape)
+        dt = dtypes.dtype_from_name(dtype) if dtype else kernels.scalar_dtype(value)
+        kernels.check_scalar_fits(value, dt)
+        with self._allocated(self.device(device), Layout.contiguous(shape), dt, requires_grad) as out:
+            kernels.fill(out.device.xp, self.array(out), value)
+            return self._issue(session, out)
+
+    def arange(
+        self,
+        session: Session,
+        start: Scalar,
+        end: Scalar,
+        step: Scalar,
+        dtype: str,
+        device: str,
+        requires_grad: bool = False,
+    ) -> Issued:
+        dt = dtypes.dtype_from_name(dtype) if dtype else kernels.arange_dtype(start, end, step)
+        dev = self.device(device)
+        values = kernels.arange_values(dev.xp, start, end, step, dt)
+        with self._allocated(dev, Layout.contiguous(values.shape), dt, requires_grad) as out:
+            kernels.assign(dev.xp, self.array(out), values)
+            return self._issue(session, out)
+
+    # -- transfers --------------------------------------------------------------
+
+    def upload(
+        self,
+        session: Session,
+        shape: Sequence[int],
+        dtype: str,
+        device: str,
+        nbytes: int,
+        chunks: Iterable[bytes],
+        requires_grad: bool = False,
+    ) -> Issued:
+        """A new tensor from raw bytes, written as they arrive; nothing is left on any failure."""
+        shape = kernels.check_shape(shape)
+        dt = dtypes.dtype_from_name(dtype)
+        layout = Layout.contiguous(shape)
+        expected = layout.numel * dt.itemsize
+        if nbytes != expected:
+            raise ValueError(
+                f"upload header declares {nbytes} bytes, but shape {list(shape)} of {dt.name} "
+                f"holds {expected}"
+            )
+        with self._allocated(self.device(device), layout, dt, requires_grad) as out:
+            received = 0
+            for chunk in chunks:
+                if received + len(chunk) > nbytes:
+                    raise ValueError(f"upload carried more than the declared {nbytes} bytes")
+                out.storage.write(received, chunk)
+                received += len(chunk)
+            if received != nbytes:
+                raise ValueError(f"upload ended after {received} of {nbytes} bytes")
+            return self._issue(session, out)
+
+    def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
+        """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs)."""
+        chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
+        chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        with self.sessions.pinned(session, handle) as (ref,):
+            layout, itemsize = ref.layout, ref.dtype.itemsize
+            if layout.numel == 0:
+                return
+            if layout.is_contiguous():
+                data = ref.storage.raw()[
+                    layout.offset * itemsize : (layout.offset + layout.numel) * itemsize
+                ]
+            else:  # gather into a temporary on the device first, in logical order
+                data = kernels.contiguous_bytes(ref.device.xp, self.array(ref))
+            data = kernels.to_module(np, data)
+            for start in range(0, data.size, chunk):
+                yield data[start : start + chunk].tobytes()
+
+    # -- sharing ----------------------------------------------------------------
+
+    def share(self, session: Session, handle: str) -> str:
+        return self.sessions.share(session, handle)
+
+    def attach(self, session: Session, token: str) -> Issued:
+        return Issued(*self.sessions.attach(session, token))
+
+    def get_name(self, session: Session, name: str) -> Issued:
+        return Issued(*self.sessions.get_name(session, name))
+
+    # -- the pool ---------------------------------------------------------------
+
+    def memory_stats(self, device: str) -> dict[str, int | float]:
+        return self.device(device).pool.memory_stats()
+
+    def memory_summary(self, device: str) -> str:
+        return self.device(device).pool.memory_summary()
+
+    def memory_snapshot_json(self, device: str) -> bytes:
+        return json.dumps(self.device(device).pool.memory_snapshot()).encode()
+
+    def empty_cache(self, device: str) -> int:
+        """Release cached segments; returns the reserved bytes given back to the device."""
+        pool = self.device(device).pool
+        before = int(pool.memory_stats()["reserved_bytes.all.current"])
+        pool.empty_cache()
+        return before - int(pool.memory_stats()["reserved_bytes.all.current"])
+
+
+def _index(layout: Layout, index: tuple[Any, ...]) -> Layout:
+    """x[index] as torch reads it: one item alone takes torch's single-index fast path."""
+    return layout[index[0]] if len(index) == 1 else layout[index]
+
+
+def _flatten_shape(layout: Layout, op: ViewOp) -> tuple[int, ...]:
+    start, end = (list(op.args) + [0, -1][len(op.args) :])[:2]
+    if layout.ndim == 0:
+        return (1,)
+    start, end = start % layout.ndim, end % layout.ndim
+    merged = math.prod(layout.shape[start : end + 1])
+    return (*layout.shape[:start], merged, *layout.shape[end + 1 :])
+
+
+def _common_device(refs: Sequence[TensorRef]) -> Device:
+    first = refs[0].device
+    for ref in refs[1:]:
+        if ref.device is not first:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{first.name} and {ref.device.name}!"
+            )
+    return first
+
+
+def _promote(refs: Sequence[TensorRef]) -> DType:
+    result = refs[0].dtype
+    for ref in refs[1:]:
+        result = dtypes.promote_types(result, ref.dtype)
+    return result
+
+
+def _add_health_and_reflection(server: grpc.Server) -> None:
+    """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+
+    service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
+    servicer = health.HealthServicer()
+    for name in ("", service_name):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+
+def create_server(
+    address: str = "127.0.0.1:0",
+    devices: Iterable[DeviceSpec | str] = ("cpu",),
+    *,
+    session_grace: float = DEFAULT_GRACE_S,
+    lease: float = DEFAULT_LEASE_S,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    daemon: Daemon | None = None,
+) -> tuple[grpc.Server, int]:
+    """A started gRPC server on ``address`` and its port (port 0: any free one).
+
+    Pass ``daemon`` to keep a reference for inspection (tests) and for
+    ``daemon.close()`` after ``server.stop()``; otherwise one is made from
+    ``devices``, ``session_grace`` and ``lease``.
+    """
+    from tensord_server.service import add_to_server
+
+    if daemon is None:
+        daemon = Daemon(devices, session_grace=session_grace, lease=lease)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    add_to_server(daemon, server)
+    _add_health_and_reflection(server)
+    port = server.add_insecure_port(address)
+    if port == 0 and not address.startswith("unix:"):
+        raise OSError(f"cannot listen on {address}")
+    daemon.start()
+    server.start()
+    return server, port

@@ -1,0 +1,476 @@
+"""The gRPC face of the daemon: thin handlers (decode -> Daemon call -> encode).
+
+The method table is built from the schema's service descriptor, so every RPC
+the proto declares is registered with the right streaming kind; Upload and
+Download carry raw bytes (identity (de)serializers), every other method uses
+the generated protobuf ones.  Any exception a handler lets escape becomes a
+status code in :mod:`tensord_server.status`, the one place that decides.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+import tensord
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.errors import UnauthenticatedError
+from tensord_server import status
+from tensord_server.kernels import Scalar
+from tensord_server.server import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    Daemon,
+    Issued,
+    ViewOp,
+)
+from tensord_server.sessions import Session
+
+SERVICE_NAME = "tensord.v1.Tensord"
+SESSION_KEY = "tensord-session"
+UPLOAD_HEADER_KEY = "tensord-upload-bin"
+
+# Methods whose messages travel as bare bytes, not protobuf (see the proto's header).
+RAW_REQUEST_METHODS = frozenset({"Upload"})
+RAW_RESPONSE_METHODS = frozenset({"Download"})
+
+# Calls that need no session.
+SESSIONLESS_METHODS = frozenset({"ServerInfo", "OpenSession"})
+
+
+# ---------------------------------------------------------------------------
+# decoding and encoding
+
+
+def encode_meta(issued: Issued) -> pb.TensorMeta:
+    ref = issued.ref
+    return pb.TensorMeta(
+        handle=issued.handle,
+        shape=ref.layout.shape,
+        stride=ref.layout.stride,
+        storage_offset=ref.layout.offset,
+        dtype=ref.dtype.name,
+        device=ref.device.name,
+        requires_grad=ref.requires_grad,
+        storage_id=ref.storage.id,
+        storage_nbytes=ref.storage.nbytes,
+        storage_data_ptr=ref.storage.data_ptr,
+    )
+
+
+def decode_scalar(message: pb.Scalar) -> Scalar:
+    kind = message.WhichOneof("value")
+    if kind == "bool_value":
+        return bool(message.bool_value)
+    if kind == "int_value":
+        return int(message.int_value)
+    if kind == "float_value":
+        return float(message.float_value)
+    if kind == "complex_value":
+        return complex(message.complex_value.real, message.complex_value.imag)
+    raise ValueError("a Scalar must carry a value")
+
+
+def decode_index_item(item: pb.IndexItem) -> Any:
+    kind = item.WhichOneof("item")
+    if kind == "integer":
+        return int(item.integer)
+    if kind == "slice":
+        s = item.slice
+        return slice(
+            s.start if s.HasField("start") else None,
+            s.stop if s.HasField("stop") else None,
+            s.step if s.HasField("step") else None,
+        )
+    if kind == "none":
+        return None
+    if kind == "ellipsis":
+        return Ellipsis
+    raise ValueError("an IndexItem must carry an integer, a slice, None or Ellipsis")
+
+
+def decode_index(items: Any) -> tuple[Any, ...]:
+    return tuple(decode_index_item(item) for item in items)
+
+
+# ViewRequest's oneof field -> how to turn its message into a layout-engine call.
+_VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
+    "view": lambda m: ViewOp("view", (tuple(m.shape),)),
+    "view_dtype": lambda m: ViewOp("view_dtype", (m.dtype,)),
+    "narrow": lambda m: ViewOp("narrow", (m.dim, m.start, m.length)),
+    "select": lambda m: ViewOp("select", (m.dim, m.index)),
+    "index": lambda m: ViewOp("__getitem__", (_index_arg(decode_index(m.items)),)),
+    "transpose": lambda m: ViewOp("transpose", (m.dim0, m.dim1)),
+    "t": lambda m: ViewOp("t"),
+    "permute": lambda m: ViewOp("permute", (tuple(m.dims),)),
+    "movedim": lambda m: ViewOp("movedim", (tuple(m.source), tuple(m.destination))),
+    "expand": lambda m: ViewOp("expand", (tuple(m.shape),)),
+    "squeeze": lambda m: ViewOp("squeeze", (tuple(m.dims.values),) if m.HasField("dims") else ()),
+    "unsqueeze": lambda m: ViewOp("unsqueeze", (m.dim,)),
+    "flatten": lambda m: ViewOp("flatten", (m.start_dim, m.end_dim)),
+    "unflatten": lambda m: ViewOp("unflatten", (m.dim, tuple(m.sizes))),
+    "split": lambda m: ViewOp(
+        "split",
+        (m.split_size if m.WhichOneof("how") == "split_size" else tuple(m.sections.values), m.dim),
+    ),
+    "chunk": lambda m: ViewOp("chunk", (m.chunks, m.dim)),
+    "unbind": lambda m: ViewOp("unbind", (m.dim,)),
+    "diagonal": lambda m: ViewOp("diagonal", (m.offset, m.dim1, m.dim2)),
+    "as_strided": lambda m: ViewOp(
+        "as_strided",
+        (
+            tuple(m.size),
+            tuple(m.stride),
+            m.storage_offset if m.HasField("storage_offset") else None,
+        ),
+    ),
+    "detach": lambda m: ViewOp("detach"),
+    "set_requires_grad": lambda m: ViewOp("set_requires_grad", (bool(m.requires_grad),)),
+}
+
+
+def _index_arg(index: tuple[Any, ...]) -> Any:
+    """One item alone takes torch's single-index fast path (``x[1]``, not ``x[(1,)]``)."""
+    return index[0] if len(index) == 1 else index
+
+
+def decode_view_op(request: pb.ViewRequest) -> ViewOp:
+    kind = request.WhichOneof("op")
+    if kind is None:
+        raise ValueError("ViewRequest names no op")
+    return _VIEW_DECODERS[kind](getattr(request, kind))
+
+
+def _metadata(context: grpc.ServicerContext, key: str) -> Any:
+    for item in context.invocation_metadata() or ():
+        if item.key == key:
+            return item.value
+    return None
+
+
+# ---------------------------------------------------------------------------
+# error handling: the one way out of a handler
+
+
+def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(handler)
+    def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return handler(self, request, context)
+        except Exception as exc:
+            status.abort(context, exc)
+
+    return wrapper
+
+
+def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    @functools.wraps(handler)
+    def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from handler(self, request, context)
+        except Exception as exc:
+            status.abort(context, exc)
+
+    return wrapper
+
+
+class TensordService:
+    """One method per RPC of the schema, each a thin wrapper over :class:`Daemon`."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def _session(self, context: grpc.ServicerContext) -> Session:
+        session_id = _metadata(context, SESSION_KEY)
+        if not session_id:
+            raise UnauthenticatedError(
+                f"missing {SESSION_KEY} metadata: call OpenSession and send its session_id"
+            )
+        if isinstance(session_id, bytes):
+            session_id = session_id.decode("ascii", "replace")
+        return self.daemon.sessions.get(session_id)
+
+    # -- sessions ---------------------------------------------------------------
+
+    @_unary
+    def ServerInfo(self, request: pb.ServerInfoRequest, context: Any) -> pb.ServerInfoResponse:
+        return pb.ServerInfoResponse(
+            version=tensord.__version__,
+            devices=[
+                pb.DeviceInfo(
+                    device=d.name, capacity_bytes=d.pool.capacity, description=d.description
+                )
+                for d in self.daemon.devices
+            ],
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            chunk_bytes=DEFAULT_CHUNK_BYTES,
+        )
+
+    @_unary
+    def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        sessions = self.daemon.sessions
+        session, resumed = sessions.open(request.client_name, request.resume_session_id)
+        return pb.OpenSessionResponse(
+            session_id=session.id,
+            lease_seconds=sessions.lease,
+            grace_seconds=sessions.grace,
+            resumed=resumed,
+        )
+
+    @_streaming
+    def KeepAlive(self, requests: Iterator[pb.Heartbeat], context: Any) -> Iterator[pb.Heartbeat]:
+        session = self._session(context)
+        sessions = self.daemon.sessions
+        sessions.stream_opened(session)
+        try:
+            for beat in requests:
+                sessions.heartbeat(session)
+                yield pb.Heartbeat(sent_at=beat.sent_at)
+        finally:
+            sessions.stream_closed(session)
+
+    @_unary
+    def CloseSession(self, request: Any, context: Any) -> pb.CloseSessionResponse:
+        released = self.daemon.sessions.close(self._session(context))
+        return pb.CloseSessionResponse(released_handles=released)
+
+    @_unary
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        count = self.daemon.sessions.release(self._session(context), list(request.handles))
+        return pb.ReleaseResponse(released=count)
+
+    # -- views ------------------------------------------------------------------
+
+    @_unary
+    def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
+        session = self._session(context)
+        issued = self.daemon.view(session, request.handle, decode_view_op(request))
+        return pb.ViewResponse(tensors=[encode_meta(i) for i in issued])
+
+    # -- factories ----------------------------------------------------------------
+
+    @_unary
+    def Empty(self, request: pb.EmptyRequest, context: Any) -> pb.TensorMeta:
+        stride = tuple(request.stride.values) if request.HasField("stride") else None
+        return encode_meta(
+            self.daemon.empty(
+                self._session(context),
+                tuple(request.shape),
+                stride,
+                request.dtype,
+                request.device,
+                request.requires_grad,
+            )
+        )
+
+    @_unary
+    def Full(self, request: pb.FullRequest, context: Any) -> pb.TensorMeta:
+        return encode_meta(
+            self.daemon.full(
+                self._session(context),
+                tuple(request.shape),
+                decode_scalar(request.value),
+                request.dtype,
+                request.device,
+                request.requires_grad,
+            )
+        )
+
+    @_unary
+    def Arange(self, request: pb.ArangeRequest, context: Any) -> pb.TensorMeta:
+        start = decode_scalar(request.start) if request.HasField("start") else 0
+        step = decode_scalar(request.step) if request.HasField("step") else 1
+        return encode_meta(
+            self.daemon.arange(
+                self._session(context),
+                start,
+                decode_scalar(request.end),
+                step,
+                request.dtype,
+                request.device,
+                request.requires_grad,
+            )
+        )
+
+    # -- copies ---------------------------------------------------------------------
+
+    @_unary
+    def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.clone(session, request.handle, request.memory_format))
+
+    @_unary
+    def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
+        return encode_meta(self.daemon.contiguous(self._session(context), request.handle))
+
+    @_unary
+    def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.reshape(session, request.handle, tuple(request.shape)))
+
+    @_unary
+    def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(
+            self.daemon.to(session, request.handle, request.device, request.dtype, request.copy)
+        )
+
+    @_unary
+    def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.repeat(session, request.handle, tuple(request.repeats)))
+
+    @_unary
+    def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.cat(session, list(request.handles), request.dim))
+
+    @_unary
+    def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.stack(session, list(request.handles), request.dim))
+
+    @_unary
+    def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.copy(session, request.dst, request.src))
+
+    @_unary
+    def Fill(self, request: pb.FillRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(self.daemon.fill(session, request.handle, decode_scalar(request.value)))
+
+    @_unary
+    def SetItem(self, request: pb.SetItemRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        index = decode_index(request.index)
+        if request.WhichOneof("value") == "src_handle":
+            issued = self.daemon.setitem(session, request.handle, index, src_handle=request.src_handle)
+        else:
+            issued = self.daemon.setitem(
+                session, request.handle, index, value=decode_scalar(request.scalar)
+            )
+        return encode_meta(issued)
+
+    # -- transfers ------------------------------------------------------------------
+
+    @_unary
+    def Upload(self, chunks: Iterator[bytes], context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        raw_header = _metadata(context, UPLOAD_HEADER_KEY)
+        if raw_header is None:
+            raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
+        header = pb.UploadHeader.FromString(raw_header)
+        return encode_meta(
+            self.daemon.upload(
+                session,
+                tuple(header.shape),
+                header.dtype,
+                header.device,
+                header.nbytes,
+                chunks,
+                header.requires_grad,
+            )
+        )
+
+    @_streaming
+    def Download(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
+        session = self._session(context)
+        yield from self.daemon.download(session, request.handle, request.chunk_bytes)
+
+    # -- sharing --------------------------------------------------------------------
+
+    @_unary
+    def Share(self, request: pb.HandleRequest, context: Any) -> pb.ShareResponse:
+        return pb.ShareResponse(token=self.daemon.share(self._session(context), request.handle))
+
+    @_unary
+    def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
+        return encode_meta(self.daemon.attach(self._session(context), request.token))
+
+    @_unary
+    def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
+        session = self._session(context)
+        self.daemon.sessions.put_name(session, request.name, request.handle, request.overwrite)
+        return pb.PutNameResponse()
+
+    @_unary
+    def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
+        return encode_meta(self.daemon.get_name(self._session(context), request.name))
+
+    @_unary
+    def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
+        self._session(context)
+        self.daemon.sessions.delete_name(request.name)
+        return pb.DeleteNameResponse()
+
+    @_unary
+    def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
+        self._session(context)
+        return pb.ListNamesResponse(names=self.daemon.sessions.names())
+
+    # -- the pool -------------------------------------------------------------------
+
+    @_unary
+    def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
+        self._session(context)
+        stats = self.daemon.memory_stats(request.device)
+        return pb.MemoryStatsResponse(
+            counters={k: v for k, v in stats.items() if not isinstance(v, float)},
+            ratios={k: v for k, v in stats.items() if isinstance(v, float)},
+        )
+
+    @_unary
+    def MemorySummary(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySummaryResponse:
+        self._session(context)
+        return pb.MemorySummaryResponse(summary=self.daemon.memory_summary(request.device))
+
+    @_unary
+    def MemorySnapshot(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySnapshotResponse:
+        self._session(context)
+        return pb.MemorySnapshotResponse(
+            snapshot_json=self.daemon.memory_snapshot_json(request.device)
+        )
+
+    @_unary
+    def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
+        self._session(context)
+        return pb.EmptyCacheResponse(released_bytes=self.daemon.empty_cache(request.device))
+
+
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per RPC the schema declares, with its streaming kind and (de)serializers."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(service, method.name),
+            request_deserializer=None
+            if method.name in RAW_REQUEST_METHODS
+            else request_cls.FromString,
+            response_serializer=None
+            if method.name in RAW_RESPONSE_METHODS
+            else response_cls.SerializeToString,
+        )
+    return handlers
+
+
+def add_to_server(daemon: Daemon, server: grpc.Server) -> TensordService:
+    service = TensordService(daemon)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),)
+    )
+    return service

@@ -1,0 +1,321 @@
+"""Sessions, their handle tables, share tokens, names, leases and the grace reaper.
+
+Liveness: a session is *connected* while a KeepAlive stream is open or its
+lease has not lapsed (every call and heartbeat renews it).  It is *lost* from
+the moment its last stream ends without CloseSession, or its lease lapses,
+whichever comes first; ``grace`` seconds later the reaper releases everything
+it held.  OpenSession(resume_session_id=...) before then brings it back whole.
+
+Handle ids and share tokens are capabilities (``secrets.token_urlsafe``), looked
+up only in the table of the session presenting them: a foreign handle is as
+unknown as a made-up one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from tensord.errors import NotFoundError
+from tensord_server.status import AlreadyExistsError
+from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
+
+log = logging.getLogger(__name__)
+
+# The reaper wakes this often relative to the shortest of grace and lease, so a
+# lost session is released at most ~25% late...
+REAPER_INTERVAL_FRACTION = 0.25
+# ...but never busier than every 20 ms nor lazier than every 1 s.
+REAPER_MIN_INTERVAL_S = 0.02
+REAPER_MAX_INTERVAL_S = 1.0
+
+DEFAULT_GRACE_S = 30.0
+DEFAULT_LEASE_S = 30.0
+
+
+def new_capability() -> str:
+    """An unguessable id (128 bits): handle ids and share tokens."""
+    return secrets.token_urlsafe(16)
+
+
+@dataclass(eq=False)
+class Session:
+    """One client process's session.  All fields are guarded by the SessionManager lock."""
+
+    id: str
+    client_name: str
+    last_seen: float  # monotonic time of the last call or heartbeat
+    handles: dict[str, TensorRef] = field(default_factory=dict)
+    tokens: set[str] = field(default_factory=set)  # share tokens this session issued
+    streams: int = 0  # open KeepAlive streams
+    stream_ended_at: float | None = None  # when the last stream ended (None: none ended since)
+
+    def lost_since(self, lease: float) -> float | None:
+        """When the session lost its client (None while connected)."""
+        if self.streams > 0:
+            return None
+        lapsed = self.last_seen + lease
+        if self.stream_ended_at is not None:
+            return min(lapsed, self.stream_ended_at)
+        return lapsed
+
+
+class SessionManager:
+    """Every session, share token and name of one server; the only owner of handle references."""
+
+    def __init__(
+        self,
+        storages: StorageRegistry,
+        *,
+        grace: float = DEFAULT_GRACE_S,
+        lease: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if grace < 0 or lease <= 0:
+            raise ValueError(f"grace must be >= 0 and lease > 0, got grace={grace}, lease={lease}")
+        self.storages = storages
+        self.grace = grace
+        self.lease = lease
+        self._clock = clock
+        self._lock = threading.Lock()  # guards the three dicts and every Session's fields
+        self._sessions: dict[str, Session] = {}
+        self._tokens: dict[str, tuple[str, TensorRef]] = {}  # token -> (session id, tensor)
+        self._names: dict[str, TensorRef] = {}
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # -- sessions -------------------------------------------------------------
+
+    def open(self, client_name: str = "", resume_id: str = "") -> tuple[Session, bool]:
+        """A new session, or the one ``resume_id`` names if it is still within its grace."""
+        now = self._clock()
+        with self._lock:
+            if resume_id:
+                session = self._sessions.get(resume_id)
+                if session is None:
+                    raise NotFoundError("unknown session")
+                session.last_seen = now
+                session.stream_ended_at = None
+                return session, True
+            session = Session(new_capability(), client_name, last_seen=now)
+            self._sessions[session.id] = session
+            return session, False
+
+    def get(self, session_id: str) -> Session:
+        """The live session of a call (renewing its lease); NotFoundError otherwise."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise NotFoundError("unknown session")
+            session.last_seen = self._clock()
+            return session
+
+    def close(self, session: Session) -> int:
+        """End a session now; returns how many handles it released."""
+        with self._lock:
+            if self._sessions.pop(session.id, None) is None:
+                raise NotFoundError("unknown session")
+            refs = self._detach_session(session)
+            released = len(session.handles)
+            session.handles.clear()
+        self._decref_all(refs)
+        return released
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def handle_count(self, session: Session) -> int:
+        with self._lock:
+            return len(session.handles)
+
+    # -- liveness -----------------------------------------------------------------
+
+    def stream_opened(self, session: Session) -> None:
+        with self._lock:
+            session.streams += 1
+            session.last_seen = self._clock()
+
+    def stream_closed(self, session: Session) -> None:
+        with self._lock:
+            session.streams -= 1
+            if session.streams == 0:
+                session.stream_ended_at = self._clock()
+
+    def heartbeat(self, session: Session) -> None:
+        with self._lock:
+            session.last_seen = self._clock()
+
+    def reap(self) -> list[str]:
+        """Release every session lost for longer than the grace; returns their ids."""
+        now = self._clock()
+        refs: list[TensorRef] = []
+        reaped: list[str] = []
+        with self._lock:
+            for session in list(self._sessions.values()):
+                lost = session.lost_since(self.lease)
+                if lost is not None and now - lost >= self.grace:
+                    del self._sessions[session.id]
+                    refs.extend(self._detach_session(session))
+                    session.handles.clear()
+                    reaped.append(session.id)
+        self._decref_all(refs)
+        for session_id in reaped:
+            log.info("session %s lost for more than %.3gs: released", session_id[:8], self.grace)
+        return reaped
+
+    def start_reaper(self) -> None:
+        if self._reaper is not None:
+            return
+        interval = min(self.grace, self.lease) * REAPER_INTERVAL_FRACTION
+        interval = min(max(interval, REAPER_MIN_INTERVAL_S), REAPER_MAX_INTERVAL_S)
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.reap()
+                except Exception:  # keep reaping whatever one round hit
+                    log.exception("session reaper")
+
+        self._reaper = threading.Thread(target=loop, name="tensord-reaper", daemon=True)
+        self._reaper.start()
+
+    def shutdown(self) -> None:
+        """Stop the reaper and release every session, token and name (server shutdown)."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5.0)
+        with self._lock:
+            refs: list[TensorRef] = []
+            for session in self._sessions.values():
+                refs.extend(self._detach_session(session))
+                session.handles.clear()
+            self._sessions.clear()
+            refs.extend(self._names.values())
+            self._names.clear()
+        self._decref_all(refs)
+
+    # -- handles ------------------------------------------------------------------
+
+    def register(self, session: Session, ref: TensorRef) -> str:
+        """A new handle on ``ref`` in ``session`` (the caller holds a pin on its Storage)."""
+        check_in_bounds(ref)
+        handle = new_capability()
+        with self._lock:
+            if self._sessions.get(session.id) is not session:
+                raise NotFoundError("unknown session")
+            self.storages.incref(ref.storage)
+            session.handles[handle] = ref
+        return handle
+
+    def lookup(self, session: Session, handle: str) -> TensorRef:
+        with self._lock:
+            return self._lookup(session, handle)
+
+    @contextmanager
+    def pinned(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
+        """The tensors of ``handles``, their Storages kept alive until the block ends."""
+        with self._lock:
+            refs = [self._lookup(session, h) for h in handles]
+            for ref in refs:
+                self.storages.incref(ref.storage)
+        try:
+            yield refs
+        finally:
+            self._decref_all(refs)
+
+    def release(self, session: Session, handles: Sequence[str]) -> int:
+        """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""
+        refs = []
+        with self._lock:
+            for handle in handles:
+                ref = session.handles.pop(handle, None)
+                if ref is not None:
+                    refs.append(ref)
+        self._decref_all(refs)
+        return len(refs)
+
+    # -- sharing ------------------------------------------------------------------
+
+    def share(self, session: Session, handle: str) -> str:
+        token = new_capability()
+        with self._lock:
+            ref = self._lookup(session, handle)
+            self.storages.incref(ref.storage)
+            self._tokens[token] = (session.id, ref)
+            session.tokens.add(token)
+        return token
+
+    def attach(self, session: Session, token: str) -> tuple[str, TensorRef]:
+        with self._lock:
+            entry = self._tokens.get(token)
+            if entry is None:
+                raise NotFoundError("unknown share token")
+            ref = entry[1]
+            self.storages.incref(ref.storage)  # a pin for register()
+        try:
+            return self.register(session, ref), ref
+        finally:
+            self.storages.decref(ref.storage)
+
+    def put_name(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
+        if not name:
+            raise ValueError("a tensor name must not be empty")
+        with self._lock:
+            ref = self._lookup(session, handle)
+            old = self._names.get(name)
+            if old is not None and not overwrite:
+                raise AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
+            self.storages.incref(ref.storage)
+            self._names[name] = ref
+        if old is not None:
+            self.storages.decref(old.storage)
+
+    def get_name(self, session: Session, name: str) -> tuple[str, TensorRef]:
+        with self._lock:
+            ref = self._names.get(name)
+            if ref is None:
+                raise NotFoundError(f"no tensor named {name!r}")
+            self.storages.incref(ref.storage)  # a pin for register()
+        try:
+            return self.register(session, ref), ref
+        finally:
+            self.storages.decref(ref.storage)
+
+    def delete_name(self, name: str) -> None:
+        with self._lock:
+            ref = self._names.pop(name, None)
+        if ref is None:
+            raise NotFoundError(f"no tensor named {name!r}")
+        self.storages.decref(ref.storage)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._names)
+
+    # -- internals (call with the lock held, except _decref_all) ------------------
+
+    def _lookup(self, session: Session, handle: str) -> TensorRef:
+        ref = session.handles.get(handle)
+        if ref is None:
+            raise NotFoundError(f"unknown handle {handle[:8]!r}..." if handle else "empty handle")
+        return ref
+
+    def _detach_session(self, session: Session) -> list[TensorRef]:
+        """Unlink a session's handles and tokens; returns the references to drop."""
+        refs = list(session.handles.values())
+        for token in session.tokens:
+            entry = self._tokens.pop(token, None)
+            if entry is not None:
+                refs.append(entry[1])
+        session.tokens.clear()
+        return refs
+
+    def _decref_all(self, refs: list[TensorRef]) -> None:
+        for ref in refs:
+            self.storages.decref(ref.storage)

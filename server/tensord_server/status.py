@@ -1,0 +1,91 @@
+"""The one table that maps domain errors to gRPC status codes (DESIGN.md, "Errors across the wire").
+
+Handlers never pick a status code themselves: they let exceptions propagate and
+:func:`abort` looks the exception up here.  Besides the status code, every
+error carries the trailing metadata ``tensord-error-type``: the Python built-in
+torch raises in the same case, so the SDK can raise a subclass of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+
+from tensord import errors
+
+ERROR_TYPE_KEY = "tensord-error-type"
+
+log = logging.getLogger(__name__)
+
+
+class AlreadyExistsError(errors.TensordError, ValueError):
+    """PutName on a name that exists, without ``overwrite`` (server-side until errors.py has it)."""
+
+    status_code = "ALREADY_EXISTS"
+
+
+# Exception class -> status code.  Order matters: the first row whose class the
+# exception is an instance of wins, so subclasses come before their bases (the
+# layout engine's plain built-ins come last: RuntimeError would also catch
+# ResourceExhaustedError, FailedPreconditionError and InternalError).
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.InternalError, grpc.StatusCode.INTERNAL),
+    # What the layout engine and dtype helpers raise, as torch does, for bad input.
+    (IndexError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RuntimeError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+# Bases that say nothing about the torch built-in (skipped when naming the error type).
+_GENERIC_BASES = frozenset({BaseException, Exception, object})
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code of an exception; INTERNAL for anything unexpected (a server bug)."""
+    for cls, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def builtin_type_name(exc: BaseException) -> str:
+    """The Python built-in torch would raise: the first built-in class in the MRO.
+
+    ``TensordIndexError`` -> "IndexError", ``OutOfMemoryError`` -> "RuntimeError",
+    a plain ``ValueError`` -> "ValueError".  Errors of our own that are not
+    torch's built-ins name their first built-in base too (NotFoundError ->
+    "LookupError"), so the trailer is always present and always a built-in.
+    """
+    for cls in type(exc).__mro__:
+        if cls.__module__ == "builtins" and cls not in _GENERIC_BASES:
+            return cls.__name__
+    return "RuntimeError"
+
+
+def details_for(exc: BaseException) -> str:
+    """The message the client sees: the exception's text, word for word."""
+    text = str(exc)
+    if status_for(exc) is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.InternalError):
+        return f"{type(exc).__name__}: {text}"  # an unexpected error: say what it was
+    return text
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status of ``exc`` and its error-type trailer."""
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a tensord handler", exc_info=exc)
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, builtin_type_name(exc)),))
+    context.abort(code, details_for(exc))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

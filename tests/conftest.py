@@ -1,0 +1,148 @@
+"""Fixtures: a real tensord server on 127.0.0.1, port 0, in this process.
+
+``server`` (module-scoped) and ``fresh_server`` (per test) yield a
+:class:`RunningServer` with ``.address`` ("127.0.0.1:PORT") and ``.daemon``
+(devices, storages and sessions, for inspection).  ``client`` is the SDK's
+``tensord.connect(server.address)``; ``stub`` is the raw generated stub with an
+open session (``stub.md`` is the metadata to pass with each call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
+from tensord.dtypes import dtype_from_name, dtype_from_numpy
+from tensord_server.server import MAX_MESSAGE_BYTES, Daemon, create_server
+
+# The fixtures' pool: big enough for every test, small enough to find leaks fast.
+TEST_DEVICES = ("cpu=1GiB",)
+# Short, so tests of the grace period finish quickly...
+TEST_GRACE_S = 0.5
+# ...and a lease long enough that a test's own idle session never lapses mid-test.
+TEST_LEASE_S = 30.0
+# In-flight calls get this long to finish when a fixture stops its server.
+STOP_GRACE_S = 2.0
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+@dataclass
+class RunningServer:
+    address: str
+    port: int
+    daemon: Daemon
+    grpc_server: grpc.Server
+
+    def stop(self) -> None:
+        self.grpc_server.stop(STOP_GRACE_S).wait()
+        self.daemon.close()
+
+
+def start_server(**daemon_kwargs: Any) -> RunningServer:
+    kwargs = {"session_grace": TEST_GRACE_S, "lease": TEST_LEASE_S} | daemon_kwargs
+    devices = kwargs.pop("devices", TEST_DEVICES)
+    daemon = Daemon(devices, **kwargs)
+    grpc_server, port = create_server("127.0.0.1:0", daemon=daemon)
+    return RunningServer(f"127.0.0.1:{port}", port, daemon, grpc_server)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    running = start_server()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def fresh_server() -> Iterator[RunningServer]:
+    running = start_server()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[Any]:
+    import tensord
+    import tensord.client  # lazily: the server's tests run without the SDK
+
+    connect = getattr(tensord, "connect", None) or tensord.client.connect
+    with connect(server.address) as connected:
+        yield connected
+
+
+class SessionStub:
+    """The raw generated stub plus an open session: ``stub.View(req, metadata=stub.md)``."""
+
+    def __init__(self, channel: grpc.Channel, name: str = "test") -> None:
+        self.channel = channel
+        self.raw = tensord_pb2_grpc.TensordStub(channel)
+        opened = self.raw.OpenSession(pb.OpenSessionRequest(client_name=name))
+        self.session_id = opened.session_id
+        self.md: tuple[tuple[str, str], ...] = (("tensord-session", self.session_id),)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+    # -- helpers over the raw stub -------------------------------------------------
+
+    def upload(self, array: np.ndarray, *, chunk: int = 1 << 20, device: str = "cpu") -> pb.TensorMeta:
+        """An Upload of ``array``'s bytes (C order) in raw chunks."""
+        data = np.ascontiguousarray(array).tobytes()
+        header = pb.UploadHeader(
+            shape=array.shape,
+            dtype=dtype_from_numpy(array.dtype).name,
+            device=device,
+            nbytes=len(data),
+        )
+        chunks = (data[i : i + chunk] for i in range(0, len(data), chunk))
+        upload = self.channel.stream_unary("/tensord.v1.Tensord/Upload")
+        return pb.TensorMeta.FromString(
+            upload(chunks, metadata=(*self.md, ("tensord-upload-bin", header.SerializeToString())))
+        )
+
+    def download_bytes(self, handle: str, chunk_bytes: int = 0) -> list[bytes]:
+        download = self.channel.unary_stream(
+            "/tensord.v1.Tensord/Download",
+            request_serializer=pb.DownloadRequest.SerializeToString,
+        )
+        request = pb.DownloadRequest(handle=handle, chunk_bytes=chunk_bytes)
+        return list(download(request, metadata=self.md))
+
+    def download(self, meta: pb.TensorMeta) -> np.ndarray:
+        """The tensor's values as a NumPy array of its shape and dtype."""
+        data = b"".join(self.download_bytes(meta.handle))
+        np_dtype = dtype_from_name(meta.dtype).numpy_dtype
+        return np.frombuffer(data, dtype=np_dtype).reshape(tuple(meta.shape)).copy()
+
+    def view(self, meta: pb.TensorMeta, **op: Any) -> list[pb.TensorMeta]:
+        """One View op: ``stub.view(x, narrow=pb.Narrow(dim=0, start=1, length=2))``."""
+        return list(self.raw.View(pb.ViewRequest(handle=meta.handle, **op), metadata=self.md).tensors)
+
+    def close(self) -> None:
+        try:
+            self.raw.CloseSession(pb.CloseSessionRequest(), metadata=self.md)
+        except grpc.RpcError:
+            pass  # already closed or reaped by the test
+
+
+def open_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+@pytest.fixture
+def stub(server: RunningServer) -> Iterator[SessionStub]:
+    with open_channel(server.address) as channel:
+        session = SessionStub(channel)
+        yield session
+        session.close()
