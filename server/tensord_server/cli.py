@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("tensord_server.serve", "run the tensord server"),
     "replay": ("tensord_server.replay", "replay an allocator trace through the pool"),
     "stats": ("tensord_server.admin", "print a server's memory_stats() for one device"),
     "summary": ("tensord_server.admin", "print a server's memory_summary() for one device"),

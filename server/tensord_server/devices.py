@@ -84,18 +84,17 @@ def _host_backend(spec: DeviceSpec) -> Backend:
 
 
 def _cuda_backend(spec: DeviceSpec) -> Backend:
-    # The CUDA backend lands in its own issue; until then say what is missing.
+    # CuPy is an optional extra: without it, say what to install instead of an ImportError.
     if importlib.util.find_spec("cupy") is None:
         raise FailedPreconditionError(
-            f"device {spec.name} needs CuPy: install tensord[cuda12] or tensord[cuda13]"
+            f"device {spec.name} needs CuPy: pip install 'tensord[cuda12]' (or [cuda13])"
         )
+    from tensord_server.cuda_backend import CudaBackend
+
     try:
-        module = importlib.import_module("tensord_server.cuda_backend")
-    except ImportError:
-        raise FailedPreconditionError(
-            f"device {spec.name}: this tensord build has no CUDA backend yet"
-        ) from None
-    backend: Backend = module.CudaBackend(device=spec.name)
+        backend: Backend = CudaBackend(device=spec.name, total_bytes=spec.capacity)
+    except ValueError as exc:  # no such GPU on this machine
+        raise FailedPreconditionError(str(exc)) from None
     return backend
 
 
