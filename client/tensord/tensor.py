@@ -86,7 +86,8 @@ def as_dtype(value: Any) -> DType:
     if torch is not None and isinstance(value, torch.dtype):
         return dtypes.from_torch(value)
     if isinstance(value, str):
-        return dtypes.dtype_from_name(value)
+        with torch_errors():
+            return dtypes.dtype_from_name(value)
     raise errors.TensordTypeError(f"expected a dtype, got {type(value).__name__}")
 
 
