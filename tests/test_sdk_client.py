@@ -1,0 +1,272 @@
+"""The SDK against a real server: transfers, factories, conversions, releases, sessions,
+introspection and the admin CLI."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensord
+from tensord import dtypes
+from tensord_server import cli
+
+torch = pytest.importorskip("torch")
+
+WAIT_S = 30.0  # bound on every poll below
+
+
+def poll(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def allocated(client: tensord.Client) -> int:
+    return int(client.memory_stats()["allocated_bytes.all.current"])
+
+
+# ---- transfers ---------------------------------------------------------------------------
+
+
+def test_upload_and_download_beyond_the_default_message_limit(client: tensord.Client) -> None:
+    array = np.random.default_rng(0).standard_normal((3, 1024, 1024)).astype(np.float32)  # 12 MiB
+    x = client.from_numpy(array)
+    assert x.nbytes == array.nbytes > 4 << 20
+    np.testing.assert_array_equal(x.numpy(), array)
+    # a non-contiguous tensor downloads in logical order
+    np.testing.assert_array_equal(x.permute(2, 0, 1).numpy(), array.transpose(2, 0, 1))
+    np.testing.assert_array_equal(x[:, ::3, 5].numpy(), array[:, ::3, 5])
+
+
+@pytest.mark.parametrize("dtype", [d for d in dtypes.ALL_DTYPES], ids=lambda d: d.name)
+def test_every_dtype_round_trips(client: tensord.Client, dtype: dtypes.DType) -> None:
+    t = (torch.arange(-3, 9).view(3, 4) % 5).to(dtypes.to_torch(dtype))
+    x = client.tensor(t)
+    assert x.dtype is dtype and tuple(x.shape) == (3, 4)
+    assert x.tolist() == t.tolist()
+    assert x[1, 2].item() == t[1, 2].item()
+    assert repr(x).replace("tensord.", "torch.") == repr(t)
+    assert x.t().tolist() == t.t().tolist()
+
+
+def test_tensor_from_python_data_infers_dtypes_as_torch(client: tensord.Client) -> None:
+    for data in [1.5, 3, True, [1, 2, 3], [[1.0, 2.0]], [True, False], [1, 2.5], 2 + 1j]:
+        x, t = client.tensor(data), torch.tensor(data)
+        assert x.dtype == dtypes.from_torch(t.dtype), data
+        assert x.tolist() == t.tolist()
+        assert repr(x).replace("tensord.", "torch.") == repr(t)
+    x = client.tensor([1, 2], dtype=tensord.dtypes.float64, requires_grad=True)
+    assert x.dtype is dtypes.float64 and x.requires_grad
+    with pytest.raises(RuntimeError, match="Can't call numpy"):
+        x.numpy()
+    assert x.detach().numpy().tolist() == [1.0, 2.0]
+    assert np.asarray(x.detach()).dtype == np.float64
+    copy = client.tensor(x)
+    assert not copy.requires_grad and not copy.untyped_storage().storage_id == x.untyped_storage().storage_id
+
+
+def test_repr_of_a_large_tensor_matches_torch(client: tensord.Client) -> None:
+    t = torch.arange(4000, dtype=torch.float64).view(20, 200) / 3
+    x = client.tensor(t)
+    assert repr(x).replace("tensord.", "torch.") == repr(t)
+    assert repr(client.zeros(2, 0)) == repr(torch.zeros(2, 0))
+
+
+# ---- factories and copies ------------------------------------------------------------------
+
+
+def test_factories_match_torch(client: tensord.Client) -> None:
+    pairs = [
+        (client.zeros(2, 3), torch.zeros(2, 3)),
+        (client.ones((2, 3), dtype=tensord.dtypes.int32), torch.ones((2, 3), dtype=torch.int32)),
+        (client.full((2, 2), 7), torch.full((2, 2), 7)),
+        (client.full((2,), 1.5), torch.full((2,), 1.5)),
+        (client.full((2,), True), torch.full((2,), True)),
+        (client.arange(5), torch.arange(5)),
+        (client.arange(1, 4, 0.5), torch.arange(1, 4, 0.5)),
+        (client.arange(10, 0, -3), torch.arange(10, 0, -3)),
+    ]
+    for ours, theirs in pairs:
+        assert ours.dtype == dtypes.from_torch(theirs.dtype)
+        assert ours.tolist() == theirs.tolist()
+    e = client.empty(3, 4, dtype=tensord.dtypes.float16)
+    assert e.shape == (3, 4) and e.dtype is dtypes.float16 and e.is_contiguous()
+    p = client.arange(24).view(2, 3, 4).permute(2, 0, 1)
+    like = client.empty_like(p)
+    assert like.stride() == torch.empty_like(torch.arange(24).view(2, 3, 4).permute(2, 0, 1)).stride()
+    assert client.zeros_like(p).tolist() == torch.zeros(4, 2, 3, dtype=torch.int64).tolist()
+    assert client.ones_like(p, dtype=tensord.dtypes.bool).tolist() == torch.ones(4, 2, 3).bool().tolist()
+
+
+def test_to_forms_and_conversions(client: tensord.Client) -> None:
+    x = client.arange(6).view(2, 3)
+    assert x.to(tensord.dtypes.int64) is x  # nothing to do: torch returns self
+    assert x.to("cpu") is x and x.cpu() is x
+    y = x.to("cpu", copy=True)
+    assert y is not x and y.data_ptr() != x.data_ptr() and y.tolist() == x.tolist()
+    assert x.to(tensord.dtypes.float16).dtype is dtypes.float16
+    assert x.to(torch.float64).dtype is dtypes.float64
+    assert x.to("cpu", tensord.dtypes.int8).dtype is dtypes.int8
+    assert x.to(dtype=tensord.dtypes.bool).tolist() == torch.arange(6).view(2, 3).bool().tolist()
+    assert x.to(x.float()).dtype is dtypes.float32
+    for method, dtype in [
+        ("float", "float32"),
+        ("double", "float64"),
+        ("half", "float16"),
+        ("int", "int32"),
+        ("long", "int64"),
+        ("bool", "bool"),
+    ]:
+        assert getattr(x, method)().dtype.name == dtype
+    assert x.float().t().tolist() == torch.arange(6).view(2, 3).float().t().tolist()
+    with pytest.raises(tensord.FailedPreconditionError):
+        x.cuda()
+    r = x.requires_grad_(False)
+    assert r is x and not x.requires_grad
+
+
+def test_setitem_from_scalar_array_and_tensor(client: tensord.Client) -> None:
+    x, t = client.zeros(4, 4, dtype=tensord.dtypes.int32), torch.zeros(4, 4, dtype=torch.int32)
+    for key, value in [
+        ((0,), 1),
+        ((slice(1, 3), 2), [5, 6]),
+        ((3, slice(None)), np.arange(4)),
+        ((Ellipsis, 0), client.tensor([9])),
+        ((None, 2, slice(0, 2)), 2.7),
+    ]:
+        x[key] = value
+        t[key] = torch.as_tensor(value.tolist() if isinstance(value, tensord.Tensor) else value)
+    assert x.tolist() == t.tolist()
+
+
+# ---- releases and sessions -------------------------------------------------------------------
+
+
+def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
+    with tensord.connect(fresh_server.address) as client:
+        baseline = allocated(client)
+        calls: list[str] = []
+        real_call = client._conn.call
+
+        def counting(method: str, request: Any) -> Any:
+            calls.append(method)
+            return real_call(method, request)
+
+        client._conn.call = counting  # type: ignore[method-assign]
+        tensors = [client.empty(1000) for _ in range(100)]
+        views = [t.view(10, 100) for t in tensors]
+        assert allocated(client) >= baseline + 100 * 4000
+        del tensors, views
+        client.flush()
+        assert poll(lambda: allocated(client) == baseline)
+        assert calls.count("Empty") == 100 and calls.count("View") == 100
+        # 200 dropped handles cost a handful of Release calls, not one each
+        assert 1 <= calls.count("Release") <= 5
+
+
+def test_close_ends_the_session_and_frees_its_memory(fresh_server: Any) -> None:
+    with tensord.connect(fresh_server.address) as observer:
+        baseline = allocated(observer)
+        client = tensord.connect(fresh_server.address)
+        kept = client.zeros(1 << 18)
+        assert allocated(observer) > baseline
+        client.close()
+        client.close()  # idempotent
+        assert allocated(observer) == baseline
+        assert client.session_id not in fresh_server.daemon.sessions.session_ids()
+        with pytest.raises(ConnectionError, match="closed"):
+            kept.clone()
+        del kept
+
+
+def test_a_broken_keepalive_stream_resumes_the_session(fresh_server: Any) -> None:
+    with tensord.connect(fresh_server.address) as client:
+        x = client.arange(10)
+        session_id = client.session_id
+        broken = client._conn._keepalive_call
+        broken.cancel()  # as if the connection dropped
+        assert poll(lambda: client._conn._keepalive_call is not broken)
+        time.sleep(2 * fresh_server.daemon.sessions.grace)  # past the grace: still alive
+        assert client.session_id == session_id
+        assert x.tolist() == list(range(10))
+
+
+def test_connect_reads_the_address_from_the_environment(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENSORD_ADDRESS", server.address)
+    with tensord.connect() as client:
+        assert client.address == server.address
+        assert client.server_info()["devices"][0]["device"] == "cpu"
+
+
+def test_out_of_memory_is_a_runtime_error() -> None:
+    from tensord_server.server import Daemon, create_server
+
+    daemon = Daemon(("cpu=64MiB",))
+    server, port = create_server("127.0.0.1:0", daemon=daemon)
+    try:
+        with tensord.connect(f"127.0.0.1:{port}") as client:
+            keep = client.empty(10 << 20)  # 40 MiB of float32
+            with pytest.raises(tensord.OutOfMemoryError) as info:
+                client.empty(10 << 20)
+            assert isinstance(info.value, RuntimeError)
+            assert keep.numel() == 10 << 20  # and the server keeps serving
+            assert client.zeros(2).tolist() == [0.0, 0.0]
+    finally:
+        server.stop(None).wait(10)
+        daemon.close()
+
+
+def test_names_put_get_delete(client: tensord.Client) -> None:
+    x = client.arange(4)
+    client.put("sdk-test-name", x)
+    with pytest.raises(ValueError, match="already exists"):
+        client.put("sdk-test-name", x)
+    client.put("sdk-test-name", x.clone(), overwrite=True)
+    assert "sdk-test-name" in client.names()
+    assert client.get("sdk-test-name").tolist() == [0, 1, 2, 3]
+    client.delete("sdk-test-name")
+    assert "sdk-test-name" not in client.names()
+
+
+# ---- introspection and CLI -------------------------------------------------------------------
+
+
+def test_memory_stats_summary_and_snapshot(client: tensord.Client) -> None:
+    x = client.zeros(1 << 16)
+    stats = client.memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries"):
+        assert key in stats
+    assert list(stats) == sorted(stats)
+    assert stats["allocated_bytes.all.current"] >= x.nbytes
+    assert "allocated" in client.memory_summary().lower()
+    snapshot = client.memory_snapshot()
+    assert "segments" in snapshot and "device_traces" in snapshot
+    pickle.loads(pickle.dumps(snapshot))
+    assert client.empty_cache() >= 0
+
+
+def test_admin_cli(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    address = ["--address", server.address]
+    assert cli.main(["stats", *address]) == 0
+    assert "allocated_bytes.all.current" in capsys.readouterr().out
+    assert cli.main(["summary", *address]) == 0
+    assert capsys.readouterr().out.strip()
+    out = tmp_path / "snap.pickle"
+    assert cli.main(["snapshot", *address, "-o", str(out)]) == 0
+    with out.open("rb") as f:
+        assert "segments" in pickle.load(f)
+    assert cli.main(["empty-cache", *address]) == 0
+    assert "released" in capsys.readouterr().out
+    assert cli.main(["stats", "--address", "127.0.0.1:1", "--timeout", "0.2"]) == 1
+    assert "no tensord server answers" in capsys.readouterr().err
