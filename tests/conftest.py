@@ -9,7 +9,8 @@ open session (``stub.md`` is the metadata to pass with each call).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,52 @@ def fresh_server() -> Iterator[RunningServer]:
     running = start_server()
     yield running
     running.stop()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., RunningServer]]:
+    """A factory of servers with other settings (``make_server(lease=0.2)``), stopped after."""
+    started: list[RunningServer] = []
+
+    def make(**daemon_kwargs: Any) -> RunningServer:
+        started.append(start_server(**daemon_kwargs))
+        return started[-1]
+
+    yield make
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def open_session() -> Iterator[Callable[..., SessionStub]]:
+    """A factory of extra sessions (each on its own channel): ``open_session(server.address)``."""
+    opened: list[tuple[grpc.Channel, SessionStub]] = []
+
+    def open_(address: str, name: str = "extra") -> SessionStub:
+        channel = open_channel(address)
+        session = SessionStub(channel, name)
+        opened.append((channel, session))
+        return session
+
+    yield open_
+    for channel, session in opened:
+        session.close()
+        channel.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` (bounded): True once it holds, False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., bool]:
+    return wait_until
 
 
 @pytest.fixture

@@ -68,8 +68,11 @@ def builtin_type_name(exc: BaseException) -> str:
     "LookupError"), so the trailer is always present and always a built-in.
     """
     for cls in type(exc).__mro__:
-        if cls.__module__ == "builtins" and cls not in _GENERIC_BASES:
-            return cls.__name__
+        # the most derived class's own built-in base wins: TensordRuntimeError is an
+        # InvalidArgumentError (a ValueError) *and* a RuntimeError, and torch raises RuntimeError
+        for candidate in (cls, *cls.__bases__):
+            if candidate.__module__ == "builtins" and candidate not in _GENERIC_BASES:
+                return candidate.__name__
     return "RuntimeError"
 
 
