@@ -304,12 +304,16 @@ class Connection:
         self.flush_releases()
         with contextlib.suppress(errors.TensordError):
             self.call("CloseSession", pb.CloseSessionRequest())
+        # Ending the heartbeats half-closes KeepAlive, so the server sees a clean end of
+        # stream; cancelling is the fallback for a server that does not answer.
         self._closed.set()
-        with self._lock:
-            call = self._keepalive_call
-        if call is not None:
-            call.cancel()
-        self._keepalive.join(timeout=5.0)
+        self._keepalive.join(timeout=2.0)
+        if self._keepalive.is_alive():
+            with self._lock:
+                call = self._keepalive_call
+            if call is not None:
+                call.cancel()
+            self._keepalive.join(timeout=5.0)
         self._flusher.join(timeout=5.0)
         self._pending.clear()
         self._channel.close()

@@ -1,0 +1,224 @@
+"""What a tensord RPC costs: a view against an empty RPC, transfers against bare gRPC and NumPy.
+
+    python benchmarks/bench_rpc.py            # 1 MiB and 64 MiB transfers
+    python benchmarks/bench_rpc.py --big      # and 1 GiB (needs ~6 GiB of free memory)
+
+Starts two servers in their own processes, so neither shares this process's GIL:
+``tensord serve`` and a bare gRPC server that streams raw byte chunks with
+identity serializers and nothing else (the ceiling for any gRPC transfer here).
+Prints one table of latencies (p50/p99) and one of throughputs, with ratios.
+Targets (issue 4): a view <= 1.5x an empty RPC; 64 MiB transfers >= 0.7x bare gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+import tensord
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+
+CHUNK = 1 << 20  # the chunk size tensord streams in
+MiB = 1 << 20
+OPTIONS = (
+    ("grpc.max_send_message_length", 256 * MiB),
+    ("grpc.max_receive_message_length", 256 * MiB),
+)
+LATENCY_CALLS = 3000
+WARMUP_CALLS = 300
+
+
+# ---- the bare server: raw bytes in and out, nothing else ------------------------------------
+
+
+def _bare_upload(chunks: Iterator[bytes], context: object) -> bytes:
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+    return total.to_bytes(8, "little")
+
+
+def _bare_download(request: bytes, context: object) -> Iterator[bytes]:
+    # Slice a NumPy buffer into bytes per chunk, as a server holding the tensor must.
+    nbytes = int.from_bytes(request, "little")
+    data = _PAYLOAD.setdefault(nbytes, np.ones(nbytes, np.uint8))
+    view = memoryview(data)
+    for start in range(0, nbytes, CHUNK):
+        yield bytes(view[start : start + CHUNK])
+
+
+_PAYLOAD: dict[int, np.ndarray] = {}
+
+
+def serve_bare() -> None:
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw",
+        {
+            "Upload": grpc.stream_unary_rpc_method_handler(_bare_upload),
+            "Download": grpc.unary_stream_rpc_method_handler(_bare_download),
+            "Empty": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=(handler,), options=OPTIONS)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"bare listening on 127.0.0.1:{port}", flush=True)
+    server.wait_for_termination()
+
+
+def start(command: list[str], pattern: str) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    match = re.search(pattern, line)
+    if not match:
+        process.kill()
+        raise SystemExit(f"server did not start: {line!r}")
+    return process, match.group(1)
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+def interleaved_latencies(fns: list[Callable[[], object]], calls: int) -> list[list[float]]:
+    """Seconds per call of each function, taking turns so that drift in the machine's load
+    (two servers and this client share two cores here) hits every row alike."""
+    for _ in range(WARMUP_CALLS):
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, out in zip(fns, samples, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return samples
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(samples, q))
+
+
+def throughput(fn: Callable[[], object], nbytes: int, repeats: int) -> float:
+    """GB/s of the median run."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--big", action="store_true", help="also transfer 1 GiB")
+    parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_server:
+        serve_bare()
+        return 0
+
+    sizes = [1 * MiB, 64 * MiB] + ([1024 * MiB] if args.big else [])
+    pool = "cpu=8GiB" if args.big else "cpu=2GiB"
+    tensord_proc, address = start(
+        [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0", "--device", pool],
+        r"tensord listening on (\S+)",
+    )
+    bare_proc, bare_address = start([sys.executable, __file__, "--bare-server"], r"bare listening on (\S+)")
+    channel = grpc.insecure_channel(bare_address, options=OPTIONS)
+    try:
+        with tensord.connect(address) as client:
+            print(f"tensord {tensord.__version__}, grpcio {grpc.__version__}, numpy {np.__version__}")
+            print(f"servers: tensord {address}, bare gRPC {bare_address}\n")
+            run_latency(client, channel)
+            print()
+            run_transfers(client, channel, sizes)
+    finally:
+        channel.close()
+        for process in (tensord_proc, bare_proc):
+            process.terminate()
+            process.wait(10)
+            if process.stdout is not None:
+                process.stdout.close()
+    return 0
+
+
+def run_latency(client: tensord.Client, channel: grpc.Channel) -> None:
+    x = client.arange(12)
+    conn = client._conn
+    bare_empty = channel.unary_unary("/bench.Raw/Empty")
+    rows = [
+        ("empty RPC: Release([]) in the session", lambda: conn.call("Release", pb.ReleaseRequest())),
+        ("empty RPC: ServerInfo", lambda: conn.call("ServerInfo", pb.ServerInfoRequest())),
+        ("bare gRPC empty unary (other server)", lambda: bare_empty(b"")),
+        ("view: x.view(3, 4) (new handle)", lambda: x.view(3, 4)),
+        ("view: x[1:5] (new handle)", lambda: x[1:5]),
+        ("metadata: x.shape, x.stride() (no RPC)", lambda: (x.shape, x.stride())),
+    ]
+    samples = interleaved_latencies([fn for _, fn in rows], LATENCY_CALLS)
+    results = {name: got for (name, _), got in zip(rows, samples, strict=True)}
+    base = statistics.median(results[rows[0][0]])
+    print(f"{'latency, ' + str(LATENCY_CALLS) + ' calls each':<44}{'p50 us':>9}{'p99 us':>9}{'p50 / empty':>13}")
+    for name, samples in results.items():
+        p50, p99 = pct(samples, 50), pct(samples, 99)
+        print(f"{name:<44}{p50 * 1e6:>9.1f}{p99 * 1e6:>9.1f}{p50 / base:>12.2f}x")
+    client.flush()
+
+
+def run_transfers(client: tensord.Client, channel: grpc.Channel, sizes: list[int]) -> None:
+    bare_upload = channel.stream_unary("/bench.Raw/Upload")
+    bare_download = channel.unary_stream("/bench.Raw/Download")
+    header = (
+        f"{'size':>8}  {'direction':<9}{'tensord GB/s':>13}{'bare gRPC':>11}{'NumPy copy':>12}"
+        f"{'vs bare':>9}{'vs NumPy':>10}"
+    )
+    print(header)
+    for nbytes in sizes:
+        repeats = 20 if nbytes <= MiB else 5 if nbytes <= 64 * MiB else 2
+        array = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        scratch = np.empty_like(array)
+        numpy_rate = throughput(lambda: np.copyto(scratch, array), nbytes, repeats)
+        view = memoryview(array)
+
+        def bare_up() -> None:
+            chunks = (bytes(view[i : i + CHUNK]) for i in range(0, nbytes, CHUNK))
+            bare_upload(chunks)
+
+        def bare_down() -> None:
+            out = memoryview(scratch)
+            pos = 0
+            for chunk in bare_download(nbytes.to_bytes(8, "little")):
+                out[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+
+        def ours_up() -> None:
+            tensor = client.from_numpy(array)
+            del tensor
+
+        x = client.from_numpy(array)
+        rows = [
+            ("upload", throughput(ours_up, nbytes, repeats), throughput(bare_up, nbytes, repeats)),
+            ("download", throughput(x.numpy, nbytes, repeats), throughput(bare_down, nbytes, repeats)),
+        ]
+        del x
+        client.flush()
+        label = f"{nbytes // MiB} MiB"
+        for direction, ours, bare in rows:
+            print(
+                f"{label:>8}  {direction:<9}{ours:>13.2f}{bare:>11.2f}{numpy_rate:>12.2f}"
+                f"{ours / bare:>8.2f}x{ours / numpy_rate:>9.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
