@@ -1,0 +1,156 @@
+"""`tensord serve` as a process, its arguments, the device table and the pool RPCs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
+from tensord.errors import FailedPreconditionError
+from tensord_server.devices import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
+from tensord_server.serve import shown_address
+
+STARTUP_TIMEOUT_S = 30
+
+
+def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensord_server", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(STARTUP_TIMEOUT_S)
+    if not line or not line[0].startswith("tensord listening on "):
+        process.kill()
+        _, err = process.communicate(timeout=10)
+        pytest.fail(f"no listening line: {line!r} {err}")
+    return process, line[0].removeprefix("tensord listening on ").strip()
+
+
+def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    process, address = _start("--address", "127.0.0.1:0", "--device", "cpu=256MiB")
+    try:
+        assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "tensord.v1.Tensord"):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = reflect.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+            names = {s.name for r in replies for s in r.list_services_response.service}
+            assert {"tensord.v1.Tensord", "grpc.health.v1.Health"} <= names
+            stub = tensord_pb2_grpc.TensordStub(channel)
+            info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
+            assert [(d.device, d.capacity_bytes) for d in info.devices] == [("cpu", 256 << 20)]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=10)
+
+
+def test_serve_on_a_unix_socket(tmp_path) -> None:
+    path = tmp_path / "tensord.sock"
+    process, address = _start("--address", f"unix:{path}")
+    try:
+        assert address == f"unix:{path}"
+        with grpc.insecure_channel(address) as channel:
+            info = tensord_pb2_grpc.TensordStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=10)
+            assert info.devices[0].device == "cpu"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=10)
+
+
+@pytest.mark.parametrize(("device", "needle"), [("cuda:0", "CuPy"), ("tpu", "unknown device")])
+def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
+    env = os.environ.copy()
+    if device.startswith("cuda"):
+        pytest.importorskip("tensord_server.cuda_backend")
+        try:
+            import cupy  # noqa: F401
+
+            pytest.skip("CuPy is installed here: cuda:0 may well open")
+        except ImportError:
+            pass
+    result = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "serve", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert needle in result.stderr
+
+
+def test_parse_sizes_and_device_specs() -> None:
+    assert parse_bytes("8GiB") == 8 << 30
+    assert parse_bytes("512mib") == 512 << 20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    assert parse_device_spec("cpu") == DeviceSpec("cpu", None)
+    assert parse_device_spec("cpu=1GiB") == DeviceSpec("cpu", 1 << 30)
+    assert parse_device_spec("cuda=40GiB") == DeviceSpec("cuda:0", 40 << 30)
+    assert parse_device_spec("cuda:3") == DeviceSpec("cuda:3", None)
+    with pytest.raises(ValueError):
+        parse_device_spec("gpu:0")
+    assert shown_address("0.0.0.0:0", 1234) == "0.0.0.0:1234"
+    assert shown_address("[::1]:0", 1234) == "[::1]:1234"
+
+
+def test_device_table() -> None:
+    table = DeviceTable(["cpu=64MiB"])
+    assert table.names == ("cpu",)
+    assert table.get("").pool.capacity == 64 << 20
+    assert table.get("cpu:0") is table.get("cpu")
+    with pytest.raises(FailedPreconditionError):
+        table.get("cuda:0")
+    with pytest.raises(ValueError):
+        DeviceTable(["cpu", "cpu=1GiB"])
+
+
+def test_pool_rpcs(make_server, open_session) -> None:
+    server = make_server()
+    session = open_session(server.address)
+    md = session.md
+    meta = session.upload(np.ones(1 << 20, dtype=np.float32))
+    stats = session.MemoryStats(pb.DeviceRequest(), metadata=md)
+    assert stats.counters["allocated_bytes.all.current"] >= 4 << 20
+    assert stats.counters["num_device_alloc"] >= 1
+    assert all(k.startswith("external_fragmentation") for k in stats.ratios)
+    summary = session.MemorySummary(pb.DeviceRequest(device="cpu"), metadata=md).summary
+    assert "Allocated memory" in summary
+    snapshot = json.loads(session.MemorySnapshot(pb.DeviceRequest(), metadata=md).snapshot_json)
+    assert snapshot["segments"] and "device_traces" in snapshot
+    session.Release(pb.ReleaseRequest(handles=[meta.handle]), metadata=md)
+    released = session.EmptyCache(pb.DeviceRequest(), metadata=md).released_bytes
+    assert released >= 4 << 20
+    after = session.MemoryStats(pb.DeviceRequest(), metadata=md).counters
+    assert after["reserved_bytes.all.current"] == 0
