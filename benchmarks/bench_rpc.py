@@ -23,7 +23,6 @@ from concurrent import futures
 
 import grpc
 import numpy as np
-
 import tensord
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
@@ -68,7 +67,9 @@ def serve_bare() -> None:
             "Empty": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
         },
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=(handler,), options=OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), handlers=(handler,), options=OPTIONS
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(f"bare listening on 127.0.0.1:{port}", flush=True)
@@ -131,14 +132,27 @@ def main() -> int:
     sizes = [1 * MiB, 64 * MiB] + ([1024 * MiB] if args.big else [])
     pool = "cpu=8GiB" if args.big else "cpu=2GiB"
     tensord_proc, address = start(
-        [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0", "--device", pool],
+        [
+            sys.executable,
+            "-m",
+            "tensord_server",
+            "serve",
+            "--address",
+            "127.0.0.1:0",
+            "--device",
+            pool,
+        ],
         r"tensord listening on (\S+)",
     )
-    bare_proc, bare_address = start([sys.executable, __file__, "--bare-server"], r"bare listening on (\S+)")
+    bare_proc, bare_address = start(
+        [sys.executable, __file__, "--bare-server"], r"bare listening on (\S+)"
+    )
     channel = grpc.insecure_channel(bare_address, options=OPTIONS)
     try:
         with tensord.connect(address) as client:
-            print(f"tensord {tensord.__version__}, grpcio {grpc.__version__}, numpy {np.__version__}")
+            print(
+                f"tensord {tensord.__version__}, grpcio {grpc.__version__}, numpy {np.__version__}"
+            )
             print(f"servers: tensord {address}, bare gRPC {bare_address}\n")
             run_latency(client, channel)
             print()
@@ -158,7 +172,10 @@ def run_latency(client: tensord.Client, channel: grpc.Channel) -> None:
     conn = client._conn
     bare_empty = channel.unary_unary("/bench.Raw/Empty")
     rows = [
-        ("empty RPC: Release([]) in the session", lambda: conn.call("Release", pb.ReleaseRequest())),
+        (
+            "empty RPC: Release([]) in the session",
+            lambda: conn.call("Release", pb.ReleaseRequest()),
+        ),
         ("empty RPC: ServerInfo", lambda: conn.call("ServerInfo", pb.ServerInfoRequest())),
         ("bare gRPC empty unary (other server)", lambda: bare_empty(b"")),
         ("view: x.view(3, 4) (new handle)", lambda: x.view(3, 4)),
@@ -168,7 +185,9 @@ def run_latency(client: tensord.Client, channel: grpc.Channel) -> None:
     samples = interleaved_latencies([fn for _, fn in rows], LATENCY_CALLS)
     results = {name: got for (name, _), got in zip(rows, samples, strict=True)}
     base = statistics.median(results[rows[0][0]])
-    print(f"{'latency, ' + str(LATENCY_CALLS) + ' calls each':<44}{'p50 us':>9}{'p99 us':>9}{'p50 / empty':>13}")
+    print(
+        f"{'latency, ' + str(LATENCY_CALLS) + ' calls each':<44}{'p50 us':>9}{'p99 us':>9}{'p50 / empty':>13}"
+    )
     for name, samples in results.items():
         p50, p99 = pct(samples, 50), pct(samples, 99)
         print(f"{name:<44}{p50 * 1e6:>9.1f}{p99 * 1e6:>9.1f}{p50 / base:>12.2f}x")
@@ -176,48 +195,55 @@ def run_latency(client: tensord.Client, channel: grpc.Channel) -> None:
 
 
 def run_transfers(client: tensord.Client, channel: grpc.Channel, sizes: list[int]) -> None:
-    bare_upload = channel.stream_unary("/bench.Raw/Upload")
-    bare_download = channel.unary_stream("/bench.Raw/Download")
     header = (
         f"{'size':>8}  {'direction':<9}{'tensord GB/s':>13}{'bare gRPC':>11}{'NumPy copy':>12}"
         f"{'vs bare':>9}{'vs NumPy':>10}"
     )
     print(header)
     for nbytes in sizes:
-        repeats = 20 if nbytes <= MiB else 5 if nbytes <= 64 * MiB else 2
-        array = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        scratch = np.empty_like(array)
-        numpy_rate = throughput(lambda: np.copyto(scratch, array), nbytes, repeats)
-        view = memoryview(array)
-
-        def bare_up() -> None:
-            chunks = (bytes(view[i : i + CHUNK]) for i in range(0, nbytes, CHUNK))
-            bare_upload(chunks)
-
-        def bare_down() -> None:
-            out = memoryview(scratch)
-            pos = 0
-            for chunk in bare_download(nbytes.to_bytes(8, "little")):
-                out[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-
-        def ours_up() -> None:
-            tensor = client.from_numpy(array)
-            del tensor
-
-        x = client.from_numpy(array)
-        rows = [
-            ("upload", throughput(ours_up, nbytes, repeats), throughput(bare_up, nbytes, repeats)),
-            ("download", throughput(x.numpy, nbytes, repeats), throughput(bare_down, nbytes, repeats)),
-        ]
-        del x
-        client.flush()
+        numpy_rate, rows = transfer_rates(client, channel, nbytes)
         label = f"{nbytes // MiB} MiB"
         for direction, ours, bare in rows:
             print(
                 f"{label:>8}  {direction:<9}{ours:>13.2f}{bare:>11.2f}{numpy_rate:>12.2f}"
                 f"{ours / bare:>8.2f}x{ours / numpy_rate:>9.2f}x"
             )
+
+
+def transfer_rates(
+    client: tensord.Client, channel: grpc.Channel, nbytes: int
+) -> tuple[float, list[tuple[str, float, float]]]:
+    """GB/s of an in-process NumPy copy, and of (tensord, bare gRPC) uploads and downloads."""
+    bare_upload = channel.stream_unary("/bench.Raw/Upload")
+    bare_download = channel.unary_stream("/bench.Raw/Download")
+    repeats = 20 if nbytes <= MiB else 5 if nbytes <= 64 * MiB else 2
+    array = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    scratch = np.empty_like(array)
+    numpy_rate = throughput(lambda: np.copyto(scratch, array), nbytes, repeats)
+    view = memoryview(array)
+
+    def bare_up() -> None:
+        # the same work the SDK does: slice the array into bytes chunks and stream them
+        bare_upload(bytes(view[i : i + CHUNK]) for i in range(0, nbytes, CHUNK))
+
+    def bare_down() -> None:
+        out = memoryview(scratch)
+        pos = 0
+        for chunk in bare_download(nbytes.to_bytes(8, "little")):
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+
+    def ours_up() -> None:
+        client.from_numpy(array)  # dropped at once: its release goes out in the next batch
+
+    x = client.from_numpy(array)
+    rows = [
+        ("upload", throughput(ours_up, nbytes, repeats), throughput(bare_up, nbytes, repeats)),
+        ("download", throughput(x.numpy, nbytes, repeats), throughput(bare_down, nbytes, repeats)),
+    ]
+    del x
+    client.flush()
+    return numpy_rate, rows
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import tensord
 from tensord import dtypes
 
@@ -101,9 +100,14 @@ def test_detach_shares_and_clone_does_not(client: tensord.Client) -> None:
     t[0] = 100.0
     np.testing.assert_array_equal(x.detach().numpy(), t.numpy())
     # clone keeps the strides of a dense non-contiguous tensor (preserve_format)
-    p, tp = client.arange(24).view(2, 3, 4).permute(2, 0, 1), torch.arange(24).view(2, 3, 4).permute(2, 0, 1)
+    p, tp = (
+        client.arange(24).view(2, 3, 4).permute(2, 0, 1),
+        torch.arange(24).view(2, 3, 4).permute(2, 0, 1),
+    )
     assert_same(p.clone(), tp.clone())
-    assert_same(p.clone(memory_format="contiguous_format"), tp.clone(memory_format=torch.contiguous_format))
+    assert_same(
+        p.clone(memory_format="contiguous_format"), tp.clone(memory_format=torch.contiguous_format)
+    )
 
 
 def test_expand_is_a_view_with_stride_zero_and_repeat_copies(client: tensord.Client) -> None:
@@ -137,7 +141,10 @@ def test_reshape_views_when_it_can_and_copies_when_it_must(client: tensord.Clien
 
 
 def test_nchw_to_nhwc_permute(client: tensord.Client) -> None:
-    x, t = client.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5), torch.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5)
+    x, t = (
+        client.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5),
+        torch.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5),
+    )
     nhwc, tnhwc = x.permute(0, 2, 3, 1), t.permute(0, 2, 3, 1)
     assert_same(nhwc, tnhwc)
     assert nhwc.data_ptr() == x.data_ptr()
@@ -233,12 +240,12 @@ def test_every_error_type(client: tensord.Client) -> None:
     x, t = client.arange(12).view(3, 4), torch.arange(12).view(3, 4)
     # RuntimeError: not viewable, out-of-bounds as_strided, narrow past the end
     assert_same_error(lambda: x.t().view(-1), lambda: t.t().view(-1))
-    assert_same_error(
-        lambda: x.as_strided((4, 4), (4, 1)), lambda: t.as_strided((4, 4), (4, 1))
-    )
+    assert_same_error(lambda: x.as_strided((4, 4), (4, 1)), lambda: t.as_strided((4, 4), (4, 1)))
     assert_same_error(lambda: x.narrow(1, 3, 2), lambda: t.narrow(1, 3, 2))
-    assert_same_error(lambda: x.view(tensord.dtypes.int32)[:, :3].view(tensord.dtypes.int64),
-                      lambda: t.view(torch.int32)[:, :3].view(torch.int64))
+    assert_same_error(
+        lambda: x.view(tensord.dtypes.int32)[:, :3].view(tensord.dtypes.int64),
+        lambda: t.view(torch.int32)[:, :3].view(torch.int64),
+    )
     # IndexError: a dim or index out of range
     assert_same_error(lambda: x.transpose(0, 2), lambda: t.transpose(0, 2))
     assert_same_error(lambda: x.select(0, 3), lambda: t.select(0, 3))

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import tensord
 
 WAIT_S = 30.0  # bound on every poll below: far above what any of them needs
@@ -25,7 +24,13 @@ def run_child(address: str, code: str, *args: str, timeout: float = 60.0) -> str
     """Run ``code`` in a fresh interpreter with ``client`` connected; return its stdout."""
     prelude = "import sys, tensord, numpy as np\nclient = tensord.connect(sys.argv[1])\n"
     result = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code) + "\nclient.close()\n", address, *args],
+        [
+            sys.executable,
+            "-c",
+            prelude + textwrap.dedent(code) + "\nclient.close()\n",
+            address,
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import tensord
 from tensord import dtypes
 from tensord_server import cli
@@ -71,7 +70,8 @@ def test_tensor_from_python_data_infers_dtypes_as_torch(client: tensord.Client) 
     assert x.detach().numpy().tolist() == [1.0, 2.0]
     assert np.asarray(x.detach()).dtype == np.float64
     copy = client.tensor(x)
-    assert not copy.requires_grad and not copy.untyped_storage().storage_id == x.untyped_storage().storage_id
+    assert not copy.requires_grad
+    assert copy.untyped_storage().storage_id != x.untyped_storage().storage_id
 
 
 def test_repr_of_a_large_tensor_matches_torch(client: tensord.Client) -> None:
@@ -102,9 +102,14 @@ def test_factories_match_torch(client: tensord.Client) -> None:
     assert e.shape == (3, 4) and e.dtype is dtypes.float16 and e.is_contiguous()
     p = client.arange(24).view(2, 3, 4).permute(2, 0, 1)
     like = client.empty_like(p)
-    assert like.stride() == torch.empty_like(torch.arange(24).view(2, 3, 4).permute(2, 0, 1)).stride()
+    assert (
+        like.stride() == torch.empty_like(torch.arange(24).view(2, 3, 4).permute(2, 0, 1)).stride()
+    )
     assert client.zeros_like(p).tolist() == torch.zeros(4, 2, 3, dtype=torch.int64).tolist()
-    assert client.ones_like(p, dtype=tensord.dtypes.bool).tolist() == torch.ones(4, 2, 3).bool().tolist()
+    assert (
+        client.ones_like(p, dtype=tensord.dtypes.bool).tolist()
+        == torch.ones(4, 2, 3).bool().tolist()
+    )
 
 
 def test_to_forms_and_conversions(client: tensord.Client) -> None:

@@ -8,7 +8,6 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-
 import tensord
 from tensord import _convert, _format, _rpc, dtypes, errors
 from tensord.tensor import _parse_to, device_name, index_items, shape_args
@@ -69,7 +68,18 @@ def test_repr_suffixes_match_torch() -> None:
 @pytest.mark.torch
 @pytest.mark.parametrize(
     "data",
-    [1.5, 3, True, 1 + 2j, [1, 2, 3], [[1.0, 2.0], [3.0, 4.0]], [True, False], [True, 2], [1, 2.5], []],
+    [
+        1.5,
+        3,
+        True,
+        1 + 2j,
+        [1, 2, 3],
+        [[1.0, 2.0], [3.0, 4.0]],
+        [True, False],
+        [True, 2],
+        [1, 2.5],
+        [],
+    ],
 )
 def test_dtype_inference_matches_torch_tensor(data: object) -> None:
     array, dtype = _convert.as_array(data)
@@ -118,7 +128,12 @@ def test_size_and_device_print_like_torch() -> None:
     ("code", "error_type", "cls", "builtin"),
     [
         (grpc.StatusCode.NOT_FOUND, "", errors.NotFoundError, LookupError),
-        (grpc.StatusCode.INVALID_ARGUMENT, "RuntimeError", errors.TensordRuntimeError, RuntimeError),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "RuntimeError",
+            errors.TensordRuntimeError,
+            RuntimeError,
+        ),
         (grpc.StatusCode.INVALID_ARGUMENT, "IndexError", errors.TensordIndexError, IndexError),
         (grpc.StatusCode.INVALID_ARGUMENT, "TypeError", errors.TensordTypeError, TypeError),
         (grpc.StatusCode.INVALID_ARGUMENT, "ValueError", errors.InvalidArgumentError, ValueError),

@@ -127,7 +127,9 @@ def _nested(
         return _vector(values, shape[0], indent, summarized, real, imag)
     rest = shape[1:]
     if summarized and shape[0] > 2 * EDGEITEMS:
-        head = [_nested(values[i], rest, indent + 1, summarized, real, imag) for i in range(EDGEITEMS)]
+        head = [
+            _nested(values[i], rest, indent + 1, summarized, real, imag) for i in range(EDGEITEMS)
+        ]
         tail = [
             _nested(values[i], rest, indent + 1, summarized, real, imag)
             for i in range(EDGEITEMS, 2 * EDGEITEMS)
@@ -157,7 +159,9 @@ def tensor_str(values: np.ndarray, shape: Sequence[int], dtype: DType, indent: i
         real = _Formatter(values.real, True)
         imag = _Formatter(values.imag, True)
         return _nested(values, shape, indent, summarized, real, imag)
-    return _nested(values, shape, indent, summarized, _Formatter(values, dtype.is_floating_point), None)
+    return _nested(
+        values, shape, indent, summarized, _Formatter(values, dtype.is_floating_point), None
+    )
 
 
 def _add_suffixes(text: str, suffixes: list[str], indent: int) -> str:

@@ -86,7 +86,9 @@ def resolve_address(address: str | None) -> str:
 
 def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[errors.TensordError]:
     """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
-    base = _ERROR_BY_CODE.get(code, errors.TensordError) if code is not None else errors.TensordError
+    base = (
+        _ERROR_BY_CODE.get(code, errors.TensordError) if code is not None else errors.TensordError
+    )
     named = _ERROR_BY_NAME.get(error_type or "")
     if named is not None and named.status_code == base.status_code:
         return named
@@ -140,7 +142,7 @@ class Connection:
                 f"no tensord server answers at {address} (waited {timeout:g} s); "
                 f"start one with `tensord serve --address {address}`"
             ) from None
-        self._stub = tensord_pb2_grpc.TensordStub(self._channel)
+        self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
         self._upload = self._channel.stream_unary(
             _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
         )
@@ -317,4 +319,3 @@ class Connection:
         self._flusher.join(timeout=5.0)
         self._pending.clear()
         self._channel.close()
-

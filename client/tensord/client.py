@@ -109,7 +109,7 @@ class Client:
             requires_grad=requires_grad,
         )
         # Bytes through uint8: the buffer protocol knows no bfloat16.
-        data = memoryview(array.reshape(-1).view(np.uint8))
+        data = array.reshape(-1).view(np.uint8).data
         return self._wrap(self._conn.upload(header, data))
 
     # ---- factories ---------------------------------------------------------------------
@@ -148,14 +148,22 @@ class Client:
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
         return self.full(
-            shape_args(size), 0, dtype=dtype or dtypes.float32, device=device, requires_grad=requires_grad
+            shape_args(size),
+            0,
+            dtype=dtype or dtypes.float32,
+            device=device,
+            requires_grad=requires_grad,
         )
 
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
         return self.full(
-            shape_args(size), 1, dtype=dtype or dtypes.float32, device=device, requires_grad=requires_grad
+            shape_args(size),
+            1,
+            dtype=dtype or dtypes.float32,
+            device=device,
+            requires_grad=requires_grad,
         )
 
     def arange(
@@ -315,4 +323,3 @@ def stack(tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
     if not items:
         raise errors.TensordRuntimeError("stack expects a non-empty TensorList")
     return _client_of(items).stack(items, dim)
-

@@ -56,7 +56,7 @@ class Device(str):
         return self.partition(":")[0]
 
     @property
-    def index(self) -> builtins.int | None:
+    def index(self) -> builtins.int | None:  # type: ignore[override]  # torch.device.index
         _, sep, index = self.partition(":")
         return builtins.int(index) if sep else None
 
@@ -97,7 +97,9 @@ def _is_dtype(value: Any) -> builtins.bool:
 
 
 def _is_number(value: Any) -> builtins.bool:
-    return isinstance(value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.generic))
+    return isinstance(
+        value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.generic)
+    )
 
 
 def scalar_pb(value: Any) -> pb.Scalar:
@@ -132,7 +134,9 @@ def index_items(key: Any) -> list[pb.IndexItem]:
         elif item is Ellipsis:
             out.append(pb.IndexItem(ellipsis=True))
         elif isinstance(item, slice):
-            out.append(pb.IndexItem(slice=pb.Slice(start=item.start, stop=item.stop, step=item.step)))
+            out.append(
+                pb.IndexItem(slice=pb.Slice(start=item.start, stop=item.stop, step=item.step))
+            )
         else:
             out.append(pb.IndexItem(integer=item))
     return out
@@ -145,7 +149,12 @@ def plain_index(key: Any) -> Any:
         if isinstance(item, np.integer):
             return builtins.int(item)
         if isinstance(item, slice):
-            return slice(*(builtins.int(v) if isinstance(v, np.integer) else v for v in (item.start, item.stop, item.step)))
+            return slice(
+                *(
+                    builtins.int(v) if isinstance(v, np.integer) else v
+                    for v in (item.start, item.stop, item.step)
+                )
+            )
         return item
 
     return tuple(one(i) for i in key) if isinstance(key, tuple) else one(key)
@@ -361,7 +370,9 @@ class Tensor:
             viewed = self._meta.layout.reshape(sizes)
         if viewed is not None:
             return self._view(view=pb.ViewShape(shape=sizes))
-        meta = self._client._conn.call("Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes))
+        meta = self._client._conn.call(
+            "Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes)
+        )
         return self._client._wrap(meta)
 
     def reshape_as(self, other: Tensor) -> Tensor:
@@ -595,7 +606,7 @@ class Tensor:
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
         out = np.empty(self.nbytes, dtype=np.uint8)
         if self.nbytes:
-            self._client._conn.download_into(self.handle, memoryview(out))
+            self._client._conn.download_into(self.handle, out.data)
         return out.view(np_dtype).reshape(self.shape)
 
     def numpy(self, *, force: builtins.bool = False) -> np.ndarray:
@@ -628,7 +639,7 @@ class Tensor:
     def __bool__(self) -> builtins.bool:
         if self.numel() != 1:
             raise errors.TensordRuntimeError(
-                f"Boolean value of Tensor with more than one value is ambiguous"
+                "Boolean value of Tensor with more than one value is ambiguous"
                 if self.numel() > 1
                 else "Boolean value of Tensor with no values is ambiguous"
             )
@@ -707,7 +718,9 @@ def _python_values(values: np.ndarray, dtype: DType) -> np.ndarray:
     return values.astype(np.float32) if dtype is dtypes.bfloat16 else values
 
 
-def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, DType | None, builtins.bool]:
+def _parse_to(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, DType | None, builtins.bool]:
     """torch.Tensor.to's overloads -> (device or None, dtype or None, copy)."""
     device = kwargs.pop("device", None)
     dtype = kwargs.pop("dtype", None)
@@ -715,7 +728,9 @@ def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, DType
     kwargs.pop("non_blocking", None)  # transfers run on the server; nothing to overlap here
     kwargs.pop("memory_format", None)
     if kwargs:
-        raise errors.TensordTypeError(f"to() got an unexpected keyword argument '{next(iter(kwargs))}'")
+        raise errors.TensordTypeError(
+            f"to() got an unexpected keyword argument '{next(iter(kwargs))}'"
+        )
     rest = list(args)
     if rest and isinstance(rest[0], Tensor):
         other = rest.pop(0)

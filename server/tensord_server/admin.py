@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="server address (default: $TENSORD_ADDRESS, else 127.0.0.1:50051)",
     )
-    parser.add_argument("--device", default="cpu", help="device whose pool to inspect (default: cpu)")
+    parser.add_argument(
+        "--device", default="cpu", help="device whose pool to inspect (default: cpu)"
+    )
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the server (default: 5)"
     )
