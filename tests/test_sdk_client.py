@@ -4,6 +4,7 @@ introspection and the admin CLI."""
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -275,3 +276,17 @@ def test_admin_cli(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "released" in capsys.readouterr().out
     assert cli.main(["stats", "--address", "127.0.0.1:1", "--timeout", "0.2"]) == 1
     assert "no tensord server answers" in capsys.readouterr().err
+
+
+def test_readme_quick_start_runs(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(.+?)```", readme, flags=re.DOTALL)
+    monkeypatch.setenv("TENSORD_ADDRESS", server.address)
+    exec(compile(code, "README.md", "exec"), {})
+
+
+def test_a_tensor_does_not_pickle_but_its_token_travels(client: tensord.Client) -> None:
+    x = client.arange(3)
+    with pytest.raises(TypeError, match="share"):
+        pickle.dumps(x)
+    assert client.attach(pickle.loads(pickle.dumps(x.share()))).tolist() == [0, 1, 2]

@@ -330,6 +330,13 @@ class Tensor:
     def untyped_storage(self) -> UntypedStorage:
         return UntypedStorage(self._meta)
 
+    def __reduce__(self) -> Any:
+        # A handle is only valid in its own session: hand another process a token instead.
+        raise errors.TensordTypeError(
+            "a tensord.Tensor cannot be pickled: pass x.share() (a token) to the other "
+            "process and client.attach(token) there, or name it with client.put()"
+        )
+
     def __len__(self) -> builtins.int:
         if self.ndim == 0:
             raise errors.TensordTypeError("len() of a 0-d tensor")
