@@ -9,6 +9,7 @@ open session (``stub.md`` is the metadata to pass with each call).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.dtypes import dtype_from_name, dtype_from_numpy
@@ -143,7 +143,9 @@ class SessionStub:
 
     # -- helpers over the raw stub -------------------------------------------------
 
-    def upload(self, array: np.ndarray, *, chunk: int = 1 << 20, device: str = "cpu") -> pb.TensorMeta:
+    def upload(
+        self, array: np.ndarray, *, chunk: int = 1 << 20, device: str = "cpu"
+    ) -> pb.TensorMeta:
         """An Upload of ``array``'s bytes (C order) in raw chunks."""
         data = np.ascontiguousarray(array).tobytes()
         header = pb.UploadHeader(
@@ -174,13 +176,13 @@ class SessionStub:
 
     def view(self, meta: pb.TensorMeta, **op: Any) -> list[pb.TensorMeta]:
         """One View op: ``stub.view(x, narrow=pb.Narrow(dim=0, start=1, length=2))``."""
-        return list(self.raw.View(pb.ViewRequest(handle=meta.handle, **op), metadata=self.md).tensors)
+        return list(
+            self.raw.View(pb.ViewRequest(handle=meta.handle, **op), metadata=self.md).tensors
+        )
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(grpc.RpcError):  # already closed or reaped by the test
             self.raw.CloseSession(pb.CloseSessionRequest(), metadata=self.md)
-        except grpc.RpcError:
-            pass  # already closed or reaped by the test
 
 
 def open_channel(address: str) -> grpc.Channel:

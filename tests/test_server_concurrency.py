@@ -6,7 +6,6 @@ import threading
 
 import grpc
 import numpy as np
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 THREADS = 8

@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 torch = pytest.importorskip("torch")
@@ -113,7 +112,11 @@ def test_to_dtype_converts_like_torch(stub, src_dtype, dst_dtype) -> None:
     if src_dtype == "bfloat16":
         meta = stub.To(pb.ToRequest(handle=meta.handle, dtype="bfloat16"), metadata=stub.md)
     out = stub.To(pb.ToRequest(handle=meta.handle, dtype=dst_dtype), metadata=stub.md)
-    with pytest.warns(UserWarning) if src_dtype == "complex64" and dst_dtype == "float32" else _nothing():
+    with (
+        pytest.warns(UserWarning)
+        if src_dtype == "complex64" and dst_dtype == "float32"
+        else _nothing()
+    ):
         expected = values.to(getattr(torch, dst_dtype))
     _check(stub, out, expected)
 
@@ -128,7 +131,9 @@ class _nothing:
 
 def test_to_same_returns_self_unless_copy(stub) -> None:
     meta = stub.upload(np.ones(4, dtype=np.float32))
-    same = stub.To(pb.ToRequest(handle=meta.handle, dtype="float32", device="cpu"), metadata=stub.md)
+    same = stub.To(
+        pb.ToRequest(handle=meta.handle, dtype="float32", device="cpu"), metadata=stub.md
+    )
     assert same.handle == meta.handle
     copied = stub.To(pb.ToRequest(handle=meta.handle, copy=True), metadata=stub.md)
     assert copied.handle != meta.handle and copied.storage_id != meta.storage_id
@@ -192,7 +197,7 @@ def test_repeat_matches_torch(stub) -> None:
     for repeats in ([2, 1], [1, 2, 3], [0, 2]):
         out = stub.Repeat(pb.RepeatRequest(handle=t.handle, repeats=repeats), metadata=stub.md)
         _check(stub, out, _t(array).t().repeat(*repeats))
-    code, details, kind = _error(
+    _code, details, kind = _error(
         lambda: stub.Repeat(pb.RepeatRequest(handle=t.handle, repeats=[2]), metadata=stub.md)
     )
     assert (kind, details) == _torch_error(lambda: _t(array).repeat(2))
@@ -204,7 +209,9 @@ def test_cat_and_stack_promote_like_torch(stub) -> None:
     ma, mb = stub.upload(a), stub.upload(b)
     empty = stub.upload(np.zeros(0, dtype=np.float32))
     for dim in (0, 1, -1):
-        out = stub.Cat(pb.CatRequest(handles=[ma.handle, mb.handle, empty.handle], dim=dim), metadata=stub.md)
+        out = stub.Cat(
+            pb.CatRequest(handles=[ma.handle, mb.handle, empty.handle], dim=dim), metadata=stub.md
+        )
         _check(stub, out, torch.cat([_t(a), _t(b), torch.zeros(0)], dim))
     for dim in (0, 2, -1):
         out = stub.Stack(pb.CatRequest(handles=[ma.handle, mb.handle], dim=dim), metadata=stub.md)
@@ -253,15 +260,19 @@ def test_fill_zero_and_setitem(stub) -> None:
     _check(stub, base, expected)
     row = stub.upload(np.array([[9.5, 8.5, 7.5, 6.5]], dtype=np.float32))  # leading 1 dropped
     stub.SetItem(
-        pb.SetItemRequest(handle=base.handle, index=[pb.IndexItem(integer=0)], src_handle=row.handle),
+        pb.SetItemRequest(
+            handle=base.handle, index=[pb.IndexItem(integer=0)], src_handle=row.handle
+        ),
         metadata=stub.md,
     )
     expected[0] = torch.tensor([[9.5, 8.5, 7.5, 6.5]])
     _check(stub, base, expected)
     bad = stub.upload(np.ones(3, dtype=np.float32))
-    code, details, kind = _error(
+    _code, details, kind = _error(
         lambda: stub.SetItem(
-            pb.SetItemRequest(handle=base.handle, index=[pb.IndexItem(integer=0)], src_handle=bad.handle),
+            pb.SetItemRequest(
+                handle=base.handle, index=[pb.IndexItem(integer=0)], src_handle=bad.handle
+            ),
             metadata=stub.md,
         )
     )
@@ -276,9 +287,12 @@ def test_fill_zero_and_setitem(stub) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "value"),
-    [("uint8", pb.Scalar(int_value=300)), ("float32", pb.Scalar(float_value=1e39)),
-     ("int32", pb.Scalar(float_value=float("nan"))),
-     ("float32", pb.Scalar(complex_value=pb.Complex(real=1, imag=2)))],
+    [
+        ("uint8", pb.Scalar(int_value=300)),
+        ("float32", pb.Scalar(float_value=1e39)),
+        ("int32", pb.Scalar(float_value=float("nan"))),
+        ("float32", pb.Scalar(complex_value=pb.Complex(real=1, imag=2))),
+    ],
 )
 def test_fill_overflow_matches_torch(stub, dtype, value) -> None:
     meta = stub.Empty(pb.EmptyRequest(shape=[2], dtype=dtype), metadata=stub.md)
@@ -295,7 +309,9 @@ def test_fill_overflow_matches_torch(stub, dtype, value) -> None:
 
 
 def test_factories_match_torch(stub) -> None:
-    empty = stub.Empty(pb.EmptyRequest(shape=[2, 3], stride=pb.IntList(values=[1, 2])), metadata=stub.md)
+    empty = stub.Empty(
+        pb.EmptyRequest(shape=[2, 3], stride=pb.IntList(values=[1, 2])), metadata=stub.md
+    )
     assert (tuple(empty.stride), empty.dtype, empty.storage_nbytes) == ((1, 2), "float32", 24)
     for value, dtype in [
         (pb.Scalar(bool_value=True), ""),
@@ -337,7 +353,9 @@ def _scalar(v):
     ],
 )
 def test_arange_matches_torch(stub, start, end, step, dtype) -> None:
-    request = pb.ArangeRequest(start=_scalar(start), end=_scalar(end), step=_scalar(step), dtype=dtype)
+    request = pb.ArangeRequest(
+        start=_scalar(start), end=_scalar(end), step=_scalar(step), dtype=dtype
+    )
     meta = stub.Arange(request, metadata=stub.md)
     kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
     _check(stub, meta, torch.arange(start, end, step, **kwargs))
@@ -346,5 +364,5 @@ def test_arange_matches_torch(stub, start, end, step, dtype) -> None:
 @pytest.mark.parametrize(("start", "end", "step"), [(0, 10, 0), (10, 0, 1), (0, float("inf"), 1)])
 def test_arange_errors_match_torch(stub, start, end, step) -> None:
     request = pb.ArangeRequest(start=_scalar(start), end=_scalar(end), step=_scalar(step))
-    code, details, kind = _error(lambda: stub.Arange(request, metadata=stub.md))
+    _code, details, kind = _error(lambda: stub.Arange(request, metadata=stub.md))
     assert (kind, details) == _torch_error(lambda: torch.arange(start, end, step))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-
 from tensord import errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server import status
@@ -72,7 +71,9 @@ def test_missing_session_is_unauthenticated(stub) -> None:
 def test_absent_device_is_failed_precondition(stub) -> None:
     for device in ("cuda:0", "cuda", "tpu"):
         code, details, kind = _error(
-            lambda device=device: stub.Empty(pb.EmptyRequest(shape=[2], device=device), metadata=stub.md)
+            lambda device=device: stub.Empty(
+                pb.EmptyRequest(shape=[2], device=device), metadata=stub.md
+            )
         )
         assert (code, kind) == (grpc.StatusCode.FAILED_PRECONDITION, "RuntimeError"), details
     meta = stub.upload(np.ones(2, dtype=np.float32))
@@ -125,7 +126,9 @@ def test_server_survives_an_internal_error(stub, monkeypatch) -> None:
 
     monkeypatch.setattr(server_module.Daemon, "clone", boom)
     meta = stub.upload(np.ones(3, dtype=np.float32))
-    code, details, _ = _error(lambda: stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md))
+    code, details, _ = _error(
+        lambda: stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md)
+    )
     assert code is grpc.StatusCode.INTERNAL and "KeyError" in details
     monkeypatch.undo()
     assert stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md).storage_nbytes == 12

@@ -12,7 +12,6 @@ import threading
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
@@ -75,7 +74,9 @@ def test_serve_on_a_unix_socket(tmp_path) -> None:
     try:
         assert address == f"unix:{path}"
         with grpc.insecure_channel(address) as channel:
-            info = tensord_pb2_grpc.TensordStub(channel).ServerInfo(pb.ServerInfoRequest(), timeout=10)
+            info = tensord_pb2_grpc.TensordStub(channel).ServerInfo(
+                pb.ServerInfoRequest(), timeout=10
+            )
             assert info.devices[0].device == "cpu"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0

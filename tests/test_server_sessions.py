@@ -8,7 +8,6 @@ import threading
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 
@@ -53,7 +52,9 @@ def test_release_frees_the_storage_once_nothing_refers_to_it(server, stub) -> No
     assert _allocated(server) > before
     assert stub.Release(pb.ReleaseRequest(handles=[meta.handle]), metadata=stub.md).released == 1
     assert _allocated(server) > before  # the view still holds the Storage
-    released = stub.Release(pb.ReleaseRequest(handles=[view.handle, view.handle, "x"]), metadata=stub.md)
+    released = stub.Release(
+        pb.ReleaseRequest(handles=[view.handle, view.handle, "x"]), metadata=stub.md
+    )
     assert released.released == 1
     assert _allocated(server) == before
 
@@ -135,7 +136,9 @@ def test_resume_within_grace_keeps_every_handle(make_server, open_session, wait_
     np.testing.assert_array_equal(session.download(meta), array)
 
 
-def test_lease_lapse_without_heartbeats_starts_the_grace(make_server, open_session, wait_until) -> None:
+def test_lease_lapse_without_heartbeats_starts_the_grace(
+    make_server, open_session, wait_until
+) -> None:
     server = make_server(session_grace=0.1, lease=0.2)
     before = _allocated(server)
     session = open_session(server.address)
@@ -153,7 +156,9 @@ def test_share_and_attach(server, stub, open_session) -> None:
     assert attached.storage_id == base.storage_id and attached.handle != view.handle
     assert (tuple(attached.shape), tuple(attached.stride)) == ((4, 3), (1, 4))
     # a write through one session is seen through the other
-    other.Fill(pb.FillRequest(handle=attached.handle, value=pb.Scalar(float_value=7.0)), metadata=other.md)
+    other.Fill(
+        pb.FillRequest(handle=attached.handle, value=pb.Scalar(float_value=7.0)), metadata=other.md
+    )
     assert (stub.download(base) == 7.0).all()
     code, _ = _error(lambda: other.Attach(pb.AttachRequest(token="made-up"), metadata=other.md))
     assert code is grpc.StatusCode.NOT_FOUND
@@ -177,10 +182,14 @@ def test_names_keep_storage_alive_until_deleted(server, open_session) -> None:
     meta = writer.upload(array)
     writer.PutName(pb.PutNameRequest(name="table", handle=meta.handle), metadata=writer.md)
     code, details = _error(
-        lambda: writer.PutName(pb.PutNameRequest(name="table", handle=meta.handle), metadata=writer.md)
+        lambda: writer.PutName(
+            pb.PutNameRequest(name="table", handle=meta.handle), metadata=writer.md
+        )
     )
     assert code is grpc.StatusCode.ALREADY_EXISTS and "table" in details
-    writer.PutName(pb.PutNameRequest(name="table", handle=meta.handle, overwrite=True), metadata=writer.md)
+    writer.PutName(
+        pb.PutNameRequest(name="table", handle=meta.handle, overwrite=True), metadata=writer.md
+    )
     writer.CloseSession(pb.CloseSessionRequest(), metadata=writer.md)
     assert _allocated(server) > before  # the name holds it
     assert "table" in reader.ListNames(pb.ListNamesRequest(), metadata=reader.md).names
@@ -192,5 +201,7 @@ def test_names_keep_storage_alive_until_deleted(server, open_session) -> None:
     assert _allocated(server) == before
     code, _ = _error(lambda: reader.GetName(pb.GetNameRequest(name="table"), metadata=reader.md))
     assert code is grpc.StatusCode.NOT_FOUND
-    code, _ = _error(lambda: reader.DeleteName(pb.DeleteNameRequest(name="table"), metadata=reader.md))
+    code, _ = _error(
+        lambda: reader.DeleteName(pb.DeleteNameRequest(name="table"), metadata=reader.md)
+    )
     assert code is grpc.StatusCode.NOT_FOUND

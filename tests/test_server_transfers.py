@@ -7,7 +7,6 @@ import threading
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 torch = pytest.importorskip("torch")
@@ -57,7 +56,9 @@ VIEW_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("field", "message", "torch_op"), VIEW_CASES, ids=[c[0] for c in VIEW_CASES])
+@pytest.mark.parametrize(
+    ("field", "message", "torch_op"), VIEW_CASES, ids=[c[0] for c in VIEW_CASES]
+)
 def test_view_matches_torch_and_shares_storage(stub, field, message, torch_op) -> None:
     array, base = _base(stub)
     (meta,) = stub.view(base, **{field: message})
@@ -79,7 +80,11 @@ def test_expand_and_squeeze_match_torch(stub) -> None:
     ("field", "message", "torch_op"),
     [
         ("split", pb.Split(split_size=2, dim=2), lambda t: t.split(2, 2)),
-        ("split", pb.Split(sections=pb.IntList(values=[1, 2]), dim=1), lambda t: t.split([1, 2], 1)),
+        (
+            "split",
+            pb.Split(sections=pb.IntList(values=[1, 2]), dim=1),
+            lambda t: t.split([1, 2], 1),
+        ),
         ("chunk", pb.Chunk(chunks=3, dim=1), lambda t: t.chunk(3, 1)),
         ("unbind", pb.Unbind(dim=0), lambda t: t.unbind(0)),
     ],
@@ -125,7 +130,10 @@ def test_int_tensor_cannot_require_grad(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.view(meta, set_requires_grad=pb.SetRequiresGrad(requires_grad=True))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details() == "Only Tensors of floating point and complex dtype can require gradients"
+    assert (
+        info.value.details()
+        == "Only Tensors of floating point and complex dtype can require gradients"
+    )
 
 
 def _error(call):

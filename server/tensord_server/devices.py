@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError
+
 from tensord_server.backends import Backend, HostBackend
 from tensord_server.pool import CachingPool
 
@@ -45,7 +46,9 @@ def parse_bytes(text: str) -> int:
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {text!r}: expected a number with an optional unit like 8GiB")
+        raise ValueError(
+            f"invalid size {text!r}: expected a number with an optional unit like 8GiB"
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 

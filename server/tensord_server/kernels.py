@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-
 from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import Layout, broadcast_shapes, normalize_dim
@@ -196,7 +195,9 @@ def repeat_shape(shape: tuple[int, ...], repeats: Sequence[int]) -> tuple[int, .
     return result
 
 
-def cat_shape(shapes: Sequence[tuple[int, ...]], dim: int) -> tuple[tuple[int, ...], int, list[int]]:
+def cat_shape(
+    shapes: Sequence[tuple[int, ...]], dim: int
+) -> tuple[tuple[int, ...], int, list[int]]:
     """mirrors ATen cat's checks: (output shape, wrapped dim, indices of the inputs that count).
 
     Legacy 1-D empty tensors (shape ``(0,)``) are skipped, as torch skips them.
@@ -312,7 +313,7 @@ def ml_max(dtype: DType) -> float:
     """The largest finite value of a floating dtype (bfloat16 included)."""
     import ml_dtypes
 
-    return float(ml_dtypes.finfo(dtype.numpy_dtype).max)
+    return float(ml_dtypes.finfo(dtype.numpy_dtype).max)  # type: ignore[no-untyped-call]
 
 
 def fill(xp: Any, dst: Any, value: Scalar) -> None:
@@ -345,14 +346,13 @@ def _cfmt(value: float | int) -> str:
 
 def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Any:
     """torch.arange's elements, computed as torch does (in int64 or double), cast to ``dtype``."""
-    if any(isinstance(v, complex) for v in (start, end, step)):
-        raise RuntimeError("value cannot be converted to type double without overflow")
+    start, end, step = _real(start), _real(end), _real(step)
     if dtype is dtypes.bool or dtype.is_complex:
         raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
     integral = not dtype.is_floating_point
     acc = int if integral else float
 
-    def to_acc(v: Scalar) -> int | float:
+    def to_acc(v: int | float) -> int | float:
         if integral and isinstance(v, float) and not math.isfinite(v):
             return v  # reported as an unsupported range below
         return acc(math.trunc(v)) if integral else float(v)
@@ -377,6 +377,13 @@ def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DTyp
     values = xstart + index * xstep
     with _quiet(xp):
         return values.astype(dtype.numpy_dtype)
+
+
+def _real(value: Scalar) -> int | float:
+    """A bound of arange: torch converts it to double, which a complex value cannot be."""
+    if isinstance(value, complex):
+        raise RuntimeError("value cannot be converted to type double without overflow")
+    return value
 
 
 def _trunc_div(a: int, b: int) -> int:

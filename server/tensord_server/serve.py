@@ -14,6 +14,7 @@ import threading
 from types import FrameType
 
 from tensord.errors import FailedPreconditionError
+
 from tensord_server.devices import parse_device_spec
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S

@@ -18,10 +18,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-
 from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import Layout
+
 from tensord_server import kernels
 from tensord_server.devices import Device, DeviceSpec, DeviceTable
 from tensord_server.kernels import Scalar
@@ -257,7 +257,9 @@ class Daemon:
                 for i in kept:
                     n = refs[i].layout.shape[dim]
                     part = out_array[(slice(None),) * dim + (slice(start, start + n),)]
-                    kernels.assign(device.xp, part, kernels.to_module(device.xp, self.array(refs[i])))
+                    kernels.assign(
+                        device.xp, part, kernels.to_module(device.xp, self.array(refs[i]))
+                    )
                     start += n
                 return self._issue(session, out)
 
@@ -367,7 +369,9 @@ class Daemon:
         shape = kernels.check_shape(shape)
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.scalar_dtype(value)
         kernels.check_scalar_fits(value, dt)
-        with self._allocated(self.device(device), Layout.contiguous(shape), dt, requires_grad) as out:
+        with self._allocated(
+            self.device(device), Layout.contiguous(shape), dt, requires_grad
+        ) as out:
             kernels.fill(out.device.xp, self.array(out), value)
             return self._issue(session, out)
 
@@ -505,7 +509,6 @@ def _add_health_and_reflection(server: grpc.Server) -> None:
     """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
-
     from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
     service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-
 import tensord
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import UnauthenticatedError
+
 from tensord_server import status
 from tensord_server.kernels import Scalar
 from tensord_server.server import (
@@ -348,7 +348,9 @@ class TensordService:
         session = self._session(context)
         index = decode_index(request.index)
         if request.WhichOneof("value") == "src_handle":
-            issued = self.daemon.setitem(session, request.handle, index, src_handle=request.src_handle)
+            issued = self.daemon.setitem(
+                session, request.handle, index, src_handle=request.src_handle
+            )
         else:
             issued = self.daemon.setitem(
                 session, request.handle, index, value=decode_scalar(request.scalar)

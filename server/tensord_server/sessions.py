@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tensord.errors import NotFoundError
+
 from tensord_server.status import AlreadyExistsError
 from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
 

@@ -12,7 +12,6 @@ import logging
 from typing import NoReturn
 
 import grpc
-
 from tensord import errors
 
 ERROR_TYPE_KEY = "tensord-error-type"

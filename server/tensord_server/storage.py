@@ -16,6 +16,7 @@ from typing import Any
 from tensord.dtypes import DType
 from tensord.errors import InternalError
 from tensord.layout import Layout
+
 from tensord_server.devices import Device
 from tensord_server.pool import Block
 
@@ -31,11 +32,11 @@ class Storage:
 
     def __init__(self, device: Device, block: Block, nbytes: int) -> None:
         self.id = secrets.token_hex(8)  # equal for every handle on it, in every session
-        self.device = device
-        self.block = block
-        self.nbytes = nbytes
-        self.refs = 0
-        self.freed = False
+        self.device: Device = device
+        self.block: Block = block
+        self.nbytes: int = nbytes
+        self.refs: int = 0  # handles + share tokens + names + pins
+        self.freed: bool = False
 
     @property
     def data_ptr(self) -> int:
