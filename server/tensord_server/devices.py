@@ -8,10 +8,12 @@ backend plugs in as one more row when it lands.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from tensord.errors import FailedPreconditionError
 
@@ -123,9 +125,33 @@ class Device:
         return self.pool.backend
 
     @property
-    def xp(self):  # type: ignore[no-untyped-def]
+    def xp(self) -> Any:
         """The backend's array module (numpy, cupy): what the copy kernels compute with."""
         return self.pool.backend.xp
+
+    def activate(self) -> contextlib.AbstractContextManager[Any]:
+        """The context kernels on this device run in: nothing for host memory; for a GPU
+        its CUDA device and the backend's one server stream (whose order makes reusing
+        freed blocks safe, see cuda_backend.py)."""
+        backend = self.pool.backend
+        stream = getattr(backend, "stream", None)
+        if stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.xp.cuda.Device(backend.index))  # type: ignore[attr-defined]
+        stack.enter_context(stream)
+        return stack
+
+
+def activate(*devices: Device) -> contextlib.ExitStack:
+    """Every distinct device's context at once (a cross-device copy needs both)."""
+    stack = contextlib.ExitStack()
+    seen: set[str] = set()
+    for device in devices:
+        if device.name not in seen:
+            seen.add(device.name)
+            stack.enter_context(device.activate())
+    return stack
 
 
 def open_device(spec: DeviceSpec) -> Device:

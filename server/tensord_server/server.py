@@ -23,7 +23,7 @@ from tensord.dtypes import DType
 from tensord.layout import Layout
 
 from tensord_server import kernels
-from tensord_server.devices import Device, DeviceSpec, DeviceTable
+from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.kernels import Scalar
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, Session, SessionManager
 from tensord_server.storage import StorageRegistry, TensorRef
@@ -144,6 +144,12 @@ class Daemon:
     def _issue(self, session: Session, ref: TensorRef) -> Issued:
         return Issued(self.sessions.register(session, ref), ref)
 
+    @contextlib.contextmanager
+    def _using(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
+        """The handles' tensors, pinned, with their devices' kernel contexts entered."""
+        with self.sessions.pinned(session, *handles) as refs, activate(*(r.device for r in refs)):
+            yield refs
+
     @staticmethod
     def array(ref: TensorRef) -> Any:
         """A zero-copy strided array over the tensor's bytes."""
@@ -157,7 +163,8 @@ class Daemon:
         kernels.check_requires_grad(dtype, requires_grad)
         storage = self.storages.allocate(device, layout.storage_extent() * dtype.itemsize)
         try:
-            yield TensorRef(storage, layout, dtype, requires_grad)
+            with activate(device):
+                yield TensorRef(storage, layout, dtype, requires_grad)
         finally:
             self.storages.decref(storage)
 
@@ -176,7 +183,7 @@ class Daemon:
     # -- views ------------------------------------------------------------------
 
     def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self.sessions.pinned(session, handle) as (ref,):  # metadata only: no kernel context
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
                 return [self._reshape_copy(session, ref, _flatten_shape(ref.layout, op))]
@@ -185,7 +192,7 @@ class Daemon:
     # -- copies -----------------------------------------------------------------
 
     def clone(self, session: Session, handle: str, memory_format: str = "") -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             if memory_format in ("", "preserve_format"):
                 layout = ref.layout.dense_like()
             elif memory_format == "contiguous_format":
@@ -195,7 +202,7 @@ class Daemon:
             return self._copy_of(session, ref, layout, ref.dtype, ref.device)
 
     def contiguous(self, session: Session, handle: str) -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             if ref.layout.is_contiguous():  # torch returns self: a new handle on the same tensor
                 return self._issue(session, ref)
             return self._copy_of(
@@ -203,7 +210,7 @@ class Daemon:
             )
 
     def reshape(self, session: Session, handle: str, shape: Sequence[int]) -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             viewed = ref.layout.reshape(tuple(shape))
             if viewed is not None:
                 return self._issue(session, ref.with_layout(viewed))
@@ -221,7 +228,7 @@ class Daemon:
     def to(
         self, session: Session, handle: str, device: str = "", dtype: str = "", copy: bool = False
     ) -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             target_device = self.device(device) if device else ref.device
             target_dtype = dtypes.dtype_from_name(dtype) if dtype else ref.dtype
             if target_device is ref.device and target_dtype is ref.dtype and not copy:
@@ -229,7 +236,7 @@ class Daemon:
             return self._copy_of(session, ref, ref.layout.dense_like(), target_dtype, target_device)
 
     def repeat(self, session: Session, handle: str, repeats: Sequence[int]) -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             repeats = tuple(repeats)
             shape = kernels.repeat_shape(ref.layout.shape, repeats)
             with self._allocated(
@@ -245,7 +252,7 @@ class Daemon:
                 return self._issue(session, out)
 
     def cat(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
-        with self.sessions.pinned(session, *handles) as refs:
+        with self._using(session, *handles) as refs:
             shape, dim, kept = kernels.cat_shape([r.layout.shape for r in refs], dim)
             device = _common_device(refs)
             dtype = _promote(refs)
@@ -264,7 +271,7 @@ class Daemon:
                 return self._issue(session, out)
 
     def stack(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
-        with self.sessions.pinned(session, *handles) as refs:
+        with self._using(session, *handles) as refs:
             dim = kernels.stack_dim([r.layout.shape for r in refs], dim)
             device = _common_device(refs)
             dtype = _promote(refs)
@@ -282,7 +289,7 @@ class Daemon:
     # -- in-place writes --------------------------------------------------------
 
     def copy(self, session: Session, dst_handle: str, src_handle: str) -> Issued:
-        with self.sessions.pinned(session, dst_handle, src_handle) as (dst, src):
+        with self._using(session, dst_handle, src_handle) as (dst, src):
             kernels.copy_broadcast_check(dst.layout.shape, src.layout.shape)
             self._write(dst, src, self.array(src))
             return Issued(dst_handle, dst)
@@ -302,7 +309,7 @@ class Daemon:
         self._assign(dst, src_array)
 
     def fill(self, session: Session, handle: str, value: Scalar) -> Issued:
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self._using(session, handle) as (ref,):
             kernels.check_scalar_fits(value, ref.dtype)
             kernels.fill(ref.device.xp, self.array(ref), value)
             return Issued(handle, ref)
@@ -316,7 +323,7 @@ class Daemon:
         src_handle: str | None = None,
     ) -> Issued:
         handles = (handle,) if src_handle is None else (handle, src_handle)
-        with self.sessions.pinned(session, *handles) as refs:
+        with self._using(session, *handles) as refs:
             ref = refs[0]
             target = ref.with_layout(_index(ref.layout, index))
             if src_handle is None:
@@ -387,10 +394,11 @@ class Daemon:
     ) -> Issued:
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.arange_dtype(start, end, step)
         dev = self.device(device)
-        values = kernels.arange_values(dev.xp, start, end, step, dt)
-        with self._allocated(dev, Layout.contiguous(values.shape), dt, requires_grad) as out:
-            kernels.assign(dev.xp, self.array(out), values)
-            return self._issue(session, out)
+        with activate(dev):
+            values = kernels.arange_values(dev.xp, start, end, step, dt)
+            with self._allocated(dev, Layout.contiguous(values.shape), dt, requires_grad) as out:
+                kernels.assign(dev.xp, self.array(out), values)
+                return self._issue(session, out)
 
     # -- transfers --------------------------------------------------------------
 
@@ -426,22 +434,29 @@ class Daemon:
             return self._issue(session, out)
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
-        """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs)."""
+        """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs).
+
+        A contiguous tensor streams straight from its Storage, one chunk read at a
+        time; any other is first gathered in logical order into a host temporary.
+        """
         chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
         chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         with self.sessions.pinned(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
-            if layout.numel == 0:
-                return
+            nbytes = layout.numel * itemsize
             if layout.is_contiguous():
-                data = ref.storage.raw()[
-                    layout.offset * itemsize : (layout.offset + layout.numel) * itemsize
-                ]
-            else:  # gather into a temporary on the device first, in logical order
-                data = kernels.contiguous_bytes(ref.device.xp, self.array(ref))
-            data = kernels.to_module(np, data)
-            for start in range(0, data.size, chunk):
-                yield data[start : start + chunk].tobytes()
+                block, backend = ref.storage.block, ref.device.backend
+                base = block.offset + layout.offset * itemsize
+                for start in range(0, nbytes, chunk):
+                    size = min(chunk, nbytes - start)
+                    yield backend.read(block.segment.memory, base + start, size)
+                return
+            with activate(ref.device):
+                gathered = kernels.contiguous_bytes(ref.device.xp, self.array(ref))
+                host = kernels.to_module(np, gathered)
+            del gathered
+            for start in range(0, nbytes, chunk):
+                yield host[start : start + chunk].tobytes()
 
     # -- sharing ----------------------------------------------------------------
 
