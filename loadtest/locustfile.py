@@ -16,6 +16,8 @@ Configuration, by environment variable (read by master and workers alike):
 - ``TENSORD_ADDRESS``: the server, when ``--host`` is not given;
 - ``TENSORD_WORKLOADS``: weights, e.g. ``kv=3,train=2,churn=3`` (unnamed: off;
   empty: every workload at its default weight);
+- ``TENSORD_DEVICE``: the device every tensor lives on (default ``cpu``; ``cuda:0``
+  when the server has a GPU; a ``=LIMIT`` suffix is ignored);
 - ``TENSORD_SCALE``: multiplies every allocation size (default 1.0);
 - ``TENSORD_TRACE``, ``TENSORD_TRACE_DIVISOR``: the trace the ``trace`` users
   replay and how much to divide its sizes by (default 256);
@@ -78,6 +80,7 @@ class TensordUser(User):
             raise
         self._record("session.connect", time.perf_counter() - start, 0, None, False)
         kwargs: dict[str, Any] = {"rng": random.Random(), "scale": SCALE, "run_id": RUN_ID}
+        kwargs["device"] = os.environ.get("TENSORD_DEVICE", "cpu").split("=")[0]
         if self.workload_class is TraceReplay:
             kwargs["divisor"] = int(os.environ.get("TENSORD_TRACE_DIVISOR", "256"))
         self.workload = self.workload_class(self.client, self._record, **kwargs)

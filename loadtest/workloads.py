@@ -85,8 +85,10 @@ class Workload:
         rng: random.Random | None = None,
         scale: float = 1.0,
         run_id: str = "run",
+        device: str = "cpu",
     ) -> None:
         self.client = client
+        self.device = device  # where every tensor of this workload lives
         self.record = record
         self.rng = rng or random.Random()
         self.scale = scale
@@ -172,7 +174,14 @@ class KVCache(Workload):
 
     def _prefill(self) -> None:
         prompt = self.rng.randint(16, 256)
-        buf = self.call("kv.prefill", self.client.zeros, prompt, self.width, dtype=dtypes.float16)
+        buf = self.call(
+            "kv.prefill",
+            self.client.zeros,
+            prompt,
+            self.width,
+            dtype=dtypes.float16,
+            device=self.device,
+        )
         if buf is not None:
             mode = self.rng.choice(("cat", "paged"))
             target = prompt + self.rng.randint(16, 1792)
@@ -181,7 +190,12 @@ class KVCache(Workload):
     def _decode(self, seq: dict[str, Any]) -> None:
         n = self.rng.randint(1, 16)
         new = self.call(
-            "kv.new_tokens", self.client.full, (n, self.width), 1.0, dtype=dtypes.float16
+            "kv.new_tokens",
+            self.client.full,
+            (n, self.width),
+            1.0,
+            dtype=dtypes.float16,
+            device=self.device,
         )
         if new is None:
             return
@@ -196,7 +210,12 @@ class KVCache(Workload):
             if length + n > buf.shape[0]:
                 capacity = max(2 * buf.shape[0], length + n)
                 bigger = self.call(
-                    "kv.grow", self.client.empty, capacity, self.width, dtype=dtypes.float16
+                    "kv.grow",
+                    self.client.empty,
+                    capacity,
+                    self.width,
+                    dtype=dtypes.float16,
+                    device=self.device,
                 )
                 if bigger is None:
                     return
@@ -233,7 +252,9 @@ class TrainingStep(Workload):
     )  # per sample
 
     def start(self) -> None:
-        self.weights = self.call("train.weights", self.client.zeros, self.size(2 * MiB) // 4)
+        self.weights = self.call(
+            "train.weights", self.client.zeros, self.size(2 * MiB) // 4, device=self.device
+        )
         self.steps = 0
 
     def step(self) -> None:
@@ -241,7 +262,7 @@ class TrainingStep(Workload):
         activations = []
         for per_sample in self.layer_bytes:
             features = max(1, self.size(per_sample) // 4)  # float32 per sample
-            act = self.call("train.forward", self.client.empty, batch, features)
+            act = self.call("train.forward", self.client.empty, batch, features, device=self.device)
             if act is None:  # out of memory: abandon the step as a trainer would
                 return
             activations.append(act)
@@ -278,7 +299,9 @@ class SmallChurn(Workload):
         rng = self.rng
         for _ in range(rng.randint(1, 8)):
             nbytes = min(self.size(2 ** rng.uniform(9, 20)), MiB)  # log-uniform 512 B .. 1 MiB
-            t = self.call("churn.alloc", self.client.empty, nbytes, dtype=dtypes.uint8)
+            t = self.call(
+                "churn.alloc", self.client.empty, nbytes, dtype=dtypes.uint8, device=self.device
+            )
             if t is None:
                 continue
             if rng.random() < 0.2:
@@ -314,12 +337,16 @@ class Bimodal(Workload):
         rng = self.rng
         if rng.random() < 0.25:
             nbytes = self.size(rng.uniform(8, 48) * MiB)
-            t = self.call("bimodal.large", self.client.empty, nbytes, dtype=dtypes.uint8)
+            t = self.call(
+                "bimodal.large", self.client.empty, nbytes, dtype=dtypes.uint8, device=self.device
+            )
             if t is not None:
                 self.large.append((self.clock + rng.randint(1, 4), t))
         else:
             nbytes = self.size(rng.uniform(64 * KiB, 3 * MiB))
-            t = self.call("bimodal.small", self.client.empty, nbytes, dtype=dtypes.uint8)
+            t = self.call(
+                "bimodal.small", self.client.empty, nbytes, dtype=dtypes.uint8, device=self.device
+            )
             if t is not None:
                 self.small.append((self.clock + rng.randint(20, 200), t))
         self.large = [(d, t) for d, t in self.large if d > self.clock][-self.max_large :]
@@ -347,7 +374,9 @@ class ViewHeavy(Workload):
 
     def start(self) -> None:
         r, c = self.rows, self.cols
-        flat = self.call("views.arange", self.client.arange, r * c, dtype=dtypes.float32)
+        flat = self.call(
+            "views.arange", self.client.arange, r * c, dtype=dtypes.float32, device=self.device
+        )
         self.base = self.call("views.view", flat.view, r, c)
         self.mirror = np.arange(r * c, dtype=np.float32).reshape(r, c)
 
@@ -432,7 +461,9 @@ class Sharing(Workload):
 
     def _make(self, op: str) -> Any:
         n = self.size(self.rng.randint(1, 64) * 4 * KiB) // 4 or 1
-        return self.call(op, self.client.full, (n,), float(self.rng.randint(1, 1000)))
+        return self.call(
+            op, self.client.full, (n,), float(self.rng.randint(1, 1000)), device=self.device
+        )
 
     def _check(self, op: str, t: Any) -> None:
         head = self.call(f"{op}.numpy", t.numpy) if t.shape[0] <= 4096 else None
@@ -534,17 +565,22 @@ class TraceReplay(Workload):
         self.divisor = max(1, int(divisor / self.scale))
 
     def start(self) -> None:
-        self.ops = load_trace(self.trace_path, self.divisor)
         self.position = 0
         self.live: dict[int, Any] = {}
         self.loops = 0
+        self.ops: TraceOps = []  # a missing trace fails here, recorded, and the user idles
+        self.ops = self.call("trace.load", load_trace, self.trace_path, self.divisor)
 
     def step(self) -> None:
+        if not self.ops:
+            return
         end = min(self.position + self.events_per_step, len(self.ops))
         for is_alloc, block, nbytes in self.ops[self.position : end]:
             self.position += 1
             if is_alloc:
-                t = self.call("trace.alloc", self.client.empty, nbytes, dtype=dtypes.uint8)
+                t = self.call(
+                    "trace.alloc", self.client.empty, nbytes, dtype=dtypes.uint8, device=self.device
+                )
                 if t is not None:
                     self.live[block] = t
             else:

@@ -117,12 +117,13 @@ class TimeSeries:
         self._lock = threading.Lock()
 
     def sample(self, client: Any, phase: str) -> dict[str, Any]:
-        stats = client.memory_stats(self.device)
+        """Append one row from ``client.memory_stats()``; returns those stats."""
+        stats: dict[str, Any] = client.memory_stats(self.device)
         row = memory_row(stats, now=time.time(), t0=self.t0, phase=phase)
         with self._lock:
             self._writer.writerow(row)
             self._file.flush()
-        return row
+        return stats
 
     def close(self) -> None:
         with self._lock:
@@ -224,6 +225,7 @@ def run_locust(args: argparse.Namespace, address: str, out: Path, run_id: str) -
         TENSORD_SCALE=str(args.scale),
         TENSORD_TRACE_DIVISOR=str(args.trace_divisor),
         TENSORD_RUN_ID=run_id,
+        TENSORD_DEVICE=args.device,
         TENSORD_SAMPLER="off",  # this process samples
     )
     if args.trace:
@@ -556,7 +558,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="results folder (default loadtest-results/<time>)"
     )
-    parser.add_argument("--device", default="cpu=1GiB", help="the started server's pool: cpu=LIMIT")
+    parser.add_argument(
+        "--device",
+        default="cpu=1GiB",
+        help="the device the workloads use and the started server's pool for it: cpu=1GiB, cuda:0=40GiB",
+    )
     parser.add_argument(
         "--workloads",
         default="",
@@ -602,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.argv[1:2] == ["loadtest"]
         else "tensord loadtest"
     )
-    device = args.device.split("=")[0] if not args.address else "cpu"
+    device = args.device.split("=")[0]  # where the workloads allocate, and what is sampled
     server = None
     try:
         if args.address:
@@ -614,8 +620,7 @@ def run(args: argparse.Namespace) -> int:
             tensord.connect(address) as monitor,
             TimeSeries(out / "timeseries.csv", device=device) as series,
         ):
-            baseline = monitor.memory_stats(device)
-            series.sample(monitor, "baseline")
+            baseline = series.sample(monitor, "baseline")
             sampler = Sampler(monitor, series, args.interval)
             sampler.phase = "load"
             sampler.start()
@@ -630,9 +635,10 @@ def run(args: argparse.Namespace) -> int:
             ):
                 time.sleep(0.25)
                 final = monitor.memory_stats(device)
+            sampler.stop()
+            final = series.sample(monitor, "after")  # the figures the verdict reads
             prefix = f"loadtest/{run_id}/"
             leftover = sorted(n for n in monitor.names() if n.startswith(prefix))
-            sampler.stop()
         summary = summarize(
             out,
             baseline=baseline,

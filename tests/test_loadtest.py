@@ -1,0 +1,347 @@
+"""The load test: workloads against a real server, the report, the compose file, one short run.
+
+Locust (gevent) never enters this process: the short run starts ``tensord
+loadtest`` in a subprocess, which starts the server and Locust in theirs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tensord
+from tensord_server import loadtest
+from tensord_server.server import Daemon, create_server
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "loadtest"))
+import workloads  # noqa: E402
+
+
+# -- a real server in this process ----------------------------------------------------
+class Running:
+    def __init__(self, device: str) -> None:
+        self.daemon = Daemon((device,), session_grace=0.5, lease=30.0)
+        self.grpc_server, port = create_server("127.0.0.1:0", daemon=self.daemon)
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.grpc_server.stop(2.0).wait()
+        self.daemon.close()
+
+
+@pytest.fixture
+def gib_server() -> Iterator[Running]:
+    server = Running("cpu=1GiB")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def tiny_server() -> Iterator[Running]:
+    server = Running("cpu=24MiB")
+    yield server
+    server.stop()
+
+
+class Log:
+    """A recorder: every op, and the unexpected failures in full."""
+
+    def __init__(self) -> None:
+        self.ops: Counter[tuple[str, str]] = Counter()
+        self.failures: list[str] = []
+
+    def __call__(self, op: str, seconds: float, nbytes: int, exc: Any, expected: bool) -> None:
+        kind = "expected" if expected else ("failed" if exc is not None else "ok")
+        self.ops[(op, kind)] += 1
+        if exc is not None and not expected:
+            self.failures.append(f"{op}: {type(exc).__name__}: {exc}")
+
+    def kinds(self, kind: str) -> set[str]:
+        return {op for (op, k) in self.ops if k == kind}
+
+
+def drive(address: str, name: str, steps: int, log: Log, seed: int = 0) -> None:
+    """One workload's whole life on its own session, as a Locust user lives it."""
+    with tensord.connect(address) as client:
+        workload = workloads.WORKLOADS[name](client, log, rng=random.Random(seed), run_id="t")
+        workload.start()
+        for _ in range(steps):
+            workload.step()
+        workload.stop()
+
+
+def wait_for_allocated(client: Any, target: int, timeout_steps: int = 100) -> int:
+    """Allocated bytes once they reach ``target`` (releases are batched), polled a bounded time."""
+    import time
+
+    allocated = client.memory_allocated()
+    for _ in range(timeout_steps):
+        if allocated <= target:
+            break
+        time.sleep(0.05)
+        allocated = client.memory_allocated()
+    return allocated
+
+
+# -- workloads -------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+def test_each_workload_runs_clean_and_gives_everything_back(gib_server: Running, name: str) -> None:
+    log = Log()
+    drive(gib_server.address, name, steps=25, log=log)
+    assert log.failures == []
+    assert log.kinds("ok"), "the workload made no call"
+    with tensord.connect(gib_server.address) as monitor:
+        assert wait_for_allocated(monitor, 0) == 0
+        assert [n for n in monitor.names() if n.startswith("loadtest/")] == []
+
+
+def test_views_workload_checks_data_it_reads_back(gib_server: Running) -> None:
+    log = Log()
+    with tensord.connect(gib_server.address) as client:
+        views = workloads.ViewHeavy(client, log, rng=random.Random(3))
+        views.verify_probability = 1.0
+        views.start()
+        for _ in range(10):
+            views.step()
+        views.stop()
+    assert log.failures == []
+    assert log.ops[("views.verify", "ok")] == 10
+
+
+def test_sharing_users_read_each_others_tensors(gib_server: Running) -> None:
+    log = Log()
+    with tensord.connect(gib_server.address) as a, tensord.connect(gib_server.address) as b:
+        users = [
+            workloads.Sharing(c, log, rng=random.Random(i), run_id="t")
+            for i, c in enumerate((a, b))
+        ]
+        for user in users:
+            user.start()
+        for _ in range(40):
+            for user in users:
+                user.step()
+        for user in users:
+            user.stop()
+        assert [n for n in a.names() if n.startswith("loadtest/t/")] == []
+    assert log.failures == []
+    assert {"share.put", "share.token"} <= log.kinds("ok")
+    assert log.kinds("ok") & {"share.get.verify", "share.attach.verify"}
+
+
+def test_a_full_pool_is_an_expected_error_not_a_failure(tiny_server: Running) -> None:
+    log = Log()
+    drive(tiny_server.address, "bimodal", steps=30, log=log, seed=1)
+    assert log.failures == []
+    assert "bimodal.large" in log.kinds("expected")  # 8..48 MiB never fits 24 MiB
+    with tensord.connect(tiny_server.address) as monitor:
+        assert monitor.memory_stats()["num_ooms"] > 0
+        assert wait_for_allocated(monitor, 0) == 0
+
+
+def test_unexpected_errors_are_recorded_and_raised() -> None:
+    log = Log()
+    workload = workloads.Workload(client=None, record=log)
+
+    def broken() -> None:
+        raise tensord.InvalidArgumentError("bad shape")
+
+    with pytest.raises(workloads.OpFailed, match="bad shape"):
+        workload.call("x.op", broken)
+    assert log.failures == ["x.op: InvalidArgumentError: bad shape"]
+    with pytest.raises(workloads.OpFailed):
+        workload.verify("x.verify", False, "mixed values")
+    assert workload.call("x.oom", _raise_oom) is None
+    assert log.ops[("x.oom", "expected")] == 1
+
+
+def _raise_oom() -> None:
+    raise tensord.OutOfMemoryError("out of memory")
+
+
+def test_weights() -> None:
+    defaults = workloads.parse_weights("")
+    assert set(defaults) == set(workloads.WORKLOADS) and all(w > 0 for w in defaults.values())
+    weights = workloads.parse_weights("kv=5,views")
+    assert weights["kv"] == 5 and weights["views"] == workloads.ViewHeavy.default_weight
+    assert weights["trace"] == 0
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        workloads.parse_weights("nope=1")
+
+
+def test_trace_scaling_pairs_allocs_with_frees() -> None:
+    events = [
+        ["segment_alloc", 100, 2097152, 0],
+        ["alloc", 100, 1000, 0],
+        ["alloc", 2000, 512, 0],
+        ["free_requested", 100, 1000, 0],
+        ["free_completed", 100, 1000, 0],
+        ["alloc", 100, 3000, 0],  # the same address, a new block
+        ["free_completed", 2000, 512, 0],
+    ]
+    ops = workloads.scale_trace(events, divisor=10)
+    assert ops == [(True, 0, 100), (True, 1, 51), (False, 0, 0), (True, 2, 300), (False, 1, 0)]
+
+
+TRACE = workloads.DEFAULT_TRACE
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
+def test_the_shared_trace_scaled_down_fits_a_user() -> None:
+    ops = workloads.load_trace(TRACE, 256)
+    live: dict[int, int] = {}
+    peak = current = 0
+    for is_alloc, block, nbytes in ops:
+        if is_alloc:
+            live[block] = nbytes
+            current += nbytes
+            peak = max(peak, current)
+        else:
+            current -= live.pop(block)
+    assert sum(1 for op in ops if op[0]) == 4531  # every alloc of the trace
+    assert 16 << 20 < peak < 32 << 20  # ~6.6 GiB / 256
+
+
+# -- the report ---------------------------------------------------------------------
+def test_memory_row_takes_torch_keys_and_leaves_missing_figures_blank() -> None:
+    stats = {
+        "allocated_bytes.all.current": 100,
+        "reserved_bytes.all.current": 250,
+        "num_ooms": 2,
+        "external_fragmentation.all": 0.5,
+    }
+    row = loadtest.memory_row(stats, now=12.5, t0=10.0, phase="load")
+    assert list(row) == list(loadtest.COLUMNS)
+    assert row["elapsed_s"] == "2.500" and row["phase"] == "load"
+    assert row["allocated_bytes"] == 100 and row["reserved_over_allocated"] == "2.5000"
+    assert row["num_ooms"] == 2 and row["external_fragmentation"] == 0.5
+    assert row["live_sessions"] == "" and row["largest_free_block_bytes"] == ""
+    assert loadtest.memory_row({}, now=1, t0=0, phase="x")["reserved_over_allocated"] == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("60", 60), ("60s", 60), ("2m", 120), ("1h30m", 5400)]
+)
+def test_run_time_syntax(text: str, seconds: float) -> None:
+    assert loadtest.parse_duration(text) == seconds
+
+
+def test_summary_fails_on_a_leak_and_counts_expected_errors_apart(tmp_path: Path) -> None:
+    header = [
+        "Type",
+        "Name",
+        "Request Count",
+        "Failure Count",
+        "Median Response Time",
+        "Requests/s",
+        "95%",
+        "50%",
+        "99%",
+    ]
+    rows = [
+        ["grpc", "kv.cat", "90", "0", "5", "9.0", "8", "5", "9"],
+        ["expected", "kv.cat (OutOfMemoryError)", "10", "0", "5", "1.0", "8", "5", "9"],
+        ["", "Aggregated", "100", "0", "5", "10.0", "8", "5", "9"],
+    ]
+    with open(tmp_path / "locust_stats.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    with loadtest.TimeSeries(tmp_path / "timeseries.csv") as series:
+        assert series.path.exists()
+    key = "allocated_bytes.all.current"
+    clean = loadtest.summarize(tmp_path, baseline={key: 0}, final={key: 0}, leftover_names=[])
+    assert clean["passed"] and clean["expected_errors"] == 10 and clean["unexpected_failures"] == 0
+    leak = loadtest.summarize(tmp_path, baseline={key: 0}, final={key: 512}, leftover_names=[])
+    assert not leak["passed"] and leak["leaked_bytes"] == 512
+    markdown = loadtest.render_markdown(leak, command="tensord loadtest", settings={"users": 1})
+    assert "**FAIL**" in markdown and "| leaked bytes | 512 |" in markdown
+
+
+# -- docker-compose.yml --------------------------------------------------------------
+def interpolate(text: str) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR}``, with every variable unset."""
+    return re.sub(r"\$\{[A-Z_]+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", text)
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    yaml = pytest.importorskip("yaml")
+    jsonschema = pytest.importorskip("jsonschema")
+    text = (REPO / "docker-compose.yml").read_text()
+    config = yaml.safe_load(interpolate(text))
+    schema = json.loads((REPO / "loadtest" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)  # the draft its $schema names
+    validator.validate(config)
+    broken = {"services": {"server": {"image": "x", "ports": 50051, "restart_policy": 1}}}
+    assert not validator.is_valid(broken)  # the schema does reject what is wrong
+    services = config["services"]
+    assert {"server", "locust-master", "locust-worker"} <= set(services)
+    assert "--master" in services["locust-master"]["command"]
+    assert "--worker" in services["locust-worker"]["command"]
+    assert services["locust-worker"]["deploy"]["replicas"] == 2
+    # the GPU reservation, commented, in compose's own syntax
+    gpu = re.search(r"# deploy:\n(#.*\n)*?#\s+capabilities: \[gpu\]", text.replace("    #", "#"))
+    assert gpu, "the commented GPU reservation is missing"
+    commented = yaml.safe_load(
+        "\n".join(line.split("#", 1)[1][1:] for line in gpu.group(0).splitlines())
+    )
+    devices = commented["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose is not installed"
+)
+def test_docker_compose_config_accepts_the_file() -> None:
+    result = subprocess.run(
+        ["docker-compose", "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# -- one short run of the whole thing -------------------------------------------------
+def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("locust")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "tensord_server", "loadtest", "-u", "8", "-r", "8", "-t", "8s"]
+    command += ["--workloads", "kv=1,train=1,churn=1,bimodal=1,views=1,sharing=2,trace=1"]
+    command += ["--out", str(out), "--interval", "0.25", "--leak-timeout", "20"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORD_")}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, check=False, env=env, cwd=tmp_path
+    )
+    log = result.stdout + result.stderr + _tail(out / "locust.log")
+    assert result.returncode == 0, log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["passed"], log
+    assert summary["unexpected_failures"] == 0, summary["failures_by_op"]
+    assert summary["exceptions"] == 0, summary["exception_messages"]
+    assert summary["leaked_bytes"] == 0 and summary["final_allocated_bytes"] == 0
+    assert summary["requests"] > 100
+    workload_ops = {op["name"].split(".")[0] for op in summary["ops"]}
+    assert {"kv", "train", "churn", "bimodal", "views", "share"} <= workload_ops
+    assert summary["peak_reserved_bytes"] >= summary["peak_allocated_bytes"] > 0
+    with open(out / "timeseries.csv", newline="") as f:
+        phases = Counter(row["phase"] for row in csv.DictReader(f))
+    assert phases["baseline"] == 1 and phases["load"] > 10 and phases["after"] == 1
+    for name in ("locust_stats.csv", "locust_stats_history.csv", "locust.html", "summary.md"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-4000:] if path.exists() else ""
