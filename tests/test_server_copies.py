@@ -286,9 +286,28 @@ def test_fill_zero_and_setitem(stub) -> None:
 
 
 @pytest.mark.parametrize(
+    ("dtype", "value", "python"),
+    [
+        ("uint8", pb.Scalar(int_value=-1), -1),
+        ("uint8", pb.Scalar(float_value=255.0), 255.0),
+        ("bool", pb.Scalar(float_value=0.5), 0.5),
+        ("int8", pb.Scalar(float_value=-2.9), -2.9),
+        ("complex64", pb.Scalar(complex_value=pb.Complex(real=1, imag=2)), 1 + 2j),
+    ],
+)
+def test_fill_converts_like_torch(stub, dtype, value, python) -> None:
+    meta = stub.Empty(pb.EmptyRequest(shape=[3], dtype=dtype), metadata=stub.md)
+    stub.Fill(pb.FillRequest(handle=meta.handle, value=value), metadata=stub.md)
+    _check(stub, meta, torch.zeros(3, dtype=getattr(torch, dtype)).fill_(python))
+
+
+@pytest.mark.parametrize(
     ("dtype", "value"),
     [
         ("uint8", pb.Scalar(int_value=300)),
+        ("uint8", pb.Scalar(float_value=-0.5)),
+        ("int8", pb.Scalar(float_value=127.9)),
+        ("int8", pb.Scalar(int_value=-129)),
         ("float32", pb.Scalar(float_value=1e39)),
         ("int32", pb.Scalar(float_value=float("nan"))),
         ("float32", pb.Scalar(complex_value=pb.Complex(real=1, imag=2))),

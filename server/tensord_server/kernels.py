@@ -304,8 +304,10 @@ def check_scalar_fits(value: Scalar, dtype: DType) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise _overflow(dtype)
     info = np.iinfo(dtype.numpy_dtype)
-    low = -int(info.max) if not dtype.is_signed else int(info.min)  # unsigned wraps small negatives
-    if not low <= value <= int(info.max):
+    low = int(info.min)
+    if isinstance(value, int) and not dtype.is_signed:
+        low = -int(info.max)  # c10 lets an integer wrap into an unsigned type (-1 -> 255)
+    if not low <= value <= int(info.max):  # a float compares untruncated: 127.9 overflows int8
         raise _overflow(dtype)
 
 
@@ -322,6 +324,8 @@ def fill(xp: Any, dst: Any, value: Scalar) -> None:
         value = value.real
     if isinstance(value, float) and xp.issubdtype(dst.dtype, xp.integer):
         value = math.trunc(value)  # C++ truncation toward zero
+    if isinstance(value, int) and value < 0 and xp.issubdtype(dst.dtype, xp.unsignedinteger):
+        value += 1 << (8 * dst.dtype.itemsize)  # C++ wraps small negatives (-1 -> 255)
     with _quiet(xp):
         dst[...] = value
 
