@@ -335,6 +335,7 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
     workload_ops = {op["name"].split(".")[0] for op in summary["ops"]}
     assert {"kv", "train", "churn", "bimodal", "views", "share"} <= workload_ops
     assert summary["peak_reserved_bytes"] >= summary["peak_allocated_bytes"] > 0
+    assert summary["capacity_bytes"] == 1 << 30  # the started server's default pool
     with open(out / "timeseries.csv", newline="") as f:
         phases = Counter(row["phase"] for row in csv.DictReader(f))
     assert phases["baseline"] == 1 and phases["load"] > 10 and phases["after"] == 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -301,6 +302,7 @@ def summarize(
     final: Mapping[str, Any],
     leftover_names: list[str],
     fresh_server: bool = True,
+    capacity: int | None = None,
 ) -> dict[str, Any]:
     """The run's figures from Locust's CSVs, the time series and the server's last stats.
 
@@ -337,6 +339,12 @@ def summarize(
     allocated_key = STAT_KEYS["allocated_bytes"]
     leaked = int(_num(final.get(allocated_key, 0)) - _num(baseline.get(allocated_key, 0)))
     requests = int(_num(total["Request Count"])) if total else 0
+    # allocated bytes at the samples where the OOM count rose: did requests fail while memory was free?
+    at_oom = [
+        _num(now["allocated_bytes"])
+        for before, now in itertools.pairwise(series)
+        if _num(now["num_ooms"]) > _num(before["num_ooms"])
+    ]
     summary: dict[str, Any] = {
         "requests": requests,
         "requests_per_s": _num(total["Requests/s"]) if total else 0.0,
@@ -360,6 +368,8 @@ def summarize(
         "max_external_fragmentation": max(frags, default=math.nan),
         "num_ooms": delta("num_ooms"),
         "num_alloc_retries": delta("num_alloc_retries"),
+        "capacity_bytes": capacity,
+        "min_allocated_at_oom_bytes": int(min(at_oom)) if at_oom else None,
         "baseline_allocated_bytes": int(_num(baseline.get(allocated_key, 0))),
         "final_allocated_bytes": int(_num(final.get(allocated_key, 0))),
         "final_reserved_bytes": int(_num(final.get(STAT_KEYS["reserved_bytes"], 0))),
@@ -394,6 +404,14 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):,.1f} MiB"
 
 
+def _at_oom(summary: Mapping[str, Any]) -> str:
+    allocated, capacity = summary.get("min_allocated_at_oom_bytes"), summary.get("capacity_bytes")
+    if allocated is None:
+        return "no OOM"
+    share = f" ({allocated / capacity:.0%} of the pool)" if capacity else ""
+    return f"{mib(allocated)}{share}"
+
+
 def render_markdown(
     summary: Mapping[str, Any], *, command: str, settings: Mapping[str, Any]
 ) -> str:
@@ -424,6 +442,8 @@ def render_markdown(
         f"| mean reserved / allocated under load (*) | {s['mean_reserved_over_allocated']:.3f} |",
         f"| max external fragmentation under load (*) | {s['max_external_fragmentation']:.3f} |",
         f"| OOMs / allocation retries | {s['num_ooms']} / {s['num_alloc_retries']} |",
+        f"| pool capacity | {mib(s['capacity_bytes']) if s.get('capacity_bytes') else 'unknown'} |",
+        f"| allocated when an OOM was sampled (lowest) | {_at_oom(s)} |",
         f"| allocated: baseline -> after users left | {s['baseline_allocated_bytes']:,} -> {s['final_allocated_bytes']:,} B |",
         f"| leaked bytes | {s['leaked_bytes']:,} |",
         f"| reserved after users left (cached) | {mib(s['final_reserved_bytes'])} |",
@@ -459,7 +479,7 @@ def render_markdown(
     return "\n".join(lines)
 
 
-def plot(out: Path, t0: float) -> Path:
+def plot(out: Path, t0: float, capacity: int | None = None) -> Path:
     """``report.png``: memory, fragmentation and requests over the run, one x axis."""
     import matplotlib
 
@@ -482,6 +502,8 @@ def plot(out: Path, t0: float) -> Path:
         ("largest_free_block_bytes", "largest free block"),
     ):
         ax_mem.plot(x, col(name, 1 << 20), label=label, ls="--" if name == "active_bytes" else "-")
+    if capacity:
+        ax_mem.axhline(capacity / (1 << 20), color="black", ls=":", label="pool capacity")
     ax_mem.set_ylabel("MiB")
     ax_mem.set_title("server memory (sampled memory_stats)")
     ax_mem.legend(loc="upper left", fontsize="small")
@@ -621,6 +643,8 @@ def run(args: argparse.Namespace) -> int:
             TimeSeries(out / "timeseries.csv", device=device) as series,
         ):
             baseline = series.sample(monitor, "baseline")
+            devices = monitor.server_info()["devices"]
+            capacity = next((d["capacity_bytes"] for d in devices if d["device"] == device), None)
             sampler = Sampler(monitor, series, args.interval)
             sampler.phase = "load"
             sampler.start()
@@ -645,6 +669,7 @@ def run(args: argparse.Namespace) -> int:
             final=final,
             leftover_names=leftover,
             fresh_server=server is not None,
+            capacity=capacity,
         )
         summary["locust_exit_status"] = locust_status
         if locust_status not in (0, 1):  # 1: Locust saw failures, which the summary counts
@@ -665,7 +690,7 @@ def run(args: argparse.Namespace) -> int:
             render_markdown(summary, command=command, settings=settings)
         )
         if not args.no_plot:
-            plot(out, series.t0)
+            plot(out, series.t0, capacity)
     except RuntimeError as exc:
         print(f"tensord loadtest: {exc}", file=sys.stderr)
         return 2
