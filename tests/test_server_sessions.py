@@ -129,11 +129,25 @@ def test_resume_within_grace_keeps_every_handle(make_server, open_session, wait_
     array = np.arange(100, dtype=np.int16)
     meta = session.upload(array)
     keepalive.end()
-    assert wait_until(lambda: server.daemon.sessions._sessions[session.session_id].streams == 0)
+    assert wait_until(lambda: server.daemon.sessions.peek(session.session_id).streams == 0)
     resumed = session.OpenSession(pb.OpenSessionRequest(resume_session_id=session.session_id))
     assert resumed.resumed and resumed.session_id == session.session_id
     assert resumed.grace_seconds == 3.0
     np.testing.assert_array_equal(session.download(meta), array)
+
+
+def test_a_call_after_the_stream_broke_keeps_the_session_on_its_lease(
+    make_server, open_session, wait_until
+) -> None:
+    server = make_server(session_grace=0.2, lease=60.0)
+    session = open_session(server.address)
+    keepalive = _KeepAlive(session)
+    meta = session.upload(np.arange(10, dtype=np.int64))
+    keepalive.end()
+    assert wait_until(lambda: server.daemon.sessions.peek(session.session_id).streams == 0)
+    session.ListNames(pb.ListNamesRequest(), metadata=session.md)
+    threading.Event().wait(0.6)  # three graces: the lease, not the broken stream, counts now
+    np.testing.assert_array_equal(session.download(meta), np.arange(10))
 
 
 def test_lease_lapse_without_heartbeats_starts_the_grace(

@@ -2,8 +2,8 @@
 
 Liveness: a session is *connected* while a KeepAlive stream is open or its
 lease has not lapsed (every call and heartbeat renews it).  It is *lost* from
-the moment its last stream ends without CloseSession, or its lease lapses,
-whichever comes first; ``grace`` seconds later the reaper releases everything
+the moment its last stream ends without CloseSession (unless a later call
+shows the client alive), or its lease lapses, whichever comes first; ``grace`` seconds later the reaper releases everything
 it held.  OpenSession(resume_session_id=...) before then brings it back whole.
 
 Handle ids and share tokens are capabilities (``secrets.token_urlsafe``), looked
@@ -114,6 +114,8 @@ class SessionManager:
             if session is None:
                 raise NotFoundError("unknown session")
             session.last_seen = self._clock()
+            # a call proves the client alive after its stream broke: it lives on its lease
+            session.stream_ended_at = None
             return session
 
     def close(self, session: Session) -> int:
@@ -126,6 +128,11 @@ class SessionManager:
             session.handles.clear()
         self._decref_all(refs)
         return released
+
+    def peek(self, session_id: str) -> Session | None:
+        """A session by id without renewing its lease (for inspection), or None."""
+        with self._lock:
+            return self._sessions.get(session_id)
 
     def session_ids(self) -> list[str]:
         with self._lock:
