@@ -109,15 +109,17 @@ def pct(samples: list[float], q: float) -> float:
     return float(np.percentile(samples, q))
 
 
-def throughput(fn: Callable[[], object], nbytes: int, repeats: int) -> float:
-    """GB/s of the median run."""
-    fn()  # warm-up
-    times = []
+def interleaved_rates(fns: list[Callable[[], object]], nbytes: int, repeats: int) -> list[float]:
+    """GB/s of each function's median run, the functions taking turns (as for latencies)."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [nbytes / statistics.median(t) / 1e9 for t in times]
 
 
 def main() -> int:
@@ -216,11 +218,13 @@ def transfer_rates(
     """GB/s of an in-process NumPy copy, and of (tensord, bare gRPC) uploads and downloads."""
     bare_upload = channel.stream_unary("/bench.Raw/Upload")
     bare_download = channel.unary_stream("/bench.Raw/Download")
-    repeats = 20 if nbytes <= MiB else 5 if nbytes <= 64 * MiB else 2
+    repeats = 20 if nbytes <= MiB else 7 if nbytes <= 64 * MiB else 3
     array = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     scratch = np.empty_like(array)
-    numpy_rate = throughput(lambda: np.copyto(scratch, array), nbytes, repeats)
     view = memoryview(array)
+
+    def numpy_copy() -> None:
+        np.copyto(scratch, array)
 
     def bare_up() -> None:
         # the same work the SDK does: slice the array into bytes chunks and stream them
@@ -235,12 +239,13 @@ def transfer_rates(
 
     def ours_up() -> None:
         client.from_numpy(array)  # dropped at once: its release goes out in the next batch
+        client.flush()
 
     x = client.from_numpy(array)
-    rows = [
-        ("upload", throughput(ours_up, nbytes, repeats), throughput(bare_up, nbytes, repeats)),
-        ("download", throughput(x.numpy, nbytes, repeats), throughput(bare_down, nbytes, repeats)),
-    ]
+    numpy_rate, up, bare_up_rate, down, bare_down_rate = interleaved_rates(
+        [numpy_copy, ours_up, bare_up, x.numpy, bare_down], nbytes, repeats
+    )
+    rows = [("upload", up, bare_up_rate), ("download", down, bare_down_rate)]
     del x
     client.flush()
     return numpy_rate, rows

@@ -119,7 +119,8 @@ def test_to_forms_and_conversions(client: tensord.Client) -> None:
     assert x.to("cpu") is x and x.cpu() is x
     y = x.to("cpu", copy=True)
     assert y is not x and y.data_ptr() != x.data_ptr() and y.tolist() == x.tolist()
-    assert x.to(tensord.dtypes.float16).dtype is dtypes.float16
+    assert x.to(tensord.float16).dtype is dtypes.float16 is tensord.half
+    assert x.to("cpu", tensord.bool).dtype is tensord.bool
     assert x.to(torch.float64).dtype is dtypes.float64
     assert x.to("cpu", tensord.dtypes.int8).dtype is dtypes.int8
     assert x.to(dtype=tensord.dtypes.bool).tolist() == torch.arange(6).view(2, 3).bool().tolist()
