@@ -501,7 +501,10 @@ class Layout:
                 "invalid index of a 0-dim tensor. Use `tensor.item()` in Python or "
                 "`tensor.item<T>()` in C++ to convert a 0-dim tensor to a number"
             )
-        size = self.shape[dim] if dim < self.ndim else 0
+        if dim >= self.ndim > 0:
+            # torch reads past the sizes here (more than one Ellipsis); select then rejects the dim
+            return self.select(dim, index)
+        size = self.shape[dim] if self.ndim else 0  # what torch reports for a 0-dim tensor
         if not -size <= index < size:
             raise IndexError(
                 f"index {index} is out of bounds for dimension {real_dim} with size {size}"
@@ -670,9 +673,9 @@ class Layout:
         """mirrors ATen unflatten (a view: raises when not viewable)."""
         sizes = tuple(sizes)
         _check_ints("sizes", sizes)
-        dim = normalize_dim(dim, self.ndim)
         if not sizes:
             raise RuntimeError("unflatten: sizes must be non-empty")
+        dim = normalize_dim(dim, self.ndim)
         if self.ndim == 0:
             raise RuntimeError(
                 "unflatten got an unexpected error:\n"
@@ -720,22 +723,19 @@ class Layout:
     def _split_with_sizes(self, sizes: Shape, dim: int) -> tuple[Layout, ...]:
         if self.ndim == 0:
             raise RuntimeError("split expects at least a 1-dimensional tensor")
-        dim = normalize_dim(dim, self.ndim)
-        parts = []
-        start = 0
-        for length in sizes:  # torch narrows as it goes, so a narrow error can come first
-            if length < 0:
-                raise RuntimeError(
-                    "split_with_sizes expects split_sizes have only non-negative entries, but got "
-                    f"split_sizes={_fmt(sizes)}"
-                )
-            parts.append(self.narrow(dim, start, length))
-            start += length
-        if start != self.shape[dim]:
+        wrapped = normalize_dim(dim, self.ndim)
+        if any(n < 0 for n in sizes):
             raise RuntimeError(
-                f"split_with_sizes expects split_sizes to sum exactly to {self.shape[dim]} (input "
-                f"tensor's size at dimension {dim}), but got split_sizes={_fmt(sizes)}"
+                "split_with_sizes expects split_sizes have only non-negative entries, but got "
+                f"split_sizes={_fmt(sizes)}"
             )
+        if sum(sizes) != self.shape[wrapped]:
+            raise RuntimeError(
+                f"split_with_sizes expects split_sizes to sum exactly to {self.shape[wrapped]} "
+                f"(input tensor's size at dimension {dim}), but got split_sizes={_fmt(sizes)}"
+            )
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        parts = [self.narrow(wrapped, s, n) for s, n in zip(starts, sizes, strict=True)]
         return tuple(parts)
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[Layout, ...]:
@@ -754,7 +754,9 @@ class Layout:
 
     def unbind(self, dim: int = 0) -> tuple[Layout, ...]:
         """mirrors ATen unbind."""
-        dim = normalize_dim(dim, self.ndim, wrap_scalar=False)
+        dim = normalize_dim(dim, self.ndim)
+        if self.ndim == 0:  # torch then asks a 0-dim tensor for size(dim)
+            raise IndexError(f"Dimension specified as {dim} but tensor has no dimensions")
         return tuple(self.select(dim, i) for i in range(self.shape[dim]))
 
     def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Layout:
@@ -802,6 +804,8 @@ class Layout:
                 "as_strided: Negative strides are not supported at the moment, got strides: "
                 f"{_fmt(strides)}"
             )
+        if offset < 0:
+            raise RuntimeError(f"Tensor: invalid storage offset {offset}")
         needed = _storage_nbytes(shape, strides, itemsize, 0)
         if needed != 0:
             needed_with_offset = _storage_nbytes(shape, strides, itemsize, offset)
@@ -812,7 +816,5 @@ class Layout:
                     f"{offset}, and itemsize {itemsize} requiring a storage size of "
                     f"{needed_with_offset} are out of bounds for storage of size {have}"
                 )
-        if offset < 0:
-            raise RuntimeError(f"Tensor: invalid storage offset {offset}")
         _check_numel(shape)
         return Layout(shape, strides, offset)
