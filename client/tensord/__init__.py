@@ -21,6 +21,8 @@ from tensord.dtypes import (  # torch's dtype names: tensord.float32, tensord.bo
     int32,
     int64,
     long,
+    promote_types,
+    result_type,
     short,
     uint8,
 )
@@ -83,6 +85,8 @@ __all__ = [
     "int32",
     "int64",
     "long",
+    "promote_types",
+    "result_type",
     "short",
     "stack",
     "uint8",
