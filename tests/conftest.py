@@ -182,7 +182,7 @@ class SessionStub:
 
     def close(self) -> None:
         with contextlib.suppress(grpc.RpcError):  # already closed or reaped by the test
-            self.raw.CloseSession(pb.CloseSessionRequest(), metadata=self.md)
+            self.raw.CloseSession(pb.CloseSessionRequest(), metadata=self.md, timeout=10)
 
 
 def open_channel(address: str) -> grpc.Channel:

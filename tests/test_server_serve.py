@@ -155,3 +155,21 @@ def test_pool_rpcs(make_server, open_session) -> None:
     assert released >= 4 << 20
     after = session.MemoryStats(pb.DeviceRequest(), metadata=md).counters
     assert after["reserved_bytes.all.current"] == 0
+
+
+def test_stop_lets_an_in_flight_download_finish(make_server, open_session) -> None:
+    server = make_server()
+    session = open_session(server.address)
+    array = np.arange(2 << 20, dtype=np.float32)  # 8 MiB
+    meta = session.upload(array)
+    download = session.channel.unary_stream(
+        "/tensord.v1.Tensord/Download", request_serializer=pb.DownloadRequest.SerializeToString
+    )
+    stream = download(
+        pb.DownloadRequest(handle=meta.handle, chunk_bytes=64 << 10), metadata=session.md
+    )
+    chunks = [next(stream)]  # the call is in flight, most of it not yet sent
+    stopped = server.grpc_server.stop(10)
+    chunks.extend(stream)
+    assert stopped.wait(30)
+    np.testing.assert_array_equal(np.frombuffer(b"".join(chunks), dtype=np.float32), array)
