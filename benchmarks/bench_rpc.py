@@ -239,7 +239,6 @@ def transfer_rates(
 
     def ours_up() -> None:
         client.from_numpy(array)  # dropped at once: its release goes out in the next batch
-        client.flush()
 
     x = client.from_numpy(array)
     numpy_rate, up, bare_up_rate, down, bare_down_rate = interleaved_rates(

@@ -155,11 +155,17 @@ class Connection:
         self._closed = threading.Event()
         self._pending: collections.deque[str] = collections.deque()
         self._keepalive_call: Any = None
-        self.server_info: pb.ServerInfoResponse = self._unary(
-            "ServerInfo", pb.ServerInfoRequest(), session=False
-        )
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
-        session = self._unary("OpenSession", pb.OpenSessionRequest(client_name=name), session=False)
+        try:
+            self.server_info: pb.ServerInfoResponse = self._unary(
+                "ServerInfo", pb.ServerInfoRequest(), session=False
+            )
+            session = self._unary(
+                "OpenSession", pb.OpenSessionRequest(client_name=name), session=False
+            )
+        except BaseException:
+            self._channel.close()
+            raise
         self.session_id: str = session.session_id
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
@@ -228,7 +234,8 @@ class Connection:
 
     def queue_release(self, handle: str) -> None:
         """Called from finalizers: must never block or raise, so it only appends."""
-        self._pending.append(handle)
+        if not self._closed.is_set():  # after close the session has freed them all
+            self._pending.append(handle)
 
     def flush_releases(self) -> None:
         while self._pending:
