@@ -291,3 +291,20 @@ def test_a_tensor_does_not_pickle_but_its_token_travels(client: tensord.Client) 
     with pytest.raises(TypeError, match="share"):
         pickle.dumps(x)
     assert client.attach(pickle.loads(pickle.dumps(x.share()))).tolist() == [0, 1, 2]
+
+
+def test_tensors_of_two_clients_do_not_mix(server: Any, client: tensord.Client) -> None:
+    with tensord.connect(server.address) as other:
+        theirs = other.zeros(2)
+        ours = client.zeros(2)
+        for attempt in (
+            lambda: ours.copy_(theirs),
+            lambda: ours.__setitem__(0, theirs[0]),
+            lambda: tensord.cat([ours, theirs]),
+            lambda: client.put("mixed", theirs),
+        ):
+            with pytest.raises(ValueError, match="another tensord client"):
+                attempt()
+        # the supported way: a share token (or a name)
+        ours.copy_(client.attach(theirs.fill_(3).share()))
+        assert ours.tolist() == [3.0, 3.0]

@@ -580,7 +580,8 @@ class Tensor:
 
     def copy_(self, src: Any) -> Tensor:
         source = src if isinstance(src, Tensor) else self._client.tensor(src, device=self.device)
-        self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=source.handle))
+        handle = self._client._own(source, 0)
+        self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
         return self
 
     def fill_(self, value: Any) -> Tensor:
@@ -598,7 +599,7 @@ class Tensor:
             self._meta.layout[key]
         request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
         if isinstance(value, Tensor):
-            request.src_handle = value.handle
+            request.src_handle = self._client._own(value, 0)
         elif _is_number(value):
             request.scalar.CopyFrom(scalar_pb(value))
         else:  # an array or nested list: uploaded first, then copied in on the server
