@@ -80,7 +80,7 @@ STORAGE_KEYS = ("storages.live", "storages.active", "num_storages", "live_storag
 
 LISTENING = re.compile(r"tensord listening on (\S+)")
 SERVER_START_TIMEOUT_S = 60.0
-RATIO_FLOOR = 0.1  # ratios count only while at least this share of the peak is allocated
+RATIO_FLOOR = 0.25  # ratios count only while at least this share of the peak is allocated
 LOCUST_GRACE_S = 90.0  # beyond the run time: spawning, stopping, writing the report
 
 
@@ -518,6 +518,9 @@ def plot(out: Path, t0: float, capacity: int | None = None) -> Path:
         x, ratio, label=f"reserved / allocated (allocated >= {RATIO_FLOOR:.0%} of peak)", color="C0"
     )
     ax_frag.plot(x, col("external_fragmentation"), label="external fragmentation", color="C1")
+    shown = sorted(v for v in ratio if not math.isnan(v))
+    if shown:  # the last samples of a teardown may still spike: keep the scale of the run
+        ax_frag.set_ylim(0, 1.2 * max(1.0, shown[int(0.98 * (len(shown) - 1))]))
     ax_frag.set_ylabel("ratio")
     ax_frag.set_title("fragmentation")
     ax_count = ax_frag.twinx()
