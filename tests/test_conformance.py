@@ -274,3 +274,92 @@ def test_every_error_type(client: tensord.Client) -> None:
         client.empty(2, dtype="no-such-dtype")
     # the server keeps serving, and what it stored is intact
     assert_same(x, t)
+
+
+# ---- random chains of views, end to end ----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _draw_op(data: st.DataObject, shape: tuple[int, ...]) -> tuple[str, tuple[Any, ...]]:
+    """One view op with arguments that are mostly valid for ``shape`` (sometimes not)."""
+    ndim = len(shape)
+    dim = st.integers(-max(ndim, 1) - 1, max(ndim, 1))  # one past each end: IndexError cases
+    name = data.draw(
+        st.sampled_from(
+            [
+                "transpose",
+                "narrow",
+                "select",
+                "unsqueeze",
+                "squeeze",
+                "permute",
+                "t",
+                "flatten",
+                "reshape",
+                "expand",
+                "diagonal",
+                "getitem",
+                "view",
+            ]
+        )
+    )
+    if name == "transpose" or name == "diagonal":
+        return name, (data.draw(dim), data.draw(dim)) if name == "transpose" else (
+            data.draw(st.integers(-2, 2)),
+            data.draw(dim),
+            data.draw(dim),
+        )
+    if name == "narrow":
+        return name, (data.draw(dim), data.draw(st.integers(-3, 4)), data.draw(st.integers(0, 3)))
+    if name == "select":
+        return name, (data.draw(dim), data.draw(st.integers(-3, 3)))
+    if name in ("unsqueeze", "squeeze"):
+        return name, (data.draw(dim),)
+    if name == "permute":
+        return name, tuple(data.draw(st.permutations(range(ndim))))
+    if name in ("reshape", "view"):
+        numel = int(np.prod(shape))
+        first = data.draw(
+            st.sampled_from([d for d in range(1, numel + 1) if numel % d == 0] or [1])
+        )
+        return name, (first, -1)
+    if name == "expand":
+        return name, (data.draw(st.integers(1, 2)), *[-1] * ndim)
+    if name == "getitem":
+        stop = data.draw(st.integers(-2, 3))
+        return name, ((slice(None, stop, data.draw(st.integers(1, 2))), Ellipsis),)
+    return name, ()
+
+
+def _apply(x: Any, name: str, args: tuple[Any, ...]) -> Any:
+    return x[args[0]] if name == "getitem" else getattr(x, name)(*args)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_random_view_chains_match_torch(server: Any, data: st.DataObject) -> None:
+    shape = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple))
+    with tensord.connect(server.address) as client:
+        numel = int(np.prod(shape))
+        x, t = client.arange(numel).view(shape), torch.arange(numel).view(shape)
+        for _ in range(data.draw(st.integers(1, 4))):
+            name, args = _draw_op(data, tuple(t.shape))
+            try:
+                t_next = _apply(t, name, args)
+            except Exception as expected:
+                with pytest.raises(type(expected)) as got:
+                    _apply(x, name, args)
+                assert str(got.value) == str(expected)
+                break
+            x, t = _apply(x, name, args), t_next
+            assert_same(x, t)
+            assert (x.data_ptr() == 0) == (t.data_ptr() == 0)  # torch: 0 with no elements
+            if t.data_ptr():
+                ours = x.data_ptr() - x.untyped_storage().data_ptr()
+                assert ours == t.data_ptr() - t.untyped_storage().data_ptr()

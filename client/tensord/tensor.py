@@ -324,7 +324,9 @@ class Tensor:
         return self.numel() * self.dtype.itemsize
 
     def data_ptr(self) -> builtins.int:
-        # torch: the storage's address plus the offset in bytes
+        # torch: the storage's address plus the offset in bytes; 0 (nullptr) with no elements
+        if self.numel() == 0:
+            return 0
         return self._meta.storage_data_ptr + self._meta.layout.offset * self.dtype.itemsize
 
     def untyped_storage(self) -> UntypedStorage:
