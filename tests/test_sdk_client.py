@@ -308,3 +308,16 @@ def test_tensors_of_two_clients_do_not_mix(server: Any, client: tensord.Client) 
         # the supported way: a share token (or a name)
         ours.copy_(client.attach(theirs.fill_(3).share()))
         assert ours.tolist() == [3.0, 3.0]
+
+
+def test_python_number_protocols_match_torch(client: tensord.Client) -> None:
+    x, t = client.tensor([[1.5, 2.0], [3.0, 4.0]]), torch.tensor([[1.5, 2.0], [3.0, 4.0]])
+    assert f"{x[0, 0]:.3f}" == f"{t[0, 0]:.3f}" == "1.500"
+    assert float(x[1, 1]) == 4.0 and int(x[0, 0]) == 1 and bool(x[0, 0])
+    assert list(range(10))[client.tensor(3)] == 3  # __index__
+    with pytest.raises(TypeError, match="only integer tensors"):
+        list(range(10))[x[0, 0]]
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        bool(x)
+    assert x.T.tolist() == t.T.tolist()
+    assert [row.tolist() for row in x] == [row.tolist() for row in t]

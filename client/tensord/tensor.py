@@ -416,6 +416,11 @@ class Tensor:
             self._meta.layout.t()
         return self._view(t=pb.T())
 
+    @property
+    def T(self) -> Tensor:
+        """torch's ``x.T``: t() up to 2 dims, else all dims reversed."""
+        return self.t() if self.ndim <= 2 else self.permute(tuple(reversed(range(self.ndim))))
+
     def permute(self, *dims: Any) -> Tensor:
         with torch_errors():
             order = shape_args(dims)
@@ -660,6 +665,19 @@ class Tensor:
 
     def __float__(self) -> builtins.float:
         return builtins.float(self.item().real)
+
+    def __index__(self) -> builtins.int:
+        if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
+            raise errors.TensordTypeError(
+                "only integer tensors of a single element can be converted to an index"
+            )
+        return builtins.int(self.item().real)
+
+    def __format__(self, format_spec: str) -> str:
+        # torch formats a 0-dim tensor as its number: f"{loss:.3f}"
+        if self.ndim == 0:
+            return format(self.item(), format_spec)
+        return object.__format__(self, format_spec)
 
     def __iter__(self) -> Iterator[Tensor]:
         if self.ndim == 0:
