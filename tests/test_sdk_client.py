@@ -321,3 +321,33 @@ def test_python_number_protocols_match_torch(client: tensord.Client) -> None:
         bool(x)
     assert x.T.tolist() == t.T.tolist()
     assert [row.tolist() for row in x] == [row.tolist() for row in t]
+
+
+def test_metadata_reads_and_bad_views_make_no_rpc(
+    client: tensord.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = client.arange(24).view(2, 3, 4).permute(2, 0, 1)
+    client.flush()
+
+    def no_rpc(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an RPC was made")
+
+    # (monkeypatch restores them before the client fixture closes the session)
+    monkeypatch.setattr(client._conn, "call", no_rpc)
+    monkeypatch.setattr(client._conn, "download_into", no_rpc)
+    assert x.shape == (4, 2, 3) and x.size() == (4, 2, 3) and x.size(-1) == 3
+    assert x.stride() == (1, 12, 4) and x.stride(0) == 1 and x.storage_offset() == 0
+    assert x.dtype is tensord.int64 and x.device == "cpu" and not x.is_cuda
+    assert not x.is_contiguous() and x.numel() == 24 and x.dim() == x.ndim == 3
+    assert x.element_size() == x.itemsize == 8 and x.nbytes == 192 and len(x) == 4
+    assert x.data_ptr() == x.untyped_storage().data_ptr() and x.untyped_storage().nbytes() == 192
+    assert not x.requires_grad and x.contiguous is not None
+    # invalid views fail locally, with torch's types and texts
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        x.view(24)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        x.transpose(0, 3)
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        x.narrow(0, 3, 2)
+    with pytest.raises(TypeError, match="basic indexing"):
+        x[[0, 1]]
