@@ -84,6 +84,9 @@ def test_narrow_select_index() -> None:
     assert lay[..., 0] == Layout((4,), (5,), 0)
     assert lay[None] == lay.unsqueeze(0) and lay[...] is lay
     assert S[None].shape == (1,) and S[...] is S
+    assert lay[..., ...] == lay  # torch accepts several Ellipsis; each skips the unindexed dims
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        lay[..., ..., 0]  # torch reads past its sizes here (undefined); tensord rejects the dim
 
 
 def test_dim_shuffles() -> None:
