@@ -162,13 +162,13 @@ def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
     with tensord.connect(fresh_server.address) as client:
         baseline = allocated(client)
         calls: list[str] = []
-        real_call = client._conn.call
+        real_unary = client._conn._unary
 
-        def counting(method: str, request: Any) -> Any:
+        def counting(method: str, request: Any, **kwargs: Any) -> Any:
             calls.append(method)
-            return real_call(method, request)
+            return real_unary(method, request, **kwargs)
 
-        client._conn.call = counting  # type: ignore[method-assign]
+        client._conn._unary = counting  # type: ignore[method-assign]
         tensors = [client.empty(1000) for _ in range(100)]
         views = [t.view(10, 100) for t in tensors]
         assert allocated(client) >= baseline + 100 * 4000
@@ -351,3 +351,18 @@ def test_metadata_reads_and_bad_views_make_no_rpc(
         x.narrow(0, 3, 2)
     with pytest.raises(TypeError, match="basic indexing"):
         x[[0, 1]]
+
+
+def test_a_dropped_client_closes_its_session(fresh_server: Any) -> None:
+    import gc
+
+    with tensord.connect(fresh_server.address) as observer:
+        baseline = allocated(observer)
+        dropped = tensord.connect(fresh_server.address)
+        session_id = dropped.session_id
+        x = dropped.zeros(1 << 18)
+        assert allocated(observer) > baseline
+        del dropped, x  # never closed: the tensor held the client, now both are gone
+        gc.collect()
+        assert session_id not in fresh_server.daemon.sessions.session_ids()
+        assert allocated(observer) == baseline

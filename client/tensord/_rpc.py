@@ -40,6 +40,8 @@ CHANNEL_OPTIONS = (
 # Dropped handles are sent in one Release per interval (or sooner once this many wait).
 RELEASE_INTERVAL_S = 0.05
 RELEASE_BATCH = 1024
+# close() may run at exit or from a finalizer: it must not hang on a server that is gone.
+CLOSE_TIMEOUT_S = 5.0
 
 _UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
 _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
@@ -187,11 +189,13 @@ class Connection:
         if self._closed.is_set():
             raise errors.UnavailableError(f"this tensord client ({self.address}) is closed")
 
-    def _unary(self, method: str, request: Any, *, session: bool = True) -> Any:
+    def _unary(
+        self, method: str, request: Any, *, session: bool = True, timeout: float | None = None
+    ) -> Any:
         self._check_open()
         stub_method = getattr(self._stub, method)
         metadata = self.metadata() if session else ()
-        return _call(lambda: stub_method(request, metadata=metadata))
+        return _call(lambda: stub_method(request, metadata=metadata, timeout=timeout))
 
     def call(self, method: str, request: Any) -> Any:
         """One unary call in this session (``method`` as named in the proto)."""
@@ -246,7 +250,9 @@ class Connection:
             if batch and not self._closed.is_set():
                 # A failed release is harmless: the session's close or grace frees them anyway.
                 with contextlib.suppress(errors.TensordError):
-                    self.call("Release", pb.ReleaseRequest(handles=batch))
+                    self._unary(
+                        "Release", pb.ReleaseRequest(handles=batch), timeout=CLOSE_TIMEOUT_S
+                    )
 
     def _flush_forever(self) -> None:
         while not self._closed.wait(RELEASE_INTERVAL_S):
@@ -312,7 +318,7 @@ class Connection:
             return
         self.flush_releases()
         with contextlib.suppress(errors.TensordError):
-            self.call("CloseSession", pb.CloseSessionRequest())
+            self._unary("CloseSession", pb.CloseSessionRequest(), timeout=CLOSE_TIMEOUT_S)
         # Ending the heartbeats half-closes KeepAlive, so the server sees a clean end of
         # stream; cancelling is the fallback for a server that does not answer.
         self._closed.set()

@@ -8,6 +8,7 @@ connection's ``call``, which raises :mod:`tensord.errors` exceptions.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -38,6 +39,10 @@ class Client:
 
     def __init__(self, address: str | None = None, *, timeout: float = 10.0) -> None:
         self._conn = Connection(resolve_address(address), timeout=timeout)
+        # A client dropped unclosed (and every tensor of it: they hold it) or still open at
+        # exit closes its session, so the server frees its memory now rather than after the
+        # grace.  The finalizer holds the connection, not the client.
+        self._closer = weakref.finalize(self, self._conn.close)
 
     # ---- life ------------------------------------------------------------------------
 
@@ -55,7 +60,7 @@ class Client:
 
     def close(self) -> None:
         """Send pending releases, close the session (the server frees its handles) and the channel."""
-        self._conn.close()
+        self._closer()
 
     def flush(self) -> None:
         """Send the releases of dropped tensors now rather than at the next interval."""
