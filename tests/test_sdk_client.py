@@ -199,6 +199,7 @@ def test_a_broken_keepalive_stream_resumes_the_session(fresh_server: Any) -> Non
     with tensord.connect(fresh_server.address) as client:
         x = client.arange(10)
         session_id = client.session_id
+        assert poll(lambda: client._conn._keepalive_call is not None)  # the stream is up
         broken = client._conn._keepalive_call
         broken.cancel()  # as if the connection dropped
         assert poll(lambda: client._conn._keepalive_call is not broken)
