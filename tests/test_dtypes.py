@@ -133,8 +133,12 @@ def test_torch_round_trip() -> None:
         assert torch.empty((), dtype=t).is_floating_point() == d.is_floating_point
         assert torch.empty((), dtype=t).is_complex() == d.is_complex
         assert t.is_signed == d.is_signed
-        # the names torch prints in its error texts
-        assert torch.empty(0, dtype=t).type() == d.legacy_type
+        # the name torch prints for the tensor in its error texts (expand's, for one)
+        with pytest.raises(RuntimeError) as info:
+            torch.empty(2, 3, dtype=t).expand(4)
+        assert str(info.value).startswith(f"expand({D.tensor_type_name(d)}{{[2, 3]}}")
+    assert D.tensor_type_name(D.float32, "cuda") == "torch.cuda.FloatTensor"
+    assert D.tensor_type_name(D.bool, "cuda") == "CUDABoolType"
 
 
 SCALARS = (True, 3, -2.5, 1j)

@@ -301,7 +301,7 @@ def draw_op(rng: random.Random, state: State) -> Op:
         )
     if name == "expand":
         sizes_ = expand_arg(rng, lay.shape)
-        type_name = state.dtype.legacy_type
+        type_name = dtypes.tensor_type_name(state.dtype)
         return (
             f"expand({sizes_})",
             lambda t: t.expand(sizes_),

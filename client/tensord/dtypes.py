@@ -32,7 +32,7 @@ class DType:
     is_complex: builtins.bool
     is_signed: builtins.bool
     scalar_type: str  # c10's ScalarType name ("Float"), used in torch's error texts
-    legacy_type: str  # torch's legacy tensor type name ("torch.FloatTensor"), ditto
+    legacy_type: str  # what torch's Tensor::toString() prints on CPU, ditto (see tensor_type_name)
     numpy_dtype: np.dtype[Any] = field(compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -70,13 +70,14 @@ def _make(
         is_complex=complex_,
         is_signed=signed,
         scalar_type=scalar_type,
-        legacy_type=f"torch.{legacy}Tensor",
+        # only the pre-1.0 types have a legacy name; the rest print as "CPU<ScalarType>Type"
+        legacy_type=f"torch.{legacy}Tensor" if legacy else f"CPU{scalar_type}Type",
         numpy_dtype=np.dtype(np_dtype),
     )
 
 
 bool = _make(
-    "bool", 1, np.bool_, "Bool", "Bool", signed=False
+    "bool", 1, np.bool_, "Bool", "", signed=False
 )  # shadows the builtin on purpose: torch's name
 uint8 = _make("uint8", 1, np.uint8, "Byte", "Byte", signed=False)
 int8 = _make("int8", 1, np.int8, "Char", "Char")
@@ -84,11 +85,11 @@ int16 = _make("int16", 2, np.int16, "Short", "Short")
 int32 = _make("int32", 4, np.int32, "Int", "Int")
 int64 = _make("int64", 8, np.int64, "Long", "Long")
 float16 = _make("float16", 2, np.float16, "Half", "Half", floating=True)
-bfloat16 = _make("bfloat16", 2, ml_dtypes.bfloat16, "BFloat16", "BFloat16", floating=True)
+bfloat16 = _make("bfloat16", 2, ml_dtypes.bfloat16, "BFloat16", "", floating=True)
 float32 = _make("float32", 4, np.float32, "Float", "Float", floating=True)
 float64 = _make("float64", 8, np.float64, "Double", "Double", floating=True)
-complex64 = _make("complex64", 8, np.complex64, "ComplexFloat", "ComplexFloat", complex_=True)
-complex128 = _make("complex128", 16, np.complex128, "ComplexDouble", "ComplexDouble", complex_=True)
+complex64 = _make("complex64", 8, np.complex64, "ComplexFloat", "", complex_=True)
+complex128 = _make("complex128", 16, np.complex128, "ComplexDouble", "", complex_=True)
 
 # torch's aliases
 float = float32
@@ -133,6 +134,19 @@ _BY_NUMPY: dict[np.dtype[Any], DType] = {d.numpy_dtype: d for d in ALL_DTYPES}
 # dtype, complex -> the default complex dtype (torch's defaults).
 _DEFAULT_FLOAT = float32
 _DEFAULT_COMPLEX = complex64
+
+
+def tensor_type_name(dtype: DType, device_type: str = "cpu") -> str:
+    """What torch's Tensor::toString() prints for a tensor (as in expand's error text).
+
+    ``torch.FloatTensor`` / ``torch.cuda.FloatTensor`` for the legacy types,
+    ``CPUBoolType`` / ``CUDABoolType`` for the others.
+    """
+    if dtype.legacy_type.startswith("torch."):
+        if device_type == "cpu":
+            return dtype.legacy_type
+        return dtype.legacy_type.replace("torch.", f"torch.{device_type}.", 1)
+    return f"{device_type.upper()}{dtype.scalar_type}Type"
 
 
 def dtype_from_name(name: str) -> DType:

@@ -593,7 +593,7 @@ class Layout:
         """mirrors ATen expand / inferExpandGeometry.
 
         ``type_name`` is what torch prints for the tensor in one error text
-        (``DType.legacy_type``, e.g. "torch.FloatTensor").
+        (``tensord.dtypes.tensor_type_name(dtype, device_type)``, e.g. "torch.FloatTensor").
         """
         target = _as_tuple(sizes, "size")
         if len(target) < self.ndim:
