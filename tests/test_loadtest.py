@@ -351,3 +351,10 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
 
 def _tail(path: Path) -> str:
     return path.read_text()[-4000:] if path.exists() else ""
+
+
+def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tensord_server", "loadtest", "--workloads", "kv,nope"]
+    result = subprocess.run(command + ["--out", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "unknown workload 'nope'" in result.stderr

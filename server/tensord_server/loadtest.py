@@ -615,10 +615,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
 
 
+def workload_weights(locustfile: Path, spec: str) -> dict[str, int]:
+    """The weights ``spec`` gives, checked by the ``workloads.py`` beside the locustfile."""
+    import importlib.util
+
+    path = locustfile.parent / "workloads.py"
+    module_spec = importlib.util.spec_from_file_location("_tensord_loadtest_workloads", path)
+    if module_spec is None or module_spec.loader is None or not path.exists():
+        return {}
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    weights: dict[str, int] = module.parse_weights(spec)
+    return weights
+
+
 def run(args: argparse.Namespace) -> int:
     import tensord
 
     parse_duration(args.run_time)
+    try:
+        weights = workload_weights(args.locustfile, args.workloads)
+    except ValueError as exc:
+        print(f"tensord loadtest: --workloads: {exc}", file=sys.stderr)
+        return 2
     if not args.locustfile.exists():
         print(
             f"tensord loadtest: no locustfile at {args.locustfile} (use --locustfile)",
@@ -683,8 +702,7 @@ def run(args: argparse.Namespace) -> int:
             "run time": args.run_time,
             "workers": args.workers,
             "server": args.address or f"started here, --device {args.device}",
-            "workloads": args.workloads
-            or "defaults (kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1)",
+            "workloads": ",".join(f"{k}={w}" for k, w in weights.items() if w) or args.workloads,
             "size scale": args.scale,
             "sample interval": f"{args.interval} s",
         }
@@ -694,8 +712,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.no_plot:
             plot(out, series.t0, capacity)
-    except RuntimeError as exc:
-        print(f"tensord loadtest: {exc}", file=sys.stderr)
+    except (RuntimeError, OSError, tensord.TensordError) as exc:
+        print(f"tensord loadtest: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     finally:
         if server is not None:
