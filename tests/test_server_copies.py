@@ -129,6 +129,18 @@ class _nothing:
         return False
 
 
+def test_to_int_drops_requires_grad_as_torch_does(stub) -> None:
+    meta = stub.upload(np.ones(4, dtype=np.float32))
+    (grad,) = stub.view(meta, set_requires_grad=pb.SetRequiresGrad(requires_grad=True))
+    as_int = stub.To(pb.ToRequest(handle=grad.handle, dtype="int32"), metadata=stub.md)
+    as_double = stub.To(pb.ToRequest(handle=grad.handle, dtype="float64"), metadata=stub.md)
+    x = torch.ones(4, requires_grad=True)
+    assert (as_int.requires_grad, as_double.requires_grad) == (
+        x.to(torch.int32).requires_grad,
+        x.to(torch.float64).requires_grad,
+    )
+
+
 def test_to_same_returns_self_unless_copy(stub) -> None:
     meta = stub.upload(np.ones(4, dtype=np.float32))
     same = stub.To(

@@ -172,7 +172,9 @@ class Daemon:
         self, session: Session, src: TensorRef, layout: Layout, dtype: DType, device: Device
     ) -> Issued:
         """A new tensor of ``layout`` (same shape as src) holding src's values."""
-        with self._allocated(device, layout, dtype, src.requires_grad) as out:
+        # autograd follows a copy only into a dtype that can carry gradients (x.to(int32) can't)
+        grad = src.requires_grad and (dtype.is_floating_point or dtype.is_complex)
+        with self._allocated(device, layout, dtype, grad) as out:
             self._assign(out, self.array(src))
             return self._issue(session, out)
 
