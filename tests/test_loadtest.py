@@ -355,6 +355,8 @@ def _tail(path: Path) -> str:
 
 def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tensord_server", "loadtest", "--workloads", "kv,nope"]
-    result = subprocess.run(command + ["--out", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 2
     assert "unknown workload 'nope'" in result.stderr
