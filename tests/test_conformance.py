@@ -252,7 +252,10 @@ def test_every_error_type(client: tensord.Client) -> None:
     assert_same_error(lambda: x[3], lambda: t[3])
     assert_same_error(lambda: x[1, 2, 3], lambda: t[1, 2, 3])
     assert_same_error(lambda: x.size(2), lambda: t.size(2))
-    # TypeError: len() of a 0-d tensor, iteration over one
+    # TypeError: a missing argument, len() of a 0-d tensor, iteration over one
+    s, ts = x[0, 0], t[0, 0]
+    for method in ("view", "reshape", "permute", "expand", "repeat"):
+        assert_same_error(lambda m=method: getattr(s, m)(), lambda m=method: getattr(ts, m)())
     assert_same_error(lambda: len(x[0, 0]), lambda: len(t[0, 0]))
     assert_same_error(lambda: list(x[0, 0]), lambda: list(t[0, 0]))
     # RuntimeError from values: item() of many elements

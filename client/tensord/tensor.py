@@ -124,6 +124,14 @@ def shape_args(args: tuple[Any, ...]) -> tuple[builtins.int, ...]:
     return _ints(args)
 
 
+def require_args(method: str, parameter: str, args: tuple[Any, ...]) -> None:
+    """torch's argument parser rejects ``x.permute()`` even where ``x.permute(())`` is valid."""
+    if not args:
+        raise errors.TensordTypeError(
+            f'{method}() missing 1 required positional arguments: "{parameter}"'
+        )
+
+
 def index_items(key: Any) -> list[pb.IndexItem]:
     """A basic index (ints, slices, None, Ellipsis) as the wire's IndexItems."""
     items = key if isinstance(key, tuple) else (key,)
@@ -355,6 +363,11 @@ class Tensor:
         return result
 
     def view(self, *shape: Any) -> Tensor:
+        if not shape:
+            raise errors.TensordTypeError(
+                "view() received an invalid combination of arguments - got (), but expected one "
+                "of:\n * (torch.dtype dtype)\n * (tuple of ints size)\n"
+            )
         if len(shape) == 1 and _is_dtype(shape[0]):
             return self._view_dtype(as_dtype(shape[0]))
         with torch_errors():
@@ -374,6 +387,7 @@ class Tensor:
         return self.view(other.shape)
 
     def reshape(self, *shape: Any) -> Tensor:
+        require_args("reshape", "shape", shape)
         with torch_errors():
             sizes = shape_args(shape)
             viewed = self._meta.layout.reshape(sizes)
@@ -422,6 +436,7 @@ class Tensor:
         return self.t() if self.ndim <= 2 else self.permute(tuple(reversed(range(self.ndim))))
 
     def permute(self, *dims: Any) -> Tensor:
+        require_args("permute", "dims", dims)
         with torch_errors():
             order = shape_args(dims)
             self._meta.layout.permute(order)
@@ -435,6 +450,7 @@ class Tensor:
         return self._view(movedim=pb.Movedim(source=src, destination=dst))
 
     def expand(self, *sizes: Any) -> Tensor:
+        require_args("expand", "size", sizes)
         with torch_errors():
             target = shape_args(sizes)
             self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
@@ -559,6 +575,7 @@ class Tensor:
         return self._copy_op("Contiguous", pb.HandleRequest(handle=self.handle))
 
     def repeat(self, *sizes: Any) -> Tensor:
+        require_args("repeat", "repeats", sizes)
         repeats = shape_args(sizes)
         return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
 
