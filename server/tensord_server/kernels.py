@@ -322,9 +322,9 @@ def fill(xp: Any, dst: Any, value: Scalar) -> None:
     """``dst.fill_(value)`` (after check_scalar_fits); expanded destinations are fine, as in torch."""
     if isinstance(value, complex) and not xp.iscomplexobj(dst):
         value = value.real
-    if isinstance(value, float) and xp.issubdtype(dst.dtype, xp.integer):
+    if isinstance(value, float) and np.issubdtype(dst.dtype, np.integer):
         value = math.trunc(value)  # C++ truncation toward zero
-    if isinstance(value, int) and value < 0 and xp.issubdtype(dst.dtype, xp.unsignedinteger):
+    if isinstance(value, int) and value < 0 and np.issubdtype(dst.dtype, np.unsignedinteger):
         value += 1 << (8 * dst.dtype.itemsize)  # C++ wraps small negatives (-1 -> 255)
     with _quiet(xp):
         dst[...] = value
