@@ -96,8 +96,10 @@ def test_two_processes_share_a_storage_by_name(client: tensord.Client) -> None:
         client.get(name)
 
 
-def test_a_killed_client_returns_all_its_memory_after_the_grace(fresh_server: Any) -> None:
-    # fresh_server's sessions end half a second after their connection drops
+def test_a_killed_client_returns_all_its_memory_after_the_grace(make_server: Any) -> None:
+    # the SDK heartbeats at lease/3: a killed client is lost once its short lease lapses,
+    # and released half a second (the grace) later
+    fresh_server = make_server(lease=1.0)
     with tensord.connect(fresh_server.address) as observer:
         baseline = allocated(observer)
         child = subprocess.Popen(

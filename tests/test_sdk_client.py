@@ -195,17 +195,39 @@ def test_close_ends_the_session_and_frees_its_memory(fresh_server: Any) -> None:
         del kept
 
 
-def test_a_broken_keepalive_stream_resumes_the_session(fresh_server: Any) -> None:
-    with tensord.connect(fresh_server.address) as client:
+def test_heartbeats_keep_an_idle_session_past_many_leases(make_server: Any) -> None:
+    server = make_server(lease=0.3, session_grace=0.1)
+    with tensord.connect(server.address) as client:
         x = client.arange(10)
         session_id = client.session_id
-        assert poll(lambda: client._conn._keepalive_call is not None)  # the stream is up
-        broken = client._conn._keepalive_call
-        broken.cancel()  # as if the connection dropped
-        assert poll(lambda: client._conn._keepalive_call is not broken)
-        time.sleep(2 * fresh_server.daemon.sessions.grace)  # past the grace: still alive
+        time.sleep(1.5)  # five leases, fifteen graces, no call but the heartbeats
         assert client.session_id == session_id
         assert x.tolist() == list(range(10))
+
+
+def test_more_clients_than_server_threads_all_work(make_server: Any) -> None:
+    # unary heartbeats hold no worker between beats: 4 workers serve 12 idle clients
+    from tensord_server.server import create_server
+
+    server = make_server()
+    small, port = create_server("127.0.0.1:0", daemon=server.daemon, max_workers=4)
+    try:
+        clients = [tensord.connect(f"127.0.0.1:{port}") for _ in range(12)]
+        time.sleep(0.2)
+        assert [c.arange(3).tolist() for c in clients] == [[0, 1, 2]] * 12
+        for c in clients:
+            c.close()
+    finally:
+        small.stop(1.0).wait()
+
+
+def test_memory_stats_count_live_sessions_and_storages(fresh_server: Any) -> None:
+    with tensord.connect(fresh_server.address) as client:
+        kept = [client.zeros(4), client.zeros(5)]
+        stats = client.memory_stats()
+        assert stats["sessions.live"] == 1
+        assert stats["storages.live"] == 2
+        del kept
 
 
 def test_connect_reads_the_address_from_the_environment(

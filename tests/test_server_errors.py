@@ -96,7 +96,11 @@ def test_absent_device_is_failed_precondition(stub) -> None:
         (errors.TensordTypeError("x"), grpc.StatusCode.INVALID_ARGUMENT, "TypeError"),
         (errors.InvalidArgumentError("x"), grpc.StatusCode.INVALID_ARGUMENT, "ValueError"),
         (errors.OutOfMemoryError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED, "RuntimeError"),
-        (errors.ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED, "RuntimeError"),
+        (
+            errors.ResourceExhaustedError("x"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "ResourceExhaustedError",
+        ),
         (errors.UnauthenticatedError("x"), grpc.StatusCode.UNAUTHENTICATED, "PermissionError"),
         (errors.PermissionDeniedError("x"), grpc.StatusCode.PERMISSION_DENIED, "PermissionError"),
         (errors.FailedPreconditionError("x"), grpc.StatusCode.FAILED_PRECONDITION, "RuntimeError"),
@@ -111,11 +115,21 @@ def test_absent_device_is_failed_precondition(stub) -> None:
 )
 def test_status_table(exc, code, kind) -> None:
     assert status.status_for(exc) is code
-    assert status.builtin_type_name(exc) == kind
+    assert status.error_type_for(exc) == kind
     # every code the table uses is one the SDK's error classes know (or ALREADY_EXISTS)
     assert exc.__class__.__name__ == "KeyError" or code.name in {
         cls.status_code for cls in vars(errors).values() if isinstance(cls, type)
     } | {"ALREADY_EXISTS"}
+
+
+def test_the_sdk_reads_the_limit_and_oom_trailers_back() -> None:
+    from tensord._rpc import error_class
+
+    limit = status.error_type_for(errors.ResourceExhaustedError("x"))
+    oom = status.error_type_for(errors.OutOfMemoryError("x"))
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_class(code, limit) is errors.ResourceExhaustedError
+    assert error_class(code, oom) is errors.OutOfMemoryError
 
 
 def test_server_survives_an_internal_error(stub, monkeypatch) -> None:

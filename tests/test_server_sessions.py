@@ -122,6 +122,31 @@ def test_lost_stream_then_grace_releases_everything(make_server, open_session, w
     assert (code, details) == (grpc.StatusCode.NOT_FOUND, "unknown session")
 
 
+def test_a_vanished_keepalive_client_is_a_normal_end_of_stream(
+    make_server, open_session, wait_until, caplog
+) -> None:
+    server = make_server(session_grace=5.0, lease=60.0)
+    session = open_session(server.address)
+    keepalive = _KeepAlive(session)
+    assert wait_until(lambda: keepalive.beats >= 2)
+    with caplog.at_level("INFO", logger="tensord_server"):
+        keepalive.end()
+        live = server.daemon.sessions.peek(session.session_id)
+        assert live is not None
+        assert wait_until(lambda: live.streams == 0)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_unary_heartbeat_renews_the_lease(make_server, open_session) -> None:
+    server = make_server(session_grace=0.1, lease=0.3)
+    session = open_session(server.address)
+    for _ in range(8):  # 1.2 s: four leases
+        beat = session.Heartbeat(pb.Heartbeat(sent_at=2.5), metadata=session.md)
+        assert beat.sent_at == 2.5
+        threading.Event().wait(0.15)
+    assert session.session_id in server.daemon.sessions.session_ids()
+
+
 def test_resume_within_grace_keeps_every_handle(make_server, open_session, wait_until) -> None:
     server = make_server(session_grace=3.0, lease=60.0)
     session = open_session(server.address)

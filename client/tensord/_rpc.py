@@ -156,7 +156,6 @@ class Connection:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pending: collections.deque[str] = collections.deque()
-        self._keepalive_call: Any = None
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
         try:
             self.server_info: pb.ServerInfoResponse = self._unary(
@@ -172,7 +171,7 @@ class Connection:
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
         self._keepalive = threading.Thread(
-            target=self._keep_alive, name="tensord-keepalive", daemon=True
+            target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
         self._flusher = threading.Thread(
             target=self._flush_forever, name="tensord-release", daemon=True
@@ -261,51 +260,37 @@ class Connection:
 
     # ---- the session's liveness ------------------------------------------------------
 
-    def _heartbeats(self) -> Iterator[pb.Heartbeat]:
-        # Heartbeat at lease/3, so two may be lost before the lease lapses.
-        interval = max(self.lease_seconds / 3.0, 0.05)
-        while True:
-            yield pb.Heartbeat(sent_at=time.time())
-            if self._closed.wait(interval):
-                return
+    def _heartbeat_forever(self) -> None:
+        """Renew the lease with a unary Heartbeat every lease/3 (two may be lost before it lapses).
 
-    def _keep_alive(self) -> None:
-        """Hold the KeepAlive stream open; when it breaks, resume the session within its grace."""
-        while not self._closed.is_set():
+        Unary calls hold no server thread between beats, unlike a KeepAlive stream,
+        so a server's worker pool does not bound how many clients it can keep. A
+        failed beat is retried on the next tick; a session the server no longer
+        knows (reaped after its grace) is replaced by a new one, its handles gone.
+        """
+        interval = max(self.lease_seconds / 3.0, 0.05)
+        while not self._closed.wait(interval):
             try:
-                call = self._stub.KeepAlive(self._heartbeats(), metadata=self.metadata())
-                with self._lock:
-                    self._keepalive_call = call
-                if self._closed.is_set():
-                    call.cancel()
-                for _ in call:
-                    pass
-            except grpc.RpcError:
-                pass
+                self._stub.Heartbeat(
+                    pb.Heartbeat(sent_at=time.time()),
+                    metadata=self.metadata(),
+                    timeout=max(interval, 1.0),
+                )
+            except grpc.RpcError as err:
+                if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
+                    self._reopen()
             except Exception:  # never let a background thread die loudly
                 pass
-            if self._closed.is_set() or not self._resume():
-                return
 
-    def _resume(self) -> bool:
-        """Reopen the session by id until it answers or the grace is over."""
-        deadline = time.monotonic() + max(self.grace_seconds, 1.0)
+    def _reopen(self) -> None:
+        """A new session after the old one was reaped (its handles are gone with it)."""
         request = pb.OpenSessionRequest(
-            client_name=f"pid {os.getpid()} on {socket.gethostname()} (resumed)",
-            resume_session_id=self.session_id,
+            client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
         )
-        while not self._closed.is_set() and time.monotonic() < deadline:
-            try:
-                response = self._stub.OpenSession(request, timeout=max(self.lease_seconds, 1.0))
-            except grpc.RpcError:
-                if self._closed.wait(0.2):
-                    return False
-                continue
+        with contextlib.suppress(grpc.RpcError):
+            response = self._stub.OpenSession(request, timeout=max(self.lease_seconds, 1.0))
             with self._lock:
-                # Not resumed: the old handles are gone; carry on in the new session.
                 self.session_id = response.session_id
-            return True
-        return False
 
     # ---- closing ---------------------------------------------------------------------
 
@@ -319,16 +304,8 @@ class Connection:
         self.flush_releases()
         with contextlib.suppress(errors.TensordError):
             self._unary("CloseSession", pb.CloseSessionRequest(), timeout=CLOSE_TIMEOUT_S)
-        # Ending the heartbeats half-closes KeepAlive, so the server sees a clean end of
-        # stream; cancelling is the fallback for a server that does not answer.
         self._closed.set()
-        self._keepalive.join(timeout=2.0)
-        if self._keepalive.is_alive():
-            with self._lock:
-                call = self._keepalive_call
-            if call is not None:
-                call.cancel()
-            self._keepalive.join(timeout=5.0)
+        self._keepalive.join(timeout=CLOSE_TIMEOUT_S)  # a beat in flight has its own deadline
         self._flusher.join(timeout=5.0)
         self._pending.clear()
         self._channel.close()

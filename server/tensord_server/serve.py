@@ -52,14 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_LEASE_S,
         metavar="SECONDS",
-        help="a session without a KeepAlive stream is lost this long after its last call "
+        help="a client is lost this long after its last call or heartbeat (the SDK beats "
+        "every lease/3) "
         f"(default: {DEFAULT_LEASE_S:g})",
     )
     parser.add_argument(
         "--max-workers",
         type=int,
         default=DEFAULT_MAX_WORKERS,
-        help="gRPC worker threads; each connected client holds one for its KeepAlive stream "
+        help="gRPC worker threads: one per call in flight (an optional KeepAlive stream "
+        "holds one while open) "
         f"(default: {DEFAULT_MAX_WORKERS})",
     )
 

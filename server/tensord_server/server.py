@@ -36,7 +36,8 @@ MIN_CHUNK_BYTES = 4 << 10
 MAX_CHUNK_BYTES = 16 << 20
 # gRPC message limit both ways: any chunk and large ViewResponses (split into many pieces).
 MAX_MESSAGE_BYTES = 256 << 20
-# Worker threads: each connected client holds one for its KeepAlive stream.
+# Worker threads: one per call in flight (clients heartbeat with unary calls; only the
+# optional KeepAlive stream holds a thread for as long as it is open).
 DEFAULT_MAX_WORKERS = 64
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -474,7 +475,12 @@ class Daemon:
     # -- the pool ---------------------------------------------------------------
 
     def memory_stats(self, device: str) -> dict[str, int | float]:
-        return self.device(device).pool.memory_stats()
+        """torch's memory_stats() of the device's pool plus live counters (not torch's keys)."""
+        dev = self.device(device)
+        stats: dict[str, int | float] = dict(dev.pool.memory_stats())
+        stats["sessions.live"] = len(self.sessions.session_ids())
+        stats["storages.live"] = sum(1 for s in self.storages.live() if s.device is dev)
+        return stats
 
     def memory_summary(self, device: str) -> str:
         return self.device(device).pool.memory_summary()

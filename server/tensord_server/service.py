@@ -220,6 +220,11 @@ class TensordService:
             resumed=resumed,
         )
 
+    @_unary
+    def Heartbeat(self, request: pb.Heartbeat, context: Any) -> pb.Heartbeat:
+        self._session(context)  # looking the session up renews its lease
+        return pb.Heartbeat(sent_at=request.sent_at)
+
     @_streaming
     def KeepAlive(self, requests: Iterator[pb.Heartbeat], context: Any) -> Iterator[pb.Heartbeat]:
         session = self._session(context)
@@ -229,6 +234,11 @@ class TensordService:
             for beat in requests:
                 sessions.heartbeat(session)
                 yield pb.Heartbeat(sent_at=beat.sent_at)
+        except Exception:
+            # A client that vanished (killed, connection cut) ends its stream by
+            # cancellation: that is this RPC's normal end, not a server error.
+            if context.is_active():
+                raise
         finally:
             sessions.stream_closed(session)
 

@@ -1,7 +1,8 @@
 """Sessions, their handle tables, share tokens, names, leases and the grace reaper.
 
-Liveness: a session is *connected* while a KeepAlive stream is open or its
-lease has not lapsed (every call and heartbeat renews it).  It is *lost* from
+Liveness: a session is *connected* while its lease has not lapsed (every call,
+including the unary Heartbeat the SDK sends every lease/3, renews it) or while an
+optional KeepAlive stream is open.  It is *lost* from
 the moment its last stream ends without CloseSession (unless a later call
 shows the client alive), or its lease lapses, whichever comes first; ``grace`` seconds later the reaper releases everything
 it held.  OpenSession(resume_session_id=...) before then brings it back whole.
@@ -36,7 +37,8 @@ REAPER_MIN_INTERVAL_S = 0.02
 REAPER_MAX_INTERVAL_S = 1.0
 
 DEFAULT_GRACE_S = 30.0
-DEFAULT_LEASE_S = 30.0
+# Clients heartbeat every lease/3 (a unary Heartbeat), so two beats may be lost before it lapses.
+DEFAULT_LEASE_S = 10.0
 
 
 def new_capability() -> str:

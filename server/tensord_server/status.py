@@ -75,6 +75,22 @@ def builtin_type_name(exc: BaseException) -> str:
     return "RuntimeError"
 
 
+def error_type_for(exc: BaseException) -> str:
+    """The ``tensord-error-type`` trailer: the torch built-in, except for limits.
+
+    A quota or limit (a ResourceExhaustedError that is not the pool's
+    OutOfMemoryError) names its own class, so the SDK raises
+    ResourceExhaustedError rather than the OutOfMemoryError it assumes for
+    RESOURCE_EXHAUSTED (``_rpc.error_class`` accepts a tensord class name whose
+    status code matches).
+    """
+    if isinstance(exc, errors.ResourceExhaustedError) and not isinstance(
+        exc, errors.OutOfMemoryError
+    ):
+        return errors.ResourceExhaustedError.__name__
+    return builtin_type_name(exc)
+
+
 def details_for(exc: BaseException) -> str:
     """The message the client sees: the exception's text, word for word."""
     text = str(exc)
@@ -88,6 +104,6 @@ def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("internal error in a tensord handler", exc_info=exc)
-    context.set_trailing_metadata(((ERROR_TYPE_KEY, builtin_type_name(exc)),))
+    context.set_trailing_metadata(((ERROR_TYPE_KEY, error_type_for(exc)),))
     context.abort(code, details_for(exc))
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -44,6 +44,11 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tensord.v1.Tensord/Heartbeat',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.stream_stream(
                 '/tensord.v1.Tensord/KeepAlive',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.SerializeToString,
@@ -207,10 +212,21 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renews the session's lease. The SDK calls it every lease/3 from a background
+        thread; a client whose lease lapses is lost, and its grace period starts. A unary
+        call holds a server thread only while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeepAlive(self, request_iterator, context):
-        """A long-lived stream the client keeps open for the life of its session: when it
-        ends without CloseSession (the process died, the connection broke) the server
-        starts the session's grace period. Heartbeats also renew the lease.
+        """Optional, for clients that want their death noticed at once: a long-lived stream
+        kept open for the life of the session; when it ends without CloseSession (the
+        process died, the connection broke) the grace period starts without waiting for
+        the lease. Costs one server worker thread per open stream for as long as it lives.
+        Its heartbeats also renew the lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -412,6 +428,11 @@ def add_TensordServicer_to_server(servicer, server):
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.OpenSessionRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.OpenSessionResponse.SerializeToString,
             ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.SerializeToString,
+            ),
             'KeepAlive': grpc.stream_stream_rpc_method_handler(
                     servicer.KeepAlive,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.Heartbeat.FromString,
@@ -612,6 +633,33 @@ class Tensord:
             '/tensord.v1.Tensord/OpenSession',
             tensord_dot_v1_dot_tensord__pb2.OpenSessionRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Heartbeat',
+            tensord_dot_v1_dot_tensord__pb2.Heartbeat.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.Heartbeat.FromString,
             options,
             channel_credentials,
             insecure,
