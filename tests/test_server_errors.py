@@ -146,3 +146,29 @@ def test_server_survives_an_internal_error(stub, monkeypatch) -> None:
     assert code is grpc.StatusCode.INTERNAL and "KeyError" in details
     monkeypatch.undo()
     assert stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md).storage_nbytes == 12
+
+
+def test_every_issued_handle_is_checked_against_its_storage(make_server) -> None:
+    """A layout reaching past its Storage is never registered, whatever op computed it."""
+    from tensord import dtypes
+    from tensord.layout import Layout
+    from tensord_server.storage import TensorRef
+
+    daemon = make_server().daemon
+    session, _ = daemon.sessions.open("bounds")
+    storage = daemon.storages.allocate(daemon.device("cpu"), 48)  # 12 float32
+    try:
+        fits = TensorRef(storage, Layout((3, 4), (4, 1), 0), dtypes.float32)
+        daemon.sessions.register(session, fits)
+        for layout in (Layout((3, 4), (4, 1), 1), Layout((2, 7), (7, 1), 0)):
+            with pytest.raises(errors.InternalError, match="out of bounds for storage of size 48"):
+                daemon.sessions.register(session, TensorRef(storage, layout, dtypes.float32))
+        with pytest.raises(errors.InternalError):  # the same bytes, read as wider elements
+            daemon.sessions.register(
+                session, fits.with_layout(Layout((7,), (1,), 0), dtypes.float64)
+            )
+        empty = TensorRef(storage, Layout((0, 100), (100, 1), 999), dtypes.float32)
+        daemon.sessions.register(session, empty)  # nothing to reach: torch allows it
+        assert daemon.sessions.handle_count(session) == 2
+    finally:
+        daemon.storages.decref(storage)
