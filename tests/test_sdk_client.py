@@ -260,8 +260,9 @@ def test_out_of_memory_is_a_runtime_error() -> None:
 def test_names_put_get_delete(client: tensord.Client) -> None:
     x = client.arange(4)
     client.put("sdk-test-name", x)
-    with pytest.raises(ValueError, match="already exists"):
+    with pytest.raises(tensord.AlreadyExistsError, match="already exists") as info:
         client.put("sdk-test-name", x)
+    assert isinstance(info.value, ValueError)
     client.put("sdk-test-name", x.clone(), overwrite=True)
     assert "sdk-test-name" in client.names()
     assert client.get("sdk-test-name").tolist() == [0, 1, 2, 3]

@@ -116,10 +116,10 @@ def test_absent_device_is_failed_precondition(stub) -> None:
 def test_status_table(exc, code, kind) -> None:
     assert status.status_for(exc) is code
     assert status.error_type_for(exc) == kind
-    # every code the table uses is one the SDK's error classes know (or ALREADY_EXISTS)
+    # every code the table uses is one the SDK's error classes know
     assert exc.__class__.__name__ == "KeyError" or code.name in {
         cls.status_code for cls in vars(errors).values() if isinstance(cls, type)
-    } | {"ALREADY_EXISTS"}
+    }
 
 
 def test_the_sdk_reads_the_limit_and_oom_trailers_back() -> None:

@@ -27,6 +27,7 @@ from tensord.dtypes import (  # torch's dtype names: tensord.float32, tensord.bo
     uint8,
 )
 from tensord.errors import (
+    AlreadyExistsError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
@@ -46,6 +47,7 @@ from tensord.tensor import Device, Size, Tensor
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyExistsError",
     "Client",
     "DType",
     "Device",

@@ -60,7 +60,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     # A name that exists already (put without overwrite): a bad argument, a ValueError.
-    grpc.StatusCode.ALREADY_EXISTS: errors.InvalidArgumentError,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
     # The pool is the resource a client exhausts; torch raises OutOfMemoryError there.
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.OutOfMemoryError,
     grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,

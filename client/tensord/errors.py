@@ -28,6 +28,12 @@ class NotFoundError(TensordError, LookupError):
         return str(self.args[0]) if self.args else ""
 
 
+class AlreadyExistsError(TensordError, ValueError):
+    """A name that exists already (``client.put`` without ``overwrite=True``)."""
+
+    status_code = "ALREADY_EXISTS"
+
+
 class InvalidArgumentError(TensordError, ValueError):
     """A bad shape, dim, dtype or argument (torch raises ValueError)."""
 

@@ -19,10 +19,8 @@ ERROR_TYPE_KEY = "tensord-error-type"
 log = logging.getLogger(__name__)
 
 
-class AlreadyExistsError(errors.TensordError, ValueError):
-    """PutName on a name that exists, without ``overwrite`` (server-side until errors.py has it)."""
-
-    status_code = "ALREADY_EXISTS"
+# Re-exported: sessions raise it as status.AlreadyExistsError.
+AlreadyExistsError = errors.AlreadyExistsError
 
 
 # Exception class -> status code.  Order matters: the first row whose class the
