@@ -16,12 +16,23 @@ returns only final bytes.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import importlib.util
+import sys
 import threading
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from tensord_server.backends import BackendOutOfMemory, DeviceMemory, check_range
+from tensord_server.backends import (
+    SEGMENT_ALIGNMENT,
+    BackendOutOfMemory,
+    DeviceMemory,
+    HostBackend,
+    check_range,
+)
 
 # Capacity held back from the pool by default: CUDA contexts, cuBLAS workspaces and
 # CuPy's kernel cache need device memory outside our pool.
@@ -31,8 +42,10 @@ DEFAULT_RESERVE_MIN_BYTES = 512 << 20
 # Host staging buffers for cpu<->cuda copies: pinned memory reaches the bus's speed
 # (about 55 GB/s on an H200 against ~6 GB/s pageable); each buffer is this large.
 STAGING_BUFFER_BYTES = 64 << 20
-# Pinned buffers kept for reuse; more are made on demand and dropped when returned.
+# Pinned buffers kept for reuse per GPU; more are made on demand and dropped when returned.
 STAGING_BUFFERS_KEPT = 4
+# cudaPointerAttributes.type of page-locked host memory (cudaMemoryTypeHost).
+CUDA_MEMORY_TYPE_HOST = 1
 
 
 def _cupy() -> Any:
@@ -55,39 +68,252 @@ def default_capacity(free_bytes: int) -> int:
     return max(0, free_bytes - reserve)
 
 
+class StagingBuffer:
+    """One page-locked host buffer and the event of the last asynchronous copy that used it."""
+
+    __slots__ = ("array", "event", "memory")
+
+    def __init__(self, memory: Any, array: np.ndarray) -> None:
+        self.memory = memory  # the cupy.cuda.PinnedMemory that owns the bytes
+        self.array = array  # a NumPy uint8 array over them
+        self.event: Any = None  # recorded after the last copy queued on it; None when idle
+
+
 class PinnedStagingPool:
     """Reusable page-locked host buffers for asynchronous host<->device copies.
 
-    ``take`` hands out a NumPy uint8 array over pinned memory of at least the
-    size asked; ``give_back`` returns it.  Buffers of the standard size are kept
-    (up to :data:`STAGING_BUFFERS_KEPT`); larger ones are dropped.
+    ``take`` hands out a buffer of :attr:`buffer_bytes` whose last copy has
+    finished (it waits on that copy's event); ``give_back`` returns it with the
+    event of the copy just queued on it, so a buffer is reused only after the
+    GPU is done with it and a caller never waits for its own copy to finish
+    before queueing the next one (that is the overlap).  Up to
+    :data:`STAGING_BUFFERS_KEPT` buffers are kept; more are made on demand and
+    dropped when given back.
     """
 
-    def __init__(self, buffer_bytes: int = STAGING_BUFFER_BYTES) -> None:
+    def __init__(
+        self, buffer_bytes: int = STAGING_BUFFER_BYTES, kept: int = STAGING_BUFFERS_KEPT
+    ) -> None:
         self.buffer_bytes = buffer_bytes
+        self.kept = kept
         self._lock = threading.Lock()  # guards _free
-        self._free: list[Any] = []  # (pinned memory, array) pairs ready for reuse
+        self._free: list[StagingBuffer] = []  # oldest first: its copy is the likeliest done
+        self.made = 0  # buffers allocated so far (pinned allocations are slow: tests count them)
 
-    def take(self, nbytes: int) -> tuple[Any, np.ndarray]:
-        if nbytes <= self.buffer_bytes:
-            with self._lock:
-                if self._free:
-                    return self._free.pop()
-            nbytes = self.buffer_bytes
-        memory = _cupy().cuda.alloc_pinned_memory(nbytes)
-        array = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
-        return memory, array
-
-    def give_back(self, buffer: tuple[Any, np.ndarray]) -> None:
-        if buffer[1].size != self.buffer_bytes:
-            return
+    def take(self) -> StagingBuffer:
+        buffer = None
         with self._lock:
-            if len(self._free) < STAGING_BUFFERS_KEPT:
+            if self._free:
+                buffer = self._free.pop(0)
+        if buffer is None:
+            buffer = self._new()
+        if buffer.event is not None:
+            buffer.event.synchronize()
+            buffer.event = None
+        return buffer
+
+    def give_back(self, buffer: StagingBuffer, event: Any = None) -> None:
+        buffer.event = event
+        with self._lock:
+            if len(self._free) < self.kept:
                 self._free.append(buffer)
+                return
+        if event is not None:  # dropped: its memory must outlive the copy still using it
+            event.synchronize()
+
+    def _new(self) -> StagingBuffer:
+        cuda = _cupy().cuda
+        memory = cuda.PinnedMemory(self.buffer_bytes)
+        pointer = cuda.PinnedMemoryPointer(memory, 0)
+        array = np.frombuffer(pointer, dtype=np.uint8, count=self.buffer_bytes)
+        self.made += 1
+        return StagingBuffer(memory, array)
+
+
+def is_pinned(address: int) -> bool:
+    """Whether host ``address`` is page-locked (cudaHostAlloc'd or registered)."""
+    runtime = _cupy().cuda.runtime
+    try:
+        attributes = runtime.pointerGetAttributes(address)
+    except runtime.CUDARuntimeError:  # CUDA < 11 refuses pageable pointers
+        return False
+    return int(getattr(attributes, "type", 0)) == CUDA_MEMORY_TYPE_HOST
+
+
+class Gpu:
+    """What every pool on one GPU shares in this process: the server stream and the staging.
+
+    One per GPU index (:func:`gpu`), so that two servers in one process (tests)
+    and the cross-device copies in :mod:`tensord_server.kernels` order their work
+    on the same stream as the device's kernels.
+    """
+
+    def __init__(self, index: int) -> None:
+        cupy = _cupy()
+        self.index = index
+        self.device = cupy.cuda.Device(index)
+        with self.device:
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.staging = PinnedStagingPool()
+
+    def context(self) -> contextlib.ExitStack:
+        """This GPU as the current device and its server stream as the current stream."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.device)
+        stack.enter_context(self.stream)
+        return stack
+
+    def copy_to_host(self, device_address: int, out: np.ndarray) -> None:
+        """Device bytes at ``device_address`` -> the contiguous uint8 array ``out``; final on return.
+
+        Pinned ``out`` takes one DMA; pageable ``out`` goes through the staging
+        buffers, the copy of chunk k+1 running while chunk k is unpacked.
+        """
+        runtime = _cupy().cuda.runtime
+        if out.size == 0:
+            return
+        with self.device:
+            if is_pinned(out.ctypes.data):
+                runtime.memcpyAsync(
+                    out.ctypes.data,
+                    device_address,
+                    out.size,
+                    runtime.memcpyDeviceToHost,
+                    self.stream.ptr,
+                )
+                self.stream.synchronize()
+                return
+            pending: collections.deque[tuple[StagingBuffer, Any, int, int]] = collections.deque()
+            try:
+                for start in range(0, out.size, self.staging.buffer_bytes):
+                    count = min(self.staging.buffer_bytes, out.size - start)
+                    buffer = self.staging.take()
+                    pending.append((buffer, None, start, count))
+                    runtime.memcpyAsync(
+                        buffer.array.ctypes.data,
+                        device_address + start,
+                        count,
+                        runtime.memcpyDeviceToHost,
+                        self.stream.ptr,
+                    )
+                    pending[-1] = (buffer, self.stream.record(), start, count)
+                    if len(pending) > 1:
+                        self._unstage(pending.popleft(), out)
+                while pending:
+                    self._unstage(pending.popleft(), out)
+            finally:
+                for buffer, event, _, _ in pending:  # only after an error
+                    self.staging.give_back(buffer, event)
+
+    def _unstage(self, item: tuple[StagingBuffer, Any, int, int], out: np.ndarray) -> None:
+        buffer, event, start, count = item
+        event.synchronize()
+        out[start : start + count] = buffer.array[:count]
+        self.staging.give_back(buffer)
+
+    def copy_from_host(self, source: np.ndarray, device_address: int, *, wait: bool = True) -> None:
+        """The contiguous uint8 array ``source`` -> device bytes at ``device_address``.
+
+        Pinned ``source`` takes one DMA and always waits (the host may reuse it
+        on return).  Pageable ``source`` is packed into staging buffers, the copy
+        of chunk k running while chunk k+1 is packed; ``source`` is free to reuse
+        on return either way.  ``wait=False`` returns with the last copies still
+        queued on the server stream: anything later on that stream sees the
+        bytes, and a download synchronizes first (that is how an upload overlaps
+        the network with the copies).
+        """
+        runtime = _cupy().cuda.runtime
+        if source.size == 0:
+            return
+        with self.device:
+            if is_pinned(source.ctypes.data):
+                runtime.memcpyAsync(
+                    device_address,
+                    source.ctypes.data,
+                    source.size,
+                    runtime.memcpyHostToDevice,
+                    self.stream.ptr,
+                )
+                self.stream.synchronize()
+                return
+            for start in range(0, source.size, self.staging.buffer_bytes):
+                count = min(self.staging.buffer_bytes, source.size - start)
+                buffer = self.staging.take()
+                event = None
+                try:
+                    buffer.array[:count] = source[start : start + count]
+                    runtime.memcpyAsync(
+                        device_address + start,
+                        buffer.array.ctypes.data,
+                        count,
+                        runtime.memcpyHostToDevice,
+                        self.stream.ptr,
+                    )
+                    event = self.stream.record()
+                finally:
+                    self.staging.give_back(buffer, event)
+            if wait:
+                self.stream.synchronize()
+
+    def copy_from_peer(self, dst_address: int, src_gpu: Gpu, src_address: int, nbytes: int) -> None:
+        """Device bytes of ``src_gpu`` -> this GPU, after the work queued on the source's
+        stream (which produced them); final on return, so the source may be reused."""
+        runtime = _cupy().cuda.runtime
+        if nbytes == 0:
+            return
+        _enable_peer_access(self, src_gpu)
+        with src_gpu.device:
+            ready = src_gpu.stream.record()
+        with self.device:
+            self.stream.wait_event(ready)
+            runtime.memcpyPeerAsync(
+                dst_address, self.index, src_address, src_gpu.index, nbytes, self.stream.ptr
+            )
+            self.stream.synchronize()
+
+
+_GPUS: dict[int, Gpu] = {}  # by CUDA device index; guarded by _GPUS_LOCK
+_GPUS_LOCK = threading.Lock()
+_PEERS: set[tuple[int, int]] = set()  # (device, peer) pairs already asked for peer access
+
+
+def gpu(index: int) -> Gpu:
+    """The process-wide :class:`Gpu` of CUDA device ``index`` (made on first use)."""
+    with _GPUS_LOCK:
+        state = _GPUS.get(index)
+        if state is None:
+            state = _GPUS[index] = Gpu(index)
+        return state
+
+
+def _enable_peer_access(dst: Gpu, src: Gpu) -> None:
+    """Direct peer copies where the hardware allows (else the driver stages through the host)."""
+    pair = (dst.index, src.index)
+    with _GPUS_LOCK:
+        if pair in _PEERS:
+            return
+        _PEERS.add(pair)
+    runtime = _cupy().cuda.runtime
+    if not runtime.deviceCanAccessPeer(dst.index, src.index):
+        return
+    # already enabled (by CuPy itself, say) is fine
+    with dst.device, contextlib.suppress(runtime.CUDARuntimeError):
+        runtime.deviceEnablePeerAccess(src.index)
+
+
+def gpu_count() -> int:
+    """The GPUs CuPy sees; 0 without CuPy or without a working driver.  Imports CuPy if installed."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    try:
+        cupy = _cupy()
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no libcuda: CuPy raises several kinds of error here
+        return 0
 
 
 class CudaBackend:
-    """One CUDA device: raw ``cudaMalloc`` segments, one server stream, pinned staging."""
+    """One CUDA device: raw ``cudaMalloc`` segments, the GPU's server stream, pinned staging."""
 
     def __init__(self, *, device: str = "cuda:0", total_bytes: int | None = None) -> None:
         cupy = _cupy()
@@ -97,20 +323,20 @@ class CudaBackend:
         count = cupy.cuda.runtime.getDeviceCount()
         if self.index >= count:
             raise ValueError(f"{device}: this machine has {count} CUDA device(s)")
-        self._cuda_device = cupy.cuda.Device(self.index)
+        self.gpu = gpu(self.index)
+        self._cuda_device = self.gpu.device
+        self.stream = self.gpu.stream
+        self.staging = self.gpu.staging
         with self._cuda_device:
             free_bytes, _total = cupy.cuda.runtime.memGetInfo()
-            self.stream = cupy.cuda.Stream(non_blocking=True)
             name = cupy.cuda.runtime.getDeviceProperties(self.index)["name"]
         self.description = name.decode() if isinstance(name, bytes) else str(name)
         self.total_bytes = default_capacity(free_bytes) if total_bytes is None else int(total_bytes)
-        self.staging = PinnedStagingPool()
 
     # -- the Backend protocol -------------------------------------------------
 
     def reserve(self, nbytes: int) -> DeviceMemory:
-        cupy = _cupy()
-        runtime = cupy.cuda.runtime
+        runtime = _cupy().cuda.runtime
         try:
             with self._cuda_device:
                 address = runtime.malloc(nbytes)
@@ -145,62 +371,231 @@ class CudaBackend:
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=pointer)
 
     def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes:
+        """Final bytes: the copy waits for every kernel queued before it on the server stream."""
+        check_range(memory, offset, nbytes)
         out = np.empty(nbytes, dtype=np.uint8)
-        self.copy_to_host(memory.address + offset, out)
+        self.gpu.copy_to_host(memory.address + offset, out)
         return out.tobytes()
 
     def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None:
+        """Queues the copy on the server stream and returns once ``data`` is staged (uploads
+        write chunk after chunk: the next chunk arrives while this one is copied)."""
         source = np.frombuffer(data, dtype=np.uint8)
         check_range(memory, offset, source.size)
-        self.copy_from_host(source, memory.address + offset)
+        self.gpu.copy_from_host(source, memory.address + offset, wait=False)
 
     # -- transfers through pinned staging ---------------------------------------
 
     def copy_to_host(self, device_address: int, out: np.ndarray) -> None:
-        """Device bytes at ``device_address`` -> the contiguous uint8 array ``out``; final on return."""
-        runtime = _cupy().cuda.runtime
-        with self._cuda_device:
-            buffer = self.staging.take(min(out.size, self.staging.buffer_bytes))
-            try:
-                staged = buffer[1]
-                for start in range(0, out.size, staged.size):
-                    count = min(staged.size, out.size - start)
-                    runtime.memcpyAsync(
-                        staged.ctypes.data,
-                        device_address + start,
-                        count,
-                        runtime.memcpyDeviceToHost,
-                        self.stream.ptr,
-                    )
-                    self.stream.synchronize()
-                    out[start : start + count] = staged[:count]
-            finally:
-                self.staging.give_back(buffer)
+        self.gpu.copy_to_host(device_address, out)
 
     def copy_from_host(self, source: np.ndarray, device_address: int) -> None:
-        """The contiguous uint8 array ``source`` -> device bytes at ``device_address``."""
-        runtime = _cupy().cuda.runtime
-        with self._cuda_device:
-            buffer = self.staging.take(min(source.size, self.staging.buffer_bytes))
-            try:
-                staged = buffer[1]
-                for start in range(0, source.size, staged.size):
-                    count = min(staged.size, source.size - start)
-                    # The previous chunk's copy must have left the staging buffer.
-                    self.stream.synchronize()
-                    staged[:count] = source[start : start + count]
-                    runtime.memcpyAsync(
-                        device_address + start,
-                        staged.ctypes.data,
-                        count,
-                        runtime.memcpyHostToDevice,
-                        self.stream.ptr,
-                    )
-                self.stream.synchronize()
-            finally:
-                self.staging.give_back(buffer)
+        self.gpu.copy_from_host(source, device_address)
 
     def synchronize(self) -> None:
         """Wait for every kernel and copy queued on the server stream."""
         with self._cuda_device:
             self.stream.synchronize()
+
+
+class PinnedHostBackend(HostBackend):
+    """Host memory for the ``cpu`` pool of a server that owns a GPU: page-locked
+    (``cudaHostAlloc``), so cpu<->cuda copies of its Storages are one DMA each,
+    with no staging.  Otherwise a :class:`HostBackend` (NumPy arrays over it)."""
+
+    def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
+        super().__init__(device=device, total_bytes=total_bytes)
+        self.description = "host memory (pinned)"
+
+    def reserve(self, nbytes: int) -> DeviceMemory:
+        cuda = _cupy().cuda
+        try:
+            memory = cuda.PinnedMemory(nbytes + SEGMENT_ALIGNMENT)
+        except cuda.runtime.CUDARuntimeError as exc:
+            if getattr(exc, "status", None) == cuda.runtime.errorMemoryAllocation:
+                raise BackendOutOfMemory(
+                    f"pinned host allocation of {nbytes} bytes failed"
+                ) from exc
+            raise
+        raw = np.frombuffer(
+            cuda.PinnedMemoryPointer(memory, 0), dtype=np.uint8, count=nbytes + SEGMENT_ALIGNMENT
+        )
+        start = -raw.ctypes.data % SEGMENT_ALIGNMENT
+        array = raw[start : start + nbytes]  # keeps the PinnedMemory alive through .base
+        return DeviceMemory(address=int(array.ctypes.data), nbytes=nbytes, payload=array)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 on CuPy
+#
+# CuPy has no bfloat16 dtype.  A bfloat16 tensor on a GPU is a BFloat16Array: a
+# CuPy uint16 array of the same shape and strides over the same bytes.  Copies
+# between bfloat16 tensors move the bits; conversions go through float32, as
+# c10's BFloat16 does (to float32: the bits shifted left by 16, exact; from
+# float32: round to nearest even on the upper half, NaN kept quiet, as
+# c10::round_to_nearest_even and ml_dtypes do; wider sources are first rounded
+# to float32, as torch's and ml_dtypes' casts are).
+
+
+class BFloat16Array:
+    """A bfloat16 array on a GPU: a CuPy uint16 array ``bits`` read as bfloat16.
+
+    Supports what the copy kernels use: ``shape``, ``dtype``, indexing and
+    ``reshape`` (views), ``[...] = value`` (scalars, bfloat16 or any CuPy array)
+    and :meth:`to_float32`.
+    """
+
+    __slots__ = ("bits",)
+
+    def __init__(self, bits: Any) -> None:
+        self.bits = bits
+
+    dtype = np.dtype(ml_dtypes.bfloat16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.bits.shape)
+
+    @property
+    def ndim(self) -> int:
+        return int(self.bits.ndim)
+
+    @property
+    def size(self) -> int:
+        return int(self.bits.size)
+
+    @property
+    def device(self) -> Any:
+        return self.bits.device
+
+    def __getitem__(self, key: Any) -> BFloat16Array:
+        return BFloat16Array(self.bits[key])
+
+    def reshape(self, *shape: Any) -> BFloat16Array:
+        return BFloat16Array(self.bits.reshape(*shape))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, BFloat16Array):
+            self.bits[key] = value.bits
+        elif _is_cupy_array(value):
+            self.bits[key] = float32_to_bfloat16_bits(value)
+        else:  # a scalar, converted exactly as the host pool's NumPy arrays convert it
+            host = np.empty((), dtype=self.dtype)
+            host[...] = value
+            self.bits[key] = host.view(np.uint16)
+
+    def to_float32(self) -> Any:
+        """The values as a CuPy float32 array (exact)."""
+        cupy = _cupy()
+        return (self.bits.astype(cupy.uint32) << 16).view(cupy.float32)
+
+    def __repr__(self) -> str:
+        return f"BFloat16Array(shape={self.shape}, device={self.bits.device})"
+
+
+def float32_to_bfloat16_bits(values: Any) -> Any:
+    """A CuPy array of any real or complex dtype -> bfloat16 bits (uint16), rounded to nearest even."""
+    cupy = _cupy()
+    if values.dtype.kind == "c":
+        values = values.real  # torch: a complex -> real copy drops the imaginary part
+    wide = values.astype(cupy.float32).view(cupy.uint32)
+    rounded = (wide + (((wide >> 16) & 1) + 0x7FFF)) >> 16
+    quiet_nan = (wide >> 16) | 0x0040
+    bits = cupy.where(cupy.isnan(values.astype(cupy.float32)), quiet_nan, rounded)
+    return bits.astype(cupy.uint16)
+
+
+# ---------------------------------------------------------------------------
+# copies that cross devices (cpu<->cuda, cuda:i<->cuda:j), for kernels.assign
+
+
+def _is_cupy_array(value: Any) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+def is_gpu_array(value: Any) -> bool:
+    """A CuPy array or a BFloat16Array.  Never imports CuPy (without it, no such arrays exist)."""
+    return isinstance(value, BFloat16Array) or _is_cupy_array(value)
+
+
+def _bits(array: Any) -> Any:
+    return array.bits if isinstance(array, BFloat16Array) else array
+
+
+def _contiguous(array: Any) -> Any:
+    """``array`` itself when C-contiguous, else a C-contiguous copy (0-d stays 0-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def array_to_host(array: Any) -> np.ndarray:
+    """A GPU array -> a NumPy array of the same shape and dtype, through pinned staging.
+
+    Gathered on its own GPU (a strided array is made contiguous there, on the
+    server stream, after any work queued on it), then copied; final on return.
+    """
+    raw = _bits(array)
+    state = gpu(raw.device.id)
+    with state.context():
+        flat = _contiguous(raw)
+        host = np.empty(raw.shape, dtype=raw.dtype)
+        state.copy_to_host(flat.data.ptr, host.reshape(-1).view(np.uint8))
+        del flat  # the copy has finished: CuPy's pool may hand it out again
+    return host.view(BFloat16Array.dtype) if isinstance(array, BFloat16Array) else host
+
+
+def array_to_device(array: Any, index: int) -> Any:
+    """A NumPy array, or a GPU array on another GPU, -> a GPU array on GPU ``index``.
+
+    From the host: packed into pinned staging and copied on the server stream
+    (the caller's kernels follow on that stream).  From another GPU: gathered
+    there, then one peer copy ordered after the source's stream; both final on
+    return, so the source Storage may be freed and reused at once.
+    """
+    cupy = _cupy()
+    target = gpu(index)
+    if isinstance(array, np.ndarray):
+        bf16 = array.dtype == BFloat16Array.dtype
+        host = _contiguous(array.view(np.uint16) if bf16 else array)
+        with target.context():
+            out = cupy.empty(host.shape, dtype=host.dtype)
+            target.copy_from_host(host.reshape(-1).view(np.uint8), out.data.ptr)
+        return BFloat16Array(out) if bf16 else out
+    raw = _bits(array)
+    source = gpu(raw.device.id)
+    if source is target:
+        return array
+    with source.context():
+        flat = _contiguous(raw)
+    with target.context():
+        out = cupy.empty(raw.shape, dtype=raw.dtype)
+        target.copy_from_peer(out.data.ptr, source, flat.data.ptr, flat.nbytes)
+    del flat
+    return BFloat16Array(out) if isinstance(array, BFloat16Array) else out
+
+
+def assign(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` when either side is on a GPU, with torch's conversions.
+
+    The source is first brought to the destination's device (the functions
+    above), then converted and scattered by a CuPy kernel on the destination
+    GPU's server stream.  A source that may share memory with the destination
+    is copied first (CuPy kernels do not handle overlap, NumPy's do).
+    """
+    from tensord_server import kernels  # kernels imports this module lazily
+
+    if isinstance(dst, np.ndarray):  # GPU -> host
+        kernels.assign(np, dst, array_to_host(src))
+        return
+    cupy = _cupy()
+    index = _bits(dst).device.id
+    if isinstance(src, np.ndarray) or _bits(src).device.id != index:
+        src = array_to_device(src, index)
+    with gpu(index).context():
+        if is_gpu_array(src) and cupy.may_share_memory(_bits(dst), _bits(src)):
+            src = BFloat16Array(src.bits.copy()) if isinstance(src, BFloat16Array) else src.copy()
+        if isinstance(src, BFloat16Array) and not isinstance(dst, BFloat16Array):
+            src = src.to_float32()
+        if src.dtype.kind == "c" and dst.dtype.kind != "c":
+            src = src.real
+        dst[...] = src

@@ -9,6 +9,7 @@ backend plugs in as one more row when it lands.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -68,10 +69,15 @@ def canonical_device(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
-    """One ``--device`` argument: a device name and an optional pool capacity in bytes."""
+    """One ``--device`` argument: a device name and an optional pool capacity in bytes.
+
+    ``pinned`` (cpu only): the host pool's memory is page-locked, which a server
+    owning a GPU wants for one-DMA cpu<->cuda copies (see :func:`resolve_specs`).
+    """
 
     name: str
     capacity: int | None = None
+    pinned: bool = False
 
 
 def parse_device_spec(text: str) -> DeviceSpec:
@@ -84,7 +90,38 @@ def parse_device_spec(text: str) -> DeviceSpec:
     return DeviceSpec(device, parse_bytes(limit) if limit else None)
 
 
+def gpu_count() -> int:
+    """The GPUs CuPy sees; 0 without CuPy (never imports it then) or without a driver."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    from tensord_server.cuda_backend import gpu_count as count
+
+    return count()
+
+
+def resolve_specs(
+    devices: Iterable[str] | None = None, *, pinned_host: bool = True
+) -> list[DeviceSpec]:
+    """The devices ``tensord serve`` owns: the ``--device`` arguments, or by default
+    ``cpu`` plus every GPU CuPy sees.  With a GPU among them the cpu pool is
+    pinned unless ``pinned_host`` is false (``--no-pinned-host``)."""
+    if devices:
+        specs = [parse_device_spec(d) for d in devices]
+    else:
+        specs = [DeviceSpec(DEFAULT_DEVICE)]
+        specs += [DeviceSpec(f"cuda:{i}") for i in range(gpu_count())]
+    has_gpu = any(s.name.startswith("cuda") for s in specs)
+    # without CuPy the cuda device itself fails with the clear error; the cpu pool stays pageable
+    if pinned_host and has_gpu and importlib.util.find_spec("cupy") is not None:
+        specs = [dataclasses.replace(s, pinned=True) if s.name == "cpu" else s for s in specs]
+    return specs
+
+
 def _host_backend(spec: DeviceSpec) -> Backend:
+    if spec.pinned:
+        from tensord_server.cuda_backend import PinnedHostBackend
+
+        return PinnedHostBackend(device=spec.name)
     return HostBackend(device=spec.name)
 
 

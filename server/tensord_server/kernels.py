@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,21 +63,47 @@ def _quiet(xp: Any) -> Iterator[None]:
         yield
 
 
+def _gpu_bfloat16(xp: Any, dtype: DType) -> bool:
+    """CuPy has no bfloat16: such tensors are uint16 bits in a BFloat16Array (cuda_backend)."""
+    return dtype is dtypes.bfloat16 and xp is not np
+
+
+def _cuda() -> Any:
+    from tensord_server import cuda_backend  # deferred: only GPU arrays need it
+
+    return cuda_backend
+
+
+def _on_gpu(array: Any) -> bool:
+    """A CuPy array or a BFloat16Array (never imports CuPy: without it there are none)."""
+    return "cupy" in sys.modules and _cuda().is_gpu_array(array)
+
+
 def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
     """A zero-copy array of ``dtype`` over the uint8 bytes ``raw`` of a Storage, as ``layout`` sees them."""
-    np_dtype = dtype.numpy_dtype
+    bf16 = _gpu_bfloat16(xp, dtype)
+    np_dtype = np.dtype(np.uint16) if bf16 else dtype.numpy_dtype
     if layout.numel == 0:
-        return xp.empty(layout.shape, dtype=np_dtype)
-    itemsize = dtype.itemsize
-    start = layout.offset * itemsize
-    stop = layout.storage_extent() * itemsize
-    base = raw[start:stop].view(np_dtype)
-    strides = tuple(s * itemsize for s in layout.stride)
-    return xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
+        array = xp.empty(layout.shape, dtype=np_dtype)
+    else:
+        itemsize = dtype.itemsize
+        start = layout.offset * itemsize
+        stop = layout.storage_extent() * itemsize
+        base = raw[start:stop].view(np_dtype)
+        strides = tuple(s * itemsize for s in layout.stride)
+        array = xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
+    return _cuda().BFloat16Array(array) if bf16 else array
 
 
 def assign(xp: Any, dst: Any, src: Any) -> None:
-    """``dst[...] = src`` with torch's conversions (complex to real drops the imaginary part)."""
+    """``dst[...] = src`` with torch's conversions (complex to real drops the imaginary part).
+
+    Either side on a GPU (cpu<->cuda, cuda:i<->cuda:j, bfloat16 on CuPy) goes to
+    cuda_backend.assign: pinned staging or peer copies, then a CuPy kernel.
+    """
+    if _on_gpu(dst) or _on_gpu(src):
+        _cuda().assign(dst, src)
+        return
     if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
         src = src.real
     with _quiet(xp):
@@ -84,16 +111,23 @@ def assign(xp: Any, dst: Any, src: Any) -> None:
 
 
 def to_module(xp: Any, array: Any) -> Any:
-    """``array`` as an array of module ``xp`` (a cross-device copy goes through the host)."""
-    if isinstance(array, np.ndarray) and xp is np:
+    """``array`` as an array of module ``xp``.
+
+    To the host: a GPU array is copied through the backend's pinned staging.
+    To a GPU: the array is returned as it is, because only the destination
+    knows which GPU it is on: :func:`assign` moves it there.
+    """
+    if xp is not np or isinstance(array, np.ndarray):
         return array
-    if xp is np:
-        return array.get() if hasattr(array, "get") else np.asarray(array)
-    return xp.asarray(array)
+    if _on_gpu(array):
+        return _cuda().array_to_host(array)
+    return np.asarray(array)
 
 
 def contiguous_bytes(xp: Any, array: Any) -> Any:
     """The elements of ``array`` in logical (row-major) order, as a flat uint8 array."""
+    if _on_gpu(array):
+        array = getattr(array, "bits", array)  # a BFloat16Array's bytes are its bits'
     flat = xp.ascontiguousarray(array).reshape(-1)
     return flat.view(xp.uint8)
 
@@ -379,6 +413,8 @@ def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DTyp
     size = int(size_d)
     index = xp.arange(size, dtype=xp.int64 if integral else xp.float64)
     values = xstart + index * xstep
+    if _gpu_bfloat16(xp, dtype):
+        return values.astype(xp.float32)  # assign rounds to bfloat16 (via float32, as ml_dtypes)
     with _quiet(xp):
         return values.astype(dtype.numpy_dtype)
 

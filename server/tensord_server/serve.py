@@ -15,7 +15,7 @@ from types import FrameType
 
 from tensord.errors import FailedPreconditionError
 
-from tensord_server.devices import parse_device_spec
+from tensord_server.devices import resolve_specs
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 
@@ -37,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="devices",
         metavar="DEVICE[=LIMIT]",
         help="a device to own, with an optional pool limit: cpu, cpu=8GiB, cuda:0=40GiB "
-        "(repeatable; default: cpu)",
+        "(repeatable; default: cpu and every GPU CuPy sees)",
+    )
+    parser.add_argument(
+        "--no-pinned-host",
+        action="store_true",
+        help="keep the cpu pool in pageable memory even when the server owns a GPU",
     )
     parser.add_argument(
         "--session-grace",
@@ -77,7 +82,7 @@ def shown_address(requested: str, port: int) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        specs = [parse_device_spec(d) for d in (args.devices or ["cpu"])]
+        specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         daemon = Daemon(specs, session_grace=args.session_grace, lease=args.lease)
     except (ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
