@@ -101,10 +101,17 @@ class PinnedStagingPool:
         self.made = 0  # buffers allocated so far (pinned allocations are slow: tests count them)
 
     def take(self) -> StagingBuffer:
+        """An idle buffer if there is one; else a new one while fewer than ``kept`` wait
+        for their copies; else the oldest, once its copy is done."""
         buffer = None
         with self._lock:
-            if self._free:
-                buffer = self._free.pop(0)
+            for i, candidate in enumerate(self._free):
+                if candidate.event is None or candidate.event.done:
+                    buffer = self._free.pop(i)
+                    break
+            else:
+                if len(self._free) >= self.kept:
+                    buffer = self._free.pop(0)
         if buffer is None:
             buffer = self._new()
         if buffer.event is not None:

@@ -1,0 +1,430 @@
+"""The CUDA support that runs without a GPU: device names, default capacities and
+devices, the lazy import of CuPy, the clear error without it, and the backend's
+logic (reserve, OOM mapping, pinned staging, stream order) against a fake ``cupy``.
+
+The fake runs every "asynchronous" copy only when its stream (or an event
+recorded after it) is synchronized, so a staging loop that reuses a buffer, or
+reads one, before its copy ran moves wrong bytes and fails here.  Its array
+module is NumPy, which checks the bfloat16 conversions against ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from tensord.errors import FailedPreconditionError, OutOfMemoryError
+from tensord_server import cuda_backend, devices
+from tensord_server.backends import BackendOutOfMemory
+from tensord_server.devices import DeviceSpec, DeviceTable, parse_device_spec, resolve_specs
+
+GiB = 1 << 30
+MiB = 1 << 20
+SERVE_ARGS = ("--address", "127.0.0.1:0", "--device", "cuda:0")
+HAVE_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+# ---------------------------------------------------------------------------
+# pure math and parsing
+
+
+def test_default_capacity_keeps_a_reserve() -> None:
+    # 5% of free memory, at least 512 MiB, never below zero
+    assert cuda_backend.default_capacity(80 * GiB) == 76 * GiB
+    assert cuda_backend.default_capacity(4 * GiB) == 4 * GiB - 512 * MiB
+    assert cuda_backend.default_capacity(512 * MiB) == 0
+    assert cuda_backend.default_capacity(100 * MiB) == 0
+
+
+def test_device_names() -> None:
+    assert cuda_backend.parse_index("cuda:3") == 3
+    for bad in ("cpu", "cuda", "cuda:x", "cuda:-1"):
+        with pytest.raises(ValueError, match="not a CUDA device name"):
+            cuda_backend.parse_index(bad)
+    assert devices.canonical_device("cuda") == "cuda:0"
+    assert parse_device_spec("cuda:1=40GiB") == DeviceSpec("cuda:1", 40 * GiB)
+    assert parse_device_spec("cuda:01") == DeviceSpec("cuda:1")
+    with pytest.raises(ValueError, match="unknown device 'gpu:0'"):
+        parse_device_spec("gpu:0")
+
+
+# ---------------------------------------------------------------------------
+# without CuPy
+
+
+def test_importing_never_imports_cupy() -> None:
+    code = (
+        "import sys\n"
+        "import tensord, tensord_server.server, tensord_server.service, tensord_server.serve\n"
+        "import tensord_server.kernels, tensord_server.devices, tensord_server.cuda_backend\n"
+        "from tensord_server.server import Daemon\n"
+        "d = Daemon(['cpu']); d.close()\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(HAVE_CUPY, reason="CuPy is installed here")
+def test_cuda_device_without_cupy_is_a_clear_error() -> None:
+    with pytest.raises(
+        FailedPreconditionError, match=r"needs CuPy: pip install 'tensord\[cuda12\]'"
+    ):
+        DeviceTable(["cpu", "cuda:0"])
+    serve = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "serve", *SERVE_ARGS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serve.returncode == 2
+    assert "device cuda:0 needs CuPy: pip install 'tensord[cuda12]' (or [cuda13])" in serve.stderr
+
+
+@pytest.mark.skipif(HAVE_CUPY, reason="CuPy is installed here")
+def test_default_devices_without_cupy() -> None:
+    assert devices.gpu_count() == 0
+    assert resolve_specs(None) == [DeviceSpec("cpu")]
+    # asked for a GPU without CuPy: the cpu pool stays pageable, the GPU fails clearly
+    assert resolve_specs(["cpu", "cuda:0"])[0] == DeviceSpec("cpu")
+
+
+# ---------------------------------------------------------------------------
+# a fake CuPy: host memory, copies that run when their stream is synchronized
+
+
+class FakeCudaError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"fake CUDA error {status}")
+        self.status = status
+
+
+class FakeStream:
+    def __init__(self, runtime: FakeRuntime, non_blocking: bool = False) -> None:
+        self.runtime = runtime
+        self.queue: list[Callable[[], None]] = []  # copies not run yet, in order
+        self.ptr = id(self)
+        runtime.streams[self.ptr] = self
+
+    def run_until(self, position: int) -> None:
+        todo, self.queue = self.queue[:position], self.queue[position:]
+        for op in todo:
+            op()
+        for event in self.runtime.events:
+            if event.stream is self:
+                event.position = max(0, event.position - position)
+
+    def synchronize(self) -> None:
+        self.run_until(len(self.queue))
+
+    def record(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        event.synchronize()
+
+    def __enter__(self) -> FakeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.position = len(stream.queue)  # the copies queued before it
+        stream.runtime.events.append(self)
+
+    @property
+    def done(self) -> bool:
+        return self.position == 0
+
+    def synchronize(self) -> None:
+        self.stream.run_until(self.position)
+
+
+class FakeDevice:
+    def __init__(self, index: int = 0) -> None:
+        self.id = index
+
+    def __enter__(self) -> FakeDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class FakeRuntime:
+    errorMemoryAllocation = 2
+    memcpyHostToDevice = 1
+    memcpyDeviceToHost = 2
+    CUDARuntimeError = FakeCudaError
+
+    def __init__(self, count: int, free: int, physical: int) -> None:
+        self.count = count
+        self.free_bytes = free
+        self.physical = physical  # what malloc really grants (other processes use the rest)
+        self.in_use = 0
+        self.buffers: dict[int, np.ndarray] = {}  # device allocations by address
+        self.pinned: list[tuple[int, int]] = []  # (address, nbytes) of page-locked memory
+        self.streams: dict[int, FakeStream] = {}
+        self.events: list[FakeEvent] = []
+        self.copies: list[tuple[str, int]] = []  # (kind, nbytes), as queued
+        self.fail_status = 0  # nonzero: the next malloc fails with it
+
+    def getDeviceCount(self) -> int:
+        return self.count
+
+    def memGetInfo(self) -> tuple[int, int]:
+        return self.free_bytes, self.free_bytes
+
+    def getDeviceProperties(self, index: int) -> dict[str, bytes]:
+        return {"name": b"Fake GPU"}
+
+    def malloc(self, nbytes: int) -> int:
+        if self.fail_status:
+            status, self.fail_status = self.fail_status, 0
+            raise FakeCudaError(status)
+        if self.in_use + nbytes > self.physical:
+            raise FakeCudaError(self.errorMemoryAllocation)
+        buffer = np.zeros(nbytes, dtype=np.uint8)
+        self.buffers[buffer.ctypes.data] = buffer
+        self.in_use += nbytes
+        return int(buffer.ctypes.data)
+
+    def free(self, address: int) -> None:
+        assert all(not s.queue for s in self.streams.values()), "freed with copies pending"
+        self.in_use -= self.buffers.pop(address).size
+
+    def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        self.copies.append(("h2d" if kind == self.memcpyHostToDevice else "d2h", nbytes))
+        self.streams[stream].queue.append(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def pointerGetAttributes(self, address: int) -> Any:
+        pinned = any(a <= address < a + n for a, n in self.pinned)
+        return types.SimpleNamespace(type=1 if pinned else 0)
+
+
+class FakePinnedMemory:
+    def __init__(self, nbytes: int, runtime: FakeRuntime) -> None:
+        self.buffer = bytearray(nbytes)
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer)) if nbytes else 0
+        runtime.pinned.append((self.ptr, nbytes))
+
+
+def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> Any:
+    runtime = FakeRuntime(count, free, physical)
+    cuda = types.SimpleNamespace(
+        runtime=runtime,
+        Device=FakeDevice,
+        Stream=lambda non_blocking=False: FakeStream(runtime, non_blocking),
+        PinnedMemory=lambda nbytes: FakePinnedMemory(nbytes, runtime),
+        PinnedMemoryPointer=lambda memory, offset: memoryview(memory.buffer)[offset:],
+    )
+    module = types.ModuleType("cupy")
+    module.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    module.cuda = cuda  # type: ignore[attr-defined]
+    # the array functions the bfloat16 conversions use: NumPy's stand in for CuPy's
+    for name in ("ndarray", "float32", "uint16", "uint32", "where", "isnan"):
+        setattr(module, name, getattr(np, name))
+    return module
+
+
+@pytest.fixture
+def cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    module = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setattr(cuda_backend, "_GPUS", {})
+    monkeypatch.setattr(cuda_backend, "_PEERS", set())
+    yield module
+
+
+def small_staging(buffer_bytes: int = 4096, kept: int = 1) -> cuda_backend.PinnedStagingPool:
+    pool = cuda_backend.PinnedStagingPool(buffer_bytes, kept)
+    cuda_backend.gpu(0).staging = pool
+    return pool
+
+
+# ---------------------------------------------------------------------------
+# the backend against the fake
+
+
+def test_default_devices_are_cpu_and_every_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = fake_cupy(count=2)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    assert devices.gpu_count() == 2
+    assert resolve_specs(None) == [
+        DeviceSpec("cpu", pinned=True),
+        DeviceSpec("cuda:0"),
+        DeviceSpec("cuda:1"),
+    ]
+    assert resolve_specs(None, pinned_host=False)[0] == DeviceSpec("cpu")
+    assert resolve_specs(["cpu=1GiB", "cuda:1"]) == [
+        DeviceSpec("cpu", GiB, pinned=True),
+        DeviceSpec("cuda:1"),
+    ]
+    assert resolve_specs(["cpu"]) == [DeviceSpec("cpu")]  # no GPU owned: nothing to pin for
+
+    def broken() -> int:
+        raise RuntimeError("no CUDA driver")
+
+    module.cuda.runtime.getDeviceCount = broken
+    assert devices.gpu_count() == 0
+
+
+def test_capacity_and_missing_gpu(cupy: Any) -> None:
+    table = DeviceTable(["cuda:0", DeviceSpec("cpu", pinned=True)])
+    gpu = table.get("cuda:0")
+    assert gpu.description == "Fake GPU"
+    assert gpu.backend.total_bytes == cuda_backend.default_capacity(2 * GiB)
+    assert table.get("cpu").description == "host memory (pinned)"
+    capped = DeviceTable([parse_device_spec("cuda:0=1GiB")]).get("cuda:0")
+    assert capped.pool.memory_stats()["reserved_bytes.all.current"] == 0
+    assert capped.backend.total_bytes == GiB
+    with pytest.raises(FailedPreconditionError, match=r"cuda:1: this machine has 1 CUDA device"):
+        DeviceTable(["cuda:1"])
+
+
+def test_reserve_maps_cuda_oom(cupy: Any) -> None:
+    runtime = cupy.cuda.runtime
+    backend = cuda_backend.CudaBackend(device="cuda:0")
+    memory = backend.reserve(MiB)
+    assert memory.nbytes == MiB and memory.payload == 0
+    runtime.physical = MiB  # the GPU is full: cudaMalloc fails
+    with pytest.raises(BackendOutOfMemory, match=r"cudaMalloc of 4096 bytes on cuda:0 failed"):
+        backend.reserve(4096)
+    runtime.fail_status = 999  # any other CUDA error is not an OOM
+    with pytest.raises(FakeCudaError):
+        backend.reserve(4096)
+    backend.release(memory)
+    assert runtime.in_use == 0
+
+
+def test_pool_oom_on_a_full_gpu_names_the_figures(cupy: Any) -> None:
+    cupy.cuda.runtime.physical = 64 * MiB  # the pool may reserve 1 GiB, the GPU grants 64 MiB
+    device = DeviceTable([parse_device_spec("cuda:0=1GiB")]).get("cuda:0")
+    block = device.pool.malloc(40 * MiB)
+    with pytest.raises(OutOfMemoryError, match="Tried to allocate") as info:
+        device.pool.malloc(40 * MiB)
+    assert isinstance(info.value, RuntimeError)
+    stats = device.pool.memory_stats()
+    assert stats["num_ooms"] == 1
+    assert stats["allocated_bytes.all.current"] == 40 * MiB
+    device.pool.free(block)
+    device.pool.empty_cache()
+    assert cupy.cuda.runtime.in_use == 0
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_write_and_read_through_staging(cupy: Any, nbytes: int) -> None:
+    runtime = cupy.cuda.runtime
+    backend = cuda_backend.CudaBackend(device="cuda:0")
+    staging = small_staging(kept=1)  # one buffer: every chunk reuses it
+    memory = backend.reserve(max(nbytes, 1) + 100)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    backend.write(memory, 100, data)
+    assert [n for _, n in runtime.copies] == [min(4096, nbytes - s) for s in range(0, nbytes, 4096)]
+    assert backend.read(memory, 100, nbytes) == data  # read waits for the queued writes
+    assert staging.made <= 2
+    assert all(not s.queue for s in runtime.streams.values())
+    backend.release(memory)
+
+
+def test_writes_return_before_their_copies_run(cupy: Any) -> None:
+    backend = cuda_backend.CudaBackend(device="cuda:0")
+    small_staging(kept=4)
+    memory = backend.reserve(8192)
+    backend.write(memory, 0, b"\x07" * 8192)
+    assert len(backend.stream.queue) == 2  # queued, not waited for: the upload overlaps
+    assert runtime_bytes(cupy, memory.address, 8192) == b"\x00" * 8192
+    backend.synchronize()
+    assert runtime_bytes(cupy, memory.address, 8192) == b"\x07" * 8192
+    backend.release(memory)  # release itself waits for the stream (the fake checks)
+
+
+def runtime_bytes(cupy: Any, address: int, nbytes: int) -> bytes:
+    return ctypes.string_at(address, nbytes)
+
+
+def test_pinned_host_memory_takes_one_dma(cupy: Any) -> None:
+    runtime = cupy.cuda.runtime
+    host = cuda_backend.PinnedHostBackend()
+    memory = host.reserve(10_000)
+    assert memory.address % 512 == 0 and cuda_backend.is_pinned(memory.address)
+    source = host.view(memory, 0, 10_000)
+    source[:] = np.arange(10_000) % 251
+    gpu = cuda_backend.gpu(0)
+    staging = small_staging()
+    device = cuda_backend.CudaBackend(device="cuda:0").reserve(10_000)
+    gpu.copy_from_host(source, device.address)
+    out = host.view(host.reserve(10_000), 0, 10_000)
+    gpu.copy_to_host(device.address, out)
+    assert runtime.copies == [("h2d", 10_000), ("d2h", 10_000)]
+    assert staging.made == 0
+    np.testing.assert_array_equal(out, source)
+
+
+def test_staging_pool_reuses_after_the_copy() -> None:
+    runtime = FakeRuntime(1, GiB, GiB)
+    stream = FakeStream(runtime)
+    pool = cuda_backend.PinnedStagingPool(16, kept=1)
+    pool._new = lambda: cuda_backend.StagingBuffer(None, np.zeros(16, np.uint8))  # type: ignore[method-assign]
+    first = pool.take()
+    done: list[int] = []
+    stream.queue.append(lambda: done.append(1))
+    pool.give_back(first, stream.record())
+    assert pool.take() is first and done == [1]  # waited for the copy before handing it out
+    second = pool.take()  # none free: a new one
+    assert second is not first
+    pool.give_back(first)
+    stream.queue.append(lambda: done.append(2))
+    pool.give_back(second, stream.record())  # beyond `kept`: dropped after its copy ran
+    assert done == [1, 2]
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 conversions (NumPy standing in for CuPy), checked against ml_dtypes
+
+
+def _interesting_floats() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, 1.0, -1.5, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, 1e-45]
+    ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 2.0**24 + 2.0**16, 1 + 2.0**-8 + 2.0**-30]
+    randoms = rng.standard_normal(2000) * 10.0 ** rng.integers(-30, 30, 2000)
+    return np.concatenate([special, ties, randoms])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.bool_])
+def test_bfloat16_rounding_matches_ml_dtypes(cupy: Any, dtype: Any) -> None:
+    with np.errstate(all="ignore"):
+        values = _interesting_floats().astype(dtype)
+        expected = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    got = cuda_backend.float32_to_bfloat16_bits(values)
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_bfloat16_array_conversions(cupy: Any) -> None:
+    values = _interesting_floats()[:64].astype(ml_dtypes.bfloat16)
+    array = cuda_backend.BFloat16Array(values.view(np.uint16).copy().reshape(8, 8))
+    assert array.shape == (8, 8) and array.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(
+        array.to_float32(), values.astype(np.float32).reshape(8, 8)
+    )  # exact, NaNs included (assert_array_equal treats NaN == NaN)
+    view = array[1:3].reshape(16)
+    view[...] = 2.5  # a scalar, as the host pool's NumPy arrays convert it
+    assert (array.bits[1:3] == np.array(2.5, ml_dtypes.bfloat16).view(np.uint16)).all()
+    array[0] = np.array([1 + 3j] * 8, dtype=np.complex64)  # complex -> real part
+    assert (array.to_float32()[0] == 1.0).all()
+    other = cuda_backend.BFloat16Array(np.full((8,), 0x4049, np.uint16))  # bits move as they are
+    array[7] = other
+    assert (array.bits[7] == 0x4049).all()
