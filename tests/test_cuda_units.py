@@ -22,8 +22,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
-from tensord_server import cuda_backend, devices
+from tensord.layout import Layout
+from tensord_server import cuda_backend, devices, kernels
 from tensord_server.backends import BackendOutOfMemory
 from tensord_server.devices import DeviceSpec, DeviceTable, parse_device_spec, resolve_specs
 
@@ -233,10 +235,39 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
     module = types.ModuleType("cupy")
     module.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
     module.cuda = cuda  # type: ignore[attr-defined]
-    # the array functions the bfloat16 conversions use: NumPy's stand in for CuPy's
-    for name in ("ndarray", "float32", "uint16", "uint32", "where", "isnan"):
+    # NumPy stands in for CuPy's array functions; "GPU arrays" are FakeGpuArrays
+    for name in ("float32", "uint8", "uint16", "uint32", "where", "isnan", "may_share_memory"):
         setattr(module, name, getattr(np, name))
+    module.ndarray = FakeGpuArray  # type: ignore[attr-defined]
+    module.empty = lambda shape, dtype: np.empty(shape, dtype).view(FakeGpuArray)  # type: ignore[attr-defined]
+    module.lib = types.SimpleNamespace(  # type: ignore[attr-defined]
+        stride_tricks=types.SimpleNamespace(
+            as_strided=lambda x, shape, strides: np.lib.stride_tricks.as_strided(
+                x, shape, strides, subok=True
+            )
+        )
+    )
+    module.iscomplexobj = np.iscomplexobj  # type: ignore[attr-defined]
+    module.int64, module.float64 = np.int64, np.float64  # type: ignore[attr-defined]
+    module.arange = lambda *a, **k: np.arange(*a, **k).view(FakeGpuArray)  # type: ignore[attr-defined]
+    module.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(FakeGpuArray)  # type: ignore[attr-defined]
     return module
+
+
+class FakeGpuArray(np.ndarray):
+    """A "CuPy array" on fake GPU 0: host memory, with CuPy's ``device`` and ``data.ptr``."""
+
+    @property
+    def device(self) -> FakeDevice:
+        return FakeDevice(0)
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def on_gpu(array: np.ndarray) -> FakeGpuArray:
+    return np.array(array).view(FakeGpuArray)
 
 
 @pytest.fixture
@@ -408,14 +439,14 @@ def test_bfloat16_rounding_matches_ml_dtypes(cupy: Any, dtype: Any) -> None:
     with np.errstate(all="ignore"):
         values = _interesting_floats().astype(dtype)
         expected = values.astype(ml_dtypes.bfloat16).view(np.uint16)
-    got = cuda_backend.float32_to_bfloat16_bits(values)
+    got = cuda_backend.float32_to_bfloat16_bits(on_gpu(values))
     assert got.dtype == np.uint16
     np.testing.assert_array_equal(got, expected)
 
 
 def test_bfloat16_array_conversions(cupy: Any) -> None:
     values = _interesting_floats()[:64].astype(ml_dtypes.bfloat16)
-    array = cuda_backend.BFloat16Array(values.view(np.uint16).copy().reshape(8, 8))
+    array = cuda_backend.BFloat16Array(on_gpu(values.view(np.uint16)).reshape(8, 8))
     assert array.shape == (8, 8) and array.dtype == np.dtype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(
         array.to_float32(), values.astype(np.float32).reshape(8, 8)
@@ -423,8 +454,80 @@ def test_bfloat16_array_conversions(cupy: Any) -> None:
     view = array[1:3].reshape(16)
     view[...] = 2.5  # a scalar, as the host pool's NumPy arrays convert it
     assert (array.bits[1:3] == np.array(2.5, ml_dtypes.bfloat16).view(np.uint16)).all()
-    array[0] = np.array([1 + 3j] * 8, dtype=np.complex64)  # complex -> real part
+    array[0] = on_gpu(np.array([1 + 3j] * 8, dtype=np.complex64))  # complex -> real part
     assert (array.to_float32()[0] == 1.0).all()
-    other = cuda_backend.BFloat16Array(np.full((8,), 0x4049, np.uint16))  # bits move as they are
+    other = cuda_backend.BFloat16Array(on_gpu(np.full((8,), 0x4049, np.uint16)))  # bits as they are
     array[7] = other
     assert (array.bits[7] == 0x4049).all()
+
+
+# ---------------------------------------------------------------------------
+# cross-device copies through kernels.assign (the fake's "GPU" is host memory)
+
+
+def _gpu_tensor(cupy: Any, values: np.ndarray, dtype: Any) -> Any:
+    """The array the server would make over a fresh contiguous Storage of ``dtype`` on cuda:0."""
+    layout = Layout.contiguous(values.shape)
+    raw = on_gpu(np.zeros(max(values.size, 1) * dtype.itemsize, np.uint8))
+    array = kernels.strided_array(cupy, raw, layout, dtype)
+    kernels.assign(cupy, array, kernels.to_module(cupy, values))
+    return array
+
+
+def test_contiguous_same_dtype_copies_go_straight(cupy: Any) -> None:
+    runtime = cupy.cuda.runtime
+    small_staging(4096, kept=2)
+    values = np.random.default_rng(1).standard_normal((33, 65)).astype(np.float32)
+    gpu_array = _gpu_tensor(cupy, values, dtypes.float32)
+    assert runtime.copies == [("h2d", 4096)] * 2 + [("h2d", 33 * 65 * 4 - 8192)]  # no temporary
+    host = np.zeros_like(values)
+    kernels.assign(np, host, gpu_array)
+    np.testing.assert_array_equal(host, values)
+    assert [kind for kind, _ in runtime.copies].count("d2h") == 3
+    assert all(not s.queue for s in runtime.streams.values())  # a download waits for its copies
+
+
+def test_strided_and_converting_copies(cupy: Any) -> None:
+    small_staging(256, kept=2)
+    values = np.random.default_rng(2).standard_normal((6, 10))
+    gpu_array = _gpu_tensor(cupy, values[:, ::3].T, dtypes.float32)  # strided, float64 -> float32
+    np.testing.assert_array_equal(
+        kernels.to_module(np, gpu_array), values[:, ::3].T.astype(np.float32)
+    )
+    host = np.zeros((4, 6), np.int16)
+    kernels.assign(np, host, gpu_array)  # GPU -> host, converted on the host
+    np.testing.assert_array_equal(host, values[:, ::3].T.astype(np.float32).astype(np.int16))
+
+
+@pytest.mark.parametrize("source", ["float64", "bfloat16", "int32"])
+def test_bfloat16_tensors_on_a_gpu(cupy: Any, source: str) -> None:
+    small_staging(256, kept=2)
+    values = (np.random.default_rng(3).standard_normal((5, 7)) * 100).astype(
+        dtypes.dtype_from_name(source).numpy_dtype
+    )
+    array = _gpu_tensor(cupy, values, dtypes.bfloat16)
+    assert isinstance(array, cuda_backend.BFloat16Array) and array.shape == (5, 7)
+    expected = values.astype(np.float32).astype(ml_dtypes.bfloat16)
+    back = kernels.to_module(np, array)
+    assert back.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(back.view(np.uint16), expected.view(np.uint16))
+    # contiguous_bytes (strided downloads) sees the bits
+    flat = kernels.contiguous_bytes(cupy, array.reshape(7, 5)[::2])
+    np.testing.assert_array_equal(
+        np.asarray(flat).view(np.uint16), expected.reshape(7, 5)[::2].reshape(-1).view(np.uint16)
+    )
+    kernels.fill(cupy, array[1:3], 2.5)
+    assert (kernels.to_module(np, array)[1:3] == 2.5).all()
+    as_float = np.zeros((5, 7), np.float64)
+    kernels.assign(np, as_float, array)
+    np.testing.assert_array_equal(as_float, kernels.to_module(np, array).astype(np.float64))
+
+
+def test_arange_in_bfloat16_on_a_gpu(cupy: Any) -> None:
+    values = kernels.arange_values(cupy, 0, 3.3, 0.1, dtypes.bfloat16)
+    expected = kernels.arange_values(np, 0, 3.3, 0.1, dtypes.bfloat16)
+    array = _gpu_tensor(cupy, np.zeros(expected.shape), dtypes.bfloat16)
+    kernels.assign(cupy, array, values)
+    np.testing.assert_array_equal(
+        kernels.to_module(np, array).view(np.uint16), expected.view(np.uint16)
+    )

@@ -561,7 +561,7 @@ def array_to_device(array: Any, index: int) -> Any:
     """
     cupy = _cupy()
     target = gpu(index)
-    if isinstance(array, np.ndarray):
+    if not is_gpu_array(array):  # a NumPy array
         bf16 = array.dtype == BFloat16Array.dtype
         host = _contiguous(array.view(np.uint16) if bf16 else array)
         with target.context():
@@ -581,6 +581,33 @@ def array_to_device(array: Any, index: int) -> Any:
     return BFloat16Array(out) if isinstance(array, BFloat16Array) else out
 
 
+def _host_bits(array: np.ndarray) -> np.ndarray:
+    return array.view(np.uint16) if array.dtype == BFloat16Array.dtype else array
+
+
+def _copy_straight(dst: Any, src: Any) -> bool:
+    """One copy, host<->GPU, when both sides hold the same elements in the same
+    contiguous order (``x.to(device)`` of a contiguous tensor): a DMA straight
+    into the destination when the host side is pinned (the cpu pool of a server
+    owning a GPU), else through the staging buffers, with no temporary.  False
+    (nothing done) when dtypes, shapes or layouts differ."""
+    to_host = not is_gpu_array(dst)
+    host, device = (dst, src) if to_host else (src, dst)
+    if host.dtype != device.dtype:  # bfloat16 on both sides compares equal here
+        return False
+    host, device = _host_bits(host), _bits(device)
+    if not (host.shape == device.shape and host.flags.c_contiguous and device.flags.c_contiguous):
+        return False
+    state = gpu(device.device.id)
+    host_bytes = host.reshape(-1).view(np.uint8)
+    with state.context():
+        if to_host:
+            state.copy_to_host(device.data.ptr, host_bytes)
+        else:
+            state.copy_from_host(host_bytes, device.data.ptr)
+    return True
+
+
 def assign(dst: Any, src: Any) -> None:
     """``dst[...] = src`` when either side is on a GPU, with torch's conversions.
 
@@ -591,12 +618,17 @@ def assign(dst: Any, src: Any) -> None:
     """
     from tensord_server import kernels  # kernels imports this module lazily
 
-    if isinstance(dst, np.ndarray):  # GPU -> host
-        kernels.assign(np, dst, array_to_host(src))
+    if not is_gpu_array(dst):  # GPU -> host
+        if not _copy_straight(dst, src):
+            kernels.assign(np, dst, array_to_host(src))
         return
     cupy = _cupy()
     index = _bits(dst).device.id
-    if isinstance(src, np.ndarray) or _bits(src).device.id != index:
+    if not is_gpu_array(src):  # host -> GPU
+        if _copy_straight(dst, src):
+            return
+        src = array_to_device(src, index)
+    elif _bits(src).device.id != index:
         src = array_to_device(src, index)
     with gpu(index).context():
         if is_gpu_array(src) and cupy.may_share_memory(_bits(dst), _bits(src)):
