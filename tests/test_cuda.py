@@ -84,7 +84,7 @@ COPIES: dict[str, Callable[[Any], Any]] = {
     "to_bfloat16": lambda x: x.to(tensord.bfloat16),
     "bfloat16_back": lambda x: x.to(tensord.bfloat16).transpose(0, 1).to(tensord.float64),
     "to_int32": lambda x: x.to(tensord.int32),
-    "to_uint8": lambda x: x.to(tensord.uint8),
+    "to_uint8": lambda x: x[2].to(tensord.uint8),  # positive: negative floats to uint8 are UB
     "to_bool": lambda x: x.to(tensord.bool),
     "to_complex": lambda x: x.to(tensord.complex64),
     "repeat": lambda x: x[:, 1:3].repeat(2, 1, 3),

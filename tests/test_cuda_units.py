@@ -324,6 +324,13 @@ def test_capacity_and_missing_gpu(cupy: Any) -> None:
     with pytest.raises(FailedPreconditionError, match=r"cuda:1: this machine has 1 CUDA device"):
         DeviceTable(["cuda:1"])
 
+    def no_driver() -> int:
+        raise FakeCudaError(35)  # cudaErrorInsufficientDriver
+
+    cupy.cuda.runtime.getDeviceCount = no_driver
+    with pytest.raises(FailedPreconditionError, match=r"cuda:0: CUDA is not usable on this"):
+        DeviceTable(["cuda:0"])
+
 
 def test_reserve_maps_cuda_oom(cupy: Any) -> None:
     runtime = cupy.cuda.runtime

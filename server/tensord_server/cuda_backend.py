@@ -1,17 +1,29 @@
 """The CUDA backend: pool segments are raw ``cudaMalloc`` allocations made through CuPy.
 
 CuPy's own memory pool is bypassed (``cupy.cuda.runtime.malloc``/``free``) so the
-pool's figures are the truth about the device.  CuPy is imported when a CUDA
-device is opened, never before: a machine without CuPy never loads this module.
+pool's figures are the truth about the device.  (Temporaries of copies — a
+strided source gathered before a transfer, a source overlapping its
+destination — come from CuPy's pool, out of the reserve held back from ours.)
+CuPy is imported when a CUDA device is opened, never before: a machine without
+CuPy never imports it.
 
-Stream safety.  Every kernel and copy the server runs on a device is issued on
-that device's one server-owned stream (:attr:`CudaBackend.stream`).  A block
-freed after a kernel was queued, and handed out again, is only touched by work
-queued later on the same stream, so the stream's order is the guarantee —
-PyTorch's caching allocator relies on the same fact for single-stream use and
-needs ``record_stream`` events only across streams.  Anything that hands bytes
-to the host (``read``, downloads) synchronizes the stream first, so a download
-returns only final bytes.
+Stream safety.  Every kernel and copy the server runs on a GPU is issued on
+that GPU's one server-owned stream (:class:`Gpu`, one per GPU per process,
+shared by every pool on it).  A block freed after a kernel was queued, and
+handed out again, is only touched by work queued later on the same stream, so
+the stream's order is the guarantee — PyTorch's caching allocator relies on the
+same fact for single-stream use and needs ``record_stream`` events only across
+streams.  The exceptions wait explicitly: anything that hands bytes to the host
+(``read``, downloads, cuda->cpu copies) waits for its copy, so a download
+returns only final bytes; a DMA from pinned host memory waits (the host may
+reuse it at once); a peer copy waits on an event of the source GPU's stream
+and finishes before it returns, so neither GPU's pool reuses a block it reads;
+a pinned staging buffer is reused only after the event of its last copy.
+Uploads (``write``) return once their chunk is staged, with the copy still
+queued: that overlaps the network with the copies.
+
+Nothing here imports CuPy at import time; ``kernels`` and ``devices`` reach this
+module only for GPU arrays and devices.
 """
 
 from __future__ import annotations

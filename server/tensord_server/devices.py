@@ -131,12 +131,18 @@ def _cuda_backend(spec: DeviceSpec) -> Backend:
         raise FailedPreconditionError(
             f"device {spec.name} needs CuPy: pip install 'tensord[cuda12]' (or [cuda13])"
         )
+    import cupy
+
     from tensord_server.cuda_backend import CudaBackend
 
     try:
         backend: Backend = CudaBackend(device=spec.name, total_bytes=spec.capacity)
     except ValueError as exc:  # no such GPU on this machine
         raise FailedPreconditionError(str(exc)) from None
+    except cupy.cuda.runtime.CUDARuntimeError as exc:  # CuPy without a usable driver or GPU
+        raise FailedPreconditionError(
+            f"device {spec.name}: CUDA is not usable on this machine ({exc})"
+        ) from None
     return backend
 
 
