@@ -488,7 +488,8 @@ def test_contiguous_same_dtype_copies_go_straight(cupy: Any) -> None:
     gpu_array = _gpu_tensor(cupy, values, dtypes.float32)
     assert runtime.copies == [("h2d", 4096)] * 2 + [("h2d", 33 * 65 * 4 - 8192)]  # no temporary
     host = np.zeros_like(values)
-    kernels.assign(np, host, gpu_array)
+    assert kernels.to_module(np, gpu_array) is gpu_array  # assign moves it, knowing the target
+    kernels.assign(np, host, kernels.to_module(np, gpu_array))
     np.testing.assert_array_equal(host, values)
     assert [kind for kind, _ in runtime.copies].count("d2h") == 3
     assert all(not s.queue for s in runtime.streams.values())  # a download waits for its copies
@@ -499,7 +500,7 @@ def test_strided_and_converting_copies(cupy: Any) -> None:
     values = np.random.default_rng(2).standard_normal((6, 10))
     gpu_array = _gpu_tensor(cupy, values[:, ::3].T, dtypes.float32)  # strided, float64 -> float32
     np.testing.assert_array_equal(
-        kernels.to_module(np, gpu_array), values[:, ::3].T.astype(np.float32)
+        cuda_backend.array_to_host(gpu_array), values[:, ::3].T.astype(np.float32)
     )
     host = np.zeros((4, 6), np.int16)
     kernels.assign(np, host, gpu_array)  # GPU -> host, converted on the host
@@ -515,19 +516,20 @@ def test_bfloat16_tensors_on_a_gpu(cupy: Any, source: str) -> None:
     array = _gpu_tensor(cupy, values, dtypes.bfloat16)
     assert isinstance(array, cuda_backend.BFloat16Array) and array.shape == (5, 7)
     expected = values.astype(np.float32).astype(ml_dtypes.bfloat16)
-    back = kernels.to_module(np, array)
+    back = cuda_backend.array_to_host(array)
     assert back.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(back.view(np.uint16), expected.view(np.uint16))
     # contiguous_bytes (strided downloads) sees the bits
     flat = kernels.contiguous_bytes(cupy, array.reshape(7, 5)[::2])
+    assert not isinstance(flat, FakeGpuArray) and flat.dtype == np.uint8  # on the host
     np.testing.assert_array_equal(
-        np.asarray(flat).view(np.uint16), expected.reshape(7, 5)[::2].reshape(-1).view(np.uint16)
+        flat.view(np.uint16), expected.reshape(7, 5)[::2].reshape(-1).view(np.uint16)
     )
     kernels.fill(cupy, array[1:3], 2.5)
-    assert (kernels.to_module(np, array)[1:3] == 2.5).all()
+    assert (cuda_backend.array_to_host(array)[1:3] == 2.5).all()
     as_float = np.zeros((5, 7), np.float64)
     kernels.assign(np, as_float, array)
-    np.testing.assert_array_equal(as_float, kernels.to_module(np, array).astype(np.float64))
+    np.testing.assert_array_equal(as_float, cuda_backend.array_to_host(array).astype(np.float64))
 
 
 def test_arange_in_bfloat16_on_a_gpu(cupy: Any) -> None:
@@ -536,5 +538,5 @@ def test_arange_in_bfloat16_on_a_gpu(cupy: Any) -> None:
     array = _gpu_tensor(cupy, np.zeros(expected.shape), dtypes.bfloat16)
     kernels.assign(cupy, array, values)
     np.testing.assert_array_equal(
-        kernels.to_module(np, array).view(np.uint16), expected.view(np.uint16)
+        cuda_backend.array_to_host(array).view(np.uint16), expected.view(np.uint16)
     )

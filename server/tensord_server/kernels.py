@@ -111,25 +111,26 @@ def assign(xp: Any, dst: Any, src: Any) -> None:
 
 
 def to_module(xp: Any, array: Any) -> Any:
-    """``array`` as an array of module ``xp``.
+    """``array`` ready to be assigned into an array of module ``xp``.
 
-    To the host: a GPU array is copied through the backend's pinned staging.
-    To a GPU: the array is returned as it is, because only the destination
-    knows which GPU it is on: :func:`assign` moves it there.
+    A source on another device is returned as it is: only :func:`assign` knows
+    the destination, and moves the bytes straight into it (one DMA from or into
+    a pinned cpu pool; pinned staging or a peer copy otherwise) rather than
+    through a temporary on the way.  Anything else becomes an ``xp`` array.
     """
-    if xp is not np:
+    if _on_gpu(array) or (xp is not np and isinstance(array, np.ndarray)):
         return array
-    if _on_gpu(array):
-        return _cuda().array_to_host(array)
-    return np.asarray(array)
+    return xp.asarray(array)
 
 
 def contiguous_bytes(xp: Any, array: Any) -> Any:
-    """The elements of ``array`` in logical (row-major) order, as a flat uint8 array."""
+    """The elements of ``array`` in logical (row-major) order, as a flat uint8 NumPy array
+    (gathered on its GPU and copied to the host when it lives on one: for downloads)."""
     if _on_gpu(array):
-        array = getattr(array, "bits", array)  # a BFloat16Array's bytes are its bits'
-    flat = xp.ascontiguousarray(array).reshape(-1)
-    return flat.view(xp.uint8)
+        bits = getattr(array, "bits", array)  # a BFloat16Array's bytes are its bits'
+        return _cuda().array_to_host(bits).reshape(-1).view(np.uint8)
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8)
 
 
 # ---------------------------------------------------------------------------
