@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from rpc_errors import rpc_error, torch_error
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 torch = pytest.importorskip("torch")
@@ -29,19 +30,6 @@ def _check(stub, meta, expected) -> None:
     assert meta.dtype == str(expected.dtype).removeprefix("torch.")
     got = _values(stub, meta)
     assert torch.equal(got, expected), (got, expected)
-
-
-def _error(call):
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    trailer = dict(info.value.trailing_metadata() or ())
-    return info.value.code(), info.value.details(), trailer.get("tensord-error-type")
-
-
-def _torch_error(call):
-    with pytest.raises(Exception) as info:
-        call()
-    return type(info.value).__name__, str(info.value)
 
 
 def _transposed(stub, shape=(3, 4), dtype=np.float32):
@@ -164,10 +152,10 @@ def test_copy_broadcasts_and_converts(stub) -> None:
 def test_copy_shape_errors_match_torch(stub, dst_shape, src_shape) -> None:
     dst = stub.Empty(pb.EmptyRequest(shape=dst_shape), metadata=stub.md)
     src = stub.Empty(pb.EmptyRequest(shape=src_shape), metadata=stub.md)
-    code, details, kind = _error(
+    code, details, kind = rpc_error(
         lambda: stub.Copy(pb.CopyRequest(dst=dst.handle, src=src.handle), metadata=stub.md)
     )
-    want = _torch_error(lambda: torch.zeros(dst_shape).copy_(torch.zeros(src_shape)))
+    want = torch_error(lambda: torch.zeros(dst_shape).copy_(torch.zeros(src_shape)))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert (kind, details) == want
 
@@ -177,8 +165,8 @@ def test_copy_overlap_rules_match_torch(stub) -> None:
     (head,) = stub.view(base, narrow=pb.Narrow(dim=0, start=0, length=9))
     (tail,) = stub.view(base, narrow=pb.Narrow(dim=0, start=1, length=9))
     a = torch.arange(10.0)
-    want = _torch_error(lambda: a[1:].copy_(a[:-1]))
-    code, details, kind = _error(
+    want = torch_error(lambda: a[1:].copy_(a[:-1]))
+    code, details, kind = rpc_error(
         lambda: stub.Copy(pb.CopyRequest(dst=tail.handle, src=head.handle), metadata=stub.md)
     )
     assert (code, kind, details) == (grpc.StatusCode.INVALID_ARGUMENT, *want)
@@ -186,8 +174,8 @@ def test_copy_overlap_rules_match_torch(stub) -> None:
     small = stub.upload(np.zeros(3, dtype=np.float32))
     (expanded,) = stub.view(small, expand=pb.Expand(shape=[2, 3]))
     ones = stub.upload(np.ones((2, 3), dtype=np.float32))
-    want = _torch_error(lambda: torch.zeros(3).expand(2, 3).copy_(torch.ones(2, 3)))
-    code, details, kind = _error(
+    want = torch_error(lambda: torch.zeros(3).expand(2, 3).copy_(torch.ones(2, 3)))
+    code, details, kind = rpc_error(
         lambda: stub.Copy(pb.CopyRequest(dst=expanded.handle, src=ones.handle), metadata=stub.md)
     )
     assert (code, kind, details) == (grpc.StatusCode.INVALID_ARGUMENT, *want)
@@ -209,10 +197,10 @@ def test_repeat_matches_torch(stub) -> None:
     for repeats in ([2, 1], [1, 2, 3], [0, 2]):
         out = stub.Repeat(pb.RepeatRequest(handle=t.handle, repeats=repeats), metadata=stub.md)
         _check(stub, out, _t(array).t().repeat(*repeats))
-    _code, details, kind = _error(
+    _code, details, kind = rpc_error(
         lambda: stub.Repeat(pb.RepeatRequest(handle=t.handle, repeats=[2]), metadata=stub.md)
     )
-    assert (kind, details) == _torch_error(lambda: _t(array).repeat(2))
+    assert (kind, details) == torch_error(lambda: _t(array).repeat(2))
 
 
 def test_cat_and_stack_promote_like_torch(stub) -> None:
@@ -248,12 +236,12 @@ def test_cat_and_stack_promote_like_torch(stub) -> None:
 )
 def test_cat_stack_errors_match_torch(stub, method, shapes, dim) -> None:
     handles = [stub.Empty(pb.EmptyRequest(shape=s), metadata=stub.md).handle for s in shapes]
-    code, details, kind = _error(
+    code, details, kind = rpc_error(
         lambda: getattr(stub, method)(pb.CatRequest(handles=handles, dim=dim), metadata=stub.md)
     )
     op = torch.cat if method == "Cat" else torch.stack
     assert code is grpc.StatusCode.INVALID_ARGUMENT
-    assert (kind, details) == _torch_error(lambda: op([torch.zeros(s) for s in shapes], dim))
+    assert (kind, details) == torch_error(lambda: op([torch.zeros(s) for s in shapes], dim))
 
 
 def test_fill_zero_and_setitem(stub) -> None:
@@ -280,7 +268,7 @@ def test_fill_zero_and_setitem(stub) -> None:
     expected[0] = torch.tensor([[9.5, 8.5, 7.5, 6.5]])
     _check(stub, base, expected)
     bad = stub.upload(np.ones(3, dtype=np.float32))
-    _code, details, kind = _error(
+    _code, details, kind = rpc_error(
         lambda: stub.SetItem(
             pb.SetItemRequest(
                 handle=base.handle, index=[pb.IndexItem(integer=0)], src_handle=bad.handle
@@ -292,7 +280,7 @@ def test_fill_zero_and_setitem(stub) -> None:
     def torch_setitem():
         expected[0] = torch.ones(3)
 
-    assert (kind, details) == _torch_error(torch_setitem)
+    assert (kind, details) == torch_error(torch_setitem)
     stub.Fill(pb.FillRequest(handle=base.handle, value=pb.Scalar(int_value=0)), metadata=stub.md)
     _check(stub, base, torch.zeros(3, 4, dtype=torch.int32))
 
@@ -327,7 +315,7 @@ def test_fill_converts_like_torch(stub, dtype, value, python) -> None:
 )
 def test_fill_overflow_matches_torch(stub, dtype, value) -> None:
     meta = stub.Empty(pb.EmptyRequest(shape=[2], dtype=dtype), metadata=stub.md)
-    code, details, kind = _error(
+    code, details, kind = rpc_error(
         lambda: stub.Fill(pb.FillRequest(handle=meta.handle, value=value), metadata=stub.md)
     )
     python_value = {
@@ -335,7 +323,7 @@ def test_fill_overflow_matches_torch(stub, dtype, value) -> None:
         "float_value": value.float_value,
         "complex_value": complex(value.complex_value.real, value.complex_value.imag),
     }[value.WhichOneof("value")]
-    want = _torch_error(lambda: torch.zeros(2, dtype=getattr(torch, dtype)).fill_(python_value))
+    want = torch_error(lambda: torch.zeros(2, dtype=getattr(torch, dtype)).fill_(python_value))
     assert (code, kind, details) == (grpc.StatusCode.INVALID_ARGUMENT, *want)
 
 
@@ -395,5 +383,5 @@ def test_arange_matches_torch(stub, start, end, step, dtype) -> None:
 @pytest.mark.parametrize(("start", "end", "step"), [(0, 10, 0), (10, 0, 1), (0, float("inf"), 1)])
 def test_arange_errors_match_torch(stub, start, end, step) -> None:
     request = pb.ArangeRequest(start=_scalar(start), end=_scalar(end), step=_scalar(step))
-    _code, details, kind = _error(lambda: stub.Arange(request, metadata=stub.md))
-    assert (kind, details) == _torch_error(lambda: torch.arange(start, end, step))
+    _code, details, kind = rpc_error(lambda: stub.Arange(request, metadata=stub.md))
+    assert (kind, details) == torch_error(lambda: torch.arange(start, end, step))

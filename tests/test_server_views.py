@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from rpc_errors import rpc_error, torch_error
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 torch = pytest.importorskip("torch")
@@ -136,19 +137,6 @@ def test_int_tensor_cannot_require_grad(stub) -> None:
     )
 
 
-def _error(call):
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    trailer = dict(info.value.trailing_metadata() or ())
-    return info.value.code(), info.value.details(), trailer.get("tensord-error-type")
-
-
-def _torch_error(call):
-    with pytest.raises(Exception) as info:
-        call()
-    return type(info.value).__name__, str(info.value)
-
-
 @pytest.mark.parametrize(
     ("field", "message", "torch_op"),
     [
@@ -168,7 +156,7 @@ def test_view_errors_carry_torch_type_and_text(stub, field, message, torch_op) -
     array, base = _base(stub)
     if field == "view":  # the non-viewable case needs a transposed base
         (base,) = stub.view(base, transpose=pb.Transpose(dim0=0, dim1=2))
-    code, details, error_type = _error(lambda: stub.view(base, **{field: message}))
-    want_type, want_text = _torch_error(lambda: torch_op(torch.from_numpy(array)))
+    code, details, error_type = rpc_error(lambda: stub.view(base, **{field: message}))
+    want_type, want_text = torch_error(lambda: torch_op(torch.from_numpy(array)))
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert (error_type, details) == (want_type, want_text)
