@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import tensord
+from google.protobuf.message import DecodeError, Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord.errors import UnauthenticatedError
+from tensord.errors import InvalidArgumentError, UnauthenticatedError
 
-from tensord_server import status
+from tensord_server import limits, status
 from tensord_server.kernels import Scalar
 from tensord_server.server import (
     DEFAULT_CHUNK_BYTES,
@@ -28,6 +29,8 @@ from tensord_server.server import (
     ViewOp,
 )
 from tensord_server.sessions import Session
+
+M = TypeVar("M", bound=Message)
 
 SERVICE_NAME = "tensord.v1.Tensord"
 SESSION_KEY = "tensord-session"
@@ -375,7 +378,7 @@ class TensordService:
         raw_header = _metadata(context, UPLOAD_HEADER_KEY)
         if raw_header is None:
             raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
-        header = pb.UploadHeader.FromString(raw_header)
+        header = decode_message(pb.UploadHeader, raw_header)
         return encode_meta(
             self.daemon.upload(
                 session,
@@ -461,6 +464,39 @@ _HANDLER_FACTORIES = {
 }
 
 
+def decode_message(cls: type[M], data: bytes) -> M:
+    """A request message from the wire; malformed bytes are the caller's fault (INVALID_ARGUMENT)."""
+    try:
+        message = cls.FromString(data)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"malformed {cls.DESCRIPTOR.full_name}: {exc}") from None
+    limits.check_request(message)  # bounded before anything reaches the pool
+    return message
+
+
+def _decoding(behavior: Callable[..., Any], cls: type[Message], streaming: bool) -> Any:
+    """Parse requests inside the handler, not in gRPC's deserializer.
+
+    gRPC answers a deserializer's exception with INTERNAL ("Exception
+    deserializing request!"), which would blame the server for a client's garbage.
+    """
+    if streaming:
+
+        def each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            return behavior((decode_message(cls, r) for r in requests), context)
+
+        return each
+
+    def one(request: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            message = decode_message(cls, request)
+        except InvalidArgumentError as exc:
+            status.abort(context, exc)
+        return behavior(message, context)
+
+    return one
+
+
 def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]:
     """One handler per RPC the schema declares, with its streaming kind and (de)serializers."""
     handlers = {}
@@ -468,11 +504,12 @@ def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        behavior = getattr(service, method.name)
+        if method.name not in RAW_REQUEST_METHODS:
+            behavior = _decoding(behavior, request_cls, method.client_streaming)
         handlers[method.name] = factory(
-            getattr(service, method.name),
-            request_deserializer=None
-            if method.name in RAW_REQUEST_METHODS
-            else request_cls.FromString,
+            behavior,
+            request_deserializer=None,  # raw bytes: _decoding parses them
             response_serializer=None
             if method.name in RAW_RESPONSE_METHODS
             else response_cls.SerializeToString,
