@@ -1,0 +1,158 @@
+"""Stress: several client processes x threads issuing mixed ops through the SDK.
+
+Views, copies, transfers, sharing, frees and deliberate errors for a fixed time,
+then: the pool's invariants hold, allocated bytes equal the sum of the live
+Storages' blocks, and once every client has left, allocated is 0.
+
+Bounded by ``TENSORD_STRESS_SECONDS`` (default 12, the CI setting; e.g. 300 for a
+long run); ``TENSORD_STRESS_PROCS`` x ``TENSORD_STRESS_THREADS`` clients (3 x 3).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+from conftest import wait_until
+
+STRESS_SECONDS = float(os.environ.get("TENSORD_STRESS_SECONDS", "12"))
+PROCS = int(os.environ.get("TENSORD_STRESS_PROCS", "3"))
+THREADS = int(os.environ.get("TENSORD_STRESS_THREADS", "3"))
+
+CHILD = textwrap.dedent(
+    """
+    import random, sys, threading, time
+    import numpy as np
+    import tensord
+
+    address, seconds, threads, seed = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    client = tensord.connect(address)
+    counts = {"ops": 0, "errors": 0}
+    lock = threading.Lock()
+    failures = []
+
+    def worker(k):
+        rng = random.Random(seed * 100 + k)
+        kept = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            op = rng.randrange(10)
+            try:
+                if op == 0 or not kept:
+                    n = rng.choice((1, 16, 1000, 1 << 16))
+                    a = np.arange(n, dtype=np.float32)
+                    t = client.tensor(a)
+                    kept.append((t, a))
+                elif op == 1:
+                    t, a = rng.choice(kept)
+                    assert np.array_equal(t.numpy(), a), "bytes changed"
+                elif op == 2:
+                    t, a = rng.choice(kept)
+                    kept.append((t.clone(), a.copy()))
+                elif op == 3:
+                    t, a = rng.choice(kept)
+                    n = a.shape[0]
+                    kept.append((t.narrow(0, 0, max(n // 2, 1)), a[: max(n // 2, 1)]))
+                elif op == 4:
+                    t, a = rng.choice(kept)
+                    if a.ndim == 1 and a.shape[0] % 4 == 0:
+                        kept.append((t.view(4, -1).t().contiguous(), a.reshape(4, -1).T.copy()))
+                elif op == 5:
+                    t, a = rng.choice(kept)
+                    kept.append((client.attach(t.share()), a))
+                elif op == 6 and len(kept) > 1:
+                    kept.pop(rng.randrange(len(kept)))
+                elif op == 7:
+                    t, a = rng.choice(kept)
+                    kept.append((t.to(dtype=tensord.float64), a.astype(np.float64)))
+                elif op == 8:
+                    t, a = rng.choice(kept)
+                    try:
+                        t.view(-1, 7, 3, 5)  # deliberate error
+                    except RuntimeError:
+                        with lock:
+                            counts["errors"] += 1
+                    try:
+                        client.empty(1 << 40)  # deliberate OOM
+                    except RuntimeError:
+                        with lock:
+                            counts["errors"] += 1
+                else:
+                    t, a = rng.choice(kept)
+                    kept.append((client.cat([t, t]), np.concatenate([a, a])))
+                if len(kept) > 24:
+                    del kept[: len(kept) - 24]
+                with lock:
+                    counts["ops"] += 1
+            except Exception as exc:
+                failures.append(repr(exc))
+                return
+
+    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    print(counts["ops"], counts["errors"], len(failures), failures[:3], flush=True)
+    client.close()
+    """
+)
+
+
+def allocated(server: Any) -> int:
+    return sum(
+        int(d.pool.memory_stats()["allocated_bytes.all.current"]) for d in server.daemon.devices
+    )
+
+
+def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -> None:
+    server = make_server(devices=("cpu=512MiB",))
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                server.address,
+                str(STRESS_SECONDS),
+                str(THREADS),
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(PROCS)
+    ]
+    ops = errors = 0
+    for child in children:
+        out, err = child.communicate(timeout=STRESS_SECONDS + 120)
+        assert child.returncode == 0, err
+        done, deliberate, failed, first = out.strip().split(" ", 3)
+        assert failed == "0", first
+        ops += int(done)
+        errors += int(deliberate)
+    print(f"stress: {PROCS} processes x {THREADS} threads, {ops} ops, {errors} deliberate errors")
+    assert ops > PROCS * THREADS
+    for device in server.daemon.devices:
+        device.pool.assert_invariants()
+    # every client closed its session: nothing is left
+    assert wait_until(lambda: allocated(server) == 0, 30.0)
+    assert len(server.daemon.storages) == 0
+    assert server.daemon.sessions.session_ids() == []
+
+
+def test_allocated_equals_the_live_storages_blocks_mid_run(make_server) -> None:
+    import tensord
+
+    server = make_server()
+    with tensord.connect(server.address) as client:
+        kept = [client.zeros(n) for n in (1, 100, 300_000, 5_000_000)]
+        kept.append(kept[2].clone().narrow(0, 5, 10))
+        live = sum(s.block.size for s in server.daemon.storages.live())
+        assert allocated(server) == live > 0
+        del kept
+    assert wait_until(lambda: allocated(server) == 0, 30.0)
