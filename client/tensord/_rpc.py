@@ -25,6 +25,8 @@ from tensord._proto.tensord.v1 import tensord_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "TENSORD_ADDRESS"
+TOKEN_ENV = "TENSORD_TOKEN"
+AUTHORIZATION_KEY = "authorization"
 SESSION_KEY = "tensord-session"
 ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
@@ -86,6 +88,11 @@ def resolve_address(address: str | None) -> str:
     return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
 
 
+def resolve_token(token: str | None) -> str | None:
+    """The token argument, else ``$TENSORD_TOKEN``, else None (no authorization sent)."""
+    return token or os.environ.get(TOKEN_ENV) or None
+
+
 def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[errors.TensordError]:
     """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
     base = (
@@ -133,8 +140,19 @@ class Connection:
     Thread-safe: gRPC channels are, and the session id only changes under ``_lock``.
     """
 
-    def __init__(self, address: str, *, timeout: float, client_name: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float,
+        client_name: str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.address = address
+        # sent with every call, the session-less ones included
+        self._auth: tuple[tuple[str, str], ...] = (
+            ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
+        )
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -182,7 +200,7 @@ class Connection:
     # ---- calls ---------------------------------------------------------------------
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SESSION_KEY, self.session_id),)
+        return ((SESSION_KEY, self.session_id), *self._auth)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -193,7 +211,7 @@ class Connection:
     ) -> Any:
         self._check_open()
         stub_method = getattr(self._stub, method)
-        metadata = self.metadata() if session else ()
+        metadata = self.metadata() if session else self._auth
         return _call(lambda: stub_method(request, metadata=metadata, timeout=timeout))
 
     def call(self, method: str, request: Any) -> Any:
@@ -288,7 +306,9 @@ class Connection:
             client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
         )
         with contextlib.suppress(grpc.RpcError):
-            response = self._stub.OpenSession(request, timeout=max(self.lease_seconds, 1.0))
+            response = self._stub.OpenSession(
+                request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
+            )
             with self._lock:
                 self.session_id = response.session_id
 

@@ -17,17 +17,22 @@ import numpy as np
 
 from tensord import _convert, dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord._rpc import Connection, resolve_address
+from tensord._rpc import Connection, resolve_address, resolve_token
 from tensord.dtypes import DType
 from tensord.tensor import Meta, Tensor, as_dtype, device_name, scalar_pb, shape_args
 
 
-def connect(address: str | None = None, *, timeout: float = 10.0) -> Client:
+def connect(
+    address: str | None = None, *, timeout: float = 10.0, token: str | None = None
+) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
 
-    Raises :class:`tensord.UnavailableError` (a ConnectionError) when no server answers in time.
+    ``token`` (else ``$TENSORD_TOKEN``) is sent as ``authorization: Bearer <token>``
+    to a server started with ``--auth-tokens``.  Raises :class:`tensord.UnavailableError`
+    (a ConnectionError) when no server answers in time, :class:`tensord.UnauthenticatedError`
+    when the server refuses the token.
     """
-    return Client(address, timeout=timeout)
+    return Client(address, timeout=timeout, token=token)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -37,8 +42,12 @@ def _dtype_name(dtype: Any) -> str:
 class Client:
     """One session on a tensord server.  Thread-safe; a context manager that closes the session."""
 
-    def __init__(self, address: str | None = None, *, timeout: float = 10.0) -> None:
-        self._conn = Connection(resolve_address(address), timeout=timeout)
+    def __init__(
+        self, address: str | None = None, *, timeout: float = 10.0, token: str | None = None
+    ) -> None:
+        self._conn = Connection(
+            resolve_address(address), timeout=timeout, token=resolve_token(token)
+        )
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
         # exit closes its session, so the server frees its memory now rather than after the
         # grace.  The finalizer holds the connection, not the client.

@@ -15,6 +15,7 @@ from types import FrameType
 
 from tensord.errors import FailedPreconditionError
 
+from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
@@ -70,6 +71,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_MAX_WORKERS})",
     )
 
+    parser.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="require 'authorization: Bearer TOKEN' on every call; FILE has one 'TOKEN TENANT' "
+        "per line (# comments); sessions, share tokens and names are scoped to the tenant",
+    )
+    parser.add_argument(
+        "--max-handles-per-session",
+        type=int,
+        metavar="N",
+        help="refuse a session's new handle once it holds N (RESOURCE_EXHAUSTED; default: none)",
+    )
+    parser.add_argument(
+        "--insecure-allow-remote",
+        action="store_true",
+        help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
+        "it can use it)",
+    )
+
+
+# Hosts that only this machine can reach.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def is_loopback(address: str) -> bool:
+    """True for a unix: socket or a loopback host (anything else may be reachable remotely)."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def mode_line(address: str, authenticated: bool) -> str:
+    """What the operator should know at start: who can connect."""
+    if authenticated:
+        return "tensord mode: authenticated (bearer tokens, tenants)"
+    if is_loopback(address):
+        return "tensord mode: unauthenticated, loopback only"
+    return "tensord mode: UNAUTHENTICATED on a non-loopback address (--insecure-allow-remote)"
+
 
 def shown_address(requested: str, port: int) -> str:
     """The address clients should use: the requested host with the real port."""
@@ -81,10 +122,31 @@ def shown_address(requested: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if (
+        args.auth_tokens is None
+        and not is_loopback(args.address)
+        and not args.insecure_allow_remote
+    ):
+        print(
+            f"tensord serve: refusing to listen on {args.address} without --auth-tokens "
+            "(pass --insecure-allow-remote to do it anyway)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.max_handles_per_session is not None and args.max_handles_per_session < 1:
+        print("tensord serve: --max-handles-per-session must be >= 1", file=sys.stderr)
+        return 2
     try:
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
-        daemon = Daemon(specs, session_grace=args.session_grace, lease=args.lease)
-    except (ValueError, FailedPreconditionError) as exc:
+        tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
+        daemon = Daemon(
+            specs,
+            session_grace=args.session_grace,
+            lease=args.lease,
+            auth_tokens=tokens,
+            max_handles_per_session=args.max_handles_per_session,
+        )
+    except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
     try:
@@ -102,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"tensord listening on {shown_address(args.address, port)}", flush=True)
+    print(mode_line(args.address, tokens is not None), flush=True)
     while not stop.wait(1.0):  # a timed wait keeps signal delivery prompt
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)

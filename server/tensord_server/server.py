@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -125,10 +125,16 @@ class Daemon:
         *,
         session_grace: float = DEFAULT_GRACE_S,
         lease: float = DEFAULT_LEASE_S,
+        auth_tokens: Mapping[str, str] | None = None,
+        max_handles_per_session: int | None = None,
     ) -> None:
         self.devices = DeviceTable(devices)
         self.storages = StorageRegistry()
-        self.sessions = SessionManager(self.storages, grace=session_grace, lease=lease)
+        self.sessions = SessionManager(
+            self.storages, grace=session_grace, lease=lease, max_handles=max_handles_per_session
+        )
+        # token -> tenant; None: no authentication, every caller is tenant ""
+        self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
 
     def start(self) -> None:
         self.sessions.start_reaper()

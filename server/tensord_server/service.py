@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError, UnauthenticatedError
 
-from tensord_server import limits, status
+from tensord_server import auth, limits, status
 from tensord_server.kernels import Scalar
 from tensord_server.server import (
     DEFAULT_CHUNK_BYTES,
@@ -162,6 +162,7 @@ def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            self._tenant(context)  # every call authenticates first
             return handler(self, request, context)
         except Exception as exc:
             status.abort(context, exc)
@@ -173,6 +174,7 @@ def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
+            self._tenant(context)
             yield from handler(self, request, context)
         except Exception as exc:
             status.abort(context, exc)
@@ -186,6 +188,13 @@ class TensordService:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
+    def _tenant(self, context: grpc.ServicerContext) -> str:
+        """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
+        tokens = self.daemon.auth_tokens
+        if tokens is None:
+            return ""
+        return auth.tenant_of(tokens, _metadata(context, auth.AUTHORIZATION_KEY))
+
     def _session(self, context: grpc.ServicerContext) -> Session:
         session_id = _metadata(context, SESSION_KEY)
         if not session_id:
@@ -194,7 +203,7 @@ class TensordService:
             )
         if isinstance(session_id, bytes):
             session_id = session_id.decode("ascii", "replace")
-        return self.daemon.sessions.get(session_id)
+        return self.daemon.sessions.get(session_id, self._tenant(context))
 
     # -- sessions ---------------------------------------------------------------
 
@@ -215,7 +224,9 @@ class TensordService:
     @_unary
     def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         sessions = self.daemon.sessions
-        session, resumed = sessions.open(request.client_name, request.resume_session_id)
+        session, resumed = sessions.open(
+            request.client_name, request.resume_session_id, self._tenant(context)
+        )
         return pb.OpenSessionResponse(
             session_id=session.id,
             lease_seconds=sessions.lease,
@@ -418,14 +429,14 @@ class TensordService:
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
-        self._session(context)
-        self.daemon.sessions.delete_name(request.name)
+        session = self._session(context)
+        self.daemon.sessions.delete_name(request.name, session.tenant)
         return pb.DeleteNameResponse()
 
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
-        self._session(context)
-        return pb.ListNamesResponse(names=self.daemon.sessions.names())
+        session = self._session(context)
+        return pb.ListNamesResponse(names=self.daemon.sessions.names(session.tenant))
 
     # -- the pool -------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ it held.  OpenSession(resume_session_id=...) before then brings it back whole.
 Handle ids and share tokens are capabilities (``secrets.token_urlsafe``), looked
 up only in the table of the session presenting them: a foreign handle is as
 unknown as a made-up one.
+
+Tenants (``--auth-tokens``): every session belongs to the tenant its caller
+authenticated as ("" without authentication).  A session, share token or name
+of another tenant is NOT_FOUND, as if it did not exist.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tensord.errors import NotFoundError
+from tensord.errors import NotFoundError, ResourceExhaustedError
 
 from tensord_server.status import AlreadyExistsError
 from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
@@ -53,6 +57,7 @@ class Session:
     id: str
     client_name: str
     last_seen: float  # monotonic time of the last call or heartbeat
+    tenant: str = ""  # who authenticated it; its tokens and names are that tenant's
     handles: dict[str, TensorRef] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)  # share tokens this session issued
     streams: int = 0  # open KeepAlive streams
@@ -77,6 +82,7 @@ class SessionManager:
         *,
         grace: float = DEFAULT_GRACE_S,
         lease: float = DEFAULT_LEASE_S,
+        max_handles: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace < 0 or lease <= 0:
@@ -84,36 +90,40 @@ class SessionManager:
         self.storages = storages
         self.grace = grace
         self.lease = lease
+        self.max_handles = max_handles  # live handles per session (None: no limit)
         self._clock = clock
         self._lock = threading.Lock()  # guards the three dicts and every Session's fields
         self._sessions: dict[str, Session] = {}
-        self._tokens: dict[str, tuple[str, TensorRef]] = {}  # token -> (session id, tensor)
-        self._names: dict[str, TensorRef] = {}
+        # token -> (issuing session id, its tenant, tensor)
+        self._tokens: dict[str, tuple[str, str, TensorRef]] = {}
+        self._names: dict[tuple[str, str], TensorRef] = {}  # (tenant, name) -> tensor
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
     # -- sessions -------------------------------------------------------------
 
-    def open(self, client_name: str = "", resume_id: str = "") -> tuple[Session, bool]:
+    def open(
+        self, client_name: str = "", resume_id: str = "", tenant: str = ""
+    ) -> tuple[Session, bool]:
         """A new session, or the one ``resume_id`` names if it is still within its grace."""
         now = self._clock()
         with self._lock:
             if resume_id:
                 session = self._sessions.get(resume_id)
-                if session is None:
+                if session is None or session.tenant != tenant:
                     raise NotFoundError("unknown session")
                 session.last_seen = now
                 session.stream_ended_at = None
                 return session, True
-            session = Session(new_capability(), client_name, last_seen=now)
+            session = Session(new_capability(), client_name, last_seen=now, tenant=tenant)
             self._sessions[session.id] = session
             return session, False
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, tenant: str = "") -> Session:
         """The live session of a call (renewing its lease); NotFoundError otherwise."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None:
+            if session is None or session.tenant != tenant:
                 raise NotFoundError("unknown session")
             session.last_seen = self._clock()
             # a call proves the client alive after its stream broke: it lives on its lease
@@ -219,6 +229,11 @@ class SessionManager:
         with self._lock:
             if self._sessions.get(session.id) is not session:
                 raise NotFoundError("unknown session")
+            if self.max_handles is not None and len(session.handles) >= self.max_handles:
+                raise ResourceExhaustedError(
+                    f"this session holds {len(session.handles)} handles, the limit "
+                    f"(--max-handles-per-session {self.max_handles}); release some first"
+                )
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
         return handle
@@ -257,16 +272,16 @@ class SessionManager:
         with self._lock:
             ref = self._lookup(session, handle)
             self.storages.incref(ref.storage)
-            self._tokens[token] = (session.id, ref)
+            self._tokens[token] = (session.id, session.tenant, ref)
             session.tokens.add(token)
         return token
 
     def attach(self, session: Session, token: str) -> tuple[str, TensorRef]:
         with self._lock:
             entry = self._tokens.get(token)
-            if entry is None:
+            if entry is None or entry[1] != session.tenant:
                 raise NotFoundError("unknown share token")
-            ref = entry[1]
+            ref = entry[2]
             self.storages.incref(ref.storage)  # a pin for register()
         try:
             return self.register(session, ref), ref
@@ -278,17 +293,18 @@ class SessionManager:
             raise ValueError("a tensor name must not be empty")
         with self._lock:
             ref = self._lookup(session, handle)
-            old = self._names.get(name)
+            key = (session.tenant, name)
+            old = self._names.get(key)
             if old is not None and not overwrite:
                 raise AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
             self.storages.incref(ref.storage)
-            self._names[name] = ref
+            self._names[key] = ref
         if old is not None:
             self.storages.decref(old.storage)
 
     def get_name(self, session: Session, name: str) -> tuple[str, TensorRef]:
         with self._lock:
-            ref = self._names.get(name)
+            ref = self._names.get((session.tenant, name))
             if ref is None:
                 raise NotFoundError(f"no tensor named {name!r}")
             self.storages.incref(ref.storage)  # a pin for register()
@@ -297,16 +313,16 @@ class SessionManager:
         finally:
             self.storages.decref(ref.storage)
 
-    def delete_name(self, name: str) -> None:
+    def delete_name(self, name: str, tenant: str = "") -> None:
         with self._lock:
-            ref = self._names.pop(name, None)
+            ref = self._names.pop((tenant, name), None)
         if ref is None:
             raise NotFoundError(f"no tensor named {name!r}")
         self.storages.decref(ref.storage)
 
-    def names(self) -> list[str]:
+    def names(self, tenant: str = "") -> list[str]:
         with self._lock:
-            return sorted(self._names)
+            return sorted(name for owner, name in self._names if owner == tenant)
 
     # -- internals (call with the lock held, except _decref_all) ------------------
 
@@ -322,7 +338,7 @@ class SessionManager:
         for token in session.tokens:
             entry = self._tokens.pop(token, None)
             if entry is not None:
-                refs.append(entry[1])
+                refs.append(entry[2])
         session.tokens.clear()
         return refs
 

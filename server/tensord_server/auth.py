@@ -1,0 +1,62 @@
+"""Bearer-token authentication: the ``--auth-tokens`` file and the check of each call.
+
+The file maps tokens to tenants, one per line::
+
+    # comments and blank lines are ignored
+    <token> <tenant>
+
+A token is any run of non-blank characters (use at least 128 random bits, e.g.
+``python -c "import secrets; print(secrets.token_urlsafe(32))"``); a tenant is a
+name.  Several tokens may name one tenant.  Clients send
+``authorization: Bearer <token>`` with every call.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tensord.errors import UnauthenticatedError
+
+AUTHORIZATION_KEY = "authorization"
+BEARER = "Bearer "
+
+
+def parse_tokens(lines: Sequence[str]) -> dict[str, str]:
+    """token -> tenant from the file's lines; ValueError naming the first bad line."""
+    tokens: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        parts = text.split()
+        if len(parts) != 2:
+            raise ValueError(f"auth tokens line {number}: expected 'TOKEN TENANT'")
+        token, tenant = parts
+        if token in tokens:
+            raise ValueError(f"auth tokens line {number}: a token appears twice")
+        tokens[token] = tenant
+    if not tokens:
+        raise ValueError("the auth tokens file names no token")
+    return tokens
+
+
+def load_tokens(path: str | Path) -> dict[str, str]:
+    return parse_tokens(Path(path).read_text().splitlines())
+
+
+def tenant_of(tokens: Mapping[str, str], authorization: str | None) -> str:
+    """The tenant of an ``authorization`` header; UnauthenticatedError when missing or wrong."""
+    if not authorization:
+        raise UnauthenticatedError("missing authorization metadata (Bearer token)")
+    if not authorization.startswith(BEARER):
+        raise UnauthenticatedError("authorization must be 'Bearer <token>'")
+    presented = authorization[len(BEARER) :].strip().encode()
+    tenant = None
+    for token, owner in tokens.items():  # compare with every token, in constant time each
+        if hmac.compare_digest(token.encode(), presented):
+            tenant = owner
+    if tenant is None:
+        raise UnauthenticatedError("invalid token")
+    return tenant

@@ -1,0 +1,127 @@
+"""Authentication and tenants: bearer tokens, tenant-scoped sessions, share tokens and
+names, the per-session handle limit, and what `tensord serve` refuses and prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+import tensord
+from conftest import SessionStub, open_channel
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord_server.auth import parse_tokens, tenant_of
+
+TOKENS = {"tok-alice-1": "alice", "tok-alice-2": "alice", "tok-bob": "bob"}
+
+
+@pytest.fixture
+def auth_server(make_server):
+    return make_server(auth_tokens=TOKENS)
+
+
+def test_the_tokens_file_format() -> None:
+    assert parse_tokens(["# who", "", "  t1 alice ", "t2 bob"]) == {"t1": "alice", "t2": "bob"}
+    for bad in (["t1"], ["t1 a b"], ["t1 a", "t1 b"], ["# nothing"]):
+        with pytest.raises(ValueError):
+            parse_tokens(bad)
+    assert tenant_of(TOKENS, "Bearer tok-bob") == "bob"
+    for header in (None, "", "tok-bob", "Bearer nope", "Basic tok-bob"):
+        with pytest.raises(tensord.UnauthenticatedError):
+            tenant_of(TOKENS, header)
+
+
+def test_missing_or_wrong_tokens_are_unauthenticated(auth_server) -> None:
+    for token in (None, "wrong"):
+        with pytest.raises(tensord.UnauthenticatedError):
+            tensord.connect(auth_server.address, token=token)
+    with open_channel(auth_server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            SessionStub(channel)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_token_comes_from_the_environment(auth_server, monkeypatch) -> None:
+    monkeypatch.setenv("TENSORD_TOKEN", "tok-bob")
+    with tensord.connect(auth_server.address) as client:
+        assert client.arange(3).tolist() == [0, 1, 2]
+
+
+def test_names_tokens_and_sessions_are_scoped_to_the_tenant(auth_server) -> None:
+    alice = tensord.connect(auth_server.address, token="tok-alice-1")
+    alice2 = tensord.connect(auth_server.address, token="tok-alice-2")
+    bob = tensord.connect(auth_server.address, token="tok-bob")
+    try:
+        secret = alice.arange(5)
+        alice.put("w", secret)
+        token = secret.share()
+        # another tenant: as if they did not exist
+        with pytest.raises(tensord.NotFoundError):
+            bob.get("w")
+        with pytest.raises(tensord.NotFoundError):
+            bob.attach(token)
+        assert "w" not in bob.names()
+        bob.put("w", bob.zeros(2))  # bob's own "w", beside alice's
+        assert alice.get("w").tolist() == [0, 1, 2, 3, 4]
+        # the same tenant through another token shares as usual
+        assert alice2.get("w").tolist() == [0, 1, 2, 3, 4]
+        assert alice2.attach(token).tolist() == [0, 1, 2, 3, 4]
+        # alice's session id presented with bob's credentials is unknown
+        with open_channel(auth_server.address) as channel:
+            names = channel.unary_unary(
+                "/tensord.v1.Tensord/ListNames",
+                request_serializer=pb.ListNamesRequest.SerializeToString,
+                response_deserializer=pb.ListNamesResponse.FromString,
+            )
+            md = (("tensord-session", alice.session_id), ("authorization", "Bearer tok-bob"))
+            with pytest.raises(grpc.RpcError) as info:
+                names(pb.ListNamesRequest(), metadata=md)
+            assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        bob.delete("w")
+        assert alice.names() == ["w"]
+        alice.delete("w")
+    finally:
+        for client in (alice, alice2, bob):
+            client.close()
+
+
+def test_the_handle_limit_per_session_is_resource_exhausted(make_server) -> None:
+    server = make_server(max_handles_per_session=3)
+    with tensord.connect(server.address) as client:
+        kept = [client.zeros(1), client.zeros(2), client.zeros(3)]
+        with pytest.raises(tensord.ResourceExhaustedError, match="max-handles-per-session") as info:
+            client.zeros(4)
+        assert not isinstance(info.value, tensord.OutOfMemoryError)
+        del kept
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensord_server", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_serve_refuses_a_remote_bind_without_authentication() -> None:
+    result = _serve("--address", "0.0.0.0:0")
+    assert result.returncode == 2
+    assert "--auth-tokens" in result.stderr and "--insecure-allow-remote" in result.stderr
+
+
+def test_serve_says_which_mode_it_runs_in(tmp_path) -> None:
+    from tensord_server.serve import is_loopback, mode_line
+
+    assert is_loopback("127.0.0.1:0") and is_loopback("unix:/tmp/x") and is_loopback("[::1]:5")
+    assert not is_loopback("0.0.0.0:50051")
+    assert "loopback only" in mode_line("127.0.0.1:0", authenticated=False)
+    assert "authenticated" in mode_line("0.0.0.0:1", authenticated=True)
+    assert "UNAUTHENTICATED" in mode_line("0.0.0.0:1", authenticated=False)
+    bad = tmp_path / "tokens"
+    bad.write_text("only-a-token\n")
+    result = _serve("--address", "127.0.0.1:0", "--auth-tokens", str(bad))
+    assert result.returncode == 2
+    assert "TOKEN TENANT" in result.stderr
