@@ -125,3 +125,21 @@ def test_serve_says_which_mode_it_runs_in(tmp_path) -> None:
     result = _serve("--address", "127.0.0.1:0", "--auth-tokens", str(bad))
     assert result.returncode == 2
     assert "TOKEN TENANT" in result.stderr
+
+
+def test_a_unix_socket_is_private_to_the_servers_user(tmp_path) -> None:
+    import os
+    import stat
+
+    from tensord_server.server import Daemon, create_server
+
+    path = tmp_path / "tensord.sock"
+    daemon = Daemon(("cpu=64MiB",))
+    server, _ = create_server(f"unix:{path}", daemon=daemon)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with tensord.connect(f"unix:{path}") as client:
+            assert client.arange(2).tolist() == [0, 1]
+    finally:
+        server.stop(1.0).wait()
+        daemon.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ MAX_MESSAGE_BYTES = 256 << 20
 # optional KeepAlive stream holds a thread for as long as it is open).
 DEFAULT_MAX_WORKERS = 64
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# A unix: socket is readable and writable by the server's user only.
+UNIX_SOCKET_MODE = 0o600
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,6 +553,12 @@ def _add_health_and_reflection(server: grpc.Server) -> None:
     )
 
 
+def unix_socket_path(address: str) -> str:
+    """The filesystem path of ``unix:PATH`` or ``unix://PATH``."""
+    path = address.removeprefix("unix:")
+    return path[2:] if path.startswith("//") else path
+
+
 def create_server(
     address: str = "127.0.0.1:0",
     devices: Iterable[DeviceSpec | str] = ("cpu",),
@@ -582,6 +591,9 @@ def create_server(
     port = server.add_insecure_port(address)
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"cannot listen on {address}")
+    if address.startswith("unix:"):
+        # only the server's own user may connect (filesystem permissions are the access control)
+        os.chmod(unix_socket_path(address), UNIX_SOCKET_MODE)
     daemon.start()
     server.start()
     return server, port
