@@ -143,3 +143,25 @@ def test_a_unix_socket_is_private_to_the_servers_user(tmp_path) -> None:
     finally:
         server.stop(1.0).wait()
         daemon.close()
+
+
+def test_memory_stats_count_the_callers_tenant_only(auth_server) -> None:
+    with (
+        tensord.connect(auth_server.address, token="tok-alice-1") as alice,
+        tensord.connect(auth_server.address, token="tok-bob") as bob,
+    ):
+        kept = [alice.zeros(1000), alice.zeros(10)]
+        kept.append(kept[0].narrow(0, 0, 5))  # a view: the same Storage, counted once
+        alice.put("n", kept[1])
+        mine = alice.memory_stats()
+        assert mine["tenant.sessions.live"] == 1
+        assert mine["tenant.storages.live"] == 2
+        blocks = sum(s.block.size for s in auth_server.daemon.storages.live())
+        assert (
+            mine["tenant.allocated_bytes.current"] == blocks == mine["allocated_bytes.all.current"]
+        )
+        theirs = bob.memory_stats()
+        assert theirs["tenant.storages.live"] == 0
+        assert theirs["tenant.allocated_bytes.current"] == 0
+        alice.delete("n")
+        del kept

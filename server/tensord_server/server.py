@@ -483,12 +483,19 @@ class Daemon:
 
     # -- the pool ---------------------------------------------------------------
 
-    def memory_stats(self, device: str) -> dict[str, int | float]:
-        """torch's memory_stats() of the device's pool plus live counters (not torch's keys)."""
+    def memory_stats(self, device: str, tenant: str = "") -> dict[str, int | float]:
+        """torch's memory_stats() of the device's pool plus live counters (not torch's keys).
+
+        ``tenant.*`` counts the caller's own tenant only: what other tenants use is theirs.
+        """
         dev = self.device(device)
         stats: dict[str, int | float] = dict(dev.pool.memory_stats())
         stats["sessions.live"] = len(self.sessions.session_ids())
         stats["storages.live"] = sum(1 for s in self.storages.live() if s.device is dev)
+        sessions, storages, nbytes = self.sessions.tenant_usage(tenant, dev)
+        stats["tenant.sessions.live"] = sessions
+        stats["tenant.storages.live"] = storages
+        stats["tenant.allocated_bytes.current"] = nbytes
         return stats
 
     def memory_summary(self, device: str) -> str:

@@ -442,8 +442,8 @@ class TensordService:
 
     @_unary
     def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
-        self._session(context)
-        stats = self.daemon.memory_stats(request.device)
+        session = self._session(context)
+        stats = self.daemon.memory_stats(request.device, session.tenant)
         return pb.MemoryStatsResponse(
             counters={k: v for k, v in stats.items() if not isinstance(v, float)},
             ratios={k: v for k, v in stats.items() if isinstance(v, float)},
@@ -477,8 +477,9 @@ _HANDLER_FACTORIES = {
 
 def decode_message(cls: type[M], data: bytes) -> M:
     """A request message from the wire; malformed bytes are the caller's fault (INVALID_ARGUMENT)."""
+    message: M = cls()
     try:
-        message = cls.FromString(data)
+        message.ParseFromString(data)
     except DecodeError as exc:
         raise InvalidArgumentError(f"malformed {cls.DESCRIPTOR.full_name}: {exc}") from None
     limits.check_request(message)  # bounded before anything reaches the pool

@@ -85,7 +85,7 @@ def error_type_for(exc: BaseException) -> str:
     if isinstance(exc, errors.ResourceExhaustedError) and not isinstance(
         exc, errors.OutOfMemoryError
     ):
-        return errors.ResourceExhaustedError.__name__
+        return "ResourceExhaustedError"  # the class name the SDK looks up
     return builtin_type_name(exc)
 
 
