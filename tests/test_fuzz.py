@@ -361,3 +361,15 @@ def test_limits_refuse_oversized_requests(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Release(pb.ReleaseRequest(handles=["x"] * (limits.MAX_LIST_LEN + 1)), metadata=stub.md)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_arange_whose_size_overflows_is_invalid_argument(stub) -> None:
+    # found by the fuzzer: finite bounds, (end - start) / step overflows a double
+    def f(v: float) -> pb.Scalar:
+        return pb.Scalar(float_value=v)
+
+    request = pb.ArangeRequest(start=f(-1e308), end=f(1e308), step=f(5e-324), dtype="float64")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Arange(request, metadata=stub.md)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "invalid size, possible overflow?"

@@ -407,7 +407,12 @@ class Daemon:
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.arange_dtype(start, end, step)
         dev = self.device(device)
         with activate(dev):
-            values = kernels.arange_values(dev.xp, start, end, step, dt)
+            try:
+                values = kernels.arange_values(dev.xp, start, end, step, dt)
+            except OverflowError:
+                # finite bounds whose (end - start) / step overflows a double (found by fuzzing):
+                # torch's own text for a size it cannot represent
+                raise RuntimeError("invalid size, possible overflow?") from None
             with self._allocated(dev, Layout.contiguous(values.shape), dt, requires_grad) as out:
                 kernels.assign(dev.xp, self.array(out), values)
                 return self._issue(session, out)
