@@ -24,7 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensord", description="tensord: a networked tensor memory service")
+    parser = argparse.ArgumentParser(
+        prog="tensord", description="tensord: a networked tensor memory service"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
