@@ -173,8 +173,9 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     """``tensord serve`` on a free loopback port; returns the process and its address."""
     command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
     command += ["--device", args.device, "--session-grace", str(args.session_grace)]
-    # Each session holds a server thread for its KeepAlive stream; each user has one call
-    # in flight: room for both, so the pool of threads never starves calls.
+    # Each user has one call in flight, and its session's unary heartbeats come on top
+    # (sessions hold no thread since the KeepAlive stream became optional): twice the
+    # users leaves headroom, so calls never queue for a server thread.
     command += ["--max-workers", str(max(64, 2 * args.users + 16))]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
