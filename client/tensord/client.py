@@ -161,20 +161,20 @@ class Client:
     def zeros(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
-        return self.full(
-            shape_args(size),
-            0,
-            dtype=dtype or dtypes.float32,
-            device=device,
-            requires_grad=requires_grad,
-        )
+        return self._filled(size, 0, dtype, device, requires_grad)
 
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
+        return self._filled(size, 1, dtype, device, requires_grad)
+
+    def _filled(
+        self, size: tuple[Any, ...], value: int, dtype: Any, device: Any, requires_grad: bool
+    ) -> Tensor:
+        """zeros/ones: torch's default dtype (float32) unless one is given, unlike full()."""
         return self.full(
             shape_args(size),
-            1,
+            value,
             dtype=dtype or dtypes.float32,
             device=device,
             requires_grad=requires_grad,
