@@ -113,6 +113,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def server_allocated(server: Any) -> int:
+    """Bytes allocated across every pool of an in-process server (read on the server side)."""
+    return sum(
+        int(d.pool.memory_stats()["allocated_bytes.all.current"]) for d in server.daemon.devices
+    )
+
+
+def client_allocated(client: Any) -> int:
+    """Bytes allocated in the cpu pool, as a client sees it through memory_stats()."""
+    return int(client.memory_stats()["allocated_bytes.all.current"])
+
+
 @pytest.fixture(name="wait_until")
 def wait_until_fixture() -> Callable[..., bool]:
     return wait_until

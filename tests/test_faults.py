@@ -9,21 +9,14 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from conftest import SessionStub, open_channel, wait_until
+from conftest import SessionStub, open_channel, server_allocated, wait_until
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 WAIT_S = 30.0
-
-
-def allocated(server: Any) -> int:
-    return sum(
-        int(d.pool.memory_stats()["allocated_bytes.all.current"]) for d in server.daemon.devices
-    )
 
 
 def test_a_client_killed_mid_upload_leaves_nothing_allocated(make_server) -> None:
@@ -55,13 +48,15 @@ def test_a_client_killed_mid_upload_leaves_nothing_allocated(make_server) -> Non
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "uploading"
-        assert wait_until(lambda: allocated(server) >= 64 << 20, WAIT_S)  # the upload's Storage
+        assert wait_until(
+            lambda: server_allocated(server) >= 64 << 20, WAIT_S
+        )  # the upload's Storage
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=WAIT_S)
         if child.stdout is not None:
             child.stdout.close()
-    assert wait_until(lambda: allocated(server) == 0, WAIT_S)
+    assert wait_until(lambda: server_allocated(server) == 0, WAIT_S)
     assert len(server.daemon.storages) == 0
     for device in server.daemon.devices:
         device.pool.assert_invariants()
@@ -96,7 +91,7 @@ def test_a_cut_connection_keeps_handles_through_the_grace_and_loses_them_after(
         stub.close()
     # silent again: lost after the lease, released after the grace
     assert wait_until(lambda: session.session_id not in sessions.session_ids(), WAIT_S)
-    assert allocated(server) == 0
+    assert server_allocated(server) == 0
 
 
 def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:

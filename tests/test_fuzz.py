@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import SessionStub, open_channel
+from conftest import SessionStub, open_channel, server_allocated
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
@@ -327,21 +327,15 @@ def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
     # outlive sessions by design); once those go, nothing
     sessions = server.daemon.sessions
     live = sum(s.block.size for s in server.daemon.storages.live())
-    assert allocated(server) == live
+    assert server_allocated(server) == live
     for session_id in sessions.session_ids():
         left = sessions.peek(session_id)
         assert left is not None
         sessions.close(left)
     for name in sessions.names():
         sessions.delete_name(name)
-    assert allocated(server) == 0
+    assert server_allocated(server) == 0
     assert len(server.daemon.storages) == 0
-
-
-def allocated(server: Any) -> int:
-    return sum(
-        int(d.pool.memory_stats()["allocated_bytes.all.current"]) for d in server.daemon.devices
-    )
 
 
 def test_limits_refuse_oversized_requests(stub) -> None:

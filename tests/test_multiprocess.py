@@ -10,12 +10,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import tensord
+from conftest import client_allocated, wait_until
 
 WAIT_S = 30.0  # bound on every poll below: far above what any of them needs
 
@@ -38,19 +38,6 @@ def run_child(address: str, code: str, *args: str, timeout: float = 60.0) -> str
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
-
-
-def poll(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
-def allocated(client: tensord.Client) -> int:
-    return int(client.memory_stats()["allocated_bytes.all.current"])
 
 
 def test_two_processes_share_a_storage_by_token(client: tensord.Client) -> None:
@@ -101,7 +88,7 @@ def test_a_killed_client_returns_all_its_memory_after_the_grace(make_server: Any
     # and released half a second (the grace) later
     fresh_server = make_server(lease=1.0)
     with tensord.connect(fresh_server.address) as observer:
-        baseline = allocated(observer)
+        baseline = client_allocated(observer)
         child = subprocess.Popen(
             [
                 sys.executable,
@@ -126,21 +113,21 @@ def test_a_killed_client_returns_all_its_memory_after_the_grace(make_server: Any
         try:
             assert child.stdout is not None
             assert child.stdout.readline().strip() == "ready"
-            assert allocated(observer) >= baseline + 8 * (1 << 20)
+            assert client_allocated(observer) >= baseline + 8 * (1 << 20)
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=WAIT_S)
             if child.stdout is not None:
                 child.stdout.close()
-        assert poll(lambda: allocated(observer) == baseline), (
-            f"allocated {allocated(observer)} bytes, baseline {baseline}"
+        assert wait_until(lambda: client_allocated(observer) == baseline, WAIT_S), (
+            f"allocated {client_allocated(observer)} bytes, baseline {baseline}"
         )
 
 
 def test_eight_threads_through_one_client_leave_the_server_consistent(fresh_server: Any) -> None:
     failures: list[BaseException] = []
     with tensord.connect(fresh_server.address) as client:
-        baseline = allocated(client)
+        baseline = client_allocated(client)
 
         def work(seed: int) -> None:
             try:
@@ -173,8 +160,8 @@ def test_eight_threads_through_one_client_leave_the_server_consistent(fresh_serv
         assert not failures, failures[0]
         # every tensor above is garbage now: its release goes out in a batch
         client.flush()
-        assert poll(lambda: allocated(client) == baseline), (
-            f"allocated {allocated(client)} bytes, baseline {baseline}"
+        assert wait_until(lambda: client_allocated(client) == baseline, WAIT_S), (
+            f"allocated {client_allocated(client)} bytes, baseline {baseline}"
         )
         stats = client.memory_stats()
         assert stats["allocated_bytes.all.current"] <= stats["reserved_bytes.all.current"]

@@ -6,32 +6,19 @@ from __future__ import annotations
 import pickle
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tensord
+from conftest import client_allocated, wait_until
 from tensord import dtypes
 from tensord_server import cli
 
 torch = pytest.importorskip("torch")
 
 WAIT_S = 30.0  # bound on every poll below
-
-
-def poll(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
-def allocated(client: tensord.Client) -> int:
-    return int(client.memory_stats()["allocated_bytes.all.current"])
 
 
 # ---- transfers ---------------------------------------------------------------------------
@@ -160,7 +147,7 @@ def test_setitem_from_scalar_array_and_tensor(client: tensord.Client) -> None:
 
 def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
     with tensord.connect(fresh_server.address) as client:
-        baseline = allocated(client)
+        baseline = client_allocated(client)
         calls: list[str] = []
         real_unary = client._conn._unary
 
@@ -171,10 +158,10 @@ def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
         client._conn._unary = counting  # type: ignore[method-assign]
         tensors = [client.empty(1000) for _ in range(100)]
         views = [t.view(10, 100) for t in tensors]
-        assert allocated(client) >= baseline + 100 * 4000
+        assert client_allocated(client) >= baseline + 100 * 4000
         del tensors, views
         client.flush()
-        assert poll(lambda: allocated(client) == baseline)
+        assert wait_until(lambda: client_allocated(client) == baseline, WAIT_S)
         assert calls.count("Empty") == 100 and calls.count("View") == 100
         # 200 dropped handles cost a handful of Release calls, not one each
         assert 1 <= calls.count("Release") <= 5
@@ -182,13 +169,13 @@ def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
 
 def test_close_ends_the_session_and_frees_its_memory(fresh_server: Any) -> None:
     with tensord.connect(fresh_server.address) as observer:
-        baseline = allocated(observer)
+        baseline = client_allocated(observer)
         client = tensord.connect(fresh_server.address)
         kept = client.zeros(1 << 18)
-        assert allocated(observer) > baseline
+        assert client_allocated(observer) > baseline
         client.close()
         client.close()  # idempotent
-        assert allocated(observer) == baseline
+        assert client_allocated(observer) == baseline
         assert client.session_id not in fresh_server.daemon.sessions.session_ids()
         with pytest.raises(ConnectionError, match="closed"):
             kept.clone()
@@ -381,12 +368,12 @@ def test_a_dropped_client_closes_its_session(fresh_server: Any) -> None:
     import gc
 
     with tensord.connect(fresh_server.address) as observer:
-        baseline = allocated(observer)
+        baseline = client_allocated(observer)
         dropped = tensord.connect(fresh_server.address)
         session_id = dropped.session_id
         x = dropped.zeros(1 << 18)
-        assert allocated(observer) > baseline
+        assert client_allocated(observer) > baseline
         del dropped, x  # never closed: the tensor held the client, now both are gone
         gc.collect()
         assert session_id not in fresh_server.daemon.sessions.session_ids()
-        assert allocated(observer) == baseline
+        assert client_allocated(observer) == baseline

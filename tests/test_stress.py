@@ -14,9 +14,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
 
-from conftest import wait_until
+from conftest import server_allocated, wait_until
 
 STRESS_SECONDS = float(os.environ.get("TENSORD_STRESS_SECONDS", "12"))
 PROCS = int(os.environ.get("TENSORD_STRESS_PROCS", "3"))
@@ -102,12 +101,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def allocated(server: Any) -> int:
-    return sum(
-        int(d.pool.memory_stats()["allocated_bytes.all.current"]) for d in server.daemon.devices
-    )
-
-
 def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -> None:
     server = make_server(devices=("cpu=512MiB",))
     children = [
@@ -140,7 +133,7 @@ def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -
     for device in server.daemon.devices:
         device.pool.assert_invariants()
     # every client closed its session: nothing is left
-    assert wait_until(lambda: allocated(server) == 0, 30.0)
+    assert wait_until(lambda: server_allocated(server) == 0, 30.0)
     assert len(server.daemon.storages) == 0
     assert server.daemon.sessions.session_ids() == []
 
@@ -153,6 +146,6 @@ def test_allocated_equals_the_live_storages_blocks_mid_run(make_server) -> None:
         kept = [client.zeros(n) for n in (1, 100, 300_000, 5_000_000)]
         kept.append(kept[2].clone().narrow(0, 5, 10))
         live = sum(s.block.size for s in server.daemon.storages.live())
-        assert allocated(server) == live > 0
+        assert server_allocated(server) == live > 0
         del kept
-    assert wait_until(lambda: allocated(server) == 0, 30.0)
+    assert wait_until(lambda: server_allocated(server) == 0, 30.0)
