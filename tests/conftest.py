@@ -10,6 +10,9 @@ open session (``stub.md`` is the metadata to pass with each call).
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,6 +114,28 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+STARTUP_TIMEOUT_S = 30
+
+
+def start_serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """`tensord serve ARGS` in a subprocess; waits (bounded) for its listening line, returns its address."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensord_server", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(STARTUP_TIMEOUT_S)
+    if not line or not line[0].startswith("tensord listening on "):
+        process.kill()
+        _, err = process.communicate(timeout=10)
+        pytest.fail(f"no listening line: {line!r} {err}")
+    return process, line[0].removeprefix("tensord listening on ").strip()
 
 
 def server_allocated(server: Any) -> int:

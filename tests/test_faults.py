@@ -13,7 +13,13 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import SessionStub, open_channel, server_allocated, wait_until
+from conftest import (
+    SessionStub,
+    open_channel,
+    server_allocated,
+    start_serve_process,
+    wait_until,
+)
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 WAIT_S = 30.0
@@ -95,19 +101,8 @@ def test_a_cut_connection_keeps_handles_through_the_grace_and_loses_them_after(
 
 
 def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, address = start_serve_process("--address", "127.0.0.1:0")
     try:
-        assert proc.stdout is not None
-        line = ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            assert line, "server exited before listening"
-        address = line.rsplit(" ", 1)[1].strip()
         with open_channel(address) as channel:
             session = SessionStub(channel, "inflight")
             started = threading.Event()
@@ -137,9 +132,7 @@ def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=WAIT_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        proc.communicate(timeout=WAIT_S)
 
 
 def test_an_oom_in_one_client_leaves_every_other_clients_tensors_intact(

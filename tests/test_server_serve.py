@@ -7,43 +7,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import grpc
 import numpy as np
 import pytest
+from conftest import start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
 from tensord_server.devices import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
 from tensord_server.serve import shown_address
 
-STARTUP_TIMEOUT_S = 30
-
-
-def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tensord_server", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(STARTUP_TIMEOUT_S)
-    if not line or not line[0].startswith("tensord listening on "):
-        process.kill()
-        _, err = process.communicate(timeout=10)
-        pytest.fail(f"no listening line: {line!r} {err}")
-    return process, line[0].removeprefix("tensord listening on ").strip()
-
 
 def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    process, address = _start("--address", "127.0.0.1:0", "--device", "cpu=256MiB")
+    process, address = start_serve_process("--address", "127.0.0.1:0", "--device", "cpu=256MiB")
     try:
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
         with grpc.insecure_channel(address) as channel:
@@ -70,7 +50,7 @@ def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
 
 def test_serve_on_a_unix_socket(tmp_path) -> None:
     path = tmp_path / "tensord.sock"
-    process, address = _start("--address", f"unix:{path}")
+    process, address = start_serve_process("--address", f"unix:{path}")
     try:
         assert address == f"unix:{path}"
         with grpc.insecure_channel(address) as channel:
