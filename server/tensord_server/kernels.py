@@ -324,8 +324,10 @@ def check_scalar_fits(value: Scalar, dtype: DType) -> None:
         value = value.real if not dtype.is_complex else value
     if dtype.is_complex:
         parts = (value.real, value.imag) if isinstance(value, complex) else (value,)
-        finfo = np.finfo(np.float32 if dtype is dtypes.complex64 else np.float64)
-        if any(math.isfinite(p) and abs(p) > finfo.max for p in parts):
+        # a Python float beside a NumPy float32 is cast to float32 (NEP 50), which warns on
+        # overflow: compare Python floats only
+        largest = float(np.finfo(np.float32 if dtype is dtypes.complex64 else np.float64).max)
+        if any(math.isfinite(p) and abs(p) > largest for p in parts):
             raise _overflow(dtype)
         return
     assert isinstance(value, (int, float))
