@@ -29,6 +29,7 @@ from conftest import SessionStub, open_channel, server_allocated
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord_server.quotas import QuotaSpec
 
 FUZZ_SECONDS = float(os.environ.get("TENSORD_FUZZ_SECONDS", "20"))
 # A fixed default seed keeps CI reproducible (a time-bounded run replays a prefix of the
@@ -40,6 +41,7 @@ SEED = secrets.randbits(32) if _seed_setting == "random" else int(_seed_setting)
 # Debugging: compare the victim's bytes after every successful call, not only at the end.
 CHECK_EACH = os.environ.get("TENSORD_FUZZ_CHECK_EACH") == "1"
 FUZZ_DEVICES = ("cpu=64MiB",)
+FUZZ_QUOTA = QuotaSpec("*", "cpu", 48 << 20)
 CALL_TIMEOUT_S = 30.0  # generous: a loaded 2-core CI machine is slow, a hung call is not
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Tensord"]
@@ -270,7 +272,8 @@ def _victim_bytes(victim: SessionStub, metas: list[pb.TensorMeta]) -> list[bytes
 
 
 def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
-    server = make_server(devices=FUZZ_DEVICES, session_grace=60.0, lease=60.0)
+    # a quota below the pool's capacity: fuzzed sizes hit both refusals
+    server = make_server(devices=FUZZ_DEVICES, session_grace=60.0, lease=60.0, quotas=[FUZZ_QUOTA])
     rng = random.Random(SEED)
     with open_channel(server.address) as victim_channel, open_channel(server.address) as channel:
         victim = SessionStub(victim_channel, "victim")
@@ -324,14 +327,15 @@ def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
     # outlive sessions by design); once those go, nothing
     sessions = server.daemon.sessions
     live = sum(s.block.size for s in server.daemon.storages.live())
-    assert server_allocated(server) == live
+    ledger = server.daemon.storages.ledger
+    assert server_allocated(server) == live == ledger.usage("", "cpu").current
     for session_id in sessions.session_ids():
         left = sessions.peek(session_id)
         assert left is not None
         sessions.close(left)
     for name in sessions.names():
         sessions.delete_name(name)
-    assert server_allocated(server) == 0
+    assert server_allocated(server) == 0 == ledger.usage("", "cpu").current
     assert len(server.daemon.storages) == 0
 
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 from conftest import server_allocated, wait_until
+from tensord_server.quotas import QuotaSpec
 
 STRESS_SECONDS = float(os.environ.get("TENSORD_STRESS_SECONDS", "12"))
 PROCS = int(os.environ.get("TENSORD_STRESS_PROCS", "3"))
@@ -102,7 +103,8 @@ CHILD = textwrap.dedent(
 
 
 def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -> None:
-    server = make_server(devices=("cpu=512MiB",))
+    # the quota is the tighter limit; the ledger must balance like the pool
+    server = make_server(devices=("cpu=512MiB",), quotas=[QuotaSpec("*", "cpu", 384 << 20)])
     children = [
         subprocess.Popen(
             [
@@ -135,6 +137,7 @@ def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -
     # every client closed its session: nothing is left
     assert wait_until(lambda: server_allocated(server) == 0, 30.0)
     assert len(server.daemon.storages) == 0
+    assert server.daemon.storages.ledger.usage("", "cpu").current == 0
     assert server.daemon.sessions.session_ids() == []
 
 

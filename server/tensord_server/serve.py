@@ -17,6 +17,7 @@ from tensord.errors import FailedPreconditionError
 
 from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
+from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 
@@ -84,6 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a session's new handle once it holds N (RESOURCE_EXHAUSTED; default: none)",
     )
     parser.add_argument(
+        "--quota",
+        action="append",
+        dest="quotas",
+        default=[],
+        metavar="TENANT:DEVICE=BYTES",
+        help="most bytes a tenant's tensors may hold on a device, e.g. alice:cuda:0=40GiB; "
+        "TENANT '*' is every tenant without its own (each separately; without --auth-tokens "
+        "only '*' applies); over it: RESOURCE_EXHAUSTED (repeatable; default: none)",
+    )
+    parser.add_argument(
         "--insecure-allow-remote",
         action="store_true",
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
@@ -139,12 +150,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
+        quotas = [parse_quota(text) for text in args.quotas]
         daemon = Daemon(
             specs,
             session_grace=args.session_grace,
             lease=args.lease,
             auth_tokens=tokens,
             max_handles_per_session=args.max_handles_per_session,
+            quotas=quotas,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)

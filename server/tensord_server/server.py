@@ -26,6 +26,7 @@ from tensord.layout import Layout
 from tensord_server import kernels
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.kernels import Scalar
+from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, Session, SessionManager
 from tensord_server.storage import StorageRegistry, TensorRef
 
@@ -130,9 +131,15 @@ class Daemon:
         lease: float = DEFAULT_LEASE_S,
         auth_tokens: Mapping[str, str] | None = None,
         max_handles_per_session: int | None = None,
+        quotas: Iterable[QuotaSpec] = (),
     ) -> None:
         self.devices = DeviceTable(devices)
-        self.storages = StorageRegistry()
+        table = QuotaTable(quotas)
+        table.check_against(
+            (d.name for d in self.devices),
+            None if auth_tokens is None else auth_tokens.values(),
+        )
+        self.storages = StorageRegistry(TenantLedger(table))
         self.sessions = SessionManager(
             self.storages, grace=session_grace, lease=lease, max_handles=max_handles_per_session
         )
@@ -167,11 +174,19 @@ class Daemon:
 
     @contextlib.contextmanager
     def _allocated(
-        self, device: Device, layout: Layout, dtype: DType, requires_grad: bool = False
+        self,
+        session: Session,
+        device: Device,
+        layout: Layout,
+        dtype: DType,
+        requires_grad: bool = False,
     ) -> Iterator[TensorRef]:
-        """A new Storage just big enough for ``layout``, pinned while the block runs."""
+        """A new Storage just big enough for ``layout``, charged to the session's tenant and
+        pinned while the block runs."""
         kernels.check_requires_grad(dtype, requires_grad)
-        storage = self.storages.allocate(device, layout.storage_extent() * dtype.itemsize)
+        storage = self.storages.allocate(
+            device, layout.storage_extent() * dtype.itemsize, session.tenant
+        )
         try:
             with activate(device):
                 yield TensorRef(storage, layout, dtype, requires_grad)
@@ -184,7 +199,7 @@ class Daemon:
         """A new tensor of ``layout`` (same shape as src) holding src's values."""
         # autograd follows a copy only into a dtype that can carry gradients (x.to(int32) can't)
         grad = src.requires_grad and (dtype.is_floating_point or dtype.is_complex)
-        with self._allocated(device, layout, dtype, grad) as out:
+        with self._allocated(session, device, layout, dtype, grad) as out:
             self._assign(out, self.array(src))
             return self._issue(session, out)
 
@@ -232,7 +247,7 @@ class Daemon:
         # mirrors torch: _unsafe_view(clone(contiguous_format), shape)
         target = Layout.contiguous(ref.layout.shape).view(shape)
         with self._allocated(
-            ref.device, Layout.contiguous(ref.layout.shape), ref.dtype, ref.requires_grad
+            session, ref.device, Layout.contiguous(ref.layout.shape), ref.dtype, ref.requires_grad
         ) as out:
             self._assign(out, self.array(ref))
             return self._issue(session, out.with_layout(target))
@@ -252,7 +267,7 @@ class Daemon:
             repeats = tuple(repeats)
             shape = kernels.repeat_shape(ref.layout.shape, repeats)
             with self._allocated(
-                ref.device, Layout.contiguous(shape), ref.dtype, ref.requires_grad
+                session, ref.device, Layout.contiguous(shape), ref.dtype, ref.requires_grad
             ) as out:
                 # out viewed as (r0, n0, r1, n1, ...) takes src broadcast along each r_k
                 padded = (1,) * (len(repeats) - ref.layout.ndim) + ref.layout.shape
@@ -269,7 +284,7 @@ class Daemon:
             device = _common_device(refs)
             dtype = _promote(refs)
             with self._allocated(
-                device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
+                session, device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
             ) as out:
                 out_array = self.array(out)
                 start = 0
@@ -290,7 +305,7 @@ class Daemon:
             base = refs[0].layout.shape
             shape = (*base[:dim], len(refs), *base[dim:])
             with self._allocated(
-                device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
+                session, device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
             ) as out:
                 out_array = self.array(out)
                 for i, ref in enumerate(refs):
@@ -373,7 +388,7 @@ class Daemon:
                 )
             layout = Layout(shape, stride, 0)
         dt = dtypes.dtype_from_name(dtype) if dtype else dtypes.float32
-        with self._allocated(self.device(device), layout, dt, requires_grad) as out:
+        with self._allocated(session, self.device(device), layout, dt, requires_grad) as out:
             return self._issue(session, out)
 
     def full(
@@ -389,7 +404,7 @@ class Daemon:
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.scalar_dtype(value)
         kernels.check_scalar_fits(value, dt)
         with self._allocated(
-            self.device(device), Layout.contiguous(shape), dt, requires_grad
+            session, self.device(device), Layout.contiguous(shape), dt, requires_grad
         ) as out:
             kernels.fill(out.device.xp, self.array(out), value)
             return self._issue(session, out)
@@ -413,7 +428,9 @@ class Daemon:
                 # finite bounds whose (end - start) / step overflows a double (found by fuzzing):
                 # torch's own text for a size it cannot represent
                 raise RuntimeError("invalid size, possible overflow?") from None
-            with self._allocated(dev, Layout.contiguous(values.shape), dt, requires_grad) as out:
+            with self._allocated(
+                session, dev, Layout.contiguous(values.shape), dt, requires_grad
+            ) as out:
                 kernels.assign(dev.xp, self.array(out), values)
                 return self._issue(session, out)
 
@@ -439,7 +456,7 @@ class Daemon:
                 f"upload header declares {nbytes} bytes, but shape {list(shape)} of {dt.name} "
                 f"holds {expected}"
             )
-        with self._allocated(self.device(device), layout, dt, requires_grad) as out:
+        with self._allocated(session, self.device(device), layout, dt, requires_grad) as out:
             received = 0
             for chunk in chunks:
                 if received + len(chunk) > nbytes:
@@ -491,16 +508,20 @@ class Daemon:
     def memory_stats(self, device: str, tenant: str = "") -> dict[str, int | float]:
         """torch's memory_stats() of the device's pool plus live counters (not torch's keys).
 
-        ``tenant.*`` counts the caller's own tenant only: what other tenants use is theirs.
+        ``tenant.*`` counts the caller's own tenant only: what other tenants use is
+        theirs.  ``tenant.quota_bytes`` is present only when a quota applies.
         """
         dev = self.device(device)
         stats: dict[str, int | float] = dict(dev.pool.memory_stats())
         stats["sessions.live"] = len(self.sessions.session_ids())
         stats["storages.live"] = sum(1 for s in self.storages.live() if s.device is dev)
-        sessions, storages, nbytes = self.sessions.tenant_usage(tenant, dev)
-        stats["tenant.sessions.live"] = sessions
-        stats["tenant.storages.live"] = storages
-        stats["tenant.allocated_bytes.current"] = nbytes
+        usage = self.storages.ledger.usage(tenant, dev.name)
+        stats["tenant.sessions.live"] = self.sessions.tenant_session_count(tenant)
+        stats["tenant.storages.live"] = usage.storages
+        stats["tenant.allocated_bytes.current"] = usage.current
+        stats["tenant.allocated_bytes.peak"] = usage.peak
+        if usage.limit is not None:
+            stats["tenant.quota_bytes"] = usage.limit
         return stats
 
     def memory_summary(self, device: str) -> str:

@@ -320,20 +320,9 @@ class SessionManager:
             raise NotFoundError(f"no tensor named {name!r}")
         self.storages.decref(ref.storage)
 
-    def tenant_usage(self, tenant: str, device: object) -> tuple[int, int, int]:
-        """(sessions, live Storages, bytes of their blocks) of one tenant on ``device``.
-
-        Storages are tenant-scoped (nothing crosses tenants), so counting what the
-        tenant's handles, share tokens and names refer to attributes every byte once.
-        """
+    def tenant_session_count(self, tenant: str) -> int:
         with self._lock:
-            sessions = [s for s in self._sessions.values() if s.tenant == tenant]
-            refs = [ref for s in sessions for ref in s.handles.values()]
-            refs += [entry[2] for entry in self._tokens.values() if entry[1] == tenant]
-            refs += [ref for (owner, _), ref in self._names.items() if owner == tenant]
-            storages = {id(r.storage): r.storage for r in refs if r.storage.device is device}
-            nbytes = sum(s.block.size for s in storages.values())
-        return len(sessions), len(storages), nbytes
+            return sum(1 for s in self._sessions.values() if s.tenant == tenant)
 
     def names(self, tenant: str = "") -> list[str]:
         with self._lock:

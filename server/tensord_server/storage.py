@@ -18,7 +18,8 @@ from tensord.errors import InternalError
 from tensord.layout import Layout
 
 from tensord_server.devices import Device
-from tensord_server.pool import Block
+from tensord_server.pool import Block, round_size
+from tensord_server.quotas import TenantLedger
 
 
 class Storage:
@@ -28,13 +29,14 @@ class Storage:
     allocated in ``device.pool`` exactly while ``refs > 0`` (``freed`` after).
     """
 
-    __slots__ = ("block", "device", "freed", "id", "nbytes", "refs")
+    __slots__ = ("block", "device", "freed", "id", "nbytes", "refs", "tenant")
 
-    def __init__(self, device: Device, block: Block, nbytes: int) -> None:
+    def __init__(self, device: Device, block: Block, nbytes: int, tenant: str = "") -> None:
         self.id = secrets.token_hex(8)  # equal for every handle on it, in every session
         self.device: Device = device
         self.block: Block = block
         self.nbytes: int = nbytes
+        self.tenant: str = tenant  # who created it, and is charged its block
         self.refs: int = 0  # handles + share tokens + names + pins
         self.freed: bool = False
 
@@ -57,16 +59,27 @@ class StorageRegistry:
     """Every live Storage, with reference counting.  Thread-safe.
 
     ``allocate`` returns a Storage holding one reference (the caller's pin);
-    ``decref`` to zero frees its block back to the pool.
+    ``decref`` to zero frees its block back to the pool.  The ledger charges each
+    block to the tenant that created it, within that tenant's quota.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: TenantLedger | None = None) -> None:
+        self.ledger = ledger if ledger is not None else TenantLedger()
         self._lock = threading.Lock()  # guards _storages and every Storage.refs
         self._storages: dict[str, Storage] = {}
 
-    def allocate(self, device: Device, nbytes: int) -> Storage:
+    def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
+        """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
+        # the rounded request is the least the block will be: refuse before the pool
+        # evicts cached segments for a request that cannot be kept anyway
+        self.ledger.precheck(tenant, device.name, round_size(nbytes) if nbytes else 0)
         block = device.pool.malloc(nbytes)  # raises OutOfMemoryError, nothing to undo
-        storage = Storage(device, block, nbytes)
+        try:
+            self.ledger.charge(tenant, device.name, block.size)
+        except BaseException:
+            device.pool.free(block)
+            raise
+        storage = Storage(device, block, nbytes, tenant)
         storage.refs = 1
         with self._lock:
             self._storages[storage.id] = storage
@@ -86,6 +99,8 @@ class StorageRegistry:
                 return
             storage.freed = True
             del self._storages[storage.id]
+        # refund first: freeing coalesces the block with its free neighbours, changing its size
+        self.ledger.refund(storage.tenant, storage.device.name, storage.block.size)
         storage.device.pool.free(storage.block)
 
     def live(self) -> list[Storage]:
