@@ -26,6 +26,11 @@ from tensord._proto.tensord.v1 import tensord_pb2_grpc
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "TENSORD_ADDRESS"
 TOKEN_ENV = "TENSORD_TOKEN"
+# TLS without an argument: TENSORD_TLS_CA names a PEM file of root certificates (TLS on);
+# TENSORD_TLS=1 turns TLS on with the system's roots.
+TLS_ENV = "TENSORD_TLS"
+TLS_CA_ENV = "TENSORD_TLS_CA"
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 AUTHORIZATION_KEY = "authorization"
 SESSION_KEY = "tensord-session"
 ERROR_TYPE_KEY = "tensord-error-type"
@@ -93,6 +98,40 @@ def resolve_token(token: str | None) -> str | None:
     return token or os.environ.get(TOKEN_ENV) or None
 
 
+RootCertificates = bytes | str | os.PathLike[str]
+
+
+def resolve_tls(
+    tls: bool | None, root_certificates: RootCertificates | None
+) -> grpc.ChannelCredentials | None:
+    """Channel credentials for TLS, or None for a plaintext channel.
+
+    ``root_certificates`` is PEM bytes or the path of a PEM file (else
+    ``$TENSORD_TLS_CA``); giving roots turns TLS on.  ``tls=None`` means: on when
+    roots are given or ``$TENSORD_TLS`` is set true, off otherwise.  Without roots
+    the system's trusted roots check the server's certificate.
+    """
+    if root_certificates is None and tls is not False:
+        root_certificates = os.environ.get(TLS_CA_ENV) or None
+    if tls is None:
+        wanted = os.environ.get(TLS_ENV, "").strip().lower() in _TRUE_WORDS
+        tls = root_certificates is not None or wanted
+    if not tls:
+        if root_certificates is not None:
+            raise ValueError("root_certificates given with tls=False")
+        return None
+    roots = root_certificates
+    if roots is not None and not isinstance(roots, bytes):
+        try:
+            with open(roots, "rb") as f:
+                roots = f.read()
+        except OSError as exc:
+            raise ValueError(
+                f"cannot read root certificates {str(roots)!r}: {exc.strerror}"
+            ) from None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[errors.TensordError]:
     """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
     base = (
@@ -147,20 +186,32 @@ class Connection:
         timeout: float,
         client_name: str | None = None,
         token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.address = address
+        self.tls = credentials is not None
         # sent with every call, the session-less ones included
         self._auth: tuple[tuple[str, str], ...] = (
             ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
         )
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             self._channel.close()
+            # a failed TLS handshake looks the same as no server: say what to check
+            hint = (
+                "if it serves TLS, check that root_certificates sign its certificate and that "
+                "the certificate names this host"
+                if self.tls
+                else "if it serves TLS (--tls-cert), connect with tls=True or root_certificates="
+            )
             raise errors.UnavailableError(
                 f"no tensord server answers at {address} (waited {timeout:g} s); "
-                f"start one with `tensord serve --address {address}`"
+                f"start one with `tensord serve --address {address}`; {hint}"
             ) from None
         self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
         self._upload = self._channel.stream_unary(

@@ -17,22 +17,39 @@ import numpy as np
 
 from tensord import _convert, dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord._rpc import Connection, resolve_address, resolve_token
+from tensord._rpc import (
+    Connection,
+    RootCertificates,
+    resolve_address,
+    resolve_tls,
+    resolve_token,
+)
 from tensord.dtypes import DType
 from tensord.tensor import Meta, Tensor, as_dtype, device_name, scalar_pb, shape_args
 
 
 def connect(
-    address: str | None = None, *, timeout: float = 10.0, token: str | None = None
+    address: str | None = None,
+    *,
+    timeout: float = 10.0,
+    token: str | None = None,
+    tls: bool | None = None,
+    root_certificates: RootCertificates | None = None,
 ) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
 
     ``token`` (else ``$TENSORD_TOKEN``) is sent as ``authorization: Bearer <token>``
-    to a server started with ``--auth-tokens``.  Raises :class:`tensord.UnavailableError`
-    (a ConnectionError) when no server answers in time, :class:`tensord.UnauthenticatedError`
-    when the server refuses the token.
+    to a server started with ``--auth-tokens``.  ``tls=True`` (else ``$TENSORD_TLS=1``)
+    connects over TLS, checking the server's certificate against the system's roots,
+    or against ``root_certificates`` (PEM bytes or a file's path; else
+    ``$TENSORD_TLS_CA``), which turn TLS on by themselves.  Raises
+    :class:`tensord.UnavailableError` (a ConnectionError) when no server answers in
+    time or the TLS handshake fails, :class:`tensord.UnauthenticatedError` when the
+    server refuses the token, ValueError for unreadable root certificates.
     """
-    return Client(address, timeout=timeout, token=token)
+    return Client(
+        address, timeout=timeout, token=token, tls=tls, root_certificates=root_certificates
+    )
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -43,10 +60,19 @@ class Client:
     """One session on a tensord server.  Thread-safe; a context manager that closes the session."""
 
     def __init__(
-        self, address: str | None = None, *, timeout: float = 10.0, token: str | None = None
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = 10.0,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: RootCertificates | None = None,
     ) -> None:
         self._conn = Connection(
-            resolve_address(address), timeout=timeout, token=resolve_token(token)
+            resolve_address(address),
+            timeout=timeout,
+            token=resolve_token(token),
+            credentials=resolve_tls(tls, root_certificates),
         )
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
         # exit closes its session, so the server frees its memory now rather than after the

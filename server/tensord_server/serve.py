@@ -20,6 +20,7 @@ from tensord_server.devices import resolve_specs
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
+from tensord_server.tls import server_credentials
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
@@ -85,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a session's new handle once it holds N (RESOURCE_EXHAUSTED; default: none)",
     )
     parser.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve TLS only, with this PEM certificate chain (needs --tls-key)",
+    )
+    parser.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument(
         "--quota",
         action="append",
         dest="quotas",
@@ -114,13 +121,26 @@ def is_loopback(address: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def mode_line(address: str, authenticated: bool) -> str:
-    """What the operator should know at start: who can connect."""
+def mode_line(address: str, authenticated: bool, tls: bool = False) -> str:
+    """What the operator should know at start: who can connect, and whether the wire is encrypted."""
+    wire = "TLS" if tls else "plaintext"
     if authenticated:
-        return "tensord mode: authenticated (bearer tokens, tenants)"
+        return f"tensord mode: authenticated (bearer tokens, tenants), {wire}"
     if is_loopback(address):
-        return "tensord mode: unauthenticated, loopback only"
-    return "tensord mode: UNAUTHENTICATED on a non-loopback address (--insecure-allow-remote)"
+        return f"tensord mode: unauthenticated, loopback only, {wire}"
+    return (
+        f"tensord mode: UNAUTHENTICATED on a non-loopback address (--insecure-allow-remote), {wire}"
+    )
+
+
+def cleartext_warning(address: str, authenticated: bool, tls: bool) -> str | None:
+    """A warning when bearer tokens would cross a network unencrypted."""
+    if authenticated and not tls and not is_loopback(address):
+        return (
+            "tensord warning: bearer tokens and tensor bytes travel in clear text on "
+            f"{address}; pass --tls-cert/--tls-key unless the network is trusted"
+        )
+    return None
 
 
 def shown_address(requested: str, port: int) -> str:
@@ -147,7 +167,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_handles_per_session is not None and args.max_handles_per_session < 1:
         print("tensord serve: --max-handles-per-session must be >= 1", file=sys.stderr)
         return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     try:
+        credentials = (
+            server_credentials(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
+        )
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
@@ -163,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
     try:
-        server, port = create_server(args.address, daemon=daemon, max_workers=args.max_workers)
+        server, port = create_server(
+            args.address, daemon=daemon, max_workers=args.max_workers, credentials=credentials
+        )
     except (OSError, RuntimeError) as exc:
         print(f"tensord serve: cannot listen on {args.address}: {exc}", file=sys.stderr)
         daemon.close()
@@ -177,7 +205,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"tensord listening on {shown_address(args.address, port)}", flush=True)
-    print(mode_line(args.address, tokens is not None), flush=True)
+    tls = credentials is not None
+    print(mode_line(args.address, tokens is not None, tls), flush=True)
+    warning = cleartext_warning(args.address, tokens is not None, tls)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     while not stop.wait(1.0):  # a timed wait keeps signal delivery prompt
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)

@@ -600,12 +600,14 @@ def create_server(
     lease: float = DEFAULT_LEASE_S,
     max_workers: int = DEFAULT_MAX_WORKERS,
     daemon: Daemon | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server on ``address`` and its port (port 0: any free one).
 
     Pass ``daemon`` to keep a reference for inspection (tests) and for
     ``daemon.close()`` after ``server.stop()``; otherwise one is made from
-    ``devices``, ``session_grace`` and ``lease``.
+    ``devices``, ``session_grace`` and ``lease``.  ``credentials``
+    (:func:`tensord_server.tls.server_credentials`) make the port TLS-only.
     """
     from tensord_server.service import add_to_server
 
@@ -621,7 +623,10 @@ def create_server(
     )
     add_to_server(daemon, server)
     _add_health_and_reflection(server)
-    port = server.add_insecure_port(address)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"cannot listen on {address}")
     if address.startswith("unix:"):

@@ -1,0 +1,33 @@
+"""TLS for the listening port: ``tensord serve --tls-cert FILE --tls-key FILE``.
+
+With TLS the channel is encrypted and the client checks the server's
+certificate against its roots (the SDK's ``root_certificates=``, or the system's),
+so bearer tokens and tensor bytes can cross an untrusted network.  Clients are
+not asked for certificates: they authenticate with ``--auth-tokens``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+PEM_MARKER = b"-----BEGIN "
+
+
+def read_pem(path: str | Path, what: str) -> bytes:
+    """A PEM file's bytes; ValueError naming the file when unreadable or not PEM."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the TLS {what} {str(path)!r}: {exc.strerror}") from None
+    if PEM_MARKER not in data:
+        raise ValueError(f"the TLS {what} {str(path)!r} is not a PEM file")
+    return data
+
+
+def server_credentials(cert_path: str | Path, key_path: str | Path) -> grpc.ServerCredentials:
+    """Credentials for ``add_secure_port`` from a PEM certificate chain and its private key."""
+    return grpc.ssl_server_credentials(
+        [(read_pem(key_path, "private key"), read_pem(cert_path, "certificate"))]
+    )
