@@ -168,12 +168,19 @@ def client(server: RunningServer) -> Iterator[Any]:
 class SessionStub:
     """The raw generated stub plus an open session: ``stub.View(req, metadata=stub.md)``."""
 
-    def __init__(self, channel: grpc.Channel, name: str = "test") -> None:
+    def __init__(self, channel: grpc.Channel, name: str = "test", token: str | None = None) -> None:
         self.channel = channel
         self.raw = tensord_pb2_grpc.TensordStub(channel)
-        opened = self.raw.OpenSession(pb.OpenSessionRequest(client_name=name))
+        # a server with --auth-tokens wants the bearer token on every call
+        self.auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        opened = self.raw.OpenSession(pb.OpenSessionRequest(client_name=name), metadata=self.auth)
         self.session_id = opened.session_id
-        self.md: tuple[tuple[str, str], ...] = (("tensord-session", self.session_id),)
+        self.md: tuple[tuple[str, str], ...] = (
+            ("tensord-session", self.session_id),
+            *self.auth,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.raw, name)

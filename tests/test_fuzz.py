@@ -68,6 +68,7 @@ class Fuzzer:
         self.handles: list[str] = []  # the fuzzer's own handles (valid in its session)
         self.tokens: list[str] = []  # share tokens it made
         self.forged = [secrets.token_urlsafe(16) for _ in range(4)]
+        self.auth: tuple[tuple[str, str], ...] = ()  # sent with forged session ids too
         self.last = ""  # the last request built, for failure messages
 
     def integer(self) -> int:
@@ -162,7 +163,7 @@ def _metadata(fuzzer: Fuzzer, session: SessionStub) -> list[tuple[str, Any]]:
     if roll < 0.85:
         return list(session.md)
     if roll < 0.92:
-        return [("tensord-session", fuzzer.rng.choice(fuzzer.forged))]
+        return [("tensord-session", fuzzer.rng.choice(fuzzer.forged)), *fuzzer.auth]
     if roll < 0.96:
         return []
     return [("tensord-session", ""), ("tensord-session", secrets.token_hex(40))]
@@ -337,6 +338,100 @@ def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
         sessions.delete_name(name)
     assert server_allocated(server) == 0 == ledger.usage("", "cpu").current
     assert len(server.daemon.storages) == 0
+
+
+# A quarter of the fuzzing time goes to a tenant armed with another tenant's secrets.
+CROSS_TENANT_SECONDS = max(FUZZ_SECONDS / 4, 2.0)
+
+
+def _storage_ids(result: Any) -> set[str]:
+    if isinstance(result, pb.TensorMeta):
+        return {result.storage_id}
+    if isinstance(result, pb.ViewResponse):
+        return {m.storage_id for m in result.tensors}
+    return set()
+
+
+def test_another_tenants_secrets_open_nothing(make_server) -> None:
+    """Mallory (a valid token of her own) fuzzes every RPC with alice's handles, share token,
+    name and session id as strings and session ids.  A cross-tenant read is any answer
+    naming one of alice's Storages, any ListNames showing her name, any of her tensors
+    changed or released: there must be none."""
+    server = make_server(
+        devices=FUZZ_DEVICES,
+        session_grace=60.0,
+        lease=60.0,
+        auth_tokens={"tok-alice": "alice", "tok-mallory": "mallory"},
+    )
+    rng = random.Random(SEED ^ 0x7E7A47)
+    with open_channel(server.address) as alice_channel, open_channel(server.address) as channel:
+        alice = SessionStub(alice_channel, "alice", token="tok-alice")
+        metas = [alice.upload(np.frombuffer(rng.randbytes(n * 4), np.float32)) for n in (3, 500)]
+        token = alice.Share(pb.HandleRequest(handle=metas[0].handle), metadata=alice.md).token
+        alice.PutName(
+            pb.PutNameRequest(name="alice-secret", handle=metas[1].handle), metadata=alice.md
+        )
+        before = _victim_bytes(alice, metas)
+        alice_storages = {m.storage_id for m in metas}
+
+        mallory = SessionStub(channel, "mallory", token="tok-mallory")
+        fuzzer = Fuzzer(rng)
+        fuzzer.auth = mallory.auth
+        stolen = [*(m.handle for m in metas), token, "alice-secret", alice.session_id]
+        fuzzer.forged = stolen * 4  # stolen strings dominate what the fuzzer sends
+        _remember(fuzzer, mallory.upload(np.arange(6, dtype=np.float32)))
+
+        methods = [m for m in SERVICE.methods if m.name != "CloseSession"]
+        calls = 0
+        # directed, first (the fuzzer may later make its own name "alice-secret"): each
+        # stolen secret where it would matter most
+        probes = [
+            lambda: mallory.download_bytes(metas[1].handle),
+            lambda: mallory.Attach(pb.AttachRequest(token=token), metadata=mallory.md),
+            lambda: mallory.GetName(pb.GetNameRequest(name="alice-secret"), metadata=mallory.md),
+            lambda: mallory.DeleteName(
+                pb.DeleteNameRequest(name="alice-secret"), metadata=mallory.md
+            ),
+            lambda: mallory.Release(
+                pb.ReleaseRequest(handles=[m.handle for m in metas]),
+                metadata=(("tensord-session", alice.session_id), *mallory.auth),
+            ),
+        ]
+        for probe in probes:
+            calls += 1
+            with pytest.raises(grpc.RpcError) as info:
+                probe()
+            assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        leaks: list[str] = []
+        bugs: list[str] = []
+        deadline = time.monotonic() + CROSS_TENANT_SECONDS
+        while time.monotonic() < deadline:
+            method = rng.choice(methods)
+            calls += 1
+            try:
+                result = _call(fuzzer, mallory, method)
+            except grpc.RpcError as err:
+                if err.code() in BUG_CODES:
+                    bugs.append(f"{method.name}: {err.code().name}: {err.details()}")
+                continue
+            if _storage_ids(result) & alice_storages:
+                leaks.append(f"{method.name} returned alice's Storage: {fuzzer.last[:200]}")
+            own_names = server.daemon.sessions.names("mallory")  # she may make the same name
+            if isinstance(result, pb.ListNamesResponse) and set(result.names) - set(own_names):
+                leaks.append(f"ListNames showed another tenant's names: {list(result.names)}")
+            _remember(fuzzer, result)
+        print(
+            f"cross-tenant fuzz seed {SEED}: {calls} requests with alice's secrets, "
+            f"{len(leaks)} cross-tenant reads"
+        )
+        assert not bugs, bugs[:5]
+        assert not leaks, leaks[:5]
+        assert calls > 50
+        assert _victim_bytes(alice, metas) == before  # no write, no release reached her tensors
+        listed = alice.ListNames(pb.ListNamesRequest(), metadata=alice.md).names
+        assert list(listed) == ["alice-secret"]
+        mallory.close()
+        alice.close()
 
 
 def test_limits_refuse_oversized_requests(stub) -> None:
