@@ -42,6 +42,8 @@ SEED = secrets.randbits(32) if _seed_setting == "random" else int(_seed_setting)
 CHECK_EACH = os.environ.get("TENSORD_FUZZ_CHECK_EACH") == "1"
 FUZZ_DEVICES = ("cpu=64MiB",)
 FUZZ_QUOTA = QuotaSpec("*", "cpu", 48 << 20)
+# The victim is silent while the fuzzer runs: its lease and grace outlast the run.
+SESSION_LIFETIME_S = FUZZ_SECONDS + 60.0
 CALL_TIMEOUT_S = 30.0  # generous: a loaded 2-core CI machine is slow, a hung call is not
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Tensord"]
@@ -274,7 +276,12 @@ def _victim_bytes(victim: SessionStub, metas: list[pb.TensorMeta]) -> list[bytes
 
 def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
     # a quota below the pool's capacity: fuzzed sizes hit both refusals
-    server = make_server(devices=FUZZ_DEVICES, session_grace=60.0, lease=60.0, quotas=[FUZZ_QUOTA])
+    server = make_server(
+        devices=FUZZ_DEVICES,
+        session_grace=SESSION_LIFETIME_S,
+        lease=SESSION_LIFETIME_S,
+        quotas=[FUZZ_QUOTA],
+    )
     rng = random.Random(SEED)
     with open_channel(server.address) as victim_channel, open_channel(server.address) as channel:
         victim = SessionStub(victim_channel, "victim")
@@ -359,8 +366,8 @@ def test_another_tenants_secrets_open_nothing(make_server) -> None:
     changed or released: there must be none."""
     server = make_server(
         devices=FUZZ_DEVICES,
-        session_grace=60.0,
-        lease=60.0,
+        session_grace=SESSION_LIFETIME_S,
+        lease=SESSION_LIFETIME_S,
         auth_tokens={"tok-alice": "alice", "tok-mallory": "mallory"},
     )
     rng = random.Random(SEED ^ 0x7E7A47)
