@@ -115,9 +115,7 @@ def test_roots_may_be_pem_bytes_or_come_from_the_environment(
 
 def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server: TlsServer) -> None:
     with pytest.raises(tensord.UnavailableError, match="connect with tls=True"):
-        tensord.connect(
-            tls_server.address, token="tok-alice", tls=False, timeout=REFUSED_TIMEOUT_S
-        )
+        tensord.connect(tls_server.address, token="tok-alice", tls=False, timeout=REFUSED_TIMEOUT_S)
 
 
 def test_a_certificate_the_client_does_not_trust_is_refused(
@@ -133,9 +131,7 @@ def test_a_certificate_the_client_does_not_trust_is_refused(
         )
     # the system's roots do not know a self-signed certificate either
     with pytest.raises(tensord.UnavailableError):
-        tensord.connect(
-            tls_server.address, token="tok-alice", tls=True, timeout=REFUSED_TIMEOUT_S
-        )
+        tensord.connect(tls_server.address, token="tok-alice", tls=True, timeout=REFUSED_TIMEOUT_S)
 
 
 def test_tls_does_not_replace_the_token(tls_server: TlsServer) -> None:
