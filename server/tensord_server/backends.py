@@ -1,7 +1,8 @@
 """Device backends: where the pool's segments come from.
 
 A backend does one upstream allocation per pool segment (``reserve``), gives it
-back (``release``) and moves bytes in and out of it.  The pool above it never
+back (``release``), moves bytes in and out of it and, for compaction, from one
+segment to another (``copy``).  The pool above it never
 touches memory itself, so the same policy runs on host memory (NumPy), on a GPU
 (CuPy, in its own module) or on nothing at all (bookkeeping, for replays and
 simulations of a device of any size).
@@ -73,6 +74,17 @@ class Backend(Protocol):
 
     def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None: ...
 
+    def copy(
+        self,
+        src: DeviceMemory,
+        src_offset: int,
+        dst: DeviceMemory,
+        dst_offset: int,
+        nbytes: int,
+    ) -> None:
+        """Bytes from one segment to another (never overlapping): a compaction move."""
+        ...
+
 
 def check_range(memory: DeviceMemory, offset: int, nbytes: int) -> None:
     """Refuse a byte range that leaves its segment (a server bug, never client input)."""
@@ -138,6 +150,16 @@ class HostBackend:
         source = np.frombuffer(data, dtype=np.uint8)
         self.view(memory, offset, source.size)[:] = source
 
+    def copy(
+        self,
+        src: DeviceMemory,
+        src_offset: int,
+        dst: DeviceMemory,
+        dst_offset: int,
+        nbytes: int,
+    ) -> None:
+        self.view(dst, dst_offset, nbytes)[:] = self.view(src, src_offset, nbytes)
+
 
 class BookkeepingBackend:
     """No bytes at all: fake, increasing, never reused addresses, for replays and simulations.
@@ -178,3 +200,15 @@ class BookkeepingBackend:
 
     def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None:
         raise NotImplementedError("the bookkeeping backend holds no bytes")
+
+    def copy(
+        self,
+        src: DeviceMemory,
+        src_offset: int,
+        dst: DeviceMemory,
+        dst_offset: int,
+        nbytes: int,
+    ) -> None:
+        """Nothing to move (compaction of a simulated device is bookkeeping only)."""
+        check_range(src, src_offset, nbytes)
+        check_range(dst, dst_offset, nbytes)

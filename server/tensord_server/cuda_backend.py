@@ -20,7 +20,10 @@ reuse it at once); a peer copy waits on an event of the source GPU's stream
 and finishes before it returns, so neither GPU's pool reuses a block it reads;
 a pinned staging buffer is reused only after the event of its last copy.
 Uploads (``write``) return once their chunk is staged, with the copy still
-queued: that overlaps the network with the copies.
+queued: that overlaps the network with the copies.  Compaction's moves
+(``copy``) are queued on the server stream too and not waited for: whatever
+later reads the new block or reuses the old one is queued after them on that
+stream, and releasing a segment synchronizes the stream first.
 
 Nothing here imports CuPy at import time; ``kernels`` and ``devices`` reach this
 module only for GPU arrays and devices.
@@ -402,6 +405,30 @@ class CudaBackend:
         source = np.frombuffer(data, dtype=np.uint8)
         check_range(memory, offset, source.size)
         self.gpu.copy_from_host(source, memory.address + offset, wait=False)
+
+    def copy(
+        self,
+        src: DeviceMemory,
+        src_offset: int,
+        dst: DeviceMemory,
+        dst_offset: int,
+        nbytes: int,
+    ) -> None:
+        """A compaction move, device to device, queued on the server stream (see the
+        module's stream-safety note: nothing needs to wait for it)."""
+        check_range(src, src_offset, nbytes)
+        check_range(dst, dst_offset, nbytes)
+        if nbytes == 0:
+            return
+        runtime = _cupy().cuda.runtime
+        with self._cuda_device:
+            runtime.memcpyAsync(
+                dst.address + dst_offset,
+                src.address + src_offset,
+                nbytes,
+                runtime.memcpyDeviceToDevice,
+                self.stream.ptr,
+            )
 
     # -- transfers through pinned staging ---------------------------------------
 

@@ -15,6 +15,14 @@ rule, so its figures can be compared with PyTorch's on the same trace:
 - Segments go back to the backend only in ``empty_cache`` and on the
   out-of-memory path.
 
+Beyond torch, compaction (only with a ``relocator``, only where torch would
+raise OutOfMemoryError): the owner of the blocks stops the world, movable
+blocks of the least-used segments move into free blocks of other segments,
+the emptied segments go back to the backend, and the reservation is retried
+once.  Clients hold handles, not pointers, so nothing outside the server
+notices.  Without a relocator, or when no OOM would happen, nothing differs
+from torch.
+
 Statistics keep torch's ``memory_stats()`` names and move exactly as torch's
 do (``inactive_split`` counts free pieces of split segments; a block that is
 not split counts whole in ``allocated_bytes``).  One lock guards everything:
@@ -27,7 +35,10 @@ import bisect
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
@@ -126,6 +137,146 @@ def device_index(device: str) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Compaction policy (pure): which segments to empty, and where their blocks go
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUsage:
+    """What compaction planning sees of one segment: plain numbers, no links.
+
+    ``allocated`` holds ``(address, size, rounded request)`` of each allocated
+    block, ``free`` ``(address, size)`` of each free one; ``movable`` is false
+    when any allocated block may not move (pinned, or owned by no Storage).
+    """
+
+    address: int
+    size: int
+    is_small: bool
+    stream: int
+    allocated: tuple[tuple[int, int, int], ...]
+    free: tuple[tuple[int, int], ...]
+    movable: bool
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(size for _, size, _ in self.allocated)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Allocate ``size`` at the front of the free block at ``destination``; move ``source`` there."""
+
+    source: int  # address of the allocated block that moves
+    destination: int  # address of the free block it goes into, at the time of the move
+    size: int  # the rounded request allocated there (the moved block's new size, if split)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionPlan:
+    """Moves in the order to run them, the segments they leave wholly free, and their bytes."""
+
+    moves: tuple[Move, ...]
+    evacuated: tuple[int, ...]  # segment addresses
+    released: int  # bytes those segments give back
+
+    @property
+    def empty(self) -> bool:
+        return not self.evacuated
+
+
+def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
+    """Movable segments, least-used first: fewest allocated bytes (the least to copy),
+    then the largest (the most released for it), then by address."""
+    movable = (s for s in segments if s.movable)
+    return sorted(movable, key=lambda s: (s.allocated_bytes, -s.size, s.address))
+
+
+# A free block a planned move may take: (size, address, its segment's address), sorted.
+FreeSpot = tuple[int, int, int]
+
+
+def place(
+    free: Sequence[FreeSpot], request: int, limit: int, small: bool, max_split_size: int
+) -> tuple[int, int] | None:
+    """Where malloc's best fit would put ``request`` among ``free`` without the block
+    ending up larger than ``limit`` (its size now: a moved Storage is never charged
+    more): ``(index into free, resulting block size)``, or None."""
+    index = bisect.bisect_left(free, (request, -1, -1))
+    for i in range(index, len(free)):
+        free_size = free[i][0]
+        if not oversize_rules_allow(free_size, request, max_split_size):
+            continue
+        split = should_split(free_size, request, small, max_split_size)
+        block_size = request if split else free_size
+        if block_size <= limit:
+            return i, block_size
+    return None
+
+
+def plan_compaction(
+    segments: Sequence[SegmentUsage], needed: int, max_split_size: int
+) -> CompactionPlan:
+    """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
+
+    Segments are tried least-used first (:func:`evacuation_order`); one is
+    emptied whole or not at all, its blocks placed largest first into free
+    blocks of *other* segments of the same pool and stream (:func:`place`),
+    never into a segment being emptied, and a segment that receives a block is
+    not emptied later.  Only existing free blocks are used: compaction never
+    reserves.  A plan that cannot reach ``needed`` is empty (nothing moves for
+    nothing) but says in ``released`` how far it got.
+    """
+    free: dict[tuple[bool, int], list[FreeSpot]] = {}
+    for segment in segments:
+        spots = free.setdefault((segment.is_small, segment.stream), [])
+        spots.extend((size, address, segment.address) for address, size in segment.free)
+    for spots in free.values():
+        spots.sort()
+    receiving: set[int] = set()
+    moves: list[Move] = []
+    evacuated: list[int] = []
+    released = 0
+    for segment in evacuation_order(segments):
+        if released >= needed:
+            break
+        if segment.address in receiving:
+            continue
+        key = (segment.is_small, segment.stream)
+        trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
+        placed: list[tuple[Move, int]] = []
+        for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
+            spot = place(trial, request, size, segment.is_small, max_split_size)
+            if spot is None:
+                break
+            index, block_size = spot
+            free_size, free_address, home = trial.pop(index)
+            if block_size < free_size:  # the rest stays free, after the moved block
+                bisect.insort(trial, (free_size - block_size, free_address + block_size, home))
+            placed.append((Move(address, free_address, request), home))
+        else:
+            free[key] = trial
+            moves.extend(move for move, _ in placed)
+            receiving.update(home for _, home in placed)
+            evacuated.append(segment.address)
+            released += segment.size
+    if released < needed:
+        return CompactionPlan((), (), released)
+    return CompactionPlan(tuple(moves), tuple(evacuated), released)
+
+
+class Relocator(Protocol):
+    """The owner of a pool's allocated blocks, letting compaction move some (the StorageRegistry)."""
+
+    def relocation(
+        self, pool: CachingPool
+    ) -> AbstractContextManager[Mapping[Block, Callable[[Block], None]]]:
+        """Stops the world while open (nothing pins, reads, writes or frees the owned blocks)
+        and yields the blocks that may move, each with the call that repoints its owner
+        to its new block (after its bytes were copied there)."""
+        ...
+
+
+# ---------------------------------------------------------------------------
 # Statistics
 
 
@@ -193,6 +344,10 @@ class DeviceStats:
         self.num_sync_all_streams = 0  # release_cached_blocks calls (they synchronize in torch)
         self.num_device_alloc = 0  # backend.reserve calls that succeeded
         self.num_device_free = 0  # backend.release calls
+        # beyond torch (compaction):
+        self.num_compactions = 0  # compactions that moved blocks and released segments
+        self.compaction_moved_bytes = 0  # bytes copied to new blocks
+        self.compaction_released_bytes = 0  # bytes of the segments they released
 
     def arrays(self) -> dict[str, StatArray]:
         return {name: getattr(self, name) for name in STAT_ARRAY_NAMES}
@@ -355,6 +510,7 @@ class CachingPool:
         capacity: int | None = None,
         max_split_size: int | None = None,
         record_history: bool = False,
+        relocator: Relocator | None = None,
     ) -> None:
         if max_split_size is not None and max_split_size <= LARGE_BUFFER:
             # As PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: it must exceed kLargeBuffer.
@@ -367,6 +523,8 @@ class CachingPool:
         self.max_split_size: int = (
             UNLIMITED_SPLIT_SIZE if max_split_size is None else int(max_split_size)
         )
+        # who may let blocks move when torch would be out of memory (None: never compact)
+        self.relocator: Relocator | None = relocator
         self._lock = threading.Lock()  # guards every field below
         self._small = BlockPool(is_small=True)
         self._large = BlockPool(is_small=False)
@@ -398,9 +556,14 @@ class CachingPool:
                 self._release_cached_blocks()
                 block = self._alloc_block(pool, alloc_size, stream, is_retry=True)
             if block is None:
+                message = self._oom_message(nbytes)
+                if self.relocator is not None:  # beyond torch
+                    block, note = self._compact_and_retry(pool, alloc_size, stream)
+                    message += note
+            if block is None:
                 self._stats.num_ooms += 1
                 self._record("oom", self.capacity - self._reserved(), size, stream)
-                raise OutOfMemoryError(self._oom_message(nbytes))
+                raise OutOfMemoryError(message)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
             return self._alloc_found_block(block, size, nbytes, split)
 
@@ -414,15 +577,7 @@ class CachingPool:
                 or self._segments.get(block.segment.address) is not block.segment
             ):
                 raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
-            assert block.pool is not None
-            kind = block.pool.kind
-            block.allocated = False
-            decrease(self._stats.allocation, kind, 1)
-            decrease(self._stats.allocated_bytes, kind, block.size)
-            self._record("free_requested", block.address, block.requested_size, block.stream)
-            if block.size >= self.max_split_size:
-                self._stats.oversize_allocations.decrease(1)
-            self._free_block(block)
+            self._free_allocated(block)
 
     def empty_cache(self) -> None:
         """Return every whole free segment to the backend (torch.cuda.empty_cache)."""
@@ -444,6 +599,9 @@ class CachingPool:
                 "num_sync_all_streams",
                 "num_device_alloc",
                 "num_device_free",
+                "num_compactions",
+                "compaction_moved_bytes",
+                "compaction_released_bytes",
             ):
                 result[counter] = getattr(self._stats, counter)
             # torch reports SIZE_MAX as int64, i.e. -1, when max_split_size is unset.
@@ -465,6 +623,8 @@ class CachingPool:
             stats = self._stats
             stats.num_alloc_retries = stats.num_ooms = stats.num_sync_all_streams = 0
             stats.num_device_alloc = stats.num_device_free = 0
+            stats.num_compactions = stats.compaction_moved_bytes = 0
+            stats.compaction_released_bytes = 0
 
     def memory_summary(self, abbreviated: bool = False) -> str:
         """torch.cuda.memory_summary()'s table, for this pool."""
@@ -579,6 +739,18 @@ class CachingPool:
 
     # -- the free story ---------------------------------------------------------
 
+    def _free_allocated(self, block: Block) -> None:
+        """free() of a block known to be allocated here (the caller holds the lock)."""
+        assert block.pool is not None and block.allocated, block
+        kind = block.pool.kind
+        block.allocated = False
+        decrease(self._stats.allocation, kind, 1)
+        decrease(self._stats.allocated_bytes, kind, block.size)
+        self._record("free_requested", block.address, block.requested_size, block.stream)
+        if block.size >= self.max_split_size:
+            self._stats.oversize_allocations.decrease(1)
+        self._free_block(block)
+
     def _free_block(self, block: Block) -> None:
         """Mirrors free_block: merge with free neighbours, cache, move the inactive_split stats."""
         pool = block.pool
@@ -682,6 +854,58 @@ class CachingPool:
                     self._release_block(block)
         return True
 
+    # -- compaction (beyond torch) ----------------------------------------------
+
+    def _compact_and_retry(
+        self, pool: BlockPool, alloc_size: int, stream: int
+    ) -> tuple[Block | None, str]:
+        """Empty the least-used segments into free blocks elsewhere, release them, and
+        reserve ``alloc_size`` again: the new segment's block, or None and a note for the
+        out-of-memory message when compaction cannot release enough."""
+        assert self.relocator is not None
+        shortfall = self._reserved() + alloc_size - self.capacity
+        # within capacity the device itself refused: give back at least a segment's worth
+        needed = shortfall if shortfall > 0 else alloc_size
+        with self.relocator.relocation(self) as movable:
+            usage = [segment_usage(s, movable) for _, s in sorted(self._segments.items())]
+            plan = plan_compaction(usage, needed, self.max_split_size)
+            if plan.empty:
+                return None, (
+                    f" Compaction could release {format_size(plan.released)} "
+                    f"of the {format_size(needed)} needed."
+                )
+            blocks = {b.address: b for s in self._segments.values() for b in s.blocks()}
+            moved = sum(self._move(blocks[move.source], move, movable) for move in plan.moves)
+            for address in plan.evacuated:
+                head = self._segments[address].head
+                assert head is not None and not head.allocated and not head.is_split(), head
+                self._release_block(head)
+        stats = self._stats
+        stats.num_compactions += 1
+        stats.compaction_moved_bytes += moved
+        stats.compaction_released_bytes += plan.released
+        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+        note = f" Compaction released {format_size(plan.released)} and it was not enough."
+        return block, "" if block is not None else note
+
+    def _move(
+        self, old: Block, move: Move, movable: Mapping[Block, Callable[[Block], None]]
+    ) -> int:
+        """One planned move: allocate the new block, copy the bytes, repoint the owner, free
+        the old block.  Returns the bytes copied."""
+        pool = old.pool
+        assert pool is not None and old.allocated, old
+        target = pool.free_blocks[move.destination]
+        pool.remove(target)
+        split = should_split(target.size, move.size, pool.is_small, self.max_split_size)
+        new = self._alloc_found_block(target, move.size, old.requested_size, split)
+        assert new.size <= old.size and new.segment is not old.segment, (old, new)
+        nbytes = old.requested_size
+        self.backend.copy(old.segment.memory, old.offset, new.segment.memory, new.offset, nbytes)
+        movable[old](new)
+        self._free_allocated(old)
+        return nbytes
+
     # -- helpers ----------------------------------------------------------------
 
     def _reserved(self) -> int:
@@ -736,7 +960,25 @@ class CachingPool:
 
 
 # ---------------------------------------------------------------------------
-# Pure helpers for stats, summaries and snapshots
+# Pure helpers for compaction, stats, summaries and snapshots
+
+
+def segment_usage(segment: Segment, movable: Mapping[Block, object]) -> SegmentUsage:
+    """What planning sees of ``segment``: its blocks as numbers, movable if every
+    allocated one is a key of ``movable``."""
+    blocks = segment.blocks()
+    allocated = tuple(
+        (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
+    )
+    return SegmentUsage(
+        address=segment.address,
+        size=segment.size,
+        is_small=segment.is_small,
+        stream=segment.stream,
+        allocated=allocated,
+        free=tuple((b.address, b.size) for b in blocks if not b.allocated),
+        movable=all(b in movable for b in blocks if b.allocated),
+    )
 
 
 def external_fragmentation(largest_free: int, free_bytes: int) -> float:

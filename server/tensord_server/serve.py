@@ -102,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "only '*' applies); over it: RESOURCE_EXHAUSTED (repeatable; default: none)",
     )
     parser.add_argument(
+        "--no-compaction",
+        action="store_true",
+        help="never move Storages to make room when a device's pool is out of memory "
+        "(PyTorch's allocator exactly: OOM once release-and-retry fails)",
+    )
+    parser.add_argument(
         "--insecure-allow-remote",
         action="store_true",
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
@@ -184,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             auth_tokens=tokens,
             max_handles_per_session=args.max_handles_per_session,
             quotas=quotas,
+            compaction=not args.no_compaction,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)

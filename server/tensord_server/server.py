@@ -132,6 +132,7 @@ class Daemon:
         auth_tokens: Mapping[str, str] | None = None,
         max_handles_per_session: int | None = None,
         quotas: Iterable[QuotaSpec] = (),
+        compaction: bool = True,
     ) -> None:
         self.devices = DeviceTable(devices)
         table = QuotaTable(quotas)
@@ -140,6 +141,10 @@ class Daemon:
             None if auth_tokens is None else auth_tokens.values(),
         )
         self.storages = StorageRegistry(TenantLedger(table))
+        # compaction (tensord serve --no-compaction turns it off): on the out-of-memory
+        # path the pools may move unpinned Storages, which the registry repoints
+        for device in self.devices:
+            device.pool.relocator = self.storages if compaction else None
         self.sessions = SessionManager(
             self.storages, grace=session_grace, lease=lease, max_handles=max_handles_per_session
         )
@@ -182,7 +187,7 @@ class Daemon:
         requires_grad: bool = False,
     ) -> Iterator[TensorRef]:
         """A new Storage just big enough for ``layout``, charged to the session's tenant and
-        pinned while the block runs."""
+        pinned (never moved by compaction) while the block runs."""
         kernels.check_requires_grad(dtype, requires_grad)
         storage = self.storages.allocate(
             device, layout.storage_extent() * dtype.itemsize, session.tenant
@@ -191,7 +196,7 @@ class Daemon:
             with activate(device):
                 yield TensorRef(storage, layout, dtype, requires_grad)
         finally:
-            self.storages.decref(storage)
+            self.storages.unpin(storage)
 
     def _copy_of(
         self, session: Session, src: TensorRef, layout: Layout, dtype: DType, device: Device

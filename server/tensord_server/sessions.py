@@ -244,15 +244,17 @@ class SessionManager:
 
     @contextmanager
     def pinned(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
-        """The tensors of ``handles``, their Storages kept alive until the block ends."""
+        """The tensors of ``handles``, their Storages kept alive and in place (compaction
+        never moves a pinned Storage) until the block ends."""
         with self._lock:
             refs = [self._lookup(session, h) for h in handles]
             for ref in refs:
-                self.storages.incref(ref.storage)
+                self.storages.pin(ref.storage)
         try:
             yield refs
         finally:
-            self._decref_all(refs)
+            for ref in refs:
+                self.storages.unpin(ref.storage)
 
     def release(self, session: Session, handles: Sequence[str]) -> int:
         """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""

@@ -4,12 +4,20 @@ A Storage lives while something refers to it: a handle in a session, a share
 token or a name.  Each of those holds one reference; so does any operation
 that is using the Storage right now (a "pin"), so that a concurrent Release can
 never hand a block back to the pool while a copy still reads or writes it.
+
+Compaction may move a Storage to another block of its pool (clients hold
+handles on the Storage, never on the block; only ``data_ptr`` changes).  Pins
+are counted apart from references for that: a pinned Storage never moves, and
+while the pool moves blocks it holds the registry's lock, so no pin starts.
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,18 +26,20 @@ from tensord.errors import InternalError
 from tensord.layout import Layout
 
 from tensord_server.devices import Device
-from tensord_server.pool import Block, round_size
+from tensord_server.pool import Block, CachingPool, round_size
 from tensord_server.quotas import TenantLedger
 
 
 class Storage:
     """Untyped bytes: one block of one device's pool.
 
-    Invariants: ``refs >= 0``, guarded by the registry's lock; ``block`` is
-    allocated in ``device.pool`` exactly while ``refs > 0`` (``freed`` after).
+    Invariants: ``0 <= pins <= refs``, both guarded by the registry's lock;
+    ``block`` is allocated in ``device.pool`` exactly while ``refs > 0``
+    (``freed`` after); ``block`` changes only by compaction, under the
+    registry's lock, while ``pins == 0``.
     """
 
-    __slots__ = ("block", "device", "freed", "id", "nbytes", "refs", "tenant")
+    __slots__ = ("block", "device", "freed", "id", "nbytes", "pins", "refs", "tenant")
 
     def __init__(self, device: Device, block: Block, nbytes: int, tenant: str = "") -> None:
         self.id = secrets.token_hex(8)  # equal for every handle on it, in every session
@@ -38,6 +48,7 @@ class Storage:
         self.nbytes: int = nbytes
         self.tenant: str = tenant  # who created it, and is charged its block
         self.refs: int = 0  # handles + share tokens + names + pins
+        self.pins: int = 0  # operations reading or writing the bytes now (never moved then)
         self.freed: bool = False
 
     @property
@@ -52,20 +63,29 @@ class Storage:
         self.device.backend.write(self.block.segment.memory, self.block.offset + offset, data)
 
     def __repr__(self) -> str:
-        return f"Storage({self.id}, {self.device.name}, {self.nbytes} bytes, refs={self.refs})"
+        return (
+            f"Storage({self.id}, {self.device.name}, {self.nbytes} bytes, "
+            f"refs={self.refs}, pins={self.pins})"
+        )
 
 
 class StorageRegistry:
-    """Every live Storage, with reference counting.  Thread-safe.
+    """Every live Storage, with reference counting and pins.  Thread-safe.
 
-    ``allocate`` returns a Storage holding one reference (the caller's pin);
-    ``decref`` to zero frees its block back to the pool.  The ledger charges each
-    block to the tenant that created it, within that tenant's quota.
+    ``allocate`` returns a Storage holding one reference that is a pin (the
+    caller's: ``unpin`` when done with the bytes); ``decref`` to zero frees its
+    block back to the pool.  The ledger charges each block to the tenant that
+    created it, within that tenant's quota; every charge and refund happens
+    under the lock, so compaction can re-charge a moved Storage atomically.
+
+    It is also the pools' :class:`~tensord_server.pool.Relocator` (lock order:
+    a pool's lock, then this one; this one is never held while calling a pool).
     """
 
     def __init__(self, ledger: TenantLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else TenantLedger()
-        self._lock = threading.Lock()  # guards _storages and every Storage.refs
+        # guards _storages, every Storage's refs, pins and block, and the ledger's changes
+        self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
@@ -74,15 +94,15 @@ class StorageRegistry:
         # evicts cached segments for a request that cannot be kept anyway
         self.ledger.precheck(tenant, device.name, round_size(nbytes) if nbytes else 0)
         block = device.pool.malloc(nbytes)  # raises OutOfMemoryError, nothing to undo
+        storage = Storage(device, block, nbytes, tenant)
+        storage.refs = storage.pins = 1
         try:
-            self.ledger.charge(tenant, device.name, block.size)
+            with self._lock:
+                self.ledger.charge(tenant, device.name, block.size)
+                self._storages[storage.id] = storage
         except BaseException:
             device.pool.free(block)
             raise
-        storage = Storage(device, block, nbytes, tenant)
-        storage.refs = 1
-        with self._lock:
-            self._storages[storage.id] = storage
         return storage
 
     def incref(self, storage: Storage) -> None:
@@ -90,6 +110,20 @@ class StorageRegistry:
             if storage.freed:
                 raise InternalError(f"reference to a freed {storage!r}")
             storage.refs += 1
+
+    def pin(self, storage: Storage) -> None:
+        """A reference that also keeps the Storage where it is: its bytes are in use."""
+        with self._lock:
+            if storage.freed:
+                raise InternalError(f"pin of a freed {storage!r}")
+            storage.refs += 1
+            storage.pins += 1
+
+    def unpin(self, storage: Storage) -> None:
+        with self._lock:
+            storage.pins -= 1
+            assert storage.pins >= 0, storage
+        self.decref(storage)
 
     def decref(self, storage: Storage) -> None:
         with self._lock:
@@ -99,9 +133,31 @@ class StorageRegistry:
                 return
             storage.freed = True
             del self._storages[storage.id]
-        # refund first: freeing coalesces the block with its free neighbours, changing its size
+            # refund first: freeing coalesces the block with its free neighbours, changing its size
+            self.ledger.refund(storage.tenant, storage.device.name, storage.block.size)
+            block = storage.block
+        storage.device.pool.free(block)
+
+    @contextmanager
+    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+        """For compaction (the pool calls it holding its own lock): stops the world and yields
+        the blocks of unpinned live Storages of ``pool``, each with the call repointing it."""
+        with self._lock:
+            yield {
+                s.block: functools.partial(self._repoint, s)
+                for s in self._storages.values()
+                if s.device.pool is pool and s.pins == 0
+            }
+
+    def _repoint(self, storage: Storage, block: Block) -> None:
+        """``storage`` now lives in ``block`` (its bytes copied there; caller holds the lock).
+
+        The new block is never larger, so re-charging it cannot exceed a quota.
+        """
+        assert storage.pins == 0 and block.size <= storage.block.size, (storage, block)
         self.ledger.refund(storage.tenant, storage.device.name, storage.block.size)
-        storage.device.pool.free(storage.block)
+        self.ledger.charge(storage.tenant, storage.device.name, block.size)
+        storage.block = block
 
     def live(self) -> list[Storage]:
         with self._lock:
