@@ -876,10 +876,11 @@ class CachingPool:
                 )
             blocks = {b.address: b for s in self._segments.values() for b in s.blocks()}
             moved = sum(self._move(blocks[move.source], move, movable) for move in plan.moves)
-            for address in plan.evacuated:
-                head = self._segments[address].head
-                assert head is not None and not head.allocated and not head.is_split(), head
-                self._release_block(head)
+        # the world runs again: the emptied segments are this pool's alone (its lock is held)
+        for address in plan.evacuated:
+            head = self._segments[address].head
+            assert head is not None and not head.allocated and not head.is_split(), head
+            self._release_block(head)
         stats = self._stats
         stats.num_compactions += 1
         stats.compaction_moved_bytes += moved
