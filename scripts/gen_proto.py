@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "proto"
 OUTPUT = REPO / "client" / "tensord" / "_proto"
 # protoc writes tensord/v1/tensord_pb2.py; the package lives at tensord._proto.tensord.v1
-IMPORT_FIX = (re.compile(r"^from tensord\.v1 import", re.MULTILINE), "from tensord._proto.tensord.v1 import")
+IMPORT_FIX = (
+    re.compile(r"^from tensord\.v1 import", re.MULTILINE),
+    "from tensord._proto.tensord.v1 import",
+)
 
 
 def generate(into: Path) -> None:
@@ -46,14 +49,20 @@ def generate(into: Path) -> None:
 
 
 def differences(a: Path, b: Path) -> list[str]:
-    files_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    files_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    files_a = {
+        p.relative_to(a) for p in a.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    files_b = {
+        p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
     changed = [str(p) for p in files_a & files_b if not filecmp.cmp(a / p, b / p, shallow=False)]
     return sorted(changed + [str(p) for p in files_a ^ files_b])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

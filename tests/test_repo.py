@@ -39,3 +39,28 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_readme_server_command_uses_the_console_script() -> None:
     commands = readme_commands()
     assert any(c.endswith("tensord serve") for c in commands), commands
+
+
+# The Python trees the linters hold to the project's style (README's code blocks are prose).
+PYTHON_TREES = ("client", "server", "tests", "benchmarks", "scripts", "loadtest")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("ruff", "check", "."),
+        ("ruff", "format", "--check", *PYTHON_TREES),
+        ("mypy",),  # its files and strictness are configured in pyproject.toml
+    ],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
+def test_the_code_passes_the_linters(command: tuple[str, ...]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout}{result.stderr}"
