@@ -1,8 +1,12 @@
 """Stress: several client processes x threads issuing mixed ops through the SDK.
 
 Views, copies, transfers, sharing, frees and deliberate errors for a fixed time,
-then: the pool's invariants hold, allocated bytes equal the sum of the live
-Storages' blocks, and once every client has left, allocated is 0.
+each process a tenant of its own under a byte quota whose sum exceeds the pool,
+so long runs meet both quota refusals and pool OOMs (which compact the pool,
+moving Storages while other clients read and write theirs); every read checks
+the bytes.  Then: the pool's invariants hold, allocated bytes equal the sum of
+the live Storages' blocks, and once every client has left, allocated is 0 and
+so is every tenant's ledger.
 
 Bounded by ``TENSORD_STRESS_SECONDS`` (default 12, the CI setting; e.g. 300 for a
 long run); ``TENSORD_STRESS_PROCS`` x ``TENSORD_STRESS_THREADS`` clients (3 x 3).
@@ -29,7 +33,7 @@ CHILD = textwrap.dedent(
     import tensord
 
     address, seconds, threads, seed = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    client = tensord.connect(address)
+    client = tensord.connect(address, token=f"tok-{seed}")
     counts = {"ops": 0, "errors": 0, "refused": 0}
     lock = threading.Lock()
     failures = []
@@ -108,9 +112,17 @@ CHILD = textwrap.dedent(
 )
 
 
+# Each tenant may hold half the pool: one heavy tenant meets its quota, all of them the pool.
+STRESS_POOL = 64 << 20
+STRESS_QUOTA = QuotaSpec("*", "cpu", STRESS_POOL // 2)
+
+
 def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -> None:
-    # the quota is the tighter limit; the ledger must balance like the pool
-    server = make_server(devices=("cpu=512MiB",), quotas=[QuotaSpec("*", "cpu", 384 << 20)])
+    server = make_server(
+        devices=(f"cpu={STRESS_POOL}",),
+        auth_tokens={f"tok-{i}": f"t{i}" for i in range(PROCS)},
+        quotas=[STRESS_QUOTA],
+    )
     children = [
         subprocess.Popen(
             [
@@ -137,9 +149,11 @@ def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -
         ops += int(done)
         errors += int(deliberate)
         refused += int(full)
+    stats = server.daemon.device("cpu").pool.memory_stats()
     print(
         f"stress: {PROCS} processes x {THREADS} threads, {ops} ops, {errors} deliberate errors, "
-        f"{refused} refused by the pool or the quota"
+        f"{refused} refused by the pool or the quota, {stats['num_ooms']} pool OOMs, "
+        f"{stats['num_compactions']} compactions moving {stats['compaction_moved_bytes']} bytes"
     )
     assert ops > PROCS * THREADS
     for device in server.daemon.devices:
@@ -147,7 +161,8 @@ def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -
     # every client closed its session: nothing is left
     assert wait_until(lambda: server_allocated(server) == 0, 30.0)
     assert len(server.daemon.storages) == 0
-    assert server.daemon.storages.ledger.usage("", "cpu").current == 0
+    ledger = server.daemon.storages.ledger
+    assert [ledger.usage(f"t{i}", "cpu").current for i in range(PROCS)] == [0] * PROCS
     assert server.daemon.sessions.session_ids() == []
 
 
