@@ -229,6 +229,31 @@ def test_pool_compacts_and_keeps_every_byte() -> None:
     assert pool.memory_stats()["num_compactions"] == 0
 
 
+def test_a_hopeless_request_does_not_stop_the_world() -> None:
+    """More than all free space: no plan could help, so the relocator is never entered."""
+
+    class Refusing(ToyRelocator):
+        entered = 0
+
+        @contextlib.contextmanager
+        def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+            self.entered += 1
+            with super().relocation(pool) as movable:
+                yield movable
+
+    relocator = Refusing()
+    pool, _ = fragmented_pool(BookkeepingBackend(), relocator)  # 30 MiB free in 60 MiB
+    with pytest.raises(OutOfMemoryError) as info:
+        pool.malloc(40 * MiB)
+    assert str(info.value).endswith(
+        "Compaction could release at most 30.00 MiB of the 40.00 MiB needed."
+    )
+    assert relocator.entered == 0
+    pool.malloc(12 * MiB)  # a request compaction can serve still enters it
+    assert relocator.entered == 1 and relocator.moves > 0
+    pool.assert_invariants()
+
+
 def test_pool_gives_up_cleanly_when_nothing_may_move() -> None:
     relocator = ToyRelocator()
     pool, _ = fragmented_pool(BookkeepingBackend(), relocator)

@@ -866,6 +866,15 @@ class CachingPool:
         shortfall = self._reserved() + alloc_size - self.capacity
         # within capacity the device itself refused: give back at least a segment's worth
         needed = shortfall if shortfall > 0 else alloc_size
+        # a released segment was all free space before (its own, or where its blocks went):
+        # with less free space than needed no plan can help, so do not stop the world to look
+        # (an OOM storm of hopeless requests would otherwise stall every client each time)
+        free_space = self._small.free_bytes() + self._large.free_bytes()
+        if free_space < needed:
+            return None, (
+                f" Compaction could release at most {format_size(free_space)} "
+                f"of the {format_size(needed)} needed."
+            )
         with self.relocator.relocation(self) as movable:
             usage = [segment_usage(s, movable) for _, s in sorted(self._segments.items())]
             plan = plan_compaction(usage, needed, self.max_split_size)
