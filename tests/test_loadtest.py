@@ -268,6 +268,20 @@ def test_summary_fails_on_a_leak_and_counts_expected_errors_apart(tmp_path: Path
     assert not leak["passed"] and leak["leaked_bytes"] == 512
     markdown = loadtest.render_markdown(leak, command="tensord loadtest", settings={"users": 1})
     assert "**FAIL**" in markdown and "| leaked bytes | 512 |" in markdown
+    # compactions during the run: the difference between the server's counters
+    before = {key: 0, "num_compactions": 1, "compaction_moved_bytes": 5 << 20}
+    after = {
+        key: 0,
+        "num_compactions": 3,
+        "compaction_moved_bytes": 7 << 20,
+        "compaction_released_bytes": 40 << 20,
+    }
+    moved = loadtest.summarize(tmp_path, baseline=before, final=after, leftover_names=[])
+    assert (moved["num_compactions"], moved["compaction_moved_bytes"]) == (2, 2 << 20)
+    markdown = loadtest.render_markdown(moved, command="tensord loadtest", settings={})
+    assert "| compactions: count / bytes moved / bytes released | 2 / 2.0 MiB / 40.0 MiB |" in (
+        markdown
+    )
 
 
 # -- docker-compose.yml --------------------------------------------------------------

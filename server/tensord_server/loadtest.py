@@ -54,6 +54,7 @@ COLUMNS = (
     "external_fragmentation",
     "num_alloc_retries",
     "num_ooms",
+    "num_compactions",
     "allocated_bytes_peak",
     "reserved_bytes_peak",
     "live_sessions",
@@ -70,6 +71,8 @@ STAT_KEYS = {
     "external_fragmentation": "external_fragmentation.all",
     "num_alloc_retries": "num_alloc_retries",
     "num_ooms": "num_ooms",
+    # beyond torch: OOMs the server avoided by moving Storages (0 with --no-compaction)
+    "num_compactions": "num_compactions",
     "allocated_bytes_peak": "allocated_bytes.all.peak",
     "reserved_bytes_peak": "reserved_bytes.all.peak",
 }
@@ -369,6 +372,9 @@ def summarize(
         "max_external_fragmentation": max(frags, default=math.nan),
         "num_ooms": delta("num_ooms"),
         "num_alloc_retries": delta("num_alloc_retries"),
+        "num_compactions": delta("num_compactions"),
+        "compaction_moved_bytes": delta("compaction_moved_bytes"),
+        "compaction_released_bytes": delta("compaction_released_bytes"),
         "capacity_bytes": capacity,
         "min_allocated_at_oom_bytes": int(min(at_oom)) if at_oom else None,
         "baseline_allocated_bytes": int(_num(baseline.get(allocated_key, 0))),
@@ -443,6 +449,8 @@ def render_markdown(
         f"| mean reserved / allocated under load (*) | {s['mean_reserved_over_allocated']:.3f} |",
         f"| max external fragmentation under load (*) | {s['max_external_fragmentation']:.3f} |",
         f"| OOMs / allocation retries | {s['num_ooms']} / {s['num_alloc_retries']} |",
+        f"| compactions: count / bytes moved / bytes released | {s['num_compactions']} / "
+        f"{mib(s['compaction_moved_bytes'])} / {mib(s['compaction_released_bytes'])} |",
         f"| pool capacity | {mib(s['capacity_bytes']) if s.get('capacity_bytes') else 'unknown'} |",
         f"| allocated when an OOM was sampled (lowest) | {_at_oom(s)} |",
         f"| allocated: baseline -> after users left | {s['baseline_allocated_bytes']:,} -> {s['final_allocated_bytes']:,} B |",
@@ -527,8 +535,13 @@ def plot(out: Path, t0: float, capacity: int | None = None) -> Path:
     ax_count = ax_frag.twinx()
     ax_count.step(x, col("num_ooms"), where="post", label="OOMs (cumulative)", color="C3")
     ax_count.step(x, col("num_alloc_retries"), where="post", label="alloc retries", color="C4")
+    ax_count.step(x, col("num_compactions"), where="post", label="compactions", color="C5")
     ax_count.set_ylabel("count")
-    counts = [v for v in col("num_ooms") + col("num_alloc_retries") if not math.isnan(v)]
+    counts = [
+        v
+        for v in col("num_ooms") + col("num_alloc_retries") + col("num_compactions")
+        if not math.isnan(v)
+    ]
     ax_count.set_ylim(bottom=0, top=1.1 * max([1.0, *counts]))
     handles = ax_frag.get_legend_handles_labels()
     extra = ax_count.get_legend_handles_labels()
