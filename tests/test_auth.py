@@ -165,3 +165,29 @@ def test_memory_stats_count_the_callers_tenant_only(auth_server) -> None:
         assert theirs["tenant.allocated_bytes.current"] == 0
         alice.delete("n")
         del kept
+
+
+def _bytes_left_in_a_reused_block(server, owner_token: str | None, reader_token: str | None):
+    """The owner fills 1 MiB with 0xAB and frees it; the reader's empty() of the same size
+    gets that block back (best fit, the pool caches it): what does the reader see?"""
+    with tensord.connect(server.address, token=owner_token) as owner:
+        secret = owner.full((1 << 20,), 0xAB, dtype=tensord.uint8)
+        address = secret.data_ptr()
+        del secret
+        owner.flush()
+    with tensord.connect(server.address, token=reader_token) as reader:
+        fresh = reader.empty(1 << 20, dtype=tensord.uint8)
+        assert fresh.data_ptr() == address  # the very block the owner freed
+        return fresh.numpy()
+
+
+def test_empty_never_shows_another_tenants_freed_bytes(auth_server) -> None:
+    seen = _bytes_left_in_a_reused_block(auth_server, "tok-alice-1", "tok-bob")
+    assert not seen.any()
+
+
+def test_without_tenants_empty_is_torchs_uninitialized_memory(fresh_server) -> None:
+    # one trust domain: empty() returns what the block held, as torch.empty does (and this
+    # is how the test above would see a leak)
+    seen = _bytes_left_in_a_reused_block(fresh_server, None, None)
+    assert (seen == 0xAB).all()

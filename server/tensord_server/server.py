@@ -150,6 +150,8 @@ class Daemon:
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
+        # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
+        self.scrub_empty = self.auth_tokens is not None
 
     def start(self) -> None:
         self.sessions.start_reaper()
@@ -394,6 +396,10 @@ class Daemon:
             layout = Layout(shape, stride, 0)
         dt = dtypes.dtype_from_name(dtype) if dtype else dtypes.float32
         with self._allocated(session, self.device(device), layout, dt, requires_grad) as out:
+            if self.scrub_empty and out.storage.nbytes:
+                # torch's empty hands back whatever the block held: with tenants that may be
+                # another tenant's freed bytes (every other op writes all it allocates)
+                kernels.fill(out.device.xp, out.storage.raw(), 0)
             return self._issue(session, out)
 
     def full(
