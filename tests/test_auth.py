@@ -11,6 +11,7 @@ import pytest
 import tensord
 from conftest import SessionStub, open_channel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.auth import parse_tokens, tenant_of
 
 TOKENS = {"tok-alice-1": "alice", "tok-alice-2": "alice", "tok-bob": "bob"}
@@ -94,6 +95,37 @@ def test_the_handle_limit_per_session_is_resource_exhausted(make_server) -> None
             client.zeros(4)
         assert not isinstance(info.value, tensord.OutOfMemoryError)
         del kept
+
+
+def test_the_session_limit_per_tenant_is_resource_exhausted(make_server) -> None:
+    server = make_server(auth_tokens=TOKENS, max_sessions_per_tenant=2)
+    first = tensord.connect(server.address, token="tok-alice-1")
+    second = tensord.connect(server.address, token="tok-alice-2")  # same tenant, other token
+    try:
+        with pytest.raises(tensord.ResourceExhaustedError, match="max-sessions-per-tenant 2"):
+            tensord.connect(server.address, token="tok-alice-1")
+        with tensord.connect(server.address, token="tok-bob") as bob:  # another tenant's own
+            assert bob.arange(2).tolist() == [0, 1]
+        # a resumed session is not a new one
+        with open_channel(server.address) as channel:
+            stub = tensord_pb2_grpc.TensordStub(channel)
+            resumed = stub.OpenSession(
+                pb.OpenSessionRequest(resume_session_id=first.session_id),
+                metadata=(("authorization", "Bearer tok-alice-1"),),
+            )
+            assert resumed.resumed
+        second.close()
+        with tensord.connect(server.address, token="tok-alice-1") as third:  # room again
+            assert third.arange(1).tolist() == [0]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_serve_refuses_a_limit_below_one() -> None:
+    for flag in ("--max-handles-per-session", "--max-sessions-per-tenant"):
+        result = _serve("--address", "127.0.0.1:0", "--device", "cpu", flag, "0")
+        assert result.returncode == 2 and f"{flag} must be >= 1" in result.stderr
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:

@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a session's new handle once it holds N (RESOURCE_EXHAUSTED; default: none)",
     )
     parser.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        metavar="N",
+        help="refuse a tenant's new session once it has N open (lost ones count until their "
+        "grace ends; RESOURCE_EXHAUSTED; default: none)",
+    )
+    parser.add_argument(
         "--tls-cert",
         metavar="FILE",
         help="serve TLS only, with this PEM certificate chain (needs --tls-key)",
@@ -170,9 +177,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.max_handles_per_session is not None and args.max_handles_per_session < 1:
-        print("tensord serve: --max-handles-per-session must be >= 1", file=sys.stderr)
-        return 2
+    for flag in ("max_handles_per_session", "max_sessions_per_tenant"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
@@ -189,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             lease=args.lease,
             auth_tokens=tokens,
             max_handles_per_session=args.max_handles_per_session,
+            max_sessions_per_tenant=args.max_sessions_per_tenant,
             quotas=quotas,
             compaction=not args.no_compaction,
         )

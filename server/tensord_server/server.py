@@ -131,6 +131,7 @@ class Daemon:
         lease: float = DEFAULT_LEASE_S,
         auth_tokens: Mapping[str, str] | None = None,
         max_handles_per_session: int | None = None,
+        max_sessions_per_tenant: int | None = None,
         quotas: Iterable[QuotaSpec] = (),
         compaction: bool = True,
     ) -> None:
@@ -146,7 +147,11 @@ class Daemon:
         for device in self.devices:
             device.pool.relocator = self.storages if compaction else None
         self.sessions = SessionManager(
-            self.storages, grace=session_grace, lease=lease, max_handles=max_handles_per_session
+            self.storages,
+            grace=session_grace,
+            lease=lease,
+            max_handles=max_handles_per_session,
+            max_sessions=max_sessions_per_tenant,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None

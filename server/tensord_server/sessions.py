@@ -83,6 +83,7 @@ class SessionManager:
         grace: float = DEFAULT_GRACE_S,
         lease: float = DEFAULT_LEASE_S,
         max_handles: int | None = None,
+        max_sessions: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace < 0 or lease <= 0:
@@ -91,6 +92,7 @@ class SessionManager:
         self.grace = grace
         self.lease = lease
         self.max_handles = max_handles  # live handles per session (None: no limit)
+        self.max_sessions = max_sessions  # open sessions per tenant (None: no limit)
         self._clock = clock
         self._lock = threading.Lock()  # guards the three dicts and every Session's fields
         self._sessions: dict[str, Session] = {}
@@ -115,6 +117,13 @@ class SessionManager:
                 session.last_seen = now
                 session.stream_ended_at = None
                 return session, True
+            held = self._count_sessions(tenant)
+            if self.max_sessions is not None and held >= self.max_sessions:
+                who = f"tenant {tenant!r}" if tenant else "this server's (unnamed) tenant"
+                raise ResourceExhaustedError(
+                    f"{who} has {held} open sessions, the limit (--max-sessions-per-tenant "
+                    f"{self.max_sessions}); close some (a lost one ends after its lease and grace)"
+                )
             session = Session(new_capability(), client_name, last_seen=now, tenant=tenant)
             self._sessions[session.id] = session
             return session, False
@@ -324,13 +333,16 @@ class SessionManager:
 
     def tenant_session_count(self, tenant: str) -> int:
         with self._lock:
-            return sum(1 for s in self._sessions.values() if s.tenant == tenant)
+            return self._count_sessions(tenant)
 
     def names(self, tenant: str = "") -> list[str]:
         with self._lock:
             return sorted(name for owner, name in self._names if owner == tenant)
 
     # -- internals (call with the lock held, except _decref_all) ------------------
+
+    def _count_sessions(self, tenant: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.tenant == tenant)
 
     def _lookup(self, session: Session, handle: str) -> TensorRef:
         ref = session.handles.get(handle)
