@@ -94,6 +94,12 @@ def test_the_handle_limit_per_session_is_resource_exhausted(make_server) -> None
         with pytest.raises(tensord.ResourceExhaustedError, match="max-handles-per-session") as info:
             client.zeros(4)
         assert not isinstance(info.value, tensord.OutOfMemoryError)
+        # share tokens are entries the session keeps too (until it ends): they count
+        kept.pop()
+        client.flush()
+        kept[0].share()
+        with pytest.raises(tensord.ResourceExhaustedError, match="1 share tokens"):
+            kept[1].share()
         del kept
 
 

@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-handles-per-session",
         type=int,
         metavar="N",
-        help="refuse a session's new handle once it holds N (RESOURCE_EXHAUSTED; default: none)",
+        help="refuse a session's new handle or share token once it holds N of them together "
+        "(RESOURCE_EXHAUSTED; default: none)",
     )
     parser.add_argument(
         "--max-sessions-per-tenant",

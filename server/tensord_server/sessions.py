@@ -238,11 +238,7 @@ class SessionManager:
         with self._lock:
             if self._sessions.get(session.id) is not session:
                 raise NotFoundError("unknown session")
-            if self.max_handles is not None and len(session.handles) >= self.max_handles:
-                raise ResourceExhaustedError(
-                    f"this session holds {len(session.handles)} handles, the limit "
-                    f"(--max-handles-per-session {self.max_handles}); release some first"
-                )
+            self._check_room(session)
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
         return handle
@@ -282,6 +278,7 @@ class SessionManager:
         token = new_capability()
         with self._lock:
             ref = self._lookup(session, handle)
+            self._check_room(session)
             self.storages.incref(ref.storage)
             self._tokens[token] = (session.id, session.tenant, ref)
             session.tokens.add(token)
@@ -340,6 +337,17 @@ class SessionManager:
             return sorted(name for owner, name in self._names if owner == tenant)
 
     # -- internals (call with the lock held, except _decref_all) ------------------
+
+    def _check_room(self, session: Session) -> None:
+        """Refuse a new handle or share token beyond ``--max-handles-per-session``: both are
+        entries the session keeps (a token lives until its session ends)."""
+        held = len(session.handles) + len(session.tokens)
+        if self.max_handles is not None and held >= self.max_handles:
+            raise ResourceExhaustedError(
+                f"this session holds {len(session.handles)} handles and {len(session.tokens)} "
+                f"share tokens, the limit (--max-handles-per-session {self.max_handles}); "
+                "release some first"
+            )
 
     def _count_sessions(self, tenant: str) -> int:
         return sum(1 for s in self._sessions.values() if s.tenant == tenant)
