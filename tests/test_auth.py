@@ -128,8 +128,30 @@ def test_the_session_limit_per_tenant_is_resource_exhausted(make_server) -> None
         second.close()
 
 
+def test_the_name_limit_per_tenant_is_resource_exhausted(make_server) -> None:
+    server = make_server(auth_tokens=TOKENS, max_names_per_tenant=2)
+    with (
+        tensord.connect(server.address, token="tok-alice-1") as alice,
+        tensord.connect(server.address, token="tok-bob") as bob,
+    ):
+        x = alice.zeros(3)
+        alice.put("a", x)
+        alice.put("b", x)
+        with pytest.raises(tensord.ResourceExhaustedError, match="max-names-per-tenant 2"):
+            alice.put("c", x)
+        alice.put("b", alice.ones(3), overwrite=True)  # overwriting is not a new name
+        bob.put("c", bob.zeros(1))  # bob's names are his own
+        alice.delete("a")
+        alice.put("c", x)  # room again
+        assert sorted(alice.names()) == ["b", "c"]
+
+
 def test_serve_refuses_a_limit_below_one() -> None:
-    for flag in ("--max-handles-per-session", "--max-sessions-per-tenant"):
+    for flag in (
+        "--max-handles-per-session",
+        "--max-sessions-per-tenant",
+        "--max-names-per-tenant",
+    ):
         result = _serve("--address", "127.0.0.1:0", "--device", "cpu", flag, "0")
         assert result.returncode == 2 and f"{flag} must be >= 1" in result.stderr
 

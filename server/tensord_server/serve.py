@@ -94,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "grace ends; RESOURCE_EXHAUSTED; default: none)",
     )
     parser.add_argument(
+        "--max-names-per-tenant",
+        type=int,
+        metavar="N",
+        help="refuse a tenant's new tensor name once it has N (overwriting one is not new; "
+        "RESOURCE_EXHAUSTED; default: none)",
+    )
+    parser.add_argument(
         "--tls-cert",
         metavar="FILE",
         help="serve TLS only, with this PEM certificate chain (needs --tls-key)",
@@ -178,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for flag in ("max_handles_per_session", "max_sessions_per_tenant"):
+    for flag in ("max_handles_per_session", "max_sessions_per_tenant", "max_names_per_tenant"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -200,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             auth_tokens=tokens,
             max_handles_per_session=args.max_handles_per_session,
             max_sessions_per_tenant=args.max_sessions_per_tenant,
+            max_names_per_tenant=args.max_names_per_tenant,
             quotas=quotas,
             compaction=not args.no_compaction,
         )

@@ -132,6 +132,7 @@ class Daemon:
         auth_tokens: Mapping[str, str] | None = None,
         max_handles_per_session: int | None = None,
         max_sessions_per_tenant: int | None = None,
+        max_names_per_tenant: int | None = None,
         quotas: Iterable[QuotaSpec] = (),
         compaction: bool = True,
     ) -> None:
@@ -152,6 +153,7 @@ class Daemon:
             lease=lease,
             max_handles=max_handles_per_session,
             max_sessions=max_sessions_per_tenant,
+            max_names=max_names_per_tenant,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None

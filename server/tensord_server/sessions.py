@@ -84,6 +84,7 @@ class SessionManager:
         lease: float = DEFAULT_LEASE_S,
         max_handles: int | None = None,
         max_sessions: int | None = None,
+        max_names: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace < 0 or lease <= 0:
@@ -93,6 +94,7 @@ class SessionManager:
         self.lease = lease
         self.max_handles = max_handles  # live handles per session (None: no limit)
         self.max_sessions = max_sessions  # open sessions per tenant (None: no limit)
+        self.max_names = max_names  # named tensors per tenant (None: no limit)
         self._clock = clock
         self._lock = threading.Lock()  # guards the three dicts and every Session's fields
         self._sessions: dict[str, Session] = {}
@@ -305,6 +307,13 @@ class SessionManager:
             old = self._names.get(key)
             if old is not None and not overwrite:
                 raise AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
+            if old is None and self.max_names is not None:
+                held = sum(1 for owner, _ in self._names if owner == session.tenant)
+                if held >= self.max_names:
+                    raise ResourceExhaustedError(
+                        f"this tenant has {held} named tensors, the limit "
+                        f"(--max-names-per-tenant {self.max_names}); delete some first"
+                    )
             self.storages.incref(ref.storage)
             self._names[key] = ref
         if old is not None:
