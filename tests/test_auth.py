@@ -103,6 +103,23 @@ def test_the_handle_limit_per_session_is_resource_exhausted(make_server) -> None
         del kept
 
 
+def test_a_multi_handle_view_at_the_handle_limit_issues_all_or_none(make_server) -> None:
+    server = make_server(max_handles_per_session=4)
+    with tensord.connect(server.address) as client:
+        x = client.arange(16)
+        with pytest.raises(tensord.ResourceExhaustedError, match="asked for 8 more"):
+            x.chunk(8)
+        session = server.daemon.sessions.peek(client.session_id)
+        # no handle the client never learnt of stays behind to eat the limit
+        assert server.daemon.sessions.handle_count(session) == 1
+        # torch: chunk sizes of ceil(16 / 3) = 6
+        assert [t.tolist() for t in x.chunk(3)] == [
+            list(range(6)),
+            list(range(6, 12)),
+            list(range(12, 16)),
+        ]
+
+
 def test_the_session_limit_per_tenant_is_resource_exhausted(make_server) -> None:
     server = make_server(auth_tokens=TOKENS, max_sessions_per_tenant=2)
     first = tensord.connect(server.address, token="tok-alice-1")

@@ -228,7 +228,8 @@ class Daemon:
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
                 return [self._reshape_copy(session, ref, _flatten_shape(ref.layout, op))]
-            return [self._issue(session, r) for r in results]
+            handles = self.sessions.register_all(session, results)
+            return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
 
     # -- copies -----------------------------------------------------------------
 

@@ -235,15 +235,22 @@ class SessionManager:
 
     def register(self, session: Session, ref: TensorRef) -> str:
         """A new handle on ``ref`` in ``session`` (the caller holds a pin on its Storage)."""
-        check_in_bounds(ref)
-        handle = new_capability()
+        return self.register_all(session, [ref])[0]
+
+    def register_all(self, session: Session, refs: Sequence[TensorRef]) -> list[str]:
+        """New handles on all of ``refs`` or, when the session has no room for all, none:
+        a split or chunk refused halfway must not leave handles its client never learns."""
+        for ref in refs:
+            check_in_bounds(ref)
+        handles = [new_capability() for _ in refs]
         with self._lock:
             if self._sessions.get(session.id) is not session:
                 raise NotFoundError("unknown session")
-            self._check_room(session)
-            self.storages.incref(ref.storage)
-            session.handles[handle] = ref
-        return handle
+            self._check_room(session, len(refs))
+            for handle, ref in zip(handles, refs, strict=True):
+                self.storages.incref(ref.storage)
+                session.handles[handle] = ref
+        return handles
 
     def lookup(self, session: Session, handle: str) -> TensorRef:
         with self._lock:
@@ -347,15 +354,15 @@ class SessionManager:
 
     # -- internals (call with the lock held, except _decref_all) ------------------
 
-    def _check_room(self, session: Session) -> None:
-        """Refuse a new handle or share token beyond ``--max-handles-per-session``: both are
+    def _check_room(self, session: Session, wanted: int = 1) -> None:
+        """Refuse new handles or share tokens beyond ``--max-handles-per-session``: both are
         entries the session keeps (a token lives until its session ends)."""
         held = len(session.handles) + len(session.tokens)
-        if self.max_handles is not None and held >= self.max_handles:
+        if self.max_handles is not None and held + wanted > self.max_handles:
             raise ResourceExhaustedError(
                 f"this session holds {len(session.handles)} handles and {len(session.tokens)} "
-                f"share tokens, the limit (--max-handles-per-session {self.max_handles}); "
-                "release some first"
+                f"share tokens and asked for {wanted} more, over the limit "
+                f"(--max-handles-per-session {self.max_handles}); release some first"
             )
 
     def _count_sessions(self, tenant: str) -> int:
