@@ -182,6 +182,36 @@ def test_a_refused_request_leaves_the_pool_as_it_was(quota_server) -> None:
     assert quota_server.daemon.storages.ledger.usage("alice", "cpu").current == 0
 
 
+def test_the_charge_is_the_request_not_the_block_that_serves_it(make_server) -> None:
+    """19.5 MiB served by a whole 20 MiB segment (the 0.5 MiB rest is not split off) is
+    charged 19.5 MiB: a quota of exactly that fits, whatever the pool's layout."""
+    server = make_server(auth_tokens=TOKENS, quotas=[QuotaSpec("alice", "cpu", 39 * MIB // 2)])
+    with tensord.connect(server.address, token="tok-alice") as alice:
+        t = alice.empty(39 * MIB // 2, dtype="uint8")
+        (storage,) = server.daemon.storages.live()
+        assert storage.block.size == 20 * MIB  # the block is larger than what was asked
+        assert alice.memory_stats()["tenant.allocated_bytes.current"] == 39 * MIB // 2
+        del t
+
+
+def test_a_race_lost_after_the_pool_frees_the_block(quota_server, monkeypatch) -> None:
+    """Two requests of one tenant both pass the precheck; the charge after the pool
+    refuses the second, which gives its block back (the precheck is skipped here to
+    stand for the other request winning in between)."""
+    ledger = quota_server.daemon.storages.ledger
+    monkeypatch.setattr(ledger, "precheck", lambda tenant, device, nbytes: None)
+    pool = quota_server.daemon.device("cpu").pool
+    with tensord.connect(quota_server.address, token="tok-alice") as alice:
+        kept = alice.zeros(512 * KIB, dtype="uint8")
+        before = pool.memory_stats()["allocated_bytes.all.current"]
+        with pytest.raises(tensord.ResourceExhaustedError, match="quota exceeded"):
+            alice.zeros(768 * KIB, dtype="uint8")
+        assert pool.memory_stats()["allocated_bytes.all.current"] == before
+        assert ledger.usage("alice", "cpu").current == 512 * KIB
+        pool.assert_invariants()
+        del kept
+
+
 def test_the_wildcard_quota_applies_without_auth(make_server) -> None:
     server = make_server(quotas=[QuotaSpec("*", "cpu", 64 * KIB)])
     with tensord.connect(server.address) as client:

@@ -1,8 +1,11 @@
 """Per-tenant byte quotas per device (``--quota TENANT:DEVICE=BYTES``) and the ledger enforcing them.
 
-A tenant is charged the pool block of every Storage it creates (the bytes it
-keeps from everyone else, as torch's ``allocated_bytes`` counts them: the
-request rounded up to 512 B, plus any remainder the pool did not split off).
+A tenant is charged every Storage it creates, by its size rounded up to 512 B
+as the pool rounds requests (``Storage.charge``).  Not by the block that serves
+it: the pool may hand out a larger block (a remainder it does not split off),
+and which block that is depends on what every tenant left in the
+pool, so one tenant's refusals would depend on the others.  The charge is known
+before the pool is asked, and compaction moving a Storage changes nothing.
 Storages never cross tenants (handles, share tokens and names are
 tenant-scoped), so the creator is the only tenant that can hold them and the
 charge is refunded when the Storage is freed.
@@ -109,14 +112,14 @@ class QuotaTable:
 class TenantUsage:
     """What one tenant holds on one device."""
 
-    current: int  # bytes of its live Storages' blocks
+    current: int  # its live Storages' charges (sizes rounded up to 512 B)
     peak: int  # the most it held at once since the server started
     storages: int  # live Storages
     limit: int | None  # its quota (None: no limit)
 
 
 class TenantLedger:
-    """Bytes and Storages per (tenant, device), charged before a block is kept.  Thread-safe.
+    """Bytes and Storages per (tenant, device), charged as Storages are made.  Thread-safe.
 
     Invariant: a tenant with a quota never holds more than its limit on that device.
     """
@@ -136,7 +139,8 @@ class TenantLedger:
                 self._refuse_over(quota, tenant, device, nbytes)
 
     def charge(self, tenant: str, device: str, nbytes: int) -> None:
-        """Add a kept block to the tenant's bytes; ResourceExhaustedError (nothing charged) if over."""
+        """Add a new Storage's charge to the tenant's bytes; ResourceExhaustedError (nothing
+        charged) if over."""
         quota = self.quotas.for_tenant(tenant, device)
         key = (tenant, device)
         with self._lock:

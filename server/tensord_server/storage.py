@@ -52,6 +52,13 @@ class Storage:
         self.freed: bool = False
 
     @property
+    def charge(self) -> int:
+        """What its tenant is charged: the request rounded as the pool rounds (512 B), the
+        same whichever block serves it, so one tenant's quota never depends on how others
+        left the pool."""
+        return round_size(self.nbytes) if self.nbytes else 0
+
+    @property
     def data_ptr(self) -> int:
         return int(self.block.address)
 
@@ -74,9 +81,9 @@ class StorageRegistry:
 
     ``allocate`` returns a Storage holding one reference that is a pin (the
     caller's: ``unpin`` when done with the bytes); ``decref`` to zero frees its
-    block back to the pool.  The ledger charges each block to the tenant that
-    created it, within that tenant's quota; every charge and refund happens
-    under the lock, so compaction can re-charge a moved Storage atomically.
+    block back to the pool.  The ledger charges each Storage to the tenant that
+    created it, within that tenant's quota (``Storage.charge``: a move changes
+    nothing); charges and refunds happen under the lock.
 
     It is also the pools' :class:`~tensord_server.pool.Relocator` (lock order:
     a pool's lock, then this one; this one is never held while calling a pool).
@@ -90,15 +97,17 @@ class StorageRegistry:
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
-        # the rounded request is the least the block will be: refuse before the pool
-        # evicts cached segments for a request that cannot be kept anyway
-        self.ledger.precheck(tenant, device.name, round_size(nbytes) if nbytes else 0)
+        charge = round_size(nbytes) if nbytes else 0  # Storage.charge, known before the block
+        # refuse before the pool evicts cached segments or compacts for a request that cannot
+        # be kept anyway; the charge below settles races between one tenant's requests
+        self.ledger.precheck(tenant, device.name, charge)
         block = device.pool.malloc(nbytes)  # raises OutOfMemoryError, nothing to undo
         storage = Storage(device, block, nbytes, tenant)
+        assert storage.charge == charge, storage
         storage.refs = storage.pins = 1
         try:
             with self._lock:
-                self.ledger.charge(tenant, device.name, block.size)
+                self.ledger.charge(tenant, device.name, charge)
                 self._storages[storage.id] = storage
         except BaseException:
             device.pool.free(block)
@@ -133,8 +142,7 @@ class StorageRegistry:
                 return
             storage.freed = True
             del self._storages[storage.id]
-            # refund first: freeing coalesces the block with its free neighbours, changing its size
-            self.ledger.refund(storage.tenant, storage.device.name, storage.block.size)
+            self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
             block = storage.block
         storage.device.pool.free(block)
 
@@ -152,11 +160,9 @@ class StorageRegistry:
     def _repoint(self, storage: Storage, block: Block) -> None:
         """``storage`` now lives in ``block`` (its bytes copied there; caller holds the lock).
 
-        The new block is never larger, so re-charging it cannot exceed a quota.
+        Its tenant's charge is the rounded request, not the block: nothing to re-charge.
         """
         assert storage.pins == 0 and block.size <= storage.block.size, (storage, block)
-        self.ledger.refund(storage.tenant, storage.device.name, storage.block.size)
-        self.ledger.charge(storage.tenant, storage.device.name, block.size)
         storage.block = block
 
     def live(self) -> list[Storage]:
