@@ -8,6 +8,7 @@ not asked for certificates: they authenticate with ``--auth-tokens``.
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import grpc
@@ -26,8 +27,24 @@ def read_pem(path: str | Path, what: str) -> bytes:
     return data
 
 
+def check_key_pair(cert_path: str | Path, key_path: str | Path) -> None:
+    """ValueError unless the files are a certificate chain and its own private key.
+
+    gRPC would only fail later, binding the port ("cannot listen"), which sends an
+    operator after the address rather than the files.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile=str(cert_path), keyfile=str(key_path))
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"the TLS certificate {str(cert_path)!r} and private key {str(key_path)!r} do not "
+            f"go together (swapped, or the key of another certificate?): {exc.reason or exc}"
+        ) from None
+
+
 def server_credentials(cert_path: str | Path, key_path: str | Path) -> grpc.ServerCredentials:
     """Credentials for ``add_secure_port`` from a PEM certificate chain and its private key."""
-    return grpc.ssl_server_credentials(
-        [(read_pem(key_path, "private key"), read_pem(cert_path, "certificate"))]
-    )
+    key, cert = read_pem(key_path, "private key"), read_pem(cert_path, "certificate")
+    check_key_pair(cert_path, key_path)
+    return grpc.ssl_server_credentials([(key, cert)])
