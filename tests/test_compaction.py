@@ -254,6 +254,31 @@ def test_a_hopeless_request_does_not_stop_the_world() -> None:
     pool.assert_invariants()
 
 
+def test_a_failed_copy_leaves_no_block_behind() -> None:
+    """A device error in the middle of a compaction (the third copy fails): the blocks
+    already moved stay consistently moved, the one being moved stays put, nothing leaks."""
+
+    class FailingCopies(HostBackend):
+        copies = 0
+
+        def copy(self, *args: Any) -> None:
+            self.copies += 1
+            if self.copies == 3:
+                raise RuntimeError("device error")
+            super().copy(*args)
+
+    relocator = ToyRelocator()
+    pool, contents = fragmented_pool(FailingCopies(total_bytes=HOST_BYTES), relocator)
+    allocated = pool.memory_stats()["allocated_bytes.all.current"]
+    with pytest.raises(RuntimeError, match="device error"):
+        pool.malloc(12 * MiB)
+    assert pool.memory_stats()["allocated_bytes.all.current"] == allocated
+    assert relocator.moves == 2
+    pool.assert_invariants()
+    for name, block in relocator.blocks.items():  # every owner still reads its own bytes
+        assert pool.backend.read(block.segment.memory, block.offset, 2 * MiB) == contents[name]
+
+
 def test_pool_gives_up_cleanly_when_nothing_may_move() -> None:
     relocator = ToyRelocator()
     pool, _ = fragmented_pool(BookkeepingBackend(), relocator)

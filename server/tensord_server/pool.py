@@ -911,7 +911,13 @@ class CachingPool:
         new = self._alloc_found_block(target, move.size, old.requested_size, split)
         assert new.size <= old.size and new.segment is not old.segment, (old, new)
         nbytes = old.requested_size
-        self.backend.copy(old.segment.memory, old.offset, new.segment.memory, new.offset, nbytes)
+        try:
+            self.backend.copy(
+                old.segment.memory, old.offset, new.segment.memory, new.offset, nbytes
+            )
+        except BaseException:
+            self._free_allocated(new)  # owned by nothing yet; the Storage stays where it was
+            raise
         movable[old](new)
         self._free_allocated(old)
         return nbytes
