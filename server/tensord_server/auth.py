@@ -23,6 +23,11 @@ AUTHORIZATION_KEY = "authorization"
 BEARER = "Bearer "
 
 
+def describe_tenant(tenant: str) -> str:
+    """A tenant as error messages name it ("" is every client of a server without tokens)."""
+    return f"tenant {tenant!r}" if tenant else "this server's (unnamed) tenant"
+
+
 def parse_tokens(lines: Sequence[str]) -> dict[str, str]:
     """token -> tenant from the file's lines; ValueError naming the first bad line."""
     tokens: dict[str, str] = {}

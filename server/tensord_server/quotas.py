@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, ResourceExhaustedError
 
+from tensord_server.auth import describe_tenant
 from tensord_server.devices import canonical_device, parse_bytes
 
 # The TENANT of a quota that applies to every tenant lacking its own.
@@ -76,9 +77,6 @@ class QuotaTable:
 
     def __iter__(self) -> Iterator[QuotaSpec]:
         return iter(self._specs.values())
-
-    def __len__(self) -> int:
-        return len(self._specs)
 
     def for_tenant(self, tenant: str, device: str) -> QuotaSpec | None:
         """The tenant's own quota on ``device``, else the ``*`` one, else None (no limit)."""
@@ -174,9 +172,8 @@ class TenantLedger:
     def _refuse_over(self, quota: QuotaSpec, tenant: str, device: str, nbytes: int) -> None:
         held = self._bytes.get((tenant, device), 0)
         if held + nbytes > quota.limit:
-            who = f"tenant {tenant!r}" if tenant else "this server's (unnamed) tenant"
             raise ResourceExhaustedError(
-                f"quota exceeded: {who} holds {held} bytes on {device} and asked for "
-                f"{nbytes} more, over its limit of {quota.limit} bytes ({quota.flag}); "
+                f"quota exceeded: {describe_tenant(tenant)} holds {held} bytes on {device} and "
+                f"asked for {nbytes} more, over its limit of {quota.limit} bytes ({quota.flag}); "
                 "release tensors first"
             )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from tensord.errors import NotFoundError, ResourceExhaustedError
 
+from tensord_server.auth import describe_tenant
 from tensord_server.status import AlreadyExistsError
 from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
 
@@ -121,10 +122,10 @@ class SessionManager:
                 return session, True
             held = self._count_sessions(tenant)
             if self.max_sessions is not None and held >= self.max_sessions:
-                who = f"tenant {tenant!r}" if tenant else "this server's (unnamed) tenant"
                 raise ResourceExhaustedError(
-                    f"{who} has {held} open sessions, the limit (--max-sessions-per-tenant "
-                    f"{self.max_sessions}); close some (a lost one ends after its lease and grace)"
+                    f"{describe_tenant(tenant)} has {held} open sessions, the limit "
+                    f"(--max-sessions-per-tenant {self.max_sessions}); close some (a lost one "
+                    "ends after its lease and grace)"
                 )
             session = Session(new_capability(), client_name, last_seen=now, tenant=tenant)
             self._sessions[session.id] = session
