@@ -12,6 +12,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -385,8 +386,24 @@ def _cfmt(value: float | int) -> str:
     return f"{value:g}"
 
 
-def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Any:
-    """torch.arange's elements, computed as torch does (in int64 or double), cast to ``dtype``."""
+@dataclass(frozen=True, slots=True)
+class ArangePlan:
+    """torch.arange's elements before any is computed: ``start + i * step`` for i < size,
+    in int64 (``integral``) or double arithmetic, then cast to the output dtype."""
+
+    size: int
+    start: int | float
+    step: int | float
+    integral: bool
+
+
+# arange computes this many elements at a time: its temporaries stay small whatever the size
+# (the output is a pool Storage, allocated first; a huge range must fail there, cleanly)
+ARANGE_CHUNK = 1 << 20
+
+
+def arange_plan(start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> ArangePlan:
+    """torch.arange's checks and size (as torch computes them), no element made yet."""
     start, end, step = _real(start), _real(end), _real(step)
     if dtype is dtypes.bool or dtype.is_complex:
         raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
@@ -413,13 +430,29 @@ def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DTyp
         size_d = math.ceil((float(end) - float(start)) / float(step))
     if not (0 <= size_d <= 2**63 - 1):
         raise RuntimeError("invalid size, possible overflow?")
-    size = int(size_d)
-    index = xp.arange(size, dtype=xp.int64 if integral else xp.float64)
-    values = xstart + index * xstep
-    if _gpu_bfloat16(xp, dtype):
-        return values.astype(xp.float32)  # assign rounds to bfloat16 (via float32, as ml_dtypes)
-    with _quiet(xp):
-        return values.astype(dtype.numpy_dtype)
+    return ArangePlan(int(size_d), xstart, xstep, integral)
+
+
+def arange_fill(xp: Any, out: Any, plan: ArangePlan, dtype: DType) -> None:
+    """Write the plan's elements into ``out`` (1-D, ``plan.size`` long), a chunk at a time."""
+    index_dtype = xp.int64 if plan.integral else xp.float64
+    for low in range(0, plan.size, ARANGE_CHUNK):
+        high = min(low + ARANGE_CHUNK, plan.size)
+        values = plan.start + xp.arange(low, high, dtype=index_dtype) * plan.step
+        if _gpu_bfloat16(xp, dtype):
+            values = values.astype(xp.float32)  # assign rounds to bfloat16 (as ml_dtypes)
+        else:
+            with _quiet(xp):
+                values = values.astype(dtype.numpy_dtype)
+        assign(xp, out[low:high], values)
+
+
+def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Any:
+    """torch.arange's elements as a new ``xp`` array (the server fills pool memory instead)."""
+    plan = arange_plan(start, end, step, dtype)
+    out = xp.empty(plan.size, dtype=dtype.numpy_dtype)
+    arange_fill(xp, out, plan, dtype)
+    return out
 
 
 def _real(value: Scalar) -> int | float:

@@ -440,18 +440,18 @@ class Daemon:
     ) -> Issued:
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.arange_dtype(start, end, step)
         dev = self.device(device)
-        with activate(dev):
-            try:
-                values = kernels.arange_values(dev.xp, start, end, step, dt)
-            except OverflowError:
-                # finite bounds whose (end - start) / step overflows a double (found by fuzzing):
-                # torch's own text for a size it cannot represent
-                raise RuntimeError("invalid size, possible overflow?") from None
-            with self._allocated(
-                session, dev, Layout.contiguous(values.shape), dt, requires_grad
-            ) as out:
-                kernels.assign(dev.xp, self.array(out), values)
-                return self._issue(session, out)
+        try:
+            plan = kernels.arange_plan(start, end, step, dt)
+        except OverflowError:
+            # finite bounds whose (end - start) / step overflows a double (found by fuzzing):
+            # torch's own text for a size it cannot represent
+            raise RuntimeError("invalid size, possible overflow?") from None
+        # the pool first: a range too large fails there (RESOURCE_EXHAUSTED), never in a host
+        # temporary of its full size (found by fuzzing: a 32 GiB MemoryError, INTERNAL)
+        layout = Layout.contiguous((plan.size,))
+        with self._allocated(session, dev, layout, dt, requires_grad) as out:
+            kernels.arange_fill(dev.xp, self.array(out), plan, dt)
+            return self._issue(session, out)
 
     # -- transfers --------------------------------------------------------------
 
