@@ -30,6 +30,13 @@ from tensord_server.pool import Block, CachingPool, round_size
 from tensord_server.quotas import TenantLedger
 
 
+def charge_for(nbytes: int) -> int:
+    """What a tenant is charged for a Storage of ``nbytes``: the request rounded as the pool
+    rounds (512 B), the same whichever block serves it, so one tenant's quota never depends
+    on how others left the pool."""
+    return round_size(nbytes) if nbytes else 0
+
+
 class Storage:
     """Untyped bytes: one block of one device's pool.
 
@@ -53,10 +60,7 @@ class Storage:
 
     @property
     def charge(self) -> int:
-        """What its tenant is charged: the request rounded as the pool rounds (512 B), the
-        same whichever block serves it, so one tenant's quota never depends on how others
-        left the pool."""
-        return round_size(self.nbytes) if self.nbytes else 0
+        return charge_for(self.nbytes)
 
     @property
     def data_ptr(self) -> int:
@@ -97,13 +101,12 @@ class StorageRegistry:
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
-        charge = round_size(nbytes) if nbytes else 0  # Storage.charge, known before the block
+        charge = charge_for(nbytes)  # known before the block
         # refuse before the pool evicts cached segments or compacts for a request that cannot
         # be kept anyway; the charge below settles races between one tenant's requests
         self.ledger.precheck(tenant, device.name, charge)
         block = device.pool.malloc(nbytes)  # raises OutOfMemoryError, nothing to undo
         storage = Storage(device, block, nbytes, tenant)
-        assert storage.charge == charge, storage
         storage.refs = storage.pins = 1
         try:
             with self._lock:
