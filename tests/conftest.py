@@ -119,6 +119,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 STARTUP_TIMEOUT_S = 30
 
 
+def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`tensord serve ARGS` to its end (for arguments it refuses at start), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "tensord_server", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
 def start_serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
     """`tensord serve ARGS` in a subprocess; waits (bounded) for its listening line, returns its address."""
     process = subprocess.Popen(

@@ -3,13 +3,10 @@ names, the per-session handle limit, and what `tensord serve` refuses and prints
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import grpc
 import pytest
 import tensord
-from conftest import SessionStub, open_channel
+from conftest import SessionStub, open_channel, run_serve
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.auth import parse_tokens, tenant_of
@@ -169,22 +166,12 @@ def test_serve_refuses_a_limit_below_one() -> None:
         "--max-sessions-per-tenant",
         "--max-names-per-tenant",
     ):
-        result = _serve("--address", "127.0.0.1:0", "--device", "cpu", flag, "0")
+        result = run_serve("--address", "127.0.0.1:0", "--device", "cpu", flag, "0")
         assert result.returncode == 2 and f"{flag} must be >= 1" in result.stderr
 
 
-def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tensord_server", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_serve_refuses_a_remote_bind_without_authentication() -> None:
-    result = _serve("--address", "0.0.0.0:0")
+    result = run_serve("--address", "0.0.0.0:0")
     assert result.returncode == 2
     assert "--auth-tokens" in result.stderr and "--insecure-allow-remote" in result.stderr
 
@@ -199,7 +186,7 @@ def test_serve_says_which_mode_it_runs_in(tmp_path) -> None:
     assert "UNAUTHENTICATED" in mode_line("0.0.0.0:1", authenticated=False)
     bad = tmp_path / "tokens"
     bad.write_text("only-a-token\n")
-    result = _serve("--address", "127.0.0.1:0", "--auth-tokens", str(bad))
+    result = run_serve("--address", "127.0.0.1:0", "--auth-tokens", str(bad))
     assert result.returncode == 2
     assert "TOKEN TENANT" in result.stderr
 

@@ -22,6 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_serve
 from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
 from tensord.layout import Layout
@@ -81,12 +82,7 @@ def test_cuda_device_without_cupy_is_a_clear_error() -> None:
         FailedPreconditionError, match=r"needs CuPy: pip install 'tensord\[cuda12\]'"
     ):
         DeviceTable(["cpu", "cuda:0"])
-    serve = subprocess.run(
-        [sys.executable, "-m", "tensord_server", "serve", *SERVE_ARGS],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    serve = run_serve(*SERVE_ARGS)
     assert serve.returncode == 2
     assert "device cuda:0 needs CuPy: pip install 'tensord[cuda12]' (or [cuda13])" in serve.stderr
 

@@ -4,15 +4,13 @@ refuses."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import grpc
 import numpy as np
 import pytest
 import tensord
-from conftest import open_channel
+from conftest import open_channel, run_serve
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.quotas import (
@@ -23,7 +21,6 @@ from tensord_server.quotas import (
 )
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob", "tok-carol": "carol"}
-SERVE = (sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0")
 KIB = 1 << 10
 MIB = 1 << 20
 
@@ -230,11 +227,6 @@ def test_the_wildcard_quota_applies_without_auth(make_server) -> None:
     ],
 )
 def test_serve_refuses_a_bad_quota(quota: str, message: str) -> None:
-    result = subprocess.run(
-        [*SERVE, "--device", "cpu", "--quota", quota],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_serve("--address", "127.0.0.1:0", "--device", "cpu", "--quota", quota)
     assert result.returncode == 2
     assert message in result.stderr

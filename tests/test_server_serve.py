@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
-from conftest import start_serve_process
+from conftest import run_serve, start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
@@ -77,14 +75,7 @@ def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
             pytest.skip("CuPy is installed here: cuda:0 may well open")
         except ImportError:
             pass
-    result = subprocess.run(
-        [sys.executable, "-m", "tensord_server", "serve", "--device", device],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    result = run_serve("--device", device, env=env)
     assert result.returncode == 2
     assert needle in result.stderr
 

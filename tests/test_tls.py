@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensord
-from conftest import start_serve_process
+from conftest import run_serve, start_serve_process
 from tensord_server.server import Daemon, create_server
 from tensord_server.tls import server_credentials
 
@@ -190,13 +188,7 @@ def test_serve_refuses_bad_tls_files(
         "KEYLESS": str(not_pem),
         "OTHER_KEY": str(make_self_signed(tmp_path / "other", name="other").key),
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
-        + [paths.get(a, a) for a in args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_serve("--address", "127.0.0.1:0", *(paths.get(a, a) for a in args))
     assert result.returncode == 2
     assert message in result.stderr
 
