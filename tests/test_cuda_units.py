@@ -244,6 +244,7 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
         )
     )
     module.iscomplexobj = np.iscomplexobj  # type: ignore[attr-defined]
+    module.broadcast_to = lambda x, shape: np.broadcast_to(x, shape, subok=True)  # type: ignore[attr-defined]
     module.int64, module.float64 = np.int64, np.float64  # type: ignore[attr-defined]
     module.arange = lambda *a, **k: np.arange(*a, **k).view(FakeGpuArray)  # type: ignore[attr-defined]
     module.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(FakeGpuArray)  # type: ignore[attr-defined]
@@ -503,6 +504,39 @@ def test_strided_and_converting_copies(cupy: Any) -> None:
     np.testing.assert_array_equal(host, values[:, ::3].T.astype(np.float32).astype(np.int16))
 
 
+@pytest.mark.parametrize("to_gpu", [False, True])
+def test_cross_device_copies_go_a_piece_at_a_time(
+    cupy: Any, monkeypatch: pytest.MonkeyPatch, to_gpu: bool
+) -> None:
+    # a broadcast (expanded) source, converted: the temporaries it was gathered into were the
+    # destination's whole size, outside the pool; now each is at most one piece
+    monkeypatch.setattr(cuda_backend, "CROSS_DEVICE_PIECE_BYTES", 256)
+    small_staging(256, kept=2)
+    moved: list[int] = []
+    for name in ("array_to_host", "array_to_device"):
+        original = getattr(cuda_backend, name)
+
+        def counted(array: Any, *args: Any, _original: Any = original) -> Any:
+            moved.append(array.size * array.dtype.itemsize)
+            return _original(array, *args)
+
+        monkeypatch.setattr(cuda_backend, name, counted)
+    row = np.arange(33, dtype=np.float32) * 1.5
+    expected = np.broadcast_to(row, (40, 33)).astype(np.float64)
+    if to_gpu:
+        dst = _gpu_tensor(cupy, np.zeros((40, 33)), dtypes.float64)
+        kernels.assign(cupy, dst, np.broadcast_to(row, (40, 33)))
+        pieces = list(moved)
+        result = cuda_backend.array_to_host(dst)
+    else:
+        src = _gpu_tensor(cupy, row, dtypes.float32)
+        result = np.zeros((40, 33), np.float64)
+        kernels.assign(np, result, cupy.broadcast_to(src, (40, 33)))
+        pieces = list(moved)
+    np.testing.assert_array_equal(result, expected)
+    assert pieces and max(pieces) <= 256, pieces
+
+
 @pytest.mark.parametrize("source", ["float64", "bfloat16", "int32"])
 def test_bfloat16_tensors_on_a_gpu(cupy: Any, source: str) -> None:
     small_staging(256, kept=2)
@@ -515,12 +549,11 @@ def test_bfloat16_tensors_on_a_gpu(cupy: Any, source: str) -> None:
     back = cuda_backend.array_to_host(array)
     assert back.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(back.view(np.uint16), expected.view(np.uint16))
-    # contiguous_bytes (strided downloads) sees the bits
-    flat = kernels.contiguous_bytes(cupy, array.reshape(7, 5)[::2])
-    assert not isinstance(flat, FakeGpuArray) and flat.dtype == np.uint8  # on the host
-    np.testing.assert_array_equal(
-        flat.view(np.uint16), expected.reshape(7, 5)[::2].reshape(-1).view(np.uint16)
-    )
+    # logical_chunks (strided downloads, a few rows at a time) sees the bits
+    chunks = list(kernels.logical_chunks(array.reshape(7, 5)[::2], 2, 16))
+    assert all(type(c) is bytes for c in chunks) and [len(c) for c in chunks] == [16, 16, 8]
+    flat = np.frombuffer(b"".join(chunks), np.uint16)
+    np.testing.assert_array_equal(flat, expected.reshape(7, 5)[::2].reshape(-1).view(np.uint16))
     kernels.fill(cupy, array[1:3], 2.5)
     assert (cuda_backend.array_to_host(array)[1:3] == 2.5).all()
     as_float = np.zeros((5, 7), np.float64)

@@ -647,14 +647,47 @@ def _copy_straight(dst: Any, src: Any) -> bool:
     return True
 
 
+# A copy across devices that cannot go straight (converting, strided, broadcast) moves
+# this many destination bytes at a time: its temporaries (the gathered source, host or
+# GPU) are pieces, never the whole tensor, whose logical size may be any expand's.
+CROSS_DEVICE_PIECE_BYTES = 4 << 20
+
+
+def _broadcast_to(array: Any, shape: tuple[int, ...]) -> Any:
+    """A zero-copy broadcast of a NumPy, CuPy or BFloat16 array (torch's copy_ rules)."""
+    if isinstance(array, BFloat16Array):
+        return BFloat16Array(_cupy().broadcast_to(array.bits, shape))
+    if _is_cupy_array(array):
+        return _cupy().broadcast_to(array, shape)
+    return np.broadcast_to(array, shape)
+
+
 def assign(dst: Any, src: Any) -> None:
     """``dst[...] = src`` when either side is on a GPU, with torch's conversions.
 
-    The source is first brought to the destination's device (the functions
-    above), then converted and scattered by a CuPy kernel on the destination
-    GPU's server stream.  A source that may share memory with the destination
-    is copied first (CuPy kernels do not handle overlap, NumPy's do).
+    Same-device copies are one CuPy kernel.  Across devices, a copy that is not
+    one straight DMA goes a piece of the destination at a time (the gather plan):
+    each piece of the source is brought to the destination's device, then
+    converted and scattered there.
     """
+    from tensord_server import kernels  # kernels imports this module lazily
+
+    if _same_gpu(dst, src) or dst.ndim == 0:
+        _assign_piece(dst, src)
+        return
+    if _copy_straight(dst, src):  # one DMA, no temporary
+        return
+    src = _broadcast_to(src, dst.shape)
+    itemsize = max(dst.dtype.itemsize, src.dtype.itemsize)
+    for key in kernels.gather_plan(dst.shape, itemsize, CROSS_DEVICE_PIECE_BYTES):
+        _assign_piece(dst[key], src[key])
+
+
+def _same_gpu(dst: Any, src: Any) -> bool:
+    return is_gpu_array(dst) and is_gpu_array(src) and _bits(dst).device.id == _bits(src).device.id
+
+
+def _assign_piece(dst: Any, src: Any) -> None:
     from tensord_server import kernels  # kernels imports this module lazily
 
     if not is_gpu_array(dst):  # GPU -> host

@@ -9,9 +9,10 @@ scalars that mirror the torch checks they name, with torch's texts.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,14 +125,64 @@ def to_module(xp: Any, array: Any) -> Any:
     return xp.asarray(array)
 
 
-def contiguous_bytes(xp: Any, array: Any) -> Any:
-    """The elements of ``array`` in logical (row-major) order, as a flat uint8 NumPy array
-    (gathered on its GPU and copied to the host when it lives on one: for downloads)."""
-    if _on_gpu(array):
-        bits = getattr(array, "bits", array)  # a BFloat16Array's bytes are its bits'
-        return _cuda().array_to_host(bits).reshape(-1).view(np.uint8)
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return flat.view(np.uint8)
+Index = tuple[int | slice, ...]
+
+
+def gather_plan(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> Iterator[Index]:
+    """Keys into an array of ``shape`` whose pieces, in order, hold its elements in logical
+    (row-major) order, each piece at most ``chunk_bytes`` (at least one element).
+
+    The smallest k with ``prod(shape[k:]) * itemsize <= chunk_bytes`` fixes the rows: the
+    plan walks the outer indices of ``shape[:k-1]`` and takes dim k-1 ``m`` rows at a
+    time, ``m = chunk_bytes // row_bytes``.  A piece is at least half a chunk except the
+    last of each outer index, whose rows span more than a chunk: the pieces number
+    O(nbytes / chunk_bytes + 1) whatever the strides, and a piece made contiguous is a
+    temporary of at most one chunk (no gather of the whole tensor: an expanded view's
+    logical size is unbounded by its Storage).
+    """
+    shape = tuple(shape)
+    if 0 in shape:
+        return
+    k = 0
+    while k < len(shape) and math.prod(shape[k:]) * itemsize > chunk_bytes:
+        k += 1
+    if k == 0:  # the whole array is one piece
+        yield ()
+        return
+    rows = max(1, chunk_bytes // (math.prod(shape[k:]) * itemsize))
+    for outer in itertools.product(*(range(n) for n in shape[: k - 1])):
+        for low in range(0, shape[k - 1], rows):
+            yield (*outer, slice(low, min(low + rows, shape[k - 1])))
+
+
+def _piece_bytes(piece: Any) -> bytes:
+    """A (small) array's elements in logical order, copied to the host when on a GPU."""
+    if _on_gpu(piece):
+        bits = getattr(piece, "bits", piece)  # a BFloat16Array's bytes are its bits'
+        return bytes(_cuda().array_to_host(bits).reshape(-1).view(np.uint8).data)
+    return np.ascontiguousarray(piece).tobytes()
+
+
+def logical_chunks(
+    array: Any,
+    itemsize: int,
+    chunk_bytes: int,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Iterator[bytes]:
+    """``array``'s elements in logical order as messages of exactly ``chunk_bytes`` (the last
+    one shorter), gathered a piece at a time (:func:`gather_plan`): for downloads.  The
+    memory it holds at any time is a few chunks, whatever the array's logical size.
+    ``context`` is entered around each piece's gather only (never across a yield: the
+    consumer may stop, or close the generator from another thread, between chunks)."""
+    pending = bytearray()
+    for key in gather_plan(array.shape, itemsize, chunk_bytes):
+        with context():
+            pending += _piece_bytes(array[key])
+        while len(pending) >= chunk_bytes:
+            yield bytes(pending[:chunk_bytes])
+            del pending[:chunk_bytes]
+    if pending:
+        yield bytes(pending)
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import Layout
@@ -490,7 +489,8 @@ class Daemon:
         """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs).
 
         A contiguous tensor streams straight from its Storage, one chunk read at a
-        time; any other is first gathered in logical order into a host temporary.
+        time; any other is gathered in logical order a chunk at a time (the server's
+        temporary memory is a few chunks, whatever the tensor's logical size).
         """
         chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
         chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
@@ -504,12 +504,11 @@ class Daemon:
                     size = min(chunk, nbytes - start)
                     yield backend.read(block.segment.memory, base + start, size)
                 return
-            with activate(ref.device):
-                gathered = kernels.contiguous_bytes(ref.device.xp, self.array(ref))
-                host = kernels.to_module(np, gathered)
-            del gathered
-            for start in range(0, nbytes, chunk):
-                yield host[start : start + chunk].tobytes()
+            # an expanded view's logical size is unbounded by its Storage: gather it a chunk
+            # at a time, never whole (a 2**27-element expand grew the server by 528 MB)
+            yield from kernels.logical_chunks(
+                self.array(ref), itemsize, chunk, lambda: activate(ref.device)
+            )
 
     # -- sharing ----------------------------------------------------------------
 
