@@ -231,17 +231,26 @@ def test_memory_stats_count_the_callers_tenant_only(auth_server) -> None:
         del kept
 
 
+def _block_address(server, data_ptr: int) -> int:
+    """The pool block (the server's view) under the Storage whose data_ptr is ``data_ptr``."""
+    (storage,) = (s for s in server.daemon.storages.live() if s.data_ptr == data_ptr)
+    return int(storage.block.address)
+
+
 def _bytes_left_in_a_reused_block(server, owner_token: str | None, reader_token: str | None):
     """The owner fills 1 MiB with 0xAB and frees it; the reader's empty() of the same size
     gets that block back (best fit, the pool caches it): what does the reader see?"""
     with tensord.connect(server.address, token=owner_token) as owner:
         secret = owner.full((1 << 20,), 0xAB, dtype=tensord.uint8)
-        address = secret.data_ptr()
+        secret_ptr = secret.data_ptr()
+        address = _block_address(server, secret_ptr)
         del secret
         owner.flush()
     with tensord.connect(server.address, token=reader_token) as reader:
         fresh = reader.empty(1 << 20, dtype=tensord.uint8)
-        assert fresh.data_ptr() == address  # the very block the owner freed
+        # the very block the owner freed (a new Storage has a new data_ptr, never a reused one)
+        assert fresh.data_ptr() != secret_ptr
+        assert _block_address(server, fresh.data_ptr()) == address
         return fresh.numpy()
 
 

@@ -449,6 +449,11 @@ def storage_of(daemon: Any, stub: SessionStub, meta: pb.TensorMeta) -> Storage:
     return daemon.sessions.lookup(session, meta.handle).storage
 
 
+def block_of(daemon: Any, stub: SessionStub, meta: pb.TensorMeta) -> int:
+    """The pool block's address (where compaction moves a Storage; clients never see it)."""
+    return int(storage_of(daemon, stub, meta).block.address)
+
+
 def ledger_matches_blocks(daemon: Any, tenant: str = "") -> None:
     """The ledger holds each live Storage's charge (its size rounded up to 512 B)."""
     live = daemon.storages.live()
@@ -486,6 +491,7 @@ def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
         stub, peer = SessionStub(channel), SessionStub(other, "peer")
         kept = fragment(stub)
         ptrs = {i: data_ptr(stub, meta) for i, (meta, _) in kept.items()}
+        blocks = {i: block_of(daemon, stub, meta) for i, (meta, _) in kept.items()}
         # every kind of handle on every kept Storage: a view, a share in another session, a name
         views, attached = {}, {}
         for i, (meta, _) in kept.items():
@@ -504,11 +510,19 @@ def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
         assert stats["compaction_released_bytes"] == 20 * MiB
         pool.assert_invariants()
         ledger_matches_blocks(daemon)
-        moved = {i for i, (meta, _) in kept.items() if data_ptr(stub, meta) != ptrs[i]}
+        moved = {i for i, (meta, _) in kept.items() if block_of(daemon, stub, meta) != blocks[i]}
         assert len(moved) == 5
-        for i in moved:  # the wire shows the move, and every handle agrees
+        for i in kept:  # data_ptr is the Storage's, not the block's: no handle sees a move
             assert attached[i].storage_data_ptr == ptrs[i]
-            assert data_ptr(peer, attached[i]) == data_ptr(stub, kept[i][0]) != ptrs[i]
+            assert data_ptr(peer, attached[i]) == data_ptr(stub, kept[i][0]) == ptrs[i]
+            assert data_ptr(stub, views[i]) == ptrs[i]  # the offset travels apart
+        # no live Storage's address range overlaps another's, and a new one comes after every
+        # address handed out before (the freed tensors' included: they were made before big)
+        later = stub.upload(random_tensor(7, 1000))
+        spans = sorted((s.data_ptr, s.data_ptr + s.nbytes) for s in daemon.storages.live())
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+        assert data_ptr(stub, later) > max(data_ptr(stub, big), *ptrs.values())
+        release(stub, later)
         for i, (meta, values) in kept.items():
             np.testing.assert_array_equal(stub.download(meta), values)
             np.testing.assert_array_equal(stub.download(views[i]), values[1000:6000])
@@ -554,7 +568,7 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
         segments = segments_of(daemon, stub, kept)
         assert [len(s) for s in segments] == [5, 5, 5]
         a, b, c = (kept[s[0]][0] for s in segments)
-        ptrs = {i: storage_of(daemon, stub, meta).data_ptr for i, (meta, _) in kept.items()}
+        ptrs = {i: block_of(daemon, stub, meta) for i, (meta, _) in kept.items()}
         big_values = random_tensor(99, BIG_ELEMENTS)
         with (
             daemon.sessions.pinned(session, a.handle, b.handle),
@@ -570,13 +584,13 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
         np.testing.assert_array_equal(
             np.frombuffer(b"".join(chunks), np.float32), kept[segments[2][0]][1]
         )
-        assert {i: storage_of(daemon, stub, m).data_ptr for i, (m, _) in kept.items()} == ptrs
+        assert {i: block_of(daemon, stub, m) for i, (m, _) in kept.items()} == ptrs
         stats = pool.memory_stats()
         assert stats["num_ooms"] == 1 and stats["num_compactions"] == 0
 
         with daemon.sessions.pinned(session, a.handle):  # the first segment must stay
             big = stub.upload(big_values)
-        moved = {i for i, (m, _) in kept.items() if storage_of(daemon, stub, m).data_ptr != ptrs[i]}
+        moved = {i for i, (m, _) in kept.items() if block_of(daemon, stub, m) != ptrs[i]}
         assert moved == set(segments[1])  # the next least-used (by address) went instead
         assert pool.memory_stats()["num_compactions"] == 1
         pool.assert_invariants()

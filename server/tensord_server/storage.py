@@ -6,7 +6,12 @@ that is using the Storage right now (a "pin"), so that a concurrent Release can
 never hand a block back to the pool while a copy still reads or writes it.
 
 Compaction may move a Storage to another block of its pool (clients hold
-handles on the Storage, never on the block; only ``data_ptr`` changes).  Pins
+handles on the Storage, never on the block).  What clients see as its address
+(``data_ptr``) is not the block's: the registry gives each Storage a virtual
+address of its own when it is made, from a space that only grows, so it never
+changes while the Storage lives, and no other Storage, live or later, is given
+an address inside its range (torch users compare ``data_ptr()`` to detect
+aliasing).  Block addresses stay the pool's (snapshots, memory_viz).  Pins
 are counted apart from references for that: a pinned Storage never moves, and
 while the pool moves blocks it holds the registry's lock, so no pin starts.
 """
@@ -29,6 +34,11 @@ from tensord_server.devices import Device
 from tensord_server.pool import Block, CachingPool, round_size
 from tensord_server.quotas import TenantLedger
 
+# The first virtual address handed out (non-zero, like a real pointer) and the alignment
+# of each one (torch's allocators align blocks to 512 B).
+ADDRESS_SPACE_BASE = 1 << 40
+ADDRESS_ALIGNMENT = 512
+
 
 def charge_for(nbytes: int) -> int:
     """What a tenant is charged for a Storage of ``nbytes``: the request rounded as the pool
@@ -46,10 +56,13 @@ class Storage:
     registry's lock, while ``pins == 0``.
     """
 
-    __slots__ = ("block", "device", "freed", "id", "nbytes", "pins", "refs", "tenant")
+    __slots__ = ("address", "block", "device", "freed", "id", "nbytes", "pins", "refs", "tenant")
 
-    def __init__(self, device: Device, block: Block, nbytes: int, tenant: str = "") -> None:
+    def __init__(
+        self, device: Device, block: Block, nbytes: int, tenant: str = "", address: int = 0
+    ) -> None:
         self.id = secrets.token_hex(8)  # equal for every handle on it, in every session
+        self.address = address  # what clients see as data_ptr: fixed for its life
         self.device: Device = device
         self.block: Block = block
         self.nbytes: int = nbytes
@@ -64,7 +77,8 @@ class Storage:
 
     @property
     def data_ptr(self) -> int:
-        return int(self.block.address)
+        """The stable virtual address (the block's address is the pool's, and moves)."""
+        return self.address
 
     def raw(self) -> Any:
         """The bytes as a zero-copy 1-D uint8 array of the device's array module."""
@@ -98,6 +112,15 @@ class StorageRegistry:
         # guards _storages, every Storage's refs, pins and block, and the ledger's changes
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
+        self._next_address = ADDRESS_SPACE_BASE  # grows only: no address is handed out twice
+
+    def _take_address(self, nbytes: int) -> int:
+        """A fresh aligned range of ``nbytes`` (at least one alignment unit, so a zero-byte
+        Storage's address is its own too); the caller holds the lock."""
+        address = self._next_address
+        span = max(nbytes, 1)
+        self._next_address += -(-span // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT
+        return address
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
@@ -111,6 +134,7 @@ class StorageRegistry:
         try:
             with self._lock:
                 self.ledger.charge(tenant, device.name, charge)
+                storage.address = self._take_address(nbytes)
                 self._storages[storage.id] = storage
         except BaseException:
             device.pool.free(block)
