@@ -569,3 +569,17 @@ def test_arange_in_bfloat16_on_a_gpu(cupy: Any) -> None:
     np.testing.assert_array_equal(
         cuda_backend.array_to_host(array).view(np.uint16), expected.view(np.uint16)
     )
+
+
+def test_complex_to_bool_on_a_gpu_is_nonzero(cupy: Any) -> None:
+    # torch: 1j -> True (nonzero), not its real part 0 -> False
+    values = np.array([1j, 0j, 2 + 0j, -0.5j], np.complex64)
+    gpu_bool = _gpu_tensor(cupy, np.zeros(4, np.bool_), dtypes.bool)
+    kernels.assign(cupy, gpu_bool, _gpu_tensor(cupy, values, dtypes.complex64))
+    np.testing.assert_array_equal(cuda_backend.array_to_host(gpu_bool), [True, False, True, True])
+    kernels.fill(cupy, gpu_bool, 0j)
+    kernels.fill(cupy, gpu_bool[:1], 1j)
+    np.testing.assert_array_equal(cuda_backend.array_to_host(gpu_bool), [True, False, False, False])
+    host_bool = np.zeros(4, np.bool_)  # GPU -> host converts on the host
+    kernels.assign(np, host_bool, _gpu_tensor(cupy, values, dtypes.complex128))
+    np.testing.assert_array_equal(host_bool, [True, False, True, True])

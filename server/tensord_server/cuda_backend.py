@@ -708,5 +708,5 @@ def _assign_piece(dst: Any, src: Any) -> None:
         if isinstance(src, BFloat16Array) and not isinstance(dst, BFloat16Array):
             src = src.to_float32()
         if src.dtype.kind == "c" and dst.dtype.kind != "c":
-            src = src.real
+            src = kernels.complex_to_real(src, dst.dtype)
         dst[...] = src

@@ -107,9 +107,15 @@ def assign(xp: Any, dst: Any, src: Any) -> None:
         _cuda().assign(dst, src)
         return
     if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
-        src = src.real
+        src = complex_to_real(src, dst.dtype)
     with _quiet(xp):
         dst[...] = src
+
+
+def complex_to_real(src: Any, dst_dtype: Any) -> Any:
+    """torch's complex -> real cast: bool is "nonzero" (1j is True), any other type takes
+    the real part (c10::static_cast_with_inter_type)."""
+    return src != 0 if dst_dtype == np.bool_ else src.real
 
 
 def to_module(xp: Any, array: Any) -> Any:
@@ -410,7 +416,7 @@ def ml_max(dtype: DType) -> float:
 def fill(xp: Any, dst: Any, value: Scalar) -> None:
     """``dst.fill_(value)`` (after check_scalar_fits); expanded destinations are fine, as in torch."""
     if isinstance(value, complex) and not xp.iscomplexobj(dst):
-        value = value.real
+        value = value != 0 if dst.dtype == np.bool_ else value.real  # as complex_to_real
     if isinstance(value, float) and np.issubdtype(dst.dtype, np.integer):
         value = math.trunc(value)  # C++ truncation toward zero
     if isinstance(value, int) and value < 0 and np.issubdtype(dst.dtype, np.unsignedinteger):
