@@ -455,8 +455,8 @@ class Sharing(Workload):
         self.prefix = f"loadtest/{self.run_id}/"
         self.own: set[str] = set()
         self.held: list[Any] = []  # what this user attached, kept a few steps
-        # A share token pins its Storage until this session ends, so tokens are only
-        # ever issued for this one tensor: sharing costs no memory as the run goes on.
+        # A share token pins its Storage until attached (single use) or expired, so tokens
+        # are only ever issued for this one tensor: sharing costs no memory as the run goes on.
         self.published = self._make("share.make")
 
     def _make(self, op: str) -> Any:

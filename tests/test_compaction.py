@@ -496,7 +496,7 @@ def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
         views, attached = {}, {}
         for i, (meta, _) in kept.items():
             views[i] = stub.view(meta, narrow=pb.Narrow(dim=0, start=1000, length=5000))[0]
-            token = stub.Share(pb.HandleRequest(handle=meta.handle), metadata=stub.md).token
+            token = stub.Share(pb.ShareRequest(handle=meta.handle), metadata=stub.md).token
             attached[i] = peer.Attach(pb.AttachRequest(token=token), metadata=peer.md)
             stub.PutName(pb.PutNameRequest(name=f"t{i}", handle=meta.handle), metadata=stub.md)
         ledger_matches_blocks(daemon)

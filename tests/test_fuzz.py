@@ -104,6 +104,8 @@ class Fuzzer:
             return self.integer()
         if t == d.FieldDescriptor.TYPE_UINT64:
             return abs(self.integer()) % (1 << 64)
+        if t == d.FieldDescriptor.TYPE_UINT32:  # ShareRequest.uses
+            return abs(self.integer()) % (1 << 32)
         if t == d.FieldDescriptor.TYPE_DOUBLE:
             return self.rng.choice(FLOATS)
         if t == d.FieldDescriptor.TYPE_BOOL:
@@ -376,7 +378,7 @@ def test_another_tenants_secrets_open_nothing(make_server) -> None:
     with open_channel(server.address) as alice_channel, open_channel(server.address) as channel:
         alice = SessionStub(alice_channel, "alice", token="tok-alice")
         metas = [alice.upload(np.frombuffer(rng.randbytes(n * 4), np.float32)) for n in (3, 500)]
-        token = alice.Share(pb.HandleRequest(handle=metas[0].handle), metadata=alice.md).token
+        token = alice.Share(pb.ShareRequest(handle=metas[0].handle), metadata=alice.md).token
         alice.PutName(
             pb.PutNameRequest(name="alice-secret", handle=metas[1].handle), metadata=alice.md
         )

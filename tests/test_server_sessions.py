@@ -107,7 +107,7 @@ def test_lost_stream_then_grace_releases_everything(make_server, open_session, w
     session = open_session(server.address)
     keepalive = _KeepAlive(session)
     meta = session.upload(np.ones(1 << 18, dtype=np.float32))
-    session.Share(pb.HandleRequest(handle=meta.handle), metadata=session.md)
+    session.Share(pb.ShareRequest(handle=meta.handle), metadata=session.md)
     assert wait_until(lambda: keepalive.beats >= 3)
     # while the stream lives, the session outlives its grace many times over
     threading.Event().wait(0.8)
@@ -190,7 +190,7 @@ def test_share_and_attach(server, stub, open_session) -> None:
     other = open_session(server.address)
     base = stub.upload(np.arange(12, dtype=np.float32).reshape(3, 4))
     (view,) = stub.view(base, t=pb.T())
-    token = stub.Share(pb.HandleRequest(handle=view.handle), metadata=stub.md).token
+    token = stub.Share(pb.ShareRequest(handle=view.handle), metadata=stub.md).token
     attached = other.Attach(pb.AttachRequest(token=token), metadata=other.md)
     assert attached.storage_id == base.storage_id and attached.handle != view.handle
     assert (tuple(attached.shape), tuple(attached.stride)) == ((4, 3), (1, 4))
@@ -207,7 +207,7 @@ def test_tokens_die_with_their_session(server, open_session) -> None:
     before = _allocated(server)
     owner, other = open_session(server.address), open_session(server.address)
     meta = owner.upload(np.ones(1024, dtype=np.float32))
-    token = owner.Share(pb.HandleRequest(handle=meta.handle), metadata=owner.md).token
+    token = owner.Share(pb.ShareRequest(handle=meta.handle), metadata=owner.md).token
     owner.CloseSession(pb.CloseSessionRequest(), metadata=owner.md)
     assert _allocated(server) == before  # the token's reference went with the session
     code, _ = _error(lambda: other.Attach(pb.AttachRequest(token=token), metadata=other.md))

@@ -280,6 +280,12 @@ class Client:
         """This session's own handle on the Storage behind another session's ``x.share()``."""
         return self._wrap(self._call("Attach", pb.AttachRequest(token=token)))
 
+    def revoke(self, token: str) -> bool:
+        """End a share token this session issued now; False if it had already ended
+        (used up, expired or revoked)."""
+        revoked: bool = self._call("Revoke", pb.RevokeRequest(token=token)).revoked
+        return revoked
+
     def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
         """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
         handle = self._own(tensor, 0)

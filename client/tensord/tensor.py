@@ -555,9 +555,22 @@ class Tensor:
             self._finalizer.atexit = False
         self._meta = meta
 
-    def share(self) -> str:
-        """A token another session turns into its own handle on this Storage (``attach``)."""
-        token: str = self._client._conn.call("Share", pb.HandleRequest(handle=self.handle)).token
+    def share(self, uses: int | None = 1, ttl: float | None = None) -> str:
+        """A token another session turns into its own handle on this Storage (``attach``).
+
+        By default the first attach consumes it; ``uses=N`` allows N attaches, ``uses=None``
+        any number.  It expires after ``ttl`` seconds (None: the server's --share-ttl,
+        300 s by default) and ends earlier with ``client.revoke(token)`` or this session.
+        """
+        if uses is not None and uses < 1:
+            raise errors.InvalidArgumentError(f"share(uses=...) must be >= 1 or None, got {uses}")
+        request = pb.ShareRequest(
+            handle=self.handle,
+            uses=0 if uses is None else uses,
+            unlimited_uses=uses is None,
+            ttl_seconds=0.0 if ttl is None else ttl,
+        )
+        token: str = self._client._conn.call("Share", request).token
         return token
 
     # ---- copies and writes on the server ----------------------------------------------

@@ -7,19 +7,22 @@ Prints ``tensord listening on <address>`` (the real port, so ``--address
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
+import socket
 import sys
 import threading
 from types import FrameType
 
 from tensord.errors import FailedPreconditionError
 
+from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
-from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
+from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_SHARE_TTL_S
 from tensord_server.tls import server_credentials
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
@@ -68,9 +71,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-workers",
         type=int,
         default=DEFAULT_MAX_WORKERS,
-        help="gRPC worker threads: one per call in flight (an optional KeepAlive stream "
-        "holds one while open) "
+        help="gRPC worker threads: one per call in flight (an Upload, Download or KeepAlive "
+        "stream holds one while open) "
         f"(default: {DEFAULT_MAX_WORKERS})",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        metavar="N",
+        help="workers that Upload, Download and KeepAlive streams may hold together; the rest "
+        "stay for unary calls such as Heartbeat; over it: RESOURCE_EXHAUSTED (default: "
+        "--max-workers less a quarter, at least 1 kept)",
+    )
+    parser.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        metavar="N",
+        help="streams one tenant may hold open (RESOURCE_EXHAUSTED; default: half of "
+        "--max-streams with --auth-tokens, all of them without)",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="cancel a stream (DEADLINE_EXCEEDED) whose client sends no Upload chunk or reads "
+        "no Download chunk for this long; a KeepAlive gets at least its lease "
+        f"(default: {DEFAULT_STREAM_IDLE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--share-ttl",
+        type=float,
+        default=DEFAULT_SHARE_TTL_S,
+        metavar="SECONDS",
+        help="a share token's lifetime unless x.share(ttl=...) asks for another "
+        f"(default: {DEFAULT_SHARE_TTL_S:g})",
     )
 
     parser.add_argument(
@@ -130,16 +165,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# Hosts that only this machine can reach.
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+class UnresolvableHostError(ValueError):
+    """The host of a listening address does not resolve."""
+
+
+def listen_host(address: str) -> str:
+    """The host of HOST:PORT, without the brackets of an IPv6 literal ([::1]:50051 -> ::1);
+    a bare IP address (no port) is its own host."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    bare = address.startswith("[") and address.endswith("]")  # [::1] without a port
+    host = address.rpartition(":")[0] if ":" in address and not bare else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def is_loopback(address: str) -> bool:
-    """True for a unix: socket or a loopback host (anything else may be reachable remotely)."""
+    """True for a unix: socket or a host whose every address is loopback (anything else may
+    be reachable remotely); a name is resolved, so 127.example.com is judged by where it
+    points.  UnresolvableHostError when the host does not resolve."""
     if address.startswith("unix:"):
         return True
-    host = address.rpartition(":")[0]
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    host = listen_host(address)
+    if not host:
+        return False  # ":50051" listens on every interface
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        raise UnresolvableHostError(
+            f"cannot resolve the host {host!r} of {address}: {exc}"
+        ) from None
+    addresses = {info[4][0] for info in infos}
+    # a scoped IPv6 address (fe80::1%eth0) carries its zone after '%'
+    return bool(addresses) and all(
+        ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses
+    )
+
+
+def _surely_loopback(address: str) -> bool:
+    """is_loopback, with an unresolvable host counted as possibly remote."""
+    try:
+        return is_loopback(address)
+    except UnresolvableHostError:
+        return False
 
 
 def mode_line(address: str, authenticated: bool, tls: bool = False) -> str:
@@ -147,7 +216,7 @@ def mode_line(address: str, authenticated: bool, tls: bool = False) -> str:
     wire = "TLS" if tls else "plaintext"
     if authenticated:
         return f"tensord mode: authenticated (bearer tokens, tenants), {wire}"
-    if is_loopback(address):
+    if _surely_loopback(address):
         return f"tensord mode: unauthenticated, loopback only, {wire}"
     return (
         f"tensord mode: UNAUTHENTICATED on a non-loopback address (--insecure-allow-remote), {wire}"
@@ -156,7 +225,7 @@ def mode_line(address: str, authenticated: bool, tls: bool = False) -> str:
 
 def cleartext_warning(address: str, authenticated: bool, tls: bool) -> str | None:
     """A warning when bearer tokens would cross a network unencrypted."""
-    if authenticated and not tls and not is_loopback(address):
+    if authenticated and not tls and not _surely_loopback(address):
         return (
             "tensord warning: bearer tokens and tensor bytes travel in clear text on "
             f"{address}; pass --tls-cert/--tls-key unless the network is trusted"
@@ -174,18 +243,25 @@ def shown_address(requested: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if (
-        args.auth_tokens is None
-        and not is_loopback(args.address)
-        and not args.insecure_allow_remote
-    ):
+    try:
+        loopback = is_loopback(args.address)
+    except UnresolvableHostError as exc:
+        print(f"tensord serve: {exc}", file=sys.stderr)
+        return 2
+    if args.auth_tokens is None and not loopback and not args.insecure_allow_remote:
         print(
             f"tensord serve: refusing to listen on {args.address} without --auth-tokens "
             "(pass --insecure-allow-remote to do it anyway)",
             file=sys.stderr,
         )
         return 2
-    for flag in ("max_handles_per_session", "max_sessions_per_tenant", "max_names_per_tenant"):
+    for flag in (
+        "max_handles_per_session",
+        "max_sessions_per_tenant",
+        "max_names_per_tenant",
+        "max_streams",
+        "max_streams_per_tenant",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -210,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
             max_names_per_tenant=args.max_names_per_tenant,
             quotas=quotas,
             compaction=not args.no_compaction,
+            max_streams=args.max_streams,
+            max_streams_per_tenant=args.max_streams_per_tenant,
+            stream_idle_timeout=args.stream_idle_timeout,
+            share_ttl=args.share_ttl,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)

@@ -23,10 +23,17 @@ from tensord.dtypes import DType
 from tensord.layout import Layout
 
 from tensord_server import kernels
+from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.kernels import Scalar
 from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
-from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, Session, SessionManager
+from tensord_server.sessions import (
+    DEFAULT_GRACE_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_SHARE_TTL_S,
+    Session,
+    SessionManager,
+)
 from tensord_server.storage import StorageRegistry, TensorRef
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
@@ -134,8 +141,21 @@ class Daemon:
         max_names_per_tenant: int | None = None,
         quotas: Iterable[QuotaSpec] = (),
         compaction: bool = True,
+        max_streams: int | None = None,
+        max_streams_per_tenant: int | None = None,
+        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        share_ttl: float = DEFAULT_SHARE_TTL_S,
     ) -> None:
         self.devices = DeviceTable(devices)
+        # worker accounting (create_server tells it the real worker count); without tenants
+        # every caller is tenant "", whose fair share of the streams is all of them
+        self.gate = CallGate(
+            DEFAULT_MAX_WORKERS,
+            max_streams=max_streams,
+            max_streams_per_tenant=max_streams_per_tenant,
+            idle_timeout=stream_idle_timeout,
+            multi_tenant=auth_tokens is not None,
+        )
         table = QuotaTable(quotas)
         table.check_against(
             (d.name for d in self.devices),
@@ -153,6 +173,9 @@ class Daemon:
             max_handles=max_handles_per_session,
             max_sessions=max_sessions_per_tenant,
             max_names=max_names_per_tenant,
+            share_ttl=share_ttl,
+            # busy time never counts against a lease: a saturated server stops the clock
+            clock=self.gate.lease_clock,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
@@ -164,6 +187,7 @@ class Daemon:
 
     def close(self) -> None:
         """Stop the reaper and release everything (after the gRPC server stopped)."""
+        self.gate.shutdown()
         self.sessions.shutdown()
 
     def device(self, name: str) -> Device:
@@ -512,8 +536,14 @@ class Daemon:
 
     # -- sharing ----------------------------------------------------------------
 
-    def share(self, session: Session, handle: str) -> str:
-        return self.sessions.share(session, handle)
+    def share(
+        self, session: Session, handle: str, uses: int | None = 1, ttl: float | None = None
+    ) -> tuple[str, float]:
+        """A share token (see SessionManager.share) and the ttl it got."""
+        return self.sessions.share(session, handle, uses, ttl)
+
+    def revoke(self, session: Session, token: str) -> bool:
+        return self.sessions.revoke(session, token)
 
     def attach(self, session: Session, token: str) -> Issued:
         return Issued(*self.sessions.attach(session, token))
@@ -631,6 +661,7 @@ def create_server(
 
     if daemon is None:
         daemon = Daemon(devices, session_grace=session_grace, lease=lease)
+    daemon.gate.resize(max_workers)  # admission and saturation follow the real thread pool
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
         options=[

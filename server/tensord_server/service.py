@@ -9,6 +9,7 @@ status code in :mod:`tensord_server.status`, the one place that decides.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError, UnauthenticatedError
 
 from tensord_server import auth, limits, status
+from tensord_server.admission import watched
 from tensord_server.kernels import Scalar
 from tensord_server.server import (
     DEFAULT_CHUNK_BYTES,
@@ -161,11 +163,14 @@ def _metadata(context: grpc.ServicerContext, key: str) -> Any:
 def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            self._tenant(context)  # every call authenticates first
-            return handler(self, request, context)
-        except Exception as exc:
-            status.abort(context, exc)
+        with self.daemon.gate.call():  # this call holds a worker (the saturation clock)
+            try:
+                self._tenant(context)  # every call authenticates first
+                return handler(self, request, context)
+            except grpc.RpcError:
+                raise  # the request stream was cancelled (idle timeout, client gone): no status
+            except Exception as exc:
+                status.abort(context, exc)
 
     return wrapper
 
@@ -173,11 +178,14 @@ def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
 def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            self._tenant(context)
-            yield from handler(self, request, context)
-        except Exception as exc:
-            status.abort(context, exc)
+        with self.daemon.gate.call():
+            try:
+                self._tenant(context)
+                yield from handler(self, request, context)
+            except grpc.RpcError:
+                raise
+            except Exception as exc:
+                status.abort(context, exc)
 
     return wrapper
 
@@ -194,6 +202,30 @@ class TensordService:
         if tokens is None:
             return ""
         return auth.tenant_of(tokens, _metadata(context, auth.AUTHORIZATION_KEY))
+
+    @contextlib.contextmanager
+    def _admitted(
+        self, context: grpc.ServicerContext, method: str, idle_timeout: float | None = None
+    ) -> Iterator[int]:
+        """A long-lived call's admission (refused at once over the limits) for the block."""
+        gate = self.daemon.gate
+        stream_id = gate.open_stream(context, method, self._tenant(context), idle_timeout)
+        # the RPC's end frees the slot even if grpc never resumes a suspended handler
+        context.add_callback(functools.partial(gate.close_stream, stream_id))
+        try:
+            yield stream_id
+        finally:
+            gate.close_stream(stream_id)
+
+    def _watched_responses(self, stream_id: int, responses: Iterator[M]) -> Iterator[M]:
+        """``responses`` with the time their consumer takes to read each one watched."""
+        gate = self.daemon.gate
+        for response in responses:
+            gate.waiting(stream_id, True)
+            try:
+                yield response
+            finally:
+                gate.waiting(stream_id, False)
 
     def _session(self, context: grpc.ServicerContext) -> Session:
         session_id = _metadata(context, SESSION_KEY)
@@ -243,18 +275,20 @@ class TensordService:
     def KeepAlive(self, requests: Iterator[pb.Heartbeat], context: Any) -> Iterator[pb.Heartbeat]:
         session = self._session(context)
         sessions = self.daemon.sessions
-        sessions.stream_opened(session)
-        try:
-            for beat in requests:
-                sessions.heartbeat(session)
-                yield pb.Heartbeat(sent_at=beat.sent_at)
-        except Exception:
-            # A client that vanished (killed, connection cut) ends its stream by
-            # cancellation: that is this RPC's normal end, not a server error.
-            if context.is_active():
-                raise
-        finally:
-            sessions.stream_closed(session)
+        # beats come every lease/3: a stream is idle only after missing them for a lease
+        with self._admitted(context, "KeepAlive", sessions.lease) as stream_id:
+            sessions.stream_opened(session)
+            try:
+                for beat in watched(self.daemon.gate, stream_id, requests):
+                    sessions.heartbeat(session)
+                    yield pb.Heartbeat(sent_at=beat.sent_at)
+            except Exception:
+                # A client that vanished (killed, connection cut) ends its stream by
+                # cancellation: that is this RPC's normal end, not a server error.
+                if context.is_active():
+                    raise
+            finally:
+                sessions.stream_closed(session)
 
     @_unary
     def CloseSession(self, request: Any, context: Any) -> pb.CloseSessionResponse:
@@ -390,28 +424,40 @@ class TensordService:
         if raw_header is None:
             raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
         header = decode_message(pb.UploadHeader, raw_header)
-        return encode_meta(
-            self.daemon.upload(
-                session,
-                tuple(header.shape),
-                header.dtype,
-                header.device,
-                header.nbytes,
-                chunks,
-                header.requires_grad,
+        with self._admitted(context, "Upload") as stream_id:
+            return encode_meta(
+                self.daemon.upload(
+                    session,
+                    tuple(header.shape),
+                    header.dtype,
+                    header.device,
+                    header.nbytes,
+                    watched(self.daemon.gate, stream_id, chunks),
+                    header.requires_grad,
+                )
             )
-        )
 
     @_streaming
     def Download(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         session = self._session(context)
-        yield from self.daemon.download(session, request.handle, request.chunk_bytes)
+        with self._admitted(context, "Download") as stream_id:
+            chunks = self.daemon.download(session, request.handle, request.chunk_bytes)
+            yield from self._watched_responses(stream_id, chunks)
 
     # -- sharing --------------------------------------------------------------------
 
     @_unary
-    def Share(self, request: pb.HandleRequest, context: Any) -> pb.ShareResponse:
-        return pb.ShareResponse(token=self.daemon.share(self._session(context), request.handle))
+    def Share(self, request: pb.ShareRequest, context: Any) -> pb.ShareResponse:
+        session = self._session(context)
+        if request.unlimited_uses and request.uses:
+            raise InvalidArgumentError("ShareRequest: pass uses or unlimited_uses, not both")
+        uses = None if request.unlimited_uses else (request.uses or 1)
+        token, ttl = self.daemon.share(session, request.handle, uses, request.ttl_seconds or None)
+        return pb.ShareResponse(token=token, ttl_seconds=ttl)
+
+    @_unary
+    def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
+        return pb.RevokeResponse(revoked=self.daemon.revoke(self._session(context), request.token))
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:

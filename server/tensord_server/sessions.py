@@ -7,6 +7,17 @@ the moment its last stream ends without CloseSession (unless a later call
 shows the client alive), or its lease lapses, whichever comes first; ``grace`` seconds later the reaper releases everything
 it held.  OpenSession(resume_session_id=...) before then brings it back whole.
 
+Locks: one lock guards the tables (handles, tokens, names); renewing a lease
+(every call's session lookup, Heartbeat) takes only a small lock of its own,
+never the tables' nor the registry's or a pool's, so no compaction or long
+table operation can make a heartbeat late.
+
+Share tokens: ``share(uses=1, ttl=DEFAULT_SHARE_TTL_S)`` by default makes a token
+the first attach consumes; with ``uses=N`` (or None: unlimited) it lasts that many
+attaches.  A token also ends at its expiry (the reaper drops it), when its session
+revokes it, and with its session.  While it lives it holds a reference on its
+Storage and counts against ``--max-handles-per-session``.
+
 Handle ids and share tokens are capabilities (``secrets.token_urlsafe``), looked
 up only in the table of the session presenting them: a foreign handle is as
 unknown as a made-up one.
@@ -44,6 +55,8 @@ REAPER_MAX_INTERVAL_S = 1.0
 DEFAULT_GRACE_S = 30.0
 # Clients heartbeat every lease/3 (a unary Heartbeat), so two beats may be lost before it lapses.
 DEFAULT_LEASE_S = 10.0
+# A share token expires this long after share() unless it asks for another lifetime.
+DEFAULT_SHARE_TTL_S = 300.0
 
 
 def new_capability() -> str:
@@ -53,11 +66,12 @@ def new_capability() -> str:
 
 @dataclass(eq=False)
 class Session:
-    """One client process's session.  All fields are guarded by the SessionManager lock."""
+    """One client process's session.  ``last_seen``, ``streams`` and ``stream_ended_at``
+    are guarded by the SessionManager's lease lock, the rest by its table lock."""
 
     id: str
     client_name: str
-    last_seen: float  # monotonic time of the last call or heartbeat
+    last_seen: float  # lease-clock time of the last call or heartbeat
     tenant: str = ""  # who authenticated it; its tokens and names are that tenant's
     handles: dict[str, TensorRef] = field(default_factory=dict)
     tokens: set[str] = field(default_factory=set)  # share tokens this session issued
@@ -74,6 +88,17 @@ class Session:
         return lapsed
 
 
+@dataclass(eq=False)
+class ShareToken:
+    """A share token's state, guarded by the SessionManager's table lock."""
+
+    session_id: str  # the issuing session (the token dies with it)
+    tenant: str
+    ref: TensorRef  # holds one reference on ref.storage while the token lives
+    uses_left: int | None  # attaches still allowed (None: unlimited)
+    expires_at: float  # manager-clock time
+
+
 class SessionManager:
     """Every session, share token and name of one server; the only owner of handle references."""
 
@@ -86,10 +111,14 @@ class SessionManager:
         max_handles: int | None = None,
         max_sessions: int | None = None,
         max_names: int | None = None,
+        share_ttl: float = DEFAULT_SHARE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace < 0 or lease <= 0:
             raise ValueError(f"grace must be >= 0 and lease > 0, got grace={grace}, lease={lease}")
+        if not share_ttl > 0:
+            raise ValueError(f"the share token ttl must be > 0, got {share_ttl}")
+        self.share_ttl = share_ttl  # a token's lifetime unless share() asks for another
         self.storages = storages
         self.grace = grace
         self.lease = lease
@@ -97,10 +126,12 @@ class SessionManager:
         self.max_sessions = max_sessions  # open sessions per tenant (None: no limit)
         self.max_names = max_names  # named tensors per tenant (None: no limit)
         self._clock = clock
-        self._lock = threading.Lock()  # guards the three dicts and every Session's fields
+        self._lock = threading.Lock()  # the table lock: the three dicts, handles and tokens
+        # the lease lock (taken after the table lock, never before): liveness fields, and
+        # _sessions is changed under both so that a lookup needs only this one
+        self._lease_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
-        # token -> (issuing session id, its tenant, tensor)
-        self._tokens: dict[str, tuple[str, str, TensorRef]] = {}
+        self._tokens: dict[str, ShareToken] = {}
         self._names: dict[tuple[str, str], TensorRef] = {}  # (tenant, name) -> tensor
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -111,15 +142,10 @@ class SessionManager:
         self, client_name: str = "", resume_id: str = "", tenant: str = ""
     ) -> tuple[Session, bool]:
         """A new session, or the one ``resume_id`` names if it is still within its grace."""
+        if resume_id:
+            return self.get(resume_id, tenant), True
         now = self._clock()
         with self._lock:
-            if resume_id:
-                session = self._sessions.get(resume_id)
-                if session is None or session.tenant != tenant:
-                    raise NotFoundError("unknown session")
-                session.last_seen = now
-                session.stream_ended_at = None
-                return session, True
             held = self._count_sessions(tenant)
             if self.max_sessions is not None and held >= self.max_sessions:
                 raise ResourceExhaustedError(
@@ -128,12 +154,15 @@ class SessionManager:
                     "ends after its lease and grace)"
                 )
             session = Session(new_capability(), client_name, last_seen=now, tenant=tenant)
-            self._sessions[session.id] = session
+            with self._lease_lock:
+                self._sessions[session.id] = session
             return session, False
 
     def get(self, session_id: str, tenant: str = "") -> Session:
-        """The live session of a call (renewing its lease); NotFoundError otherwise."""
-        with self._lock:
+        """The live session of a call (renewing its lease); NotFoundError otherwise.
+
+        Takes the lease lock only: a heartbeat never waits on the tables or the pools."""
+        with self._lease_lock:
             session = self._sessions.get(session_id)
             if session is None or session.tenant != tenant:
                 raise NotFoundError("unknown session")
@@ -145,8 +174,9 @@ class SessionManager:
     def close(self, session: Session) -> int:
         """End a session now; returns how many handles it released."""
         with self._lock:
-            if self._sessions.pop(session.id, None) is None:
-                raise NotFoundError("unknown session")
+            with self._lease_lock:
+                if self._sessions.pop(session.id, None) is None:
+                    raise NotFoundError("unknown session")
             refs = self._detach_session(session)
             released = len(session.handles)
             session.handles.clear()
@@ -155,11 +185,11 @@ class SessionManager:
 
     def peek(self, session_id: str) -> Session | None:
         """A session by id without renewing its lease (for inspection), or None."""
-        with self._lock:
+        with self._lease_lock:
             return self._sessions.get(session_id)
 
     def session_ids(self) -> list[str]:
-        with self._lock:
+        with self._lease_lock:
             return list(self._sessions)
 
     def handle_count(self, session: Session) -> int:
@@ -169,33 +199,41 @@ class SessionManager:
     # -- liveness -----------------------------------------------------------------
 
     def stream_opened(self, session: Session) -> None:
-        with self._lock:
+        with self._lease_lock:
             session.streams += 1
             session.last_seen = self._clock()
 
     def stream_closed(self, session: Session) -> None:
-        with self._lock:
+        with self._lease_lock:
             session.streams -= 1
             if session.streams == 0:
                 session.stream_ended_at = self._clock()
 
     def heartbeat(self, session: Session) -> None:
-        with self._lock:
+        with self._lease_lock:
             session.last_seen = self._clock()
 
     def reap(self) -> list[str]:
-        """Release every session lost for longer than the grace; returns their ids."""
-        now = self._clock()
+        """Release every session lost for longer than the grace, and every expired share
+        token; returns the ids of the sessions."""
         refs: list[TensorRef] = []
         reaped: list[str] = []
         with self._lock:
-            for session in list(self._sessions.values()):
-                lost = session.lost_since(self.lease)
-                if lost is not None and now - lost >= self.grace:
-                    del self._sessions[session.id]
-                    refs.extend(self._detach_session(session))
-                    session.handles.clear()
-                    reaped.append(session.id)
+            with self._lease_lock:
+                now = self._clock()
+                lost_sessions = []
+                for session in list(self._sessions.values()):
+                    lost = session.lost_since(self.lease)
+                    if lost is not None and now - lost >= self.grace:
+                        del self._sessions[session.id]
+                        lost_sessions.append(session)
+            for session in lost_sessions:
+                refs.extend(self._detach_session(session))
+                session.handles.clear()
+                reaped.append(session.id)
+            for token, entry in list(self._tokens.items()):
+                if now >= entry.expires_at:
+                    refs.append(self._drop_token(token))
         self._decref_all(refs)
         for session_id in reaped:
             log.info("session %s lost for more than %.3gs: released", session_id[:8], self.grace)
@@ -227,7 +265,8 @@ class SessionManager:
             for session in self._sessions.values():
                 refs.extend(self._detach_session(session))
                 session.handles.clear()
-            self._sessions.clear()
+            with self._lease_lock:
+                self._sessions.clear()
             refs.extend(self._names.values())
             self._names.clear()
         self._decref_all(refs)
@@ -243,14 +282,17 @@ class SessionManager:
         a split or chunk refused halfway must not leave handles its client never learns."""
         for ref in refs:
             check_in_bounds(ref)
-        handles = [new_capability() for _ in refs]
         with self._lock:
-            if self._sessions.get(session.id) is not session:
-                raise NotFoundError("unknown session")
-            self._check_room(session, len(refs))
-            for handle, ref in zip(handles, refs, strict=True):
-                self.storages.incref(ref.storage)
-                session.handles[handle] = ref
+            return self._register_locked(session, refs)
+
+    def _register_locked(self, session: Session, refs: Sequence[TensorRef]) -> list[str]:
+        handles = [new_capability() for _ in refs]
+        if self._sessions.get(session.id) is not session:
+            raise NotFoundError("unknown session")
+        self._check_room(session, len(refs))
+        for handle, ref in zip(handles, refs, strict=True):
+            self.storages.incref(ref.storage)
+            session.handles[handle] = ref
         return handles
 
     def lookup(self, session: Session, handle: str) -> TensorRef:
@@ -284,27 +326,55 @@ class SessionManager:
 
     # -- sharing ------------------------------------------------------------------
 
-    def share(self, session: Session, handle: str) -> str:
+    def share(
+        self, session: Session, handle: str, uses: int | None = 1, ttl: float | None = None
+    ) -> tuple[str, float]:
+        """A token for ``uses`` attaches (None: unlimited) within ``ttl`` seconds (None: the
+        server's --share-ttl); returns it and its ttl."""
+        if uses is not None and uses < 1:
+            raise ValueError(f"a share token needs uses >= 1 (or unlimited), got {uses}")
+        ttl = self.share_ttl if ttl is None else ttl
+        if not ttl > 0:  # NaN too
+            raise ValueError(f"a share token's ttl must be > 0 seconds, got {ttl}")
         token = new_capability()
         with self._lock:
             ref = self._lookup(session, handle)
             self._check_room(session)
             self.storages.incref(ref.storage)
-            self._tokens[token] = (session.id, session.tenant, ref)
+            expires_at = self._clock() + ttl
+            self._tokens[token] = ShareToken(session.id, session.tenant, ref, uses, expires_at)
             session.tokens.add(token)
-        return token
+        return token, ttl
 
     def attach(self, session: Session, token: str) -> tuple[str, TensorRef]:
+        """A handle on the token's tensor, using one of its attaches: the last one ends it."""
         with self._lock:
             entry = self._tokens.get(token)
-            if entry is None or entry[1] != session.tenant:
+            if entry is None or entry.tenant != session.tenant or self._clock() >= entry.expires_at:
                 raise NotFoundError("unknown share token")
-            ref = entry[2]
-            self.storages.incref(ref.storage)  # a pin for register()
-        try:
-            return self.register(session, ref), ref
-        finally:
-            self.storages.decref(ref.storage)
+            (handle,) = self._register_locked(session, [entry.ref])
+            dropped = None
+            if entry.uses_left is not None:
+                entry.uses_left -= 1
+                if entry.uses_left == 0:
+                    dropped = self._drop_token(token)
+        if dropped is not None:
+            self.storages.decref(dropped.storage)  # the new handle keeps it alive
+        return handle, entry.ref
+
+    def revoke(self, session: Session, token: str) -> bool:
+        """End a token this session issued now; False when it had already ended (used up,
+        expired, revoked) or is not this session's."""
+        with self._lock:
+            if token not in session.tokens:
+                return False
+            ref = self._drop_token(token)
+        self.storages.decref(ref.storage)
+        return True
+
+    def token_count(self) -> int:
+        with self._lock:
+            return len(self._tokens)
 
     def put_name(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
         if not name:
@@ -381,9 +451,17 @@ class SessionManager:
         for token in session.tokens:
             entry = self._tokens.pop(token, None)
             if entry is not None:
-                refs.append(entry[2])
+                refs.append(entry.ref)
         session.tokens.clear()
         return refs
+
+    def _drop_token(self, token: str) -> TensorRef:
+        """Unlink a live token from the tables; returns the reference to drop."""
+        entry = self._tokens.pop(token)
+        issuer = self._sessions.get(entry.session_id)
+        if issuer is not None:
+            issuer.tokens.discard(token)
+        return entry.ref
 
     def _decref_all(self, refs: list[TensorRef]) -> None:
         for ref in refs:

@@ -506,11 +506,37 @@ class DownloadRequest(_message.Message):
     chunk_bytes: int
     def __init__(self, handle: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class ShareRequest(_message.Message):
+    __slots__ = ("handle", "uses", "unlimited_uses", "ttl_seconds")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    UNLIMITED_USES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    uses: int
+    unlimited_uses: bool
+    ttl_seconds: float
+    def __init__(self, handle: _Optional[str] = ..., uses: _Optional[int] = ..., unlimited_uses: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
 class ShareResponse(_message.Message):
+    __slots__ = ("token", "ttl_seconds")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    ttl_seconds: float
+    def __init__(self, token: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
     __slots__ = ("token",)
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     token: str
     def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class RevokeResponse(_message.Message):
+    __slots__ = ("revoked",)
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    revoked: bool
+    def __init__(self, revoked: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("token",)

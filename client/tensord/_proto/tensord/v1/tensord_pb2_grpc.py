@@ -146,13 +146,18 @@ class TensordStub:
                 _registered_method=True)
         self.Share = channel.unary_unary(
                 '/tensord.v1.Tensord/Share',
-                request_serializer=tensord_dot_v1_dot_tensord__pb2.HandleRequest.SerializeToString,
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.ShareRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ShareResponse.FromString,
                 _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/tensord.v1.Tensord/Attach',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.AttachRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/tensord.v1.Tensord/Revoke',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.RevokeResponse.FromString,
                 _registered_method=True)
         self.PutName = channel.unary_unary(
                 '/tensord.v1.Tensord/PutName',
@@ -355,12 +360,20 @@ class TensordServicer:
 
     def Share(self, request, context):
         """---- sharing across sessions -------------------------------------------------
+        A share token: by default the first Attach consumes it, and it expires after the
+        server's --share-ttl; it also ends with Revoke and with its session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -530,13 +543,18 @@ def add_TensordServicer_to_server(servicer, server):
             ),
             'Share': grpc.unary_unary_rpc_method_handler(
                     servicer.Share,
-                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.HandleRequest.FromString,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.ShareRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ShareResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.AttachRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.RevokeRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.RevokeResponse.SerializeToString,
             ),
             'PutName': grpc.unary_unary_rpc_method_handler(
                     servicer.PutName,
@@ -1198,7 +1216,7 @@ class Tensord:
             request,
             target,
             '/tensord.v1.Tensord/Share',
-            tensord_dot_v1_dot_tensord__pb2.HandleRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.ShareRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ShareResponse.FromString,
             options,
             channel_credentials,
@@ -1227,6 +1245,33 @@ class Tensord:
             '/tensord.v1.Tensord/Attach',
             tensord_dot_v1_dot_tensord__pb2.AttachRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Revoke',
+            tensord_dot_v1_dot_tensord__pb2.RevokeRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.RevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,
