@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import grpc
 import numpy as np
 import pytest
@@ -100,21 +102,12 @@ def test_to_dtype_converts_like_torch(stub, src_dtype, dst_dtype) -> None:
     if src_dtype == "bfloat16":
         meta = stub.To(pb.ToRequest(handle=meta.handle, dtype="bfloat16"), metadata=stub.md)
     out = stub.To(pb.ToRequest(handle=meta.handle, dtype=dst_dtype), metadata=stub.md)
-    with (
-        pytest.warns(UserWarning)
-        if src_dtype == "complex64" and dst_dtype == "float32"
-        else _nothing()
-    ):
+    with warnings.catch_warnings():
+        # torch warns only once per process (TORCH_WARN_ONCE), so whether this call warns
+        # depends on which test ran first: the oracle's warning is not what is tested here
+        warnings.filterwarnings("ignore", "Casting complex values to real discards")
         expected = values.to(getattr(torch, dst_dtype))
     _check(stub, out, expected)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_to_int_drops_requires_grad_as_torch_does(stub) -> None:
