@@ -6,7 +6,7 @@ policy is measured): once as PyTorch's allocator (no relocator: OOM once
 release-and-retry fails), once with compaction.  Between steps no Storage is
 pinned (no op is in flight), so every block may move.  Workloads:
 
-- the shared ResNet-50 training trace, replayed on devices smaller than
+- the bundled ResNet-50 training trace, replayed on devices smaller than
   PyTorch's peak reserved (a multiple of its peak allocated);
 - a bimodal mix like the load test's ``bimodal`` users (8-48 MiB requests
   living 1-4 steps among 64 KiB-3 MiB ones living 20-200 steps) on 1 GiB.
@@ -39,13 +39,14 @@ from typing import Any
 
 from tensord.errors import OutOfMemoryError
 from tensord_server.backends import BookkeepingBackend
+from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace
 from tensord_server.devices import Device
 from tensord_server.pool import CachingPool
 from tensord_server.replay import RecordedAddressBackend, load_pytorch_stats, load_trace
 from tensord_server.storage import Storage, StorageRegistry
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "resnet50_train.events.json.gz"
+# the ResNet-50 training trace that ships with the package (tensord_server/data/traces)
+DEFAULT_TRACE = bundled_trace(DEFAULT_TRACE_NAME)
 MiB = 1 << 20
 GiB = 1 << 30
 # Devices for the trace, as multiples of PyTorch's peak allocated (its peak reserved is

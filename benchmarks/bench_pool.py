@@ -1,4 +1,4 @@
-"""Benchmark the caching pool on the shared ResNet-50 training trace.
+"""Benchmark the caching pool on the bundled ResNet-50 training trace.
 
 Prints one table: replay speed (events/s, best and median of several runs) and
 the peak reserved / peak allocated ratio of tensord's pool next to PyTorch's
@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace
 from tensord_server.replay import ReplayResult, load_pytorch_stats, load_trace, replay
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "resnet50_train.events.json.gz"
+# the ResNet-50 training trace that ships with the package (tensord_server/data/traces)
+DEFAULT_TRACE = bundled_trace(DEFAULT_TRACE_NAME)
 DEFAULT_REPEATS = 7  # replays per variant; the first warms caches, the median is reported
 
 

@@ -20,7 +20,8 @@ Configuration, by environment variable (read by master and workers alike):
   when the server has a GPU; a ``=LIMIT`` suffix is ignored);
 - ``TENSORD_SCALE``: multiplies every allocation size (default 1.0);
 - ``TENSORD_TRACE``, ``TENSORD_TRACE_DIVISOR``: the trace the ``trace`` users
-  replay and how much to divide its sizes by (default 256);
+  replay, a file or a bundled trace's name (default the bundled ``resnet50_train``),
+  and how much to divide its sizes by (default 256);
 - ``TENSORD_WAIT``: ``min,max`` seconds each user waits between steps;
 - ``TENSORD_RUN_ID``: names shared tensors ``loadtest/<run id>/...``;
 - ``TENSORD_SAMPLER``: ``on`` (default when ``--csv`` is given) samples the

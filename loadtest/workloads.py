@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 from tensord import dtypes
 from tensord.errors import NotFoundError, OutOfMemoryError
+from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace, resolve_trace
 
 #: (op, seconds, response bytes, exception or None, expected?)
 Recorder = Callable[[str, float, int, BaseException | None, bool], None]
@@ -38,10 +39,8 @@ Recorder = Callable[[str, float, int, BaseException | None, bool], None]
 #: every workload may meet a full pool; that is the load test's finding, not a failure
 ALWAYS_EXPECTED: tuple[type[BaseException], ...] = (OutOfMemoryError,)
 
-#: where the shared folder lies relative to a checkout (CI puts it beside the repo)
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parent.parent.parent / "shared/traces/resnet50_train.events.json.gz"
-)
+#: the trace the ``trace`` users replay unless told otherwise: the bundled ResNet-50 run
+DEFAULT_TRACE: Path = bundled_trace(DEFAULT_TRACE_NAME)
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -523,12 +522,13 @@ _TRACE_CACHE: dict[tuple[str, int], TraceOps] = {}
 def load_trace(path: str | os.PathLike[str], divisor: int) -> TraceOps:
     """The allocs and completed frees of a ``[action, addr, size, stream]`` trace, sizes divided.
 
+    ``path`` is a file or the name of a bundled trace (``resnet50_train``).
     ``addr`` names a block from its alloc to its free; it becomes a dense id.
     Cached per process: every replaying user shares one copy.
     """
     key = (str(path), divisor)
     if key not in _TRACE_CACHE:
-        with gzip.open(path, "rt") as f:
+        with gzip.open(resolve_trace(path), "rt") as f:
             events: Sequence[Sequence[Any]] = json.load(f)
         _TRACE_CACHE[key] = scale_trace(events, divisor)
     return _TRACE_CACHE[key]
@@ -549,10 +549,10 @@ def scale_trace(events: Iterable[Sequence[Any]], divisor: int) -> TraceOps:
 
 
 class TraceReplay(Workload):
-    """Replays a PyTorch allocator trace (``shared/traces/``), sizes divided to fit, in a loop.
+    """Replays a PyTorch allocator trace (default: the bundled ResNet-50 one), sizes divided to fit.
 
     Each step plays the next ``events_per_step`` events; at the end of the
-    trace everything still live is dropped and the replay starts over.
+    trace everything still live is dropped and the replay starts over (a loop).
     """
 
     name = "trace"

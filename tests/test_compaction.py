@@ -29,6 +29,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import OutOfMemoryError
 from tensord_server import cuda_backend
 from tensord_server.backends import BookkeepingBackend, HostBackend
+from tensord_server.data import bundled_trace
 from tensord_server.pool import (
     LARGE_BUFFER,
     Block,
@@ -59,7 +60,7 @@ UNLIMITED = (1 << 64) - 1
 POOL = "cpu=60MiB"
 TENSOR_ELEMENTS = (2 * MiB) // 4  # float32
 BIG_ELEMENTS = (12 * MiB) // 4
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/resnet50_train.events.json.gz"
+TRACE = bundled_trace("resnet50_train")  # ships with the package
 
 
 # ---------------------------------------------------------------------------
@@ -367,7 +368,6 @@ def test_random_sequences_with_compaction_keep_invariants(
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared traces not present")
 def test_replay_with_a_relocator_matches_pytorch_exactly() -> None:
     """No OOM, no compaction: a pool that may compact replays ResNet-50 exactly as torch."""
     events = load_trace(TRACE)

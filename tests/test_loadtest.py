@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import tensord
 from tensord_server import loadtest
+from tensord_server.data import bundled_traces
 from tensord_server.server import Daemon, create_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,8 +100,6 @@ def wait_for_allocated(client: Any, target: int, timeout_steps: int = 100) -> in
 # -- workloads -------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
 def test_each_workload_runs_clean_and_gives_everything_back(gib_server: Running, name: str) -> None:
-    if name == "trace" and not workloads.DEFAULT_TRACE.exists():
-        pytest.skip(f"no trace at {workloads.DEFAULT_TRACE}")
     log = Log()
     drive(gib_server.address, name, steps=25, log=log)
     assert log.failures == []
@@ -200,8 +199,7 @@ def test_trace_scaling_pairs_allocs_with_frees() -> None:
 TRACE = workloads.DEFAULT_TRACE
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
-def test_the_shared_trace_scaled_down_fits_a_user() -> None:
+def test_the_bundled_trace_scaled_down_fits_a_user() -> None:
     ops = workloads.load_trace(TRACE, 256)
     live: dict[int, int] = {}
     peak = current = 0
@@ -315,6 +313,24 @@ def test_compose_file_follows_the_compose_spec() -> None:
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
 
 
+def test_compose_workers_replay_the_bundled_trace_by_default() -> None:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(interpolate((REPO / "docker-compose.yml").read_text()))
+    worker = config["services"]["locust-worker"]
+    trace = worker["environment"]["TENSORD_TRACE"]
+    assert trace in bundled_traces()  # a name the image resolves in its own package
+    mounted = [v.split(":")[0] for v in worker["volumes"] if v.endswith(":/traces:ro")]
+    assert len(mounted) == 1 and not Path(mounted[0]).is_absolute()
+    folder = (REPO / mounted[0]).resolve()
+    assert folder.is_relative_to(REPO) and (folder / f"{trace}.events.json.gz").is_file()
+
+
+def test_the_trace_users_load_the_bundled_trace_by_name() -> None:
+    assert workloads.load_trace("resnet50_train", 256) == workloads.load_trace(TRACE, 256)
+    with pytest.raises(FileNotFoundError, match="bundled: resnet50_train"):
+        workloads.load_trace("no-such-trace", 256)
+
+
 @pytest.mark.skipif(
     shutil.which("docker-compose") is None, reason="docker-compose is not installed"
 )
@@ -338,9 +354,7 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
             pytest.skip(f"{module} is not installed")
     out = tmp_path / "results"
     command = [sys.executable, "-m", "tensord_server", "loadtest", "-u", "8", "-r", "8", "-t", "8s"]
-    mix = "kv=1,train=1,churn=1,bimodal=1,views=1,sharing=2" + (
-        ",trace=1" if TRACE.exists() else ""
-    )
+    mix = "kv=1,train=1,churn=1,bimodal=1,views=1,sharing=2,trace=1"
     command += ["--workloads", mix]
     command += ["--out", str(out), "--interval", "0.25", "--leak-timeout", "20"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORD_")}
@@ -356,7 +370,7 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
     assert summary["leaked_bytes"] == 0 and summary["final_allocated_bytes"] == 0
     assert summary["requests"] > 100
     workload_ops = {op["name"].split(".")[0] for op in summary["ops"]}
-    assert {"kv", "train", "churn", "bimodal", "views", "share"} <= workload_ops
+    assert {"kv", "train", "churn", "bimodal", "views", "share", "trace"} <= workload_ops
     assert summary["peak_reserved_bytes"] >= summary["peak_allocated_bytes"] > 0
     assert summary["capacity_bytes"] == 1 << 30  # the started server's default pool
     with open(out / "timeseries.csv", newline="") as f:
@@ -378,3 +392,14 @@ def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -
     )
     assert result.returncode == 2
     assert "unknown workload 'nope'" in result.stderr
+
+
+def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tensord_server", "loadtest", "--trace", "no-such-trace"]
+    result = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert "--trace: no trace file 'no-such-trace'" in result.stderr
+    assert "bundled: resnet50_train" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no server was started, nothing written

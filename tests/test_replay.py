@@ -1,4 +1,4 @@
-"""Trace replay: loading, the shared ResNet-50 trace against PyTorch's figures, and the CLI."""
+"""Trace replay: loading, the bundled ResNet-50 trace against PyTorch's figures, and the CLI."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from tensord_server.backends import BookkeepingBackend
+from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.pool import CachingPool
 from tensord_server.replay import (
     RecordedAddressBackend,
@@ -20,18 +21,12 @@ from tensord_server.replay import (
     trace_stem,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# CI keeps a copy of the project's shared folder beside the clone.
-SHARED_TRACES = REPO_ROOT.parent / "shared" / "traces"
-RESNET_TRACE = SHARED_TRACES / "resnet50_train.events.json.gz"
-
-needs_resnet_trace = pytest.mark.skipif(
-    not RESNET_TRACE.exists(), reason=f"shared trace not found at {RESNET_TRACE}"
-)
+# Ships with the package (server/tensord_server/data/traces/), so every checkout has it.
+RESNET_TRACE = bundled_trace("resnet50_train")
 
 MiB = 1 << 20
 
-# A small trace in the shared format: two allocations share a 2 MiB segment, a
+# A small trace in the bundled traces' format: two allocations share a 2 MiB segment, a
 # large one gets a 20 MiB segment; segment_* and free_requested are ignored.
 SMALL_TRACE = [
     ["segment_alloc", 1 << 30, 2 * MiB, 0],
@@ -103,7 +98,6 @@ def test_trace_names() -> None:
     assert load_pytorch_stats("/nonexistent/x.events.json.gz") is None
 
 
-@needs_resnet_trace
 def test_resnet50_replay_matches_pytorch() -> None:
     events = load_trace(RESNET_TRACE)
     assert len(events) == 13_735
@@ -172,12 +166,69 @@ def test_cli_replay_reports_unreadable_trace(tmp_path: Path) -> None:
         assert completed.returncode == 2 and "cannot read" in completed.stderr
 
 
-@needs_resnet_trace
 def test_cli_replay_resnet50() -> None:
     report = run_cli(str(RESNET_TRACE))
     assert report["peak_allocated_bytes"] == 7_051_840_000
     assert report["peak_reserved_bytes"] == 10_125_049_856
     assert report["num_ooms"] == 0 and report["peak_segments"] == 148
+
+
+def test_the_resnet50_trace_and_its_pytorch_figures_are_bundled() -> None:
+    assert "resnet50_train" in bundled_traces()
+    for variant in ("", "expandable"):
+        stats = load_pytorch_stats(RESNET_TRACE, variant)
+        assert stats is not None and stats["workload"] == "resnet50_train", variant
+
+
+def test_cli_replays_a_bundled_trace_by_name_from_any_folder(tmp_path: Path) -> None:
+    named = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "replay", "resnet50_train", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,  # nothing of the repository beside it
+    )
+    report = json.loads(named.stdout)
+    assert report["peak_allocated_bytes"] == 7_051_840_000
+    assert report["pytorch"]["reserved_bytes.all.peak"] == 10_125_049_856  # figures found too
+    # no argument: the bundled ResNet-50 trace
+    default = run_cli()
+    assert default["peak_reserved_bytes"] == 10_125_049_856
+
+
+def test_cli_lists_the_bundled_traces_and_prefers_a_file_to_a_name(tmp_path: Path) -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "replay", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert listed.stdout.split() == bundled_traces()
+    # a plain-JSON trace file named like the bundled trace
+    (tmp_path / "resnet50_train").write_text(json.dumps(SMALL_TRACE))
+    shadowed = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "replay", "resnet50_train", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert json.loads(shadowed.stdout)["events"] == len(SMALL_TRACE)
+
+
+def test_cli_names_the_bundled_traces_when_neither_file_nor_name_matches(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "replay", "resnet51"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 2
+    assert "no bundled trace of that name (bundled: resnet50_train)" in completed.stderr
 
 
 def test_cli_replay_table(tmp_path: Path) -> None:

@@ -64,3 +64,96 @@ def test_the_code_passes_the_linters(command: tuple[str, ...]) -> None:
         timeout=300,
     )
     assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout}{result.stderr}"
+
+
+# -- everything the repository uses lives in it ------------------------------------
+# A checkout must work alone: a fresh clone has no folder beside it and no path of the
+# machine it was written on.  Each pattern names one way a file has reached outside.
+# (This file spells its own samples in pieces, so it passes its own check unexcused.)
+OUTSIDE_PATTERNS: dict[str, re.Pattern[str]] = {
+    # a path of one machine: the build machine's work folder, someone's home
+    "an absolute path of one machine": re.compile(r"(?<![\w.:/-])/(?:work|home|root|Users)/\w"),
+    # the folder of the project's common files, beside a checkout on the build machine only
+    "the project's common folder beside the checkout": re.compile(
+        r"\bshared/(?:traces|DESIGN|STYLE|hooks)\b|[\"']shared[\"']|\bshared (?:folder|directory)\b"
+    ),
+    # the parent of a REPO or ROOT path: the folder that holds the checkout
+    "a parent of the repository root": re.compile(r"\b\w*(?:REPO|ROOT)\w*\.parents?\b"),
+}
+
+# `../x` (climbed from the file's own folder) and `Path(__file__)...parent` chains
+RELATIVE_PATH = re.compile(r"(?<![\w.])(?:\.\./)+[\w.-]*")
+FILE_PARENTS = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent\b|\.parents\[\d+\])+)")
+
+
+def tracked_text_files() -> list[tuple[str, str]]:
+    """(path, text) of every tracked file that is text (binary files hold no paths we write)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=False, timeout=60
+    )
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = []
+    for name in listed.stdout.decode().split("\0"):
+        path = REPO / name
+        if not name or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        files.append((name, data.decode("utf-8", errors="replace")))
+    return files
+
+
+def climbs_out(name: str, text: str) -> list[str]:
+    """How ``text`` (the file ``name``, relative to the repository) reaches outside it."""
+    found = [
+        f"{what}: {match.group(0)!r}"
+        for what, pattern in OUTSIDE_PATTERNS.items()
+        for match in pattern.finditer(text)
+    ]
+    folder = (REPO / name).parent
+    for match in RELATIVE_PATH.finditer(text):
+        target = (folder / match.group(0)).resolve()
+        if not target.is_relative_to(REPO):
+            found.append(f"a relative path out of the repository: {match.group(0)!r}")
+    depth = len(Path(name).parts)  # this many parents of the file is the repository root
+    for match in FILE_PARENTS.finditer(text):
+        steps = match.group(1)
+        climbed = steps.count(".parent") - steps.count(".parents[")
+        climbed += sum(int(k) + 1 for k in re.findall(r"\.parents\[(\d+)\]", steps))
+        if climbed > depth:
+            found.append(f"a parent of the repository root: {match.group(0)!r}")
+    return found
+
+
+def test_no_tracked_file_refers_to_a_path_outside_the_repository() -> None:
+    escapes = {
+        name: found for name, text in tracked_text_files() if (found := climbs_out(name, text))
+    }
+    assert escapes == {}, "\n".join(f"{name}: {found}" for name, found in escapes.items())
+
+
+def test_the_outside_path_check_finds_each_kind_of_escape() -> None:
+    # Put together from pieces, so that this file itself names no outside path.
+    up, common, parents = "../", "SHARED".lower(), "Path(__file__).resolve()" + ".parent" * 3
+    escapes = {
+        "README.md": f"tensord replay {up}{common}/traces/x.events.json.gz",
+        "docker-compose.yml": f"      - {up}{up}data:/traces:ro",
+        "tests/test_x.py": "TRACE = Path(__file__).resolve().parents[1]" + '.parent / "t.gz"',
+        "tests/test_y.py": "SHARED = REPO_ROOT" + f'.parent / "{common}" / "traces"',
+        "tests/test_w.py": f"TRACES = {parents}",
+        "docs/x.md": f"The design is in `DESIGN.md` of the project's {common} folder.",
+        "benchmarks/b.py": f'open("/work/{common}/STYLE.md")',
+        "scripts/s.sh": "cp out /" + "home/alice/",
+    }
+    for name, text in escapes.items():
+        assert climbs_out(name, text), (name, text)
+    fine = {
+        "docs/design.md": f"see [the README]({up}README.md) and `server/tensord_server/data/`",
+        "server/tensord_server/loadtest.py": parents,
+        "tests/test_z.py": "REPO = Path(__file__).resolve().parent.parent",
+        "README.md": "a shared pool; named tensors are shared: see /tmp/x and https://h/work/1",
+    }
+    for name, text in fine.items():
+        assert climbs_out(name, text) == [], (name, text)

@@ -608,7 +608,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights, e.g. kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every allocation size")
-    parser.add_argument("--trace", type=Path, default=None, help="the trace the trace users replay")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="the trace the trace users replay: a file or a bundled trace's name "
+        "(default: the bundled resnet50_train; see tensord replay --list)",
+    )
     parser.add_argument(
         "--trace-divisor", type=int, default=256, help="divide the trace's sizes by this"
     )
@@ -652,6 +657,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tensord loadtest: --workloads: {exc}", file=sys.stderr)
         return 2
+    if args.trace:  # a wrong --trace fails here, not in every trace user
+        from tensord_server.data import resolve_trace
+
+        try:
+            args.trace = resolve_trace(args.trace)
+        except FileNotFoundError as exc:
+            print(f"tensord loadtest: --trace: {exc}", file=sys.stderr)
+            return 2
     if not args.locustfile.exists():
         print(
             f"tensord loadtest: no locustfile at {args.locustfile} (use --locustfile)",

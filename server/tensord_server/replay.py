@@ -1,8 +1,10 @@
 """``tensord replay``: run a recorded allocator trace through the pool and compare with PyTorch.
 
 A trace is PyTorch's ``torch.cuda.memory._snapshot()["device_traces"][0]``,
-either as the shared ``*.events.json.gz`` (a gzipped JSON list of
-``[action, addr, size, stream]``) or as the pickled snapshot itself.  Replay
+either as a ``*.events.json.gz`` (a gzipped JSON list of
+``[action, addr, size, stream]``) or as the pickled snapshot itself.  The ResNet-50
+training trace ships with the package (``tensord replay resnet50_train``;
+``tensord replay --list`` names every bundled trace).  Replay
 mallocs on ``alloc`` (size = the bytes requested) and frees on
 ``free_completed``; ``free_requested`` and ``segment_*`` are skipped, because
 the pool's own policy decides when and how large segments are.
@@ -32,9 +34,10 @@ from typing import Any
 from tensord.errors import OutOfMemoryError
 
 from tensord_server.backends import BookkeepingBackend, DeviceMemory
+from tensord_server.data import DEFAULT_TRACE_NAME, bundled_traces, resolve_trace
 from tensord_server.pool import CachingPool
 
-# One trace event: (action, addr, size, stream), as in the shared traces.
+# One trace event: (action, addr, size, stream), as in the bundled traces.
 TraceEvent = tuple[str, int, int, int]
 
 # Suffixes of a trace file name that its PyTorch stats file does not share.
@@ -277,8 +280,13 @@ def format_table(result: ReplayResult, pytorch: dict[str, Any] | None) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "trace", help="a .events.json.gz trace or a pickled torch.cuda.memory._snapshot()"
+        "trace",
+        nargs="?",
+        default=DEFAULT_TRACE_NAME,
+        help="a .events.json.gz trace, a pickled torch.cuda.memory._snapshot(), or the name "
+        f"of a bundled trace (see --list; default {DEFAULT_TRACE_NAME}); a file wins over a name",
     )
+    parser.add_argument("--list", action="store_true", help="list the bundled traces and exit")
     parser.add_argument("--capacity", type=int, default=None, help="device capacity in bytes")
     parser.add_argument("--max-split-size", type=int, default=None, help="max_split_size in bytes")
     parser.add_argument(
@@ -290,8 +298,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in bundled_traces():
+            print(name)
+        return 0
     try:
-        events = load_trace(args.trace)
+        path = resolve_trace(args.trace)
+        events = load_trace(path)
     except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
         return 2
@@ -301,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         max_split_size=args.max_split_size,
         recorded_addresses=not args.fresh_addresses,
     )
-    pytorch = load_pytorch_stats(args.trace)
+    pytorch = load_pytorch_stats(path)
     if args.json:
         print(json.dumps(summary(result, pytorch)))
     else:
