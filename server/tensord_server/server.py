@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from tensord import dtypes
 from tensord.dtypes import DType
-from tensord.layout import Layout
+from tensord.layout import Layout, empty_strided_layout
 
 from tensord_server import kernels
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
@@ -401,7 +401,8 @@ class Daemon:
                     f"dimensionality of sizes ({len(shape)}) must match dimensionality of "
                     f"strides ({len(stride)})"
                 )
-            layout = Layout(shape, stride, 0)
+            # torch's rules: a negative stride is refused (or, without elements, replaced)
+            layout = empty_strided_layout(shape, stride)
         dt = dtypes.dtype_from_name(dtype) if dtype else dtypes.float32
         with self._allocated(session, self.device(device), layout, dt, requires_grad) as out:
             if self.scrub_empty and out.storage.nbytes:
