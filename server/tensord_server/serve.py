@@ -17,6 +17,7 @@ from tensord.errors import FailedPreconditionError
 
 from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
+from tensord_server.limits import DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
@@ -85,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="refuse a session's new handle or share token once it holds N of them together "
         "(RESOURCE_EXHAUSTED; default: none)",
+    )
+    parser.add_argument(
+        "--max-op-elements",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_OP_ELEMENTS,
+        help="refuse an op that would read or write more than N elements (fill_, copy_, "
+        "setitem, clone, contiguous, to, cat, stack, repeat, download; RESOURCE_EXHAUSTED) "
+        f"(default: {DEFAULT_MAX_OP_ELEMENTS})",
     )
     parser.add_argument(
         "--max-sessions-per-tenant",
@@ -185,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for flag in ("max_handles_per_session", "max_sessions_per_tenant", "max_names_per_tenant"):
+    for flag in (
+        "max_handles_per_session",
+        "max_sessions_per_tenant",
+        "max_names_per_tenant",
+        "max_op_elements",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -210,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             max_names_per_tenant=args.max_names_per_tenant,
             quotas=quotas,
             compaction=not args.no_compaction,
+            max_op_elements=args.max_op_elements,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from tensord.dtypes import DType
 from tensord.errors import InternalError
 from tensord.layout import Layout
 
+from tensord_server import limits
 from tensord_server.devices import Device
 from tensord_server.pool import Block, CachingPool, round_size
 from tensord_server.quotas import TenantLedger
@@ -214,6 +215,7 @@ def check_in_bounds(ref: TensorRef) -> None:
     express in int64 bytes is the caller's (RuntimeError, torch's text).
     """
     layout, itemsize = ref.layout, ref.dtype.itemsize
+    limits.check_result_ndim(layout.ndim)  # any op's result, whatever made it (unflatten, ...)
     numbers = (layout.offset, *layout.stride)
     if any(abs(n) * itemsize > _INT64_MAX for n in numbers):
         raise RuntimeError(
