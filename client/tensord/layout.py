@@ -236,6 +236,25 @@ def _storage_nbytes(shape: Shape, stride: Shape, itemsize: int, offset: int) -> 
     return size
 
 
+def empty_strided_layout(shape: Sequence[int], stride: Sequence[int]) -> Layout:
+    """The layout torch.empty_strided(shape, stride) gives its new tensor (offset 0).
+
+    mirrors at::empty_strided: computeStorageNbytes first (any negative stride of a
+    tensor with elements wraps its uint64 sum: "Storage size calculation overflowed"),
+    then TensorImpl::set_sizes_and_strides, which replaces a negative stride (left only
+    on a tensor without elements) by the stride a contiguous tensor would have there.
+    """
+    shape, stride = tuple(shape), tuple(stride)
+    _check_ints("size", shape)
+    _check_ints("stride", stride)
+    _storage_nbytes(shape, stride, 1, 0)
+    fixed = list(stride)
+    for dim in range(len(shape) - 1, -1, -1):
+        if fixed[dim] < 0:
+            fixed[dim] = 1 if dim == len(shape) - 1 else max(shape[dim + 1], 1) * fixed[dim + 1]
+    return Layout(shape, tuple(fixed), 0)
+
+
 def _check_numel(shape: Shape) -> None:
     # torch computes numel with unsigned overflow checks; a negative size trips it
     if any(s < 0 for s in shape):
@@ -309,13 +328,28 @@ class Layout:
     def is_non_overlapping_and_dense(self) -> bool:
         return _is_non_overlapping_and_dense(self.shape, self.stride)
 
+    def element_offset_range(self) -> tuple[int, int] | None:
+        """The lowest and highest element offset the view reaches (None: it has no elements).
+
+        Exact whatever the signs of the strides: a negative stride reaches *below* the
+        offset, so a bounds check using only the highest offset would let it read or
+        write outside its Storage.
+        """
+        if self.numel == 0:
+            return None
+        low = high = self.offset
+        for n, s in zip(self.shape, self.stride, strict=True):
+            span = (n - 1) * s
+            if span < 0:
+                low += span
+            else:
+                high += span
+        return low, high
+
     def storage_extent(self) -> int:
         """Elements a storage must hold for this view (0 when it has no elements)."""
-        if self.numel == 0:
-            return 0
-        return (
-            self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) + 1
-        )
+        reached = self.element_offset_range()
+        return 0 if reached is None else reached[1] + 1
 
     def dense_like(self) -> Layout:
         """The layout of torch.empty_like(x) (preserve_format), offset 0; used by clone()."""

@@ -202,6 +202,15 @@ def has_internal_overlap(layout: Layout) -> bool:
     return any(n > 1 and s == 0 for n, s in zip(layout.shape, layout.stride, strict=True))
 
 
+def collapse_expanded(layout: Layout) -> Layout:
+    """``layout`` with each expanded (stride-0) dim cut to one element: the same memory
+    locations, each named once (a fill through it writes what a fill of ``layout`` writes)."""
+    shape = tuple(
+        1 if s == 0 and n > 1 else n for n, s in zip(layout.shape, layout.stride, strict=True)
+    )
+    return Layout(shape, layout.stride, layout.offset)
+
+
 def assert_no_internal_overlap(layout: Layout) -> None:
     if has_internal_overlap(layout):
         raise RuntimeError(INTERNAL_OVERLAP_TEXT)

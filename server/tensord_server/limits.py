@@ -8,9 +8,12 @@ bounds make sure the numbers they compute with stay far from int64 overflow.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
-from tensord.errors import InvalidArgumentError
+from tensord.errors import InvalidArgumentError, ResourceExhaustedError
+from tensord.layout import Layout, normalize_dim
 
 # Dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers).
 MAX_DIMS = 64
@@ -29,6 +32,12 @@ MAX_EXTENT = 1 << 48
 MAX_NUMEL = 1 << 48
 # Index/shape-like integer fields bounded by MAX_EXTENT.
 EXTENT_FIELDS = DIM_FIELDS | frozenset({"storage_offset", "start", "length", "index", "offset"})
+# Tensors one view op (split, chunk, unbind) may return: counted before any is built.
+MAX_VIEW_RESULTS = 65536
+# Elements one op may read or write (fill_, copy_, setitem, clone, contiguous, to, cat,
+# stack, repeat, reshape's copy, download): an expanded view names 2**48 elements over one,
+# and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
+DEFAULT_MAX_OP_ELEMENTS = 1 << 32
 
 
 def check_request(message: Message, depth: int = 0) -> None:
@@ -73,4 +82,67 @@ def _check_value(message: Message, field: d.FieldDescriptor, item: object, depth
     ):
         raise InvalidArgumentError(
             f"{message.DESCRIPTOR.name}.{field.name} = {item} is outside +-{MAX_EXTENT}"
+        )
+
+
+# -- what an op will produce, from the request and the input layout, before any work --------
+
+
+def view_result_count(layout: Layout, name: str, args: Sequence[object]) -> int | None:
+    """How many tensors ``split``/``chunk``/``unbind`` will return (mirrors their ATen
+    arithmetic); None for any other op, or for arguments the layout engine refuses
+    with torch's own error (it runs next and raises it)."""
+    if name not in ("split", "chunk", "unbind") or layout.ndim == 0:
+        return None
+    dim = args[-1] if len(args) == (1 if name == "unbind" else 2) else 0
+    try:
+        size = layout.shape[normalize_dim(dim, layout.ndim)]  # type: ignore[arg-type]
+    except (IndexError, TypeError):
+        return None
+    if name == "unbind":
+        return size
+    amount = args[0]
+    if name == "split" and not isinstance(amount, int):
+        return len(amount)  # type: ignore[arg-type]
+    if not isinstance(amount, int) or isinstance(amount, bool):
+        return None
+    if name == "chunk":
+        if amount <= 0:
+            return None
+        if size == 0:
+            return amount  # torch returns `chunks` empty tensors
+        amount = -(-size // amount)  # chunk is split by this size
+    if amount < 0 or (amount == 0 and size != 0):
+        return None
+    return max(-(-size // amount), 1) if amount else 1
+
+
+def index_result_ndim(ndim: int, index: object) -> int:
+    """Dims of ``x[index]`` (basic indexing): each int removes one, each None adds one."""
+    items = index if isinstance(index, tuple) else (index,)
+    ints = sum(1 for i in items if isinstance(i, int) and not isinstance(i, bool))
+    nones = sum(1 for i in items if i is None)
+    return ndim - ints + nones
+
+
+def check_view_results(count: int) -> None:
+    if count > MAX_VIEW_RESULTS:
+        raise InvalidArgumentError(
+            f"this view op would return {count} tensors; the limit is {MAX_VIEW_RESULTS} "
+            "(limits.MAX_VIEW_RESULTS)"
+        )
+
+
+def check_result_ndim(ndim: int) -> None:
+    if ndim > MAX_DIMS:
+        raise InvalidArgumentError(
+            f"the result would have {ndim} dimensions; the limit is {MAX_DIMS} (limits.MAX_DIMS)"
+        )
+
+
+def check_op_elements(elements: int, limit: int | None) -> None:
+    """Refuse an op that would read or write more than ``limit`` elements (None: no limit)."""
+    if limit is not None and elements > limit:
+        raise ResourceExhaustedError(
+            f"this op would touch {elements} elements, over the limit (--max-op-elements {limit})"
         )

@@ -20,6 +20,7 @@ from tensord.errors import FailedPreconditionError
 from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
+from tensord_server.limits import DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_SHARE_TTL_S
@@ -120,6 +121,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="refuse a session's new handle or share token once it holds N of them together "
         "(RESOURCE_EXHAUSTED; default: none)",
+    )
+    parser.add_argument(
+        "--max-op-elements",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_OP_ELEMENTS,
+        help="refuse an op that would read or write more than N elements (fill_, copy_, "
+        "setitem, clone, contiguous, to, cat, stack, repeat, download; RESOURCE_EXHAUSTED) "
+        f"(default: {DEFAULT_MAX_OP_ELEMENTS})",
     )
     parser.add_argument(
         "--max-sessions-per-tenant",
@@ -261,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         "max_names_per_tenant",
         "max_streams",
         "max_streams_per_tenant",
+        "max_op_elements",
     ):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -290,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
             max_streams_per_tenant=args.max_streams_per_tenant,
             stream_idle_timeout=args.stream_idle_timeout,
             share_ttl=args.share_ttl,
+            max_op_elements=args.max_op_elements,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)

@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 from tensord import dtypes
 from tensord.dtypes import DType
-from tensord.layout import Layout
+from tensord.layout import Layout, empty_strided_layout
 
-from tensord_server import kernels
+from tensord_server import kernels, limits
 from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.kernels import Scalar
@@ -145,6 +145,7 @@ class Daemon:
         max_streams_per_tenant: int | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         share_ttl: float = DEFAULT_SHARE_TTL_S,
+        max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
     ) -> None:
         self.devices = DeviceTable(devices)
         # worker accounting (create_server tells it the real worker count); without tenants
@@ -181,6 +182,8 @@ class Daemon:
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.scrub_empty = self.auth_tokens is not None
+        # elements one op may read or write (None: no limit), checked before the work
+        self.max_op_elements = max_op_elements
 
     def start(self) -> None:
         self.sessions.start_reaper()
@@ -194,6 +197,9 @@ class Daemon:
         return self.devices.get(name)
 
     # -- helpers ----------------------------------------------------------------
+
+    def _check_elements(self, elements: int) -> None:
+        limits.check_op_elements(elements, self.max_op_elements)
 
     def _issue(self, session: Session, ref: TensorRef) -> Issued:
         return Issued(self.sessions.register(session, ref), ref)
@@ -236,6 +242,7 @@ class Daemon:
         """A new tensor of ``layout`` (same shape as src) holding src's values."""
         # autograd follows a copy only into a dtype that can carry gradients (x.to(int32) can't)
         grad = src.requires_grad and (dtype.is_floating_point or dtype.is_complex)
+        self._check_elements(src.layout.numel)
         with self._allocated(session, device, layout, dtype, grad) as out:
             self._assign(out, self.array(src))
             return self._issue(session, out)
@@ -248,11 +255,23 @@ class Daemon:
 
     def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
         with self.sessions.pinned(session, handle) as (ref,):  # metadata only: no kernel context
+            self._check_view_cost(session, ref.layout, op)
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
                 return [self._reshape_copy(session, ref, _flatten_shape(ref.layout, op))]
             handles = self.sessions.register_all(session, results)
             return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
+
+    def _check_view_cost(self, session: Session, layout: Layout, op: ViewOp) -> None:
+        """What a view op will produce, refused before any view is built: the number of
+        tensors (split/chunk/unbind, against the limit and the session's room) and the
+        dims of an index (each None adds one; the rest is cheap and checked on issue)."""
+        count = limits.view_result_count(layout, op.name, op.args)
+        if count is not None:
+            limits.check_view_results(count)
+            self.sessions.check_room(session, count)
+        if op.name == "__getitem__":
+            limits.check_result_ndim(limits.index_result_ndim(layout.ndim, op.args[0]))
 
     # -- copies -----------------------------------------------------------------
 
@@ -283,6 +302,7 @@ class Daemon:
 
     def _reshape_copy(self, session: Session, ref: TensorRef, shape: tuple[int, ...]) -> Issued:
         # mirrors torch: _unsafe_view(clone(contiguous_format), shape)
+        self._check_elements(ref.layout.numel)
         target = Layout.contiguous(ref.layout.shape).view(shape)
         with self._allocated(
             session, ref.device, Layout.contiguous(ref.layout.shape), ref.dtype, ref.requires_grad
@@ -304,6 +324,7 @@ class Daemon:
         with self._using(session, handle) as (ref,):
             repeats = tuple(repeats)
             shape = kernels.repeat_shape(ref.layout.shape, repeats)
+            self._check_elements(math.prod(shape))
             with self._allocated(
                 session, ref.device, Layout.contiguous(shape), ref.dtype, ref.requires_grad
             ) as out:
@@ -319,6 +340,7 @@ class Daemon:
     def cat(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
         with self._using(session, *handles) as refs:
             shape, dim, kept = kernels.cat_shape([r.layout.shape for r in refs], dim)
+            self._check_elements(math.prod(shape))
             device = _common_device(refs)
             dtype = _promote(refs)
             with self._allocated(
@@ -342,6 +364,8 @@ class Daemon:
             dtype = _promote(refs)
             base = refs[0].layout.shape
             shape = (*base[:dim], len(refs), *base[dim:])
+            limits.check_result_ndim(len(shape))
+            self._check_elements(math.prod(shape))
             with self._allocated(
                 session, device, Layout.contiguous(shape), dtype, any(r.requires_grad for r in refs)
             ) as out:
@@ -356,6 +380,7 @@ class Daemon:
     def copy(self, session: Session, dst_handle: str, src_handle: str) -> Issued:
         with self._using(session, dst_handle, src_handle) as (dst, src):
             kernels.copy_broadcast_check(dst.layout.shape, src.layout.shape)
+            self._check_elements(dst.layout.numel)
             self._write(dst, src, self.array(src))
             return Issued(dst_handle, dst)
 
@@ -376,7 +401,10 @@ class Daemon:
     def fill(self, session: Session, handle: str, value: Scalar) -> Issued:
         with self._using(session, handle) as (ref,):
             kernels.check_scalar_fits(value, ref.dtype)
-            kernels.fill(ref.device.xp, self.array(ref), value)
+            # torch's fill_ takes an expanded tensor; writing each location once is the same
+            once = ref.with_layout(kernels.collapse_expanded(ref.layout))
+            self._check_elements(once.layout.numel)
+            kernels.fill(ref.device.xp, self.array(once), value)
             return Issued(handle, ref)
 
     def setitem(
@@ -394,12 +422,16 @@ class Daemon:
             if src_handle is None:
                 assert value is not None
                 kernels.check_scalar_fits(value, ref.dtype)
+                # torch writes x[i] = v as a copy_: an expanded target is refused
+                kernels.assert_no_internal_overlap(target.layout)
+                self._check_elements(target.layout.numel)
                 kernels.fill(ref.device.xp, self.array(target), value)
                 return Issued(handle, ref)
             src = refs[1]
             # mirrors torch's copy_to: drop src's leading 1s, then expand to the slice
             stripped = kernels.strip_leading_ones(src.layout.shape)
             Layout.contiguous(stripped).expand(target.layout.shape, type_name=src.dtype.legacy_type)
+            self._check_elements(target.layout.numel)
             self._write(target, src, self.array(src).reshape(stripped))
             return Issued(handle, ref)
 
@@ -424,7 +456,8 @@ class Daemon:
                     f"dimensionality of sizes ({len(shape)}) must match dimensionality of "
                     f"strides ({len(stride)})"
                 )
-            layout = Layout(shape, stride, 0)
+            # torch's rules: a negative stride is refused (or, without elements, replaced)
+            layout = empty_strided_layout(shape, stride)
         dt = dtypes.dtype_from_name(dtype) if dtype else dtypes.float32
         with self._allocated(session, self.device(device), layout, dt, requires_grad) as out:
             if self.scrub_empty and out.storage.nbytes:
@@ -520,6 +553,7 @@ class Daemon:
         chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         with self.sessions.pinned(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
+            self._check_elements(layout.numel)
             nbytes = layout.numel * itemsize
             if layout.is_contiguous():
                 block, backend = ref.storage.block, ref.device.backend

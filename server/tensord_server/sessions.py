@@ -295,6 +295,11 @@ class SessionManager:
             session.handles[handle] = ref
         return handles
 
+    def check_room(self, session: Session, wanted: int) -> None:
+        """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""
+        with self._lock:
+            self._check_room(session, wanted)
+
     def lookup(self, session: Session, handle: str) -> TensorRef:
         with self._lock:
             return self._lookup(session, handle)

@@ -30,6 +30,7 @@ from tensord.dtypes import DType
 from tensord.errors import InternalError
 from tensord.layout import Layout
 
+from tensord_server import limits
 from tensord_server.devices import Device
 from tensord_server.pool import Block, CachingPool, round_size
 from tensord_server.quotas import TenantLedger
@@ -222,17 +223,37 @@ class TensorRef:
         return TensorRef(self.storage, layout, dtype or self.dtype, self.requires_grad)
 
 
+# Byte strides and offsets must fit int64: the wire's TensorMeta and the kernels' strided
+# arrays hold them as int64 (repeated diagonal/unsqueeze can double a size-1 dim's stride).
+_INT64_MAX = 2**63 - 1
+
+
 def check_in_bounds(ref: TensorRef) -> None:
     """Refuse to issue a handle reaching outside its Storage (mirrors checkInBoundsForStorage).
 
-    Every handle the server issues passes here, whatever op made it; a failure
-    is a server bug (the layout engine should have refused), hence InternalError.
+    Every handle the server issues passes here, whatever op made it.  The check
+    uses the exact lowest and highest element the view reaches (a negative
+    stride reaches below the offset), so no op can hand out a window onto
+    another Storage's bytes.  Reaching outside is a server bug (the layout
+    engine should have refused), hence InternalError; a geometry too large to
+    express in int64 bytes is the caller's (RuntimeError, torch's text).
     """
-    layout = ref.layout
-    needed = layout.storage_extent() * ref.dtype.itemsize
-    if layout.numel > 0 and needed > ref.storage.nbytes:
+    layout, itemsize = ref.layout, ref.dtype.itemsize
+    limits.check_result_ndim(layout.ndim)  # any op's result, whatever made it (unflatten, ...)
+    numbers = (layout.offset, *layout.stride)
+    if any(abs(n) * itemsize > _INT64_MAX for n in numbers):
+        raise RuntimeError(
+            f"Storage size calculation overflowed with sizes={list(layout.shape)} and "
+            f"strides={list(layout.stride)}"
+        )
+    reached = layout.element_offset_range()
+    if reached is None:
+        return  # no elements: nothing is ever read or written through it
+    low, high = reached
+    needed = (high + 1) * itemsize
+    if low < 0 or needed > ref.storage.nbytes:
         raise InternalError(
             f"setStorage: sizes {list(layout.shape)}, strides {list(layout.stride)}, storage "
-            f"offset {layout.offset}, and itemsize {ref.dtype.itemsize} requiring a storage size "
-            f"of {needed} are out of bounds for storage of size {ref.storage.nbytes}"
+            f"offset {layout.offset}, and itemsize {itemsize} reaching elements {low} to "
+            f"{high} are out of bounds for storage of size {ref.storage.nbytes}"
         )
