@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -167,10 +168,37 @@ def _call(fn: Callable[[], M]) -> M:
         raise error_from_rpc(err) from None
 
 
+def _session_lost_message(session_id: str) -> str:
+    return (
+        f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
+        "the session expired, and the tensor's data went with it; the client has opened a new "
+        "session: tensors made from now on work, so make this one again"
+    )
+
+
 def _chunks(data: memoryview, size: int) -> Iterator[bytes]:
     # Each message must be ``bytes``: gRPC's identity serializer sends it as is.
     for start in range(0, len(data), size):
         yield bytes(data[start : start + size])
+
+
+# ---- fork ------------------------------------------------------------------------------
+# A forked child inherits every Connection (its session id, its channel) but none of its
+# threads.  The session is the parent's: the child must never close, release or beat it.
+# Nor may the child touch the inherited gRPC channel: closing it there hangs (a gRPC core
+# thread that held its locks exists only in the parent).  So in the child every inherited
+# Connection refuses use, its close does nothing, and its channel is kept referenced for
+# the life of the process (deallocating a channel closes it).
+_LIVE_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+_INHERITED_CHANNELS: list[grpc.Channel] = []
+
+
+def _keep_inherited_channels() -> None:
+    for connection in list(_LIVE_CONNECTIONS):
+        _INHERITED_CHANNELS.append(connection._channel)
+
+
+os.register_at_fork(after_in_child=_keep_inherited_channels)
 
 
 class Connection:
@@ -190,6 +218,8 @@ class Connection:
     ) -> None:
         self.address = address
         self.tls = credentials is not None
+        # the process whose session this is; in any other (a fork child) it is inherited
+        self._pid = os.getpid()
         # sent with every call, the session-less ones included
         self._auth: tuple[tuple[str, str], ...] = (
             ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
@@ -239,6 +269,7 @@ class Connection:
         self.session_id: str = session.session_id
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
+        _LIVE_CONNECTIONS.add(self)
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
@@ -253,9 +284,30 @@ class Connection:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((SESSION_KEY, self.session_id), *self._auth)
 
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that connected: the session is the parent's."""
+        return os.getpid() != self._pid
+
     def _check_open(self) -> None:
+        if self.inherited:
+            raise errors.InheritedClientError(
+                f"this tensord client (session of process {self._pid}) was inherited through "
+                f"fork(): process {os.getpid()} cannot use its parent's session or the "
+                "parent's tensors; call tensord.connect() in this process for its own session"
+            )
         if self._closed.is_set():
             raise errors.UnavailableError(f"this tensord client ({self.address}) is closed")
+
+    def holds_session(self, session_id: str) -> bool:
+        """Whether a tensor made in ``session_id`` can be used through this connection now."""
+        return not self.inherited and session_id == self.session_id
+
+    def check_session(self, session_id: str) -> None:
+        """Raise the typed error for a tensor of an inherited or a lost session."""
+        self._check_open()
+        if session_id != self.session_id:
+            raise errors.SessionLostError(_session_lost_message(session_id))
 
     def _unary(
         self, method: str, request: Any, *, session: bool = True, timeout: float | None = None
@@ -306,11 +358,12 @@ class Connection:
 
     def queue_release(self, handle: str) -> None:
         """Called from finalizers: must never block or raise, so it only appends."""
-        if not self._closed.is_set():  # after close the session has freed them all
+        # after close the session has freed them all; an inherited session is not ours to free
+        if not self._closed.is_set() and not self.inherited:
             self._pending.append(handle)
 
     def flush_releases(self) -> None:
-        while self._pending:
+        while self._pending and not self.inherited:
             batch: list[str] = []
             with contextlib.suppress(IndexError):  # another flusher emptied the deque
                 while len(batch) < RELEASE_BATCH:
@@ -370,7 +423,10 @@ class Connection:
         return self._closed.is_set()
 
     def close(self) -> None:
-        if self._closed.is_set():
+        # Inherited (run by the child's exit hook or finalizers): the parent's session stays
+        # open and its channel untouched; the Event's lock may have been held by a parent
+        # thread at the fork, so not even that is set.
+        if self._closed.is_set() or self.inherited:
             return
         self.flush_releases()
         with contextlib.suppress(errors.TensordError):
