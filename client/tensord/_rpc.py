@@ -36,6 +36,8 @@ AUTHORIZATION_KEY = "authorization"
 SESSION_KEY = "tensord-session"
 ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
+# The server's NOT_FOUND text for a session id it does not have (sessions.py).
+UNKNOWN_SESSION = "unknown session"
 
 # Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
 CHUNK_BYTES = 1 << 20
@@ -314,8 +316,28 @@ class Connection:
     ) -> Any:
         self._check_open()
         stub_method = getattr(self._stub, method)
-        metadata = self.metadata() if session else self._auth
-        return _call(lambda: stub_method(request, metadata=metadata, timeout=timeout))
+        if not session:
+            return _call(lambda: stub_method(request, metadata=self._auth, timeout=timeout))
+        metadata = self.metadata()
+        return self._in_session(
+            metadata[0][1], lambda: stub_method(request, metadata=metadata, timeout=timeout)
+        )
+
+    def _in_session(self, session_id: str, fn: Callable[[], M]) -> M:
+        """Run a call sent in ``session_id``; "unknown session" means it was lost.
+
+        The server restarted, or reaped the session after its grace: a new session
+        replaces it at once (so new tensors work) and the caller learns its tensors
+        are gone from a SessionLostError, not from an "unknown handle" later.
+        """
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            exc = error_from_rpc(err)
+            if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
+                self._replace_session(session_id)
+                raise errors.SessionLostError(_session_lost_message(session_id)) from None
+            raise exc from None
 
     def call(self, method: str, request: Any) -> Any:
         """One unary call in this session (``method`` as named in the proto)."""
@@ -326,8 +348,8 @@ class Connection:
         self._check_open()
         chunk = self.server_info.chunk_bytes or CHUNK_BYTES
         metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
-        result: pb.TensorMeta = _call(
-            lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
+        result: pb.TensorMeta = self._in_session(
+            metadata[0][1], lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
         )
         return result
 
@@ -336,9 +358,11 @@ class Connection:
         self._check_open()
         request = pb.DownloadRequest(handle=handle, chunk_bytes=CHUNK_BYTES)
 
+        metadata = self.metadata()
+
         def receive() -> int:
             pos = 0
-            for piece in self._download(request, metadata=self.metadata()):
+            for piece in self._download(request, metadata=metadata):
                 end = pos + len(piece)
                 if end > len(out):
                     raise errors.InternalError(
@@ -348,7 +372,7 @@ class Connection:
                 pos = end
             return pos
 
-        received = _call(receive)
+        received = self._in_session(metadata[0][1], receive)
         if received != len(out):
             raise errors.InternalError(
                 f"download of {handle} ended after {received} of {len(out)} bytes"
@@ -392,28 +416,35 @@ class Connection:
         """
         interval = max(self.lease_seconds / 3.0, 0.05)
         while not self._closed.wait(interval):
+            beat_session = self.session_id
             try:
                 self._stub.Heartbeat(
                     pb.Heartbeat(sent_at=time.time()),
-                    metadata=self.metadata(),
+                    metadata=((SESSION_KEY, beat_session), *self._auth),
                     timeout=max(interval, 1.0),
                 )
             except grpc.RpcError as err:
                 if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
-                    self._reopen()
+                    self._replace_session(beat_session)
             except Exception:  # never let a background thread die loudly
                 pass
 
-    def _reopen(self) -> None:
-        """A new session after the old one was reaped (its handles are gone with it)."""
+    def _replace_session(self, lost_id: str) -> None:
+        """A new session for one the server no longer has (its handles are gone with it).
+
+        Once per lost session: whoever comes second (the heartbeat or a call) finds it
+        replaced already.  Tensors of the lost one then raise SessionLostError.
+        """
         request = pb.OpenSessionRequest(
             client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
         )
-        with contextlib.suppress(grpc.RpcError):
-            response = self._stub.OpenSession(
-                request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
-            )
-            with self._lock:
+        with self._lock:
+            if self.session_id != lost_id or self._closed.is_set():
+                return
+            with contextlib.suppress(grpc.RpcError):
+                response = self._stub.OpenSession(
+                    request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
+                )
                 self.session_id = response.session_id
 
     # ---- closing ---------------------------------------------------------------------
