@@ -77,7 +77,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {
     grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.INTERNAL: errors.InternalError,
     grpc.StatusCode.UNKNOWN: errors.InternalError,
 }

@@ -615,6 +615,11 @@ class Tensor:
 
     def fill_(self, value: Any) -> Tensor:
         if isinstance(value, Tensor):
+            if value.ndim != 0:
+                raise errors.TensordRuntimeError(
+                    "fill_ only supports 0-dimension value tensor but got tensor with "
+                    f"{value.ndim} dimensions."
+                )
             value = value.item()
         self._client._conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
         return self
