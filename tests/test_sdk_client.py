@@ -57,7 +57,8 @@ def test_tensor_from_python_data_infers_dtypes_as_torch(client: tensord.Client) 
         x.numpy()
     assert x.detach().numpy().tolist() == [1.0, 2.0]
     assert np.asarray(x.detach()).dtype == np.float64
-    copy = client.tensor(x)
+    with pytest.warns(UserWarning, match="To copy construct from a tensor"):  # as torch warns
+        copy = client.tensor(x)
     assert not copy.requires_grad
     assert copy.untyped_storage().storage_id != x.untyped_storage().storage_id
 

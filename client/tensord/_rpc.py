@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -35,6 +36,8 @@ AUTHORIZATION_KEY = "authorization"
 SESSION_KEY = "tensord-session"
 ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
+# The server's NOT_FOUND text for a session id it does not have (sessions.py).
+UNKNOWN_SESSION = "unknown session"
 
 # Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
 CHUNK_BYTES = 1 << 20
@@ -74,7 +77,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {
     grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.INTERNAL: errors.InternalError,
     grpc.StatusCode.UNKNOWN: errors.InternalError,
 }
@@ -167,10 +170,37 @@ def _call(fn: Callable[[], M]) -> M:
         raise error_from_rpc(err) from None
 
 
+def _session_lost_message(session_id: str) -> str:
+    return (
+        f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
+        "the session expired, and the tensor's data went with it; the client has opened a new "
+        "session: tensors made from now on work, so make this one again"
+    )
+
+
 def _chunks(data: memoryview, size: int) -> Iterator[bytes]:
     # Each message must be ``bytes``: gRPC's identity serializer sends it as is.
     for start in range(0, len(data), size):
         yield bytes(data[start : start + size])
+
+
+# ---- fork ------------------------------------------------------------------------------
+# A forked child inherits every Connection (its session id, its channel) but none of its
+# threads.  The session is the parent's: the child must never close, release or beat it.
+# Nor may the child touch the inherited gRPC channel: closing it there hangs (a gRPC core
+# thread that held its locks exists only in the parent).  So in the child every inherited
+# Connection refuses use, its close does nothing, and its channel is kept referenced for
+# the life of the process (deallocating a channel closes it).
+_LIVE_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+_INHERITED_CHANNELS: list[grpc.Channel] = []
+
+
+def _keep_inherited_channels() -> None:
+    for connection in list(_LIVE_CONNECTIONS):
+        _INHERITED_CHANNELS.append(connection._channel)
+
+
+os.register_at_fork(after_in_child=_keep_inherited_channels)
 
 
 class Connection:
@@ -190,6 +220,8 @@ class Connection:
     ) -> None:
         self.address = address
         self.tls = credentials is not None
+        # the process whose session this is; in any other (a fork child) it is inherited
+        self._pid = os.getpid()
         # sent with every call, the session-less ones included
         self._auth: tuple[tuple[str, str], ...] = (
             ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
@@ -239,6 +271,7 @@ class Connection:
         self.session_id: str = session.session_id
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
+        _LIVE_CONNECTIONS.add(self)
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
@@ -253,17 +286,58 @@ class Connection:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((SESSION_KEY, self.session_id), *self._auth)
 
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that connected: the session is the parent's."""
+        return os.getpid() != self._pid
+
     def _check_open(self) -> None:
+        if self.inherited:
+            raise errors.InheritedClientError(
+                f"this tensord client (session of process {self._pid}) was inherited through "
+                f"fork(): process {os.getpid()} cannot use its parent's session or the "
+                "parent's tensors; call tensord.connect() in this process for its own session"
+            )
         if self._closed.is_set():
             raise errors.UnavailableError(f"this tensord client ({self.address}) is closed")
+
+    def holds_session(self, session_id: str) -> bool:
+        """Whether a tensor made in ``session_id`` can be used through this connection now."""
+        return not self.inherited and session_id == self.session_id
+
+    def check_session(self, session_id: str) -> None:
+        """Raise the typed error for a tensor of an inherited or a lost session."""
+        self._check_open()
+        if session_id != self.session_id:
+            raise errors.SessionLostError(_session_lost_message(session_id))
 
     def _unary(
         self, method: str, request: Any, *, session: bool = True, timeout: float | None = None
     ) -> Any:
         self._check_open()
         stub_method = getattr(self._stub, method)
-        metadata = self.metadata() if session else self._auth
-        return _call(lambda: stub_method(request, metadata=metadata, timeout=timeout))
+        if not session:
+            return _call(lambda: stub_method(request, metadata=self._auth, timeout=timeout))
+        metadata = self.metadata()
+        return self._in_session(
+            metadata[0][1], lambda: stub_method(request, metadata=metadata, timeout=timeout)
+        )
+
+    def _in_session(self, session_id: str, fn: Callable[[], M]) -> M:
+        """Run a call sent in ``session_id``; "unknown session" means it was lost.
+
+        The server restarted, or reaped the session after its grace: a new session
+        replaces it at once (so new tensors work) and the caller learns its tensors
+        are gone from a SessionLostError, not from an "unknown handle" later.
+        """
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            exc = error_from_rpc(err)
+            if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
+                self._replace_session(session_id)
+                raise errors.SessionLostError(_session_lost_message(session_id)) from None
+            raise exc from None
 
     def call(self, method: str, request: Any) -> Any:
         """One unary call in this session (``method`` as named in the proto)."""
@@ -274,8 +348,8 @@ class Connection:
         self._check_open()
         chunk = self.server_info.chunk_bytes or CHUNK_BYTES
         metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
-        result: pb.TensorMeta = _call(
-            lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
+        result: pb.TensorMeta = self._in_session(
+            metadata[0][1], lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
         )
         return result
 
@@ -284,9 +358,11 @@ class Connection:
         self._check_open()
         request = pb.DownloadRequest(handle=handle, chunk_bytes=CHUNK_BYTES)
 
+        metadata = self.metadata()
+
         def receive() -> int:
             pos = 0
-            for piece in self._download(request, metadata=self.metadata()):
+            for piece in self._download(request, metadata=metadata):
                 end = pos + len(piece)
                 if end > len(out):
                     raise errors.InternalError(
@@ -296,7 +372,7 @@ class Connection:
                 pos = end
             return pos
 
-        received = _call(receive)
+        received = self._in_session(metadata[0][1], receive)
         if received != len(out):
             raise errors.InternalError(
                 f"download of {handle} ended after {received} of {len(out)} bytes"
@@ -306,11 +382,12 @@ class Connection:
 
     def queue_release(self, handle: str) -> None:
         """Called from finalizers: must never block or raise, so it only appends."""
-        if not self._closed.is_set():  # after close the session has freed them all
+        # after close the session has freed them all; an inherited session is not ours to free
+        if not self._closed.is_set() and not self.inherited:
             self._pending.append(handle)
 
     def flush_releases(self) -> None:
-        while self._pending:
+        while self._pending and not self.inherited:
             batch: list[str] = []
             with contextlib.suppress(IndexError):  # another flusher emptied the deque
                 while len(batch) < RELEASE_BATCH:
@@ -339,28 +416,35 @@ class Connection:
         """
         interval = max(self.lease_seconds / 3.0, 0.05)
         while not self._closed.wait(interval):
+            beat_session = self.session_id
             try:
                 self._stub.Heartbeat(
                     pb.Heartbeat(sent_at=time.time()),
-                    metadata=self.metadata(),
+                    metadata=((SESSION_KEY, beat_session), *self._auth),
                     timeout=max(interval, 1.0),
                 )
             except grpc.RpcError as err:
                 if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
-                    self._reopen()
+                    self._replace_session(beat_session)
             except Exception:  # never let a background thread die loudly
                 pass
 
-    def _reopen(self) -> None:
-        """A new session after the old one was reaped (its handles are gone with it)."""
+    def _replace_session(self, lost_id: str) -> None:
+        """A new session for one the server no longer has (its handles are gone with it).
+
+        Once per lost session: whoever comes second (the heartbeat or a call) finds it
+        replaced already.  Tensors of the lost one then raise SessionLostError.
+        """
         request = pb.OpenSessionRequest(
             client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
         )
-        with contextlib.suppress(grpc.RpcError):
-            response = self._stub.OpenSession(
-                request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
-            )
-            with self._lock:
+        with self._lock:
+            if self.session_id != lost_id or self._closed.is_set():
+                return
+            with contextlib.suppress(grpc.RpcError):
+                response = self._stub.OpenSession(
+                    request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
+                )
                 self.session_id = response.session_id
 
     # ---- closing ---------------------------------------------------------------------
@@ -370,7 +454,10 @@ class Connection:
         return self._closed.is_set()
 
     def close(self) -> None:
-        if self._closed.is_set():
+        # Inherited (run by the child's exit hook or finalizers): the parent's session stays
+        # open and its channel untouched; the Event's lock may have been held by a parent
+        # thread at the fork, so not even that is set.
+        if self._closed.is_set() or self.inherited:
             return
         self.flush_releases()
         with contextlib.suppress(errors.TensordError):

@@ -8,6 +8,7 @@ connection's ``call``, which raises :mod:`tensord.errors` exceptions.
 from __future__ import annotations
 
 import json
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -50,6 +51,14 @@ def connect(
     return Client(
         address, timeout=timeout, token=token, tls=tls, root_certificates=root_certificates
     )
+
+
+# torch.tensor(t)'s warning for a tensor argument (torch 2.13's text)
+_COPY_CONSTRUCT_WARNING = (
+    "To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() "
+    "or sourceTensor.detach().clone().requires_grad_(True), rather than "
+    "torch.tensor(sourceTensor)."
+)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -129,6 +138,13 @@ class Client:
     ) -> Tensor:
         """torch.tensor: a new tensor holding a copy of ``data`` (array, nested list, scalar, tensor)."""
         if isinstance(data, Tensor):
+            warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
+            if data.client is not self:  # another server or session: the bytes come across
+                copied = self._upload(
+                    data.detach()._download(), data.dtype, device_name(device), False
+                )
+                result = copied if dtype is None else copied.to(dtype=dtype)
+                return result.requires_grad_(True) if requires_grad else result
             result = data.to(device, dtype, copy=True).detach()
             return result.requires_grad_(True) if requires_grad else result
         array, dt = _convert.as_array(data, as_dtype(dtype) if dtype is not None else None)

@@ -28,6 +28,14 @@ class NotFoundError(TensordError, LookupError):
         return str(self.args[0]) if self.args else ""
 
 
+class SessionLostError(NotFoundError, RuntimeError):
+    """A tensor of a session the server no longer has (it restarted, or the session expired).
+
+    The tensor's data is gone with its session.  The client has opened a new
+    session already: tensors made from now on work.
+    """
+
+
 class AlreadyExistsError(TensordError, ValueError):
     """A name that exists already (``client.put`` without ``overwrite=True``)."""
 
@@ -80,6 +88,20 @@ class UnavailableError(TensordError, ConnectionError):
     """No server answers at the address."""
 
     status_code = "UNAVAILABLE"
+
+
+class InheritedClientError(FailedPreconditionError):
+    """A client (or a tensor of it) used in a process forked from the one that connected it.
+
+    The parent's session belongs to the parent: a child calls ``tensord.connect()``
+    to get its own.
+    """
+
+
+class DeadlineExceededError(UnavailableError, TimeoutError):
+    """The server did not answer within the client's ``timeout`` (a hung or overloaded server)."""
+
+    status_code = "DEADLINE_EXCEEDED"
 
 
 class InternalError(TensordError, RuntimeError):

@@ -247,11 +247,13 @@ class UntypedStorage:
 class Tensor:
     """A handle on a tensor in a tensord server, with torch.Tensor's names and return types."""
 
-    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta")
+    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta", "_session_id")
 
     def __init__(self, client: Client, meta: Meta) -> None:
         self._client = client
         self._meta = meta
+        # the session the handle lives in: a replaced session (server restart) took it along
+        self._session_id = client._conn.session_id
         self._finalizer = weakref.finalize(self, client._conn.queue_release, meta.handle)
         self._finalizer.atexit = False  # at exit the session's close frees everything
 
@@ -263,6 +265,8 @@ class Tensor:
 
     @property
     def handle(self) -> str:
+        """The server's id of this tensor; raises if its session is gone or not this process's."""
+        self._client._conn.check_session(self._session_id)
         return self._meta.handle
 
     @property
@@ -553,6 +557,7 @@ class Tensor:
             self._finalizer()
             self._finalizer = weakref.finalize(self, self._client._conn.queue_release, meta.handle)
             self._finalizer.atexit = False
+            self._session_id = self._client._conn.session_id
         self._meta = meta
 
     def share(self, uses: int | None = 1, ttl: float | None = None) -> str:
@@ -623,6 +628,11 @@ class Tensor:
 
     def fill_(self, value: Any) -> Tensor:
         if isinstance(value, Tensor):
+            if value.ndim != 0:
+                raise errors.TensordRuntimeError(
+                    "fill_ only supports 0-dimension value tensor but got tensor with "
+                    f"{value.ndim} dimensions."
+                )
             value = value.item()
         self._client._conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
         return self
@@ -716,7 +726,9 @@ class Tensor:
 
     def __repr__(self) -> str:
         if self._client.closed:
-            return f"<tensord.Tensor {self.handle} of a closed client>"
+            return f"<tensord.Tensor {self._meta.handle} of a closed client>"
+        if not self._client._conn.holds_session(self._session_id):
+            return f"<tensord.Tensor {self._meta.handle} of a lost or inherited session>"
         shape = tuple(self.shape)
         values = self._edge_values() if _format.summarize(shape) else self._download()
         return _format.tensor_repr(values, shape, self.dtype, self.device, self.requires_grad)

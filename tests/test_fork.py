@@ -1,0 +1,160 @@
+"""fork() in a client process: a child never closes, releases or beats its parent's session.
+
+The parent runs in a fresh interpreter (so its children, which exit normally and run
+the exit hooks, are not forks of pytest); it reports what it saw on stdout.  A child
+that opens its own gRPC channel needs gRPC's fork support (GRPC_ENABLE_FORK_SUPPORT=1):
+without it gRPC core, inherited mid-flight, crashes such a child now and then (seen: 1
+SIGSEGV in 18 multiprocessing workers); the other children touch no gRPC at all.  Every
+child is waited for with a bound, and 10+ forks per case let a flaky hang show.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import tensord
+
+FORKS = 12
+CHILD_EXIT_S = 10.0  # far above what a healthy child needs
+PARENT_S = 120.0
+
+# Python 3.12+ warns (DeprecationWarning) on fork() in a process with threads, and the
+# client's heartbeat and release threads are threads: forking with a client open is the
+# very thing under test, so the scripts silence that one warning, and only it.
+PRELUDE = """
+import multiprocessing, os, sys, time, warnings
+import numpy as np
+import tensord
+warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
+CHILD_EXIT_S = float(sys.argv[2])
+
+def wait_child(pid):
+    deadline = time.monotonic() + CHILD_EXIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+client = tensord.connect(sys.argv[1])
+x = client.arange(12).view(3, 4)
+session = client.session_id
+
+def check_parent():  # the parent's session and tensors, intact after a child
+    assert client.session_id == session
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+"""
+
+
+def run_parent(address: str, code: str, *, grpc_fork_support: bool = False) -> list[str]:
+    env = dict(os.environ)
+    env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    if grpc_fork_support:  # what a child that makes its own gRPC channel needs (README)
+        env["GRPC_ENABLE_FORK_SUPPORT"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), address, str(CHILD_EXIT_S)],
+        capture_output=True,
+        text=True,
+        timeout=PARENT_S,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split()
+
+
+def test_children_that_exit_normally_leave_the_parent_session_alone(
+    client: tensord.Client,
+) -> None:
+    # the child's exit hook used to CloseSession the parent's session, or hang in channel close
+    out = run_parent(
+        client.address,
+        f"""
+        for i in range({FORKS}):
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # touches nothing; exits normally, so the exit hooks run
+            print(wait_child(pid))
+            check_parent()
+        client.close()
+        """,
+    )
+    assert out == ["0"] * FORKS
+
+
+def test_a_child_using_an_inherited_tensor_gets_a_clear_error(client: tensord.Client) -> None:
+    out = run_parent(
+        client.address,
+        f"""
+        for i in range({FORKS}):
+            pid = os.fork()
+            if pid == 0:
+                errors = []
+                for use in (lambda: x.tolist(), lambda: x.clone(), lambda: client.zeros(2)):
+                    try:
+                        use()
+                        errors.append("no-error")
+                    except tensord.InheritedClientError as exc:
+                        errors.append("connect()" in str(exc) and isinstance(exc, RuntimeError))
+                del x  # a finalizer in the child must not queue a release of the parent's
+                sys.exit(0 if errors == [True, True, True] else 3)
+            print(wait_child(pid))
+            check_parent()
+        """,
+    )
+    assert out == ["0"] * FORKS
+
+
+def test_a_child_that_connects_gets_its_own_session(client: tensord.Client) -> None:
+    out = run_parent(
+        client.address,
+        f"""
+        for i in range({FORKS}):
+            pid = os.fork()
+            if pid == 0:
+                mine = tensord.connect(sys.argv[1])
+                ok = mine.session_id != session and mine.arange(5).tolist() == [0, 1, 2, 3, 4]
+                ok = ok and mine.tensor(x.shape).tolist() == [3, 4]  # metadata reads stay local
+                sys.exit(0 if ok else 3)  # exits normally: closes its own session only
+            print(wait_child(pid))
+            check_parent()
+        """,
+        grpc_fork_support=True,
+    )
+    assert out == ["0"] * FORKS
+
+
+def test_multiprocessing_fork_workers(client: tensord.Client) -> None:
+    out = run_parent(
+        client.address,
+        """
+        def work(address, queue):
+            try:
+                x.numpy()
+                queue.put("no-error")
+            except tensord.InheritedClientError:
+                with tensord.connect(address) as own:
+                    queue.put(own.full((2,), 7).tolist())
+
+        ctx = multiprocessing.get_context("fork")
+        for i in range(4):
+            queue = ctx.Queue()
+            workers = [ctx.Process(target=work, args=(sys.argv[1], queue)) for _ in range(3)]
+            for w in workers:
+                w.start()
+            results = [queue.get(timeout=CHILD_EXIT_S) for _ in workers]
+            for w in workers:
+                w.join(CHILD_EXIT_S)
+                print(w.exitcode)
+            assert results == [[7, 7]] * 3, results
+        check_parent()
+        """,
+        grpc_fork_support=True,
+    )
+    assert out == ["0"] * 12
