@@ -181,6 +181,8 @@ class LocalMapper:
                 mapping = mmap.mmap(fd, response.segment_nbytes, flags=mmap.MAP_SHARED)
             finally:
                 os.close(fd)
+            with contextlib.suppress(OSError, AttributeError, ValueError):
+                mapping.madvise(mmap.MADV_HUGEPAGE)  # see tensord_server.shm.advise_huge_pages
         with self._lock:
             segment = self._segments.setdefault(key, Segment(key, mapping))
             segment.exports += 1

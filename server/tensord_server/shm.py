@@ -47,6 +47,14 @@ class HostSegment:
         self.fd = -1
 
 
+def advise_huge_pages(mapping: mmap.mmap) -> None:
+    """Ask for transparent huge pages: with 4 KiB pages a 1 GiB copy through a shared
+    mapping is TLB-bound (~3x slower than anonymous memory with THP).  Honoured only where
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled is ``advise`` or ``always``."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+
+
 def create_segment(nbytes: int) -> HostSegment:
     """A new zero-filled memfd of ``nbytes`` mapped read-write and shared."""
     try:
@@ -61,6 +69,7 @@ def create_segment(nbytes: int) -> HostSegment:
     except (OSError, ValueError) as exc:
         os.close(fd)
         raise BackendOutOfMemory(f"shared host allocation of {nbytes} bytes failed: {exc}") from exc
+    advise_huge_pages(mapping)
     array = np.frombuffer(mapping, dtype=np.uint8)
     return HostSegment(next(_segment_ids), fd, nbytes, mapping, array)
 
