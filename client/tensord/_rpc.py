@@ -257,6 +257,9 @@ class Connection:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pending: collections.deque[str] = collections.deque()
+        # same-host zero copy (tensord._local): ended exports, sent in batches like handles
+        self._pending_exports: collections.deque[str] = collections.deque()
+        self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
         try:
             self.server_info: pb.ServerInfoResponse = self._unary(
@@ -386,7 +389,27 @@ class Connection:
         if not self._closed.is_set() and not self.inherited:
             self._pending.append(handle)
 
+    def queue_export_release(self, export_id: str) -> None:
+        """Called from array finalizers and DLPack deleters: only appends, like queue_release."""
+        if not self._closed.is_set():
+            self._pending_exports.append(export_id)
+
+    def flush_export_releases(self) -> None:
+        while self._pending_exports and not self.inherited:
+            batch: list[str] = []
+            with contextlib.suppress(IndexError):
+                while len(batch) < RELEASE_BATCH:
+                    batch.append(self._pending_exports.popleft())
+            if batch and not self._closed.is_set():
+                mapped = self.local.mapped_segments() if self.local is not None else []
+                request = pb.ReleaseExportsRequest(export_ids=batch, mapped_segments=mapped)
+                with contextlib.suppress(errors.TensordError):  # the session's end frees them
+                    response = self._unary("ReleaseExports", request, timeout=CLOSE_TIMEOUT_S)
+                    if self.local is not None:
+                        self.local.unmap_gone(list(response.gone_segments))
+
     def flush_releases(self) -> None:
+        self.flush_export_releases()
         while self._pending and not self.inherited:
             batch: list[str] = []
             with contextlib.suppress(IndexError):  # another flusher emptied the deque
@@ -466,4 +489,5 @@ class Connection:
         self._keepalive.join(timeout=CLOSE_TIMEOUT_S)  # a beat in flight has its own deadline
         self._flusher.join(timeout=5.0)
         self._pending.clear()
+        self._pending_exports.clear()
         self._channel.close()

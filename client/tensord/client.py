@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import _convert, dtypes, errors
+from tensord import _convert, _local, dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._rpc import (
     Connection,
@@ -36,6 +36,7 @@ def connect(
     token: str | None = None,
     tls: bool | None = None,
     root_certificates: RootCertificates | None = None,
+    local: bool | None = None,
 ) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
 
@@ -47,9 +48,18 @@ def connect(
     :class:`tensord.UnavailableError` (a ConnectionError) when no server answers in
     time or the TLS handshake fails, :class:`tensord.UnauthenticatedError` when the
     server refuses the token, ValueError for unreadable root certificates.
+
+    ``local`` (else ``$TENSORD_LOCAL``, default on): on the server's host, map its
+    memory for zero-copy DLPack and one-memcpy transfers, falling back to gRPC silently
+    when that is impossible; ``local=False`` always uses gRPC (README, "Same-host zero copy").
     """
     return Client(
-        address, timeout=timeout, token=token, tls=tls, root_certificates=root_certificates
+        address,
+        timeout=timeout,
+        token=token,
+        tls=tls,
+        root_certificates=root_certificates,
+        local=local,
     )
 
 
@@ -76,6 +86,7 @@ class Client:
         token: str | None = None,
         tls: bool | None = None,
         root_certificates: RootCertificates | None = None,
+        local: bool | None = None,
     ) -> None:
         self._conn = Connection(
             resolve_address(address),
@@ -83,6 +94,8 @@ class Client:
             token=resolve_token(token),
             credentials=resolve_tls(tls, root_certificates),
         )
+        self._local = _local.LocalMapper(self._conn, _local.local_wanted(local))
+        self._conn.local = self._local
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
         # exit closes its session, so the server frees its memory now rather than after the
         # grace.  The finalizer holds the connection, not the client.
@@ -157,6 +170,9 @@ class Client:
         return self.tensor(array)
 
     def _upload(self, array: np.ndarray, dtype: DType, device: str, requires_grad: bool) -> Tensor:
+        fast = self._upload_local(array, dtype, device, requires_grad)
+        if fast is not None:
+            return fast
         header = pb.UploadHeader(
             shape=array.shape,
             dtype=dtype.name,
@@ -167,6 +183,30 @@ class Client:
         # Bytes through uint8: the buffer protocol knows no bfloat16.
         data = array.reshape(-1).view(np.uint8).data
         return self._wrap(self._conn.upload(header, data))
+
+    def _upload_local(
+        self, array: np.ndarray, dtype: DType, device: str, requires_grad: bool
+    ) -> Tensor | None:
+        """Same host: an empty tensor, then one memcpy through the mapping (None: use gRPC)."""
+        if device != "cpu" or array.nbytes < _local.MIN_FAST_BYTES or not self._local.enabled:
+            return None
+        request = pb.EmptyRequest(
+            shape=array.shape, dtype=dtype.name, device=device, requires_grad=requires_grad
+        )
+        tensor = self._wrap(self._call("Empty", request))
+        with _local.exported(self._local, tensor.handle) as export:
+            if export is None:
+                return None
+            np.copyto(export.storage_bytes()[: array.nbytes], array.reshape(-1).view(np.uint8))
+            return tensor
+
+    def _local_export(self, handle: str) -> _local.Export | None:
+        return self._local.export(handle)
+
+    def _local_reason(self) -> str:
+        if not self._local.enabled:
+            return self._local.reason
+        return self._local.last_refusal or "the server refused to export this tensor"
 
     # ---- factories ---------------------------------------------------------------------
 

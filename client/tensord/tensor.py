@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tensord import _format, dtypes, errors
+from tensord import _dlpack, _format, _local, dtypes, errors
 from tensord._convert import as_scalar
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.dtypes import DType
@@ -621,6 +621,8 @@ class Tensor:
         return self.to(other.dtype)
 
     def copy_(self, src: Any) -> Tensor:
+        if isinstance(src, np.ndarray) and _local.write_array(self, self._meta.layout, src):
+            return self
         source = src if isinstance(src, Tensor) else self._client.tensor(src, device=self.device)
         handle = self._client._own(source, 0)
         self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
@@ -649,6 +651,10 @@ class Tensor:
             request.src_handle = self._client._own(value, 0)
         elif _is_number(value):
             request.scalar.CopyFrom(scalar_pb(value))
+        elif isinstance(value, np.ndarray) and _local.write_array(
+            self, self._meta.layout[key], value, setitem=True
+        ):
+            return  # written through the mapping, one memcpy
         else:  # an array or nested list: uploaded first, then copied in on the server
             source = self._client.tensor(value, device=self.device)
             request.src_handle = source.handle
@@ -659,6 +665,9 @@ class Tensor:
     def _download(self) -> np.ndarray:
         """The elements in logical order, as a new NumPy array (any device)."""
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
+        fast = _local.read_array(self)
+        if fast is not None:
+            return fast
         out = np.empty(self.nbytes, dtype=np.uint8)
         if self.nbytes:
             self._client._conn.download_into(self.handle, out.data)
@@ -675,6 +684,31 @@ class Tensor:
                 "copy the tensor to host memory first."
             )
         return self._download()
+
+    # ---- same-host zero copy: DLPack (tensord._dlpack) -----------------------------------
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[builtins.int, builtins.int] | None = None,
+        dl_device: tuple[builtins.int, builtins.int] | None = None,
+        copy: builtins.bool | None = None,
+    ) -> Any:
+        """A DLPack capsule aliasing the pooled bytes (same host only; BufferError otherwise)."""
+        return _dlpack.to_dlpack(
+            self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+        )
+
+    def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
+        return _dlpack.dlpack_device(self)
+
+    def _local_array(self, np_dtype: np.dtype) -> np.ndarray | None:
+        """An array of this view aliasing the pool (the export lives as long as it), or None."""
+        export = self._client._local_export(self.handle)
+        if export is None:
+            return None
+        return export.array(np_dtype, self._meta.layout)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         array = self.numpy()

@@ -18,8 +18,9 @@ from typing import Any
 
 from tensord.errors import FailedPreconditionError
 
-from tensord_server.backends import Backend, HostBackend
+from tensord_server.backends import Backend
 from tensord_server.pool import CachingPool
+from tensord_server.shm import SharedHostBackend
 
 DEFAULT_DEVICE = "cpu"
 
@@ -122,7 +123,8 @@ def _host_backend(spec: DeviceSpec) -> Backend:
         from tensord_server.cuda_backend import PinnedHostBackend
 
         return PinnedHostBackend(device=spec.name)
-    return HostBackend(device=spec.name)
+    # every segment a memfd that same-host clients may map (see shm.py, exports.py)
+    return SharedHostBackend(device=spec.name)
 
 
 def _cuda_backend(spec: DeviceSpec) -> Backend:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from tensord.layout import Layout, empty_strided_layout
 from tensord_server import kernels, limits
 from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
+from tensord_server.exports import ExportTable
 from tensord_server.kernels import Scalar
 from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
 from tensord_server.sessions import (
@@ -184,6 +186,18 @@ class Daemon:
         self.scrub_empty = self.auth_tokens is not None
         # elements one op may read or write (None: no limit), checked before the work
         self.max_op_elements = max_op_elements
+        # same-host zero copy: made on the first Export (its fd socket is a thread and a dir)
+        self._exports: ExportTable | None = None
+        self._exports_lock = threading.Lock()
+
+    @property
+    def exports(self) -> ExportTable:
+        with self._exports_lock:
+            if self._exports is None:
+                self._exports = ExportTable(
+                    self.storages, self.sessions, tenants=self.auth_tokens is not None
+                )
+            return self._exports
 
     def start(self) -> None:
         self.sessions.start_reaper()
@@ -192,6 +206,9 @@ class Daemon:
         """Stop the reaper and release everything (after the gRPC server stopped)."""
         self.gate.shutdown()
         self.sessions.shutdown()
+        with self._exports_lock:
+            if self._exports is not None:
+                self._exports.close()
 
     def device(self, name: str) -> Device:
         return self.devices.get(name)
@@ -604,6 +621,11 @@ class Daemon:
         stats["tenant.allocated_bytes.peak"] = usage.peak
         if usage.limit is not None:
             stats["tenant.quota_bytes"] = usage.limit
+        exported, exported_bytes = (
+            self._exports.stats(dev.name) if self._exports is not None else (0, 0)
+        )
+        stats["exports.storages.current"] = exported  # pinned for same-host clients
+        stats["exports.bytes.current"] = exported_bytes
         return stats
 
     def memory_summary(self, device: str) -> str:

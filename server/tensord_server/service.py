@@ -31,6 +31,7 @@ from tensord_server.server import (
     ViewOp,
 )
 from tensord_server.sessions import Session
+from tensord_server.shm import SharedHostBackend
 
 M = TypeVar("M", bound=Message)
 
@@ -511,6 +512,39 @@ class TensordService:
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
         self._session(context)
         return pb.EmptyCacheResponse(released_bytes=self.daemon.empty_cache(request.device))
+
+    # -- same-host zero copy ----------------------------------------------------------
+
+    @_unary
+    def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
+        session = self._session(context)
+        table = self.daemon.exports
+        export, ticket = table.export(session, request.handle)
+        ref = self.daemon.sessions.lookup(session, request.handle)
+        return pb.ExportResponse(
+            export_id=export.id,
+            segment_id=export.segment_id,
+            segment_nbytes=export.segment_nbytes,
+            storage_byte_offset=export.byte_offset,
+            device=export.storage.device.name,
+            fd_socket=table.socket_path,
+            ticket=ticket,
+            server_instance=table.instance,
+            tensor=encode_meta(Issued(request.handle, ref)),
+        )
+
+    @_unary
+    def ReleaseExports(
+        self, request: pb.ReleaseExportsRequest, context: Any
+    ) -> pb.ReleaseExportsResponse:
+        session = self._session(context)
+        table = self.daemon.exports
+        released = table.release(session, list(request.export_ids))
+        backends = [
+            d.backend for d in self.daemon.devices if isinstance(d.backend, SharedHostBackend)
+        ]
+        gone = table.gone_segments(backends, list(request.mapped_segments))
+        return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
 
 
 _HANDLER_FACTORIES = {

@@ -135,6 +135,8 @@ class SessionManager:
         self._names: dict[tuple[str, str], TensorRef] = {}  # (tenant, name) -> tensor
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        # called (without the lock) with each session that ended: closed, reaped or shut down
+        self.end_listeners: list[Callable[[Session], None]] = []
 
     # -- sessions -------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class SessionManager:
             released = len(session.handles)
             session.handles.clear()
         self._decref_all(refs)
+        self._notify_ended([session])
         return released
 
     def peek(self, session_id: str) -> Session | None:
@@ -218,6 +221,7 @@ class SessionManager:
         token; returns the ids of the sessions."""
         refs: list[TensorRef] = []
         reaped: list[str] = []
+        ended: list[Session] = []
         with self._lock:
             with self._lease_lock:
                 now = self._clock()
@@ -231,10 +235,12 @@ class SessionManager:
                 refs.extend(self._detach_session(session))
                 session.handles.clear()
                 reaped.append(session.id)
+                ended.append(session)
             for token, entry in list(self._tokens.items()):
                 if now >= entry.expires_at:
                     refs.append(self._drop_token(token))
         self._decref_all(refs)
+        self._notify_ended(ended)
         for session_id in reaped:
             log.info("session %s lost for more than %.3gs: released", session_id[:8], self.grace)
         return reaped
@@ -265,11 +271,13 @@ class SessionManager:
             for session in self._sessions.values():
                 refs.extend(self._detach_session(session))
                 session.handles.clear()
+            ended = list(self._sessions.values())
             with self._lease_lock:
                 self._sessions.clear()
             refs.extend(self._names.values())
             self._names.clear()
         self._decref_all(refs)
+        self._notify_ended(ended)
 
     # -- handles ------------------------------------------------------------------
 
@@ -471,3 +479,11 @@ class SessionManager:
     def _decref_all(self, refs: list[TensorRef]) -> None:
         for ref in refs:
             self.storages.decref(ref.storage)
+
+    def _notify_ended(self, sessions: list[Session]) -> None:
+        for session in sessions:
+            for listener in self.end_listeners:
+                try:
+                    listener(session)
+                except Exception:  # one listener's failure must not keep the others' state
+                    log.exception("session end listener")

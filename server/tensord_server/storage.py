@@ -122,6 +122,10 @@ class StorageRegistry:
         span = max(nbytes, 1)
         self._next_address += -(-span // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT
         return address
+        # tenant -> its pool stream: blocks are only reused and segments only split on
+        # their own stream, so no segment ever holds two tenants' Storages (a same-host
+        # client maps whole segments); "" (no authentication) keeps stream 0
+        self._streams: dict[str, int] = {"": 0}
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
@@ -129,7 +133,7 @@ class StorageRegistry:
         # refuse before the pool evicts cached segments or compacts for a request that cannot
         # be kept anyway; the charge below settles races between one tenant's requests
         self.ledger.precheck(tenant, device.name, charge)
-        block = device.pool.malloc(nbytes)  # raises OutOfMemoryError, nothing to undo
+        block = device.pool.malloc(nbytes, self.stream_of(tenant))  # OutOfMemoryError: no undo
         storage = Storage(device, block, nbytes, tenant)
         storage.refs = storage.pins = 1
         try:
@@ -141,6 +145,11 @@ class StorageRegistry:
             device.pool.free(block)
             raise
         return storage
+
+    def stream_of(self, tenant: str) -> int:
+        """The tenant's stable pool stream key (0 for "", then 1, 2... in order of first use)."""
+        with self._lock:
+            return self._streams.setdefault(tenant, len(self._streams))
 
     def incref(self, storage: Storage) -> None:
         with self._lock:

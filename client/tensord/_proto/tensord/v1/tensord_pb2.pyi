@@ -629,3 +629,49 @@ class EmptyCacheResponse(_message.Message):
     RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
     released_bytes: int
     def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    def __init__(self, handle: _Optional[str] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor")
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    export_id: str
+    segment_id: int
+    segment_nbytes: int
+    storage_byte_offset: int
+    device: str
+    fd_socket: str
+    ticket: str
+    ipc_handle: bytes
+    server_instance: str
+    tensor: TensorMeta
+    def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
+
+class ReleaseExportsRequest(_message.Message):
+    __slots__ = ("export_ids", "mapped_segments")
+    EXPORT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    export_ids: _containers.RepeatedScalarFieldContainer[str]
+    mapped_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, export_ids: _Optional[_Iterable[str]] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseExportsResponse(_message.Message):
+    __slots__ = ("released", "gone_segments")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    GONE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    gone_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released: _Optional[int] = ..., gone_segments: _Optional[_Iterable[int]] = ...) -> None: ...

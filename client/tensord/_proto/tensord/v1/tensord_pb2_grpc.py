@@ -199,6 +199,16 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/tensord.v1.Tensord/Export',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.ExportRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.ExportResponse.FromString,
+                _registered_method=True)
+        self.ReleaseExports = channel.unary_unary(
+                '/tensord.v1.Tensord/ReleaseExports',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
+                _registered_method=True)
 
 
 class TensordServicer:
@@ -428,6 +438,27 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """---- Same-host zero copy -------------------------------------------------------
+        Pins the handle's Storage (compaction never moves it, quotas still charge it) and
+        says where its bytes are: a segment of the pool and the offset in it. A client on
+        the server's host redeems `ticket` on the unix socket `fd_socket` for the segment's
+        memfd (SCM_RIGHTS) and maps it. The pin lasts until ReleaseExports or the session's
+        end. Counts against --max-handles-per-session. FAILED_PRECONDITION when the device's
+        memory cannot be exported (a pinned host pool, a GPU).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseExports(self, request, context):
+        """Ends exports (batched by the SDK when the arrays over them are collected), and tells
+        which of the segments the client still maps the server has released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensordServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -595,6 +626,16 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.EmptyCache,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.ExportRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.ExportResponse.SerializeToString,
+            ),
+            'ReleaseExports': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseExports,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1488,6 +1529,60 @@ class Tensord:
             '/tensord.v1.Tensord/EmptyCache',
             tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Export',
+            tensord_dot_v1_dot_tensord__pb2.ExportRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseExports(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/ReleaseExports',
+            tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""DLPack for tensord tensors: ``__dlpack__`` / ``__dlpack_device__`` (Python array API).
+
+The capsule is NumPy's own (``ndarray.__dlpack__``) of an array that aliases the
+pooled bytes through the client's mapping (:mod:`tensord._local`): NumPy already
+implements both capsule kinds (``dltensor`` and, for ``max_version >= (1, 0)``,
+``dltensor_versioned``), their deleters (safe from any thread and at exit: they take
+the GIL and drop one reference) and the copy/device keywords.  That reference is
+what keeps the export alive: when the consumer frees its tensor, the array goes,
+and with it the export's pin (its id is queued for the next ReleaseExports).
+
+NumPy has no bfloat16: such tensors are exported as uint16 and the capsule's dtype
+is then rewritten in place to DLPack's kDLBfloat, 16 bits, before anyone sees it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tensord import dtypes
+
+if TYPE_CHECKING:
+    from tensord.tensor import Tensor
+
+# DLDeviceType
+KDL_CPU = 1
+KDL_CUDA = 2
+# DLDataTypeCode
+KDL_BFLOAT = 4
+
+# Byte offsets of DLTensor.dtype.code in the two managed-tensor structs (64-bit ABI):
+# DLTensor = {void* data; DLDevice device (2 x int32); int32 ndim; DLDataType dtype; ...}
+_DTYPE_IN_DLTENSOR = 8 + 8 + 4
+# DLManagedTensor = {DLTensor dl_tensor; ...}
+_DTYPE_IN_MANAGED = _DTYPE_IN_DLTENSOR
+# DLManagedTensorVersioned = {DLPackVersion (2 x uint32); void* ctx; deleter; uint64 flags;
+#                             DLTensor dl_tensor}
+_DTYPE_IN_VERSIONED = 8 + 8 + 8 + 8 + _DTYPE_IN_DLTENSOR
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_get_name = ctypes.pythonapi.PyCapsule_GetName
+_get_name.restype = ctypes.c_char_p
+_get_name.argtypes = [ctypes.py_object]
+
+
+def dlpack_device(tensor: Tensor) -> tuple[int, int]:
+    if tensor.device.type == "cuda":
+        return (KDL_CUDA, tensor.device.index or 0)
+    return (KDL_CPU, 0)
+
+
+def _retag_bfloat16(capsule: Any) -> None:
+    """Rewrite a uint16 capsule's dtype as bfloat16 (same size, same lanes)."""
+    name = _get_name(capsule)
+    pointer = _get_pointer(capsule, name)
+    offset = _DTYPE_IN_VERSIONED if name == b"dltensor_versioned" else _DTYPE_IN_MANAGED
+    ctypes.c_uint8.from_address(pointer + offset).value = KDL_BFLOAT
+
+
+def to_dlpack(
+    tensor: Tensor,
+    *,
+    stream: Any = None,
+    max_version: tuple[int, int] | None = None,
+    dl_device: tuple[int, int] | None = None,
+    copy: bool | None = None,
+) -> Any:
+    """A DLPack capsule of ``tensor`` aliasing the pooled bytes (BufferError when it cannot)."""
+    from tensord import errors
+
+    if tensor.requires_grad:  # torch's own refusal, word for word
+        raise errors.TensordRuntimeError(
+            "Can't export tensors that require gradient, use tensor.detach()"
+        )
+    if tensor.device.type != "cpu":
+        raise BufferError(
+            f"DLPack export of {tensor.device} tensors needs CUDA IPC, which this SDK does not "
+            "implement yet; copy it to the cpu first"
+        )
+    if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
+        raise BufferError(
+            f"a tensord cpu tensor cannot be exported to DLPack device {tuple(dl_device)}"
+        )
+    if stream is not None:
+        raise BufferError("stream must be None for a cpu tensor")
+    kwargs: dict[str, Any] = {"max_version": max_version} if max_version is not None else {}
+    np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
+    bfloat16 = tensor.dtype is dtypes.bfloat16
+    array: np.ndarray | None
+    if copy:  # asked for a copy: the bytes downloaded, whatever the path
+        values = tensor.numpy(force=True)
+        array = values.view(np.uint16) if bfloat16 else values
+    else:
+        array = tensor._local_array(np.dtype(np.uint16) if bfloat16 else np_dtype)
+        if array is None:
+            raise BufferError(
+                f"zero-copy DLPack export is impossible: {tensor.client._local_reason()}; "
+                "pass copy=True for a copy"
+            )
+    capsule = array.__dlpack__(**kwargs)
+    if bfloat16:
+        _retag_bfloat16(capsule)
+    return capsule

@@ -1,0 +1,289 @@
+"""Same-host zero copy, the SDK's side: segment mappings, exports and arrays over pooled bytes.
+
+A client on the server's host asks the server to *export* a tensor's Storage
+(``Export``: the Storage is pinned in place) and maps the pool segment holding it,
+once per segment: the server hands the segment's memfd over its fd socket to whoever
+presents the one-time ticket the Export returned.  Anything failing there (another
+host, another user, an older server) turns the fast path off for the client, silently:
+every transfer then goes through gRPC as before.  ``tensord.connect(local=False)`` or
+``$TENSORD_LOCAL=0`` turn it off from the start.
+
+Mappings are cached by (server instance, segment id) and unmapped once no array over
+them is alive and the server says the segment is gone (it answers that with each
+batch of ReleaseExports).  An :class:`Export` lives while any array made over it does;
+when the last one is collected its id is queued and sent in the next batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import socket
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tensord import dtypes, errors
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.layout import Layout
+
+if TYPE_CHECKING:
+    from tensord._rpc import Connection
+    from tensord.tensor import Tensor
+
+LOCAL_ENV = "TENSORD_LOCAL"
+# Transfers smaller than this keep the gRPC path: one Upload/Download call beats
+# Empty + Export + a release for small tensors.
+MIN_FAST_BYTES = 256 << 10
+# The fd socket answers within this many seconds or the client gives up (and falls back).
+FD_TIMEOUT_S = 2.0
+RELEASE_BATCH = 1024
+
+
+def local_wanted(local: bool | None) -> bool:
+    """``local`` if given, else false only when ``$TENSORD_LOCAL`` says 0/false/no/off."""
+    if local is not None:
+        return local
+    return os.environ.get(LOCAL_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def receive_segment_fd(path: str, ticket: str) -> int:
+    """The segment's descriptor, for a ticket, from the server's fd socket; OSError otherwise."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(FD_TIMEOUT_S)
+        sock.connect(path)
+        sock.sendall(ticket.encode("ascii") + b"\n")
+        message, fds, _flags, _addr = socket.recv_fds(sock, 256, 1)
+    if not message.startswith(b"ok") or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(message.decode("ascii", "replace").strip() or "the fd socket said nothing")
+    return fds[0]
+
+
+class Segment:
+    """One mapped pool segment; ``exports`` counts the live exports over it."""
+
+    __slots__ = ("base", "exports", "id", "key", "mapping")
+
+    def __init__(self, key: tuple[str, int], mapping: mmap.mmap) -> None:
+        self.key = key
+        self.id = key[1]
+        self.mapping = mapping
+        self.exports = 0
+        # a uint8 array over the whole mapping: every export's arrays are views of it
+        self.base = np.frombuffer(mapping, dtype=np.uint8)
+
+
+class Export:
+    """A pinned Storage mapped here: arrays over its bytes (any layout, any dtype).
+
+    Keeps its segment mapped and its pin held while this object lives; every array made
+    by :meth:`array` holds it.  :meth:`close` (or collection) queues the release.
+    """
+
+    def __init__(self, mapper: LocalMapper, response: pb.ExportResponse, segment: Segment) -> None:
+        self.id = response.export_id
+        self.meta = response.tensor
+        self.storage_start = response.storage_byte_offset
+        self.storage_nbytes = response.tensor.storage_nbytes
+        self._segment = segment
+        self._finalizer = weakref.finalize(self, mapper.ended, response.export_id, segment)
+        self._finalizer.atexit = False  # at exit the session's close ends every export
+
+    def storage_bytes(self) -> np.ndarray:
+        """The Storage's bytes, a uint8 array aliasing the pool (it keeps this export alive)."""
+        holder = _Holder(self, self._segment.base, self.storage_start, self.storage_nbytes)
+        return np.asarray(holder)
+
+    def array(self, dtype: np.dtype, layout: Layout) -> np.ndarray:
+        """The elements of ``layout`` (in elements of ``dtype``) over the Storage, aliasing it."""
+        itemsize = dtype.itemsize
+        return np.ndarray(
+            layout.shape,
+            dtype=dtype,
+            buffer=self.storage_bytes(),
+            offset=layout.offset * itemsize,
+            strides=tuple(s * itemsize for s in layout.stride),
+        )
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class _Holder:
+    """What arrays over an export are based on: NumPy keeps a reference to the object that
+    gave it ``__array_interface__``, so the export lives exactly as long as its arrays."""
+
+    __slots__ = ("__array_interface__", "export", "source")
+
+    def __init__(self, export: Export, base: np.ndarray, start: int, nbytes: int) -> None:
+        self.export = export
+        self.source = base  # the segment's mapping stays mapped while this lives
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (int(base.ctypes.data) + start, False),
+        }
+
+
+class LocalMapper:
+    """One client's mappings of its server's segments and its exports.  Thread-safe."""
+
+    def __init__(self, conn: Connection, enabled: bool) -> None:
+        self._conn = conn
+        self.enabled = enabled
+        self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
+        self.last_refusal = ""  # why the server last refused an Export
+        self._lock = threading.Lock()  # guards _segments and every Segment.exports
+        self._segments: dict[tuple[str, int], Segment] = {}
+        self._pending: collections.deque[str] = collections.deque()
+
+    def disable(self, reason: str) -> None:
+        self.enabled = False
+        self.reason = reason
+
+    def export(self, handle: str) -> Export | None:
+        """An export of the handle's Storage mapped here, or None (the caller uses gRPC):
+        this client cannot map the server's memory, or this device's memory is not mappable."""
+        if not self.enabled:
+            return None
+        try:
+            response = self._conn.call("Export", pb.ExportRequest(handle=handle))
+        except errors.FailedPreconditionError as exc:  # e.g. a pinned host pool
+            self.last_refusal = str(exc)
+            return None
+        key = (response.server_instance, int(response.segment_id))
+        try:
+            segment = self._segment(key, response)
+        except (OSError, ValueError) as exc:
+            self._conn.queue_export_release(response.export_id)
+            self.disable(f"this client cannot map the server's memory ({exc})")
+            return None
+        return Export(self, response, segment)
+
+    def _segment(self, key: tuple[str, int], response: pb.ExportResponse) -> Segment:
+        with self._lock:
+            segment = self._segments.get(key)
+            if segment is not None:
+                segment.exports += 1
+                return segment
+        if response.segment_nbytes == 0:  # a zero-byte Storage: nothing to map
+            mapping = mmap.mmap(-1, 1)
+        else:
+            fd = receive_segment_fd(response.fd_socket, response.ticket)
+            try:
+                mapping = mmap.mmap(fd, response.segment_nbytes, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            with contextlib.suppress(OSError, AttributeError, ValueError):
+                mapping.madvise(mmap.MADV_HUGEPAGE)  # see tensord_server.shm.advise_huge_pages
+        with self._lock:
+            segment = self._segments.setdefault(key, Segment(key, mapping))
+            segment.exports += 1
+        return segment
+
+    def ended(self, export_id: str, segment: Segment) -> None:
+        """An export's last array was collected (any thread, even at exit): never blocks."""
+        with self._lock:
+            segment.exports -= 1
+        self._conn.queue_export_release(export_id)
+
+    def mapped_segments(self, server_instance: str | None = None) -> list[int]:
+        with self._lock:
+            return [k[1] for k in self._segments if server_instance in (None, k[0])]
+
+    def unmap_gone(self, gone: list[int]) -> None:
+        """Drop the cache's mappings of segments the server released (and no export uses)."""
+        gone_ids = set(gone)
+        with self._lock:
+            for key, segment in list(self._segments.items()):
+                if segment.id in gone_ids and segment.exports == 0:
+                    del self._segments[key]
+        # the mmap itself closes when the last array over it (if any) is collected
+
+    def mapped_count(self) -> int:
+        with self._lock:
+            return len(self._segments)
+
+    def close(self) -> None:
+        with self._lock:
+            self._segments.clear()
+
+
+def no_internal_overlap(layout: Layout) -> bool:
+    """True when no two elements of ``layout`` share an address (a sufficient test: dims by
+    stride, each stride beyond the extent of the smaller ones)."""
+    dims = sorted((st, n) for n, st in zip(layout.shape, layout.stride, strict=True) if n > 1)
+    extent = 0
+    for stride, size in dims:
+        if stride <= extent:
+            return False
+        extent += (size - 1) * stride
+    return True
+
+
+@contextlib.contextmanager
+def exported(mapper: LocalMapper | None, handle: str) -> Any:
+    """An export for the length of a transfer (None: take the gRPC path), released after."""
+    export = mapper.export(handle) if mapper is not None and mapper.enabled else None
+    try:
+        yield export
+    finally:
+        if export is not None:
+            export.close()
+
+
+def read_array(tensor: Tensor) -> np.ndarray | None:
+    """x.numpy() on the same host: one copy out of the mapping into a new array (None: use
+    gRPC).  The result never aliases the pool: numpy() keeps copying (use np.from_dlpack
+    for an alias)."""
+    if tensor.device.type != "cpu" or tensor.nbytes < MIN_FAST_BYTES:
+        return None
+    with exported(tensor.client._local, tensor.handle) as export:
+        if export is None:
+            return None
+        np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
+        view = export.array(np_dtype, tensor._meta.layout)
+        out = np.empty(view.shape, dtype=np_dtype)
+        np.copyto(out, view)
+        return out
+
+
+def write_array(tensor: Tensor, layout: Layout, src: np.ndarray, *, setitem: bool = False) -> bool:
+    """x.copy_(ndarray) / x[key] = ndarray on the same host: one copy into the mapping.
+
+    False (the caller takes the gRPC path, which also raises torch's errors) unless the
+    array has the tensor's dtype, broadcasts to ``layout`` as torch would (``setitem``
+    first drops src's leading 1s, as torch's copy_to does) and ``layout`` has no two
+    elements at one address.
+    """
+    if tensor.device.type != "cpu" or tensor.requires_grad:
+        return False
+    try:
+        if dtypes.dtype_from_numpy(src.dtype) is not tensor.dtype:
+            return False
+    except (TypeError, ValueError, KeyError):
+        return False
+    if max(src.nbytes, layout.numel * tensor.dtype.itemsize) < MIN_FAST_BYTES:
+        return False
+    shape = tuple(src.shape)
+    if setitem:
+        while shape and shape[0] == 1:
+            shape = shape[1:]
+    if len(shape) > layout.ndim or not no_internal_overlap(layout):
+        return False
+    target = layout.shape[len(layout.shape) - len(shape) :]
+    if any(s not in (1, t) for s, t in zip(shape, target, strict=True)):
+        return False
+    with exported(tensor.client._local, tensor.handle) as export:
+        if export is None:
+            return False
+        dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)
+        np.copyto(dst, src.reshape(shape))
+        return True

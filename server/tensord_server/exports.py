@@ -1,0 +1,258 @@
+"""Same-host zero copy, the server's side: exports of Storages, tickets and the fd socket.
+
+An *export* is a pin on a Storage held for a client that maps its segment: while
+it lives the Storage never moves (compaction skips pinned Storages) and stays
+charged to its tenant.  It ends by ReleaseExports or with its session (a crashed
+client's after the grace, through the session's end listeners).
+
+The descriptor of a segment (a memfd, :mod:`tensord_server.shm`) is handed out on a
+unix socket in a fresh private directory, to whoever presents a *ticket*: 192
+random bits, usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
+a session that exported a Storage of that segment.  Segments are never shared
+between tenants (each tenant allocates on its own pool stream, see
+:meth:`StorageRegistry.stream_of`), so a ticket never reveals another tenant's byte.
+Without ``--auth-tokens`` the socket is 0600 in a 0700 directory and the peer's uid
+(SO_PEERCRED) must be the server's; with tenants it may be reached by any local
+user (0666 in a 0711 directory): the ticket, known only to its session, is the key.
+A client on another host never gets a descriptor: the socket is local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+
+from tensord_server.sessions import Session, SessionManager
+from tensord_server.shm import SharedHostBackend
+from tensord_server.storage import Storage, StorageRegistry
+
+log = logging.getLogger(__name__)
+
+# A ticket must be redeemed this soon after its Export (the SDK does it at once).
+TICKET_TTL_S = 30.0
+# Unredeemed tickets kept at most (the oldest are dropped beyond it): bounds the table
+# whatever a client does with its Exports.
+MAX_TICKETS = 4096
+# One fd request: a ticket line of at most this many bytes, within this many seconds.
+MAX_TICKET_LINE = 128
+FD_REQUEST_TIMEOUT_S = 2.0
+# How often the accept loop checks for shutdown.
+ACCEPT_POLL_S = 0.2
+_SOCKET_NAME = "fd.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    id: str
+    session_id: str
+    storage: Storage
+    segment_id: int
+    segment_nbytes: int
+    byte_offset: int  # of the Storage's first byte in its segment (fixed: it is pinned)
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    segment_id: int
+    backend: SharedHostBackend
+    expires: float
+
+
+class ExportTable:
+    """Every live export and unredeemed ticket of one server, and its fd socket.  Thread-safe."""
+
+    def __init__(
+        self, storages: StorageRegistry, sessions: SessionManager, *, tenants: bool
+    ) -> None:
+        self.storages = storages
+        self.sessions = sessions
+        self.tenants = tenants
+        self.instance = secrets.token_hex(8)  # a client's mapping cache is per server instance
+        self._lock = threading.Lock()  # guards the two dicts below
+        self._exports: dict[str, Export] = {}
+        self._tickets: OrderedDict[str, Ticket] = OrderedDict()
+        self._dir = tempfile.mkdtemp(prefix="tensord-shm-")  # 0700
+        self.socket_path = os.path.join(self._dir, _SOCKET_NAME)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.socket_path)
+        if tenants:  # any local user may ask; the ticket is the capability
+            os.chmod(self._dir, 0o711)
+            os.chmod(self.socket_path, 0o666)
+        else:  # the server's user only (and SO_PEERCRED checks it again)
+            os.chmod(self.socket_path, 0o600)
+        self._listener.listen(64)
+        self._listener.settimeout(ACCEPT_POLL_S)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
+        self._thread.start()
+        sessions.end_listeners.append(self.session_ended)
+
+    # -- exports ------------------------------------------------------------------
+
+    def export(self, session: Session, handle: str) -> tuple[Export, str]:
+        """Pin the Storage of ``handle`` for the session; the export and a fd ticket."""
+        held = self.sessions.handle_count(session) + self.count(session.id)
+        limit = self.sessions.max_handles
+        if limit is not None and held + 1 > limit:
+            raise ResourceExhaustedError(
+                f"this session holds {held} handles and exports, the limit "
+                f"(--max-handles-per-session {limit}); release some first"
+            )
+        with self.sessions.pinned(session, handle) as (ref,):
+            storage = ref.storage
+            backend = storage.device.backend
+            if not isinstance(backend, SharedHostBackend):
+                raise FailedPreconditionError(
+                    f"the memory of {storage.device.name} ({storage.device.description}) cannot "
+                    "be mapped by clients; use the gRPC transfers"
+                )
+            self.storages.pin(storage)  # the export's own pin, held past this block
+        block = storage.block  # fixed now: a pinned Storage never moves
+        segment = backend.segment(block.segment.memory)
+        export = Export(
+            id=secrets.token_urlsafe(16),
+            session_id=session.id,
+            storage=storage,
+            segment_id=segment.id if segment is not None else 0,
+            segment_nbytes=segment.nbytes if segment is not None else 0,
+            byte_offset=block.offset if segment is not None else 0,
+        )
+        ticket = ""
+        with self._lock:
+            self._exports[export.id] = export
+            if segment is not None:
+                ticket = self._issue_ticket(segment.id, backend)
+        if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
+            self.session_ended(session)
+            raise NotFoundError("unknown session")
+        return export, ticket
+
+    def release(self, session: Session, export_ids: list[str]) -> int:
+        """End exports of this session; unknown ids are ignored (a deleter may run twice)."""
+        ended = []
+        with self._lock:
+            for export_id in export_ids:
+                export = self._exports.get(export_id)
+                if export is not None and export.session_id == session.id:
+                    ended.append(self._exports.pop(export_id))
+        for export in ended:
+            self.storages.unpin(export.storage)
+        return len(ended)
+
+    def session_ended(self, session: Session) -> None:
+        """A closed or reaped session's exports end with it (a crashed client's pins drop)."""
+        with self._lock:
+            ended = [e for e in self._exports.values() if e.session_id == session.id]
+            for export in ended:
+                del self._exports[export.id]
+        for export in ended:
+            self.storages.unpin(export.storage)
+
+    def count(self, session_id: str) -> int:
+        with self._lock:
+            return sum(1 for e in self._exports.values() if e.session_id == session_id)
+
+    def stats(self, device_name: str) -> tuple[int, int]:
+        """(exported Storages, their bytes) on a device, each Storage counted once."""
+        with self._lock:
+            storages = {
+                e.storage.id: e.storage.nbytes
+                for e in self._exports.values()
+                if e.storage.device.name == device_name
+            }
+        return len(storages), sum(storages.values())
+
+    def gone_segments(self, backends: list[SharedHostBackend], segment_ids: list[int]) -> list[int]:
+        """Which of ``segment_ids`` no backend has any more (the client may unmap them)."""
+        return [
+            sid
+            for sid in segment_ids
+            if all(backend.segment_by_id(sid) is None for backend in backends)
+        ]
+
+    # -- tickets and the fd socket ------------------------------------------------
+
+    def _issue_ticket(self, segment_id: int, backend: SharedHostBackend) -> str:
+        """(lock held) A one-time ticket for one segment; the oldest dropped past MAX_TICKETS."""
+        now = time.monotonic()
+        while self._tickets:
+            oldest = next(iter(self._tickets.values()))
+            if oldest.expires > now and len(self._tickets) < MAX_TICKETS:
+                break
+            self._tickets.popitem(last=False)
+        ticket = secrets.token_urlsafe(24)
+        self._tickets[ticket] = Ticket(segment_id, backend, now + TICKET_TTL_S)
+        return ticket
+
+    def redeem(self, ticket: str) -> int:
+        """A new descriptor of the segment of a valid ticket (used up; the caller closes the
+        descriptor); KeyError otherwise."""
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+        if entry is None or entry.expires < time.monotonic():
+            raise KeyError("unknown or expired ticket")
+        fd = entry.backend.dup_fd(entry.segment_id)
+        if fd is None:
+            raise KeyError("the segment is gone")
+        return fd
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with conn, contextlib.suppress(OSError):
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out."""
+        conn.settimeout(FD_REQUEST_TIMEOUT_S)
+        if not self.tenants:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                conn.sendall(b"no: only the server's user may map its memory\n")
+                return
+        line = b""
+        deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
+        while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
+            if time.monotonic() > deadline:
+                return
+            piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
+            if not piece:
+                return
+            line += piece
+        try:
+            fd = self.redeem(line.strip().decode("ascii", "replace"))
+        except KeyError as exc:
+            conn.sendall(f"no: {exc.args[0]}\n".encode())
+            return
+        try:
+            socket.send_fds(conn, [b"ok\n"], [fd])
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop the fd socket and remove its directory (after every session ended)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._thread.join(timeout=ACCEPT_POLL_S * 5)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,275 @@
+"""Same-host zero copy: memfd segments, Export/ReleaseExports, the fd socket, DLPack, fast
+transfers, pins and their lifetime, tenant isolation and the gRPC fallback (torch is the oracle)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tensord
+import torch
+from conftest import SessionStub, open_channel, wait_until
+from tensord import _local
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord_server.shm import SharedHostBackend
+from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def exported_storages(daemon: Any) -> int:
+    return daemon.exports.stats("cpu")[0] if daemon._exports is not None else 0
+
+
+def run_child(address: str, body: str, *, env: dict[str, str] | None = None) -> Any:
+    """A second client process running ``body`` (with ``client`` connected to ``address``)."""
+    script = "import numpy as np, torch, tensord\n"
+    script += f"client = tensord.connect({address!r})\n" + textwrap.dedent(body)
+    path = os.pathsep.join([str(REPO / "client"), str(REPO / "server")])
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_cpu_segments_are_memfds_the_server_maps(server: Any) -> None:
+    assert isinstance(server.daemon.device("cpu").backend, SharedHostBackend)
+
+
+def test_another_process_writes_through_torch_from_dlpack_of_a_transposed_narrowed_view(
+    server: Any, client: Any
+) -> None:
+    values = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    x = client.tensor(values)
+    client.put("zc-shared", x, overwrite=True)
+    child = run_child(
+        server.address,
+        """
+        x = client.get("zc-shared")
+        view = x.t().narrow(0, 2, 10)
+        t = torch.from_dlpack(view)
+        assert t.shape == (10, 64) and t.stride() == (1, 48), (t.shape, t.stride())
+        t.mul_(3)
+        print("done", flush=True)
+        """,
+    )
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    expected = torch.from_numpy(values.copy())
+    expected.t().narrow(0, 2, 10).mul_(3)
+    np.testing.assert_array_equal(x.numpy(), expected.numpy())  # through the SDK
+    np.testing.assert_array_equal(np.from_dlpack(x), expected.numpy())  # through its own alias
+    client.delete("zc-shared")
+
+
+def test_dlpack_views_alias_the_pool_with_their_sizes_and_strides(client: Any) -> None:
+    values = np.arange(24, dtype=np.float32).reshape(4, 6)
+    oracle = torch.from_numpy(values.copy())
+    x = client.tensor(values)
+    cases = [
+        (x[1].expand(3, 6), oracle[1].expand(3, 6)),
+        (x.view(tensord.int32), oracle.view(torch.int32)),
+        (x[:, 1:5].view(tensord.int16), oracle[:, 1:5].view(torch.int16)),
+        (x.t()[2:], oracle.t()[2:]),
+    ]
+    for view, expected in cases:
+        alias = torch.from_dlpack(view)
+        assert alias.shape == expected.shape and alias.stride() == expected.stride()
+        assert alias.dtype == expected.dtype
+        assert torch.equal(alias, expected)
+        assert np.from_dlpack(view).strides == expected.numpy().strides
+    alias = torch.from_dlpack(x[1].expand(3, 6))
+    torch.from_dlpack(x)[1, 0] = -1.0  # one write, seen by every alias and by the server
+    assert alias[2, 0].item() == -1.0 and x[1, 0].item() == -1.0
+    assert tuple(x.__dlpack_device__()) == (1, 0)
+    bf = client.tensor(values).to(tensord.bfloat16)
+    assert torch.equal(torch.from_dlpack(bf), torch.from_numpy(values).to(torch.bfloat16))
+    flags = client.tensor(values > 10)
+    assert torch.equal(torch.from_dlpack(flags), torch.from_numpy(values > 10))
+    with pytest.raises(RuntimeError, match="Can't export tensors that require gradient"):
+        client.tensor(values, requires_grad=True).__dlpack__()
+
+
+def test_exports_pin_until_the_consumer_collects_its_array(server: Any, client: Any) -> None:
+    x = client.tensor(np.ones(1000, dtype=np.float32))
+    storage = storage_of_handle(server.daemon, client, x)
+    before = exported_storages(server.daemon)
+    alias = torch.from_dlpack(x)
+    assert storage.pins == 1
+    stats = client.memory_stats()
+    assert stats["exports.storages.current"] == before + 1
+    assert stats["exports.bytes.current"] >= 4000
+    del alias
+    client.flush()
+    assert storage.pins == 0
+    assert exported_storages(server.daemon) == before
+
+
+def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
+    session = daemon.sessions.peek(client.session_id)
+    return daemon.sessions.lookup(session, tensor.handle).storage
+
+
+def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch: Any) -> None:
+    def no_grpc(*args: Any) -> None:
+        raise AssertionError("the gRPC transfer path was used")
+
+    monkeypatch.setattr(client._conn, "upload", no_grpc)
+    monkeypatch.setattr(client._conn, "download_into", no_grpc)
+    values = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    x = client.tensor(values)
+    np.testing.assert_array_equal(x.numpy(), values)
+    np.testing.assert_array_equal(client.from_numpy(values * 2).numpy(), values * 2)
+    np.testing.assert_array_equal(x.t().numpy(), values.T)  # a strided view, gathered
+    oracle = torch.from_numpy(values.copy())
+    fresh = np.full((512, 512), 7.0, dtype=np.float32)
+    x.t().copy_(fresh)
+    oracle.t().copy_(torch.from_numpy(fresh))
+    row = np.arange(512, dtype=np.float32)[None, None, :]  # leading 1s, broadcast over rows
+    x[100:400] = row
+    oracle[100:400] = torch.from_numpy(row)
+    np.testing.assert_array_equal(x.numpy(), oracle.numpy())
+    assert x.numpy().flags.owndata  # numpy() copies (np.from_dlpack aliases)
+
+
+def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> None:
+    with tensord.connect(fresh_server.address) as client:
+        x = client.tensor(np.ones(4 * MiB, dtype=np.uint8))
+        x.numpy()
+        client.flush()
+        assert client._local.mapped_count() == 1  # cached while the segment lives
+        del x
+        client.flush()
+        assert client.empty_cache() >= 4 * MiB
+        torch.from_dlpack(client.zeros(1))  # an export ending: its batch asks about the rest
+        client.flush()
+        assert client._local.mapped_count() == 1  # only the new small segment's
+
+
+def test_compaction_skips_exported_storages_and_moves_them_once_released(make_server: Any) -> None:
+    running = make_server(devices=(POOL,))
+    daemon = running.daemon
+    pool = daemon.device("cpu").pool
+    with open_channel(running.address) as channel:
+        stub = SessionStub(channel)
+        kept = fragment(stub)
+        session = daemon.sessions.peek(stub.session_id)
+        segments = segments_of(daemon, stub, kept)
+        exports = [daemon.exports.export(session, kept[s[0]][0].handle)[0] for s in segments]
+        ptrs = {i: storage_of(daemon, stub, m).data_ptr for i, (m, _) in kept.items()}
+        big_values = random_tensor(99, BIG_ELEMENTS)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.upload(big_values)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert {i: storage_of(daemon, stub, m).data_ptr for i, (m, _) in kept.items()} == ptrs
+        assert daemon.memory_stats("cpu")["exports.storages.current"] == 3
+        assert daemon.exports.release(session, [e.id for e in exports]) == 3
+        big = stub.upload(big_values)  # released: compaction moves them now
+        assert pool.memory_stats()["num_compactions"] == 1
+        moved = {i for i, (m, _) in kept.items() if storage_of(daemon, stub, m).data_ptr != ptrs[i]}
+        assert moved == set(segments[0])
+        for meta, values in kept.values():
+            np.testing.assert_array_equal(stub.download(meta), values)
+        np.testing.assert_array_equal(stub.download(big), big_values)
+        stub.close()
+
+
+def test_a_killed_consumers_pins_are_dropped_after_the_grace(make_server: Any) -> None:
+    running = make_server(lease=0.5, session_grace=0.2)
+    with tensord.connect(running.address) as client:
+        x = client.tensor(np.ones(1000, dtype=np.float32))
+        client.put("zc-victim", x)
+        storage = storage_of_handle(running.daemon, client, x)
+        child = run_child(
+            running.address,
+            """
+            import os, signal
+            alias = np.from_dlpack(client.get("zc-victim"))
+            print("exported", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+            """,
+        )
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == -signal.SIGKILL, err
+        assert wait_until(lambda: storage.pins == 0, timeout=10)
+        assert exported_storages(running.daemon) == 0
+        client.delete("zc-victim")
+
+
+def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
+    running = make_server(auth_tokens={"token-a": "alice", "token-b": "bob"})
+    daemon = running.daemon
+    secret = np.full(64 * 1024, 0x5EC12E7, dtype=np.int32)  # 256 KiB: a small-pool block
+    with (
+        tensord.connect(running.address, token="token-a") as alice,
+        tensord.connect(running.address, token="token-b") as bob,
+    ):
+        a = alice.tensor(secret)
+        b = bob.tensor(np.zeros_like(secret))
+        seg_a = storage_of_handle(daemon, alice, a).block.segment
+        seg_b = storage_of_handle(daemon, bob, b).block.segment
+        assert seg_a is not seg_b and seg_a.stream != seg_b.stream
+        del a
+        alice.flush()
+        later = bob.tensor(np.zeros_like(secret))  # alice's freed block is never bob's
+        assert storage_of_handle(daemon, bob, later).block.segment is not seg_a
+        # everything bob can map holds no byte of alice's
+        for tensor in (b, later):
+            export = bob._local.export(tensor.handle)
+            assert export is not None
+            assert not np.any(export._segment.base.view(np.int32) == 0x5EC12E7)
+        # tickets: made-up or used twice, the fd socket refuses
+        session = daemon.sessions.peek(bob.session_id)
+        _, ticket = daemon.exports.export(session, b.handle)
+        path = daemon.exports.socket_path
+        os.close(_local.receive_segment_fd(path, ticket))
+        with pytest.raises(OSError, match="unknown or expired ticket"):
+            _local.receive_segment_fd(path, ticket)
+        with pytest.raises(OSError, match="unknown or expired ticket"):
+            _local.receive_segment_fd(path, "made-up")
+
+
+def test_without_auth_only_the_servers_user_reaches_the_fd_socket(client: Any) -> None:
+    path = client._conn.call("Export", pb.ExportRequest(handle=client.zeros(1).handle)).fd_socket
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("how", ["argument", "environment", "unreachable socket"])
+def test_a_remote_looking_client_falls_back_to_grpc(
+    server: Any, monkeypatch: Any, how: str
+) -> None:
+    if how == "environment":
+        monkeypatch.setenv("TENSORD_LOCAL", "0")
+    if how == "unreachable socket":
+
+        def another_host(path: str, ticket: str) -> int:
+            raise FileNotFoundError(2, "No such file or directory", path)
+
+        monkeypatch.setattr(_local, "receive_segment_fd", another_host)
+    with tensord.connect(server.address, local=False if how == "argument" else None) as client:
+        values = np.arange(MiB, dtype=np.float32)
+        x = client.tensor(values)
+        np.testing.assert_array_equal(x.numpy(), values)
+        x[:10] = np.ones(10, dtype=np.float32) * 5
+        assert x[9].item() == 5.0
+        with pytest.raises(BufferError, match="zero-copy DLPack export is impossible"):
+            x.__dlpack__()
+        with pytest.raises(BufferError):
+            torch.from_dlpack(x)
+        np.testing.assert_array_equal(np.from_dlpack(x, copy=True), x.numpy())
+        client.flush()
+        session = server.daemon.sessions.peek(client.session_id)
+        assert server.daemon.exports.count(session.id) == 0  # the failed export was released
