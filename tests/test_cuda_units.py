@@ -232,7 +232,16 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
     module.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
     module.cuda = cuda  # type: ignore[attr-defined]
     # NumPy stands in for CuPy's array functions; "GPU arrays" are FakeGpuArrays
-    for name in ("float32", "uint8", "uint16", "uint32", "where", "isnan", "may_share_memory"):
+    for name in (
+        "float32",
+        "uint8",
+        "uint16",
+        "uint32",
+        "where",
+        "isnan",
+        "may_share_memory",
+        "nextafter",
+    ):
         setattr(module, name, getattr(np, name))
     module.ndarray = FakeGpuArray  # type: ignore[attr-defined]
     module.empty = lambda shape, dtype: np.empty(shape, dtype).view(FakeGpuArray)  # type: ignore[attr-defined]

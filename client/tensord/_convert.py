@@ -8,7 +8,9 @@ tensors are read through NumPy only when torch is already imported.
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -43,23 +45,176 @@ def _from_torch(data: Any) -> tuple[np.ndarray, DType]:
     return array, dtype
 
 
-def _from_python(data: Any) -> tuple[np.ndarray, DType]:
-    array = np.array(data)
-    if array.dtype == object:
-        raise TypeError(
-            f"tensord cannot make a tensor from {type(data).__name__} data of mixed or "
-            "unsupported element types"
-        )
-    if array.size == 0:
-        return array.astype(np.float32), dtypes.float32  # torch.tensor([]) is float32
+# The int64 range: torch.tensor unpacks a Python int into a C long long first.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Below this magnitude a float64 holds every Python int exactly: a float array that
+# NumPy made from ints and floats converts to an integer dtype as torch converts each item.
+_EXACT_INT_IN_DOUBLE = 2.0**53
+
+
+def _is_integral(dtype: DType) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype is dtypes.bool)
+
+
+def _overflow(dtype: DType) -> RuntimeError:
+    return RuntimeError(f"value cannot be converted to type {dtype.name} without overflow")
+
+
+def _int_range(dtype: DType) -> tuple[int, int]:
+    """c10::checked_convert's range for an integer going into ``dtype``: an unsigned type
+    also takes the negatives down to -max, which wrap (-1 -> 255, as in C++)."""
+    info = np.iinfo(dtypes.to_numpy_dtype(dtype))
+    return (-int(info.max) if not dtype.is_signed else int(info.min)), int(info.max)
+
+
+def _float_to_int(value: float, dtype: DType) -> int:
+    """c10::checked_convert<int>(double): NaN and values outside [lowest, max] (compared as
+    doubles, untruncated) overflow; the rest truncate toward zero."""
+    info = np.iinfo(dtypes.to_numpy_dtype(dtype))
+    if not float(info.min) <= value <= float(info.max):  # NaN fails too
+        raise _overflow(dtype)
+    result = math.trunc(value)
+    # int64's max is 2**63 as a double: 2.0**63 passes the check, and x86 converts it to
+    # the "integer indefinite" value, int64's min
+    return int(info.min) if result > int(info.max) else result
+
+
+def _wrap(value: int, dtype: DType) -> int:
+    """``value`` as a C++ integer of ``dtype`` (two's complement)."""
+    bits = 8 * dtype.itemsize
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if dtype.is_signed and value >> (bits - 1) else value
+
+
+def _python_item(item: Any, dtype: DType) -> bool | int | float | complex:
+    """One Python number as torch.tensor stores it into ``dtype``, or torch's error for it
+    (torch/csrc/utils/python_arg_parsing: unpack the Python object, then checked_convert)."""
+    if dtype is dtypes.bool:
+        return bool(item)  # PyObject_IsTrue: nan, 1j and 2**70 are True
+    if _is_integral(dtype):
+        if isinstance(item, complex):
+            raise TypeError("'complex' object cannot be interpreted as an integer")
+        if isinstance(item, float):
+            return _float_to_int(item, dtype)
+        if not _INT64_MIN <= item <= _INT64_MAX:
+            raise ValueError("Overflow when unpacking long long")
+        low, high = _int_range(dtype)
+        if not low <= item <= high:
+            raise _overflow(dtype)
+        return _wrap(int(item), dtype)
+    if isinstance(item, complex):
+        if not dtype.is_complex:
+            raise TypeError("must be real number, not complex")
+        return item
+    return float(item)  # an int past float64's range: OverflowError, as torch's
+
+
+def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | None:
+    """``array`` (NumPy's reading of Python numbers) cast as torch.tensor converts its
+    items into ``dtype``; None where that needs each item (an error, or exactness)."""
+    kind = array.dtype.kind
+    target = dtypes.to_numpy_dtype(dtype)
+    if dtype is dtypes.bool:
+        return np.asarray(array != 0)
+    if kind == "b":
+        return array.astype(target)
+    if not _is_integral(dtype):
+        if kind == "c" and not dtype.is_complex:
+            return None  # TypeError at the first complex item: only the items know which
+        if kind not in "bifc":
+            return None
+        with np.errstate(over="ignore"):  # torch.tensor([1e300]) is inf, quietly
+            wide = array.astype(np.complex128 if kind == "c" else np.float64)
+            if dtype.itemsize == 2:  # c10::Half and BFloat16 are made from a float, not a double
+                wide = wide.astype(np.float32)
+            return np.asarray(wide.astype(target))
+    if kind == "i":
+        low, high = _int_range(dtype)
+        if array.size and (int(array.min()) < low or int(array.max()) > high):
+            return None
+        return array.astype(target)  # C++'s wrap of negatives into an unsigned type
+    if kind == "f":
+        info = np.iinfo(target)
+        bound = min(_EXACT_INT_IN_DOUBLE, float(info.max))
+        with np.errstate(invalid="ignore"):
+            fits = (array >= float(info.min)) & (array <= bound) & (array > -_EXACT_INT_IN_DOUBLE)
+        if not fits.all():
+            return None
+        return np.asarray(np.trunc(array).astype(target))
+    return None  # ints past int64 ("u"), complex items into an integer dtype
+
+
+def _each_item(data: Any, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
+    """torch.tensor's conversion one item at a time, in order: the first bad item raises."""
+    items = [_python_item(item, dtype) for item in _items(data)]
+    if _is_integral(dtype) or dtype is dtypes.bool:
+        return np.array(items, dtype=dtypes.to_numpy_dtype(dtype)).reshape(shape)
+    holder = np.complex128 if dtype.is_complex else np.float64
+    array = _cast(np.array(items, dtype=holder).reshape(shape), dtype)
+    assert array is not None
+    return array
+
+
+def _items(data: Any) -> Iterator[Any]:
+    """The numbers in nested lists and tuples (or a lone number), in C order."""
+    if isinstance(data, (list, tuple)):
+        for item in data:
+            yield from _items(item)
+    else:
+        yield data.item() if isinstance(data, np.generic) else data
+
+
+def _category(item: Any) -> DType:
+    """torch's default dtype for one Python number."""
+    for python_type, kind in ((bool, "b"), (int, "i"), (float, "f"), (complex, "c")):
+        if isinstance(item, python_type):
+            return _DEFAULT_BY_KIND[kind]
+    raise TypeError(
+        f"tensord cannot make a tensor from {type(item).__name__} data of mixed or "
+        "unsupported element types"
+    )
+
+
+_CATEGORY_ORDER = (dtypes.bool, dtypes.int64, dtypes.float32, dtypes.complex64)
+
+
+def _past_int64(array: np.ndarray) -> bool:
+    with np.errstate(invalid="ignore"):
+        return bool((np.abs(array) >= 2.0**63).any())
+
+
+def _infer(data: Any, array: np.ndarray) -> DType:
+    """torch.tensor's dtype for Python data: the widest category of its numbers."""
+    # object: ints past 64 bits, or something that is no number; a float array with
+    # values past int64 may be NumPy's reading of ints alone ([1, 2**63] is float64)
+    walk = array.dtype == object or (array.dtype.kind == "f" and _past_int64(array))
+    if walk:
+        return max((_category(item) for item in _items(data)), key=_CATEGORY_ORDER.index)
     default = _DEFAULT_BY_KIND.get(array.dtype.kind)
     if default is None:
         raise TypeError(f"tensord cannot make a tensor from elements of type {array.dtype}")
-    return array, default
+    return default
+
+
+def _from_python(data: Any, dtype: DType | None) -> tuple[np.ndarray, DType]:
+    array = np.array(data)  # the shape (and NumPy's ragged-list error), and a fast path
+    if array.size == 0:
+        target = dtype or dtypes.float32  # torch.tensor([]) is float32
+        return array.astype(dtypes.to_numpy_dtype(target)), target
+    inferred = _infer(data, array)  # also refuses what is no number
+    target = dtype or inferred
+    converted = None if array.dtype == object else _cast(array, target)
+    if converted is None:
+        converted = _each_item(data, array.shape, target)
+    return converted, target
 
 
 def as_array(data: Any, dtype: DType | None = None) -> tuple[np.ndarray, DType]:
-    """``data`` as a C-contiguous array in the dtype torch.tensor would give it."""
+    """``data`` as a C-contiguous array in the dtype torch.tensor would give it.
+
+    Python numbers convert as torch.tensor converts them: an int past int64 or past
+    the target integer type, a NaN or out-of-range float into an integer type, and a
+    complex into a real one raise torch's errors rather than wrap."""
     if _is_torch_tensor(data):
         array, inferred = _from_torch(data)
     elif isinstance(data, np.ndarray):
@@ -67,10 +222,23 @@ def as_array(data: Any, dtype: DType | None = None) -> tuple[np.ndarray, DType]:
     elif isinstance(data, np.generic):
         array, inferred = np.asarray(data), dtypes.dtype_from_numpy(data.dtype)
     else:
-        array, inferred = _from_python(data)
+        array, inferred = _from_python(data, dtype)
     target = dtype or inferred
     array = np.asarray(array, dtype=dtypes.to_numpy_dtype(target), order="C")
     return array, target
+
+
+def exact_dtype(data: Any) -> DType | None:
+    """The dtype to upload ``data`` in before it is copied into a tensor: float64 or
+    complex128 for Python floats and complex numbers, whose values torch.tensor's
+    default float32 would round before the copy casts them; None (inferred) otherwise."""
+    if _is_torch_tensor(data) or isinstance(data, (np.ndarray, np.generic)):
+        return None
+    array = np.array(data)
+    if array.size == 0:
+        return None
+    inferred = _infer(data, array)
+    return {dtypes.float32: dtypes.float64, dtypes.complex64: dtypes.complex128}.get(inferred)
 
 
 def as_scalar(value: Any) -> bool | int | float | complex:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tensord import _dlpack, _format, _local, dtypes, errors
-from tensord._convert import as_scalar
+from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.dtypes import DType
 from tensord.layout import Layout, normalize_dim
@@ -623,7 +623,7 @@ class Tensor:
     def copy_(self, src: Any) -> Tensor:
         if isinstance(src, np.ndarray) and _local.write_array(self, self._meta.layout, src):
             return self
-        source = src if isinstance(src, Tensor) else self._client.tensor(src, device=self.device)
+        source = src if isinstance(src, Tensor) else self._upload_source(src)
         handle = self._client._own(source, 0)
         self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
         return self
@@ -642,6 +642,10 @@ class Tensor:
     def zero_(self) -> Tensor:
         return self.fill_(0)
 
+    def _upload_source(self, data: Any) -> Tensor:
+        """``data`` on the server, to be copied in: Python floats go as float64, exactly."""
+        return self._client.tensor(data, dtype=exact_dtype(data), device=self.device)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         key = plain_index(key)
         with torch_errors():
@@ -656,7 +660,7 @@ class Tensor:
         ):
             return  # written through the mapping, one memcpy
         else:  # an array or nested list: uploaded first, then copied in on the server
-            source = self._client.tensor(value, device=self.device)
+            source = self._upload_source(value)
             request.src_handle = source.handle
         self._client._conn.call("SetItem", request)
 

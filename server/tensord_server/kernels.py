@@ -455,7 +455,7 @@ def _cfmt(value: float | int) -> str:
 @dataclass(frozen=True, slots=True)
 class ArangePlan:
     """torch.arange's elements before any is computed: ``start + i * step`` for i < size,
-    in int64 (``integral``) or double arithmetic, then cast to the output dtype."""
+    in int64 (``integral``) or in the accumulate type, then cast to the output dtype."""
 
     size: int
     start: int | float
@@ -467,50 +467,140 @@ class ArangePlan:
 # (the output is a pool Storage, allocated first; a huge range must fail there, cleanly)
 ARANGE_CHUNK = 1 << 20
 
+# torch's CPU arange kernel (RangeFactoriesKernel.cpp, AVX2 build) writes whole pairs of
+# vectors of these many elements, each vector from its first element ``base`` as
+# ``base + k * step``; the last ``size % (2 * width)`` elements are ``start + i * step``.
+# Both compile to fused multiply-adds.  (Bit for bit as torch up to its parallel grain,
+# 32768 elements: past it, torch's own result depends on its thread count.)
+_ARANGE_VECTOR_WIDTH = {"float64": 4, "float32": 8, "float16": 16, "bfloat16": 16}
+
 
 def arange_plan(start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> ArangePlan:
     """torch.arange's checks and size (as torch computes them), no element made yet."""
     start, end, step = _real(start), _real(end), _real(step)
     if dtype is dtypes.bool or dtype.is_complex:
         raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
-    integral = not dtype.is_floating_point
-    acc = int if integral else float
-
-    def to_acc(v: int | float) -> int | float:
-        if integral and isinstance(v, float) and not math.isfinite(v):
-            return v  # reported as an unsupported range below
-        return acc(math.trunc(v)) if integral else float(v)
-
-    xstart, xend, xstep = to_acc(start), to_acc(end), to_acc(step)
-    if not (xstep > 0 or xstep < 0):
+    # arange_check_bounds: in double precision, whatever the dtype
+    dstart, dend, dstep = float(start), float(end), float(step)
+    if not (dstep > 0 or dstep < 0):
         raise RuntimeError("step must be nonzero")
-    if not (math.isfinite(xstart) and math.isfinite(xend)):
-        raise RuntimeError(f"unsupported range: {_cfmt(xstart)} -> {_cfmt(xend)}")
-    if not ((xstep > 0 and xend >= xstart) or (xstep < 0 and xend <= xstart)):
+    if not (math.isfinite(dstart) and math.isfinite(dend)):
+        raise RuntimeError(f"unsupported range: {_cfmt(dstart)} -> {_cfmt(dend)}")
+    if not ((dstep > 0 and dend >= dstart) or (dstep < 0 and dend <= dstart)):
         raise RuntimeError("upper bound and lower bound inconsistent with step sign")
-    if dtype is dtypes.int64:
-        assert isinstance(xstart, int) and isinstance(xend, int) and isinstance(xstep, int)
+    integral = not dtype.is_floating_point
+    if dtype is dtypes.int64:  # int64 counts in int64, from bounds truncated toward zero
+        xstart, xend, xstep = math.trunc(start), math.trunc(end), math.trunc(step)
+        if xstep == 0:  # a fractional step, such as 0.5
+            raise ValueError("step must be nonzero")
         sgn = (xstep > 0) - (xstep < 0)
         size_d = float(_trunc_div(xend - xstart + xstep - sgn, xstep))
     else:
-        size_d = math.ceil((float(end) - float(start)) / float(step))
+        size_d = math.ceil((dend - dstart) / dstep)
     if not (0 <= size_d <= 2**63 - 1):
         raise RuntimeError("invalid size, possible overflow?")
-    return ArangePlan(int(size_d), xstart, xstep, integral)
+    if integral:  # the other integer types count in int64 too: arange(0, 5, 0.5) is zeros
+        return ArangePlan(int(size_d), math.trunc(start), math.trunc(step), True)
+    return ArangePlan(int(size_d), dstart, dstep, False)
 
 
 def arange_fill(xp: Any, out: Any, plan: ArangePlan, dtype: DType) -> None:
     """Write the plan's elements into ``out`` (1-D, ``plan.size`` long), a chunk at a time."""
-    index_dtype = xp.int64 if plan.integral else xp.float64
     for low in range(0, plan.size, ARANGE_CHUNK):
         high = min(low + ARANGE_CHUNK, plan.size)
-        values = plan.start + xp.arange(low, high, dtype=index_dtype) * plan.step
+        if plan.integral:
+            values = plan.start + xp.arange(low, high, dtype=xp.int64) * plan.step
+        else:
+            values = _arange_floats(xp, plan, dtype, low, high)
         if _gpu_bfloat16(xp, dtype):
             values = values.astype(xp.float32)  # assign rounds to bfloat16 (as ml_dtypes)
         else:
             with _quiet(xp):
                 values = values.astype(dtype.numpy_dtype)
         assign(xp, out[low:high], values)
+
+
+def _arange_floats(xp: Any, plan: ArangePlan, dtype: DType, low: int, high: int) -> Any:
+    """Elements ``low:high`` of a floating arange, rounded as torch's CPU kernel rounds them
+    (float64 values, exactly representable in ``dtype``)."""
+    width = _ARANGE_VECTOR_WIDTH[dtype.name]
+    # float16 and bfloat16 accumulate in float, the others in double
+    acc = xp.float64 if dtype.itemsize >= 4 else xp.float32
+    start, step = float(acc(plan.start)), float(acc(plan.step))
+    index = xp.arange(low, high, dtype=xp.int64)
+    lane = index % width
+    vectorized_end = plan.size - plan.size % (2 * width)
+
+    def rounded(values: Any) -> Any:  # to the output type, kept in float64
+        with _quiet(xp):
+            return _to_dtype(xp, values, dtype).astype(xp.float64)
+
+    def acc_float(values: Any) -> Any:  # an integer index as the accumulate type sees it
+        return values.astype(acc).astype(xp.float64)
+
+    scalar = _fma(xp, step, acc_float(index), start, acc)
+    base = rounded(_fma(xp, step, acc_float(index - lane), start, acc))
+    if dtype is dtypes.bfloat16:  # its vectors add a rounded ``k * step``: not fused
+        vector = acc_float(acc_float(acc_float(lane) * step) + base)
+    else:
+        vector = _fma(xp, acc_float(lane), step, base, acc)
+    vector = xp.where(lane == 0, base, vector)  # a vector's first lane is its base (-0.0 too)
+    return rounded(xp.where(index < vectorized_end, vector, scalar))
+
+
+def _to_dtype(xp: Any, values: Any, dtype: DType) -> Any:
+    if _gpu_bfloat16(xp, dtype):  # CuPy has no bfloat16: round through its bits
+        bits = _cuda().float32_to_bfloat16_bits(values.astype(xp.float32))
+        return (bits.astype(xp.uint32) << 16).view(xp.float32)
+    return values.astype(dtype.numpy_dtype)
+
+
+def _fma(xp: Any, a: Any, b: Any, c: Any, acc: Any) -> Any:
+    """``a * b + c`` rounded once to ``acc`` (float64 or float32), as C's fma/fmaf, from
+    float64 operands that are ``acc`` values: Boldo and Melquiond's emulation (the exact
+    product and sum, their tail rounded to odd, then one rounding to nearest)."""
+    product, product_error = _two_product(xp, a, b)
+    head, tail = _two_sum(xp, c, product)
+    rest, rest_error = _two_sum(xp, tail, product_error)
+    rest = _round_to_odd(xp, rest, rest_error)
+    exact = rest == 0  # head is the result, with the sign of a zero that C's fma gives
+    if acc is xp.float64:
+        return xp.where(exact, head, head + rest)
+    # float operands: the product and sum are exact in double, the tail rounded to odd
+    total, total_error = _two_sum(xp, head, rest)
+    total = xp.where(exact, head, _round_to_odd(xp, total, total_error))
+    return total.astype(xp.float32).astype(xp.float64)
+
+
+def _two_sum(xp: Any, a: Any, b: Any) -> tuple[Any, Any]:
+    """``a + b`` and its rounding error (Knuth): their sum is exactly ``a + b``."""
+    total = a + b
+    b_part = total - a
+    return total, (a - (total - b_part)) + (b - b_part)
+
+
+def _split(xp: Any, a: Any) -> tuple[Any, Any]:
+    """Veltkamp's split of a double into two 26-bit halves."""
+    scaled = 134217729.0 * a  # 2**27 + 1
+    high = scaled - (scaled - a)
+    return high, a - high
+
+
+def _two_product(xp: Any, a: Any, b: Any) -> tuple[Any, Any]:
+    """``a * b`` and its rounding error (Dekker): their sum is exactly ``a * b``."""
+    product = a * b
+    a_high, a_low = _split(xp, a)
+    b_high, b_low = _split(xp, b)
+    error = ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
+    return product, error
+
+
+def _round_to_odd(xp: Any, value: Any, error: Any) -> Any:
+    """``value`` (= round-to-nearest of ``value + error``) rounded to odd instead: an inexact
+    result whose last bit is even moves one step toward the exact sum."""
+    even = (value.view(xp.int64) & 1) == 0
+    toward = xp.where(error > 0, math.inf, -math.inf)
+    return xp.where((error != 0) & even, xp.nextafter(value, toward), value)
 
 
 def arange_values(xp: Any, start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Any:
