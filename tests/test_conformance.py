@@ -106,7 +106,8 @@ def test_detach_shares_and_clone_does_not(client: tensord.Client) -> None:
     )
     assert_same(p.clone(), tp.clone())
     assert_same(
-        p.clone(memory_format="contiguous_format"), tp.clone(memory_format=torch.contiguous_format)
+        p.clone(memory_format=tensord.contiguous_format),
+        tp.clone(memory_format=torch.contiguous_format),
     )
 
 

@@ -45,6 +45,13 @@ from tensord.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from tensord.memory_format import (  # torch's memory formats: tensord.channels_last, ...
+    MemoryFormat,
+    channels_last,
+    channels_last_3d,
+    contiguous_format,
+    preserve_format,
+)
 from tensord.tensor import Device, Size, Tensor
 
 __version__ = "0.1.0"
@@ -59,6 +66,7 @@ __all__ = [
     "InheritedClientError",
     "InternalError",
     "InvalidArgumentError",
+    "MemoryFormat",
     "NotFoundError",
     "OutOfMemoryError",
     "PermissionDeniedError",
@@ -78,9 +86,12 @@ __all__ = [
     "cat",
     "cdouble",
     "cfloat",
+    "channels_last",
+    "channels_last_3d",
     "complex64",
     "complex128",
     "connect",
+    "contiguous_format",
     "double",
     "float",
     "float16",
@@ -93,6 +104,7 @@ __all__ = [
     "int32",
     "int64",
     "long",
+    "preserve_format",
     "promote_types",
     "result_type",
     "short",

@@ -26,7 +26,17 @@ from tensord._rpc import (
     resolve_token,
 )
 from tensord.dtypes import DType
-from tensord.tensor import Meta, Tensor, as_dtype, device_name, scalar_pb, shape_args
+from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
+from tensord.memory_format import memory_format_name
+from tensord.tensor import (
+    Meta,
+    Tensor,
+    as_dtype,
+    device_name,
+    scalar_pb,
+    shape_args,
+    torch_errors,
+)
 
 
 def connect(
@@ -211,10 +221,25 @@ class Client:
     # ---- factories ---------------------------------------------------------------------
 
     def empty(
-        self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+        self,
+        *size: Any,
+        dtype: Any = None,
+        device: Any = "cpu",
+        requires_grad: bool = False,
+        memory_format: Any = None,
     ) -> Tensor:
+        """torch.empty; a memory_format other than contiguous_format is sent as its strides."""
+        shape = shape_args(size)
+        stride = None
+        if memory_format is not None:
+            fmt = memory_format_name(memory_format, "empty")
+            with torch_errors():
+                strides = memory_format_strides(shape, fmt)
+            if fmt != CONTIGUOUS_FORMAT:
+                stride = pb.IntList(values=strides)
         request = pb.EmptyRequest(
-            shape=shape_args(size),
+            shape=shape,
+            stride=stride,
             dtype=_dtype_name(dtype) or dtypes.float32.name,
             device=device_name(device),
             requires_grad=requires_grad,

@@ -113,6 +113,88 @@ def _is_non_overlapping_and_dense(shape: Shape, stride: Shape) -> bool:
     return True
 
 
+# -- memory formats (c10/core/MemoryFormat.h, Contiguity.h, TensorImpl) -------------------------
+# A memory format is named here by torch's attribute name ("channels_last" for
+# torch.channels_last); the SDK's tensord.channels_last objects carry these names.
+
+CONTIGUOUS_FORMAT = "contiguous_format"
+CHANNELS_LAST = "channels_last"
+CHANNELS_LAST_3D = "channels_last_3d"
+PRESERVE_FORMAT = "preserve_format"
+MEMORY_FORMATS = (CONTIGUOUS_FORMAT, CHANNELS_LAST, CHANNELS_LAST_3D, PRESERVE_FORMAT)
+
+# The dims from the fastest-varying out: C, then W, H (and D), then N.
+_CHANNELS_LAST_ORDER = {CHANNELS_LAST: (1, 3, 2, 0), CHANNELS_LAST_3D: (1, 4, 3, 2, 0)}
+# c10's enum names, which its error texts print.
+_C10_NAMES = {
+    CONTIGUOUS_FORMAT: "Contiguous",
+    CHANNELS_LAST: "ChannelsLast",
+    CHANNELS_LAST_3D: "ChannelsLast3d",
+    PRESERVE_FORMAT: "Preserve",
+}
+
+
+def _check_memory_format(memory_format: str) -> None:
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"unsupported memory_format {memory_format!r}")
+
+
+def memory_format_strides(shape: Sequence[int], memory_format: str) -> Shape:
+    """The strides torch.empty(shape, memory_format=...) gives.
+
+    mirrors TensorImpl::empty_tensor_restride (its rank checks and texts) with
+    c10::get_channels_last_strides_2d/3d, which, unlike contiguous strides, do
+    not count a size-0 dim as 1.
+    """
+    _check_memory_format(memory_format)
+    shape = tuple(shape)
+    if memory_format == CONTIGUOUS_FORMAT:
+        return contiguous_strides(shape)
+    if memory_format == PRESERVE_FORMAT:
+        raise RuntimeError(f"unsupported memory format {_C10_NAMES[memory_format]}")
+    rank = len(_CHANNELS_LAST_ORDER[memory_format])
+    if len(shape) != rank:
+        raise RuntimeError(f"required rank {rank} tensor to use {memory_format} format")
+    strides = [0] * rank
+    expected = 1
+    for d in _CHANNELS_LAST_ORDER[memory_format]:
+        strides[d] = expected
+        expected *= shape[d]
+    return tuple(strides)
+
+
+def _is_channels_last_contiguous(shape: Shape, stride: Shape, memory_format: str) -> bool:
+    # mirrors c10 _compute_channels_last_contiguous_2d/3d: size-1 dims ignored, and
+    # (unlike compute_contiguous) no shortcut for a tensor without elements
+    order = _CHANNELS_LAST_ORDER[memory_format]
+    if len(shape) != len(order):
+        return False
+    expected = 1
+    for d in order:
+        if shape[d] != 1:
+            if stride[d] != expected:
+                return False
+            expected *= shape[d]
+    return True
+
+
+def _is_channels_last_strides(shape: Shape, stride: Shape, memory_format: str) -> bool:
+    # mirrors c10 is_channels_last_strides_2d_s4 / _3d_s5 (torch's guess of a format)
+    order = _CHANNELS_LAST_ORDER[memory_format]
+    if len(shape) != len(order):
+        return False
+    if stride[1] == 0:  # a trivial C dim: NCHW by default
+        return False
+    low = 0
+    for d in order:
+        if shape[d] == 0 or stride[d] < low:
+            return False
+        if d == 0 and low == stride[1]:  # ambiguous (N111): NCHW by default
+            return False
+        low = stride[d] * shape[d] if shape[d] > 1 else stride[d]
+    return True
+
+
 def infer_size(shape: Sequence[int], numel: int) -> Shape:
     """Resolve one ``-1``.  mirrors ATen infer_size_impl (its texts, RuntimeError)."""
     newsize = 1
@@ -322,8 +404,42 @@ class Layout:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def is_contiguous(self) -> bool:
+    def is_contiguous(self, memory_format: str = CONTIGUOUS_FORMAT) -> bool:
+        """torch's x.is_contiguous(memory_format=...).
+
+        mirrors TensorImpl::is_contiguous_default over the flags _refresh_contiguous
+        sets: a format of the wrong rank is simply False, and preserve_format asks
+        the plain (contiguous_format) question.
+        """
+        _check_memory_format(memory_format)
+        if memory_format in _CHANNELS_LAST_ORDER:
+            return _is_channels_last_contiguous(self.shape, self.stride, memory_format)
         return _is_contiguous(self.shape, self.stride)
+
+    def suggest_memory_format(self) -> str:
+        """The format torch reads off the strides.  mirrors TensorBase::suggest_memory_format
+        (its default, not the exact-match variant) over TensorImpl's is_channels_last flags."""
+        for memory_format in (CHANNELS_LAST, CHANNELS_LAST_3D):
+            if _is_channels_last_strides(self.shape, self.stride, memory_format):
+                return memory_format
+        return CONTIGUOUS_FORMAT
+
+    def clone_layout(self, memory_format: str = PRESERVE_FORMAT) -> Layout:
+        """The layout of x.clone(memory_format=...) (offset 0).  mirrors ATen clone's
+        empty_like: preserve_format keeps a dense tensor's strides, else the format's."""
+        _check_memory_format(memory_format)
+        if memory_format == PRESERVE_FORMAT:
+            return self.dense_like()
+        return Layout(self.shape, memory_format_strides(self.shape, memory_format), 0)
+
+    def contiguous_layout(self, memory_format: str = CONTIGUOUS_FORMAT) -> Layout | None:
+        """x.contiguous(memory_format=...): None when torch returns x itself, else the
+        layout of the copy.  mirrors ATen contiguous (its check order and text)."""
+        if self.is_contiguous(memory_format):
+            return None
+        if memory_format == PRESERVE_FORMAT:
+            raise RuntimeError("preserve memory format is unsupported by the contiguous operator")
+        return self.clone_layout(memory_format)
 
     def is_non_overlapping_and_dense(self) -> bool:
         return _is_non_overlapping_and_dense(self.shape, self.stride)

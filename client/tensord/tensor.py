@@ -28,7 +28,20 @@ from tensord import _dlpack, _format, _local, dtypes, errors
 from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.dtypes import DType
-from tensord.layout import Layout, normalize_dim
+from tensord.layout import (
+    CONTIGUOUS_FORMAT,
+    PRESERVE_FORMAT,
+    Layout,
+    memory_format_strides,
+    normalize_dim,
+)
+from tensord.memory_format import (
+    MemoryFormat,
+    is_memory_format,
+    memory_format_name,
+    no_positional_or_unknown,
+    python_type_name,
+)
 
 if TYPE_CHECKING:
     from tensord.client import Client
@@ -308,8 +321,11 @@ class Tensor:
     def requires_grad(self) -> builtins.bool:
         return self._meta.requires_grad
 
-    def is_contiguous(self, memory_format: Any = None) -> builtins.bool:
-        return self._meta.layout.is_contiguous()
+    def is_contiguous(self, *args: Any, **kwargs: Any) -> builtins.bool:
+        """torch's x.is_contiguous(memory_format=...) (keyword only, as torch's)."""
+        fmt = _keyword_memory_format("is_contiguous", args, kwargs)
+        with torch_errors():
+            return self._meta.layout.is_contiguous(fmt)
 
     def numel(self) -> builtins.int:
         return self._meta.layout.numel
@@ -583,14 +599,27 @@ class Tensor:
     def _copy_op(self, method: str, request: Any) -> Tensor:
         return self._client._wrap(self._client._conn.call(method, request))
 
-    def clone(self, *, memory_format: Any = None) -> Tensor:
-        fmt = "" if memory_format is None else str(memory_format).removeprefix("torch.")
+    def clone(self, *args: Any, **kwargs: Any) -> Tensor:
+        memory_format = kwargs.pop("memory_format", None)
+        no_positional_or_unknown("clone", args, kwargs)
+        fmt = (
+            PRESERVE_FORMAT if memory_format is None else memory_format_name(memory_format, "clone")
+        )
+        with torch_errors():
+            self._meta.layout.clone_layout(fmt)  # the rank check, before a round trip
         return self._copy_op("Clone", pb.CloneRequest(handle=self.handle, memory_format=fmt))
 
-    def contiguous(self, memory_format: Any = None) -> Tensor:
-        if self.is_contiguous():
+    def contiguous(self, *args: Any, **kwargs: Any) -> Tensor:
+        """torch's x.contiguous(memory_format=...): x itself when already so laid out."""
+        fmt = _keyword_memory_format("contiguous", args, kwargs)
+        with torch_errors():
+            copied = self._meta.layout.contiguous_layout(fmt)
+        if copied is None:
             return self  # torch returns self
-        return self._copy_op("Contiguous", pb.HandleRequest(handle=self.handle))
+        if fmt == CONTIGUOUS_FORMAT:
+            return self._copy_op("Contiguous", pb.HandleRequest(handle=self.handle))
+        # the Contiguous RPC knows one format; a copy in any other is exactly a clone
+        return self.clone(memory_format=MemoryFormat(fmt))
 
     def repeat(self, *sizes: Any) -> Tensor:
         require_args("repeat", "repeats", sizes)
@@ -598,8 +627,33 @@ class Tensor:
         return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
-        """torch's forms: to(device), to(dtype), to(device, dtype), to(other), copy=True."""
+        """torch's forms: to(device), to(dtype), to(device, dtype), to(other), copy=True,
+        memory_format=..."""
+        fmt = _to_memory_format(args, kwargs)
         device, dtype, copy = _parse_to(args, kwargs)
+        if fmt == PRESERVE_FORMAT:
+            return self._to(device, dtype, copy)
+        return self._to_format(device, dtype, copy, fmt)
+
+    def _to_format(self, device: Any, dtype: DType | None, copy: builtins.bool, fmt: str) -> Tensor:
+        """to(..., memory_format=fmt) as To then Clone (the To RPC carries no format).
+
+        mirrors ATen to / to_will_alias: x itself when nothing changes and the format
+        is the one torch reads off x's strides; else a tensor with fmt's strides.
+        """
+        layout = self._meta.layout
+        same_device = device is None or Device(device_name(device)) == self.device
+        same_dtype = dtype is None or dtype is self.dtype
+        if same_device and same_dtype and not copy and layout.suggest_memory_format() == fmt:
+            return self
+        with torch_errors():
+            target_stride = memory_format_strides(layout.shape, fmt)
+        moved = self._to(device, dtype, copy)
+        if moved is not self and moved._meta.layout.stride == target_stride:
+            return moved  # To kept the dense strides, which are already fmt's
+        return moved.clone(memory_format=MemoryFormat(fmt))
+
+    def _to(self, device: Any, dtype: DType | None, copy: builtins.bool) -> Tensor:
         request = pb.ToRequest(
             handle=self.handle,
             device=device_name(device) if device is not None else "",
@@ -826,6 +880,62 @@ def _python_values(values: np.ndarray, dtype: DType) -> np.ndarray:
     return values.astype(np.float32) if dtype is dtypes.bfloat16 else values
 
 
+def _keyword_memory_format(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """is_contiguous/contiguous: only the keyword memory_format (contiguous_format by
+    default; torch refuses None there, unlike clone's)."""
+    memory_format = kwargs.pop("memory_format", _DEFAULT)
+    no_positional_or_unknown(function, args, kwargs)
+    if memory_format is _DEFAULT:
+        return CONTIGUOUS_FORMAT
+    return memory_format_name(memory_format, function)
+
+
+_DEFAULT = object()  # "no memory_format given", which None is not for these methods
+
+
+# torch.Tensor.to's overloads: their positional and keyword parameters, and their text
+_TO_OVERLOADS = (
+    (4, ("device", "dtype", "non_blocking", "copy", "memory_format")),
+    (3, ("dtype", "non_blocking", "copy", "memory_format")),
+    (3, ("tensor", "non_blocking", "copy", "memory_format")),
+)
+_TO_SIGNATURES = (
+    " * (torch.device device = None, torch.dtype dtype = None, bool non_blocking = False, "
+    "bool copy = False, *, torch.memory_format memory_format = None)\n"
+    " * (torch.dtype dtype, bool non_blocking = False, bool copy = False, *, "
+    "torch.memory_format memory_format = None)\n"
+    " * (Tensor tensor, bool non_blocking = False, bool copy = False, *, "
+    "torch.memory_format memory_format = None)\n"
+)
+
+
+def _to_memory_format(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """to()'s memory_format keyword (None: preserve_format), popped from kwargs.
+
+    A value that is no memory format gets torch's argument parser's text: the one
+    overload's complaint when only one could take these arguments, else the list.
+    """
+    memory_format = kwargs.get("memory_format")
+    if memory_format is None or is_memory_format(memory_format):
+        kwargs.pop("memory_format", None)
+        return PRESERVE_FORMAT if memory_format is None else memory_format_name(memory_format, "to")
+    plausible = [
+        names
+        for max_positional, names in _TO_OVERLOADS
+        if len(args) <= max_positional and all(k in names for k in kwargs)
+    ]
+    if len(plausible) == 1:
+        memory_format_name(memory_format, "to")  # raises
+    given = [python_type_name(a) for a in args]
+    # torch lists the keywords in its hash map's order; for one keyword that is no matter
+    given += [f"{k}={python_type_name(v)}" for k, v in kwargs.items()]
+    described = ", ".join(given) + (", " if not args else "")
+    raise errors.TensordTypeError(
+        f"to() received an invalid combination of arguments - got ({described}), but "
+        f"expected one of:\n{_TO_SIGNATURES}"
+    )
+
+
 def _parse_to(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, DType | None, builtins.bool]:
@@ -834,7 +944,6 @@ def _parse_to(
     dtype = kwargs.pop("dtype", None)
     copy = builtins.bool(kwargs.pop("copy", False))
     kwargs.pop("non_blocking", None)  # transfers run on the server; nothing to overlap here
-    kwargs.pop("memory_format", None)
     if kwargs:
         raise errors.TensordTypeError(
             f"to() got an unexpected keyword argument '{next(iter(kwargs))}'"

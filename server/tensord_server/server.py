@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from tensord import dtypes
 from tensord.dtypes import DType
-from tensord.layout import Layout, empty_strided_layout
+from tensord.layout import PRESERVE_FORMAT, Layout, empty_strided_layout
 
 from tensord_server import kernels, limits
 from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
@@ -294,12 +294,8 @@ class Daemon:
 
     def clone(self, session: Session, handle: str, memory_format: str = "") -> Issued:
         with self._using(session, handle) as (ref,):
-            if memory_format in ("", "preserve_format"):
-                layout = ref.layout.dense_like()
-            elif memory_format == "contiguous_format":
-                layout = Layout.contiguous(ref.layout.shape)
-            else:
-                raise ValueError(f"unsupported memory_format {memory_format!r}")
+            # "" (the wire's default) is preserve_format; an unknown name is a ValueError
+            layout = ref.layout.clone_layout(memory_format or PRESERVE_FORMAT)
             return self._copy_of(session, ref, layout, ref.dtype, ref.device)
 
     def contiguous(self, session: Session, handle: str) -> Issued:
