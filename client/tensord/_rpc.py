@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
+import math
+import numbers
 import os
 import socket
 import threading
@@ -52,6 +55,21 @@ RELEASE_INTERVAL_S = 0.05
 RELEASE_BATCH = 1024
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
+# Every unary call's deadline, and how long a transfer may go without a chunk moving: a
+# hung server then raises DeadlineExceededError instead of blocking its caller for ever.
+# Not a total deadline for transfers: a 10 GiB download that keeps moving never ends early.
+DEFAULT_CALL_TIMEOUT_S = 60.0
+CALL_TIMEOUT_ENV = "TENSORD_CALL_TIMEOUT"
+_NO_DEADLINE_WORDS = frozenset({"none", "off"})
+
+
+class CallTimeoutFromEnv(enum.Enum):
+    """``call_timeout``'s default: ``$TENSORD_CALL_TIMEOUT``, else 60 s."""
+
+    FROM_ENV = "from $TENSORD_CALL_TIMEOUT, else 60 s"
+
+
+CALL_TIMEOUT_FROM_ENV = CallTimeoutFromEnv.FROM_ENV
 
 _UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
 _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
@@ -99,6 +117,35 @@ def resolve_address(address: str | None) -> str:
 def resolve_token(token: str | None) -> str | None:
     """The token argument, else ``$TENSORD_TOKEN``, else None (no authorization sent)."""
     return token or os.environ.get(TOKEN_ENV) or None
+
+
+def _checked_call_timeout(value: float, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{source} must be a number of seconds or None, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{source} must be a finite number of seconds > 0 (or None), got {value}")
+    return float(value)
+
+
+def resolve_call_timeout(call_timeout: float | CallTimeoutFromEnv | None) -> float | None:
+    """The call_timeout argument, else ``$TENSORD_CALL_TIMEOUT``, else 60 s; None: no deadline.
+
+    The variable holds seconds, or ``none`` (``off``) for no deadline.
+    """
+    if call_timeout is not CALL_TIMEOUT_FROM_ENV:
+        return None if call_timeout is None else _checked_call_timeout(call_timeout, "call_timeout")
+    raw = os.environ.get(CALL_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CALL_TIMEOUT_S
+    if raw.lower() in _NO_DEADLINE_WORDS:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"${CALL_TIMEOUT_ENV} must be a number of seconds or 'none', got {raw!r}"
+        ) from None
+    return _checked_call_timeout(seconds, f"${CALL_TIMEOUT_ENV}")
 
 
 RootCertificates = bytes | str | os.PathLike[str]
@@ -184,6 +231,95 @@ def _chunks(data: memoryview, size: int) -> Iterator[bytes]:
         yield bytes(data[start : start + size])
 
 
+class _WatchedStream:
+    """One transfer under the watchdog: when a chunk last moved, and whether it was cancelled."""
+
+    __slots__ = ("call", "cancelled", "last_progress")
+
+    def __init__(self) -> None:
+        self.call: grpc.Future | None = None
+        self.last_progress = time.monotonic()
+        self.cancelled = False
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()  # one float store: no lock needed
+
+
+def _progressing(chunks: Iterator[bytes], stream: _WatchedStream) -> Iterator[bytes]:
+    # gRPC asks for chunk n once chunk n-1 is sent: each request is progress
+    for chunk in chunks:
+        stream.progressed()
+        yield chunk
+
+
+class _StreamWatchdog:
+    """Cancels any transfer of one connection in which no chunk moved for ``idle_timeout`` s.
+
+    gRPC has only a total deadline for a call; a big transfer must not hit one, yet a
+    stalled one must end.  One thread per connection (started with the first transfer)
+    sleeps until the earliest moment a watched transfer could have been idle too long.
+    """
+
+    def __init__(self, idle_timeout: float) -> None:
+        self.idle_timeout = idle_timeout
+        self._changed = threading.Condition()
+        self._streams: set[_WatchedStream] = set()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @contextlib.contextmanager
+    def watch(self, stream: _WatchedStream, call: grpc.Future) -> Iterator[None]:
+        """Watch ``call`` while the block runs; it is cancelled after the block, if unfinished."""
+        stream.call = call
+        with self._changed:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch_forever, name="tensord-stream-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._streams.discard(stream)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def _take_idle(self) -> tuple[list[_WatchedStream], float | None]:
+        """Mark the streams idle too long now; also how long until the next one could be."""
+        now = time.monotonic()
+        idle: list[_WatchedStream] = []
+        next_in: float | None = None
+        for stream in self._streams:
+            if stream.cancelled:
+                continue
+            left = stream.last_progress + self.idle_timeout - now
+            if left <= 0:
+                stream.cancelled = True
+                idle.append(stream)
+            else:
+                next_in = left if next_in is None else min(next_in, left)
+        return idle, next_in
+
+    def _watch_forever(self) -> None:
+        while True:
+            with self._changed:
+                if self._stopped:
+                    return
+                idle, next_in = self._take_idle()
+                if not idle:
+                    self._changed.wait(next_in)
+                    continue
+            for stream in idle:  # outside the lock: cancelling may run gRPC's callbacks
+                if stream.call is not None:
+                    stream.call.cancel()
+
+
 # ---- fork ------------------------------------------------------------------------------
 # A forked child inherits every Connection (its session id, its channel) but none of its
 # threads.  The session is the parent's: the child must never close, release or beat it.
@@ -214,12 +350,20 @@ class Connection:
         address: str,
         *,
         timeout: float,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT_S,
         client_name: str | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.address = address
         self.tls = credentials is not None
+        #: every unary call's deadline and every transfer's idle limit (None: neither)
+        self.call_timeout = call_timeout
+        self._watchdog = _StreamWatchdog(call_timeout) if call_timeout is not None else None
+        # close() and background releases: short, so exit never waits long on a hung server
+        self._close_timeout = min(CLOSE_TIMEOUT_S, call_timeout or CLOSE_TIMEOUT_S)
+        # connect() as a whole (the channel, then the session's opening calls) waits `timeout`
+        connect_deadline = time.monotonic() + timeout
         # the process whose session this is; in any other (a fork child) it is inherited
         self._pid = os.getpid()
         # sent with every call, the session-less ones included
@@ -262,11 +406,11 @@ class Connection:
         self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
         try:
-            self.server_info: pb.ServerInfoResponse = self._unary(
-                "ServerInfo", pb.ServerInfoRequest(), session=False
+            self.server_info: pb.ServerInfoResponse = self._opening_call(
+                "ServerInfo", pb.ServerInfoRequest(), connect_deadline, timeout
             )
-            session = self._unary(
-                "OpenSession", pb.OpenSessionRequest(client_name=name), session=False
+            session = self._opening_call(
+                "OpenSession", pb.OpenSessionRequest(client_name=name), connect_deadline, timeout
             )
         except BaseException:
             self._channel.close()
@@ -284,7 +428,27 @@ class Connection:
         self._keepalive.start()
         self._flusher.start()
 
+    def _opening_call(
+        self, method: str, request: Any, connect_deadline: float, connect_timeout: float
+    ) -> Any:
+        """A session-less call of connect(), within what is left of its ``timeout``."""
+        left = max(connect_deadline - time.monotonic(), 0.001)
+        try:
+            return self._unary(method, request, session=False, timeout=min(left, self._deadline()))
+        except errors.DeadlineExceededError:
+            raise errors.DeadlineExceededError(
+                f"the tensord server at {self.address} accepted the connection but did not "
+                f"answer {method} in time (connect timeout {connect_timeout:g} s, call_timeout "
+                f"{self._describe_call_timeout()}); it may be hung or overloaded"
+            ) from None
+
     # ---- calls ---------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return math.inf if self.call_timeout is None else self.call_timeout
+
+    def _describe_call_timeout(self) -> str:
+        return "none" if self.call_timeout is None else f"{self.call_timeout:g} s"
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((SESSION_KEY, self.session_id), *self._auth)
@@ -317,14 +481,29 @@ class Connection:
     def _unary(
         self, method: str, request: Any, *, session: bool = True, timeout: float | None = None
     ) -> Any:
+        """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline)."""
         self._check_open()
         stub_method = getattr(self._stub, method)
-        if not session:
-            return _call(lambda: stub_method(request, metadata=self._auth, timeout=timeout))
-        metadata = self.metadata()
-        return self._in_session(
-            metadata[0][1], lambda: stub_method(request, metadata=metadata, timeout=timeout)
-        )
+        deadline = self.call_timeout if timeout is None else timeout
+        grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
+        try:
+            if not session:
+                return _call(
+                    lambda: stub_method(request, metadata=self._auth, timeout=grpc_timeout)
+                )
+            metadata = self.metadata()
+            return self._in_session(
+                metadata[0][1],
+                lambda: stub_method(request, metadata=metadata, timeout=grpc_timeout),
+            )
+        except errors.DeadlineExceededError as exc:
+            if grpc_timeout is None:  # not our deadline: the server's own word
+                raise
+            raise errors.DeadlineExceededError(
+                f"{method}: the tensord server at {self.address} did not answer within "
+                f"{grpc_timeout:g} s ({exc}); it may be hung or overloaded (the deadline is "
+                f"connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
+            ) from None
 
     def _in_session(self, session_id: str, fn: Callable[[], M]) -> M:
         """Run a call sent in ``session_id``; "unknown session" means it was lost.
@@ -351,10 +530,21 @@ class Connection:
         self._check_open()
         chunk = self.server_info.chunk_bytes or CHUNK_BYTES
         metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
-        result: pb.TensorMeta = self._in_session(
-            metadata[0][1], lambda: self._upload(_chunks(data.cast("B"), chunk), metadata=metadata)
-        )
-        return result
+
+        def send() -> pb.TensorMeta:
+            stream = _WatchedStream()
+            chunks = _progressing(_chunks(data.cast("B"), chunk), stream)
+            call = self._upload.future(chunks, metadata=metadata)
+            with self._watched(stream, call):
+                try:
+                    meta: pb.TensorMeta = call.result()
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    if stream.cancelled:
+                        raise self._stalled(f"Upload of {header.nbytes} bytes") from None
+                    raise
+            return meta
+
+        return self._in_session(metadata[0][1], send)
 
     def download_into(self, handle: str, out: memoryview) -> None:
         """Fill ``out`` (a writable byte buffer of the tensor's nbytes) with its elements."""
@@ -365,14 +555,23 @@ class Connection:
 
         def receive() -> int:
             pos = 0
-            for piece in self._download(request, metadata=metadata):
-                end = pos + len(piece)
-                if end > len(out):
-                    raise errors.InternalError(
-                        f"download of {handle} sent more than the {len(out)} bytes expected"
-                    )
-                out[pos:end] = piece
-                pos = end
+            stream = _WatchedStream()
+            call = self._download(request, metadata=metadata)
+            with self._watched(stream, call):
+                try:
+                    for piece in call:
+                        stream.progressed()
+                        end = pos + len(piece)
+                        if end > len(out):
+                            raise errors.InternalError(
+                                f"download of {handle} sent more than the {len(out)} bytes expected"
+                            )
+                        out[pos:end] = piece
+                        pos = end
+                except grpc.RpcError:
+                    if stream.cancelled:
+                        raise self._stalled(f"Download of {handle}") from None
+                    raise
             return pos
 
         received = self._in_session(metadata[0][1], receive)
@@ -380,6 +579,26 @@ class Connection:
             raise errors.InternalError(
                 f"download of {handle} ended after {received} of {len(out)} bytes"
             )
+
+    @contextlib.contextmanager
+    def _watched(self, stream: _WatchedStream, call: grpc.Future) -> Iterator[None]:
+        """Run a transfer under the idle watchdog; an unfinished call is cancelled after it
+        (an error or an interrupt mid-stream must not leave the server sending)."""
+        try:
+            if self._watchdog is None:
+                yield
+            else:
+                with self._watchdog.watch(stream, call):
+                    yield
+        finally:
+            call.cancel()  # a no-op on a finished call
+
+    def _stalled(self, what: str) -> errors.DeadlineExceededError:
+        return errors.DeadlineExceededError(
+            f"{what}: no data moved to or from the tensord server at {self.address} for "
+            f"{self._describe_call_timeout()} (call_timeout), so the transfer was cancelled; "
+            "the server may be hung or overloaded"
+        )
 
     # ---- releases (batched) --------------------------------------------------------
 
@@ -419,7 +638,7 @@ class Connection:
                 # A failed release is harmless: the session's close or grace frees them anyway.
                 with contextlib.suppress(errors.TensordError):
                     self._unary(
-                        "Release", pb.ReleaseRequest(handles=batch), timeout=CLOSE_TIMEOUT_S
+                        "Release", pb.ReleaseRequest(handles=batch), timeout=self._close_timeout
                     )
 
     def _flush_forever(self) -> None:
@@ -482,12 +701,18 @@ class Connection:
         # thread at the fork, so not even that is set.
         if self._closed.is_set() or self.inherited:
             return
-        self.flush_releases()
+        # One short deadline for all of it, so exit never hangs on a hung server.  No Release
+        # first: closing the session frees its handles, the pending ones included.
+        deadline = time.monotonic() + self._close_timeout
         with contextlib.suppress(errors.TensordError):
-            self._unary("CloseSession", pb.CloseSessionRequest(), timeout=CLOSE_TIMEOUT_S)
+            self._unary("CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout)
         self._closed.set()
-        self._keepalive.join(timeout=CLOSE_TIMEOUT_S)  # a beat in flight has its own deadline
-        self._flusher.join(timeout=5.0)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        # a beat or a release in flight has its own deadline, and closing the channel
+        # cancels it: the threads are daemons, so no need to wait them out
+        self._keepalive.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
         self._pending_exports.clear()
         self._channel.close()

@@ -19,9 +19,12 @@ import numpy as np
 from tensord import _convert, _local, dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._rpc import (
+    CALL_TIMEOUT_FROM_ENV,
+    CallTimeoutFromEnv,
     Connection,
     RootCertificates,
     resolve_address,
+    resolve_call_timeout,
     resolve_tls,
     resolve_token,
 )
@@ -43,12 +46,20 @@ def connect(
     address: str | None = None,
     *,
     timeout: float = 10.0,
+    call_timeout: float | CallTimeoutFromEnv | None = CALL_TIMEOUT_FROM_ENV,
     token: str | None = None,
     tls: bool | None = None,
     root_certificates: RootCertificates | None = None,
     local: bool | None = None,
 ) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
+
+    ``timeout`` bounds connecting only: the wait for the server to answer and open
+    the session.  ``call_timeout`` (seconds, else ``$TENSORD_CALL_TIMEOUT``, else 60;
+    None or ``none``: no deadline) bounds every call afterwards: a call with no
+    answer in that time, or an upload or download in which no chunk moved for that
+    long (however long the whole transfer takes), raises
+    :class:`tensord.DeadlineExceededError` (a TimeoutError and an UnavailableError).
 
     ``token`` (else ``$TENSORD_TOKEN``) is sent as ``authorization: Bearer <token>``
     to a server started with ``--auth-tokens``.  ``tls=True`` (else ``$TENSORD_TLS=1``)
@@ -66,6 +77,7 @@ def connect(
     return Client(
         address,
         timeout=timeout,
+        call_timeout=call_timeout,
         token=token,
         tls=tls,
         root_certificates=root_certificates,
@@ -93,6 +105,7 @@ class Client:
         address: str | None = None,
         *,
         timeout: float = 10.0,
+        call_timeout: float | CallTimeoutFromEnv | None = CALL_TIMEOUT_FROM_ENV,
         token: str | None = None,
         tls: bool | None = None,
         root_certificates: RootCertificates | None = None,
@@ -101,6 +114,7 @@ class Client:
         self._conn = Connection(
             resolve_address(address),
             timeout=timeout,
+            call_timeout=resolve_call_timeout(call_timeout),
             token=resolve_token(token),
             credentials=resolve_tls(tls, root_certificates),
         )
