@@ -114,6 +114,10 @@ class StorageRegistry:
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
         self._next_address = ADDRESS_SPACE_BASE  # grows only: no address is handed out twice
+        # tenant -> its pool stream: blocks are only reused and segments only split on
+        # their own stream, so no segment ever holds two tenants' Storages (a same-host
+        # client maps whole segments); "" (no authentication) keeps stream 0
+        self._streams: dict[str, int] = {"": 0}
 
     def _take_address(self, nbytes: int) -> int:
         """A fresh aligned range of ``nbytes`` (at least one alignment unit, so a zero-byte
@@ -122,10 +126,6 @@ class StorageRegistry:
         span = max(nbytes, 1)
         self._next_address += -(-span // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT
         return address
-        # tenant -> its pool stream: blocks are only reused and segments only split on
-        # their own stream, so no segment ever holds two tenants' Storages (a same-host
-        # client maps whole segments); "" (no authentication) keeps stream 0
-        self._streams: dict[str, int] = {"": 0}
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
