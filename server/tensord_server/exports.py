@@ -60,6 +60,11 @@ MAX_TICKETS = 4096
 # One fd request: a ticket line of at most this many bytes, within this many seconds.
 MAX_TICKET_LINE = 128
 FD_REQUEST_TIMEOUT_S = 2.0
+# Requests answered at once (a thread each), and per peer uid: a connection that sends
+# nothing holds one for at most FD_REQUEST_TIMEOUT_S and never delays another client's.
+# A connection beyond either bound is closed unanswered (its client falls back to gRPC).
+MAX_FD_HANDLERS = 16
+MAX_FD_HANDLERS_PER_PEER = 4
 # How often the accept loop checks for shutdown.
 ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
@@ -111,6 +116,7 @@ class ExportTable:
         self._listener.listen(64)
         self._listener.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
+        self._handlers: dict[int, int] = {}  # peer uid -> requests being answered; _lock
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -314,18 +320,47 @@ class ExportTable:
                 if self._stop.is_set():
                     return
                 continue
-            with conn, contextlib.suppress(OSError):
-                self._answer(conn)
+            try:
+                creds = conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+                )
+                _pid, uid, _gid = struct.unpack("3i", creds)
+            except OSError:
+                conn.close()
+                continue
+            if not self._take_handler(uid):
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._handle, args=(conn, uid), name="tensord-fd-request", daemon=True
+            ).start()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _take_handler(self, uid: int) -> bool:
+        with self._lock:
+            if (
+                sum(self._handlers.values()) >= MAX_FD_HANDLERS
+                or self._handlers.get(uid, 0) >= MAX_FD_HANDLERS_PER_PEER
+            ):
+                return False
+            self._handlers[uid] = self._handlers.get(uid, 0) + 1
+            return True
+
+    def _handle(self, conn: socket.socket, uid: int) -> None:
+        try:
+            with conn, contextlib.suppress(OSError):
+                self._answer(conn, uid)
+        finally:
+            with self._lock:
+                self._handlers[uid] -= 1
+                if not self._handlers[uid]:
+                    del self._handlers[uid]
+
+    def _answer(self, conn: socket.socket, uid: int) -> None:
         """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out."""
         conn.settimeout(FD_REQUEST_TIMEOUT_S)
-        if not self.tenants:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid():
-                conn.sendall(b"no: only the server's user may map its memory\n")
-                return
+        if not self.tenants and uid != os.getuid():
+            conn.sendall(b"no: only the server's user may map its memory\n")
+            return
         line = b""
         deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
         while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
