@@ -25,6 +25,11 @@ for name in ("cupy", "torch", "grpc", "google.protobuf", "numpy", "ml_dtypes", "
 import cupy
 print("cupy", cupy.__version__, "devices:", cupy.cuda.runtime.getDeviceCount())
 PY
+echo "== CUDA IPC: two processes share a Storage through torch.from_dlpack"
+timeout 120 python -m pytest -m cuda -v -p no:cacheprovider \
+    -W "ignore::UserWarning:cupy" -W "ignore::FutureWarning:cupy" \
+    tests/test_cuda.py -k from_dlpack 2>&1 | tee "$OUT/pytest_cuda_ipc.log"
+echo "pytest exit: ${PIPESTATUS[0]}"
 echo "== pytest -m cuda"
 # pytest turns warnings into errors: CuPy's own import-time warnings are not ours to fail on
 timeout 420 python -m pytest -m cuda -v -p no:cacheprovider \

@@ -263,3 +263,53 @@ def test_compaction_moves_gpu_storages_and_keeps_their_bytes(gpu_server: Running
             assert float(host(big).sum()) == 0.0
     finally:
         running.stop()
+
+
+def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
+    gpu_server: RunningServer, c: Any
+) -> None:
+    # same-host zero copy over CUDA IPC: a second process aliases the server's GPU memory,
+    # sees the server's queued work complete, and its writes are seen by the next call
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    values = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    x = c.tensor(values, device=GPU) + 1  # an op queued on the server stream
+    c.put("ipc-shared", x, overwrite=True)
+    body = f"""
+        import torch, tensord
+        client = tensord.connect({gpu_server.address!r})
+        x = client.get("ipc-shared")
+        t = torch.from_dlpack(x.t().narrow(0, 2, 10))
+        assert t.device.type == "cuda" and t.shape == (10, 64), (t.device, t.shape)
+        assert t.stride() == (1, 48), t.stride()
+        assert float(t[0, 0]) == 3.0, float(t[0, 0])  # values[0, 2] + 1
+        t.mul_(3)  # on torch's stream; the next call waits for it
+        client.get("ipc-shared").add_(0)
+        stats = client.memory_stats("cuda:0")
+        assert stats["exports.imported_segments.current"] == 1, stats
+        del t
+        client.close()
+        print("done", flush=True)
+        """
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo / "client"), str(repo / "server")]),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(body)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    expected = values + 1
+    expected.T[2:12] *= 3
+    np.testing.assert_array_equal(host(x), expected)
+    assert gpu_server.daemon.memory_stats(GPU)["exports.imported_segments.current"] == 0
+    c.delete("ipc-shared")

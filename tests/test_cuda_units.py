@@ -178,6 +178,12 @@ class FakeRuntime:
         self.events: list[FakeEvent] = []
         self.copies: list[tuple[str, int]] = []  # (kind, nbytes), as queued
         self.fail_status = 0  # nonzero: the next malloc fails with it
+        # CUDA IPC: handles made, imports open by address, frees of imported allocations
+        self.handles: dict[bytes, int] = {}
+        self.open_imports: dict[int, int] = {}
+        self.opened: list[int] = []  # flags of every ipcOpenMemHandle
+        self.freed_while_imported: list[int] = []
+        self.device_syncs = 0
 
     def getDeviceCount(self) -> int:
         return self.count
@@ -199,8 +205,12 @@ class FakeRuntime:
         self.in_use += nbytes
         return int(buffer.ctypes.data)
 
+    cudaIpcMemLazyEnablePeerAccess = 1
+
     def free(self, address: int) -> None:
         assert all(not s.queue for s in self.streams.values()), "freed with copies pending"
+        if self.open_imports.get(address):  # CUDA: the allocation must outlive its importers
+            self.freed_while_imported.append(address)
         self.in_use -= self.buffers.pop(address).size
 
     def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
@@ -209,7 +219,35 @@ class FakeRuntime:
 
     def pointerGetAttributes(self, address: int) -> Any:
         pinned = any(a <= address < a + n for a, n in self.pinned)
-        return types.SimpleNamespace(type=1 if pinned else 0)
+        return types.SimpleNamespace(type=1 if pinned else 0, device=0)
+
+    def deviceSynchronize(self) -> None:
+        self.device_syncs += 1
+        for stream in list(self.streams.values()):
+            stream.synchronize()
+
+    # CUDA IPC as the runtime behaves: a 64-byte handle of a whole allocation; opening it
+    # maps the same memory (here: the same address, one process plays both sides);
+    # closing an address not open is cudaErrorInvalidValue
+    def ipcGetMemHandle(self, address: int) -> bytes:
+        if address not in self.buffers:
+            raise FakeCudaError(1)
+        handle = address.to_bytes(8, "little") + bytes(56)
+        self.handles[handle] = address
+        return handle
+
+    def ipcOpenMemHandle(self, handle: bytes, flags: int = 1) -> int:
+        address = self.handles.get(bytes(handle)) if len(handle) == 64 else None
+        if address is None or address not in self.buffers:
+            raise FakeCudaError(400)  # cudaErrorInvalidResourceHandle
+        self.opened.append(flags)
+        self.open_imports[address] = self.open_imports.get(address, 0) + 1
+        return address
+
+    def ipcCloseMemHandle(self, address: int) -> None:
+        if not self.open_imports.get(address):
+            raise FakeCudaError(1)
+        self.open_imports[address] -= 1
 
 
 class FakePinnedMemory:
@@ -227,6 +265,8 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
         Stream=lambda non_blocking=False: FakeStream(runtime, non_blocking),
         PinnedMemory=lambda nbytes: FakePinnedMemory(nbytes, runtime),
         PinnedMemoryPointer=lambda memory, offset: memoryview(memory.buffer)[offset:],
+        UnownedMemory=FakeUnownedMemory,
+        MemoryPointer=FakeMemoryPointer,
     )
     module = types.ModuleType("cupy")
     module.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
@@ -260,8 +300,38 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
     return module
 
 
+class FakeUnownedMemory:
+    def __init__(self, ptr: int, size: int, owner: object, device_id: int = 0) -> None:
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+
+class FakeMemoryPointer:
+    def __init__(self, mem: FakeUnownedMemory, offset: int) -> None:
+        self.mem, self.offset, self.ptr = mem, offset, mem.ptr + offset
+
+
+class _FakeDeviceBytes:
+    """The bytes of a memory pointer as an array source; keeps the pointer (and its owner)."""
+
+    def __init__(self, memptr: FakeMemoryPointer) -> None:
+        self.memptr = memptr
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (memptr.mem.size - memptr.offset,),
+            "typestr": "|u1",
+            "data": (memptr.ptr, False),
+        }
+
+
 class FakeGpuArray(np.ndarray):
-    """A "CuPy array" on fake GPU 0: host memory, with CuPy's ``device`` and ``data.ptr``."""
+    """A "CuPy array" on fake GPU 0: host memory, with CuPy's ``device`` and ``data.ptr``;
+    ``FakeGpuArray(shape, dtype, memptr=, strides=)`` is over a memory pointer, as CuPy's."""
+
+    def __new__(
+        cls, shape: Any, dtype: Any = float, memptr: Any = None, strides: Any = None
+    ) -> FakeGpuArray:
+        source = np.asarray(_FakeDeviceBytes(memptr))
+        return np.ndarray.__new__(cls, shape, dtype, buffer=source, strides=strides)
 
     @property
     def device(self) -> FakeDevice:
@@ -283,6 +353,7 @@ def cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(cuda_backend, "_GPUS", {})
     monkeypatch.setattr(cuda_backend, "_PEERS", set())
     yield module
+    assert not module.cuda.runtime.freed_while_imported, "cudaFree of an imported segment"
 
 
 def small_staging(buffer_bytes: int = 4096, kept: int = 1) -> cuda_backend.PinnedStagingPool:
@@ -592,3 +663,105 @@ def test_complex_to_bool_on_a_gpu_is_nonzero(cupy: Any) -> None:
     host_bool = np.zeros(4, np.bool_)  # GPU -> host converts on the host
     kernels.assign(np, host_bool, _gpu_tensor(cupy, values, dtypes.complex128))
     np.testing.assert_array_equal(host_bool, [True, False, True, True])
+
+
+# ---------------------------------------------------------------------------
+# CUDA IPC (same-host zero copy of GPU Storages) against the fake
+
+
+@pytest.fixture
+def gpu_server(cupy: Any) -> Iterator[Any]:
+    from conftest import start_server
+
+    running = start_server(devices=("cpu=64MiB", "cuda:0=64MiB"))
+    yield running
+    running.stop()
+
+
+def _imported(server: Any) -> tuple[int, int]:
+    stats = server.daemon.memory_stats("cuda:0")
+    return stats["exports.imported_segments.current"], stats["exports.imported_bytes.current"]
+
+
+def test_a_gpu_export_is_an_ipc_import_of_final_bytes(cupy: Any, gpu_server: Any) -> None:
+    import tensord
+
+    runtime = cupy.cuda.runtime
+    values = np.arange(48, dtype=np.float32).reshape(6, 8)
+    with tensord.connect(gpu_server.address) as client:
+        x = client.tensor(values, device="cuda:0")  # its copies stay queued on the stream
+        assert x.__dlpack_device__() == (2, 0)
+        view = x.t().narrow(0, 1, 5)
+        alias = np.from_dlpack(view)  # the fake's capsules are NumPy's over the same bytes
+        # Export synchronized the server stream first: the queued upload is visible
+        np.testing.assert_array_equal(alias, values.T[1:6])
+        assert runtime.opened == [runtime.cudaIpcMemLazyEnablePeerAccess]
+        syncs = runtime.device_syncs
+        alias *= 2  # the consumer's write, ordered before the next call
+        np.testing.assert_array_equal(x.cpu().numpy()[:, 1:6], values[:, 1:6] * 2)
+        assert runtime.device_syncs > syncs  # the call waited for this process's GPU work
+        second = np.from_dlpack(x)  # a second export of the same segment: opened once
+        assert len(runtime.opened) == 1 and sum(runtime.open_imports.values()) == 1
+        assert _imported(gpu_server)[0] == 1
+        del alias, second
+        client._conn.flush_releases()  # the import is closed and reported
+        assert sum(runtime.open_imports.values()) == 0
+        assert _imported(gpu_server) == (0, 0)
+
+
+def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_server: Any) -> None:
+    import tensord
+    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+
+    runtime = cupy.cuda.runtime
+    pool = gpu_server.daemon.device("cuda:0").pool
+    with tensord.connect(gpu_server.address) as client:
+        local = client._local
+        local.close_idle_imports = lambda: []  # a client that keeps its import open
+        x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB
+        alias = np.from_dlpack(x)
+        del x, alias  # the handle and the export end; the segment stays imported
+        client._conn.flush_releases()
+        assert sum(runtime.open_imports.values()) == 1
+        assert _imported(gpu_server) == (1, 40 * MiB)
+        gpu_server.daemon.empty_cache("cuda:0")  # vetoed
+        with pytest.raises(OutOfMemoryError):  # the OOM release is vetoed too
+            client.zeros(13 * MiB, dtype=tensord.float32, device="cuda:0")  # 52 MiB
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 40 * MiB
+        assert not runtime.freed_while_imported
+        del local.close_idle_imports
+        closed = local.close_idle_imports()
+        assert [(c.segment_id, c.exports) for c in closed] == [(closed[0].segment_id, 1)]
+        client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(closed_imports=closed))
+        assert _imported(gpu_server) == (0, 0)
+        gpu_server.daemon.empty_cache("cuda:0")
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_sessions_imports_end_with_it(cupy: Any, gpu_server: Any) -> None:
+    import tensord
+
+    client = tensord.connect(gpu_server.address)
+    x = client.ones(1000, device="cuda:0")
+    alias = np.from_dlpack(x)
+    assert _imported(gpu_server)[0] == 1
+    client.close()  # the array outlives the client: its import stays open, the count ends
+    assert _imported(gpu_server) == (0, 0)
+    assert alias.sum() == 1000
+    cupy.cuda.runtime.ipcCloseMemHandle(next(iter(cupy.cuda.runtime.handles.values())))
+
+
+def test_an_export_answered_while_its_import_closes_keeps_the_count(cupy: Any) -> None:
+    from tensord_server.exports import ExportTable
+
+    table = ExportTable.__new__(ExportTable)
+    table._lock = __import__("threading").Lock()
+    table._imports = {5: {"s": 3}}
+    table._import_sizes = {5: ("cuda:0", MiB)}
+    session = types.SimpleNamespace(id="s")
+    table.imports_closed(session, [(5, 2)])  # the client closed after two; a third is in flight
+    assert table._imports == {5: {"s": 1}}
+    table.imports_closed(types.SimpleNamespace(id="other"), [(5, 9)])  # not its import
+    assert table._imports == {5: {"s": 1}}
+    table.imports_closed(session, [(5, 1)])
+    assert table._imports == {} and table._import_sizes == {}

@@ -273,3 +273,31 @@ def test_a_remote_looking_client_falls_back_to_grpc(
         client.flush()
         session = server.daemon.sessions.peek(client.session_id)
         assert server.daemon.exports.count(session.id) == 0  # the failed export was released
+
+
+def test_a_silent_fd_socket_connection_does_not_delay_another_clients_mapping(
+    fresh_server: Any,
+) -> None:
+    import socket
+    import time
+
+    with tensord.connect(fresh_server.address) as first:
+        first.tensor(np.ones(MIN_FAST, np.uint8))  # the fd socket exists now
+        path = fresh_server.daemon.exports.socket_path
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        silent.connect(path)  # connects and sends nothing
+        try:
+            time.sleep(0.1)  # the server accepted it and waits for its ticket line
+            with tensord.connect(fresh_server.address) as second:
+                started = time.monotonic()
+                x = second.tensor(np.arange(MIN_FAST, dtype=np.uint8))
+                elapsed = time.monotonic() - started
+                assert second._local.enabled, second._local.reason  # it mapped, no fallback
+                assert second._local.mapped_count() == 1
+                assert elapsed < 1.0, elapsed
+                np.testing.assert_array_equal(x.numpy(), np.arange(MIN_FAST, dtype=np.uint8))
+        finally:
+            silent.close()
+
+
+MIN_FAST = _local.MIN_FAST_BYTES

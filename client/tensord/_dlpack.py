@@ -8,8 +8,13 @@ the GIL and drop one reference) and the copy/device keywords.  That reference is
 what keeps the export alive: when the consumer frees its tensor, the array goes,
 and with it the export's pin (its id is queued for the next ReleaseExports).
 
-NumPy has no bfloat16: such tensors are exported as uint16 and the capsule's dtype
-is then rewritten in place to DLPack's kDLBfloat, 16 bits, before anyone sees it.
+A ``cuda`` tensor's capsule is CuPy's, of a CuPy array over this process's CUDA IPC
+import of the server's segment (:class:`tensord._local.CudaExport`), device kDLCUDA.
+The Export behind it synchronized the server's stream, so the bytes are final for
+any consumer stream: ``stream`` needs no wait and is accepted as the array API says.
+
+NumPy and CuPy have no bfloat16: such tensors are exported as uint16 and the capsule's
+dtype is then rewritten in place to DLPack's kDLBfloat, 16 bits, before anyone sees it.
 """
 
 from __future__ import annotations
@@ -76,11 +81,10 @@ def to_dlpack(
         raise errors.TensordRuntimeError(
             "Can't export tensors that require gradient, use tensor.detach()"
         )
+    if tensor.device.type == "cuda":
+        return _cuda_capsule(tensor, max_version=max_version, dl_device=dl_device, copy=copy)
     if tensor.device.type != "cpu":
-        raise BufferError(
-            f"DLPack export of {tensor.device} tensors needs CUDA IPC, which this SDK does not "
-            "implement yet; copy it to the cpu first"
-        )
+        raise BufferError(f"DLPack export of {tensor.device} tensors is not supported")
     if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
         raise BufferError(
             f"a tensord cpu tensor cannot be exported to DLPack device {tuple(dl_device)}"
@@ -102,6 +106,45 @@ def to_dlpack(
                 "pass copy=True for a copy"
             )
     capsule = array.__dlpack__(**kwargs)
+    if bfloat16:
+        _retag_bfloat16(capsule)
+    return capsule
+
+
+def _cuda_capsule(
+    tensor: Tensor,
+    *,
+    max_version: tuple[int, int] | None,
+    dl_device: tuple[int, int] | None,
+    copy: bool | None,
+) -> Any:
+    """A kDLCUDA capsule aliasing the server's GPU memory (a device copy when ``copy``)."""
+    export = tensor.client._local_export(tensor.handle)
+    if export is None or not hasattr(export, "device_index"):
+        raise BufferError(
+            f"zero-copy DLPack export of a {tensor.device} tensor is impossible: "
+            f"{tensor.client._local_reason()}; copy it to the cpu first"
+        )
+    here = (KDL_CUDA, export.device_index)
+    if dl_device is not None and tuple(dl_device) != here:
+        raise BufferError(
+            f"this {tensor.device} tensor cannot be exported to DLPack device "
+            f"{tuple(dl_device)}: it lives on {here}"
+        )
+    if export.device_index != (tensor.device.index or 0):
+        raise BufferError(
+            f"the server's {tensor.device} is cuda:{export.device_index} in this process: "
+            "give both the same CUDA_VISIBLE_DEVICES"
+        )
+    bfloat16 = tensor.dtype is dtypes.bfloat16
+    np_dtype = np.dtype(np.uint16) if bfloat16 else dtypes.to_numpy_dtype(tensor.dtype)
+    array: Any = export.array(np_dtype, tensor._meta.layout)  # a CuPy array
+    if copy:
+        array = array.copy()  # on the same GPU; the export goes once the copy is made
+    try:
+        capsule = array.__dlpack__(**({"max_version": max_version} if max_version else {}))
+    except TypeError:  # a CuPy older than the versioned protocol
+        capsule = array.__dlpack__()
     if bfloat16:
         _retag_bfloat16(capsule)
     return capsule

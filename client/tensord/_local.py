@@ -12,6 +12,17 @@ Mappings are cached by (server instance, segment id) and unmapped once no array 
 them is alive and the server says the segment is gone (it answers that with each
 batch of ReleaseExports).  An :class:`Export` lives while any array made over it does;
 when the last one is collected its id is queued and sent in the next batch.
+
+A GPU segment is *imported* instead: the Export's answer carries its CUDA IPC handle
+(the server synchronized its stream first, so every op queued before is complete),
+opened once per (server instance, segment) with ``cupy.cuda.runtime.ipcOpenMemHandle``;
+arrays over it are CuPy arrays (:class:`CudaExport`), whose DLPack capsules are of
+device kDLCUDA.  The server never frees a segment a session imported, so an import is
+closed (``ipcCloseMemHandle``) as soon as no array over it is alive, at the next batch
+of ReleaseExports, which reports it closed.  While imports are open, every call the
+client makes first waits for the GPUs it imported from (``cudaDeviceSynchronize``):
+the consumer's writes, on whatever stream, are complete before the server's next op.
+CuPy is needed only here, and imported only for a GPU export.
 """
 
 from __future__ import annotations
@@ -140,15 +151,19 @@ class LocalMapper:
         self.enabled = enabled
         self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
         self.last_refusal = ""  # why the server last refused an Export
-        self._lock = threading.Lock()  # guards _segments and every Segment.exports
+        # guards _segments, _imports and their counters; reentrant: an export's finalizer may
+        # run on a collection triggered while this thread holds it
+        self._lock = threading.RLock()
         self._segments: dict[tuple[str, int], Segment] = {}
+        self._open_lock = threading.Lock()  # one CUDA IPC open or close at a time
+        self._imports: dict[tuple[str, int], CudaImport] = {}
         self._pending: collections.deque[str] = collections.deque()
 
     def disable(self, reason: str) -> None:
         self.enabled = False
         self.reason = reason
 
-    def export(self, handle: str) -> Export | None:
+    def export(self, handle: str) -> Export | CudaExport | None:
         """An export of the handle's Storage mapped here, or None (the caller uses gRPC):
         this client cannot map the server's memory, or this device's memory is not mappable."""
         if not self.enabled:
@@ -159,6 +174,8 @@ class LocalMapper:
             self.last_refusal = str(exc)
             return None
         key = (response.server_instance, int(response.segment_id))
+        if response.device.startswith("cuda"):
+            return self._export_cuda(key, response)
         try:
             segment = self._segment(key, response)
         except (OSError, ValueError) as exc:
@@ -188,6 +205,66 @@ class LocalMapper:
             segment.exports += 1
         return segment
 
+    def _export_cuda(self, key: tuple[str, int], response: pb.ExportResponse) -> CudaExport | None:
+        """A GPU export over this process's import of its segment (opened here if new)."""
+        try:
+            imported = self._import(key, response)
+        except ImportError:
+            self.last_refusal = "zero copy of GPU memory needs CuPy in the client"
+            self._conn.queue_export_release(response.export_id)
+            return None
+        except Exception as exc:  # CuPy's CUDARuntimeError (no GPU, another host)
+            self.last_refusal = f"this client cannot open the server's GPU memory ({exc})"
+            self._conn.queue_export_release(response.export_id)
+            return None
+        return CudaExport(self, response, imported)
+
+    def _import(self, key: tuple[str, int], response: pb.ExportResponse) -> CudaImport:
+        with self._open_lock:
+            with self._lock:
+                imported = self._imports.get(key)
+                if imported is not None:
+                    imported.exports += 1
+                    imported.opened_for += 1
+                    return imported
+            imported = CudaImport.open(key, response)
+            with self._lock:
+                self._imports[key] = imported
+            return imported
+
+    def cuda_ended(self, export_id: str, imported: CudaImport) -> None:
+        """A GPU export's last array was collected (any thread): never blocks for long."""
+        with self._lock:
+            imported.exports -= 1
+        self._conn.queue_export_release(export_id)
+
+    def close_idle_imports(self) -> list[pb.ClosedImport]:
+        """Close the imports no array uses any more; what to report to the server."""
+        if not self._imports:
+            return []
+        with self._open_lock:
+            with self._lock:
+                idle = [k for k, i in self._imports.items() if i.exports == 0 and i.opened_for]
+                closing = [self._imports.pop(k) for k in idle]
+            for imported in closing:
+                imported.close()
+        return [pb.ClosedImport(segment_id=i.id, exports=i.opened_for) for i in closing]
+
+    def before_call(self) -> None:
+        """Make the consumer's GPU work on imported memory complete before the next call."""
+        if not self._imports:
+            return
+        with self._lock:
+            indices = {i.device_index for i in self._imports.values()}
+        cupy = _cupy()
+        for index in sorted(indices):
+            with cupy.cuda.Device(index):
+                cupy.cuda.runtime.deviceSynchronize()
+
+    def imported_segments(self) -> list[int]:
+        with self._lock:
+            return [k[1] for k in self._imports]
+
     def ended(self, export_id: str, segment: Segment) -> None:
         """An export's last array was collected (any thread, even at exit): never blocks."""
         with self._lock:
@@ -212,8 +289,105 @@ class LocalMapper:
             return len(self._segments)
 
     def close(self) -> None:
+        """Forget the mappings; close the GPU imports no array uses (an array still alive
+        keeps its import open until this process exits)."""
         with self._lock:
             self._segments.clear()
+        with contextlib.suppress(Exception):
+            self.close_idle_imports()
+
+
+def _cupy() -> Any:
+    import cupy  # deferred: CuPy is an optional extra, needed only for GPU exports
+
+    return cupy
+
+
+class CudaImport:
+    """A server GPU segment opened in this process through its CUDA IPC handle.
+
+    ``exports`` counts the live :class:`CudaExport` objects over it, ``opened_for`` the
+    Exports this open served (reported back when it is closed).
+    """
+
+    __slots__ = ("device_index", "device_ptr", "exports", "id", "key", "nbytes", "opened_for")
+
+    def __init__(self, key: tuple[str, int], device_ptr: int, device_index: int, nbytes: int):
+        self.key = key
+        self.id = key[1]
+        self.device_ptr = device_ptr
+        self.device_index = device_index
+        self.nbytes = nbytes
+        self.exports = 1
+        self.opened_for = 1
+
+    @classmethod
+    def open(cls, key: tuple[str, int], response: pb.ExportResponse) -> CudaImport:
+        cupy = _cupy()
+        runtime = cupy.cuda.runtime
+        server_index = int(response.device.partition(":")[2] or 0)
+        if not response.ipc_handle:  # a zero-byte Storage: nothing to open
+            return cls(key, 0, server_index, 0)
+        flags = getattr(runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
+        with cupy.cuda.Device(server_index):
+            pointer = int(runtime.ipcOpenMemHandle(bytes(response.ipc_handle), flags))
+        # the GPU it is on, as this process numbers them (CUDA_VISIBLE_DEVICES may differ)
+        device = int(getattr(runtime.pointerGetAttributes(pointer), "device", server_index))
+        return cls(key, pointer, device, int(response.segment_nbytes))
+
+    def close(self) -> None:
+        if self.device_ptr:
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device_index):
+                cupy.cuda.runtime.ipcCloseMemHandle(self.device_ptr)
+        self.device_ptr = 0
+
+
+class CudaExport:
+    """A pinned GPU Storage of the server, imported here: CuPy arrays over its bytes.
+
+    Every array made by :meth:`array` holds this object (as the owner of its memory), so
+    the import stays open while any array, or DLPack capsule of one, lives.
+    """
+
+    def __init__(
+        self, mapper: LocalMapper, response: pb.ExportResponse, imported: CudaImport
+    ) -> None:
+        self.id = response.export_id
+        self.meta = response.tensor
+        self.storage_start = response.storage_byte_offset
+        self.storage_nbytes = response.tensor.storage_nbytes
+        self.imported = imported
+        self._finalizer = weakref.finalize(self, mapper.cuda_ended, response.export_id, imported)
+        self._finalizer.atexit = False
+
+    @property
+    def device_index(self) -> int:
+        return self.imported.device_index
+
+    def array(self, dtype: np.dtype, layout: Layout) -> Any:
+        """A CuPy array of ``layout`` (in elements of ``dtype``) aliasing the Storage."""
+        cupy = _cupy()
+        itemsize = dtype.itemsize
+        with cupy.cuda.Device(self.device_index):
+            if self.storage_nbytes == 0 or layout.numel == 0:
+                return cupy.empty(layout.shape, dtype=dtype)
+            memory = cupy.cuda.UnownedMemory(
+                self.imported.device_ptr + self.storage_start,
+                self.storage_nbytes,
+                self,
+                device_id=self.device_index,
+            )
+            pointer = cupy.cuda.MemoryPointer(memory, layout.offset * itemsize)
+            return cupy.ndarray(
+                layout.shape,
+                dtype=dtype,
+                memptr=pointer,
+                strides=tuple(s * itemsize for s in layout.stride),
+            )
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 def no_internal_overlap(layout: Layout) -> bool:

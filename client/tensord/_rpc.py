@@ -512,6 +512,8 @@ class Connection:
         replaces it at once (so new tensors work) and the caller learns its tensors
         are gone from a SessionLostError, not from an "unknown handle" later.
         """
+        if self.local is not None:  # a consumer's GPU writes complete before the server's op
+            self.local.before_call()
         try:
             return fn()
         except grpc.RpcError as err:
@@ -621,7 +623,10 @@ class Connection:
                     batch.append(self._pending_exports.popleft())
             if batch and not self._closed.is_set():
                 mapped = self.local.mapped_segments() if self.local is not None else []
-                request = pb.ReleaseExportsRequest(export_ids=batch, mapped_segments=mapped)
+                closed = self.local.close_idle_imports() if self.local is not None else []
+                request = pb.ReleaseExportsRequest(
+                    export_ids=batch, mapped_segments=mapped, closed_imports=closed
+                )
                 with contextlib.suppress(errors.TensordError):  # the session's end frees them
                     response = self._unary("ReleaseExports", request, timeout=CLOSE_TIMEOUT_S)
                     if self.local is not None:

@@ -224,7 +224,7 @@ class Client:
             np.copyto(export.storage_bytes()[: array.nbytes], array.reshape(-1).view(np.uint8))
             return tensor
 
-    def _local_export(self, handle: str) -> _local.Export | None:
+    def _local_export(self, handle: str) -> _local.Export | _local.CudaExport | None:
         return self._local.export(handle)
 
     def _local_reason(self) -> str:

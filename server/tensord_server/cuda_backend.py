@@ -48,6 +48,7 @@ from tensord_server.backends import (
     HostBackend,
     check_range,
 )
+from tensord_server.shm import next_segment_id
 
 # Capacity held back from the pool by default: CUDA contexts, cuBLAS workspaces and
 # CuPy's kernel cache need device memory outside our pool.
@@ -354,6 +355,9 @@ class CudaBackend:
             name = cupy.cuda.runtime.getDeviceProperties(self.index)["name"]
         self.description = name.decode() if isinstance(name, bytes) else str(name)
         self.total_bytes = default_capacity(free_bytes) if total_bytes is None else int(total_bytes)
+        # CUDA IPC (same-host zero copy): each exported segment's id and handle, by address
+        self._ipc_lock = threading.Lock()
+        self._ipc: dict[int, tuple[int, bytes]] = {}
 
     # -- the Backend protocol -------------------------------------------------
 
@@ -374,10 +378,39 @@ class CudaBackend:
         if memory.nbytes == 0:
             return
         runtime = _cupy().cuda.runtime
+        with self._ipc_lock:  # a later segment at this address gets a new id and handle
+            self._ipc.pop(memory.address, None)
         with self._cuda_device:
             # Work queued on the server stream may still read this segment.
             self.stream.synchronize()
             runtime.free(memory.address)
+
+    # -- CUDA IPC -------------------------------------------------------------
+
+    def ipc_export(self, memory: DeviceMemory) -> tuple[int, bytes]:
+        """(segment id, cudaIpcMemHandle_t) of a segment, for a same-host client to open.
+
+        Waits first for every kernel and copy queued on the server stream: the
+        importer's work is on its own streams and must see the bytes final.  The
+        handle is made once per segment (cudaIpcGetMemHandle of the whole
+        cudaMalloc allocation) and cached until the segment is released.
+        """
+        self.synchronize()
+        with self._ipc_lock:
+            known = self._ipc.get(memory.address)
+        if known is not None:
+            return known
+        runtime = _cupy().cuda.runtime
+        with self._cuda_device:
+            handle = bytes(runtime.ipcGetMemHandle(memory.address))
+        with self._ipc_lock:
+            return self._ipc.setdefault(memory.address, (next_segment_id(), handle))
+
+    def ipc_segment_id(self, memory: DeviceMemory) -> int | None:
+        """The id of a segment ever exported (None: never exported, so never imported)."""
+        with self._ipc_lock:
+            known = self._ipc.get(memory.address)
+        return None if known is None else known[0]
 
     def view(self, memory: DeviceMemory, offset: int, nbytes: int) -> Any:
         """A zero-copy CuPy uint8 array over ``nbytes`` of the segment from ``offset``."""

@@ -15,6 +15,14 @@ Without ``--auth-tokens`` the socket is 0600 in a 0700 directory and the peer's 
 (SO_PEERCRED) must be the server's; with tenants it may be reached by any local
 user (0666 in a 0711 directory): the ticket, known only to its session, is the key.
 A client on another host never gets a descriptor: the socket is local.
+
+GPU segments (raw ``cudaMalloc``) are exported by their CUDA IPC handle instead
+(:meth:`CudaBackend.ipc_export`, after the server stream is synchronized).  An
+Export of a GPU Storage counts as an *import* of its segment by the session until
+the client reports the handle closed (ReleaseExports' ``closed_imports``) or the
+session ends; the segment's pool never returns a segment with imports to the device
+(:meth:`ExportTable.segment_releasable`, the pool's veto): CUDA requires the
+allocation to outlive every process that opened it.
 """
 
 from __future__ import annotations
@@ -30,10 +38,14 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
+from tensord_server.backends import DeviceMemory
+from tensord_server.cuda_backend import CudaBackend
+from tensord_server.pool import CachingPool
 from tensord_server.sessions import Session, SessionManager
 from tensord_server.shm import SharedHostBackend
 from tensord_server.storage import Storage, StorageRegistry
@@ -48,6 +60,11 @@ MAX_TICKETS = 4096
 # One fd request: a ticket line of at most this many bytes, within this many seconds.
 MAX_TICKET_LINE = 128
 FD_REQUEST_TIMEOUT_S = 2.0
+# Requests answered at once (a thread each), and per peer uid: a connection that sends
+# nothing holds one for at most FD_REQUEST_TIMEOUT_S and never delays another client's.
+# A connection beyond either bound is closed unanswered (its client falls back to gRPC).
+MAX_FD_HANDLERS = 16
+MAX_FD_HANDLERS_PER_PEER = 4
 # How often the accept loop checks for shutdown.
 ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
@@ -61,6 +78,7 @@ class Export:
     segment_id: int
     segment_nbytes: int
     byte_offset: int  # of the Storage's first byte in its segment (fixed: it is pinned)
+    ipc_handle: bytes = b""  # a GPU segment's cudaIpcMemHandle_t; empty for host memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +101,9 @@ class ExportTable:
         self._lock = threading.Lock()  # guards the two dicts below
         self._exports: dict[str, Export] = {}
         self._tickets: OrderedDict[str, Ticket] = OrderedDict()
+        # CUDA IPC imports: segment id -> {session id: Exports answered with its handle}
+        self._imports: dict[int, dict[str, int]] = {}
+        self._import_sizes: dict[int, tuple[str, int]] = {}  # segment id -> (device, bytes)
         self._dir = tempfile.mkdtemp(prefix="tensord-shm-")  # 0700
         self.socket_path = os.path.join(self._dir, _SOCKET_NAME)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,6 +116,7 @@ class ExportTable:
         self._listener.listen(64)
         self._listener.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
+        self._handlers: dict[int, int] = {}  # peer uid -> requests being answered; _lock
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -113,13 +135,15 @@ class ExportTable:
         with self.sessions.pinned(session, handle) as (ref,):
             storage = ref.storage
             backend = storage.device.backend
-            if not isinstance(backend, SharedHostBackend):
+            if not isinstance(backend, SharedHostBackend | CudaBackend):
                 raise FailedPreconditionError(
                     f"the memory of {storage.device.name} ({storage.device.description}) cannot "
                     "be mapped by clients; use the gRPC transfers"
                 )
             self.storages.pin(storage)  # the export's own pin, held past this block
         block = storage.block  # fixed now: a pinned Storage never moves
+        if isinstance(backend, CudaBackend):
+            return self._export_cuda(session, storage, backend), ""
         segment = backend.segment(block.segment.memory)
         export = Export(
             id=secrets.token_urlsafe(16),
@@ -139,6 +163,79 @@ class ExportTable:
             raise NotFoundError("unknown session")
         return export, ticket
 
+    def _export_cuda(self, session: Session, storage: Storage, backend: CudaBackend) -> Export:
+        """(the Storage is pinned) Its segment's IPC handle, the import counted first."""
+        memory = storage.block.segment.memory
+        if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
+            export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
+            with self._lock:
+                self._exports[export.id] = export
+            return export
+        try:
+            segment_id, handle = backend.ipc_export(memory)
+        except BaseException:
+            self.storages.unpin(storage)
+            raise
+        export = Export(
+            id=secrets.token_urlsafe(16),
+            session_id=session.id,
+            storage=storage,
+            segment_id=segment_id,
+            segment_nbytes=memory.nbytes,
+            byte_offset=storage.block.offset,
+            ipc_handle=handle,
+        )
+        with self._lock:
+            self._exports[export.id] = export
+            importers = self._imports.setdefault(segment_id, {})
+            importers[session.id] = importers.get(session.id, 0) + 1
+            self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
+        if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
+            self.session_ended(session)
+            raise NotFoundError("unknown session")
+        return export
+
+    def imports_closed(self, session: Session, closed: list[tuple[int, int]]) -> None:
+        """The client closed these imports: (segment id, Exports it opened the handle for).
+        Only this session's own counts drop, never below zero."""
+        with self._lock:
+            for segment_id, exports in closed:
+                importers = self._imports.get(segment_id)
+                if importers is None or session.id not in importers:
+                    continue
+                left = importers[session.id] - max(0, exports)
+                if left > 0:
+                    importers[session.id] = left
+                    continue
+                del importers[session.id]
+                if not importers:
+                    del self._imports[segment_id]
+                    del self._import_sizes[segment_id]
+
+    def segment_releasable(self, backend: CudaBackend) -> Callable[[DeviceMemory], bool]:
+        """The veto for ``backend``'s pool: a segment some session imported stays."""
+
+        def releasable(memory: DeviceMemory) -> bool:
+            segment_id = backend.ipc_segment_id(memory)
+            if segment_id is None:
+                return True
+            with self._lock:
+                return segment_id not in self._imports
+
+        return releasable
+
+    def watch_pools(self, pools: list[CachingPool]) -> None:
+        """Install the import veto on every GPU pool."""
+        for pool in pools:
+            if isinstance(pool.backend, CudaBackend):
+                pool.segment_releasable = self.segment_releasable(pool.backend)
+
+    def import_stats(self, device_name: str) -> tuple[int, int]:
+        """(segments some session imported, their bytes) on a device."""
+        with self._lock:
+            sizes = [n for d, n in self._import_sizes.values() if d == device_name]
+        return len(sizes), sum(sizes)
+
     def release(self, session: Session, export_ids: list[str]) -> int:
         """End exports of this session; unknown ids are ignored (a deleter may run twice)."""
         ended = []
@@ -157,6 +254,11 @@ class ExportTable:
             ended = [e for e in self._exports.values() if e.session_id == session.id]
             for export in ended:
                 del self._exports[export.id]
+            for segment_id, importers in list(self._imports.items()):
+                importers.pop(session.id, None)  # its process closed them, or soon dies
+                if not importers:
+                    del self._imports[segment_id]
+                    del self._import_sizes[segment_id]
         for export in ended:
             self.storages.unpin(export.storage)
 
@@ -218,18 +320,47 @@ class ExportTable:
                 if self._stop.is_set():
                     return
                 continue
-            with conn, contextlib.suppress(OSError):
-                self._answer(conn)
+            try:
+                creds = conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+                )
+                _pid, uid, _gid = struct.unpack("3i", creds)
+            except OSError:
+                conn.close()
+                continue
+            if not self._take_handler(uid):
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._handle, args=(conn, uid), name="tensord-fd-request", daemon=True
+            ).start()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _take_handler(self, uid: int) -> bool:
+        with self._lock:
+            if (
+                sum(self._handlers.values()) >= MAX_FD_HANDLERS
+                or self._handlers.get(uid, 0) >= MAX_FD_HANDLERS_PER_PEER
+            ):
+                return False
+            self._handlers[uid] = self._handlers.get(uid, 0) + 1
+            return True
+
+    def _handle(self, conn: socket.socket, uid: int) -> None:
+        try:
+            with conn, contextlib.suppress(OSError):
+                self._answer(conn, uid)
+        finally:
+            with self._lock:
+                self._handlers[uid] -= 1
+                if not self._handlers[uid]:
+                    del self._handlers[uid]
+
+    def _answer(self, conn: socket.socket, uid: int) -> None:
         """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out."""
         conn.settimeout(FD_REQUEST_TIMEOUT_S)
-        if not self.tenants:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid():
-                conn.sendall(b"no: only the server's user may map its memory\n")
-                return
+        if not self.tenants and uid != os.getuid():
+            conn.sendall(b"no: only the server's user may map its memory\n")
+            return
         line = b""
         deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
         while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:

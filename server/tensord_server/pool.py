@@ -525,6 +525,9 @@ class CachingPool:
         )
         # who may let blocks move when torch would be out of memory (None: never compact)
         self.relocator: Relocator | None = relocator
+        # beyond torch: may veto returning a segment to the device (a GPU segment other
+        # processes imported through CUDA IPC must outlive their imports); None: never vetoes
+        self.segment_releasable: Callable[[DeviceMemory], bool] | None = None
         self._lock = threading.Lock()  # guards every field below
         self._small = BlockPool(is_small=True)
         self._large = BlockPool(is_small=False)
@@ -827,9 +830,12 @@ class CachingPool:
         target = max(size, self.max_split_size)
         keys = pool.keys
         index = bisect.bisect_left(keys, (stream, target, -1))
-        if index < len(keys) and keys[index][0] == stream:
-            self._release_block(pool.free_blocks[keys[index][2]])
-            return True
+        for above in range(index, len(keys)):  # the smallest large enough (torch: the first)
+            if keys[above][0] != stream:
+                break
+            if self._releasable(pool.free_blocks[keys[above][2]]):
+                self._release_block(pool.free_blocks[keys[above][2]])
+                return True
         # No single block is large enough: free oversize ones, the largest first.
         released = 0
         index -= 1
@@ -840,8 +846,9 @@ class CachingPool:
             and keys[index][1] >= self.max_split_size
         ):
             block = pool.free_blocks[keys[index][2]]
-            released += block.size
-            self._release_block(block)  # deletes keys[index]; the ones below keep their places
+            if self._releasable(block):
+                released += block.size
+                self._release_block(block)  # deletes keys[index]; those below keep their places
             index -= 1
         return released >= target
 
@@ -850,9 +857,18 @@ class CachingPool:
         self._stats.num_sync_all_streams += 1
         for pool in (self._large, self._small):
             for block in [pool.free_blocks[key[2]] for key in pool.keys]:
-                if not block.is_split():
+                if not block.is_split() and self._releasable(block):
                     self._release_block(block)
         return True
+
+    def _releasable_segment(self, segment: Segment) -> bool:
+        veto = self.segment_releasable
+        return veto is None or veto(segment.memory)
+
+    def _releasable(self, block: Block) -> bool:
+        """Whether the segment of a whole free block may go back to the device now."""
+        veto = self.segment_releasable
+        return veto is None or veto(block.segment.memory)
 
     # -- compaction (beyond torch) ----------------------------------------------
 
@@ -876,7 +892,10 @@ class CachingPool:
                 f"of the {format_size(needed)} needed."
             )
         with self.relocator.relocation(self) as movable:
-            usage = [segment_usage(s, movable) for _, s in sorted(self._segments.items())]
+            usage = [
+                segment_usage(s, movable, releasable=self._releasable_segment(s))
+                for _, s in sorted(self._segments.items())
+            ]
             plan = plan_compaction(usage, needed, self.max_split_size)
             if plan.empty:
                 return None, (
@@ -979,9 +998,11 @@ class CachingPool:
 # Pure helpers for compaction, stats, summaries and snapshots
 
 
-def segment_usage(segment: Segment, movable: Mapping[Block, object]) -> SegmentUsage:
+def segment_usage(
+    segment: Segment, movable: Mapping[Block, object], *, releasable: bool = True
+) -> SegmentUsage:
     """What planning sees of ``segment``: its blocks as numbers, movable if every
-    allocated one is a key of ``movable``."""
+    allocated one is a key of ``movable`` and the segment may be released once empty."""
     blocks = segment.blocks()
     allocated = tuple(
         (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
@@ -993,7 +1014,7 @@ def segment_usage(segment: Segment, movable: Mapping[Block, object]) -> SegmentU
         stream=segment.stream,
         allocated=allocated,
         free=tuple((b.address, b.size) for b in blocks if not b.allocated),
-        movable=all(b in movable for b in blocks if b.allocated),
+        movable=releasable and all(b in movable for b in blocks if b.allocated),
     )
 
 

@@ -197,6 +197,7 @@ class Daemon:
                 self._exports = ExportTable(
                     self.storages, self.sessions, tenants=self.auth_tokens is not None
                 )
+                self._exports.watch_pools([d.pool for d in self.devices])
             return self._exports
 
     def start(self) -> None:
@@ -622,6 +623,11 @@ class Daemon:
         )
         stats["exports.storages.current"] = exported  # pinned for same-host clients
         stats["exports.bytes.current"] = exported_bytes
+        imported, imported_bytes = (
+            self._exports.import_stats(dev.name) if self._exports is not None else (0, 0)
+        )
+        stats["exports.imported_segments.current"] = imported  # held open by CUDA IPC clients
+        stats["exports.imported_bytes.current"] = imported_bytes
         return stats
 
     def memory_summary(self, device: str) -> str:

@@ -529,6 +529,7 @@ class TensordService:
             device=export.storage.device.name,
             fd_socket=table.socket_path,
             ticket=ticket,
+            ipc_handle=export.ipc_handle,
             server_instance=table.instance,
             tensor=encode_meta(Issued(request.handle, ref)),
         )
@@ -539,6 +540,7 @@ class TensordService:
     ) -> pb.ReleaseExportsResponse:
         session = self._session(context)
         table = self.daemon.exports
+        table.imports_closed(session, [(c.segment_id, c.exports) for c in request.closed_imports])
         released = table.release(session, list(request.export_ids))
         backends = [
             d.backend for d in self.daemon.devices if isinstance(d.backend, SharedHostBackend)

@@ -25,8 +25,12 @@ import numpy as np
 from tensord_server.backends import BackendOutOfMemory, DeviceMemory, HostBackend
 
 # Segment ids are never reused within one server process (a client's mapping cache keys
-# on them, together with the server's instance id).
+# on them, together with the server's instance id); GPU segments take theirs from here too.
 _segment_ids = itertools.count(1)
+
+
+def next_segment_id() -> int:
+    return next(_segment_ids)
 
 
 @dataclass(eq=False)
@@ -71,7 +75,7 @@ def create_segment(nbytes: int) -> HostSegment:
         raise BackendOutOfMemory(f"shared host allocation of {nbytes} bytes failed: {exc}") from exc
     advise_huge_pages(mapping)
     array = np.frombuffer(mapping, dtype=np.uint8)
-    return HostSegment(next(_segment_ids), fd, nbytes, mapping, array)
+    return HostSegment(next_segment_id(), fd, nbytes, mapping, array)
 
 
 class SharedHostBackend(HostBackend):

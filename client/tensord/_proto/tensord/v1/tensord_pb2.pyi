@@ -661,12 +661,22 @@ class ExportResponse(_message.Message):
     def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
 
 class ReleaseExportsRequest(_message.Message):
-    __slots__ = ("export_ids", "mapped_segments")
+    __slots__ = ("export_ids", "mapped_segments", "closed_imports")
     EXPORT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     export_ids: _containers.RepeatedScalarFieldContainer[str]
     mapped_segments: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, export_ids: _Optional[_Iterable[str]] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
+    closed_imports: _containers.RepeatedCompositeFieldContainer[ClosedImport]
+    def __init__(self, export_ids: _Optional[_Iterable[str]] = ..., mapped_segments: _Optional[_Iterable[int]] = ..., closed_imports: _Optional[_Iterable[_Union[ClosedImport, _Mapping]]] = ...) -> None: ...
+
+class ClosedImport(_message.Message):
+    __slots__ = ("segment_id", "exports")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    exports: int
+    def __init__(self, segment_id: _Optional[int] = ..., exports: _Optional[int] = ...) -> None: ...
 
 class ReleaseExportsResponse(_message.Message):
     __slots__ = ("released", "gone_segments")

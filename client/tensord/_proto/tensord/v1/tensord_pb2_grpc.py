@@ -443,9 +443,12 @@ class TensordServicer:
         Pins the handle's Storage (compaction never moves it, quotas still charge it) and
         says where its bytes are: a segment of the pool and the offset in it. A client on
         the server's host redeems `ticket` on the unix socket `fd_socket` for the segment's
-        memfd (SCM_RIGHTS) and maps it. The pin lasts until ReleaseExports or the session's
-        end. Counts against --max-handles-per-session. FAILED_PRECONDITION when the device's
-        memory cannot be exported (a pinned host pool, a GPU).
+        memfd (SCM_RIGHTS) and maps it; on a GPU the answer carries the segment's CUDA IPC
+        handle instead (the server's stream is synchronized first) and counts as an import of
+        the segment until the client reports it closed or the session ends: a segment with
+        imports is never returned to the device. The pin lasts until ReleaseExports or the
+        session's end. Counts against --max-handles-per-session. FAILED_PRECONDITION when the
+        device's memory cannot be exported (a pinned host pool).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
