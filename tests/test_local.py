@@ -168,17 +168,19 @@ def test_compaction_skips_exported_storages_and_moves_them_once_released(make_se
         session = daemon.sessions.peek(stub.session_id)
         segments = segments_of(daemon, stub, kept)
         exports = [daemon.exports.export(session, kept[s[0]][0].handle)[0] for s in segments]
-        ptrs = {i: storage_of(daemon, stub, m).data_ptr for i, (m, _) in kept.items()}
+        ptrs = {i: storage_of(daemon, stub, m).block.address for i, (m, _) in kept.items()}
         big_values = random_tensor(99, BIG_ELEMENTS)
         with pytest.raises(grpc.RpcError) as info:
             stub.upload(big_values)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert {i: storage_of(daemon, stub, m).data_ptr for i, (m, _) in kept.items()} == ptrs
+        assert {i: storage_of(daemon, stub, m).block.address for i, (m, _) in kept.items()} == ptrs
         assert daemon.memory_stats("cpu")["exports.storages.current"] == 3
         assert daemon.exports.release(session, [e.id for e in exports]) == 3
         big = stub.upload(big_values)  # released: compaction moves them now
         assert pool.memory_stats()["num_compactions"] == 1
-        moved = {i for i, (m, _) in kept.items() if storage_of(daemon, stub, m).data_ptr != ptrs[i]}
+        moved = {
+            i for i, (m, _) in kept.items() if storage_of(daemon, stub, m).block.address != ptrs[i]
+        }
         assert moved == set(segments[0])
         for meta, values in kept.values():
             np.testing.assert_array_equal(stub.download(meta), values)
