@@ -128,7 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         default=DEFAULT_MAX_OP_ELEMENTS,
         help="refuse an op that would read or write more than N elements (fill_, copy_, "
-        "setitem, clone, contiguous, to, cat, stack, repeat, download; RESOURCE_EXHAUSTED) "
+        "setitem, clone, contiguous, to, cat, stack, repeat, download, arange, full; "
+        "RESOURCE_EXHAUSTED) "
         f"(default: {DEFAULT_MAX_OP_ELEMENTS})",
     )
     parser.add_argument(
