@@ -620,6 +620,11 @@ class Layout:
                 return self
             index = (index,)
         for item in index:
+            if isinstance(item, float):
+                raise IndexError(
+                    "only integers, slices (`:`), ellipsis (`...`), None and long or byte "
+                    "Variables are valid indices (got float)"
+                )
             if not (_is_int(item) or isinstance(item, slice) or item is None or item is Ellipsis):
                 raise TypeError(
                     "tensord supports only basic indexing (ints, slices, None, Ellipsis); "
@@ -821,6 +826,10 @@ class Layout:
 
     def unflatten(self, dim: int, sizes: Sequence[int]) -> Layout:
         """mirrors ATen unflatten (a view: raises when not viewable)."""
+        if not _is_int(dim):  # torch's argument parser, before anything else
+            raise TypeError(
+                f"unflatten(): argument 'dim' (position 1) must be int, not {type(dim).__name__}"
+            )
         sizes = tuple(sizes)
         _check_ints("sizes", sizes)
         if not sizes:
