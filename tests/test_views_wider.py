@@ -371,3 +371,18 @@ def test_unflatten_dim_must_be_an_int(client: tensord.Client) -> None:
     x, t = client.zeros(2, 4), torch.zeros(2, 4)
     both(x, t, lambda a: a.unflatten("A", (2, 2)))
     both(x, t, lambda a: a.unflatten(1.0, (2, 2)))
+
+
+# ---- 6. Python types as dtypes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("py_type", [float, int, bool, complex])
+def test_python_types_are_dtypes_as_in_torch(client: tensord.Client, py_type: type) -> None:
+    expected = dtypes.from_torch(torch.zeros(2, dtype=py_type).dtype)
+    assert client.zeros(2, dtype=py_type).dtype == expected
+    assert client.empty(2, 2, dtype=py_type).dtype == expected
+    assert client.tensor([1, 0], dtype=py_type).dtype == expected
+    assert client.zeros(2).to(py_type).dtype == dtypes.from_torch(torch.zeros(2).to(py_type).dtype)
+    t = torch.zeros(2, 4, dtype=torch.float64)
+    x = client.zeros(2, 4, dtype=tensord.float64)
+    both(x, t, lambda a: a.view(py_type))

@@ -92,10 +92,21 @@ def device_name(device: Any) -> str:
     return name
 
 
+# Python's number types as dtypes, as torch's argument parser reads them (dtype=float)
+_PYTHON_TYPE_DTYPES: dict[type, DType] = {
+    builtins.float: dtypes.float64,
+    builtins.int: dtypes.int64,
+    builtins.bool: dtypes.bool,
+    builtins.complex: dtypes.complex128,
+}
+
+
 def as_dtype(value: Any) -> DType:
-    """A tensord DType from a DType, a torch.dtype or a dtype name."""
+    """A tensord DType from a DType, a torch.dtype, a Python number type or a dtype name."""
     if isinstance(value, DType):
         return value
+    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
+        return _PYTHON_TYPE_DTYPES[value]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
         return dtypes.from_torch(value)
@@ -107,6 +118,8 @@ def as_dtype(value: Any) -> DType:
 
 def _is_dtype(value: Any) -> builtins.bool:
     torch = sys.modules.get("torch")
+    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
+        return True
     return isinstance(value, DType) or (torch is not None and isinstance(value, torch.dtype))
 
 
