@@ -77,14 +77,11 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
     if op.name == "view_dtype":
         new = dtypes.dtype_from_name(op.args[0])
         old = ref.dtype
-        return [
-            ref.with_layout(
-                layout.view_dtype(
-                    old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
-                ),
-                new,
-            )
-        ]
+        viewed = layout.view_dtype(
+            old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
+        )
+        # view(dtype) is not differentiable: torch's result never requires grad
+        return [TensorRef(ref.storage, viewed, new, False)]
     if op.name == "detach":
         return [TensorRef(ref.storage, layout, ref.dtype, False)]
     if op.name == "set_requires_grad":
