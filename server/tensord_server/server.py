@@ -9,6 +9,7 @@ into calls here and encodes the results.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -24,7 +25,12 @@ from tensord.dtypes import DType
 from tensord.layout import PRESERVE_FORMAT, Layout, empty_strided_layout
 
 from tensord_server import kernels, limits
-from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
+from tensord_server.admission import (
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    CallGate,
+    GateInterceptor,
+    liveness_pool,
+)
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.exports import ExportTable
 from tensord_server.kernels import Scalar
@@ -177,8 +183,6 @@ class Daemon:
             max_sessions=max_sessions_per_tenant,
             max_names=max_names_per_tenant,
             share_ttl=share_ttl,
-            # busy time never counts against a lease: a saturated server stops the clock
-            clock=self.gate.lease_clock,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
@@ -715,20 +719,28 @@ def create_server(
     ``devices``, ``session_grace`` and ``lease``.  ``credentials``
     (:func:`tensord_server.tls.server_credentials`) make the port TLS-only.
     """
-    from tensord_server.service import add_to_server
+    from tensord_server import status
+    from tensord_server.service import SERVICE_NAME, add_to_server, tenant_of_context
 
     if daemon is None:
         daemon = Daemon(devices, session_grace=session_grace, lease=lease)
     daemon.gate.resize(max_workers)  # admission and saturation follow the real thread pool
+    # health and reflection calls counted, their streams admitted and watched, tokens checked
+    gate_all = GateInterceptor(
+        daemon.gate, SERVICE_NAME, functools.partial(tenant_of_context, daemon), status.abort
+    )
+    # No maximum_concurrent_rpcs: grpc counts every call against it, heartbeats too, so a
+    # flood of other calls would get heartbeats refused; admission bounds the streams instead.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
+        interceptors=(gate_all,),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(daemon, server)
+    add_to_server(daemon, server, liveness_pool())  # liveness never queues behind other calls
     _add_health_and_reflection(server)
     if credentials is None:
         port = server.add_insecure_port(address)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -157,6 +158,14 @@ def _metadata(context: grpc.ServicerContext, key: str) -> Any:
     return None
 
 
+def tenant_of_context(daemon: Daemon, context: grpc.ServicerContext) -> str:
+    """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
+    tokens = daemon.auth_tokens
+    if tokens is None:
+        return ""
+    return auth.tenant_of(tokens, _metadata(context, auth.AUTHORIZATION_KEY))
+
+
 # ---------------------------------------------------------------------------
 # error handling: the one way out of a handler
 
@@ -198,11 +207,7 @@ class TensordService:
         self.daemon = daemon
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
-        """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
-        tokens = self.daemon.auth_tokens
-        if tokens is None:
-            return ""
-        return auth.tenant_of(tokens, _metadata(context, auth.AUTHORIZATION_KEY))
+        return tenant_of_context(self.daemon, context)
 
     @contextlib.contextmanager
     def _admitted(
@@ -591,8 +596,16 @@ def _decoding(behavior: Callable[..., Any], cls: type[Message], streaming: bool)
     return one
 
 
-def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]:
-    """One handler per RPC the schema declares, with its streaming kind and (de)serializers."""
+# Calls that keep a client alive: run on their own small pool, never behind other work
+# (each only authenticates and takes the session table's lock: its cost is bounded).
+LIVENESS_METHODS = frozenset({"Heartbeat", "OpenSession"})
+
+
+def method_handlers(
+    service: TensordService, liveness: futures.ThreadPoolExecutor | None = None
+) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per RPC the schema declares, with its streaming kind and (de)serializers;
+    ``liveness`` runs the LIVENESS_METHODS (grpc reads a behavior's experimental_thread_pool)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
         request_cls = getattr(pb, method.input_type.name)
@@ -601,6 +614,9 @@ def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]
         behavior = getattr(service, method.name)
         if method.name not in RAW_REQUEST_METHODS:
             behavior = _decoding(behavior, request_cls, method.client_streaming)
+        if liveness is not None and method.name in LIVENESS_METHODS:
+            behavior = functools.partial(behavior)  # an object of its own to carry the pool
+            behavior.experimental_thread_pool = liveness  # type: ignore[attr-defined]
         handlers[method.name] = factory(
             behavior,
             request_deserializer=None,  # raw bytes: _decoding parses them
@@ -611,9 +627,11 @@ def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]
     return handlers
 
 
-def add_to_server(daemon: Daemon, server: grpc.Server) -> TensordService:
+def add_to_server(
+    daemon: Daemon, server: grpc.Server, liveness: futures.ThreadPoolExecutor | None = None
+) -> TensordService:
     service = TensordService(daemon)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),)
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service, liveness)),)
     )
     return service
