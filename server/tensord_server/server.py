@@ -42,7 +42,7 @@ from tensord_server.sessions import (
     Session,
     SessionManager,
 )
-from tensord_server.storage import StorageRegistry, TensorRef
+from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -234,7 +234,13 @@ class Daemon:
 
     @staticmethod
     def array(ref: TensorRef) -> Any:
-        """A zero-copy strided array over the tensor's bytes."""
+        """A zero-copy strided array over the tensor's bytes.
+
+        Every layout a kernel sees passes the issued handles' check here, including
+        those an op derives without issuing them (a setitem target): a geometry past
+        int64 is the caller's error (INVALID_ARGUMENT), never an INTERNAL overflow.
+        """
+        check_in_bounds(ref)
         return kernels.strided_array(ref.device.xp, ref.storage.raw(), ref.layout, ref.dtype)
 
     @contextlib.contextmanager
