@@ -233,6 +233,21 @@ class TensordService:
             finally:
                 gate.waiting(stream_id, False)
 
+    def _replies(self, session: Session, issued: list[Issued], *inputs: str) -> list[pb.TensorMeta]:
+        """The replies for handles an op issued (``inputs``: the request's own handles, which
+        an op may return unchanged).  If one cannot be encoded, the new handles are released:
+        the client never learns them, so nothing else would until its session ended."""
+        try:
+            return [encode_meta(i) for i in issued]
+        except BaseException:
+            self.daemon.sessions.release(
+                session, [i.handle for i in issued if i.handle not in inputs]
+            )
+            raise
+
+    def _reply(self, session: Session, issued: Issued, *inputs: str) -> pb.TensorMeta:
+        return self._replies(session, [issued], *inputs)[0]
+
     def _session(self, context: grpc.ServicerContext) -> Session:
         session_id = _metadata(context, SESSION_KEY)
         if not session_id:
@@ -312,51 +327,57 @@ class TensordService:
     def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
         session = self._session(context)
         issued = self.daemon.view(session, request.handle, decode_view_op(request))
-        return pb.ViewResponse(tensors=[encode_meta(i) for i in issued])
+        return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
 
     # -- factories ----------------------------------------------------------------
 
     @_unary
     def Empty(self, request: pb.EmptyRequest, context: Any) -> pb.TensorMeta:
         stride = tuple(request.stride.values) if request.HasField("stride") else None
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.daemon.empty(
-                self._session(context),
+                session,
                 tuple(request.shape),
                 stride,
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     @_unary
     def Full(self, request: pb.FullRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.daemon.full(
-                self._session(context),
+                session,
                 tuple(request.shape),
                 decode_scalar(request.value),
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     @_unary
     def Arange(self, request: pb.ArangeRequest, context: Any) -> pb.TensorMeta:
         start = decode_scalar(request.start) if request.HasField("start") else 0
         step = decode_scalar(request.step) if request.HasField("step") else 1
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.daemon.arange(
-                self._session(context),
+                session,
                 start,
                 decode_scalar(request.end),
                 step,
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     # -- copies ---------------------------------------------------------------------
@@ -364,38 +385,44 @@ class TensordService:
     @_unary
     def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.clone(session, request.handle, request.memory_format))
+        issued = self.daemon.clone(session, request.handle, request.memory_format)
+        return self._reply(session, issued)
 
     @_unary
     def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.daemon.contiguous(self._session(context), request.handle))
+        session = self._session(context)
+        return self._reply(session, self.daemon.contiguous(session, request.handle))
 
     @_unary
     def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.reshape(session, request.handle, tuple(request.shape)))
+        issued = self.daemon.reshape(session, request.handle, tuple(request.shape))
+        return self._reply(session, issued)
 
     @_unary
     def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(
-            self.daemon.to(session, request.handle, request.device, request.dtype, request.copy)
+        issued = self.daemon.to(
+            session, request.handle, request.device, request.dtype, request.copy
         )
+        return self._reply(session, issued, request.handle)  # torch's to() may return self
 
     @_unary
     def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.repeat(session, request.handle, tuple(request.repeats)))
+        issued = self.daemon.repeat(session, request.handle, tuple(request.repeats))
+        return self._reply(session, issued)
 
     @_unary
     def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.cat(session, list(request.handles), request.dim))
+        return self._reply(session, self.daemon.cat(session, list(request.handles), request.dim))
 
     @_unary
     def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.stack(session, list(request.handles), request.dim))
+        issued = self.daemon.stack(session, list(request.handles), request.dim)
+        return self._reply(session, issued)
 
     @_unary
     def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
@@ -431,7 +458,8 @@ class TensordService:
             raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
         header = decode_message(pb.UploadHeader, raw_header)
         with self._admitted(context, "Upload") as stream_id:
-            return encode_meta(
+            return self._reply(
+                session,
                 self.daemon.upload(
                     session,
                     tuple(header.shape),
@@ -440,7 +468,7 @@ class TensordService:
                     header.nbytes,
                     watched(self.daemon.gate, stream_id, chunks),
                     header.requires_grad,
-                )
+                ),
             )
 
     @_streaming
@@ -467,7 +495,8 @@ class TensordService:
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.daemon.attach(self._session(context), request.token))
+        session = self._session(context)
+        return self._reply(session, self.daemon.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
@@ -477,7 +506,8 @@ class TensordService:
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.daemon.get_name(self._session(context), request.name))
+        session = self._session(context)
+        return self._reply(session, self.daemon.get_name(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
