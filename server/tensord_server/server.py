@@ -38,6 +38,7 @@ from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
 from tensord_server.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
+    DEFAULT_MAX_SHARE_TTL_S,
     DEFAULT_SHARE_TTL_S,
     Session,
     SessionManager,
@@ -153,6 +154,7 @@ class Daemon:
         max_streams_per_tenant: int | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         share_ttl: float = DEFAULT_SHARE_TTL_S,
+        max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
     ) -> None:
         self.devices = DeviceTable(devices)
@@ -183,6 +185,7 @@ class Daemon:
             max_sessions=max_sessions_per_tenant,
             max_names=max_names_per_tenant,
             share_ttl=share_ttl,
+            max_share_ttl=max_share_ttl,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
