@@ -23,7 +23,12 @@ from tensord_server.devices import resolve_specs
 from tensord_server.limits import DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
-from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_SHARE_TTL_S
+from tensord_server.sessions import (
+    DEFAULT_GRACE_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_SHARE_TTL_S,
+    DEFAULT_SHARE_TTL_S,
+)
 from tensord_server.tls import server_credentials
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
@@ -107,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a share token's lifetime unless x.share(ttl=...) asks for another "
         f"(default: {DEFAULT_SHARE_TTL_S:g})",
+    )
+    parser.add_argument(
+        "--max-share-ttl",
+        type=float,
+        default=DEFAULT_MAX_SHARE_TTL_S,
+        metavar="SECONDS",
+        help="the longest lifetime x.share(ttl=...) may ask for; a longer or non-finite one "
+        f"is refused (default: {DEFAULT_MAX_SHARE_TTL_S:g})",
     )
 
     parser.add_argument(
@@ -302,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
             max_streams_per_tenant=args.max_streams_per_tenant,
             stream_idle_timeout=args.stream_idle_timeout,
             share_ttl=args.share_ttl,
+            max_share_ttl=args.max_share_ttl,
             max_op_elements=args.max_op_elements,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:

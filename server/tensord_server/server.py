@@ -9,6 +9,7 @@ into calls here and encodes the results.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -24,7 +25,12 @@ from tensord.dtypes import DType
 from tensord.layout import PRESERVE_FORMAT, Layout, empty_strided_layout
 
 from tensord_server import kernels, limits
-from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S, CallGate
+from tensord_server.admission import (
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    CallGate,
+    GateInterceptor,
+    liveness_pool,
+)
 from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
 from tensord_server.exports import ExportTable
 from tensord_server.kernels import Scalar
@@ -32,11 +38,12 @@ from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
 from tensord_server.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
+    DEFAULT_MAX_SHARE_TTL_S,
     DEFAULT_SHARE_TTL_S,
     Session,
     SessionManager,
 )
-from tensord_server.storage import StorageRegistry, TensorRef
+from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -144,6 +151,7 @@ class Daemon:
         max_streams_per_tenant: int | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         share_ttl: float = DEFAULT_SHARE_TTL_S,
+        max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
     ) -> None:
         self.devices = DeviceTable(devices)
@@ -174,8 +182,7 @@ class Daemon:
             max_sessions=max_sessions_per_tenant,
             max_names=max_names_per_tenant,
             share_ttl=share_ttl,
-            # busy time never counts against a lease: a saturated server stops the clock
-            clock=self.gate.lease_clock,
+            max_share_ttl=max_share_ttl,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
@@ -227,7 +234,13 @@ class Daemon:
 
     @staticmethod
     def array(ref: TensorRef) -> Any:
-        """A zero-copy strided array over the tensor's bytes."""
+        """A zero-copy strided array over the tensor's bytes.
+
+        Every layout a kernel sees passes the issued handles' check here, including
+        those an op derives without issuing them (a setitem target): a geometry past
+        int64 is the caller's error (INVALID_ARGUMENT), never an INTERNAL overflow.
+        """
+        check_in_bounds(ref)
         return kernels.strided_array(ref.device.xp, ref.storage.raw(), ref.layout, ref.dtype)
 
     @contextlib.contextmanager
@@ -717,20 +730,28 @@ def create_server(
     ``devices``, ``session_grace`` and ``lease``.  ``credentials``
     (:func:`tensord_server.tls.server_credentials`) make the port TLS-only.
     """
-    from tensord_server.service import add_to_server
+    from tensord_server import status
+    from tensord_server.service import SERVICE_NAME, add_to_server, tenant_of_context
 
     if daemon is None:
         daemon = Daemon(devices, session_grace=session_grace, lease=lease)
     daemon.gate.resize(max_workers)  # admission and saturation follow the real thread pool
+    # health and reflection calls counted, their streams admitted and watched, tokens checked
+    gate_all = GateInterceptor(
+        daemon.gate, SERVICE_NAME, functools.partial(tenant_of_context, daemon), status.abort
+    )
+    # No maximum_concurrent_rpcs: grpc counts every call against it, heartbeats too, so a
+    # flood of other calls would get heartbeats refused; admission bounds the streams instead.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
+        interceptors=(gate_all,),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(daemon, server)
+    add_to_server(daemon, server, liveness_pool())  # liveness never queues behind other calls
     _add_health_and_reflection(server)
     if credentials is None:
         port = server.add_insecure_port(address)
