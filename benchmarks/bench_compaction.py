@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from tensord.errors import OutOfMemoryError
-from tensord_server.backends import BookkeepingBackend
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace
-from tensord_server.devices import Device
+from tensord_server.devices.memory import BookkeepingBackend
+from tensord_server.devices.table import Device
+from tensord_server.domain.storage import Storage, StorageRegistry
 from tensord_server.pool import CachingPool
-from tensord_server.replay import RecordedAddressBackend, load_pytorch_stats, load_trace
-from tensord_server.storage import Storage, StorageRegistry
+from tensord_server.tools.replay import RecordedAddressBackend, load_pytorch_stats, load_trace
 
 # the ResNet-50 training trace that ships with the package (tensord_server/data/traces)
 DEFAULT_TRACE = bundled_trace(DEFAULT_TRACE_NAME)

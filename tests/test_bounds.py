@@ -14,7 +14,7 @@ from rpc_errors import rpc_error, torch_error
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.layout import Layout, empty_strided_layout
-from tensord_server.storage import TensorRef
+from tensord_server.domain.storage import TensorRef
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 BOBS_VALUE = 3.14159

@@ -27,9 +27,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import OutOfMemoryError
-from tensord_server import cuda_backend
-from tensord_server.backends import BookkeepingBackend, HostBackend
 from tensord_server.data import bundled_trace
+from tensord_server.devices import cuda as cuda_backend
+from tensord_server.devices.memory import BookkeepingBackend, HostBackend
+from tensord_server.domain.quotas import QuotaSpec
+from tensord_server.domain.storage import Storage
 from tensord_server.pool import (
     LARGE_BUFFER,
     Block,
@@ -41,15 +43,13 @@ from tensord_server.pool import (
     place,
     plan_compaction,
 )
-from tensord_server.quotas import QuotaSpec
-from tensord_server.replay import (
+from tensord_server.tools.replay import (
     COMPARED_KEYS,
     RecordedAddressBackend,
     load_pytorch_stats,
     load_trace,
     replay,
 )
-from tensord_server.storage import Storage
 
 MiB = 1 << 20
 HOST_BYTES = 1 << 30  # the host backend's nominal size (the pools' capacities are smaller)
@@ -603,9 +603,9 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
 def test_a_move_leaves_the_ledger_alone_whatever_block_serves_a_storage() -> None:
     """A 1.5 MiB Storage served by a whole unsplit 2 MiB block, then moved into a split
     1.5 MiB spot: its tenant is charged 1.5 MiB throughout (the request, not the block)."""
-    from tensord_server.devices import Device
-    from tensord_server.quotas import QuotaTable, TenantLedger
-    from tensord_server.storage import StorageRegistry
+    from tensord_server.devices.table import Device
+    from tensord_server.domain.quotas import QuotaTable, TenantLedger
+    from tensord_server.domain.storage import StorageRegistry
 
     registry = StorageRegistry(TenantLedger(QuotaTable([QuotaSpec("*", "cpu", 40 * MiB)])))
     pool = CachingPool(BookkeepingBackend(), capacity=40 * MiB, relocator=registry)

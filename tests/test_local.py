@@ -19,7 +19,7 @@ import torch
 from conftest import SessionStub, open_channel, wait_until
 from tensord import _local
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.shm import SharedHostBackend
+from tensord_server.devices.shm import SharedHostBackend
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
 
 REPO = Path(__file__).resolve().parents[1]

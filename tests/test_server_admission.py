@@ -12,10 +12,11 @@ import pytest
 import tensord
 from conftest import SessionStub, open_channel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.admission import CallGate
-from tensord_server.server import Daemon, create_server
-from tensord_server.sessions import SessionManager
-from tensord_server.storage import StorageRegistry
+from tensord_server.domain.admission import CallGate
+from tensord_server.domain.sessions import SessionManager
+from tensord_server.domain.storage import StorageRegistry
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
 
 # The reproducer: --max-workers 4 --lease 1 --session-grace 2, and 4 idle uploads.
 WORKERS = 4
@@ -27,16 +28,16 @@ IDLE_TIMEOUT_S = 2.0
 HOLD_S = 6.0
 
 
-def _allocated(daemon: Daemon) -> int:
+def _allocated(daemon: TensorStore) -> int:
     return int(daemon.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 @pytest.fixture
 def small_server():
-    daemon = Daemon(
+    daemon = TensorStore(
         ("cpu=64MiB",), session_grace=GRACE_S, lease=LEASE_S, stream_idle_timeout=IDLE_TIMEOUT_S
     )
-    server, port = create_server("127.0.0.1:0", daemon=daemon, max_workers=WORKERS)
+    server, port = create_server("127.0.0.1:0", store=daemon, max_workers=WORKERS)
     yield daemon, f"127.0.0.1:{port}"
     server.stop(1.0).wait()
     daemon.close()

@@ -199,7 +199,9 @@ class LocalMapper:
             finally:
                 os.close(fd)
             with contextlib.suppress(OSError, AttributeError, ValueError):
-                mapping.madvise(mmap.MADV_HUGEPAGE)  # see tensord_server.shm.advise_huge_pages
+                mapping.madvise(
+                    mmap.MADV_HUGEPAGE
+                )  # see tensord_server.devices.shm.advise_huge_pages
         with self._lock:
             segment = self._segments.setdefault(key, Segment(key, mapping))
             segment.exports += 1

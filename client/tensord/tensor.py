@@ -498,10 +498,10 @@ class Tensor:
         if viewed is not None:
             return self._view(flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
         # torch.flatten reshapes, and a reshape that cannot view copies
-        start = normalize_dim(start_dim, self.ndim)
-        end = normalize_dim(end_dim, self.ndim)
-        shape = self.shape
-        return self.reshape((*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]))
+        # the flattened shape: the layout engine's flatten of a contiguous tensor (always a view)
+        flat = Layout.contiguous(tuple(self.shape)).flatten(start_dim, end_dim)
+        assert flat is not None
+        return self.reshape(flat.shape)
 
     def unflatten(self, dim: builtins.int, sizes: Sequence[builtins.int]) -> Tensor:
         with torch_errors():

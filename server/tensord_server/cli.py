@@ -18,13 +18,16 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tensord_server.serve", "run the tensord server"),
-    "replay": ("tensord_server.replay", "replay an allocator trace through the pool"),
-    "stats": ("tensord_server.admin", "print a server's memory_stats() for one device"),
-    "summary": ("tensord_server.admin", "print a server's memory_summary() for one device"),
-    "snapshot": ("tensord_server.admin", "save a server's memory snapshot for memory_viz"),
-    "empty-cache": ("tensord_server.admin", "return a server's cached, unused segments"),
-    "loadtest": ("tensord_server.loadtest", "load-test a server's fragmentation with Locust"),
+    "serve": ("tensord_server.tools.serve", "run the tensord server"),
+    "replay": ("tensord_server.tools.replay", "replay an allocator trace through the pool"),
+    "stats": ("tensord_server.tools.admin", "print a server's memory_stats() for one device"),
+    "summary": ("tensord_server.tools.admin", "print a server's memory_summary() for one device"),
+    "snapshot": ("tensord_server.tools.admin", "save a server's memory snapshot for memory_viz"),
+    "empty-cache": ("tensord_server.tools.admin", "return a server's cached, unused segments"),
+    "loadtest": (
+        "tensord_server.tools.loadtest.runner",
+        "load-test a server's fragmentation with Locust",
+    ),
 }
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), as `yes | head` does.

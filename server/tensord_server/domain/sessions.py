@@ -37,11 +37,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tensord.errors import NotFoundError, ResourceExhaustedError
+from tensord.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError
 
-from tensord_server.auth import describe_tenant
-from tensord_server.status import AlreadyExistsError
-from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
+from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ it lives the Storage never moves (compaction skips pinned Storages) and stays
 charged to its tenant.  It ends by ReleaseExports or with its session (a crashed
 client's after the grace, through the session's end listeners).
 
-The descriptor of a segment (a memfd, :mod:`tensord_server.shm`) is handed out on a
+The descriptor of a segment (a memfd, :mod:`tensord_server.devices.shm`) is handed out on a
 unix socket in a fresh private directory, to whoever presents a *ticket*: 192
 random bits, usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
 a session that exported a Storage of that segment.  Segments are never shared
@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
-from tensord_server.backends import DeviceMemory
-from tensord_server.cuda_backend import CudaBackend
+from tensord_server.devices.cuda import CudaBackend
+from tensord_server.devices.memory import DeviceMemory
+from tensord_server.devices.shm import SharedHostBackend
+from tensord_server.domain.sessions import Session, SessionManager
+from tensord_server.domain.storage import Storage, StorageRegistry
 from tensord_server.pool import CachingPool
-from tensord_server.sessions import Session, SessionManager
-from tensord_server.shm import SharedHostBackend
-from tensord_server.storage import Storage, StorageRegistry
 
 log = logging.getLogger(__name__)
 

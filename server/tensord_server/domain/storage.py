@@ -30,10 +30,10 @@ from tensord.dtypes import DType
 from tensord.errors import InternalError
 from tensord.layout import Layout
 
-from tensord_server import limits
-from tensord_server.devices import Device
+from tensord_server.devices.table import Device
+from tensord_server.domain import limits
+from tensord_server.domain.quotas import TenantLedger
 from tensord_server.pool import Block, CachingPool, round_size
-from tensord_server.quotas import TenantLedger
 
 # The first virtual address handed out (non-zero, like a real pointer) and the alignment
 # of each one (torch's allocators align blocks to 512 B).

@@ -71,7 +71,7 @@ def _gpu_bfloat16(xp: Any, dtype: DType) -> bool:
 
 
 def _cuda() -> Any:
-    from tensord_server import cuda_backend  # deferred: only GPU arrays need it
+    from tensord_server.devices import cuda as cuda_backend
 
     return cuda_backend
 

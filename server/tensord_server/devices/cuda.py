@@ -41,14 +41,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tensord_server.backends import (
+from tensord_server.devices.memory import (
     SEGMENT_ALIGNMENT,
     BackendOutOfMemory,
     DeviceMemory,
     HostBackend,
     check_range,
 )
-from tensord_server.shm import next_segment_id
+from tensord_server.devices.shm import next_segment_id
 
 # Capacity held back from the pool by default: CUDA contexts, cuBLAS workspaces and
 # CuPy's kernel cache need device memory outside our pool.
@@ -167,7 +167,7 @@ class Gpu:
     """What every pool on one GPU shares in this process: the server stream and the staging.
 
     One per GPU index (:func:`gpu`), so that two servers in one process (tests)
-    and the cross-device copies in :mod:`tensord_server.kernels` order their work
+    and the cross-device copies in :mod:`tensord_server.domain.kernels` order their work
     on the same stream as the device's kernels.
     """
 
@@ -703,7 +703,7 @@ def assign(dst: Any, src: Any) -> None:
     each piece of the source is brought to the destination's device, then
     converted and scattered there.
     """
-    from tensord_server import kernels  # kernels imports this module lazily
+    from tensord_server.domain import kernels
 
     if _same_gpu(dst, src) or dst.ndim == 0:
         _assign_piece(dst, src)
@@ -721,7 +721,7 @@ def _same_gpu(dst: Any, src: Any) -> bool:
 
 
 def _assign_piece(dst: Any, src: Any) -> None:
-    from tensord_server import kernels  # kernels imports this module lazily
+    from tensord_server.domain import kernels
 
     if not is_gpu_array(dst):  # GPU -> host
         if not _copy_straight(dst, src):
