@@ -44,7 +44,6 @@ from tensord.layout import Layout
 
 if TYPE_CHECKING:
     from tensord._rpc import Connection
-    from tensord.tensor import Tensor
 
 LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
@@ -415,23 +414,25 @@ def exported(mapper: LocalMapper | None, handle: str) -> Any:
             export.close()
 
 
-def read_array(tensor: Tensor) -> np.ndarray | None:
+def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray | None:
     """x.numpy() on the same host: one copy out of the mapping into a new array (None: use
     gRPC).  The result never aliases the pool: numpy() keeps copying (use np.from_dlpack
     for an alias)."""
     if tensor.device.type != "cpu" or tensor.nbytes < MIN_FAST_BYTES:
         return None
-    with exported(tensor.client._local, tensor.handle) as export:
+    with exported(mapper, tensor.handle) as export:
         if export is None:
             return None
         np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
-        view = export.array(np_dtype, tensor._meta.layout)
+        view = export.array(np_dtype, layout)
         out = np.empty(view.shape, dtype=np_dtype)
         np.copyto(out, view)
         return out
 
 
-def write_array(tensor: Tensor, layout: Layout, src: np.ndarray, *, setitem: bool = False) -> bool:
+def write_array(
+    tensor: Any, mapper: LocalMapper, layout: Layout, src: np.ndarray, *, setitem: bool = False
+) -> bool:
     """x.copy_(ndarray) / x[key] = ndarray on the same host: one copy into the mapping.
 
     False (the caller takes the gRPC path, which also raises torch's errors) unless the
@@ -457,7 +458,7 @@ def write_array(tensor: Tensor, layout: Layout, src: np.ndarray, *, setitem: boo
     target = layout.shape[len(layout.shape) - len(shape) :]
     if any(s not in (1, t) for s, t in zip(shape, target, strict=True)):
         return False
-    with exported(tensor.client._local, tensor.handle) as export:
+    with exported(mapper, tensor.handle) as export:
         if export is None:
             return False
         dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)

@@ -59,7 +59,7 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"tensord {name}", description=help_text)
     module.add_arguments(parser)
-    parser.set_defaults(command=name, _run=module.run)
+    parser.set_defaults(command=name, handler=module.run)
     return parser
 
 
@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        status = int(args._run(args))
+        status = int(args.handler(args))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
     except BrokenPipeError:
         # The reader left (`tensord stats | head`): say nothing more, as cat does.  Python

@@ -92,12 +92,15 @@ def parse_device_spec(text: str) -> DeviceSpec:
 
 
 def gpu_count() -> int:
-    """The GPUs CuPy sees; 0 without CuPy (never imports it then) or without a driver."""
+    """The GPUs CuPy sees; 0 without CuPy (never imports it then) or without a working driver."""
     if importlib.util.find_spec("cupy") is None:
         return 0
-    from tensord_server.devices.cuda import gpu_count as count
+    try:
+        import cupy  # deferred: CuPy is an optional extra
 
-    return count()
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no libcuda: CuPy raises several kinds of error here
+        return 0
 
 
 def resolve_specs(
