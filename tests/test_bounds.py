@@ -62,7 +62,7 @@ def test_every_handle_is_checked_with_its_lowest_element(make_server) -> None:
             daemon.sessions.register(session, TensorRef(storage, huge, dtypes.float32))
         assert daemon.sessions.handle_count(session) == 1
     finally:
-        daemon.storages.unpin(storage)
+        daemon.storages.release_hold(storage)
 
 
 def _float(value: float) -> np.ndarray:

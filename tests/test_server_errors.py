@@ -171,4 +171,4 @@ def test_every_issued_handle_is_checked_against_its_storage(make_server) -> None
         daemon.sessions.register(session, empty)  # nothing to reach: torch allows it
         assert daemon.sessions.handle_count(session) == 2
     finally:
-        daemon.storages.unpin(storage)  # allocate returned it pinned
+        daemon.storages.release_hold(storage)  # allocate returned it held

@@ -1,6 +1,6 @@
 """The tensor store: the domain object that owns devices, storages and sessions, and runs tensor ops.
 
-Every tensor op reads as: pin the input handles' Storages -> layout math (the
+Every tensor op reads as: hold the input handles' Storages -> layout math (the
 shared layout engine) -> allocate an output Storage if the op copies -> run a
 kernel -> issue a handle.  The gRPC layer (:mod:`tensord_server.rpc.service`) only decodes requests
 into calls here and encodes the results.
@@ -165,7 +165,7 @@ class TensorStore:
         )
         self.storages = StorageRegistry(TenantLedger(table))
         # compaction (tensord serve --no-compaction turns it off): on the out-of-memory
-        # path the pools may move unpinned Storages, which the registry repoints
+        # path the pools may move unheld Storages, which the registry repoints
         for device in self.devices:
             device.pool.relocator = self.storages if compaction else None
         self.sessions = SessionManager(
@@ -223,8 +223,8 @@ class TensorStore:
 
     @contextlib.contextmanager
     def _using(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
-        """The handles' tensors, pinned, with their devices' kernel contexts entered."""
-        with self.sessions.pinned(session, *handles) as refs, activate(*(r.device for r in refs)):
+        """The handles' tensors, held, with their devices' kernel contexts entered."""
+        with self.sessions.held(session, *handles) as refs, activate(*(r.device for r in refs)):
             yield refs
 
     @staticmethod
@@ -242,7 +242,7 @@ class TensorStore:
         requires_grad: bool = False,
     ) -> Iterator[TensorRef]:
         """A new Storage just big enough for ``layout``, charged to the session's tenant and
-        pinned (never moved by compaction) while the block runs."""
+        held (never moved by compaction) while the block runs."""
         kernels.check_requires_grad(dtype, requires_grad)
         storage = self.storages.allocate(
             device, layout.storage_extent() * dtype.itemsize, session.tenant
@@ -251,7 +251,7 @@ class TensorStore:
             with activate(device):
                 yield TensorRef(storage, layout, dtype, requires_grad)
         finally:
-            self.storages.unpin(storage)
+            self.storages.release_hold(storage)
 
     def _copy_of(
         self, session: Session, src: TensorRef, layout: Layout, dtype: DType, device: Device
@@ -271,7 +271,7 @@ class TensorStore:
     # -- views ------------------------------------------------------------------
 
     def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
-        with self.sessions.pinned(session, handle) as (ref,):  # metadata only: no kernel context
+        with self.sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
             self._check_view_cost(session, ref.layout, op)
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
@@ -556,7 +556,7 @@ class TensorStore:
             return self._issue(session, out)
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
-        """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs).
+        """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
 
         A contiguous tensor streams straight from its Storage, one chunk read at a
         time; any other is gathered in logical order a chunk at a time (the server's
@@ -564,7 +564,7 @@ class TensorStore:
         """
         chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
         chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self.sessions.held(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self._check_elements(layout.numel)
             nbytes = layout.numel * itemsize
@@ -620,7 +620,7 @@ class TensorStore:
         exported, exported_bytes = (
             self._exports.stats(dev.name) if self._exports is not None else (0, 0)
         )
-        stats["exports.storages.current"] = exported  # pinned for same-host clients
+        stats["exports.storages.current"] = exported  # held for same-host clients
         stats["exports.bytes.current"] = exported_bytes
         imported, imported_bytes = (
             self._exports.import_stats(dev.name) if self._exports is not None else (0, 0)

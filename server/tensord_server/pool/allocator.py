@@ -87,7 +87,7 @@ class Relocator(Protocol):
     def relocation(
         self, pool: CachingPool
     ) -> AbstractContextManager[Mapping[Block, Callable[[Block], None]]]:
-        """Stops the world while open (nothing pins, reads, writes or frees the owned blocks)
+        """Stops the world while open (nothing holds, reads, writes or frees the owned blocks)
         and yields the blocks that may move, each with the call that repoints its owner
         to its new block (after its bytes were copied there)."""
         ...

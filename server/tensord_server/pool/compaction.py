@@ -30,7 +30,7 @@ class SegmentUsage:
 
     ``allocated`` holds ``(address, size, rounded request)`` of each allocated
     block, ``free`` ``(address, size)`` of each free one; ``movable`` is false
-    when any allocated block may not move (pinned, or owned by no Storage).
+    when any allocated block may not move (held, or owned by no Storage).
     """
 
     address: int
