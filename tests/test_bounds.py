@@ -122,3 +122,29 @@ def test_strides_too_large_for_int64_bytes_are_refused(stub) -> None:
     else:
         pytest.fail("a stride of 2**68 elements was issued")
     assert max(x.stride) * 4 < 2**63
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [pb.IndexItem(slice=pb.Slice(step=2**48))],
+        [pb.IndexItem(integer=0), pb.IndexItem(slice=pb.Slice(start=-(2**48), step=2**48))],
+    ],
+)
+@pytest.mark.parametrize("with_src", [False, True])
+def test_a_setitem_target_past_int64_bytes_is_refused(stub, items, with_src) -> None:
+    """A setitem's target is a layout the op derives and never issues: it passes the same
+    check as a handle before any kernel sees it (the attack: a slice step of 2**48 on a
+    size-1 dim of stride 2**48 made a 2**96 stride, INTERNAL OverflowError)."""
+    x = stub.upload(np.zeros(64, dtype=np.uint8))
+    big = stub.view(x, as_strided=pb.AsStrided(size=[1, 1, 64], stride=[2**48, 2**48, 1]))[0]
+    request = pb.SetItemRequest(handle=big.handle, index=items)
+    if with_src:
+        request.src_handle = stub.upload(np.ones(64, dtype=np.uint8)).handle
+    else:
+        request.scalar.int_value = 9
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SetItem(request, metadata=stub.md)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "Storage size calculation overflowed" in (info.value.details() or "")
+    assert stub.download(x).tolist() == [0] * 64

@@ -7,6 +7,7 @@ and text, word for word.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -306,6 +307,15 @@ def _draw_op(data: st.DataObject, shape: tuple[int, ...]) -> tuple[str, tuple[An
                 "diagonal",
                 "getitem",
                 "view",
+                # issue 14
+                "tensor_split",
+                "unfold",
+                "ravel",
+                "broadcast_to",
+                "mT",
+                "swapdims",
+                "moveaxis",
+                "hsplit",
             ]
         )
     )
@@ -331,6 +341,16 @@ def _draw_op(data: st.DataObject, shape: tuple[int, ...]) -> tuple[str, tuple[An
         return name, (first, -1)
     if name == "expand":
         return name, (data.draw(st.integers(1, 2)), *[-1] * ndim)
+    if name in ("tensor_split", "hsplit"):
+        last = data.draw(st.integers(0, 5))
+        arg = data.draw(st.sampled_from([last, [1, last], [last, 1]]))
+        return name, (arg, data.draw(dim)) if name == "tensor_split" else (arg,)
+    if name == "unfold":
+        return name, (data.draw(dim), data.draw(st.integers(0, 3)), data.draw(st.integers(1, 2)))
+    if name == "broadcast_to":
+        return name, ((data.draw(st.integers(1, 2)), *shape),)
+    if name in ("swapdims", "moveaxis"):
+        return name, (data.draw(dim), data.draw(dim))
     if name == "getitem":
         stop = data.draw(st.integers(-2, 3))
         return name, ((slice(None, stop, data.draw(st.integers(1, 2))), Ellipsis),)
@@ -338,7 +358,15 @@ def _draw_op(data: st.DataObject, shape: tuple[int, ...]) -> tuple[str, tuple[An
 
 
 def _apply(x: Any, name: str, args: tuple[Any, ...]) -> Any:
-    return x[args[0]] if name == "getitem" else getattr(x, name)(*args)
+    if name == "getitem":
+        return x[args[0]]
+    if name == "mT":
+        with warnings.catch_warnings():  # of a 0-dim tensor: a deprecation warning (once)
+            warnings.simplefilter("ignore", UserWarning)
+            return x.mT
+    result = getattr(x, name)(*args)
+    # a split's last part: the chain goes on with one view (an empty tuple raises here alike)
+    return result[-1] if isinstance(result, tuple) else result
 
 
 @settings(

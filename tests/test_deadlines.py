@@ -323,3 +323,23 @@ def test_the_cli_fails_with_a_clear_message_on_a_hung_server(
     assert done.returncode == 1
     assert done.stderr.startswith("tensord stats: the tensord server at")
     assert "did not answer ServerInfo in time" in done.stderr
+
+
+def test_the_cli_fails_within_its_timeout_on_a_server_hung_in_memory_stats(
+    fake: Callable[..., FakeServer],
+) -> None:
+    server = fake("MemoryStats", "CloseSession")
+    env = {k: v for k, v in os.environ.items() if k != "TENSORD_CALL_TIMEOUT"}
+    env["PYTHONPATH"] = CHILD_PYTHONPATH
+    command = ["stats", "--address", server.address, "--timeout", "0.5"]
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tensord_server", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("tensord stats:") and "MemoryStats" in done.stderr
+    assert time.monotonic() - start < 15.0  # start-up and two 0.5 s calls, not the 60 s default

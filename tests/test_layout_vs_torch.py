@@ -11,6 +11,7 @@ message.  Only metadata is compared; the storage is never read.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -214,9 +215,18 @@ OPS = (
     "view", "reshape", "view_dtype", "narrow", "select", "getitem", "transpose", "t",
     "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten",
     "split", "chunk", "unbind", "diagonal", "as_strided",
+    # issue 14
+    "tensor_split", "hvdsplit", "unfold", "ravel", "broadcast_to", "matrix",
 )  # fmt: skip
 
 Op = tuple[str, Callable[[Any], Any], Callable[[Layout], Any], str]
+
+
+def _quietly(op: Callable[[], Any]) -> Any:
+    # torch warns (once) that x.mT and friends of a 0-dim tensor are deprecated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return op()
 
 
 def draw_op(rng: random.Random, state: State) -> Op:
@@ -358,6 +368,59 @@ def draw_op(rng: random.Random, state: State) -> Op:
             lambda x: x.diagonal(o, a, b),
             "view",
         )
+    if name == "tensor_split":
+        d = dim_arg(rng, nd)
+        if rng.random() < 0.5:
+            ts: Any = rng.randint(-1, 6)
+        else:
+            ts = [rng.randint(-6, 7) for _ in range(rng.randint(0, 4))]
+        return (
+            f"tensor_split({ts}, {d})",
+            lambda t: t.tensor_split(ts, d),
+            lambda x: x.tensor_split(ts, d),
+            "many",
+        )
+    if name == "hvdsplit":
+        fn = rng.choice(("hsplit", "vsplit", "dsplit"))
+        if rng.random() < 0.5:
+            hs: Any = rng.randint(-2, 5)
+        else:
+            hs = [rng.randint(-4, 6) for _ in range(rng.randint(0, 3))]
+        return (
+            f"{fn}({hs})",
+            lambda t: getattr(t, fn)(hs),
+            lambda x: getattr(x, fn)(hs),
+            "many",
+        )
+    if name == "unfold":
+        d, size_, step = dim_arg(rng, nd), rng.randint(-1, 5), rng.randint(-1, 4)
+        return (
+            f"unfold({d}, {size_}, {step})",
+            lambda t: t.unfold(d, size_, step),
+            lambda x: x.unfold(d, size_, step),
+            "view",
+        )
+    if name == "ravel":
+        return "ravel()", lambda t: t.ravel(), lambda x: x.ravel(), "maybe"
+    if name == "broadcast_to":
+        sizes_ = expand_arg(rng, lay.shape)
+        type_name = dtypes.tensor_type_name(state.dtype)
+        return (
+            f"broadcast_to({sizes_})",
+            lambda t: t.broadcast_to(sizes_),
+            lambda x: x.expand(sizes_, type_name=type_name),
+            "view",
+        )
+    if name == "matrix":  # of a real dtype, H/mH/adjoint are transposes (complex: conj too)
+        attr = "mT" if state.dtype.is_complex else rng.choice(("mT", "mH", "H", "adjoint"))
+        if attr == "H":
+            ours_m: Callable[[Layout], Any] = lambda x: x.h()  # noqa: E731
+        else:
+            label_ = "adjoint()" if attr == "adjoint" else attr
+            ours_m = lambda x: x.matrix_transpose(label_)  # noqa: E731
+        if attr == "adjoint":
+            return "adjoint()", lambda t: _quietly(t.adjoint), ours_m, "view"
+        return attr, lambda t: _quietly(lambda: getattr(t, attr)), ours_m, "view"
     assert name == "as_strided"
     k = rng.randint(0, 3)
     size = [rng.randint(0, 5) for _ in range(k)]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -236,11 +238,11 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
         session = daemon.sessions.peek(bob.session_id)
         _, ticket = daemon.exports.export(session, b.handle)
         path = daemon.exports.socket_path
-        os.close(_local.receive_segment_fd(path, ticket))
+        os.close(_local.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):
-            _local.receive_segment_fd(path, ticket)
+            _local.receive_segment_fd(path, ticket, 0)
         with pytest.raises(OSError, match="unknown or expired ticket"):
-            _local.receive_segment_fd(path, "made-up")
+            _local.receive_segment_fd(path, "made-up-ticket-of-32-characters", 0)
 
 
 def test_without_auth_only_the_servers_user_reaches_the_fd_socket(client: Any) -> None:
@@ -257,7 +259,7 @@ def test_a_remote_looking_client_falls_back_to_grpc(
         monkeypatch.setenv("TENSORD_LOCAL", "0")
     if how == "unreachable socket":
 
-        def another_host(path: str, ticket: str) -> int:
+        def another_host(path: str, ticket: str, nbytes: int) -> int:
             raise FileNotFoundError(2, "No such file or directory", path)
 
         monkeypatch.setattr(_local, "receive_segment_fd", another_host)
@@ -303,3 +305,66 @@ def test_a_silent_fd_socket_connection_does_not_delay_another_clients_mapping(
 
 
 MIN_FAST = _local.MIN_FAST_BYTES
+
+
+def _squatter(path: str, answer: bytes, fd: int) -> threading.Thread:
+    """A stranger listening on a socket path a client was sent: answers one request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(10)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(256)
+                socket.send_fds(conn, [answer], [fd])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_socket_that_cannot_prove_the_ticket_gives_no_descriptor(tmp_path: Any) -> None:
+    # someone else's socket at the path (a remote server's path squatted on this host): it
+    # answers "ok" with a descriptor of its own memory, but cannot answer the ticket's proof
+    fd = os.memfd_create("squatter")
+    os.ftruncate(fd, 4096)
+    path = str(tmp_path / "fd.sock")
+    thread = _squatter(path, b"ok\n", fd)
+    with pytest.raises(OSError, match="did not prove the ticket"):
+        _local.receive_segment_fd(path, "k" * 16 + "p" * 16, 4096)
+    thread.join(10)
+    os.close(fd)
+
+
+def test_a_descriptor_shorter_than_its_segment_is_refused(tmp_path: Any) -> None:
+    # mapping past a file's end faults (SIGBUS) on access: the size is checked first
+    fd = os.memfd_create("short")
+    os.ftruncate(fd, 4096)
+    path = str(tmp_path / "fd.sock")
+    thread = _squatter(path, b"ok " + b"p" * 16 + b"\n", fd)
+    with pytest.raises(OSError, match="holds 4096 bytes, not the 1048576 announced"):
+        _local.receive_segment_fd(path, "k" * 16 + "p" * 16, 1 << 20)
+    thread.join(10)
+    os.close(fd)
+
+
+def test_an_export_reaching_past_its_segment_falls_back_to_grpc(
+    client: Any, monkeypatch: Any
+) -> None:
+    x = client.tensor(np.arange(1 << 17, dtype=np.float32))
+    real_call = client._conn.call
+
+    def lying(method: str, request: Any, *args: Any, **kwargs: Any) -> Any:
+        response = real_call(method, request, *args, **kwargs)
+        if method == "Export":
+            response.storage_byte_offset = response.segment_nbytes  # past the segment
+        return response
+
+    monkeypatch.setattr(client._conn, "call", lying)
+    np.testing.assert_array_equal(x.numpy(), np.arange(1 << 17, dtype=np.float32))
+    assert not client._local.enabled and "of a" in client._local.reason
+    with pytest.raises(BufferError):
+        x.__dlpack__()

@@ -1,5 +1,6 @@
 """Worker starvation: idle streams cannot hold every server thread, idle streams time out,
-busy time never lapses a lease, and heartbeats never wait on the tables or a compaction."""
+heartbeats are answered while every worker is busy (the lease clock never stops), and
+heartbeats never wait on the tables or a compaction."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import pytest
 import tensord
 from conftest import SessionStub, open_channel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.domain.admission import CallGate
-from tensord_server.domain.sessions import SessionManager
-from tensord_server.domain.storage import StorageRegistry
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.server import create_server
 
@@ -105,19 +105,58 @@ def test_a_tenant_holds_at_most_its_fair_share_of_streams() -> None:
     assert gate.open_streams("alice") == 6 and gate.open_streams() == 7
 
 
-def test_busy_time_never_counts_against_a_lease() -> None:
-    now = [0.0]
-    gate = CallGate(2, clock=lambda: now[0])
-    sessions = SessionManager(StorageRegistry(), grace=2.0, lease=1.0, clock=gate.lease_clock)
-    session, _ = sessions.open("busy")
-    with gate.call(), gate.call():  # every worker busy: the client's heartbeat is queued
-        now[0] += 60.0
-        assert sessions.reap() == []
-    assert session.id in sessions.session_ids()
-    now[0] += 2.9  # not saturated any more: lease (1) + grace (2) later it is lost
-    assert sessions.reap() == []
-    now[0] += 0.2
-    assert sessions.reap() == [session.id]
+@pytest.fixture
+def saturated_server(monkeypatch):
+    """A server with 2 workers, both held by MemoryStats calls blocked in the daemon (the
+    attack: a tenant's slow allowed unary calls), and a silent session (a crashed client)."""
+    daemon = TensorStore(("cpu=64MiB",), session_grace=0.3, lease=0.3)
+    server, port = create_server("127.0.0.1:0", store=daemon, max_workers=2)
+    address = f"127.0.0.1:{port}"
+    release, entered = threading.Event(), threading.Semaphore(0)
+    real_stats = daemon.memory_stats
+
+    def slow_stats(*args, **kwargs):
+        entered.release()
+        release.wait(10.0)  # bounded: the test sets it when done
+        return real_stats(*args, **kwargs)
+
+    with open_channel(address) as busy_channel, open_channel(address) as channel:
+        silent = SessionStub(channel, "silent")
+        busy = SessionStub(busy_channel, "busy")
+        monkeypatch.setattr(daemon, "memory_stats", slow_stats)
+        calls = [
+            busy.raw.MemoryStats.future(pb.DeviceRequest(device="cpu"), metadata=busy.md)
+            for _ in range(2)
+        ]
+        try:
+            assert entered.acquire(timeout=5) and entered.acquire(timeout=5)  # both workers held
+            yield daemon, address, silent
+        finally:
+            release.set()
+            for call in calls:
+                call.result(timeout=10)
+    server.stop(1.0).wait()
+    daemon.close()
+
+
+def test_heartbeats_are_answered_while_every_worker_is_busy(saturated_server) -> None:
+    daemon, address, _ = saturated_server
+    with open_channel(address) as channel:
+        raw = tensord_pb2_grpc.TensordStub(channel)
+        # OpenSession too runs beside the busy workers
+        opened = raw.OpenSession(pb.OpenSessionRequest(client_name="alive"), timeout=2)
+        md = (("tensord-session", opened.session_id),)
+        for _ in range(4):  # well past lease + grace: renewed by its heartbeats alone
+            raw.Heartbeat(pb.Heartbeat(sent_at=1.0), metadata=md, timeout=2)
+            time.sleep(0.2)
+        assert opened.session_id in daemon.sessions.session_ids()
+
+
+def test_the_lease_clock_runs_while_the_server_is_saturated(saturated_server, wait_until) -> None:
+    """Busy workers no longer stop the clock: a silent session is reaped on time (a tenant
+    keeping the server busy cannot keep lost sessions and their memory alive)."""
+    daemon, _, silent = saturated_server
+    assert wait_until(lambda: silent.session_id not in daemon.sessions.session_ids(), timeout=3)
 
 
 def test_a_heartbeat_never_waits_on_the_tables_or_a_compaction(small_server) -> None:

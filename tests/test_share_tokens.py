@@ -91,3 +91,16 @@ def test_tokens_count_against_the_handle_limit_until_consumed(make_server) -> No
         consumer.attach(tokens[0])  # consumed: its room comes back
         producer.revoke(tokens[1])
         assert len([x.share(), x.share()]) == 2
+
+
+def test_a_token_lives_at_most_max_share_ttl(make_server) -> None:
+    """ttl=inf (or 1e308) made a token that never ended, holding its Storage for ever."""
+    server = make_server(share_ttl=30.0, max_share_ttl=60.0)
+    with tensord.connect(server.address) as client:
+        x = client.arange(4)
+        for ttl in (float("inf"), 1e308, 60.5):
+            with pytest.raises(tensord.errors.InvalidArgumentError, match="--max-share-ttl"):
+                x.share(ttl=ttl)
+        assert client.attach(x.share(ttl=60.0)).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="--max-share-ttl"):
+        make_server(share_ttl=120.0, max_share_ttl=60.0)

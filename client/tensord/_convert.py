@@ -224,6 +224,10 @@ def as_array(data: Any, dtype: DType | None = None) -> tuple[np.ndarray, DType]:
     else:
         array, inferred = _from_python(data, dtype)
     target = dtype or inferred
+    if array.dtype == np.float64 and target.itemsize == 2 and target.is_floating_point:
+        # c10::Half and BFloat16 are made from a float: a double is rounded to float32 first
+        with np.errstate(over="ignore"):  # torch's overflow is inf, quietly
+            array = array.astype(np.float32).astype(dtypes.to_numpy_dtype(target))
     array = np.asarray(array, dtype=dtypes.to_numpy_dtype(target), order="C")
     return array, target
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import mmap
 import os
 import socket
@@ -51,6 +52,9 @@ LOCAL_ENV = "TENSORD_LOCAL"
 MIN_FAST_BYTES = 256 << 10
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
+# The fd socket's ticket: this many characters are sent, the rest is the server's proof
+# (tensord_server.domain.exports.TICKET_KEY_CHARS, the other side of the same protocol).
+TICKET_KEY_CHARS = 16
 RELEASE_BATCH = 1024
 
 
@@ -61,18 +65,34 @@ def local_wanted(local: bool | None) -> bool:
     return os.environ.get(LOCAL_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
-def receive_segment_fd(path: str, ticket: str) -> int:
-    """The segment's descriptor, for a ticket, from the server's fd socket; OSError otherwise."""
+def receive_segment_fd(path: str, ticket: str, nbytes: int) -> int:
+    """The descriptor of a segment of ``nbytes``, for a ticket, from the server's fd socket;
+    OSError otherwise.
+
+    Only the ticket's key is sent; the server proves it is the one that issued the ticket by
+    answering with the rest (a stranger listening on that path learns nothing it can use),
+    and the descriptor must be a file of at least ``nbytes`` (a shorter one would raise
+    SIGBUS on access, killing this process).
+    """
+    key, proof = ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(FD_TIMEOUT_S)
         sock.connect(path)
-        sock.sendall(ticket.encode("ascii") + b"\n")
+        sock.sendall(key.encode("ascii") + b"\n")
         message, fds, _flags, _addr = socket.recv_fds(sock, 256, 1)
-    if not message.startswith(b"ok") or len(fds) != 1:
+    expected = b"ok " + proof.encode("ascii") + b"\n"
+    if not proof or not hmac.compare_digest(message, expected) or len(fds) != 1:
         for fd in fds:
             os.close(fd)
+        if message.startswith(b"ok"):
+            raise OSError("the fd socket is not the server's: it did not prove the ticket")
         raise OSError(message.decode("ascii", "replace").strip() or "the fd socket said nothing")
-    return fds[0]
+    fd = fds[0]
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        os.close(fd)
+        raise OSError(f"the segment's file holds {size} bytes, not the {nbytes} announced")
+    return fd
 
 
 class Segment:
@@ -113,6 +133,11 @@ class Export:
     def array(self, dtype: np.dtype, layout: Layout) -> np.ndarray:
         """The elements of ``layout`` (in elements of ``dtype``) over the Storage, aliasing it."""
         itemsize = dtype.itemsize
+        if layout.storage_extent() * itemsize > self.storage_nbytes:
+            raise ValueError(
+                f"a layout reaching {layout.storage_extent() * itemsize} bytes does not fit the "
+                f"{self.storage_nbytes}-byte Storage exported"
+            )
         return np.ndarray(
             layout.shape,
             dtype=dtype,
@@ -173,6 +198,21 @@ class LocalMapper:
             self.last_refusal = str(exc)
             return None
         key = (response.server_instance, int(response.segment_id))
+        end = response.storage_byte_offset + response.tensor.storage_nbytes
+        if (
+            response.tensor.handle != handle
+            or response.storage_byte_offset < 0
+            or end > response.segment_nbytes
+        ):
+            # never build an array past what is mapped (it would reach another mapping's
+            # memory, or fault): a server whose answer does not add up is not used locally
+            self._conn.queue_export_release(response.export_id)
+            self.disable(
+                f"the server's Export does not add up (bytes {response.storage_byte_offset}.."
+                f"{end} of a {response.segment_nbytes}-byte segment, for tensor "
+                f"{response.tensor.handle[:8]!r})"
+            )
+            return None
         if response.device.startswith("cuda"):
             return self._export_cuda(key, response)
         try:
@@ -180,6 +220,15 @@ class LocalMapper:
         except (OSError, ValueError) as exc:
             self._conn.queue_export_release(response.export_id)
             self.disable(f"this client cannot map the server's memory ({exc})")
+            return None
+        if end > segment.base.size:
+            # never build an array past the mapping (that would read or write another
+            # mapping's memory, or fault): a server this client cannot trust to be local
+            self.ended(response.export_id, segment)
+            self.disable(
+                f"the server exported bytes {response.storage_byte_offset}..{end} of a "
+                f"{segment.base.size}-byte segment"
+            )
             return None
         return Export(self, response, segment)
 
@@ -192,7 +241,7 @@ class LocalMapper:
         if response.segment_nbytes == 0:  # a zero-byte Storage: nothing to map
             mapping = mmap.mmap(-1, 1)
         else:
-            fd = receive_segment_fd(response.fd_socket, response.ticket)
+            fd = receive_segment_fd(response.fd_socket, response.ticket, response.segment_nbytes)
             try:
                 mapping = mmap.mmap(fd, response.segment_nbytes, flags=mmap.MAP_SHARED)
             finally:

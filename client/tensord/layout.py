@@ -620,6 +620,11 @@ class Layout:
                 return self
             index = (index,)
         for item in index:
+            if isinstance(item, float):
+                raise IndexError(
+                    "only integers, slices (`:`), ellipsis (`...`), None and long or byte "
+                    "Variables are valid indices (got float)"
+                )
             if not (_is_int(item) or isinstance(item, slice) or item is None or item is Ellipsis):
                 raise TypeError(
                     "tensord supports only basic indexing (ints, slices, None, Ellipsis); "
@@ -821,6 +826,10 @@ class Layout:
 
     def unflatten(self, dim: int, sizes: Sequence[int]) -> Layout:
         """mirrors ATen unflatten (a view: raises when not viewable)."""
+        if not _is_int(dim):  # torch's argument parser, before anything else
+            raise TypeError(
+                f"unflatten(): argument 'dim' (position 1) must be int, not {type(dim).__name__}"
+            )
         sizes = tuple(sizes)
         _check_ints("sizes", sizes)
         if not sizes:
@@ -908,6 +917,122 @@ class Layout:
         if self.ndim == 0:  # torch then asks a 0-dim tensor for size(dim)
             raise IndexError(f"Dimension specified as {dim} but tensor has no dimensions")
         return tuple(self.select(dim, i) for i in range(self.shape[dim]))
+
+    def tensor_split(self, indices_or_sections: IntOrSeq, dim: int = 0) -> tuple[Layout, ...]:
+        """mirrors ATen tensor_split (an int: that many sections; a sequence: split indices).
+
+        Each part is a slice, so indices out of order or past the end give empty parts
+        (clamped as slice clamps), and parts may overlap nothing but never repeat data.
+        """
+        if self.ndim == 0:
+            raise RuntimeError(
+                "tensor_split expected at least a 1-dimensional tensor, but got a tensor with "
+                f"{self.ndim} dims"
+            )
+        dim = normalize_dim(dim, self.ndim)
+        size = self.shape[dim]
+        if _is_int(indices_or_sections):
+            sections = indices_or_sections
+            assert isinstance(sections, int)
+            if sections <= 0:
+                raise RuntimeError(f"number of sections must be larger than 0, got {sections}")
+            smallest, extra = divmod(size, sections)
+            sizes = [smallest + 1 if i < extra else smallest for i in range(sections)]
+            starts = [sum(sizes[:i]) for i in range(sections)]
+            return tuple(self._slice(dim, s, s + n, 1) for s, n in zip(starts, sizes, strict=True))
+        indices = tuple(indices_or_sections)  # type: ignore[arg-type]
+        _check_ints("indices", indices)
+        bounds = [0, *indices]
+        parts = [self._slice(dim, lo, hi, 1) for lo, hi in zip(bounds, indices, strict=False)]
+        parts.append(self._slice(dim, bounds[-1], size, 1))
+        return tuple(parts)
+
+    def _split_along(
+        self, name: str, dim: int, min_ndim: int, indices_or_sections: IntOrSeq
+    ) -> tuple[Layout, ...]:
+        # mirrors ATen hsplit/vsplit/dsplit: a rank check, then a divisibility check on an int
+        if self.ndim < min_ndim:
+            raise RuntimeError(  # torch says "dimension" whatever the count
+                f"torch.{name} requires a tensor with at least {min_ndim} dimension, but got a "
+                f"tensor with {self.ndim} dimensions!"
+            )
+        if _is_int(indices_or_sections):
+            split_size = indices_or_sections
+            assert isinstance(split_size, int)
+            if split_size == 0 or self.shape[dim] % split_size != 0:
+                raise RuntimeError(
+                    f"torch.{name} attempted to split along dimension {dim}, but the size of the "
+                    f"dimension {self.shape[dim]} is not divisible by the split_size "
+                    f"{split_size}!"
+                )
+        return self.tensor_split(indices_or_sections, dim)
+
+    def hsplit(self, indices_or_sections: IntOrSeq) -> tuple[Layout, ...]:
+        """mirrors ATen hsplit (dim 1, or 0 for a 1-dim tensor)."""
+        return self._split_along("hsplit", 0 if self.ndim == 1 else 1, 1, indices_or_sections)
+
+    def vsplit(self, indices_or_sections: IntOrSeq) -> tuple[Layout, ...]:
+        """mirrors ATen vsplit (dim 0)."""
+        return self._split_along("vsplit", 0, 2, indices_or_sections)
+
+    def dsplit(self, indices_or_sections: IntOrSeq) -> tuple[Layout, ...]:
+        """mirrors ATen dsplit (dim 2)."""
+        return self._split_along("dsplit", 2, 3, indices_or_sections)
+
+    def unfold(self, dim: int, size: int, step: int) -> Layout:
+        """mirrors ATen unfold (a 0-dim tensor unfolds along its one implicit dim)."""
+        dim = normalize_dim(dim, self.ndim)
+        max_size = 1 if self.ndim == 0 else self.shape[dim]
+        if size > max_size:
+            raise RuntimeError(
+                f"maximum size for tensor at dimension {dim} is {max_size} but size is {size}"
+            )
+        if size < 0:
+            raise RuntimeError(f"size is {size} but must be >= 0")
+        if step <= 0:
+            raise RuntimeError(f"step is {step} but must be > 0")
+        shape, stride = (
+            [*self.shape, size],
+            [*self.stride, 1 if self.ndim == 0 else self.stride[dim]],
+        )
+        if dim < self.ndim:
+            shape[dim] = (shape[dim] - size) // step + 1
+            stride[dim] *= step
+        return self._with(shape, stride)
+
+    def ravel(self) -> Layout | None:
+        """torch.ravel as a view, or None when it copies.  mirrors ATen ravel:
+        contiguous().view(-1), so a non-contiguous tensor copies even where reshape
+        could view it."""
+        if not self.is_contiguous():
+            return None
+        return self.view(-1)
+
+    def matrix_transpose(self, name: str) -> Layout:
+        """x.mT / x.mH / x.adjoint() of a real tensor (``name`` is what torch's text says).
+
+        mirrors ATen _adjoint: a 0-dim tensor is itself (torch warns once; the SDK does).
+        """
+        if self.ndim == 0:
+            return self
+        if self.ndim < 2:
+            raise RuntimeError(
+                f"tensor.{name} is only supported on matrices or batches of matrices. "
+                f"Got {self.ndim}-D tensor."
+            )
+        return self.transpose(-2, -1)
+
+    def h(self) -> Layout:
+        """x.H of a real tensor.  mirrors ATen matrix_H (0-dim: itself, with a warning)."""
+        if self.ndim == 0:
+            return self
+        if self.ndim != 2:
+            hint = " For batches of matrices, consider using tensor.mH" if self.ndim > 2 else ""
+            raise RuntimeError(
+                f"tensor.H is only supported on matrices (2-D tensors). Got {self.ndim}-D tensor."
+                + hint
+            )
+        return self.transpose(0, 1)
 
     def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Layout:
         """mirrors ATen diagonal."""

@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -89,10 +90,21 @@ def device_name(device: Any) -> str:
     return name
 
 
+# Python's number types as dtypes, as torch's argument parser reads them (dtype=float)
+_PYTHON_TYPE_DTYPES: dict[type, DType] = {
+    builtins.float: dtypes.float64,
+    builtins.int: dtypes.int64,
+    builtins.bool: dtypes.bool,
+    builtins.complex: dtypes.complex128,
+}
+
+
 def as_dtype(value: Any) -> DType:
-    """A tensord DType from a DType, a torch.dtype or a dtype name."""
+    """A tensord DType from a DType, a torch.dtype, a Python number type or a dtype name."""
     if isinstance(value, DType):
         return value
+    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
+        return _PYTHON_TYPE_DTYPES[value]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
         return dtypes.from_torch(value)
@@ -104,6 +116,8 @@ def as_dtype(value: Any) -> DType:
 
 def _is_dtype(value: Any) -> builtins.bool:
     torch = sys.modules.get("torch")
+    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
+        return True
     return isinstance(value, DType) or (torch is not None and isinstance(value, torch.dtype))
 
 
@@ -164,19 +178,36 @@ def index_items(key: Any) -> list[pb.IndexItem]:
 def plain_index(key: Any) -> Any:
     """NumPy ints -> ints, so the layout engine sees what torch would."""
 
+    def bound(value: Any) -> Any:
+        # slice bounds: anything with __index__ (NumPy ints, 0-dim integer tensors), as Python's
+        if isinstance(value, np.integer) or _is_tensor(value):
+            return operator.index(value)
+        return value
+
     def one(item: Any) -> Any:
         if isinstance(item, np.integer):
             return builtins.int(item)
+        if _is_tensor(item) and item.ndim == 0:
+            return _zero_dim_index(item)
         if isinstance(item, slice):
-            return slice(
-                *(
-                    builtins.int(v) if isinstance(v, np.integer) else v
-                    for v in (item.start, item.stop, item.step)
-                )
-            )
+            return slice(*(bound(v) for v in (item.start, item.stop, item.step)))
         return item
 
     return tuple(one(i) for i in key) if isinstance(key, tuple) else one(key)
+
+
+def _zero_dim_index(item: Any) -> Any:
+    """A 0-dim tensor used as an index: an integer one (not uint8, which torch reads as a
+    mask) is basic indexing by its value, a view; a float one is torch's IndexError; a
+    bool/uint8 mask stays a tensor (advanced indexing, refused by the layout engine)."""
+    dtype = _dtype_of(item)
+    if dtype.is_floating_point or dtype.is_complex:
+        raise errors.TensordIndexError(
+            "tensors used as indices must be long, int, byte or bool tensors"
+        )
+    if dtype is dtypes.bool or dtype is dtypes.uint8:
+        return item
+    return builtins.int(item.item())
 
 
 @contextlib.contextmanager
@@ -420,7 +451,9 @@ class Tensor:
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
 
-    def narrow(self, dim: builtins.int, start: builtins.int, length: builtins.int) -> Tensor:
+    def narrow(self, dim: builtins.int, start: Any, length: builtins.int) -> Tensor:
+        if _is_tensor(start):  # torch's narrow(dim, Tensor start, length) overload
+            start = _narrow_start(start)
         with torch_errors():
             self._meta.layout.narrow(dim, start, length)
         return self._view(narrow=pb.Narrow(dim=dim, start=start, length=length))
@@ -436,6 +469,9 @@ class Tensor:
             self._meta.layout[key]
         return self._view(index=pb.Index(items=index_items(key)))
 
+    def __delitem__(self, key: Any) -> None:
+        raise errors.TensordTypeError("Tensor does not support deleting items")
+
     def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
         with torch_errors():
             self._meta.layout.transpose(dim0, dim1)
@@ -444,6 +480,9 @@ class Tensor:
     def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
         return self.transpose(axis0, axis1)
 
+    def swapdims(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        return self.transpose(dim0, dim1)
+
     def t(self) -> Tensor:
         with torch_errors():
             self._meta.layout.t()
@@ -451,8 +490,49 @@ class Tensor:
 
     @property
     def T(self) -> Tensor:
-        """torch's ``x.T``: t() up to 2 dims, else all dims reversed."""
-        return self.t() if self.ndim <= 2 else self.permute(tuple(reversed(range(self.ndim))))
+        """torch's ``x.T``: all dims reversed; torch warns (once) unless x is a matrix.
+
+        mirrors ATen numpy_T: a 0-dim tensor gives a new handle on itself (a permute).
+        """
+        if self.ndim == 0:
+            _warn_once(
+                "Tensor.T is deprecated on 0-D tensors. This function is the identity in these cases."
+            )
+        elif self.ndim != 2:
+            _warn_once(_T_DEPRECATED)
+        return self.permute(tuple(reversed(range(self.ndim))))
+
+    def _matrix_view(self, name: builtins.str, zero_dim_warning: builtins.str) -> Tensor:
+        # mT / mH / H / adjoint(): a transpose of the last two dims (of a real tensor)
+        if self.ndim == 0:
+            _warn_once(zero_dim_warning)
+            return self
+        if name != "mT" and self.dtype.is_complex:
+            raise errors.TensordRuntimeError(
+                f"tensord does not support {name} of a complex tensor yet (it needs torch's "
+                "conjugate view); use transpose(-2, -1) and a copy for the conjugate"
+            )
+        with torch_errors():
+            if name == "H":
+                self._meta.layout.h()
+            else:
+                self._meta.layout.matrix_transpose(name)
+        return self.transpose(-2, -1)
+
+    @property
+    def mT(self) -> Tensor:
+        return self._matrix_view("mT", _IDENTITY_0D.format("Tensor.mT"))
+
+    @property
+    def mH(self) -> Tensor:
+        return self._matrix_view("mH", _CONJ_0D.format("Tensor.mH"))
+
+    @property
+    def H(self) -> Tensor:
+        return self._matrix_view("H", _CONJ_0D.format("Tensor.H"))
+
+    def adjoint(self) -> Tensor:
+        return self._matrix_view("adjoint()", _CONJ_0D.format("adjoint()"))
 
     def permute(self, *dims: Any) -> Tensor:
         require_args("permute", "dims", dims)
@@ -460,6 +540,9 @@ class Tensor:
             order = shape_args(dims)
             self._meta.layout.permute(order)
         return self._view(permute=pb.Permute(dims=order))
+
+    def moveaxis(self, source: Any, destination: Any) -> Tensor:
+        return self.movedim(source, destination)
 
     def movedim(self, source: Any, destination: Any) -> Tensor:
         with torch_errors():
@@ -475,8 +558,11 @@ class Tensor:
             self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
         return self._view(expand=pb.Expand(shape=target))
 
-    def expand_as(self, other: Tensor) -> Tensor:
-        return self.expand(other.shape)
+    def expand_as(self, other: Any) -> Tensor:
+        return self.expand(tuple(other.shape))
+
+    def broadcast_to(self, size: Any) -> Tensor:
+        return self.expand(size)
 
     def squeeze(self, dim: Any = None) -> Tensor:
         with torch_errors():
@@ -494,6 +580,8 @@ class Tensor:
     def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
         with torch_errors():
             viewed = self._meta.layout.flatten(start_dim, end_dim)
+        if viewed is self._meta.layout and self.ndim > 0:
+            return self  # start_dim == end_dim: torch returns self
         if viewed is not None:
             return self._view(flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
         # torch.flatten reshapes, and a reshape that cannot view copies
@@ -515,6 +603,60 @@ class Tensor:
         else:
             op = pb.Split(sections=pb.IntList(values=list(split_size_or_sections)), dim=dim)
         return tuple(self._views(split=op))
+
+    def tensor_split(self, indices_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        """mirrors torch.Tensor.tensor_split: an int (sections), a sequence of split
+        indices, or a long tensor of either (0-dim: sections; 1-dim: indices)."""
+        arg = _split_arg(indices_or_sections, self.ndim)
+        with torch_errors():
+            parts = self._meta.layout.tensor_split(arg, dim)
+        return self._split_views(parts, dim)
+
+    def _split_along(self, name: builtins.str, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        arg = indices_or_sections
+        if not isinstance(arg, (builtins.int, np.integer)):
+            arg = _ints(arg)
+        with torch_errors():
+            parts = getattr(self._meta.layout, name)(
+                operator.index(arg) if isinstance(arg, np.integer) else arg
+            )
+        return self._split_views(
+            parts, {"vsplit": 0, "dsplit": 2}.get(name, 0 if self.ndim == 1 else 1)
+        )
+
+    def hsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        return self._split_along("hsplit", indices_or_sections)
+
+    def vsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        return self._split_along("vsplit", indices_or_sections)
+
+    def dsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        return self._split_along("dsplit", indices_or_sections)
+
+    def _split_views(self, parts: tuple[Layout, ...], dim: builtins.int) -> tuple[Tensor, ...]:
+        """Handles on parts the layout engine computed along ``dim``: one Split RPC when they
+        are exactly a split_with_sizes (parts that tile the dim in order), else one
+        as_strided per part (the server bounds-checks each against the Storage)."""
+        sizes = [p.shape[dim] for p in parts]
+        with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
+            if self._meta.layout.split(sizes, dim) == parts:
+                op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
+                return tuple(self._views(split=op))
+        return tuple(self._strided_view(p) for p in parts)
+
+    def _strided_view(self, layout: Layout) -> Tensor:
+        """A handle on ``layout`` (computed here by the layout engine) as one as_strided."""
+        op = pb.AsStrided(size=layout.shape, stride=layout.stride, storage_offset=layout.offset)
+        return self._view(as_strided=op)
+
+    def unfold(self, dimension: builtins.int, size: builtins.int, step: builtins.int) -> Tensor:
+        with torch_errors():
+            layout = self._meta.layout.unfold(dimension, size, step)
+        return self._strided_view(layout)
+
+    def ravel(self) -> Tensor:
+        """mirrors ATen ravel: contiguous().view(-1) (a copy when not contiguous)."""
+        return self.contiguous().view(-1)
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
@@ -550,6 +692,39 @@ class Tensor:
             )
         op = pb.AsStrided(size=list(size), stride=list(stride), storage_offset=storage_offset)
         return self._view(as_strided=op)
+
+    # ---- in-place view ops: this object takes a new handle; other handles are unchanged ----
+
+    def _become(self, other: Tensor) -> Tensor:
+        other._finalizer.detach()  # the handle is ours now: released with self, not other
+        self._adopt(other._meta)
+        return self
+
+    def t_(self) -> Tensor:
+        return self._become(self.t())
+
+    def transpose_(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        return self._become(self.transpose(dim0, dim1))
+
+    def swapdims_(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        return self._become(self.transpose(dim0, dim1))
+
+    def swapaxes_(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
+        return self._become(self.transpose(axis0, axis1))
+
+    def squeeze_(self, dim: Any = None) -> Tensor:
+        return self._become(self.squeeze(dim))
+
+    def unsqueeze_(self, dim: builtins.int) -> Tensor:
+        return self._become(self.unsqueeze(dim))
+
+    def as_strided_(
+        self,
+        size: Sequence[builtins.int],
+        stride: Sequence[builtins.int],
+        storage_offset: builtins.int | None = None,
+    ) -> Tensor:
+        return self._become(self.as_strided(size, stride, storage_offset))
 
     def detach(self) -> Tensor:
         return self._view(detach=pb.Detach())
@@ -874,6 +1049,76 @@ class Tensor:
 
     def bool(self) -> Tensor:
         return self.to(dtypes.bool)
+
+
+_T_DEPRECATED = (
+    "The use of `x.T` on tensors of dimension other than 2 to reverse their shape is deprecated "
+    "and it will throw an error in a future release. Consider `x.mT` to transpose batches of "
+    "matrices or `x.permute(*torch.arange(x.ndim - 1, -1, -1))` to reverse the dimensions of a "
+    "tensor."
+)
+_IDENTITY_0D = "{} is deprecated on 0-D tensors. This function is the identity in these cases."
+_CONJ_0D = "{} is deprecated on 0-D tensors. Consider using x.conj()."
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A UserWarning, once per process, as torch's TORCH_WARN_ONCE."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _is_tensor(value: Any) -> builtins.bool:
+    torch = sys.modules.get("torch")
+    return isinstance(value, Tensor) or (torch is not None and isinstance(value, torch.Tensor))
+
+
+def _dtype_of(value: Any) -> DType:
+    return value.dtype if isinstance(value, Tensor) else dtypes.from_torch(value.dtype)
+
+
+def _is_integral(dtype: DType) -> builtins.bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype is dtypes.bool)
+
+
+def _narrow_start(start: Any) -> builtins.int:
+    """narrow's Tensor start: a 0-dim integral tensor (its value).  mirrors ATen narrow_tensor."""
+    if start.ndim != 0 or not _is_integral(_dtype_of(start)):
+        raise errors.TensordRuntimeError("start must be an 0-dim integral Tensor.")
+    return builtins.int(start.item())
+
+
+def _split_arg(value: Any, ndim: builtins.int) -> Any:
+    """tensor_split's indices_or_sections as an int or a tuple of ints.  A tensor must be a
+    long 0-dim (sections) or 1-dim (indices) tensor on the CPU; mirrors ATen tensor_split's
+    checks and their order."""
+    if isinstance(value, (builtins.int, np.integer)) and not isinstance(value, builtins.bool):
+        return operator.index(value)
+    if not _is_tensor(value):
+        return _ints(value)
+    if ndim == 0:
+        raise errors.TensordRuntimeError(
+            "tensor_split expected at least a 1-dimensional tensor, but got a tensor with 0 dims"
+        )
+    device = device_name(value.device)
+    if device != "cpu":
+        raise errors.TensordRuntimeError(
+            f"tensor_split expected tensor_indices_or_sections to be on cpu, but it's on {device}"
+        )
+    dtype = _dtype_of(value)
+    if dtype is not dtypes.int64:
+        raise errors.TensordRuntimeError(
+            "tensor_split expected tensor_indices_or_sections to have dtype of long, but got "
+            f"{dtype.scalar_type}"
+        )
+    if value.ndim not in (0, 1):
+        raise errors.TensordRuntimeError(
+            "tensor_split expected tensor_indices_or_sections to be a zero-dimensional or "
+            f"one-dimensional tensor, but got a tensor with {value.ndim} dims"
+        )
+    values = value.tolist()
+    return builtins.int(values) if value.ndim == 0 else tuple(builtins.int(v) for v in values)
 
 
 def _python_values(values: np.ndarray, dtype: DType) -> np.ndarray:

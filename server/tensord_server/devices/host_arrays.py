@@ -1,4 +1,4 @@
-"""NumPy array helpers every device type shares: torch's host copy rule and the gather plan.
+"""NumPy array helpers every device type shares: torch's host copy rules and the gather plan.
 
 The lowest layer of array work: knows NumPy only, so the CUDA module builds on it
 (host ends of cross-device copies, piece-wise copies) without importing anything above.
@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from tensord import dtypes
 
 Index = tuple[int | slice, ...]
 
@@ -40,7 +41,34 @@ def assign_host(xp: Any, dst: Any, src: Any) -> None:
     if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
         src = complex_to_real(src, dst.dtype)
     with quiet(xp):
-        dst[...] = src
+        if src.dtype == np.float64 and dst.dtype in _HALF_TYPES:
+            _assign_through_float32(dst, src)
+        else:
+            dst[...] = src
+
+
+# NumPy's float16 and bfloat16: torch makes them from a float, never straight from a double.
+_HALF_TYPES = tuple(dtypes.to_numpy_dtype(d) for d in (dtypes.float16, dtypes.bfloat16))
+# Elements converted at a time on the double -> float -> half path (its temporary).
+HALF_CAST_CHUNK_ELEMENTS = 1 << 20
+
+
+def _assign_through_float32(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` for float64 into float16/bfloat16 as torch casts: c10::Half and
+    BFloat16 are made from a float, so a double is rounded to float32 first (rounding
+    once, straight to half, differs in ties).  The float32 temporary is a chunk at a time."""
+    if dst.size <= HALF_CAST_CHUNK_ELEMENTS or dst.ndim == 0:
+        dst[...] = np.asarray(src, dtype=np.float32)
+        return
+    src = np.broadcast_to(src, dst.shape)
+    inner = dst.size // dst.shape[0]
+    if inner > HALF_CAST_CHUNK_ELEMENTS:
+        for i in range(dst.shape[0]):
+            _assign_through_float32(dst[i], src[i])
+        return
+    step = max(1, HALF_CAST_CHUNK_ELEMENTS // inner)
+    for start in range(0, dst.shape[0], step):
+        dst[start : start + step] = src[start : start + step].astype(np.float32)
 
 
 def gather_plan(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> Iterator[Index]:

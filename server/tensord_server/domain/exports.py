@@ -81,11 +81,25 @@ class Export:
     ipc_handle: bytes = b""  # a GPU segment's cudaIpcMemHandle_t; empty for host memory
 
 
+# A ticket is two halves: the client sends the first (the key) to the fd socket, which
+# answers with the second (the proof) beside the descriptor. Whoever listens on a socket
+# path the client was sent but is not this server (a remote server's path, squatted on
+# the client's host) learns only the key and cannot answer with the proof, so the client
+# never maps, reads or writes memory that is not this server's.
+TICKET_KEY_CHARS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     segment_id: int
     backend: SharedHostBackend
     expires: float
+    proof: str  # the ticket's second half, answered with the descriptor
+
+
+def split_ticket(ticket: str) -> tuple[str, str]:
+    """(key, proof): what the client sends, and what only the server can answer."""
+    return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
 
 
 class ExportTable:
@@ -294,21 +308,22 @@ class ExportTable:
             if oldest.expires > now and len(self._tickets) < MAX_TICKETS:
                 break
             self._tickets.popitem(last=False)
-        ticket = secrets.token_urlsafe(24)
-        self._tickets[ticket] = Ticket(segment_id, backend, now + TICKET_TTL_S)
+        ticket = secrets.token_urlsafe(24)  # 32 characters: a 16-character key and proof
+        key, proof = split_ticket(ticket)
+        self._tickets[key] = Ticket(segment_id, backend, now + TICKET_TTL_S, proof)
         return ticket
 
-    def redeem(self, ticket: str) -> int:
-        """A new descriptor of the segment of a valid ticket (used up; the caller closes the
-        descriptor); KeyError otherwise."""
+    def redeem(self, key: str) -> tuple[int, str]:
+        """A new descriptor of the segment of a valid ticket's key (used up; the caller
+        closes the descriptor) and the ticket's proof; KeyError otherwise."""
         with self._lock:
-            entry = self._tickets.pop(ticket, None)
+            entry = self._tickets.pop(key, None)
         if entry is None or entry.expires < time.monotonic():
             raise KeyError("unknown or expired ticket")
         fd = entry.backend.dup_fd(entry.segment_id)
         if fd is None:
             raise KeyError("the segment is gone")
-        return fd
+        return fd, entry.proof
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -371,12 +386,12 @@ class ExportTable:
                 return
             line += piece
         try:
-            fd = self.redeem(line.strip().decode("ascii", "replace"))
+            fd, proof = self.redeem(line.strip().decode("ascii", "replace"))
         except KeyError as exc:
             conn.sendall(f"no: {exc.args[0]}\n".encode())
             return
         try:
-            socket.send_fds(conn, [b"ok\n"], [fd])
+            socket.send_fds(conn, [f"ok {proof}\n".encode("ascii")], [fd])
         finally:
             os.close(fd)
 

@@ -35,7 +35,7 @@ EXTENT_FIELDS = DIM_FIELDS | frozenset({"storage_offset", "start", "length", "in
 # Tensors one view op (split, chunk, unbind) may return: counted before any is built.
 MAX_VIEW_RESULTS = 65536
 # Elements one op may read or write (fill_, copy_, setitem, clone, contiguous, to, cat,
-# stack, repeat, reshape's copy, download): an expanded view names 2**48 elements over one,
+# stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
 DEFAULT_MAX_OP_ELEMENTS = 1 << 32
 

@@ -30,6 +30,7 @@ of another tenant is NOT_FOUND, as if it did not exist.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -56,6 +57,8 @@ DEFAULT_GRACE_S = 30.0
 DEFAULT_LEASE_S = 10.0
 # A share token expires this long after share() unless it asks for another lifetime.
 DEFAULT_SHARE_TTL_S = 300.0
+# The longest ttl a share token may ask for (a token holds its Storage until it ends).
+DEFAULT_MAX_SHARE_TTL_S = 86400.0
 
 
 def new_capability() -> str:
@@ -111,12 +114,19 @@ class SessionManager:
         max_sessions: int | None = None,
         max_names: int | None = None,
         share_ttl: float = DEFAULT_SHARE_TTL_S,
+        max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if grace < 0 or lease <= 0:
             raise ValueError(f"grace must be >= 0 and lease > 0, got grace={grace}, lease={lease}")
         if not share_ttl > 0:
             raise ValueError(f"the share token ttl must be > 0, got {share_ttl}")
+        if not share_ttl <= max_share_ttl < math.inf:  # NaN and inf too
+            raise ValueError(
+                f"the share token ttl ({share_ttl:g}) must be at most --max-share-ttl "
+                f"({max_share_ttl:g}), which must be finite"
+            )
+        self.max_share_ttl = max_share_ttl
         self.share_ttl = share_ttl  # a token's lifetime unless share() asks for another
         self.storages = storages
         self.grace = grace
@@ -348,6 +358,11 @@ class SessionManager:
         ttl = self.share_ttl if ttl is None else ttl
         if not ttl > 0:  # NaN too
             raise ValueError(f"a share token's ttl must be > 0 seconds, got {ttl}")
+        if not ttl <= self.max_share_ttl:  # inf too: a token that never ends holds its Storage
+            raise ValueError(
+                f"a share token's ttl must be at most {self.max_share_ttl:g} seconds "
+                f"(--max-share-ttl), got {ttl:g}"
+            )
         token = new_capability()
         with self._lock:
             ref = self._lookup(session, handle)

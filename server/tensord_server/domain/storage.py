@@ -8,16 +8,18 @@ never hand a block back to the pool while a copy still reads or writes it.
 Compaction may move a Storage to another block of its pool (clients hold
 handles on the Storage, never on the block).  What clients see as its address
 (``data_ptr``) is not the block's: the registry gives each Storage a virtual
-address of its own when it is made, from a space that only grows, so it never
-changes while the Storage lives, and no other Storage, live or later, is given
-an address inside its range (torch users compare ``data_ptr()`` to detect
-aliasing).  Block addresses stay the pool's (snapshots, memory_viz).  Pins
+address of its own when it is made (:class:`AddressSpace`): it never changes
+while the Storage lives and no other live Storage is given an address inside
+its range (torch users compare ``data_ptr()`` to detect aliasing); a freed
+Storage's range is reused, as torch's allocator reuses addresses, so the space
+in use is bounded by the live Storages, not by every allocation ever made.  Block addresses stay the pool's (snapshots, memory_viz).  Holds
 are counted apart from references for that: a held Storage never moves, and
 while the pool moves blocks it holds the registry's lock, so no hold starts.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import secrets
 import threading
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensord.dtypes import DType
-from tensord.errors import InternalError
+from tensord.errors import InternalError, ResourceExhaustedError
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device
@@ -39,6 +41,71 @@ from tensord_server.pool import Block, CachingPool, round_size
 # of each one (torch's allocators align blocks to 512 B).
 ADDRESS_SPACE_BASE = 1 << 40
 ADDRESS_ALIGNMENT = 512
+# Addresses stay below this (TensorMeta.storage_data_ptr is a uint64; int64 for torch users).
+ADDRESS_SPACE_END = 1 << 63
+
+
+class AddressSpace:
+    """Aligned virtual ranges for Storages: a live range never overlaps another and never
+    moves; a freed one is reused.  Not thread-safe (the registry's lock guards it).
+
+    First fit over a sorted free list, coalesced on every release; the top of the
+    space comes down whenever the highest range is freed, so it is always the end
+    of the highest live range (the base when none lives).
+    """
+
+    def __init__(self, base: int = ADDRESS_SPACE_BASE, end: int = ADDRESS_SPACE_END) -> None:
+        self.base = base
+        self.end = end
+        self.top = base  # everything at or above is free
+        self._hole_starts: list[int] = []  # free ranges below the top, sorted, never adjacent
+        self._hole_sizes: dict[int, int] = {}
+
+    @staticmethod
+    def span(nbytes: int) -> int:
+        """The aligned range ``nbytes`` takes (at least one unit: a zero-byte Storage's
+        address is its own too)."""
+        return -(-max(nbytes, 1) // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT
+
+    def take(self, nbytes: int) -> int:
+        span = self.span(nbytes)
+        for i, start in enumerate(self._hole_starts):
+            size = self._hole_sizes[start]
+            if size >= span:
+                del self._hole_sizes[start]
+                if size > span:
+                    self._hole_starts[i] = start + span
+                    self._hole_sizes[start + span] = size - span
+                else:
+                    del self._hole_starts[i]
+                return start
+        if self.top + span > self.end:
+            raise ResourceExhaustedError(
+                f"no virtual address range of {span} bytes is left for a new Storage"
+            )
+        address = self.top
+        self.top += span
+        return address
+
+    def give_back(self, address: int, nbytes: int) -> None:
+        span = self.span(nbytes)
+        i = bisect.bisect_left(self._hole_starts, address)
+        if i < len(self._hole_starts) and self._hole_starts[i] == address + span:
+            span += self._hole_sizes.pop(self._hole_starts.pop(i))  # merge the hole above
+        if i > 0:
+            below = self._hole_starts[i - 1]
+            if below + self._hole_sizes[below] == address:  # merge into the hole below
+                i -= 1
+                del self._hole_starts[i]
+                address, span = below, self._hole_sizes.pop(below) + span
+        if address + span == self.top:
+            self.top = address  # the highest range: the top comes down
+            return
+        self._hole_starts.insert(i, address)
+        self._hole_sizes[address] = span
+
+    def free_bytes_below_top(self) -> int:
+        return sum(self._hole_sizes.values())
 
 
 def charge_for(nbytes: int) -> int:
@@ -113,19 +180,11 @@ class StorageRegistry:
         # guards _storages, every Storage's refs, holds and block, and the ledger's changes
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
-        self._next_address = ADDRESS_SPACE_BASE  # grows only: no address is handed out twice
+        self._addresses = AddressSpace()  # data_ptrs: unique among live Storages, reused after
         # tenant -> its pool stream: blocks are only reused and segments only split on
         # their own stream, so no segment ever holds two tenants' Storages (a same-host
         # client maps whole segments); "" (no authentication) keeps stream 0
         self._streams: dict[str, int] = {"": 0}
-
-    def _take_address(self, nbytes: int) -> int:
-        """A fresh aligned range of ``nbytes`` (at least one alignment unit, so a zero-byte
-        Storage's address is its own too); the caller holds the lock."""
-        address = self._next_address
-        span = max(nbytes, 1)
-        self._next_address += -(-span // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT
-        return address
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
@@ -139,7 +198,11 @@ class StorageRegistry:
         try:
             with self._lock:
                 self.ledger.charge(tenant, device.name, charge)
-                storage.address = self._take_address(nbytes)
+                try:
+                    storage.address = self._addresses.take(nbytes)
+                except BaseException:
+                    self.ledger.refund(tenant, device.name, charge)
+                    raise
                 self._storages[storage.id] = storage
         except BaseException:
             device.pool.free(block)
@@ -179,6 +242,7 @@ class StorageRegistry:
                 return
             storage.freed = True
             del self._storages[storage.id]
+            self._addresses.give_back(storage.address, storage.nbytes)
             self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
             block = storage.block
         storage.device.pool.free(block)

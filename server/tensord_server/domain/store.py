@@ -33,11 +33,12 @@ from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
 from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
+    DEFAULT_MAX_SHARE_TTL_S,
     DEFAULT_SHARE_TTL_S,
     Session,
     SessionManager,
 )
-from tensord_server.domain.storage import StorageRegistry, TensorRef
+from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -76,14 +77,11 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
     if op.name == "view_dtype":
         new = dtypes.dtype_from_name(op.args[0])
         old = ref.dtype
-        return [
-            ref.with_layout(
-                layout.view_dtype(
-                    old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
-                ),
-                new,
-            )
-        ]
+        viewed = layout.view_dtype(
+            old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
+        )
+        # view(dtype) is not differentiable: torch's result never requires grad
+        return [TensorRef(ref.storage, viewed, new, False)]
     if op.name == "detach":
         return [TensorRef(ref.storage, layout, ref.dtype, False)]
     if op.name == "set_requires_grad":
@@ -146,6 +144,7 @@ class TensorStore:
         max_streams_per_tenant: int | None = None,
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         share_ttl: float = DEFAULT_SHARE_TTL_S,
+        max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
     ) -> None:
         self.devices = DeviceTable(devices)
@@ -176,8 +175,7 @@ class TensorStore:
             max_sessions=max_sessions_per_tenant,
             max_names=max_names_per_tenant,
             share_ttl=share_ttl,
-            # busy time never counts against a lease: a saturated server stops the clock
-            clock=self.gate.lease_clock,
+            max_share_ttl=max_share_ttl,
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
@@ -229,7 +227,13 @@ class TensorStore:
 
     @staticmethod
     def array(ref: TensorRef) -> Any:
-        """A zero-copy strided array over the tensor's bytes."""
+        """A zero-copy strided array over the tensor's bytes.
+
+        Every layout a kernel sees passes the issued handles' check here, including
+        those an op derives without issuing them (a setitem target): a geometry past
+        int64 is the caller's error (INVALID_ARGUMENT), never an INTERNAL overflow.
+        """
+        check_in_bounds(ref)
         return kernels.strided_array(ref.device.xp, ref.storage.raw(), ref.layout, ref.dtype)
 
     @contextlib.contextmanager
@@ -491,6 +495,7 @@ class TensorStore:
         shape = kernels.check_shape(shape)
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.scalar_dtype(value)
         kernels.check_scalar_fits(value, dt)
+        self._check_elements(math.prod(shape))  # it writes every one
         with self._allocated(
             session, self.device(device), Layout.contiguous(shape), dt, requires_grad
         ) as out:
@@ -515,7 +520,11 @@ class TensorStore:
             # finite bounds whose (end - start) / step overflows a double (found by fuzzing):
             # torch's own text for a size it cannot represent
             raise RuntimeError("invalid size, possible overflow?") from None
-        # the pool first: a range too large fails there (RESOURCE_EXHAUSTED), never in a host
+        # each element is computed and cast (a float16 cast is ~200 ns on a loaded 2-core
+        # machine): bounded like any op's elements, before the pool (found by the cost fuzz:
+        # an arange as large as the pool took 7.5 s)
+        self._check_elements(plan.size)
+        # then the pool: a range too large fails there (RESOURCE_EXHAUSTED), never in a host
         # temporary of its full size (found by fuzzing: a 32 GiB MemoryError, INTERNAL)
         layout = Layout.contiguous((plan.size,))
         with self._allocated(session, dev, layout, dt, requires_grad) as out:

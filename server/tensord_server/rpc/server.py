@@ -8,6 +8,7 @@ unix socket).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from concurrent import futures
@@ -17,10 +18,11 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.table import DeviceSpec
-from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
+from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, GateInterceptor, liveness_pool
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.service import add_to_server
+from tensord_server.rpc import status
+from tensord_server.rpc.service import SERVICE_NAME, add_to_server, tenant_of_context
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_MAX_WORKERS", "MAX_MESSAGE_BYTES", "create_server"]
 
@@ -69,15 +71,22 @@ def create_server(
     if store is None:
         store = TensorStore(devices, session_grace=session_grace, lease=lease)
     store.gate.resize(max_workers)  # admission and saturation follow the real thread pool
+    # health and reflection calls counted, their streams admitted and watched, tokens checked
+    gate_all = GateInterceptor(
+        store.gate, SERVICE_NAME, functools.partial(tenant_of_context, store), status.abort
+    )
+    # No maximum_concurrent_rpcs: grpc counts every call against it, heartbeats too, so a
+    # flood of other calls would get heartbeats refused; admission bounds the streams instead.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
+        interceptors=(gate_all,),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(store, server)
+    add_to_server(store, server, liveness_pool())  # liveness never queues behind other calls
     _add_health_and_reflection(server)
     if credentials is None:
         port = server.add_insecure_port(address)

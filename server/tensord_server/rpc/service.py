@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -154,6 +155,14 @@ def _metadata(context: grpc.ServicerContext, key: str) -> Any:
     return None
 
 
+def tenant_of_context(store: TensorStore, context: grpc.ServicerContext) -> str:
+    """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
+    tokens = store.auth_tokens
+    if tokens is None:
+        return ""
+    return auth.tenant_of(tokens, _metadata(context, AUTHORIZATION_KEY))
+
+
 # ---------------------------------------------------------------------------
 # error handling: the one way out of a handler
 
@@ -195,11 +204,7 @@ class TensordService:
         self.store = store
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
-        """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
-        tokens = self.store.auth_tokens
-        if tokens is None:
-            return ""
-        return auth.tenant_of(tokens, _metadata(context, AUTHORIZATION_KEY))
+        return tenant_of_context(self.store, context)
 
     @contextlib.contextmanager
     def _admitted(
@@ -224,6 +229,21 @@ class TensordService:
                 yield response
             finally:
                 gate.waiting(stream_id, False)
+
+    def _replies(self, session: Session, issued: list[Issued], *inputs: str) -> list[pb.TensorMeta]:
+        """The replies for handles an op issued (``inputs``: the request's own handles, which
+        an op may return unchanged).  If one cannot be encoded, the new handles are released:
+        the client never learns them, so nothing else would until its session ended."""
+        try:
+            return [encode_meta(i) for i in issued]
+        except BaseException:
+            self.store.sessions.release(
+                session, [i.handle for i in issued if i.handle not in inputs]
+            )
+            raise
+
+    def _reply(self, session: Session, issued: Issued, *inputs: str) -> pb.TensorMeta:
+        return self._replies(session, [issued], *inputs)[0]
 
     def _session(self, context: grpc.ServicerContext) -> Session:
         session_id = _metadata(context, SESSION_KEY)
@@ -304,51 +324,57 @@ class TensordService:
     def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
         session = self._session(context)
         issued = self.store.view(session, request.handle, decode_view_op(request))
-        return pb.ViewResponse(tensors=[encode_meta(i) for i in issued])
+        return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
 
     # -- factories ----------------------------------------------------------------
 
     @_unary
     def Empty(self, request: pb.EmptyRequest, context: Any) -> pb.TensorMeta:
         stride = tuple(request.stride.values) if request.HasField("stride") else None
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.store.empty(
-                self._session(context),
+                session,
                 tuple(request.shape),
                 stride,
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     @_unary
     def Full(self, request: pb.FullRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.store.full(
-                self._session(context),
+                session,
                 tuple(request.shape),
                 decode_scalar(request.value),
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     @_unary
     def Arange(self, request: pb.ArangeRequest, context: Any) -> pb.TensorMeta:
         start = decode_scalar(request.start) if request.HasField("start") else 0
         step = decode_scalar(request.step) if request.HasField("step") else 1
-        return encode_meta(
+        session = self._session(context)
+        return self._reply(
+            session,
             self.store.arange(
-                self._session(context),
+                session,
                 start,
                 decode_scalar(request.end),
                 step,
                 request.dtype,
                 request.device,
                 request.requires_grad,
-            )
+            ),
         )
 
     # -- copies ---------------------------------------------------------------------
@@ -356,38 +382,42 @@ class TensordService:
     @_unary
     def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.clone(session, request.handle, request.memory_format))
+        issued = self.store.clone(session, request.handle, request.memory_format)
+        return self._reply(session, issued)
 
     @_unary
     def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.store.contiguous(self._session(context), request.handle))
+        session = self._session(context)
+        return self._reply(session, self.store.contiguous(session, request.handle))
 
     @_unary
     def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.reshape(session, request.handle, tuple(request.shape)))
+        issued = self.store.reshape(session, request.handle, tuple(request.shape))
+        return self._reply(session, issued)
 
     @_unary
     def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(
-            self.store.to(session, request.handle, request.device, request.dtype, request.copy)
-        )
+        issued = self.store.to(session, request.handle, request.device, request.dtype, request.copy)
+        return self._reply(session, issued, request.handle)  # torch's to() may return self
 
     @_unary
     def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.repeat(session, request.handle, tuple(request.repeats)))
+        issued = self.store.repeat(session, request.handle, tuple(request.repeats))
+        return self._reply(session, issued)
 
     @_unary
     def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.cat(session, list(request.handles), request.dim))
+        return self._reply(session, self.store.cat(session, list(request.handles), request.dim))
 
     @_unary
     def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.stack(session, list(request.handles), request.dim))
+        issued = self.store.stack(session, list(request.handles), request.dim)
+        return self._reply(session, issued)
 
     @_unary
     def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
@@ -423,7 +453,8 @@ class TensordService:
             raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
         header = decode_message(pb.UploadHeader, raw_header)
         with self._admitted(context, "Upload") as stream_id:
-            return encode_meta(
+            return self._reply(
+                session,
                 self.store.upload(
                     session,
                     tuple(header.shape),
@@ -432,7 +463,7 @@ class TensordService:
                     header.nbytes,
                     watched(self.store.gate, stream_id, chunks),
                     header.requires_grad,
-                )
+                ),
             )
 
     @_streaming
@@ -459,7 +490,8 @@ class TensordService:
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.store.attach(self._session(context), request.token))
+        session = self._session(context)
+        return self._reply(session, self.store.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
@@ -469,7 +501,8 @@ class TensordService:
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
-        return encode_meta(self.store.get_name(self._session(context), request.name))
+        session = self._session(context)
+        return self._reply(session, self.store.get_name(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
@@ -588,8 +621,16 @@ def _decoding(behavior: Callable[..., Any], cls: type[Message], streaming: bool)
     return one
 
 
-def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]:
-    """One handler per RPC the schema declares, with its streaming kind and (de)serializers."""
+# Calls that keep a client alive: run on their own small pool, never behind other work
+# (each only authenticates and takes the session table's lock: its cost is bounded).
+LIVENESS_METHODS = frozenset({"Heartbeat", "OpenSession"})
+
+
+def method_handlers(
+    service: TensordService, liveness: futures.ThreadPoolExecutor | None = None
+) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per RPC the schema declares, with its streaming kind and (de)serializers;
+    ``liveness`` runs the LIVENESS_METHODS (grpc reads a behavior's experimental_thread_pool)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
         request_cls = getattr(pb, method.input_type.name)
@@ -598,6 +639,9 @@ def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]
         behavior = getattr(service, method.name)
         if method.name not in RAW_REQUEST_METHODS:
             behavior = _decoding(behavior, request_cls, method.client_streaming)
+        if liveness is not None and method.name in LIVENESS_METHODS:
+            behavior = functools.partial(behavior)  # an object of its own to carry the pool
+            behavior.experimental_thread_pool = liveness  # type: ignore[attr-defined]
         handlers[method.name] = factory(
             behavior,
             request_deserializer=None,  # raw bytes: _decoding parses them
@@ -608,9 +652,11 @@ def method_handlers(service: TensordService) -> dict[str, grpc.RpcMethodHandler]
     return handlers
 
 
-def add_to_server(store: TensorStore, server: grpc.Server) -> TensordService:
+def add_to_server(
+    store: TensorStore, server: grpc.Server, liveness: futures.ThreadPoolExecutor | None = None
+) -> TensordService:
     service = TensordService(store)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service)),)
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service, liveness)),)
     )
     return service

@@ -65,7 +65,10 @@ _ACTIONS = {
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with tensord.connect(args.address, timeout=args.timeout) as client:
+        # --timeout bounds every call, not only the connect: a hung MemoryStats fails in time
+        with tensord.connect(
+            args.address, timeout=args.timeout, call_timeout=args.timeout
+        ) as client:
             _ACTIONS[args.command](client, args)
     except tensord.TensordError as e:
         print(f"tensord {args.command}: {e}", file=sys.stderr)

@@ -23,7 +23,12 @@ from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, DEFAULT_STREAM_
 from tensord_server.domain.auth import load_tokens
 from tensord_server.domain.limits import DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.domain.quotas import parse_quota
-from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_SHARE_TTL_S
+from tensord_server.domain.sessions import (
+    DEFAULT_GRACE_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_SHARE_TTL_S,
+    DEFAULT_SHARE_TTL_S,
+)
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.server import create_server
 from tensord_server.rpc.tls import server_credentials
@@ -110,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a share token's lifetime unless x.share(ttl=...) asks for another "
         f"(default: {DEFAULT_SHARE_TTL_S:g})",
     )
+    parser.add_argument(
+        "--max-share-ttl",
+        type=float,
+        default=DEFAULT_MAX_SHARE_TTL_S,
+        metavar="SECONDS",
+        help="the longest lifetime x.share(ttl=...) may ask for; a longer or non-finite one "
+        f"is refused (default: {DEFAULT_MAX_SHARE_TTL_S:g})",
+    )
 
     parser.add_argument(
         "--auth-tokens",
@@ -130,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         default=DEFAULT_MAX_OP_ELEMENTS,
         help="refuse an op that would read or write more than N elements (fill_, copy_, "
-        "setitem, clone, contiguous, to, cat, stack, repeat, download; RESOURCE_EXHAUSTED) "
+        "setitem, clone, contiguous, to, cat, stack, repeat, download, arange, full; "
+        "RESOURCE_EXHAUSTED) "
         f"(default: {DEFAULT_MAX_OP_ELEMENTS})",
     )
     parser.add_argument(
@@ -303,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
             max_streams_per_tenant=args.max_streams_per_tenant,
             stream_idle_timeout=args.stream_idle_timeout,
             share_ttl=args.share_ttl,
+            max_share_ttl=args.max_share_ttl,
             max_op_elements=args.max_op_elements,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
