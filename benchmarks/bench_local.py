@@ -1,31 +1,46 @@
 """Same-host zero copy (issue 13): SDK transfers through the mapping against np.copyto and gRPC.
 
-    python benchmarks/bench_local.py          # 64 MiB and 1 GiB (needs ~6 GiB of free memory)
+    python benchmarks/bench_local.py          # 64 MiB and 1 GiB (needs ~8 GiB of free memory)
 
 Starts ``tensord serve`` in its own process; one client maps its memory (the default
-on the same host), another is told ``local=False`` (today's gRPC path).  Prints, for
-each size, the best of a few runs of: np.copyto of the same bytes in this process
-(into a warm destination, and into a fresh one as x.numpy() must), same-host upload
-(``client.tensor``) and download (``x.numpy()``), and the gRPC path; then
-``torch.from_dlpack`` of a 1 GiB tensor: its time, the bytes the pool allocated and the
-growth of this process's RSS.  Targets: same-host transfers >= 0.7x np.copyto;
-from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
+on the same host), another is told ``local=False`` (the gRPC path).  Prints, for each
+size, the best of a few runs (gRPC: one run) of three in-process np.copyto baselines:
+
+  (a) anonymous (THP) warm source -> warm destination;
+  (b) anonymous -> a fresh np.empty destination (what x.numpy() must do);
+  (c) to / from a memfd MAP_SHARED mapping, the kind of memory the pool's segments are
+      (upload: anonymous -> mapping; download: mapping -> fresh destination), the
+      physical limit for pooled bytes on this host (download: the faster of one
+      np.copyto and the SDK's slices);
+
+then same-host upload (``client.tensor``) and download (``x.numpy()``, also as one
+np.copyto, its former path, for a before/after in the same run), the gRPC path, and
+each SDK path's ratio to each baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
+first (maps the segment) and warm, with the Export RPC's share, the bytes the pool
+allocated and the growth of this process's RSS.  Targets: same-host transfers >= 0.7x
+np.copyto; from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensord
 import torch
+from tensord import _local
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 1024 * MiB)
+THP = "/sys/kernel/mm/transparent_hugepage"
 
 
 def start_server() -> tuple[subprocess.Popen[str], str]:
@@ -56,68 +71,185 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def sysfs(name: str) -> str:
+    try:
+        with open(f"{THP}/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def shmem_huge_pages_available(setting: str) -> bool:
+    """Whether a memfd mapping can get huge pages (shmem_enabled's selected word)."""
+    selected = re.search(r"\[(\w[\w-]*)\]", setting)
+    return selected is not None and selected.group(1) in {
+        "always",
+        "within_size",
+        "advise",
+        "force",
+    }
+
+
+def memfd_array(nbytes: int) -> np.ndarray:
+    """A uint8 array over a memfd MAP_SHARED mapping, hinted MADV_HUGEPAGE as the pool's
+    (unmapped when the array is collected)."""
+    fd = os.memfd_create("bench-local")
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapping, dtype=np.uint8)
+
+
+def anonymous_baselines(src: np.ndarray, repeats: int) -> dict[str, float]:
+    warm = np.empty_like(src)
+    warm[:] = 1
+    return {
+        "a": best(lambda: np.copyto(warm, src), repeats),
+        "b": best(lambda: np.copyto(np.empty_like(src), src), repeats),
+    }
+
+
+def baselines(src: np.ndarray, repeats: int) -> dict[str, float]:
+    times = anonymous_baselines(src, repeats)  # its warm destination is freed on return
+    shared = memfd_array(src.nbytes)
+    times["c up"] = best(lambda: np.copyto(shared, src), repeats)
+    times["c down"] = best(lambda: np.copyto(np.empty_like(src), shared), repeats)
+    times["c down sliced"] = best(
+        lambda: _local.copy_in_slices(np.empty_like(src), shared, _local.READ_SLICE_BYTES),
+        repeats,
+    )
+    return times
+
+
+def one_copyto_download(x: Any) -> Callable[[], np.ndarray]:
+    """x.numpy() as it was before the sliced copy: one np.copyto out of the mapping."""
+
+    def download() -> np.ndarray:
+        saved = _local.READ_SLICE_BYTES
+        _local.READ_SLICE_BYTES = 1 << 62
+        try:
+            return x.numpy()
+        finally:
+            _local.READ_SLICE_BYTES = saved
+
+    return download
+
+
+def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, float]]) -> None:
+    size = f"{nbytes // MiB} MiB"
+    rows = [
+        ("(a) np.copyto anon warm -> warm", "", base["a"]),
+        ("(b) np.copyto anon -> fresh np.empty", "", base["b"]),
+        ("(c) np.copyto anon -> memfd mapping", "", base["c up"]),
+        ("(c) np.copyto memfd mapping -> fresh", "", base["c down"]),
+        (f"    same, {_local.READ_SLICE_BYTES // MiB} MiB slices", "", base["c down sliced"]),
+        *sdk,
+    ]
+    for name, direction, seconds in rows:
+        ratios = "- | - | -"
+        if direction:
+            # (c) for a download: the faster of the two in-process ways out of a mapping
+            c = base["c up"] if direction == "up" else min(base["c down"], base["c down sliced"])
+            ratios = " | ".join(f"{ref / seconds:.2f}" for ref in (base["a"], base["b"], c))
+        print(f"| {size} | {name} | {seconds:.4f} | {nbytes / seconds / 1e9:.2f} | {ratios} |")
+
+
+def transfers(local: Any, remote: Any, nbytes: int) -> None:
+    repeats = 5 if nbytes <= 64 * MiB else 3
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    base = baselines(src, repeats)
+    x = local.tensor(src)
+    assert local._local.enabled, local._local.reason
+    sdk = [
+        ("same-host upload `client.tensor(a)`", "up", best(lambda: local.tensor(src), repeats)),
+        ("same-host download `x.numpy()`", "down", best(x.numpy, repeats)),
+        (
+            "same-host download, one np.copyto (before)",
+            "down",
+            best(one_copyto_download(x), repeats),
+        ),
+        ("gRPC upload `client.tensor(a)`", "up", best(lambda: remote.tensor(src), 1)),
+    ]
+    y = remote.tensor(src)
+    sdk.append(("gRPC download `x.numpy()`", "down", best(y.numpy, 1)))
+    np.testing.assert_array_equal(x.numpy(), src)
+    print_size(nbytes, base, sdk)
+    del x, y
+    local.flush()
+    remote.flush()
+
+
+def from_dlpack(address: str, local: Any) -> None:
+    local.put("bench-1g", local.zeros(256 * MiB, dtype=tensord.float32))
+    with tensord.connect(address) as consumer:  # a fresh client: nothing mapped yet
+        big = consumer.get("bench-1g")
+        exports: list[float] = []
+        call = consumer._conn.call
+
+        def timed_call(method: str, request: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(method, request)
+            finally:
+                if method == "Export":
+                    exports.append(time.perf_counter() - start)
+
+        consumer._conn.call = timed_call  # the Export RPC's share of each from_dlpack
+        allocated = consumer.memory_allocated()
+        rss = rss_bytes()
+        start = time.perf_counter()
+        first_alias = torch.from_dlpack(big)
+        first = time.perf_counter() - start
+        first_exports = list(exports)
+        warm: list[tuple[float, list[float]]] = []
+        aliases = []
+        for _ in range(5):
+            exports.clear()
+            start = time.perf_counter()
+            aliases.append(torch.from_dlpack(big))
+            warm.append((time.perf_counter() - start, list(exports)))
+        grown = rss_bytes() - rss
+        copied = consumer.memory_allocated() - allocated
+        warm_s, warm_exports = min(warm)
+        same = all(a.data_ptr() == first_alias.data_ptr() for a in aliases)
+        print(
+            f"\ntorch.from_dlpack of a 1 GiB tensor: first (maps the segment) {first * 1e3:.3f} ms, "
+            f"of which {len(first_exports)} Export RPC {sum(first_exports) * 1e3:.3f} ms; warm "
+            f"(segment mapped, best of 5) {warm_s * 1e3:.3f} ms, of which {len(warm_exports)} "
+            f"Export RPC {sum(warm_exports) * 1e3:.3f} ms; pool allocated {copied} bytes; "
+            f"client RSS grew {grown / MiB:.1f} MiB; shape {tuple(first_alias.shape)}; all "
+            f"alias the same pooled bytes: {same}"
+        )
+        del first_alias, aliases
+    local.delete("bench-1g")
+
+
 def main() -> int:
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    shmem = sysfs("shmem_enabled")
+    print(
+        f"tensord {tensord.__version__}, numpy {np.__version__}, torch {torch.__version__}; "
+        f"{os.cpu_count()} cpus, load average {load}"
+    )
+    print(
+        f"THP enabled: {sysfs('enabled')}; shmem_enabled: {shmem} -> shared-memory huge pages "
+        f"{'available' if shmem_huge_pages_available(shmem) else 'NOT available (4 KiB pages)'}"
+    )
     server, address = start_server()
     try:
         with tensord.connect(address) as local, tensord.connect(address, local=False) as remote:
             print(
-                f"tensord {tensord.__version__}, numpy {np.__version__}, torch {torch.__version__}"
+                "\n| size | path | seconds | GB/s | x (a) | x (b) | x (c) |\n"
+                "| --- | --- | --- | --- | --- | --- | --- |"
             )
-            header = f"{'size':>8} {'path':<44} {'seconds':>9} {'GB/s':>7} {'x copyto':>9}"
-            print(header)
-            print("-" * len(header))
             for nbytes in SIZES:
-                repeats = 5 if nbytes <= 64 * MiB else 3
-                src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-                warm = np.empty_like(src)
-                warm[:] = 1
-                copyto = best(lambda: np.copyto(warm, src), repeats)  # noqa: B023
-                fresh = best(lambda: np.copyto(np.empty_like(src), src), repeats)  # noqa: B023
-                x = local.tensor(src)
-                assert local._local.enabled, local._local.reason
-                rows = [
-                    ("np.copyto, warm destination (one process)", copyto),
-                    ("np.copyto, fresh destination (one process)", fresh),
-                    (
-                        "same-host upload  client.tensor(a)",
-                        best(lambda: local.tensor(src), repeats),  # noqa: B023
-                    ),
-                    ("same-host download  x.numpy()", best(x.numpy, repeats)),
-                    ("gRPC upload  client.tensor(a)", best(lambda: remote.tensor(src), 1)),  # noqa: B023
-                ]
-                y = remote.tensor(src)
-                rows.append(("gRPC download  x.numpy()", best(y.numpy, 1)))
-                np.testing.assert_array_equal(x.numpy(), src)
-                for name, seconds in rows:
-                    print(
-                        f"{nbytes // MiB:>5} MiB {name:<44} {seconds:>9.4f} "
-                        f"{nbytes / seconds / 1e9:>7.2f} {copyto / seconds:>9.2f}"
-                    )
-                del x, y
-                local.flush()
-                remote.flush()
-            local.put("bench-1g", local.zeros(256 * MiB, dtype=tensord.float32))
-            with tensord.connect(address) as consumer:  # a fresh process-like client
-                big = consumer.get("bench-1g")
-                consumer.tensor(np.zeros(1, np.float32))  # detection and the fd socket, once
-                allocated = consumer.memory_allocated()
-                rss = rss_bytes()
-                start = time.perf_counter()
-                alias = torch.from_dlpack(big)
-                first = time.perf_counter() - start
-                start = time.perf_counter()
-                again = torch.from_dlpack(big)
-                warm_s = time.perf_counter() - start
-                grown = rss_bytes() - rss
-                copied = consumer.memory_allocated() - allocated
-                print(
-                    f"\ntorch.from_dlpack of a 1 GiB tensor: {first * 1e3:.3f} ms (first, maps the "
-                    f"segment), {warm_s * 1e3:.3f} ms (segment mapped); pool allocated "
-                    f"{copied} bytes; client RSS grew {grown / MiB:.1f} MiB; shape "
-                    f"{tuple(alias.shape)}, aliases pool: {alias.data_ptr() == again.data_ptr()}"
-                )
-                del alias, again
-            local.delete("bench-1g")
+                transfers(local, remote, nbytes)
+            from_dlpack(address, local)
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -146,6 +146,45 @@ def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch
     assert x.numpy().flags.owndata  # numpy() copies (np.from_dlpack aliases)
 
 
+@pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])
+def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
+    client: Any, monkeypatch: Any, slice_bytes: int
+) -> None:
+    calls: list[int] = []
+    copy_in_slices = _local.copy_in_slices
+
+    def counted(out: np.ndarray, src: np.ndarray, size: int) -> None:
+        calls.append(size)
+        copy_in_slices(out, src, size)
+
+    monkeypatch.setattr(_local, "READ_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(_local, "copy_in_slices", counted)
+    values = np.random.default_rng(1).standard_normal((300, 7, 50)).astype(np.float32)
+    x = client.tensor(values)
+    oracle = torch.from_numpy(values.copy())
+    views = [
+        (x, oracle),
+        (x.transpose(0, 2), oracle.transpose(0, 2)),
+        (x[5:290:3], oracle[5:290:3]),  # these two are under MIN_FAST_BYTES: gRPC
+        (x.view(-1), oracle.view(-1)),
+        (x.permute(1, 2, 0)[2], oracle.permute(1, 2, 0)[2]),
+    ]
+    for view, expected in views:
+        np.testing.assert_array_equal(view.numpy(), expected.numpy())
+    fast = [v for v, _ in views if v.nbytes >= _local.MIN_FAST_BYTES]
+    assert len(fast) == 3 and calls == [slice_bytes] * len(fast)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 1000), (1000, 3), (2, 3, 4)])
+@pytest.mark.parametrize("slice_bytes", [1, 7, 64, 1 << 30])
+def test_copy_in_slices_equals_one_copyto(shape: tuple[int, ...], slice_bytes: int) -> None:
+    src = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    src = src.T  # a strided source
+    out = np.zeros(src.shape, dtype=np.int64)
+    _local.copy_in_slices(out, src, slice_bytes)
+    np.testing.assert_array_equal(out, src)
+
+
 def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> None:
     with tensord.connect(fresh_server.address) as client:
         x = client.tensor(np.ones(4 * MiB, dtype=np.uint8))

@@ -56,6 +56,13 @@ FD_TIMEOUT_S = 2.0
 # (tensord_server.domain.exports.TICKET_KEY_CHARS, the other side of the same protocol).
 TICKET_KEY_CHARS = 16
 RELEASE_BATCH = 1024
+# x.numpy() copies out of the mapping in slices of about this many bytes.  One np.copyto of
+# a whole large array ends in glibc's large-copy loop, which reads several 4 KiB pages at
+# once; from a memfd mapping (shared memory gets no huge pages where the host's
+# shmem_enabled is "never") that ran at 1.75 GB/s for 1 GiB on the build VM, 8 MiB slices
+# at 4.1 GB/s (benchmarks/bench_local.py).  Copies into the mapping keep one np.copyto:
+# there the large-copy loop is the fast one.
+READ_SLICE_BYTES = 8 << 20
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -475,8 +482,19 @@ def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray |
         np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
         view = export.array(np_dtype, layout)
         out = np.empty(view.shape, dtype=np_dtype)
-        np.copyto(out, view)
+        copy_in_slices(out, view, READ_SLICE_BYTES)
         return out
+
+
+def copy_in_slices(out: np.ndarray, src: np.ndarray, slice_bytes: int) -> None:
+    """np.copyto(out, src) (same shape) in slices along the first axis of about
+    ``slice_bytes`` each (whole rows: a row larger than that is one slice)."""
+    if out.ndim == 0 or out.nbytes <= slice_bytes:
+        np.copyto(out, src)
+        return
+    rows = max(1, slice_bytes // (out.nbytes // out.shape[0]))
+    for start in range(0, out.shape[0], rows):
+        np.copyto(out[start : start + rows], src[start : start + rows])
 
 
 def write_array(
