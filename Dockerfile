@@ -8,7 +8,6 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY client client
 COPY server server
-COPY loadtest loadtest
 RUN pip install --no-cache-dir ".[${EXTRAS}]"
 
 # 50051: the tensord server; 8089: Locust's web UI (when not headless)

@@ -4,7 +4,7 @@ Each workload runs twice, in this one process, through the server's own
 StorageRegistry over a pool on the bookkeeping backend (no bytes, so only the
 policy is measured): once as PyTorch's allocator (no relocator: OOM once
 release-and-retry fails), once with compaction.  Between steps no Storage is
-pinned (no op is in flight), so every block may move.  Workloads:
+held (no op is in flight), so every block may move.  Workloads:
 
 - the bundled ResNet-50 training trace, replayed on devices smaller than
   PyTorch's peak reserved (a multiple of its peak allocated);
@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from tensord.errors import OutOfMemoryError
-from tensord_server.backends import BookkeepingBackend
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace
-from tensord_server.devices import Device
+from tensord_server.devices.memory import BookkeepingBackend
+from tensord_server.devices.table import Device
+from tensord_server.domain.storage import Storage, StorageRegistry
 from tensord_server.pool import CachingPool
-from tensord_server.replay import RecordedAddressBackend, load_pytorch_stats, load_trace
-from tensord_server.storage import Storage, StorageRegistry
+from tensord_server.tools.replay import RecordedAddressBackend, load_pytorch_stats, load_trace
 
 # the ResNet-50 training trace that ships with the package (tensord_server/data/traces)
 DEFAULT_TRACE = bundled_trace(DEFAULT_TRACE_NAME)
@@ -74,7 +74,7 @@ class Outcome:
 
 
 def run(steps: list[Step], backend: Any, capacity: int, compaction: bool) -> Outcome:
-    """The steps through a registry over a fresh pool; every Storage unpinned between steps."""
+    """The steps through a registry over a fresh pool; every Storage unheld between steps."""
     registry = StorageRegistry()
     pool = CachingPool(backend, capacity=capacity, relocator=registry if compaction else None)
     device = Device("sim", pool, "bookkeeping")
@@ -92,7 +92,7 @@ def run(steps: list[Step], backend: Any, capacity: int, compaction: bool) -> Out
                 shares.append(allocated / capacity)
                 continue
             registry.incref(storage)  # as a handle would
-            registry.unpin(storage)
+            registry.release_hold(storage)
             live[key] = storage
         else:
             storage = live.pop(key, None)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace
-from tensord_server.replay import ReplayResult, load_pytorch_stats, load_trace, replay
+from tensord_server.tools.replay import ReplayResult, load_pytorch_stats, load_trace, replay
 
 # the ResNet-50 training trace that ships with the package (tensord_server/data/traces)
 DEFAULT_TRACE = bundled_trace(DEFAULT_TRACE_NAME)

@@ -24,7 +24,9 @@ import pytest
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.dtypes import dtype_from_name, dtype_from_numpy
-from tensord_server.server import MAX_MESSAGE_BYTES, Daemon, create_server
+from tensord.protocol import MAX_MESSAGE_BYTES
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
 
 # The fixtures' pool: big enough for every test, small enough to find leaks fast.
 TEST_DEVICES = ("cpu=1GiB",)
@@ -45,7 +47,7 @@ CHANNEL_OPTIONS = (
 class RunningServer:
     address: str
     port: int
-    daemon: Daemon
+    daemon: TensorStore
     grpc_server: grpc.Server
 
     def stop(self) -> None:
@@ -56,8 +58,8 @@ class RunningServer:
 def start_server(**daemon_kwargs: Any) -> RunningServer:
     kwargs = {"session_grace": TEST_GRACE_S, "lease": TEST_LEASE_S} | daemon_kwargs
     devices = kwargs.pop("devices", TEST_DEVICES)
-    daemon = Daemon(devices, **kwargs)
-    grpc_server, port = create_server("127.0.0.1:0", daemon=daemon)
+    daemon = TensorStore(devices, **kwargs)
+    grpc_server, port = create_server("127.0.0.1:0", store=daemon)
     return RunningServer(f"127.0.0.1:{port}", port, daemon, grpc_server)
 
 

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import ResourceExhaustedError
-from tensord_server import service
-from tensord_server.server import Daemon
-from tensord_server.storage import ADDRESS_ALIGNMENT, ADDRESS_SPACE_BASE, AddressSpace
+from tensord_server.domain.storage import ADDRESS_ALIGNMENT, ADDRESS_SPACE_BASE, AddressSpace
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc import service
 
 # One step: allocate this many bytes, or free the live range at this index (mod the count).
 steps = st.lists(
@@ -73,20 +73,20 @@ def test_the_end_of_the_space_is_refused_not_wrapped() -> None:
 def test_freed_storages_give_their_addresses_back() -> None:
     """The attack's pattern: big Storages made and freed over and over; the space does
     not grow, and a live Storage's address never changes."""
-    daemon = Daemon(("cpu=64MiB",))
+    daemon = TensorStore(("cpu=64MiB",))
     try:
         registry, cpu = daemon.storages, daemon.device("cpu")
         kept = registry.allocate(cpu, 1000)
         first = registry.allocate(cpu, 32 << 20)
         address = first.data_ptr
-        registry.unpin(first)
+        registry.release_hold(first)
         for _ in range(100):
             again = registry.allocate(cpu, 32 << 20)
             assert again.data_ptr == address  # reused: the space did not move on
             assert not address <= kept.data_ptr < address + (32 << 20)
-            registry.unpin(again)
+            registry.release_hold(again)
         assert kept.data_ptr == ADDRESS_SPACE_BASE
-        registry.unpin(kept)
+        registry.release_hold(kept)
     finally:
         daemon.close()
 

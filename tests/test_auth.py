@@ -9,7 +9,7 @@ import tensord
 from conftest import SessionStub, open_channel, run_serve
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
-from tensord_server.auth import parse_tokens, tenant_of
+from tensord_server.domain.auth import parse_tokens, tenant_of
 
 TOKENS = {"tok-alice-1": "alice", "tok-alice-2": "alice", "tok-bob": "bob"}
 
@@ -177,7 +177,7 @@ def test_serve_refuses_a_remote_bind_without_authentication() -> None:
 
 
 def test_serve_says_which_mode_it_runs_in(tmp_path) -> None:
-    from tensord_server.serve import is_loopback, mode_line
+    from tensord_server.tools.serve import is_loopback, mode_line
 
     assert is_loopback("127.0.0.1:0") and is_loopback("unix:/tmp/x") and is_loopback("[::1]:5")
     assert not is_loopback("0.0.0.0:50051")
@@ -195,11 +195,12 @@ def test_a_unix_socket_is_private_to_the_servers_user(tmp_path) -> None:
     import os
     import stat
 
-    from tensord_server.server import Daemon, create_server
+    from tensord_server.domain.store import TensorStore
+    from tensord_server.rpc.server import create_server
 
     path = tmp_path / "tensord.sock"
-    daemon = Daemon(("cpu=64MiB",))
-    server, _ = create_server(f"unix:{path}", daemon=daemon)
+    daemon = TensorStore(("cpu=64MiB",))
+    server, _ = create_server(f"unix:{path}", store=daemon)
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with tensord.connect(f"unix:{path}") as client:

@@ -14,7 +14,7 @@ from rpc_errors import rpc_error, torch_error
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.layout import Layout, empty_strided_layout
-from tensord_server.storage import TensorRef
+from tensord_server.domain.storage import TensorRef
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 BOBS_VALUE = 3.14159
@@ -62,7 +62,7 @@ def test_every_handle_is_checked_with_its_lowest_element(make_server) -> None:
             daemon.sessions.register(session, TensorRef(storage, huge, dtypes.float32))
         assert daemon.sessions.handle_count(session) == 1
     finally:
-        daemon.storages.unpin(storage)
+        daemon.storages.release_hold(storage)
 
 
 def _float(value: float) -> np.ndarray:

@@ -12,11 +12,11 @@ from tensord_server import cli
 
 # The modules of the heavy subcommands and what they pull in.
 HEAVY = (
-    "tensord_server.loadtest",
-    "tensord_server.replay",
-    "tensord_server.serve",
-    "tensord_server.admin",
-    "tensord_server.server",
+    "tensord_server.tools.loadtest.runner",
+    "tensord_server.tools.replay",
+    "tensord_server.tools.serve",
+    "tensord_server.tools.admin",
+    "tensord_server.rpc.server",
     "tensord",  # the SDK, and with it gRPC
     "grpc",
     "numpy",
@@ -51,9 +51,9 @@ def test_help_imports_no_subcommand() -> None:
 @pytest.mark.parametrize(
     ("argv", "imports"),
     [
-        (["stats", "--address", "127.0.0.1:1"], "tensord_server.admin"),
-        (["serve", "--address", "127.0.0.1:0"], "tensord_server.serve"),
-        (["replay", "--list"], "tensord_server.replay"),
+        (["stats", "--address", "127.0.0.1:1"], "tensord_server.tools.admin"),
+        (["serve", "--address", "127.0.0.1:0"], "tensord_server.tools.serve"),
+        (["replay", "--list"], "tensord_server.tools.replay"),
     ],
 )
 def test_a_subcommand_imports_its_own_module_only(argv: list[str], imports: str) -> None:

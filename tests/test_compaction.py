@@ -1,10 +1,10 @@
-"""Compaction: on the out-of-memory path the pool moves unpinned Storages out of its
+"""Compaction: on the out-of-memory path the pool moves unheld Storages out of its
 least-used segments, releases them, and retries — and nothing else changes.
 
 Pure policy first (which segments, where the blocks go), then the pool with a
 toy relocator (every block movable), then a real server: the fragmentation
 that OOMs without compaction succeeds with it, every byte and every kind of
-handle intact; pinned Storages (an op in flight, a download streaming) stay
+handle intact; held Storages (an op in flight, a download streaming) stay
 put; the quota ledger is unchanged by moves; concurrent clients leave invariants holding.
 """
 
@@ -27,9 +27,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import OutOfMemoryError
-from tensord_server import cuda_backend
-from tensord_server.backends import BookkeepingBackend, HostBackend
 from tensord_server.data import bundled_trace
+from tensord_server.devices import cuda as cuda_backend
+from tensord_server.devices.memory import BookkeepingBackend, HostBackend
+from tensord_server.domain.quotas import QuotaSpec
+from tensord_server.domain.storage import Storage
 from tensord_server.pool import (
     LARGE_BUFFER,
     Block,
@@ -41,15 +43,13 @@ from tensord_server.pool import (
     place,
     plan_compaction,
 )
-from tensord_server.quotas import QuotaSpec
-from tensord_server.replay import (
+from tensord_server.tools.replay import (
     COMPARED_KEYS,
     RecordedAddressBackend,
     load_pytorch_stats,
     load_trace,
     replay,
 )
-from tensord_server.storage import Storage
 
 MiB = 1 << 20
 HOST_BYTES = 1 << 30  # the host backend's nominal size (the pools' capacities are smaller)
@@ -156,7 +156,7 @@ def test_plan_that_cannot_reach_the_need_moves_nothing() -> None:
 
 
 class ToyRelocator:
-    """Owns blocks by name; every one may move unless pinned."""
+    """Owns blocks by name; every one may move unless held."""
 
     def __init__(self) -> None:
         self.blocks: dict[str, Block] = {}
@@ -556,8 +556,8 @@ def segments_of(daemon: Any, stub: SessionStub, kept: dict[int, Any]) -> list[li
 
 
 def test_pinned_storages_never_move(make_server: Any) -> None:
-    """An op in flight (a pin) or a download streaming keeps its Storage in place: with one
-    in each segment compaction gives up; with the first segment pinned it empties another."""
+    """An op in flight (a hold) or a download streaming keeps its Storage in place: with one
+    in each segment compaction gives up; with the first segment held it empties another."""
     running = make_server(devices=(POOL,))
     daemon = running.daemon
     pool = daemon.device("cpu").pool
@@ -571,10 +571,10 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
         ptrs = {i: block_of(daemon, stub, meta) for i, (meta, _) in kept.items()}
         big_values = random_tensor(99, BIG_ELEMENTS)
         with (
-            daemon.sessions.pinned(session, a.handle, b.handle),
+            daemon.sessions.held(session, a.handle, b.handle),
             downloading(daemon, session, c.handle) as chunks,
         ):
-            assert storage_of(daemon, stub, c).pins == 1
+            assert storage_of(daemon, stub, c).holds == 1
             with pytest.raises(grpc.RpcError) as info:
                 stub.upload(big_values)
             assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -588,7 +588,7 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
         stats = pool.memory_stats()
         assert stats["num_ooms"] == 1 and stats["num_compactions"] == 0
 
-        with daemon.sessions.pinned(session, a.handle):  # the first segment must stay
+        with daemon.sessions.held(session, a.handle):  # the first segment must stay
             big = stub.upload(big_values)
         moved = {i for i, (m, _) in kept.items() if block_of(daemon, stub, m) != ptrs[i]}
         assert moved == set(segments[1])  # the next least-used (by address) went instead
@@ -603,9 +603,9 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
 def test_a_move_leaves_the_ledger_alone_whatever_block_serves_a_storage() -> None:
     """A 1.5 MiB Storage served by a whole unsplit 2 MiB block, then moved into a split
     1.5 MiB spot: its tenant is charged 1.5 MiB throughout (the request, not the block)."""
-    from tensord_server.devices import Device
-    from tensord_server.quotas import QuotaTable, TenantLedger
-    from tensord_server.storage import StorageRegistry
+    from tensord_server.devices.table import Device
+    from tensord_server.domain.quotas import QuotaTable, TenantLedger
+    from tensord_server.domain.storage import StorageRegistry
 
     registry = StorageRegistry(TenantLedger(QuotaTable([QuotaSpec("*", "cpu", 40 * MiB)])))
     pool = CachingPool(BookkeepingBackend(), capacity=40 * MiB, relocator=registry)
@@ -614,7 +614,7 @@ def test_a_move_leaves_the_ledger_alone_whatever_block_serves_a_storage() -> Non
     def keep(nbytes: int) -> Storage:
         storage = registry.allocate(device, nbytes, "alice")
         registry.incref(storage)  # a handle's reference
-        registry.unpin(storage)
+        registry.release_hold(storage)
         return storage
 
     f1, f2, f3, f4 = keep(2 * MiB), keep(8 * MiB), keep(8 * MiB), keep(2 * MiB)  # segment 1
@@ -673,7 +673,7 @@ def test_concurrent_clients_while_compacting(make_server: Any) -> None:
             return None
 
     def big_requests(stub: SessionStub, rng: random.Random) -> None:
-        for attempt in range(20):  # until one compaction happened (pins may block a few)
+        for attempt in range(20):  # until one compaction happened (holds may block a few)
             values = random_tensor(1000 + attempt, BIG_ELEMENTS)
             meta = upload_or_oom(stub, values)
             if meta is not None:

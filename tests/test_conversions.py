@@ -201,7 +201,7 @@ def arange_args(draw, dtypes_: tuple[str, ...]):  # type: ignore[no-untyped-def]
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(args=arange_args(FLOAT_ARANGE_DTYPES + INT_ARANGE_DTYPES))
 def test_arange_kernel_matches_torch_bit_for_bit(args) -> None:  # type: ignore[no-untyped-def]
-    from tensord_server import kernels
+    from tensord_server.domain import kernels
 
     start, end, step, dtype = args
     expected = _arange_outcome(lambda: torch.arange(start, end, step, dtype=getattr(torch, dtype)))

@@ -43,10 +43,10 @@ import numpy as np
 import pytest
 from conftest import SessionStub, open_channel, start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server import limits
-from tensord_server.backends import HostBackend
+from tensord_server.devices.memory import HostBackend
+from tensord_server.domain import limits
+from tensord_server.domain.store import TensorStore
 from tensord_server.pool import CachingPool
-from tensord_server.server import Daemon
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc/PID/status and /proc/PID/pagemap"
@@ -570,7 +570,7 @@ def test_factories_count_the_elements_they_write(make_server, op: str) -> None:
     """Found by the cost fuzz: arange and full write every element of their result but were
     bounded only by the pool (an arange of 2**26 float16 took 7.5 s)."""
     server: Any = make_server(max_op_elements=1000)
-    assert isinstance(server.daemon, Daemon)
+    assert isinstance(server.daemon, TensorStore)
     with open_channel(server.address) as channel:
         stub = SessionStub(channel)
         arange = pb.ArangeRequest(

@@ -15,14 +15,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from tensord_server import devices
+from tensord_server.devices import table as devices
 
 if devices.gpu_count() == 0:  # without CuPy this never imports it
     pytest.skip("needs CuPy and a CUDA GPU", allow_module_level=True)
 
 import tensord
 from conftest import RunningServer, start_server, wait_until
-from tensord_server.devices import DeviceSpec
+from tensord_server.devices.table import DeviceSpec
 
 pytestmark = pytest.mark.cuda
 

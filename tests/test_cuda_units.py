@@ -26,9 +26,11 @@ from conftest import run_serve
 from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
 from tensord.layout import Layout
-from tensord_server import cuda_backend, devices, kernels
-from tensord_server.backends import BackendOutOfMemory
-from tensord_server.devices import DeviceSpec, DeviceTable, parse_device_spec, resolve_specs
+from tensord_server.devices import cuda as cuda_backend
+from tensord_server.devices import table as devices
+from tensord_server.devices.memory import BackendOutOfMemory
+from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_device_spec, resolve_specs
+from tensord_server.domain import kernels
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -67,10 +69,10 @@ def test_device_names() -> None:
 def test_importing_never_imports_cupy() -> None:
     code = (
         "import sys\n"
-        "import tensord, tensord_server.server, tensord_server.service, tensord_server.serve\n"
-        "import tensord_server.kernels, tensord_server.devices, tensord_server.cuda_backend\n"
-        "from tensord_server.server import Daemon\n"
-        "d = Daemon(['cpu']); d.close()\n"
+        "import tensord, tensord_server.rpc.server, tensord_server.rpc.service, tensord_server.tools.serve\n"
+        "import tensord_server.domain.kernels, tensord_server.devices.table, tensord_server.devices.cuda\n"
+        "from tensord_server.domain.store import TensorStore\n"
+        "d = TensorStore(['cpu']); d.close()\n"
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -752,7 +754,7 @@ def test_a_sessions_imports_end_with_it(cupy: Any, gpu_server: Any) -> None:
 
 
 def test_an_export_answered_while_its_import_closes_keeps_the_count(cupy: Any) -> None:
-    from tensord_server.exports import ExportTable
+    from tensord_server.domain.exports import ExportTable
 
     table = ExportTable.__new__(ExportTable)
     table._lock = __import__("threading").Lock()

@@ -29,7 +29,7 @@ from conftest import SessionStub, open_channel, server_allocated
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.quotas import QuotaSpec
+from tensord_server.domain.quotas import QuotaSpec
 
 FUZZ_SECONDS = float(os.environ.get("TENSORD_FUZZ_SECONDS", "20"))
 # A fixed default seed keeps CI reproducible (a time-bounded run replays a prefix of the
@@ -446,7 +446,7 @@ def test_another_tenants_secrets_open_nothing(make_server) -> None:
 
 
 def test_limits_refuse_oversized_requests(stub) -> None:
-    from tensord_server import limits
+    from tensord_server.domain import limits
 
     cases = [
         pb.EmptyRequest(shape=[1] * (limits.MAX_DIMS + 1), dtype="float32"),

@@ -22,20 +22,20 @@ from typing import Any
 
 import pytest
 import tensord
-from tensord_server import loadtest
 from tensord_server.data import bundled_traces
-from tensord_server.server import Daemon, create_server
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
+from tensord_server.tools.loadtest import runner as loadtest
+from tensord_server.tools.loadtest import workloads
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "loadtest"))
-import workloads  # noqa: E402
 
 
 # -- a real server in this process ----------------------------------------------------
 class Running:
     def __init__(self, device: str) -> None:
-        self.daemon = Daemon((device,), session_grace=0.5, lease=30.0)
-        self.grpc_server, port = create_server("127.0.0.1:0", daemon=self.daemon)
+        self.daemon = TensorStore((device,), session_grace=0.5, lease=30.0)
+        self.grpc_server, port = create_server("127.0.0.1:0", store=self.daemon)
         self.address = f"127.0.0.1:{port}"
 
     def stop(self) -> None:
@@ -293,7 +293,7 @@ def test_compose_file_follows_the_compose_spec() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     text = (REPO / "docker-compose.yml").read_text()
     config = yaml.safe_load(interpolate(text))
-    schema = json.loads((REPO / "loadtest" / "compose-spec.json").read_text())
+    schema = json.loads((REPO / "tests" / "compose-spec.json").read_text())
     validator = jsonschema.Draft201909Validator(schema)  # the draft its $schema names
     validator.validate(config)
     broken = {"services": {"server": {"image": "x", "ports": 50051, "restart_policy": 1}}}

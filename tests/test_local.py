@@ -1,5 +1,5 @@
 """Same-host zero copy: memfd segments, Export/ReleaseExports, the fd socket, DLPack, fast
-transfers, pins and their lifetime, tenant isolation and the gRPC fallback (torch is the oracle)."""
+transfers, holds and their lifetime, tenant isolation and the gRPC fallback (torch is the oracle)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from conftest import SessionStub, open_channel, wait_until
 from tensord import _local
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.shm import SharedHostBackend
+from tensord_server.devices.shm import SharedHostBackend
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,13 +109,13 @@ def test_exports_pin_until_the_consumer_collects_its_array(server: Any, client: 
     storage = storage_of_handle(server.daemon, client, x)
     before = exported_storages(server.daemon)
     alias = torch.from_dlpack(x)
-    assert storage.pins == 1
+    assert storage.holds == 1
     stats = client.memory_stats()
     assert stats["exports.storages.current"] == before + 1
     assert stats["exports.bytes.current"] >= 4000
     del alias
     client.flush()
-    assert storage.pins == 0
+    assert storage.holds == 0
     assert exported_storages(server.daemon) == before
 
 
@@ -246,7 +246,7 @@ def test_a_killed_consumers_pins_are_dropped_after_the_grace(make_server: Any) -
         )
         _, err = child.communicate(timeout=60)
         assert child.returncode == -signal.SIGKILL, err
-        assert wait_until(lambda: storage.pins == 0, timeout=10)
+        assert wait_until(lambda: storage.holds == 0, timeout=10)
         assert exported_storages(running.daemon) == 0
         client.delete("zc-victim")
 

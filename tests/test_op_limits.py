@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rpc_errors import rpc_error, torch_error
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.layout import Layout
-from tensord_server import limits
+from tensord_server.domain import limits
 
 # Each refusal answers this fast: nothing was built before it.
 FAST_S = 2.0

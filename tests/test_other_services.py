@@ -12,7 +12,8 @@ import pytest
 from conftest import open_channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tensord_server.server import Daemon, create_server
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
 
 TOKENS = {"tok-alice": "alice"}
 ALICE = (("authorization", "Bearer tok-alice"),)
@@ -24,8 +25,8 @@ CALL_TIMEOUT_S = 3.0
 @pytest.fixture
 def auth_server():
     # 4 workers: --max-streams 3, half of them (1) per tenant
-    daemon = Daemon(("cpu=16MiB",), auth_tokens=TOKENS, stream_idle_timeout=IDLE_TIMEOUT_S)
-    server, port = create_server("127.0.0.1:0", daemon=daemon, max_workers=4)
+    daemon = TensorStore(("cpu=16MiB",), auth_tokens=TOKENS, stream_idle_timeout=IDLE_TIMEOUT_S)
+    server, port = create_server("127.0.0.1:0", store=daemon, max_workers=4)
     with open_channel(f"127.0.0.1:{port}") as channel:
         yield daemon, channel
     server.stop(1.0).wait()

@@ -11,7 +11,7 @@ from unittest import mock
 import numpy as np
 import pytest
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
-from tensord_server.backends import (
+from tensord_server.devices.memory import (
     SEGMENT_ALIGNMENT,
     BackendOutOfMemory,
     BookkeepingBackend,

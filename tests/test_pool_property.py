@@ -14,7 +14,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
-from tensord_server.backends import BookkeepingBackend
+from tensord_server.devices.memory import BookkeepingBackend
 from tensord_server.pool import Block, CachingPool
 
 MiB = 1 << 20

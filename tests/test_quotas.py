@@ -13,7 +13,7 @@ import tensord
 from conftest import open_channel, run_serve
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
-from tensord_server.quotas import (
+from tensord_server.domain.quotas import (
     QuotaSpec,
     QuotaTable,
     TenantLedger,

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tensord_server.backends import BookkeepingBackend
 from tensord_server.data import bundled_trace, bundled_traces
+from tensord_server.devices.memory import BookkeepingBackend
 from tensord_server.pool import CachingPool
-from tensord_server.replay import (
+from tensord_server.tools.replay import (
     RecordedAddressBackend,
     load_pytorch_stats,
     load_trace,

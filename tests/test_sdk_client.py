@@ -195,10 +195,10 @@ def test_heartbeats_keep_an_idle_session_past_many_leases(make_server: Any) -> N
 
 def test_more_clients_than_server_threads_all_work(make_server: Any) -> None:
     # unary heartbeats hold no worker between beats: 4 workers serve 12 idle clients
-    from tensord_server.server import create_server
+    from tensord_server.rpc.server import create_server
 
     server = make_server()
-    small, port = create_server("127.0.0.1:0", daemon=server.daemon, max_workers=4)
+    small, port = create_server("127.0.0.1:0", store=server.daemon, max_workers=4)
     try:
         clients = [tensord.connect(f"127.0.0.1:{port}") for _ in range(12)]
         time.sleep(0.2)
@@ -228,10 +228,11 @@ def test_connect_reads_the_address_from_the_environment(
 
 
 def test_out_of_memory_is_a_runtime_error() -> None:
-    from tensord_server.server import Daemon, create_server
+    from tensord_server.domain.store import TensorStore
+    from tensord_server.rpc.server import create_server
 
-    daemon = Daemon(("cpu=64MiB",))
-    server, port = create_server("127.0.0.1:0", daemon=daemon)
+    daemon = TensorStore(("cpu=64MiB",))
+    server, port = create_server("127.0.0.1:0", store=daemon)
     try:
         with tensord.connect(f"127.0.0.1:{port}") as client:
             keep = client.empty(10 << 20)  # 40 MiB of float32

@@ -7,12 +7,13 @@ import re
 import pytest
 import tensord
 from conftest import start_server
-from tensord_server.server import Daemon, create_server
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
 
 
-def restart_on_same_port(port: int) -> tuple[object, Daemon]:
-    daemon = Daemon(("cpu=64MiB",), session_grace=0.5, lease=30.0)
-    grpc_server, bound = create_server(f"127.0.0.1:{port}", daemon=daemon)
+def restart_on_same_port(port: int) -> tuple[object, TensorStore]:
+    daemon = TensorStore(("cpu=64MiB",), session_grace=0.5, lease=30.0)
+    grpc_server, bound = create_server(f"127.0.0.1:{port}", store=daemon)
     assert bound == port
     return grpc_server, daemon
 

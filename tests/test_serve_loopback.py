@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import run_serve
-from tensord_server.serve import UnresolvableHostError, is_loopback
+from tensord_server.tools.serve import UnresolvableHostError, is_loopback
 
 
 @pytest.mark.parametrize(

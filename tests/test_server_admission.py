@@ -14,8 +14,9 @@ import tensord
 from conftest import SessionStub, open_channel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
-from tensord_server.admission import CallGate
-from tensord_server.server import Daemon, create_server
+from tensord_server.domain.admission import CallGate
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
 
 # The issue's reproducer: --max-workers 4 --lease 1 --session-grace 2, and 4 idle uploads.
 WORKERS = 4
@@ -27,16 +28,16 @@ IDLE_TIMEOUT_S = 2.0
 HOLD_S = 6.0
 
 
-def _allocated(daemon: Daemon) -> int:
+def _allocated(daemon: TensorStore) -> int:
     return int(daemon.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 @pytest.fixture
 def small_server():
-    daemon = Daemon(
+    daemon = TensorStore(
         ("cpu=64MiB",), session_grace=GRACE_S, lease=LEASE_S, stream_idle_timeout=IDLE_TIMEOUT_S
     )
-    server, port = create_server("127.0.0.1:0", daemon=daemon, max_workers=WORKERS)
+    server, port = create_server("127.0.0.1:0", store=daemon, max_workers=WORKERS)
     yield daemon, f"127.0.0.1:{port}"
     server.stop(1.0).wait()
     daemon.close()
@@ -108,8 +109,8 @@ def test_a_tenant_holds_at_most_its_fair_share_of_streams() -> None:
 def saturated_server(monkeypatch):
     """A server with 2 workers, both held by MemoryStats calls blocked in the daemon (the
     attack: a tenant's slow allowed unary calls), and a silent session (a crashed client)."""
-    daemon = Daemon(("cpu=64MiB",), session_grace=0.3, lease=0.3)
-    server, port = create_server("127.0.0.1:0", daemon=daemon, max_workers=2)
+    daemon = TensorStore(("cpu=64MiB",), session_grace=0.3, lease=0.3)
+    server, port = create_server("127.0.0.1:0", store=daemon, max_workers=2)
     address = f"127.0.0.1:{port}"
     release, entered = threading.Event(), threading.Semaphore(0)
     real_stats = daemon.memory_stats

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tensord import errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server import status
+from tensord_server.rpc import status
 
 
 def _error(call) -> tuple[grpc.StatusCode, str, str | None]:
@@ -90,7 +90,7 @@ def test_absent_device_is_failed_precondition(stub) -> None:
     ("exc", "code", "kind"),
     [
         (errors.NotFoundError("x"), grpc.StatusCode.NOT_FOUND, "LookupError"),
-        (status.AlreadyExistsError("x"), grpc.StatusCode.ALREADY_EXISTS, "ValueError"),
+        (errors.AlreadyExistsError("x"), grpc.StatusCode.ALREADY_EXISTS, "ValueError"),
         (errors.TensordRuntimeError("x"), grpc.StatusCode.INVALID_ARGUMENT, "RuntimeError"),
         (errors.TensordIndexError("x"), grpc.StatusCode.INVALID_ARGUMENT, "IndexError"),
         (errors.TensordTypeError("x"), grpc.StatusCode.INVALID_ARGUMENT, "TypeError"),
@@ -133,12 +133,12 @@ def test_the_sdk_reads_the_limit_and_oom_trailers_back() -> None:
 
 
 def test_server_survives_an_internal_error(stub, monkeypatch) -> None:
-    from tensord_server import server as server_module
+    from tensord_server.domain import store as store_module
 
     def boom(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(server_module.Daemon, "clone", boom)
+    monkeypatch.setattr(store_module.TensorStore, "clone", boom)
     meta = stub.upload(np.ones(3, dtype=np.float32))
     code, details, _ = _error(
         lambda: stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md)
@@ -152,7 +152,7 @@ def test_every_issued_handle_is_checked_against_its_storage(make_server) -> None
     """A layout reaching past its Storage is never registered, whatever op computed it."""
     from tensord import dtypes
     from tensord.layout import Layout
-    from tensord_server.storage import TensorRef
+    from tensord_server.domain.storage import TensorRef
 
     daemon = make_server().daemon
     session, _ = daemon.sessions.open("bounds")
@@ -171,4 +171,4 @@ def test_every_issued_handle_is_checked_against_its_storage(make_server) -> None
         daemon.sessions.register(session, empty)  # nothing to reach: torch allows it
         assert daemon.sessions.handle_count(session) == 2
     finally:
-        daemon.storages.unpin(storage)  # allocate returned it pinned
+        daemon.storages.release_hold(storage)  # allocate returned it held

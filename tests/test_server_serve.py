@@ -13,8 +13,8 @@ from conftest import run_serve, start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
-from tensord_server.devices import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
-from tensord_server.serve import shown_address
+from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
+from tensord_server.tools.serve import shown_address
 
 
 def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
@@ -68,7 +68,7 @@ def test_serve_on_a_unix_socket(tmp_path) -> None:
 def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
     env = os.environ.copy()
     if device.startswith("cuda"):
-        pytest.importorskip("tensord_server.cuda_backend")
+        pytest.importorskip("tensord_server.devices.cuda")
         try:
             import cupy  # noqa: F401
 

@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 from conftest import server_allocated, wait_until
-from tensord_server.quotas import QuotaSpec
+from tensord_server.domain.quotas import QuotaSpec
 
 STRESS_SECONDS = float(os.environ.get("TENSORD_STRESS_SECONDS", "12"))
 PROCS = int(os.environ.get("TENSORD_STRESS_PROCS", "3"))

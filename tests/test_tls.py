@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tensord
 from conftest import run_serve, start_serve_process
-from tensord_server.server import Daemon, create_server
-from tensord_server.tls import server_credentials
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
+from tensord_server.rpc.tls import server_credentials
 
 # Quick failures: a refused handshake looks like a server that never answers.
 REFUSED_TIMEOUT_S = 2.0
@@ -70,7 +71,7 @@ def make_self_signed(directory: Path, name: str = "tensord-test") -> CertFiles:
 class TlsServer:
     address: str
     certs: CertFiles
-    daemon: Daemon
+    daemon: TensorStore
 
 
 @pytest.fixture
@@ -80,9 +81,9 @@ def certs(tmp_path: Path) -> CertFiles:
 
 @pytest.fixture
 def tls_server(certs: CertFiles) -> Iterator[TlsServer]:
-    daemon = Daemon(["cpu=256MiB"], auth_tokens={"tok-alice": "alice"})
+    daemon = TensorStore(["cpu=256MiB"], auth_tokens={"tok-alice": "alice"})
     server, port = create_server(
-        "127.0.0.1:0", daemon=daemon, credentials=server_credentials(certs.cert, certs.key)
+        "127.0.0.1:0", store=daemon, credentials=server_credentials(certs.cert, certs.key)
     )
     yield TlsServer(f"127.0.0.1:{port}", certs, daemon)
     server.stop(2.0).wait()
@@ -194,7 +195,7 @@ def test_serve_refuses_bad_tls_files(
 
 
 def test_tokens_in_clear_text_on_a_network_address_are_warned_about() -> None:
-    from tensord_server.serve import cleartext_warning, mode_line
+    from tensord_server.tools.serve import cleartext_warning, mode_line
 
     assert "clear text" in cleartext_warning("0.0.0.0:1", authenticated=True, tls=False)
     assert cleartext_warning("0.0.0.0:1", authenticated=True, tls=True) is None

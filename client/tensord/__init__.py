@@ -86,9 +86,10 @@ from tensord.memory_format import (  # torch's memory formats: tensord.channels_
     contiguous_format,
     preserve_format,
 )
+from tensord.protocol import VERSION
 from tensord.tensor import Device, Size, Tensor
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "AlreadyExistsError",

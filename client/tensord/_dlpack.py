@@ -27,7 +27,11 @@ import numpy as np
 from tensord import dtypes
 
 if TYPE_CHECKING:
-    from tensord.tensor import Tensor
+    from tensord._session import ClientSession
+    from tensord.layout import Layout
+
+# ``tensor`` below is a tensord.Tensor (typed Any: tensor.py imports this module), used
+# through its public members only; what it keeps privately comes as the other arguments.
 
 # DLDeviceType
 KDL_CPU = 1
@@ -52,7 +56,7 @@ _get_name.restype = ctypes.c_char_p
 _get_name.argtypes = [ctypes.py_object]
 
 
-def dlpack_device(tensor: Tensor) -> tuple[int, int]:
+def dlpack_device(tensor: Any) -> tuple[int, int]:
     if tensor.device.type == "cuda":
         return (KDL_CUDA, tensor.device.index or 0)
     return (KDL_CPU, 0)
@@ -67,7 +71,9 @@ def _retag_bfloat16(capsule: Any) -> None:
 
 
 def to_dlpack(
-    tensor: Tensor,
+    tensor: Any,
+    session: ClientSession,
+    layout: Layout,
     *,
     stream: Any = None,
     max_version: tuple[int, int] | None = None,
@@ -82,7 +88,9 @@ def to_dlpack(
             "Can't export tensors that require gradient, use tensor.detach()"
         )
     if tensor.device.type == "cuda":
-        return _cuda_capsule(tensor, max_version=max_version, dl_device=dl_device, copy=copy)
+        return _cuda_capsule(
+            tensor, session, layout, max_version=max_version, dl_device=dl_device, copy=copy
+        )
     if tensor.device.type != "cpu":
         raise BufferError(f"DLPack export of {tensor.device} tensors is not supported")
     if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
@@ -99,10 +107,12 @@ def to_dlpack(
         values = tensor.numpy(force=True)
         array = values.view(np.uint16) if bfloat16 else values
     else:
-        array = tensor._local_array(np.dtype(np.uint16) if bfloat16 else np_dtype)
+        array = session.local_array(
+            tensor.handle, layout, np.dtype(np.uint16) if bfloat16 else np_dtype
+        )
         if array is None:
             raise BufferError(
-                f"zero-copy DLPack export is impossible: {tensor.client._local_reason()}; "
+                f"zero-copy DLPack export is impossible: {session.local_reason()}; "
                 "pass copy=True for a copy"
             )
     capsule = array.__dlpack__(**kwargs)
@@ -112,18 +122,20 @@ def to_dlpack(
 
 
 def _cuda_capsule(
-    tensor: Tensor,
+    tensor: Any,
+    session: ClientSession,
+    layout: Layout,
     *,
     max_version: tuple[int, int] | None,
     dl_device: tuple[int, int] | None,
     copy: bool | None,
 ) -> Any:
     """A kDLCUDA capsule aliasing the server's GPU memory (a device copy when ``copy``)."""
-    export = tensor.client._local_export(tensor.handle)
+    export = session.local_export(tensor.handle)
     if export is None or not hasattr(export, "device_index"):
         raise BufferError(
             f"zero-copy DLPack export of a {tensor.device} tensor is impossible: "
-            f"{tensor.client._local_reason()}; copy it to the cpu first"
+            f"{session.local_reason()}; copy it to the cpu first"
         )
     here = (KDL_CUDA, export.device_index)
     if dl_device is not None and tuple(dl_device) != here:
@@ -138,7 +150,7 @@ def _cuda_capsule(
         )
     bfloat16 = tensor.dtype is dtypes.bfloat16
     np_dtype = np.dtype(np.uint16) if bfloat16 else dtypes.to_numpy_dtype(tensor.dtype)
-    array: Any = export.array(np_dtype, tensor._meta.layout)  # a CuPy array
+    array: Any = export.array(np_dtype, layout)  # a CuPy array
     if copy:
         array = array.copy()  # on the same GPU; the export goes once the copy is made
     try:

@@ -45,7 +45,6 @@ from tensord.layout import Layout
 
 if TYPE_CHECKING:
     from tensord._rpc import Connection
-    from tensord.tensor import Tensor
 
 LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
@@ -54,7 +53,7 @@ MIN_FAST_BYTES = 256 << 10
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
 # The fd socket's ticket: this many characters are sent, the rest is the server's proof
-# (tensord_server.exports.TICKET_KEY_CHARS, the other side of the same protocol).
+# (tensord_server.domain.exports.TICKET_KEY_CHARS, the other side of the same protocol).
 TICKET_KEY_CHARS = 16
 RELEASE_BATCH = 1024
 # x.numpy() copies out of the mapping in slices of about this many bytes.  One np.copyto of
@@ -255,7 +254,9 @@ class LocalMapper:
             finally:
                 os.close(fd)
             with contextlib.suppress(OSError, AttributeError, ValueError):
-                mapping.madvise(mmap.MADV_HUGEPAGE)  # see tensord_server.shm.advise_huge_pages
+                mapping.madvise(
+                    mmap.MADV_HUGEPAGE
+                )  # see tensord_server.devices.shm.advise_huge_pages
         with self._lock:
             segment = self._segments.setdefault(key, Segment(key, mapping))
             segment.exports += 1
@@ -469,17 +470,17 @@ def exported(mapper: LocalMapper | None, handle: str) -> Any:
             export.close()
 
 
-def read_array(tensor: Tensor) -> np.ndarray | None:
+def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray | None:
     """x.numpy() on the same host: one copy out of the mapping into a new array (None: use
     gRPC).  The result never aliases the pool: numpy() keeps copying (use np.from_dlpack
     for an alias)."""
     if tensor.device.type != "cpu" or tensor.nbytes < MIN_FAST_BYTES:
         return None
-    with exported(tensor.client._local, tensor.handle) as export:
+    with exported(mapper, tensor.handle) as export:
         if export is None:
             return None
         np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
-        view = export.array(np_dtype, tensor._meta.layout)
+        view = export.array(np_dtype, layout)
         out = np.empty(view.shape, dtype=np_dtype)
         copy_in_slices(out, view, READ_SLICE_BYTES)
         return out
@@ -496,7 +497,9 @@ def copy_in_slices(out: np.ndarray, src: np.ndarray, slice_bytes: int) -> None:
         np.copyto(out[start : start + rows], src[start : start + rows])
 
 
-def write_array(tensor: Tensor, layout: Layout, src: np.ndarray, *, setitem: bool = False) -> bool:
+def write_array(
+    tensor: Any, mapper: LocalMapper, layout: Layout, src: np.ndarray, *, setitem: bool = False
+) -> bool:
     """x.copy_(ndarray) / x[key] = ndarray on the same host: one copy into the mapping.
 
     False (the caller takes the gRPC path, which also raises torch's errors) unless the
@@ -522,7 +525,7 @@ def write_array(tensor: Tensor, layout: Layout, src: np.ndarray, *, setitem: boo
     target = layout.shape[len(layout.shape) - len(shape) :]
     if any(s not in (1, t) for s, t in zip(shape, target, strict=True)):
         return False
-    with exported(tensor.client._local, tensor.handle) as export:
+    with exported(mapper, tensor.handle) as export:
         if export is None:
             return False
         dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)

@@ -26,8 +26,16 @@ import grpc
 from tensord import errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
+from tensord.protocol import (
+    AUTHORIZATION_KEY,
+    BEARER,
+    DEFAULT_ADDRESS,
+    ERROR_TYPE_KEY,
+    MAX_MESSAGE_BYTES,
+    SESSION_KEY,
+    UPLOAD_HEADER_KEY,
+)
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "TENSORD_ADDRESS"
 TOKEN_ENV = "TENSORD_TOKEN"
 # TLS without an argument: TENSORD_TLS_CA names a PEM file of root certificates (TLS on);
@@ -35,17 +43,11 @@ TOKEN_ENV = "TENSORD_TOKEN"
 TLS_ENV = "TENSORD_TLS"
 TLS_CA_ENV = "TENSORD_TLS_CA"
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-AUTHORIZATION_KEY = "authorization"
-SESSION_KEY = "tensord-session"
-ERROR_TYPE_KEY = "tensord-error-type"
-UPLOAD_HEADER_KEY = "tensord-upload-bin"
 # The server's NOT_FOUND text for a session id it does not have (sessions.py).
 UNKNOWN_SESSION = "unknown session"
 
 # Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
 CHUNK_BYTES = 1 << 20
-# Large enough for any chunk and for big ViewResponses (split into many pieces).
-MAX_MESSAGE_BYTES = 256 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -368,7 +370,7 @@ class Connection:
         self._pid = os.getpid()
         # sent with every call, the session-less ones included
         self._auth: tuple[tuple[str, str], ...] = (
-            ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
+            ((AUTHORIZATION_KEY, f"{BEARER}{token}"),) if token else ()
         )
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

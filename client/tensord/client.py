@@ -12,7 +12,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,17 +28,21 @@ from tensord._rpc import (
     resolve_tls,
     resolve_token,
 )
+from tensord._session import ClientSession
 from tensord.dtypes import DType
 from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
 from tensord.memory_format import memory_format_name
 from tensord.tensor import (
-    Meta,
     Tensor,
     as_dtype,
     device_name,
+    download,
+    layout_of,
+    own,
     scalar_pb,
     shape_args,
     torch_errors,
+    wrap,
 )
 
 
@@ -120,6 +124,7 @@ class Client:
         )
         self._local = _local.LocalMapper(self._conn, _local.local_wanted(local))
         self._conn.local = self._local
+        self._session = ClientSession(self._conn, self._local)
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
         # exit closes its session, so the server frees its memory now rather than after the
         # grace.  The finalizer holds the connection, not the client.
@@ -163,7 +168,7 @@ class Client:
         return f"<tensord.Client {self.address} {state}>"
 
     def _wrap(self, meta: pb.TensorMeta) -> Tensor:
-        return Tensor(self, Meta.from_pb(meta))
+        return wrap(self, self._session, meta)
 
     def _call(self, method: str, request: Any) -> Any:
         return self._conn.call(method, request)
@@ -178,7 +183,7 @@ class Client:
             warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
             if data.client is not self:  # another server or session: the bytes come across
                 copied = self._upload(
-                    data.detach()._download(), data.dtype, device_name(device), False
+                    download(data.detach()), data.dtype, device_name(device), False
                 )
                 result = copied if dtype is None else copied.to(dtype=dtype)
                 return result.requires_grad_(True) if requires_grad else result
@@ -223,14 +228,6 @@ class Client:
                 return None
             np.copyto(export.storage_bytes()[: array.nbytes], array.reshape(-1).view(np.uint8))
             return tensor
-
-    def _local_export(self, handle: str) -> _local.Export | _local.CudaExport | None:
-        return self._local.export(handle)
-
-    def _local_reason(self) -> str:
-        if not self._local.enabled:
-            return self._local.reason
-        return self._local.last_refusal or "the server refused to export this tensor"
 
     # ---- factories ---------------------------------------------------------------------
 
@@ -327,7 +324,7 @@ class Client:
         self, other: Tensor, *, dtype: Any = None, device: Any = None, requires_grad: bool = False
     ) -> Tensor:
         """torch.empty_like with preserve_format: a dense tensor keeps its strides."""
-        dense = other._meta.layout.dense_like()
+        dense = layout_of(other).dense_like()
         request = pb.EmptyRequest(
             shape=dense.shape,
             stride=pb.IntList(values=dense.stride),
@@ -355,19 +352,8 @@ class Client:
         return self._join("Stack", tensors, dim)
 
     def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
-        handles = [self._own(t, i) for i, t in enumerate(tensors)]
+        handles = [own(self, t, i) for i, t in enumerate(tensors)]
         return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
-
-    def _own(self, tensor: Any, position: int) -> str:
-        if not isinstance(tensor, Tensor):
-            raise errors.TensordTypeError(
-                f"expected Tensor as element {position} in argument 0, but got {type(tensor).__name__}"
-            )
-        if tensor.client is not self:
-            raise errors.InvalidArgumentError(
-                f"tensor {position} belongs to another tensord client ({tensor.client.address})"
-            )
-        return tensor.handle
 
     # ---- sharing -------------------------------------------------------------------------
 
@@ -383,7 +369,7 @@ class Client:
 
     def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
         """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
-        handle = self._own(tensor, 0)
+        handle = own(self, tensor, 0)
         self._call("PutName", pb.PutNameRequest(name=name, handle=handle, overwrite=overwrite))
 
     def get(self, name: str) -> Tensor:
@@ -447,7 +433,7 @@ def _client_of(tensors: Sequence[Any]) -> Client:
         raise errors.TensordTypeError(
             f"expected Tensor as element 0 in argument 0, but got {type(first).__name__}"
         )
-    return first.client
+    return cast(Client, first.client)  # a Tensor's client is a Client
 
 
 def cat(tensors: Iterable[Tensor], dim: int = 0) -> Tensor:

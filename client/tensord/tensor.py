@@ -21,13 +21,14 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tensord import _dlpack, _format, _local, dtypes, errors
 from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord._session import ClientSession, SessionClient
 from tensord.dtypes import DType
 from tensord.layout import (
     CONTIGUOUS_FORMAT,
@@ -43,9 +44,6 @@ from tensord.memory_format import (
     no_positional_or_unknown,
     python_type_name,
 )
-
-if TYPE_CHECKING:
-    from tensord.client import Client
 
 Number = builtins.bool | builtins.int | builtins.float | builtins.complex
 
@@ -291,26 +289,27 @@ class UntypedStorage:
 class Tensor:
     """A handle on a tensor in a tensord server, with torch.Tensor's names and return types."""
 
-    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta", "_session_id")
+    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta", "_session", "_session_id")
 
-    def __init__(self, client: Client, meta: Meta) -> None:
-        self._client = client
+    def __init__(self, client: SessionClient, session: ClientSession, meta: Meta) -> None:
+        self._client = client  # tensors hold their client: it lives while they do
+        self._session = session
         self._meta = meta
         # the session the handle lives in: a replaced session (server restart) took it along
-        self._session_id = client._conn.session_id
-        self._finalizer = weakref.finalize(self, client._conn.queue_release, meta.handle)
+        self._session_id = session.conn.session_id
+        self._finalizer = weakref.finalize(self, session.conn.queue_release, meta.handle)
         self._finalizer.atexit = False  # at exit the session's close frees everything
 
     # ---- metadata: no RPC ----------------------------------------------------------
 
     @property
-    def client(self) -> Client:
+    def client(self) -> SessionClient:
         return self._client
 
     @property
     def handle(self) -> str:
         """The server's id of this tensor; raises if its session is gone or not this process's."""
-        self._client._conn.check_session(self._session_id)
+        self._session.conn.check_session(self._session_id)
         return self._meta.handle
 
     @property
@@ -406,8 +405,8 @@ class Tensor:
     # ---- views: checked locally, then registered by one RPC ---------------------------
 
     def _views(self, **op: Any) -> list[Tensor]:
-        response = self._client._conn.call("View", pb.ViewRequest(handle=self.handle, **op))
-        return [self._client._wrap(m) for m in response.tensors]
+        response = self._session.conn.call("View", pb.ViewRequest(handle=self.handle, **op))
+        return [wrap(self._client, self._session, m) for m in response.tensors]
 
     def _view(self, **op: Any) -> Tensor:
         (result,) = self._views(**op)
@@ -444,10 +443,10 @@ class Tensor:
             viewed = self._meta.layout.reshape(sizes)
         if viewed is not None:
             return self._view(view=pb.ViewShape(shape=sizes))
-        meta = self._client._conn.call(
+        meta = self._session.conn.call(
             "Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes)
         )
-        return self._client._wrap(meta)
+        return wrap(self._client, self._session, meta)
 
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
@@ -586,10 +585,10 @@ class Tensor:
         if viewed is not None:
             return self._view(flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
         # torch.flatten reshapes, and a reshape that cannot view copies
-        start = normalize_dim(start_dim, self.ndim)
-        end = normalize_dim(end_dim, self.ndim)
-        shape = self.shape
-        return self.reshape((*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]))
+        # the flattened shape: the layout engine's flatten of a contiguous tensor (always a view)
+        flat = Layout.contiguous(tuple(self.shape)).flatten(start_dim, end_dim)
+        assert flat is not None
+        return self.reshape(flat.shape)
 
     def unflatten(self, dim: builtins.int, sizes: Sequence[builtins.int]) -> Tensor:
         with torch_errors():
@@ -732,7 +731,7 @@ class Tensor:
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
         """In place, as torch: this object now carries the flag (the server holds it too)."""
-        (meta,) = self._client._conn.call(
+        (meta,) = self._session.conn.call(
             "View",
             pb.ViewRequest(
                 handle=self.handle,
@@ -746,9 +745,9 @@ class Tensor:
         # Swap in new metadata; a new handle replaces the old one, which is released.
         if meta.handle != self._meta.handle:
             self._finalizer()
-            self._finalizer = weakref.finalize(self, self._client._conn.queue_release, meta.handle)
+            self._finalizer = weakref.finalize(self, self._session.conn.queue_release, meta.handle)
             self._finalizer.atexit = False
-            self._session_id = self._client._conn.session_id
+            self._session_id = self._session.conn.session_id
         self._meta = meta
 
     def share(self, uses: int | None = 1, ttl: float | None = None) -> str:
@@ -766,13 +765,13 @@ class Tensor:
             unlimited_uses=uses is None,
             ttl_seconds=0.0 if ttl is None else ttl,
         )
-        token: str = self._client._conn.call("Share", request).token
+        token: str = self._session.conn.call("Share", request).token
         return token
 
     # ---- copies and writes on the server ----------------------------------------------
 
     def _copy_op(self, method: str, request: Any) -> Tensor:
-        return self._client._wrap(self._client._conn.call(method, request))
+        return wrap(self._client, self._session, self._session.conn.call(method, request))
 
     def clone(self, *args: Any, **kwargs: Any) -> Tensor:
         memory_format = kwargs.pop("memory_format", None)
@@ -835,10 +834,10 @@ class Tensor:
             dtype=dtype.name if dtype is not None else "",
             copy=copy,
         )
-        meta = self._client._conn.call("To", request)
+        meta = self._session.conn.call("To", request)
         if meta.handle == self.handle:
             return self  # nothing changed: torch returns self
-        return self._client._wrap(meta)
+        return wrap(self._client, self._session, meta)
 
     def cpu(self) -> Tensor:
         return self.to("cpu")
@@ -850,11 +849,13 @@ class Tensor:
         return self.to(other.dtype)
 
     def copy_(self, src: Any) -> Tensor:
-        if isinstance(src, np.ndarray) and _local.write_array(self, self._meta.layout, src):
+        if isinstance(src, np.ndarray) and _local.write_array(
+            self, self._session.local, self._meta.layout, src
+        ):
             return self
         source = src if isinstance(src, Tensor) else self._upload_source(src)
-        handle = self._client._own(source, 0)
-        self._client._conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
+        handle = own(self._client, source, 0)
+        self._session.conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
         return self
 
     def fill_(self, value: Any) -> Tensor:
@@ -865,7 +866,7 @@ class Tensor:
                     f"{value.ndim} dimensions."
                 )
             value = value.item()
-        self._client._conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
+        self._session.conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
         return self
 
     def zero_(self) -> Tensor:
@@ -873,7 +874,8 @@ class Tensor:
 
     def _upload_source(self, data: Any) -> Tensor:
         """``data`` on the server, to be copied in: Python floats go as float64, exactly."""
-        return self._client.tensor(data, dtype=exact_dtype(data), device=self.device)
+        source: Tensor = self._client.tensor(data, dtype=exact_dtype(data), device=self.device)
+        return source
 
     def __setitem__(self, key: Any, value: Any) -> None:
         key = plain_index(key)
@@ -881,29 +883,29 @@ class Tensor:
             self._meta.layout[key]
         request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
         if isinstance(value, Tensor):
-            request.src_handle = self._client._own(value, 0)
+            request.src_handle = own(self._client, value, 0)
         elif _is_number(value):
             request.scalar.CopyFrom(scalar_pb(value))
         elif isinstance(value, np.ndarray) and _local.write_array(
-            self, self._meta.layout[key], value, setitem=True
+            self, self._session.local, self._meta.layout[key], value, setitem=True
         ):
             return  # written through the mapping, one memcpy
         else:  # an array or nested list: uploaded first, then copied in on the server
             source = self._upload_source(value)
             request.src_handle = source.handle
-        self._client._conn.call("SetItem", request)
+        self._session.conn.call("SetItem", request)
 
     # ---- bytes to Python ----------------------------------------------------------------
 
     def _download(self) -> np.ndarray:
         """The elements in logical order, as a new NumPy array (any device)."""
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
-        fast = _local.read_array(self)
+        fast = _local.read_array(self, self._session.local, self._meta.layout)
         if fast is not None:
             return fast
         out = np.empty(self.nbytes, dtype=np.uint8)
         if self.nbytes:
-            self._client._conn.download_into(self.handle, out.data)
+            self._session.conn.download_into(self.handle, out.data)
         return out.view(np_dtype).reshape(self.shape)
 
     def numpy(self, *, force: builtins.bool = False) -> np.ndarray:
@@ -930,18 +932,17 @@ class Tensor:
     ) -> Any:
         """A DLPack capsule aliasing the pooled bytes (same host only; BufferError otherwise)."""
         return _dlpack.to_dlpack(
-            self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+            self,
+            self._session,
+            self._meta.layout,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
         )
 
     def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
         return _dlpack.dlpack_device(self)
-
-    def _local_array(self, np_dtype: np.dtype) -> np.ndarray | None:
-        """An array of this view aliasing the pool (the export lives as long as it), or None."""
-        export = self._client._local_export(self.handle)
-        if export is None:
-            return None
-        return export.array(np_dtype, self._meta.layout)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         array = self.numpy()
@@ -994,7 +995,7 @@ class Tensor:
     def __repr__(self) -> str:
         if self._client.closed:
             return f"<tensord.Tensor {self._meta.handle} of a closed client>"
-        if not self._client._conn.holds_session(self._session_id):
+        if not self._session.conn.holds_session(self._session_id):
             return f"<tensord.Tensor {self._meta.handle} of a lost or inherited session>"
         shape = tuple(self.shape)
         values = self._edge_values() if _format.summarize(shape) else self._download()
@@ -1214,3 +1215,34 @@ def _parse_to(
     if rest:
         raise errors.TensordTypeError(f"to() received too many positional arguments: {args!r}")
     return device, (as_dtype(dtype) if dtype is not None else None), copy
+
+
+# ---- what the client and the same-host paths need of tensors ------------------------------
+
+
+def wrap(client: SessionClient, session: ClientSession, meta: pb.TensorMeta) -> Tensor:
+    """A handle of ``client`` on the tensor the server described in ``meta``."""
+    return Tensor(client, session, Meta.from_pb(meta))
+
+
+def own(client: SessionClient, tensor: Any, position: int) -> str:
+    """``tensor``'s handle, once it is a Tensor of ``client`` (torch's error texts)."""
+    if not isinstance(tensor, Tensor):
+        raise errors.TensordTypeError(
+            f"expected Tensor as element {position} in argument 0, but got {type(tensor).__name__}"
+        )
+    if tensor.client is not client:
+        raise errors.InvalidArgumentError(
+            f"tensor {position} belongs to another tensord client ({tensor.client.address})"
+        )
+    return tensor.handle
+
+
+def layout_of(tensor: Tensor) -> Layout:
+    """The layout the SDK keeps of ``tensor`` (no RPC)."""
+    return tensor._meta.layout
+
+
+def download(tensor: Tensor) -> np.ndarray:
+    """``tensor``'s elements in logical order, as a new NumPy array (any device, no checks)."""
+    return tensor._download()

@@ -18,13 +18,16 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tensord_server.serve", "run the tensord server"),
-    "replay": ("tensord_server.replay", "replay an allocator trace through the pool"),
-    "stats": ("tensord_server.admin", "print a server's memory_stats() for one device"),
-    "summary": ("tensord_server.admin", "print a server's memory_summary() for one device"),
-    "snapshot": ("tensord_server.admin", "save a server's memory snapshot for memory_viz"),
-    "empty-cache": ("tensord_server.admin", "return a server's cached, unused segments"),
-    "loadtest": ("tensord_server.loadtest", "load-test a server's fragmentation with Locust"),
+    "serve": ("tensord_server.tools.serve", "run the tensord server"),
+    "replay": ("tensord_server.tools.replay", "replay an allocator trace through the pool"),
+    "stats": ("tensord_server.tools.admin", "print a server's memory_stats() for one device"),
+    "summary": ("tensord_server.tools.admin", "print a server's memory_summary() for one device"),
+    "snapshot": ("tensord_server.tools.admin", "save a server's memory snapshot for memory_viz"),
+    "empty-cache": ("tensord_server.tools.admin", "return a server's cached, unused segments"),
+    "loadtest": (
+        "tensord_server.tools.loadtest.runner",
+        "load-test a server's fragmentation with Locust",
+    ),
 }
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), as `yes | head` does.
@@ -56,7 +59,7 @@ def build_subcommand_parser(name: str) -> argparse.ArgumentParser:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"tensord {name}", description=help_text)
     module.add_arguments(parser)
-    parser.set_defaults(command=name, _run=module.run)
+    parser.set_defaults(command=name, handler=module.run)
     return parser
 
 
@@ -68,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        status = int(args._run(args))
+        status = int(args.handler(args))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
     except BrokenPipeError:
         # The reader left (`tensord stats | head`): say nothing more, as cat does.  Python

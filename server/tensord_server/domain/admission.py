@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 from tensord.errors import ResourceExhaustedError
 
-from tensord_server.auth import describe_tenant
+from tensord_server.domain.auth import describe_tenant
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 UNARY_RESERVE_FRACTION = 0.25
 # A stream may wait on its client this long (s) before it is cancelled.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+# Worker threads: one per call in flight (clients heartbeat with unary calls; only the
+# optional KeepAlive stream holds a thread for as long as it is open).
+DEFAULT_MAX_WORKERS = 64
 # The watchdog looks this often relative to the idle timeout (never lazier than 1 s).
 WATCHDOG_INTERVAL_FRACTION = 0.25
 WATCHDOG_MAX_INTERVAL_S = 1.0

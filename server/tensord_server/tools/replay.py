@@ -33,8 +33,8 @@ from typing import Any
 
 from tensord.errors import OutOfMemoryError
 
-from tensord_server.backends import BookkeepingBackend, DeviceMemory
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_traces, resolve_trace
+from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory
 from tensord_server.pool import CachingPool
 
 # One trace event: (action, addr, size, stream), as in the bundled traces.

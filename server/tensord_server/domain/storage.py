@@ -2,7 +2,7 @@
 
 A Storage lives while something refers to it: a handle in a session, a share
 token or a name.  Each of those holds one reference; so does any operation
-that is using the Storage right now (a "pin"), so that a concurrent Release can
+that is using the Storage right now (a "hold"), so that a concurrent Release can
 never hand a block back to the pool while a copy still reads or writes it.
 
 Compaction may move a Storage to another block of its pool (clients hold
@@ -12,9 +12,9 @@ address of its own when it is made (:class:`AddressSpace`): it never changes
 while the Storage lives and no other live Storage is given an address inside
 its range (torch users compare ``data_ptr()`` to detect aliasing); a freed
 Storage's range is reused, as torch's allocator reuses addresses, so the space
-in use is bounded by the live Storages, not by every allocation ever made.  Block addresses stay the pool's (snapshots, memory_viz).  Pins
-are counted apart from references for that: a pinned Storage never moves, and
-while the pool moves blocks it holds the registry's lock, so no pin starts.
+in use is bounded by the live Storages, not by every allocation ever made.  Block addresses stay the pool's (snapshots, memory_viz).  Holds
+are counted apart from references for that: a held Storage never moves, and
+while the pool moves blocks it holds the registry's lock, so no hold starts.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from tensord.dtypes import DType
 from tensord.errors import InternalError, ResourceExhaustedError
 from tensord.layout import Layout
 
-from tensord_server import limits
-from tensord_server.devices import Device
+from tensord_server.devices.table import Device
+from tensord_server.domain import limits
+from tensord_server.domain.quotas import TenantLedger
 from tensord_server.pool import Block, CachingPool, round_size
-from tensord_server.quotas import TenantLedger
 
 # The first virtual address handed out (non-zero, like a real pointer) and the alignment
 # of each one (torch's allocators align blocks to 512 B).
@@ -118,13 +118,13 @@ def charge_for(nbytes: int) -> int:
 class Storage:
     """Untyped bytes: one block of one device's pool.
 
-    Invariants: ``0 <= pins <= refs``, both guarded by the registry's lock;
+    Invariants: ``0 <= holds <= refs``, both guarded by the registry's lock;
     ``block`` is allocated in ``device.pool`` exactly while ``refs > 0``
     (``freed`` after); ``block`` changes only by compaction, under the
-    registry's lock, while ``pins == 0``.
+    registry's lock, while ``holds == 0``.
     """
 
-    __slots__ = ("address", "block", "device", "freed", "id", "nbytes", "pins", "refs", "tenant")
+    __slots__ = ("address", "block", "device", "freed", "holds", "id", "nbytes", "refs", "tenant")
 
     def __init__(
         self, device: Device, block: Block, nbytes: int, tenant: str = "", address: int = 0
@@ -135,8 +135,8 @@ class Storage:
         self.block: Block = block
         self.nbytes: int = nbytes
         self.tenant: str = tenant  # who created it, and is charged its block
-        self.refs: int = 0  # handles + share tokens + names + pins
-        self.pins: int = 0  # operations reading or writing the bytes now (never moved then)
+        self.refs: int = 0  # handles + share tokens + names + holds
+        self.holds: int = 0  # operations reading or writing the bytes now (never moved then)
         self.freed: bool = False
 
     @property
@@ -158,15 +158,15 @@ class Storage:
     def __repr__(self) -> str:
         return (
             f"Storage({self.id}, {self.device.name}, {self.nbytes} bytes, "
-            f"refs={self.refs}, pins={self.pins})"
+            f"refs={self.refs}, holds={self.holds})"
         )
 
 
 class StorageRegistry:
-    """Every live Storage, with reference counting and pins.  Thread-safe.
+    """Every live Storage, with reference counting and holds.  Thread-safe.
 
-    ``allocate`` returns a Storage holding one reference that is a pin (the
-    caller's: ``unpin`` when done with the bytes); ``decref`` to zero frees its
+    ``allocate`` returns a Storage holding one reference that is a hold (the
+    caller's: ``release_hold`` when done with the bytes); ``decref`` to zero frees its
     block back to the pool.  The ledger charges each Storage to the tenant that
     created it, within that tenant's quota (``Storage.charge``: a move changes
     nothing); charges and refunds happen under the lock.
@@ -177,7 +177,7 @@ class StorageRegistry:
 
     def __init__(self, ledger: TenantLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else TenantLedger()
-        # guards _storages, every Storage's refs, pins and block, and the ledger's changes
+        # guards _storages, every Storage's refs, holds and block, and the ledger's changes
         self._lock = threading.Lock()
         self._storages: dict[str, Storage] = {}
         self._addresses = AddressSpace()  # data_ptrs: unique among live Storages, reused after
@@ -194,7 +194,7 @@ class StorageRegistry:
         self.ledger.precheck(tenant, device.name, charge)
         block = device.pool.malloc(nbytes, self.stream_of(tenant))  # OutOfMemoryError: no undo
         storage = Storage(device, block, nbytes, tenant)
-        storage.refs = storage.pins = 1
+        storage.refs = storage.holds = 1
         try:
             with self._lock:
                 self.ledger.charge(tenant, device.name, charge)
@@ -220,18 +220,18 @@ class StorageRegistry:
                 raise InternalError(f"reference to a freed {storage!r}")
             storage.refs += 1
 
-    def pin(self, storage: Storage) -> None:
+    def hold(self, storage: Storage) -> None:
         """A reference that also keeps the Storage where it is: its bytes are in use."""
         with self._lock:
             if storage.freed:
-                raise InternalError(f"pin of a freed {storage!r}")
+                raise InternalError(f"hold of a freed {storage!r}")
             storage.refs += 1
-            storage.pins += 1
+            storage.holds += 1
 
-    def unpin(self, storage: Storage) -> None:
+    def release_hold(self, storage: Storage) -> None:
         with self._lock:
-            storage.pins -= 1
-            assert storage.pins >= 0, storage
+            storage.holds -= 1
+            assert storage.holds >= 0, storage
         self.decref(storage)
 
     def decref(self, storage: Storage) -> None:
@@ -250,12 +250,12 @@ class StorageRegistry:
     @contextmanager
     def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
         """For compaction (the pool calls it holding its own lock): stops the world and yields
-        the blocks of unpinned live Storages of ``pool``, each with the call repointing it."""
+        the blocks of unheld live Storages of ``pool``, each with the call repointing it."""
         with self._lock:
             yield {
                 s.block: functools.partial(self._repoint, s)
                 for s in self._storages.values()
-                if s.device.pool is pool and s.pins == 0
+                if s.device.pool is pool and s.holds == 0
             }
 
     def _repoint(self, storage: Storage, block: Block) -> None:
@@ -263,7 +263,7 @@ class StorageRegistry:
 
         Its tenant's charge is the rounded request, not the block: nothing to re-charge.
         """
-        assert storage.pins == 0 and block.size <= storage.block.size, (storage, block)
+        assert storage.holds == 0 and block.size <= storage.block.size, (storage, block)
         storage.block = block
 
     def live(self) -> list[Storage]:

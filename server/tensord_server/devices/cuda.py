@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.util
 import sys
 import threading
 from typing import Any
@@ -41,14 +40,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tensord_server.backends import (
+from tensord_server.devices.host_arrays import assign_host, complex_to_real, gather_plan
+from tensord_server.devices.memory import (
     SEGMENT_ALIGNMENT,
     BackendOutOfMemory,
     DeviceMemory,
     HostBackend,
     check_range,
 )
-from tensord_server.shm import next_segment_id
+from tensord_server.devices.shm import next_segment_id
 
 # Capacity held back from the pool by default: CUDA contexts, cuBLAS workspaces and
 # CuPy's kernel cache need device memory outside our pool.
@@ -167,7 +167,7 @@ class Gpu:
     """What every pool on one GPU shares in this process: the server stream and the staging.
 
     One per GPU index (:func:`gpu`), so that two servers in one process (tests)
-    and the cross-device copies in :mod:`tensord_server.kernels` order their work
+    and the cross-device copies in :mod:`tensord_server.domain.kernels` order their work
     on the same stream as the device's kernels.
     """
 
@@ -322,17 +322,6 @@ def _enable_peer_access(dst: Gpu, src: Gpu) -> None:
     # already enabled (by CuPy itself, say) is fine
     with dst.device, contextlib.suppress(runtime.CUDARuntimeError):
         runtime.deviceEnablePeerAccess(src.index)
-
-
-def gpu_count() -> int:
-    """The GPUs CuPy sees; 0 without CuPy or without a working driver.  Imports CuPy if installed."""
-    if importlib.util.find_spec("cupy") is None:
-        return 0
-    try:
-        cupy = _cupy()
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no driver, no libcuda: CuPy raises several kinds of error here
-        return 0
 
 
 class CudaBackend:
@@ -703,8 +692,6 @@ def assign(dst: Any, src: Any) -> None:
     each piece of the source is brought to the destination's device, then
     converted and scattered there.
     """
-    from tensord_server import kernels  # kernels imports this module lazily
-
     if _same_gpu(dst, src) or dst.ndim == 0:
         _assign_piece(dst, src)
         return
@@ -712,7 +699,7 @@ def assign(dst: Any, src: Any) -> None:
         return
     src = _broadcast_to(src, dst.shape)
     itemsize = max(dst.dtype.itemsize, src.dtype.itemsize)
-    for key in kernels.gather_plan(dst.shape, itemsize, CROSS_DEVICE_PIECE_BYTES):
+    for key in gather_plan(dst.shape, itemsize, CROSS_DEVICE_PIECE_BYTES):
         _assign_piece(dst[key], src[key])
 
 
@@ -721,11 +708,9 @@ def _same_gpu(dst: Any, src: Any) -> bool:
 
 
 def _assign_piece(dst: Any, src: Any) -> None:
-    from tensord_server import kernels  # kernels imports this module lazily
-
     if not is_gpu_array(dst):  # GPU -> host
         if not _copy_straight(dst, src):
-            kernels.assign(np, dst, array_to_host(src))
+            assign_host(np, dst, array_to_host(src))
         return
     cupy = _cupy()
     index = _bits(dst).device.id
@@ -741,5 +726,5 @@ def _assign_piece(dst: Any, src: Any) -> None:
         if isinstance(src, BFloat16Array) and not isinstance(dst, BFloat16Array):
             src = src.to_float32()
         if src.dtype.kind == "c" and dst.dtype.kind != "c":
-            src = kernels.complex_to_real(src, dst.dtype)
+            src = complex_to_real(src, dst.dtype)
         dst[...] = src

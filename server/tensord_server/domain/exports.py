@@ -1,11 +1,11 @@
 """Same-host zero copy, the server's side: exports of Storages, tickets and the fd socket.
 
-An *export* is a pin on a Storage held for a client that maps its segment: while
-it lives the Storage never moves (compaction skips pinned Storages) and stays
+An *export* is a hold on a Storage, kept for a client that maps its segment: while
+it lives the Storage never moves (compaction skips held Storages) and stays
 charged to its tenant.  It ends by ReleaseExports or with its session (a crashed
 client's after the grace, through the session's end listeners).
 
-The descriptor of a segment (a memfd, :mod:`tensord_server.shm`) is handed out on a
+The descriptor of a segment (a memfd, :mod:`tensord_server.devices.shm`) is handed out on a
 unix socket in a fresh private directory, to whoever presents a *ticket*: 192
 random bits, usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
 a session that exported a Storage of that segment.  Segments are never shared
@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 
-from tensord_server.backends import DeviceMemory
-from tensord_server.cuda_backend import CudaBackend
+from tensord_server.devices.cuda import CudaBackend
+from tensord_server.devices.memory import DeviceMemory
+from tensord_server.devices.shm import SharedHostBackend
+from tensord_server.domain.sessions import Session, SessionManager
+from tensord_server.domain.storage import Storage, StorageRegistry
 from tensord_server.pool import CachingPool
-from tensord_server.sessions import Session, SessionManager
-from tensord_server.shm import SharedHostBackend
-from tensord_server.storage import Storage, StorageRegistry
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Export:
     storage: Storage
     segment_id: int
     segment_nbytes: int
-    byte_offset: int  # of the Storage's first byte in its segment (fixed: it is pinned)
+    byte_offset: int  # of the Storage's first byte in its segment (fixed: it is held)
     ipc_handle: bytes = b""  # a GPU segment's cudaIpcMemHandle_t; empty for host memory
 
 
@@ -138,7 +138,7 @@ class ExportTable:
     # -- exports ------------------------------------------------------------------
 
     def export(self, session: Session, handle: str) -> tuple[Export, str]:
-        """Pin the Storage of ``handle`` for the session; the export and a fd ticket."""
+        """Hold the Storage of ``handle`` for the session; the export and a fd ticket."""
         held = self.sessions.handle_count(session) + self.count(session.id)
         limit = self.sessions.max_handles
         if limit is not None and held + 1 > limit:
@@ -146,7 +146,7 @@ class ExportTable:
                 f"this session holds {held} handles and exports, the limit "
                 f"(--max-handles-per-session {limit}); release some first"
             )
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self.sessions.held(session, handle) as (ref,):
             storage = ref.storage
             backend = storage.device.backend
             if not isinstance(backend, SharedHostBackend | CudaBackend):
@@ -154,8 +154,8 @@ class ExportTable:
                     f"the memory of {storage.device.name} ({storage.device.description}) cannot "
                     "be mapped by clients; use the gRPC transfers"
                 )
-            self.storages.pin(storage)  # the export's own pin, held past this block
-        block = storage.block  # fixed now: a pinned Storage never moves
+            self.storages.hold(storage)  # the export's own hold, kept past this block
+        block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
             return self._export_cuda(session, storage, backend), ""
         segment = backend.segment(block.segment.memory)
@@ -178,7 +178,7 @@ class ExportTable:
         return export, ticket
 
     def _export_cuda(self, session: Session, storage: Storage, backend: CudaBackend) -> Export:
-        """(the Storage is pinned) Its segment's IPC handle, the import counted first."""
+        """(the Storage is held) Its segment's IPC handle, the import counted first."""
         memory = storage.block.segment.memory
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
             export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
@@ -188,7 +188,7 @@ class ExportTable:
         try:
             segment_id, handle = backend.ipc_export(memory)
         except BaseException:
-            self.storages.unpin(storage)
+            self.storages.release_hold(storage)
             raise
         export = Export(
             id=secrets.token_urlsafe(16),
@@ -259,11 +259,11 @@ class ExportTable:
                 if export is not None and export.session_id == session.id:
                     ended.append(self._exports.pop(export_id))
         for export in ended:
-            self.storages.unpin(export.storage)
+            self.storages.release_hold(export.storage)
         return len(ended)
 
     def session_ended(self, session: Session) -> None:
-        """A closed or reaped session's exports end with it (a crashed client's pins drop)."""
+        """A closed or reaped session's exports end with it (a crashed client's holds drop)."""
         with self._lock:
             ended = [e for e in self._exports.values() if e.session_id == session.id]
             for export in ended:
@@ -274,7 +274,7 @@ class ExportTable:
                     del self._imports[segment_id]
                     del self._import_sizes[segment_id]
         for export in ended:
-            self.storages.unpin(export.storage)
+            self.storages.release_hold(export.storage)
 
     def count(self, session_id: str) -> int:
         with self._lock:

@@ -1,10 +1,10 @@
-"""The gRPC face of the daemon: thin handlers (decode -> Daemon call -> encode).
+"""The gRPC face of the tensor store: thin handlers (decode -> TensorStore call -> encode).
 
 The method table is built from the schema's service descriptor, so every RPC
 the proto declares is registered with the right streaming kind; Upload and
 Download carry raw bytes (identity (de)serializers), every other method uses
 the generated protobuf ones.  Any exception a handler lets escape becomes a
-status code in :mod:`tensord_server.status`, the one place that decides.
+status code in :mod:`tensord_server.rpc.status`, the one place that decides.
 """
 
 from __future__ import annotations
@@ -16,36 +16,38 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
-import tensord
 from google.protobuf.message import DecodeError, Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError, UnauthenticatedError
-
-from tensord_server import auth, limits, status
-from tensord_server.admission import watched
-from tensord_server.kernels import Scalar
-from tensord_server.server import (
-    DEFAULT_CHUNK_BYTES,
+from tensord.protocol import (
+    AUTHORIZATION_KEY,
     MAX_MESSAGE_BYTES,
-    Daemon,
-    Issued,
-    ViewOp,
+    SESSION_KEY,
+    UPLOAD_HEADER_KEY,
+    VERSION,
 )
-from tensord_server.sessions import Session
-from tensord_server.shm import SharedHostBackend
+
+from tensord_server.devices.shm import SharedHostBackend
+from tensord_server.domain import auth, limits
+from tensord_server.domain.admission import watched
+from tensord_server.domain.kernels import Scalar
+from tensord_server.domain.sessions import Session
+from tensord_server.domain.store import (
+    DEFAULT_CHUNK_BYTES,
+    Issued,
+    TensorStore,
+    ViewOp,
+    index_key,
+)
+from tensord_server.rpc import status
 
 M = TypeVar("M", bound=Message)
 
 SERVICE_NAME = "tensord.v1.Tensord"
-SESSION_KEY = "tensord-session"
-UPLOAD_HEADER_KEY = "tensord-upload-bin"
 
 # Methods whose messages travel as bare bytes, not protobuf (see the proto's header).
 RAW_REQUEST_METHODS = frozenset({"Upload"})
 RAW_RESPONSE_METHODS = frozenset({"Download"})
-
-# Calls that need no session.
-SESSIONLESS_METHODS = frozenset({"ServerInfo", "OpenSession"})
 
 
 # ---------------------------------------------------------------------------
@@ -109,7 +111,7 @@ _VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
     "view_dtype": lambda m: ViewOp("view_dtype", (m.dtype,)),
     "narrow": lambda m: ViewOp("narrow", (m.dim, m.start, m.length)),
     "select": lambda m: ViewOp("select", (m.dim, m.index)),
-    "index": lambda m: ViewOp("__getitem__", (_index_arg(decode_index(m.items)),)),
+    "index": lambda m: ViewOp("__getitem__", (index_key(decode_index(m.items)),)),
     "transpose": lambda m: ViewOp("transpose", (m.dim0, m.dim1)),
     "t": lambda m: ViewOp("t"),
     "permute": lambda m: ViewOp("permute", (tuple(m.dims),)),
@@ -139,11 +141,6 @@ _VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
 }
 
 
-def _index_arg(index: tuple[Any, ...]) -> Any:
-    """One item alone takes torch's single-index fast path (``x[1]``, not ``x[(1,)]``)."""
-    return index[0] if len(index) == 1 else index
-
-
 def decode_view_op(request: pb.ViewRequest) -> ViewOp:
     kind = request.WhichOneof("op")
     if kind is None:
@@ -158,12 +155,12 @@ def _metadata(context: grpc.ServicerContext, key: str) -> Any:
     return None
 
 
-def tenant_of_context(daemon: Daemon, context: grpc.ServicerContext) -> str:
+def tenant_of_context(store: TensorStore, context: grpc.ServicerContext) -> str:
     """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
-    tokens = daemon.auth_tokens
+    tokens = store.auth_tokens
     if tokens is None:
         return ""
-    return auth.tenant_of(tokens, _metadata(context, auth.AUTHORIZATION_KEY))
+    return auth.tenant_of(tokens, _metadata(context, AUTHORIZATION_KEY))
 
 
 # ---------------------------------------------------------------------------
@@ -173,7 +170,7 @@ def tenant_of_context(daemon: Daemon, context: grpc.ServicerContext) -> str:
 def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Any:
-        with self.daemon.gate.call():  # this call holds a worker (the saturation clock)
+        with self.store.gate.call():  # this call holds a worker (the saturation clock)
             try:
                 self._tenant(context)  # every call authenticates first
                 return handler(self, request, context)
@@ -188,7 +185,7 @@ def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
 def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
     @functools.wraps(handler)
     def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        with self.daemon.gate.call():
+        with self.store.gate.call():
             try:
                 self._tenant(context)
                 yield from handler(self, request, context)
@@ -201,20 +198,20 @@ def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[
 
 
 class TensordService:
-    """One method per RPC of the schema, each a thin wrapper over :class:`Daemon`."""
+    """One method per RPC of the schema, each a thin wrapper over :class:`TensorStore`."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, store: TensorStore) -> None:
+        self.store = store
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
-        return tenant_of_context(self.daemon, context)
+        return tenant_of_context(self.store, context)
 
     @contextlib.contextmanager
     def _admitted(
         self, context: grpc.ServicerContext, method: str, idle_timeout: float | None = None
     ) -> Iterator[int]:
         """A long-lived call's admission (refused at once over the limits) for the block."""
-        gate = self.daemon.gate
+        gate = self.store.gate
         stream_id = gate.open_stream(context, method, self._tenant(context), idle_timeout)
         # the RPC's end frees the slot even if grpc never resumes a suspended handler
         context.add_callback(functools.partial(gate.close_stream, stream_id))
@@ -225,7 +222,7 @@ class TensordService:
 
     def _watched_responses(self, stream_id: int, responses: Iterator[M]) -> Iterator[M]:
         """``responses`` with the time their consumer takes to read each one watched."""
-        gate = self.daemon.gate
+        gate = self.store.gate
         for response in responses:
             gate.waiting(stream_id, True)
             try:
@@ -240,7 +237,7 @@ class TensordService:
         try:
             return [encode_meta(i) for i in issued]
         except BaseException:
-            self.daemon.sessions.release(
+            self.store.sessions.release(
                 session, [i.handle for i in issued if i.handle not in inputs]
             )
             raise
@@ -256,19 +253,19 @@ class TensordService:
             )
         if isinstance(session_id, bytes):
             session_id = session_id.decode("ascii", "replace")
-        return self.daemon.sessions.get(session_id, self._tenant(context))
+        return self.store.sessions.get(session_id, self._tenant(context))
 
     # -- sessions ---------------------------------------------------------------
 
     @_unary
     def ServerInfo(self, request: pb.ServerInfoRequest, context: Any) -> pb.ServerInfoResponse:
         return pb.ServerInfoResponse(
-            version=tensord.__version__,
+            version=VERSION,
             devices=[
                 pb.DeviceInfo(
                     device=d.name, capacity_bytes=d.pool.capacity, description=d.description
                 )
-                for d in self.daemon.devices
+                for d in self.store.devices
             ],
             max_message_bytes=MAX_MESSAGE_BYTES,
             chunk_bytes=DEFAULT_CHUNK_BYTES,
@@ -276,7 +273,7 @@ class TensordService:
 
     @_unary
     def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
-        sessions = self.daemon.sessions
+        sessions = self.store.sessions
         session, resumed = sessions.open(
             request.client_name, request.resume_session_id, self._tenant(context)
         )
@@ -295,12 +292,12 @@ class TensordService:
     @_streaming
     def KeepAlive(self, requests: Iterator[pb.Heartbeat], context: Any) -> Iterator[pb.Heartbeat]:
         session = self._session(context)
-        sessions = self.daemon.sessions
+        sessions = self.store.sessions
         # beats come every lease/3: a stream is idle only after missing them for a lease
         with self._admitted(context, "KeepAlive", sessions.lease) as stream_id:
             sessions.stream_opened(session)
             try:
-                for beat in watched(self.daemon.gate, stream_id, requests):
+                for beat in watched(self.store.gate, stream_id, requests):
                     sessions.heartbeat(session)
                     yield pb.Heartbeat(sent_at=beat.sent_at)
             except Exception:
@@ -313,12 +310,12 @@ class TensordService:
 
     @_unary
     def CloseSession(self, request: Any, context: Any) -> pb.CloseSessionResponse:
-        released = self.daemon.sessions.close(self._session(context))
+        released = self.store.sessions.close(self._session(context))
         return pb.CloseSessionResponse(released_handles=released)
 
     @_unary
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        count = self.daemon.sessions.release(self._session(context), list(request.handles))
+        count = self.store.sessions.release(self._session(context), list(request.handles))
         return pb.ReleaseResponse(released=count)
 
     # -- views ------------------------------------------------------------------
@@ -326,7 +323,7 @@ class TensordService:
     @_unary
     def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
         session = self._session(context)
-        issued = self.daemon.view(session, request.handle, decode_view_op(request))
+        issued = self.store.view(session, request.handle, decode_view_op(request))
         return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
 
     # -- factories ----------------------------------------------------------------
@@ -337,7 +334,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.daemon.empty(
+            self.store.empty(
                 session,
                 tuple(request.shape),
                 stride,
@@ -352,7 +349,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.daemon.full(
+            self.store.full(
                 session,
                 tuple(request.shape),
                 decode_scalar(request.value),
@@ -369,7 +366,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.daemon.arange(
+            self.store.arange(
                 session,
                 start,
                 decode_scalar(request.end),
@@ -385,65 +382,63 @@ class TensordService:
     @_unary
     def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.daemon.clone(session, request.handle, request.memory_format)
+        issued = self.store.clone(session, request.handle, request.memory_format)
         return self._reply(session, issued)
 
     @_unary
     def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.daemon.contiguous(session, request.handle))
+        return self._reply(session, self.store.contiguous(session, request.handle))
 
     @_unary
     def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.daemon.reshape(session, request.handle, tuple(request.shape))
+        issued = self.store.reshape(session, request.handle, tuple(request.shape))
         return self._reply(session, issued)
 
     @_unary
     def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.daemon.to(
-            session, request.handle, request.device, request.dtype, request.copy
-        )
+        issued = self.store.to(session, request.handle, request.device, request.dtype, request.copy)
         return self._reply(session, issued, request.handle)  # torch's to() may return self
 
     @_unary
     def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.daemon.repeat(session, request.handle, tuple(request.repeats))
+        issued = self.store.repeat(session, request.handle, tuple(request.repeats))
         return self._reply(session, issued)
 
     @_unary
     def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.daemon.cat(session, list(request.handles), request.dim))
+        return self._reply(session, self.store.cat(session, list(request.handles), request.dim))
 
     @_unary
     def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.daemon.stack(session, list(request.handles), request.dim)
+        issued = self.store.stack(session, list(request.handles), request.dim)
         return self._reply(session, issued)
 
     @_unary
     def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.copy(session, request.dst, request.src))
+        return encode_meta(self.store.copy(session, request.dst, request.src))
 
     @_unary
     def Fill(self, request: pb.FillRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.daemon.fill(session, request.handle, decode_scalar(request.value)))
+        return encode_meta(self.store.fill(session, request.handle, decode_scalar(request.value)))
 
     @_unary
     def SetItem(self, request: pb.SetItemRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         index = decode_index(request.index)
         if request.WhichOneof("value") == "src_handle":
-            issued = self.daemon.setitem(
+            issued = self.store.setitem(
                 session, request.handle, index, src_handle=request.src_handle
             )
         else:
-            issued = self.daemon.setitem(
+            issued = self.store.setitem(
                 session, request.handle, index, value=decode_scalar(request.scalar)
             )
         return encode_meta(issued)
@@ -460,13 +455,13 @@ class TensordService:
         with self._admitted(context, "Upload") as stream_id:
             return self._reply(
                 session,
-                self.daemon.upload(
+                self.store.upload(
                     session,
                     tuple(header.shape),
                     header.dtype,
                     header.device,
                     header.nbytes,
-                    watched(self.daemon.gate, stream_id, chunks),
+                    watched(self.store.gate, stream_id, chunks),
                     header.requires_grad,
                 ),
             )
@@ -475,7 +470,7 @@ class TensordService:
     def Download(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         session = self._session(context)
         with self._admitted(context, "Download") as stream_id:
-            chunks = self.daemon.download(session, request.handle, request.chunk_bytes)
+            chunks = self.store.download(session, request.handle, request.chunk_bytes)
             yield from self._watched_responses(stream_id, chunks)
 
     # -- sharing --------------------------------------------------------------------
@@ -486,46 +481,46 @@ class TensordService:
         if request.unlimited_uses and request.uses:
             raise InvalidArgumentError("ShareRequest: pass uses or unlimited_uses, not both")
         uses = None if request.unlimited_uses else (request.uses or 1)
-        token, ttl = self.daemon.share(session, request.handle, uses, request.ttl_seconds or None)
+        token, ttl = self.store.share(session, request.handle, uses, request.ttl_seconds or None)
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
 
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
-        return pb.RevokeResponse(revoked=self.daemon.revoke(self._session(context), request.token))
+        return pb.RevokeResponse(revoked=self.store.revoke(self._session(context), request.token))
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.daemon.attach(session, request.token))
+        return self._reply(session, self.store.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
         session = self._session(context)
-        self.daemon.sessions.put_name(session, request.name, request.handle, request.overwrite)
+        self.store.sessions.put_name(session, request.name, request.handle, request.overwrite)
         return pb.PutNameResponse()
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.daemon.get_name(session, request.name))
+        return self._reply(session, self.store.get_name(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
         session = self._session(context)
-        self.daemon.sessions.delete_name(request.name, session.tenant)
+        self.store.sessions.delete_name(request.name, session.tenant)
         return pb.DeleteNameResponse()
 
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
         session = self._session(context)
-        return pb.ListNamesResponse(names=self.daemon.sessions.names(session.tenant))
+        return pb.ListNamesResponse(names=self.store.sessions.names(session.tenant))
 
     # -- the pool -------------------------------------------------------------------
 
     @_unary
     def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
         session = self._session(context)
-        stats = self.daemon.memory_stats(request.device, session.tenant)
+        stats = self.store.memory_stats(request.device, session.tenant)
         return pb.MemoryStatsResponse(
             counters={k: v for k, v in stats.items() if not isinstance(v, float)},
             ratios={k: v for k, v in stats.items() if isinstance(v, float)},
@@ -534,28 +529,28 @@ class TensordService:
     @_unary
     def MemorySummary(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySummaryResponse:
         self._session(context)
-        return pb.MemorySummaryResponse(summary=self.daemon.memory_summary(request.device))
+        return pb.MemorySummaryResponse(summary=self.store.memory_summary(request.device))
 
     @_unary
     def MemorySnapshot(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySnapshotResponse:
         self._session(context)
         return pb.MemorySnapshotResponse(
-            snapshot_json=self.daemon.memory_snapshot_json(request.device)
+            snapshot_json=self.store.memory_snapshot_json(request.device)
         )
 
     @_unary
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
         self._session(context)
-        return pb.EmptyCacheResponse(released_bytes=self.daemon.empty_cache(request.device))
+        return pb.EmptyCacheResponse(released_bytes=self.store.empty_cache(request.device))
 
     # -- same-host zero copy ----------------------------------------------------------
 
     @_unary
     def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
         session = self._session(context)
-        table = self.daemon.exports
+        table = self.store.exports
         export, ticket = table.export(session, request.handle)
-        ref = self.daemon.sessions.lookup(session, request.handle)
+        ref = self.store.sessions.lookup(session, request.handle)
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
@@ -574,11 +569,11 @@ class TensordService:
         self, request: pb.ReleaseExportsRequest, context: Any
     ) -> pb.ReleaseExportsResponse:
         session = self._session(context)
-        table = self.daemon.exports
+        table = self.store.exports
         table.imports_closed(session, [(c.segment_id, c.exports) for c in request.closed_imports])
         released = table.release(session, list(request.export_ids))
         backends = [
-            d.backend for d in self.daemon.devices if isinstance(d.backend, SharedHostBackend)
+            d.backend for d in self.store.devices if isinstance(d.backend, SharedHostBackend)
         ]
         gone = table.gone_segments(backends, list(request.mapped_segments))
         return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
@@ -658,9 +653,9 @@ def method_handlers(
 
 
 def add_to_server(
-    daemon: Daemon, server: grpc.Server, liveness: futures.ThreadPoolExecutor | None = None
+    store: TensorStore, server: grpc.Server, liveness: futures.ThreadPoolExecutor | None = None
 ) -> TensordService:
-    service = TensordService(daemon)
+    service = TensordService(store)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service, liveness)),)
     )

@@ -35,233 +35,50 @@ import bisect
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
-from tensord_server.backends import NULL_MEMORY, Backend, BackendOutOfMemory, DeviceMemory
-
-# ---------------------------------------------------------------------------
-# Policy constants (PyTorch's names in the comments)
-
-MIN_BLOCK_SIZE = 512  # kMinBlockSize: every size is rounded up to a multiple of this
-SMALL_SIZE = 1 << 20  # kSmallSize: the largest request served by the small pool (1 MiB)
-SMALL_BUFFER = 2 << 20  # kSmallBuffer: small requests are packed into 2 MiB segments
-LARGE_BUFFER = 20 << 20  # kLargeBuffer: requests of 1-10 MiB share 20 MiB segments
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from 10 MiB a request gets its own segment
-ROUND_LARGE = 2 << 20  # kRoundLarge: own segments are rounded up to 2 MiB
-UNLIMITED_SPLIT_SIZE = (1 << 64) - 1  # SIZE_MAX: max_split_size unset, any block may split
-TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
-
-# Indices into a StatArray, in torch's StatType order.
-ALL, SMALL_POOL, LARGE_POOL = 0, 1, 2
-STAT_TYPE_NAMES = ("all", "small_pool", "large_pool")
-
-# The StatArrays of memory_stats(), in torch's order.
-STAT_ARRAY_NAMES = (
-    "allocation",
-    "segment",
-    "active",
-    "inactive_split",
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
+from tensord_server.pool.backend import Backend, BackendOutOfMemory, DeviceMemory
+from tensord_server.pool.blocks import (
+    ALL,
+    LARGE_BUFFER,
+    LARGE_POOL,
+    MIN_BLOCK_SIZE,
+    NULL_SEGMENT,
+    SMALL_POOL,
+    STAT_TYPE_NAMES,
+    UNLIMITED_SPLIT_SIZE,
+    Block,
+    BlockPool,
+    Segment,
+    device_index,
+    format_size,
+    get_allocation_size,
+    is_small_size,
+    oversize_rules_allow,
+    round_size,
+    should_split,
+)
+from tensord_server.pool.compaction import (
+    Move,
+    plan_compaction,
+    segment_usage,
+)
+from tensord_server.pool.stats import (
+    STAT_ARRAY_NAMES,
+    DeviceStats,
+    decrease,
+    external_fragmentation,
+    format_summary,
+    increase,
+    segment_info,
+    stat_items,
 )
 
-
-# ---------------------------------------------------------------------------
-# Pure policy functions
-
-
-def round_size(nbytes: int) -> int:
-    """Mirrors round_size (without roundup_power2_divisions): at least and a multiple of 512 B."""
-    if nbytes < MIN_BLOCK_SIZE:
-        return MIN_BLOCK_SIZE
-    return MIN_BLOCK_SIZE * ((nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE)
-
-
-def is_small_size(size: int) -> bool:
-    """Mirrors get_pool: rounded sizes up to 1 MiB go to the small pool."""
-    return size <= SMALL_SIZE
-
-
-def get_allocation_size(size: int) -> int:
-    """Mirrors get_allocation_size: the segment to reserve when no cached block fits."""
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
-
-
-def should_split(block_size: int, size: int, small: bool, max_split_size: int) -> bool:
-    """Mirrors should_split: is the rest of a block, after taking ``size``, worth keeping free?"""
-    remaining = block_size - size
-    if small:
-        return remaining >= MIN_BLOCK_SIZE
-    return size < max_split_size and remaining > SMALL_SIZE
-
-
-def oversize_rules_allow(block_size: int, size: int, max_split_size: int) -> bool:
-    """Mirrors get_free_block's max_split_size rules for the best-fit candidate.
-
-    A request below max_split_size never takes an oversize block (it would be
-    split, and oversize blocks are kept whole); an oversize request takes a
-    block only if less than 20 MiB would be wasted.
-    """
-    if size < max_split_size and block_size >= max_split_size:
-        return False
-    return not (size >= max_split_size and block_size >= size + LARGE_BUFFER)
-
-
-def format_size(nbytes: int) -> str:
-    """Mirrors c10's format_size, used in the out-of-memory message."""
-    if nbytes <= 1024:
-        return f"{nbytes} bytes"
-    if nbytes <= 1048576:
-        return f"{nbytes / 1024.0:.2f} KiB"
-    if nbytes <= 1073741824:
-        return f"{nbytes / 1048576.0:.2f} MiB"
-    return f"{nbytes / 1073741824.0:.2f} GiB"
-
-
-def device_index(device: str) -> int:
-    """The integer torch puts in snapshots: N of "cuda:N", else 0."""
-    _, _, index = device.partition(":")
-    return int(index) if index.isdigit() else 0
-
-
-# ---------------------------------------------------------------------------
-# Compaction policy (pure): which segments to empty, and where their blocks go
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentUsage:
-    """What compaction planning sees of one segment: plain numbers, no links.
-
-    ``allocated`` holds ``(address, size, rounded request)`` of each allocated
-    block, ``free`` ``(address, size)`` of each free one; ``movable`` is false
-    when any allocated block may not move (pinned, or owned by no Storage).
-    """
-
-    address: int
-    size: int
-    is_small: bool
-    stream: int
-    allocated: tuple[tuple[int, int, int], ...]
-    free: tuple[tuple[int, int], ...]
-    movable: bool
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(size for _, size, _ in self.allocated)
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Allocate ``size`` at the front of the free block at ``destination``; move ``source`` there."""
-
-    source: int  # address of the allocated block that moves
-    destination: int  # address of the free block it goes into, at the time of the move
-    size: int  # the rounded request allocated there (the moved block's new size, if split)
-
-
-@dataclass(frozen=True, slots=True)
-class CompactionPlan:
-    """Moves in the order to run them, the segments they leave wholly free, and their bytes."""
-
-    moves: tuple[Move, ...]
-    evacuated: tuple[int, ...]  # segment addresses
-    released: int  # bytes those segments give back
-
-    @property
-    def empty(self) -> bool:
-        return not self.evacuated
-
-
-def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
-    """Movable segments, least-used first: fewest allocated bytes (the least to copy),
-    then the largest (the most released for it), then by address."""
-    movable = (s for s in segments if s.movable)
-    return sorted(movable, key=lambda s: (s.allocated_bytes, -s.size, s.address))
-
-
-# A free block a planned move may take: (size, address, its segment's address), sorted.
-FreeSpot = tuple[int, int, int]
-
-
-def place(
-    free: Sequence[FreeSpot], request: int, limit: int, small: bool, max_split_size: int
-) -> tuple[int, int] | None:
-    """Where malloc's best fit would put ``request`` among ``free`` without the block
-    ending up larger than ``limit`` (its size now: a moved Storage is never charged
-    more): ``(index into free, resulting block size)``, or None."""
-    index = bisect.bisect_left(free, (request, -1, -1))
-    for i in range(index, len(free)):
-        free_size = free[i][0]
-        if not oversize_rules_allow(free_size, request, max_split_size):
-            continue
-        split = should_split(free_size, request, small, max_split_size)
-        block_size = request if split else free_size
-        if block_size <= limit:
-            return i, block_size
-    return None
-
-
-def plan_compaction(
-    segments: Sequence[SegmentUsage], needed: int, max_split_size: int
-) -> CompactionPlan:
-    """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
-
-    Segments are tried least-used first (:func:`evacuation_order`); one is
-    emptied whole or not at all, its blocks placed largest first into free
-    blocks of *other* segments of the same pool and stream (:func:`place`),
-    never into a segment being emptied, and a segment that receives a block is
-    not emptied later.  Only existing free blocks are used: compaction never
-    reserves.  A plan that cannot reach ``needed`` is empty (nothing moves for
-    nothing) but says in ``released`` how far it got.
-    """
-    free: dict[tuple[bool, int], list[FreeSpot]] = {}
-    for segment in segments:
-        spots = free.setdefault((segment.is_small, segment.stream), [])
-        spots.extend((size, address, segment.address) for address, size in segment.free)
-    for spots in free.values():
-        spots.sort()
-    receiving: set[int] = set()
-    moves: list[Move] = []
-    evacuated: list[int] = []
-    released = 0
-    for segment in evacuation_order(segments):
-        if released >= needed:
-            break
-        if segment.address in receiving:
-            continue
-        key = (segment.is_small, segment.stream)
-        trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
-        placed: list[tuple[Move, int]] = []
-        for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
-            spot = place(trial, request, size, segment.is_small, max_split_size)
-            if spot is None:
-                break
-            index, block_size = spot
-            free_size, free_address, home = trial.pop(index)
-            if block_size < free_size:  # the rest stays free, after the moved block
-                bisect.insort(trial, (free_size - block_size, free_address + block_size, home))
-            placed.append((Move(address, free_address, request), home))
-        else:
-            free[key] = trial
-            moves.extend(move for move, _ in placed)
-            receiving.update(home for _, home in placed)
-            evacuated.append(segment.address)
-            released += segment.size
-    if released < needed:
-        return CompactionPlan((), (), released)
-    return CompactionPlan(tuple(moves), tuple(evacuated), released)
+TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
 
 
 class Relocator(Protocol):
@@ -270,230 +87,10 @@ class Relocator(Protocol):
     def relocation(
         self, pool: CachingPool
     ) -> AbstractContextManager[Mapping[Block, Callable[[Block], None]]]:
-        """Stops the world while open (nothing pins, reads, writes or frees the owned blocks)
+        """Stops the world while open (nothing holds, reads, writes or frees the owned blocks)
         and yields the blocks that may move, each with the call that repoints its owner
         to its new block (after its bytes were copied there)."""
         ...
-
-
-# ---------------------------------------------------------------------------
-# Statistics
-
-
-class Stat:
-    """One torch Stat.  Invariants: 0 <= current <= peak; allocated - freed == current
-    unless reset_accumulated_memory_stats() ran since."""
-
-    __slots__ = ("allocated", "current", "freed", "peak")
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-        self.allocated = 0
-        self.freed = 0
-
-    def increase(self, amount: int) -> None:
-        self.current += amount
-        if self.current > self.peak:
-            self.peak = self.current
-        self.allocated += amount
-
-    def decrease(self, amount: int) -> None:
-        self.current -= amount
-        self.freed += amount
-
-
-# One Stat per StatType: [all, small_pool, large_pool].
-StatArray = list[Stat]
-
-
-def new_stat_array() -> StatArray:
-    return [Stat(), Stat(), Stat()]
-
-
-def increase(array: StatArray, kind: int, amount: int) -> None:
-    """increase_stat on the aggregate and on one pool's Stat (for_each_selected_stat_type)."""
-    array[ALL].increase(amount)
-    array[kind].increase(amount)
-
-
-def decrease(array: StatArray, kind: int, amount: int) -> None:
-    array[ALL].decrease(amount)
-    array[kind].decrease(amount)
-
-
-class DeviceStats:
-    """torch's DeviceStats: one StatArray per name in STAT_ARRAY_NAMES plus counters."""
-
-    def __init__(self) -> None:
-        self.allocation = new_stat_array()  # allocated blocks
-        self.segment = new_stat_array()  # segments reserved from the backend
-        self.active = new_stat_array()  # blocks in use (== allocation: no cross-stream events)
-        self.inactive_split = new_stat_array()  # free blocks inside split segments
-        self.allocated_bytes = new_stat_array()  # sum of allocated block sizes
-        self.reserved_bytes = new_stat_array()  # sum of segment sizes
-        self.active_bytes = new_stat_array()
-        self.inactive_split_bytes = new_stat_array()  # non-releasable cached bytes
-        self.requested_bytes = new_stat_array()  # sum of the sizes callers asked for
-        self.oversize_allocations = Stat()  # allocated blocks >= max_split_size
-        self.oversize_segments = Stat()  # segments >= max_split_size
-        self.num_alloc_retries = (
-            0  # allocations that succeeded or failed after release_cached_blocks
-        )
-        self.num_ooms = 0  # OutOfMemoryErrors raised
-        self.num_sync_all_streams = 0  # release_cached_blocks calls (they synchronize in torch)
-        self.num_device_alloc = 0  # backend.reserve calls that succeeded
-        self.num_device_free = 0  # backend.release calls
-        # beyond torch (compaction):
-        self.num_compactions = 0  # compactions that moved blocks and released segments
-        self.compaction_moved_bytes = 0  # bytes copied to new blocks
-        self.compaction_released_bytes = 0  # bytes of the segments they released
-
-    def arrays(self) -> dict[str, StatArray]:
-        return {name: getattr(self, name) for name in STAT_ARRAY_NAMES}
-
-    def all_stats(self) -> list[Stat]:
-        stats = [stat for array in self.arrays().values() for stat in array]
-        return [*stats, self.oversize_allocations, self.oversize_segments]
-
-
-# ---------------------------------------------------------------------------
-# Named types: Segment, Block, BlockPool
-
-
-class Segment:
-    """One upstream allocation from the backend, tiled by Blocks.
-
-    Invariants (guarded by the CachingPool lock): walking ``head`` -> ``next``
-    visits blocks whose sizes sum to ``size``, each starting where the previous
-    ended, from ``address``; ``head.prev is None``; every block's ``segment``
-    is this one; no two neighbouring blocks are both free.
-    """
-
-    __slots__ = ("head", "is_small", "memory", "stream")
-
-    def __init__(self, memory: DeviceMemory, stream: int, is_small: bool) -> None:
-        self.memory = memory  # the backend's allocation; owns the bytes
-        self.stream = stream  # every block of the segment has this stream
-        self.is_small = is_small  # in the small pool (2 MiB segments) or the large one
-        self.head: Block | None = None  # the lowest-address block; None only for NULL_SEGMENT
-
-    @property
-    def address(self) -> int:
-        return self.memory.address
-
-    @property
-    def size(self) -> int:
-        return self.memory.nbytes
-
-    def blocks(self) -> list[Block]:
-        """The blocks tiling this segment, by address."""
-        result = []
-        block = self.head
-        while block is not None:
-            result.append(block)
-            block = block.next
-        return result
-
-    def __repr__(self) -> str:
-        return f"Segment(address={self.address:#x}, size={self.size}, small={self.is_small})"
-
-
-# Zero-byte blocks point into this empty segment (torch hands back a null pointer).
-NULL_SEGMENT = Segment(NULL_MEMORY, stream=0, is_small=True)
-
-
-class Block:
-    """A span of a Segment: allocated to a caller, or cached free in its BlockPool.
-
-    Invariants: ``segment.address <= address`` and ``address + size <=
-    segment.address + segment.size``; ``size`` is a positive multiple of 512
-    (0 only for zero-byte blocks on NULL_SEGMENT); ``prev``/``next`` are the
-    neighbours in the same segment (never another segment's blocks); a free
-    block is in ``pool`` under the key (stream, size, address), an allocated
-    one is not; ``requested_size <= size`` while allocated, 0 while free.
-    """
-
-    __slots__ = (
-        "address",
-        "allocated",
-        "next",
-        "pool",
-        "prev",
-        "requested_size",
-        "segment",
-        "size",
-        "stream",
-    )
-
-    def __init__(
-        self, address: int, size: int, stream: int, pool: BlockPool | None, segment: Segment
-    ) -> None:
-        self.address = address  # device address of the first byte
-        self.size = size  # bytes in the block (rounded; what allocated_bytes counts)
-        self.requested_size = 0  # bytes the caller asked for, while allocated
-        self.stream = stream  # allocation stream; reused only on the same stream
-        self.pool = pool  # the BlockPool it is cached in when free; None for zero-byte blocks
-        self.segment = segment
-        self.allocated = False
-        self.prev: Block | None = None
-        self.next: Block | None = None
-
-    @property
-    def offset(self) -> int:
-        """Bytes from the start of the segment (what a backend view needs)."""
-        return self.address - self.segment.address
-
-    def is_split(self) -> bool:
-        return self.prev is not None or self.next is not None
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.stream, self.size, self.address)
-
-    def __repr__(self) -> str:
-        state = "allocated" if self.allocated else "free"
-        return f"Block(address={self.address:#x}, size={self.size}, {state})"
-
-
-class BlockPool:
-    """The cached free blocks of one pool (small or large), torch's BlockPool.
-
-    Invariants: ``keys`` is sorted and holds ``block.key()`` of exactly the
-    blocks in ``free_blocks`` (free blocks of this pool, by address); best
-    fit is the first key >= (stream, size).
-    """
-
-    __slots__ = ("free_blocks", "is_small", "keys", "kind")
-
-    def __init__(self, is_small: bool) -> None:
-        self.is_small = is_small
-        self.kind = SMALL_POOL if is_small else LARGE_POOL  # its StatType index
-        self.keys: list[tuple[int, int, int]] = []  # (stream, size, address), sorted
-        self.free_blocks: dict[int, Block] = {}  # address -> free block
-
-    def insert(self, block: Block) -> None:
-        bisect.insort(self.keys, (block.stream, block.size, block.address))
-        self.free_blocks[block.address] = block
-
-    def remove(self, block: Block) -> None:
-        key = (block.stream, block.size, block.address)
-        index = bisect.bisect_left(self.keys, key)
-        assert self.keys[index] == key, (key, "not in pool")
-        del self.keys[index]
-        del self.free_blocks[block.address]
-
-    def best_fit(self, stream: int, size: int) -> Block | None:
-        """The smallest free block of ``stream`` with at least ``size`` bytes, lowest address first."""
-        index = bisect.bisect_left(self.keys, (stream, size, -1))
-        if index == len(self.keys) or self.keys[index][0] != stream:
-            return None
-        return self.free_blocks[self.keys[index][2]]
-
-    def largest_free(self) -> int:
-        return max((key[1] for key in self.keys), default=0)
-
-    def free_bytes(self) -> int:
-        return sum(key[1] for key in self.keys)
 
 
 # ---------------------------------------------------------------------------
@@ -997,159 +594,6 @@ class CachingPool:
             result[f"largest_free_block_bytes.{name}"] = largest
             result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free)
         return result
-
-
-# ---------------------------------------------------------------------------
-# Pure helpers for compaction, stats, summaries and snapshots
-
-
-def segment_usage(
-    segment: Segment, movable: Mapping[Block, object], *, releasable: bool = True
-) -> SegmentUsage:
-    """What planning sees of ``segment``: its blocks as numbers, movable if every
-    allocated one is a key of ``movable`` and the segment may be released once empty."""
-    blocks = segment.blocks()
-    allocated = tuple(
-        (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
-    )
-    return SegmentUsage(
-        address=segment.address,
-        size=segment.size,
-        is_small=segment.is_small,
-        stream=segment.stream,
-        allocated=allocated,
-        free=tuple((b.address, b.size) for b in blocks if not b.allocated),
-        movable=releasable and all(b in movable for b in blocks if b.allocated),
-    )
-
-
-def external_fragmentation(largest_free: int, free_bytes: int) -> float:
-    """1 - largest free block / free bytes: 0.0 when the free memory is one block (or none)."""
-    if free_bytes <= 0:
-        return 0.0
-    return 1.0 - largest_free / free_bytes
-
-
-def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
-    return {
-        f"{prefix}.current": stat.current,
-        f"{prefix}.peak": stat.peak,
-        f"{prefix}.allocated": stat.allocated,
-        f"{prefix}.freed": stat.freed,
-    }
-
-
-def segment_info(segment: Segment, device: int) -> dict[str, Any]:
-    """One segment of _snapshot(), as torch's _memory_snapshot_pickled writes it."""
-    blocks: list[dict[str, Any]] = []
-    allocated_size = requested_size = 0
-    for block in segment.blocks():
-        blocks.append(
-            {
-                "address": block.address,
-                "size": block.size,
-                "requested_size": block.requested_size,
-                "state": "active_allocated" if block.allocated else "inactive",
-                "frames": [],
-            }
-        )
-        if block.allocated:
-            allocated_size += block.size
-            requested_size += block.requested_size
-    return {
-        "device": device,
-        "address": segment.address,
-        "total_size": segment.size,
-        "allocated_size": allocated_size,
-        "active_size": allocated_size,  # no block awaits a cross-stream free
-        "requested_size": requested_size,
-        "stream": segment.stream,
-        "segment_type": "small" if segment.is_small else "large",
-        "segment_pool_id": (0, 0),
-        "is_expandable": False,
-        "frames": [],
-        "blocks": blocks,
-    }
-
-
-def _format_size_cell(size: int, preferred: float) -> str:
-    """memory_summary's _format_size: the unit follows the first (aggregate) value of the row group."""
-    prefix = "B  "
-    for new_prefix in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        if preferred < 768 * 1024:
-            break
-        prefix = new_prefix
-        size //= 1024
-        preferred /= 1024
-    return f"{size:6d} {prefix}"
-
-
-def _format_count_cell(count: int, preferred: float) -> str:
-    prefix = " "
-    for new_prefix in ("K", "M"):
-        if preferred < 750 * 1000:
-            break
-        prefix = new_prefix
-        count //= 1000
-        preferred /= 1000
-    return f"{count:7d} {prefix} "
-
-
-SUMMARY_METRICS = (
-    ("allocated_bytes", "Allocated memory", _format_size_cell),
-    ("active_bytes", "Active memory", _format_size_cell),
-    ("requested_bytes", "Requested memory", _format_size_cell),
-    ("reserved_bytes", "GPU reserved memory", _format_size_cell),
-    ("inactive_split_bytes", "Non-releasable memory", _format_size_cell),
-    ("allocation", "Allocations", _format_count_cell),
-    ("active", "Active allocs", _format_count_cell),
-    ("segment", "GPU reserved segments", _format_count_cell),
-    ("inactive_split", "Non-releasable allocs", _format_count_cell),
-)
-
-SUMMARY_WIDTH = 75  # memory_summary's table width
-
-
-def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool = False) -> str:
-    """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord)."""
-    lines = ["=" * SUMMARY_WIDTH]
-    lines.append(f" {'':16} tensord memory summary, device {device}".ljust(SUMMARY_WIDTH))
-    lines.append("-" * SUMMARY_WIDTH)
-    lines.append(
-        f"  {'':9} CUDA OOMs: {int(stats['num_ooms']):<12d} | "
-        f"{'':6} cudaMalloc retries: {int(stats['num_alloc_retries']):<8d}  "
-    )
-    lines.append("=" * SUMMARY_WIDTH)
-    lines.append("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")
-    for key, name, cell in SUMMARY_METRICS:
-        lines.append("-" * SUMMARY_WIDTH)
-        rows = [("all", name)]
-        if not abbreviated:
-            rows += [
-                ("large_pool", "      from large pool"),
-                ("small_pool", "      from small pool"),
-            ]
-        preferred: list[int] = []
-        for kind, row_name in rows:
-            values = [
-                int(stats[f"{key}.{kind}.{field}"])
-                for field in ("current", "peak", "allocated", "freed")
-            ]
-            preferred = preferred or values
-            cells = " | ".join(cell(v, p) for v, p in zip(values, preferred, strict=True))
-            lines.append(f" {row_name:<21} | {cells} ")
-    for key, name in (
-        ("oversize_allocations", "Oversize allocations"),
-        ("oversize_segments", "Oversize GPU segments"),
-    ):
-        lines.append("-" * SUMMARY_WIDTH)
-        values = [
-            int(stats[f"{key}.{field}"]) for field in ("current", "peak", "allocated", "freed")
-        ]
-        cells = " | ".join(_format_count_cell(v, v) for v in values)
-        lines.append(f" {name:<21} | {cells} ")
-    lines.append("=" * SUMMARY_WIDTH)
-    return "|" + "|\n|".join(lines) + "|\n"
 
 
 # ---------------------------------------------------------------------------

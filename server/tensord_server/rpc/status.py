@@ -13,14 +13,9 @@ from typing import NoReturn
 
 import grpc
 from tensord import errors
-
-ERROR_TYPE_KEY = "tensord-error-type"
+from tensord.protocol import ERROR_TYPE_KEY
 
 log = logging.getLogger(__name__)
-
-
-# Re-exported: sessions raise it as status.AlreadyExistsError.
-AlreadyExistsError = errors.AlreadyExistsError
 
 
 # Exception class -> status code.  Order matters: the first row whose class the
@@ -29,7 +24,7 @@ AlreadyExistsError = errors.AlreadyExistsError
 # ResourceExhaustedError, FailedPreconditionError and InternalError).
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),

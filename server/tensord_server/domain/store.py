@@ -1,41 +1,36 @@
-"""The daemon (plain domain object: devices, storages, sessions, tensor ops) and the gRPC server factory.
+"""The tensor store: the domain object that owns devices, storages and sessions, and runs tensor ops.
 
-Every tensor op reads as: pin the input handles' Storages -> layout math (the
+Every tensor op reads as: hold the input handles' Storages -> layout math (the
 shared layout engine) -> allocate an output Storage if the op copies -> run a
-kernel -> issue a handle.  The gRPC layer (service.py) only decodes requests
+kernel -> issue a handle.  The gRPC layer (:mod:`tensord_server.rpc.service`) only decodes requests
 into calls here and encodes the results.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
-import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import PRESERVE_FORMAT, Layout, empty_strided_layout
 
-from tensord_server import kernels, limits
-from tensord_server.admission import (
+from tensord_server.devices.table import Device, DeviceSpec, DeviceTable, activate
+from tensord_server.domain import kernels, limits
+from tensord_server.domain.admission import (
+    DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     CallGate,
-    GateInterceptor,
-    liveness_pool,
 )
-from tensord_server.devices import Device, DeviceSpec, DeviceTable, activate
-from tensord_server.exports import ExportTable
-from tensord_server.kernels import Scalar
-from tensord_server.quotas import QuotaSpec, QuotaTable, TenantLedger
-from tensord_server.sessions import (
+from tensord_server.domain.exports import ExportTable
+from tensord_server.domain.kernels import Scalar
+from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
+from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_SHARE_TTL_S,
@@ -43,7 +38,7 @@ from tensord_server.sessions import (
     Session,
     SessionManager,
 )
-from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
+from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -51,14 +46,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 4 << 10
 # ... and at most 16 MiB, well inside the message limit below.
 MAX_CHUNK_BYTES = 16 << 20
-# gRPC message limit both ways: any chunk and large ViewResponses (split into many pieces).
-MAX_MESSAGE_BYTES = 256 << 20
-# Worker threads: one per call in flight (clients heartbeat with unary calls; only the
-# optional KeepAlive stream holds a thread for as long as it is open).
-DEFAULT_MAX_WORKERS = 64
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-# A unix: socket is readable and writable by the server's user only.
-UNIX_SOCKET_MODE = 0o600
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +63,12 @@ class ViewOp:
     name: str
     args: tuple[Any, ...] = ()
     kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def index_key(index: tuple[Any, ...]) -> Any:
+    """x[index] as torch reads it: one item alone takes torch's single-index fast path
+    (``x[1]``, not ``x[(1,)]``)."""
+    return index[0] if len(index) == 1 else index
 
 
 def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
@@ -132,7 +125,7 @@ VIEW_OPS = frozenset(
 )
 
 
-class Daemon:
+class TensorStore:
     """Everything a tensord server owns.  Thread-safe; the gRPC handlers call it concurrently."""
 
     def __init__(
@@ -171,7 +164,7 @@ class Daemon:
         )
         self.storages = StorageRegistry(TenantLedger(table))
         # compaction (tensord serve --no-compaction turns it off): on the out-of-memory
-        # path the pools may move unpinned Storages, which the registry repoints
+        # path the pools may move unheld Storages, which the registry repoints
         for device in self.devices:
             device.pool.relocator = self.storages if compaction else None
         self.sessions = SessionManager(
@@ -228,8 +221,8 @@ class Daemon:
 
     @contextlib.contextmanager
     def _using(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
-        """The handles' tensors, pinned, with their devices' kernel contexts entered."""
-        with self.sessions.pinned(session, *handles) as refs, activate(*(r.device for r in refs)):
+        """The handles' tensors, held, with their devices' kernel contexts entered."""
+        with self.sessions.held(session, *handles) as refs, activate(*(r.device for r in refs)):
             yield refs
 
     @staticmethod
@@ -253,7 +246,7 @@ class Daemon:
         requires_grad: bool = False,
     ) -> Iterator[TensorRef]:
         """A new Storage just big enough for ``layout``, charged to the session's tenant and
-        pinned (never moved by compaction) while the block runs."""
+        held (never moved by compaction) while the block runs."""
         kernels.check_requires_grad(dtype, requires_grad)
         storage = self.storages.allocate(
             device, layout.storage_extent() * dtype.itemsize, session.tenant
@@ -262,7 +255,7 @@ class Daemon:
             with activate(device):
                 yield TensorRef(storage, layout, dtype, requires_grad)
         finally:
-            self.storages.unpin(storage)
+            self.storages.release_hold(storage)
 
     def _copy_of(
         self, session: Session, src: TensorRef, layout: Layout, dtype: DType, device: Device
@@ -282,11 +275,11 @@ class Daemon:
     # -- views ------------------------------------------------------------------
 
     def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
-        with self.sessions.pinned(session, handle) as (ref,):  # metadata only: no kernel context
+        with self.sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
             self._check_view_cost(session, ref.layout, op)
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
-                return [self._reshape_copy(session, ref, _flatten_shape(ref.layout, op))]
+                return [self._reshape_copy(session, ref, flattened_shape(ref.layout.shape, op))]
             handles = self.sessions.register_all(session, results)
             return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
 
@@ -442,7 +435,7 @@ class Daemon:
         handles = (handle,) if src_handle is None else (handle, src_handle)
         with self._using(session, *handles) as refs:
             ref = refs[0]
-            target = ref.with_layout(_index(ref.layout, index))
+            target = ref.with_layout(ref.layout[index_key(index)])
             if src_handle is None:
                 assert value is not None
                 kernels.check_scalar_fits(value, ref.dtype)
@@ -572,7 +565,7 @@ class Daemon:
             return self._issue(session, out)
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
-        """The tensor's elements in logical order, as raw chunks (a generator: pinned while it runs).
+        """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
 
         A contiguous tensor streams straight from its Storage, one chunk read at a
         time; any other is gathered in logical order a chunk at a time (the server's
@@ -580,7 +573,7 @@ class Daemon:
         """
         chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
         chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        with self.sessions.pinned(session, handle) as (ref,):
+        with self.sessions.held(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self._check_elements(layout.numel)
             nbytes = layout.numel * itemsize
@@ -636,7 +629,7 @@ class Daemon:
         exported, exported_bytes = (
             self._exports.stats(dev.name) if self._exports is not None else (0, 0)
         )
-        stats["exports.storages.current"] = exported  # pinned for same-host clients
+        stats["exports.storages.current"] = exported  # held for same-host clients
         stats["exports.bytes.current"] = exported_bytes
         imported, imported_bytes = (
             self._exports.import_stats(dev.name) if self._exports is not None else (0, 0)
@@ -659,18 +652,12 @@ class Daemon:
         return before - int(pool.memory_stats()["reserved_bytes.all.current"])
 
 
-def _index(layout: Layout, index: tuple[Any, ...]) -> Layout:
-    """x[index] as torch reads it: one item alone takes torch's single-index fast path."""
-    return layout[index[0]] if len(index) == 1 else layout[index]
-
-
-def _flatten_shape(layout: Layout, op: ViewOp) -> tuple[int, ...]:
-    start, end = (list(op.args) + [0, -1][len(op.args) :])[:2]
-    if layout.ndim == 0:
-        return (1,)
-    start, end = start % layout.ndim, end % layout.ndim
-    merged = math.prod(layout.shape[start : end + 1])
-    return (*layout.shape[:start], merged, *layout.shape[end + 1 :])
+def flattened_shape(shape: tuple[int, ...], op: ViewOp) -> tuple[int, ...]:
+    """The shape torch.flatten gives: the layout engine's flatten of a contiguous tensor
+    (always a view), so the rule lives in one place."""
+    flat = Layout.contiguous(shape).flatten(*op.args)
+    assert flat is not None  # a contiguous tensor always flattens as a view
+    return flat.shape
 
 
 def _common_device(refs: Sequence[TensorRef]) -> Device:
@@ -689,79 +676,3 @@ def _promote(refs: Sequence[TensorRef]) -> DType:
     for ref in refs[1:]:
         result = dtypes.promote_types(result, ref.dtype)
     return result
-
-
-def _add_health_and_reflection(server: grpc.Server) -> None:
-    """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
-
-    service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
-    servicer = health.HealthServicer()
-    for name in ("", service_name):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-
-
-def unix_socket_path(address: str) -> str:
-    """The filesystem path of ``unix:PATH`` or ``unix://PATH``."""
-    path = address.removeprefix("unix:")
-    return path[2:] if path.startswith("//") else path
-
-
-def create_server(
-    address: str = "127.0.0.1:0",
-    devices: Iterable[DeviceSpec | str] = ("cpu",),
-    *,
-    session_grace: float = DEFAULT_GRACE_S,
-    lease: float = DEFAULT_LEASE_S,
-    max_workers: int = DEFAULT_MAX_WORKERS,
-    daemon: Daemon | None = None,
-    credentials: grpc.ServerCredentials | None = None,
-) -> tuple[grpc.Server, int]:
-    """A started gRPC server on ``address`` and its port (port 0: any free one).
-
-    Pass ``daemon`` to keep a reference for inspection (tests) and for
-    ``daemon.close()`` after ``server.stop()``; otherwise one is made from
-    ``devices``, ``session_grace`` and ``lease``.  ``credentials``
-    (:func:`tensord_server.tls.server_credentials`) make the port TLS-only.
-    """
-    from tensord_server import status
-    from tensord_server.service import SERVICE_NAME, add_to_server, tenant_of_context
-
-    if daemon is None:
-        daemon = Daemon(devices, session_grace=session_grace, lease=lease)
-    daemon.gate.resize(max_workers)  # admission and saturation follow the real thread pool
-    # health and reflection calls counted, their streams admitted and watched, tokens checked
-    gate_all = GateInterceptor(
-        daemon.gate, SERVICE_NAME, functools.partial(tenant_of_context, daemon), status.abort
-    )
-    # No maximum_concurrent_rpcs: grpc counts every call against it, heartbeats too, so a
-    # flood of other calls would get heartbeats refused; admission bounds the streams instead.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
-        interceptors=(gate_all,),
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    add_to_server(daemon, server, liveness_pool())  # liveness never queues behind other calls
-    _add_health_and_reflection(server)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
-    if port == 0 and not address.startswith("unix:"):
-        raise OSError(f"cannot listen on {address}")
-    if address.startswith("unix:"):
-        # only the server's own user may connect (filesystem permissions are the access control)
-        os.chmod(unix_socket_path(address), UNIX_SOCKET_MODE)
-    daemon.start()
-    server.start()
-    return server, port

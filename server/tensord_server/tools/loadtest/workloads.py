@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 from tensord import dtypes
 from tensord.errors import NotFoundError, OutOfMemoryError
+
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace, resolve_trace
 
 #: (op, seconds, response bytes, exception or None, expected?)
@@ -528,7 +529,7 @@ def load_trace(path: str | os.PathLike[str], divisor: int) -> TraceOps:
     """
     key = (str(path), divisor)
     if key not in _TRACE_CACHE:
-        with gzip.open(resolve_trace(path), "rt") as f:
+        with gzip.open(resolve_trace(Path(path)), "rt") as f:
             events: Sequence[Sequence[Any]] = json.load(f)
         _TRACE_CACHE[key] = scale_trace(events, divisor)
     return _TRACE_CACHE[key]

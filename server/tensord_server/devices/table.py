@@ -18,9 +18,9 @@ from typing import Any
 
 from tensord.errors import FailedPreconditionError
 
-from tensord_server.backends import Backend
+from tensord_server.devices.memory import Backend
+from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import CachingPool
-from tensord_server.shm import SharedHostBackend
 
 DEFAULT_DEVICE = "cpu"
 
@@ -92,12 +92,15 @@ def parse_device_spec(text: str) -> DeviceSpec:
 
 
 def gpu_count() -> int:
-    """The GPUs CuPy sees; 0 without CuPy (never imports it then) or without a driver."""
+    """The GPUs CuPy sees; 0 without CuPy (never imports it then) or without a working driver."""
     if importlib.util.find_spec("cupy") is None:
         return 0
-    from tensord_server.cuda_backend import gpu_count as count
+    try:
+        import cupy  # deferred: CuPy is an optional extra
 
-    return count()
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no libcuda: CuPy raises several kinds of error here
+        return 0
 
 
 def resolve_specs(
@@ -120,7 +123,7 @@ def resolve_specs(
 
 def _host_backend(spec: DeviceSpec) -> Backend:
     if spec.pinned:
-        from tensord_server.cuda_backend import PinnedHostBackend
+        from tensord_server.devices.cuda import PinnedHostBackend
 
         return PinnedHostBackend(device=spec.name)
     # every segment a memfd that same-host clients may map (see shm.py, exports.py)
@@ -135,7 +138,7 @@ def _cuda_backend(spec: DeviceSpec) -> Backend:
         )
     import cupy
 
-    from tensord_server.cuda_backend import CudaBackend
+    from tensord_server.devices.cuda import CudaBackend
 
     try:
         backend: Backend = CudaBackend(device=spec.name, total_bytes=spec.capacity)

@@ -3,7 +3,7 @@
 Run by ``tensord loadtest`` (which starts a server, Locust and the sampler and
 writes the report), or by hand / by docker-compose::
 
-    locust -f loadtest/locustfile.py --headless -u 20 -t 30s --host 127.0.0.1:50051
+    locust -f server/tensord_server/tools/loadtest/locustfile.py --headless -u 20 -t 30s --host 127.0.0.1:50051
 
 Every SDK operation fires one Locust request event (``request_type="grpc"``,
 named ``workload.op``), so Locust's statistics cover every op.  Errors a
@@ -46,17 +46,20 @@ gevent.get_hub().threadpool.maxsize = int(os.environ.get("TENSORD_GEVENT_THREADS
 
 import contextlib  # noqa: E402
 import random  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import tensord  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 from locust.runners import WorkerRunner  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import WORKLOADS, OpFailed, TraceReplay, Workload, parse_weights  # noqa: E402
+from tensord_server.tools.loadtest.workloads import (  # noqa: E402
+    WORKLOADS,
+    OpFailed,
+    TraceReplay,
+    Workload,
+    parse_weights,
+)
 
 WEIGHTS = parse_weights(os.environ.get("TENSORD_WORKLOADS"))
 SCALE = float(os.environ.get("TENSORD_SCALE", "1.0"))
@@ -154,7 +157,7 @@ def _start_sampler(environment: Any, **_: Any) -> None:
     wanted = os.environ.get("TENSORD_SAMPLER", "on" if prefix else "off") == "on"
     if not wanted or not prefix or isinstance(environment.runner, WorkerRunner) or _sampler:
         return
-    from tensord_server.loadtest import TimeSeries
+    from tensord_server.tools.loadtest.runner import TimeSeries
 
     address = environment.host or os.environ.get("TENSORD_ADDRESS")
     interval = float(os.environ.get("TENSORD_SAMPLE_INTERVAL", "0.5"))

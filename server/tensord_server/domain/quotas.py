@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, ResourceExhaustedError
 
-from tensord_server.auth import describe_tenant
-from tensord_server.devices import canonical_device, parse_bytes
+from tensord_server.devices.table import canonical_device, parse_bytes
+from tensord_server.domain.auth import describe_tenant
 
 # The TENANT of a quota that applies to every tenant lacking its own.
 EVERY_TENANT = "*"

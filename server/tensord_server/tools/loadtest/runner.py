@@ -2,7 +2,7 @@
 
 Starts a server (unless ``--address``), samples its memory statistics into a
 time series while Locust drives it headless with the workloads of
-``loadtest/locustfile.py``, waits for every user's memory to come back, stops
+``tensord_server/tools/loadtest/locustfile.py``, waits for every user's memory to come back, stops
 everything and writes a results folder:
 
 - ``locust_stats.csv``, ``locust_stats_history.csv``, ``locust_failures.csv``,
@@ -37,8 +37,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-#: the repository's loadtest/ folder, where the locustfile lives in a checkout
-LOADTEST_DIR = Path(__file__).resolve().parent.parent.parent / "loadtest"
+#: this package's folder: the locustfile and its workloads ship inside it, so an install
+#: (not only a checkout) runs the load test
+LOADTEST_DIR = Path(__file__).resolve().parent
 
 #: the time series' columns, in order
 COLUMNS = (

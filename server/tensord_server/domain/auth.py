@@ -18,9 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tensord.errors import UnauthenticatedError
-
-AUTHORIZATION_KEY = "authorization"
-BEARER = "Bearer "
+from tensord.protocol import BEARER
 
 
 def describe_tenant(tenant: str) -> str:

@@ -38,11 +38,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tensord.errors import NotFoundError, ResourceExhaustedError
+from tensord.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError
 
-from tensord_server.auth import describe_tenant
-from tensord_server.status import AlreadyExistsError
-from tensord_server.storage import StorageRegistry, TensorRef, check_in_bounds
+from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +291,7 @@ class SessionManager:
     # -- handles ------------------------------------------------------------------
 
     def register(self, session: Session, ref: TensorRef) -> str:
-        """A new handle on ``ref`` in ``session`` (the caller holds a pin on its Storage)."""
+        """A new handle on ``ref`` in ``session`` (the caller has a hold on its Storage)."""
         return self.register_all(session, [ref])[0]
 
     def register_all(self, session: Session, refs: Sequence[TensorRef]) -> list[str]:
@@ -323,18 +322,18 @@ class SessionManager:
             return self._lookup(session, handle)
 
     @contextmanager
-    def pinned(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
+    def held(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
         """The tensors of ``handles``, their Storages kept alive and in place (compaction
-        never moves a pinned Storage) until the block ends."""
+        never moves a held Storage) until the block ends."""
         with self._lock:
             refs = [self._lookup(session, h) for h in handles]
             for ref in refs:
-                self.storages.pin(ref.storage)
+                self.storages.hold(ref.storage)
         try:
             yield refs
         finally:
             for ref in refs:
-                self.storages.unpin(ref.storage)
+                self.storages.release_hold(ref.storage)
 
     def release(self, session: Session, handles: Sequence[str]) -> int:
         """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""
@@ -430,7 +429,7 @@ class SessionManager:
             ref = self._names.get((session.tenant, name))
             if ref is None:
                 raise NotFoundError(f"no tensor named {name!r}")
-            self.storages.incref(ref.storage)  # a pin for register()
+            self.storages.incref(ref.storage)  # a hold for register()
         try:
             return self.register(session, ref), ref
         finally:

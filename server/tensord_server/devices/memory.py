@@ -1,4 +1,4 @@
-"""Device backends: where the pool's segments come from.
+"""The host and bookkeeping backends: where a pool's segments come from without a GPU.
 
 A backend does one upstream allocation per pool segment (``reserve``), gives it
 back (``release``), moves bytes in and out of it and, for compaction, from one
@@ -12,14 +12,27 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-# Segments start on a 512-byte boundary: the pool's own granularity (kMinBlockSize),
-# so every block handed out is 512-byte aligned, as cudaMalloc's are (at least).
-SEGMENT_ALIGNMENT = 512
+from tensord_server.pool.backend import (
+    NULL_MEMORY,
+    SEGMENT_ALIGNMENT,
+    Backend,
+    BackendOutOfMemory,
+    DeviceMemory,
+)
+
+__all__ = [
+    "NULL_MEMORY",
+    "SEGMENT_ALIGNMENT",
+    "Backend",
+    "BackendOutOfMemory",
+    "BookkeepingBackend",
+    "DeviceMemory",
+    "HostBackend",
+]
 
 # Host pools may reserve up to this share of physical memory unless told otherwise:
 # the server shares the machine with its clients and the OS page cache.
@@ -32,58 +45,6 @@ BOOKKEEPING_DEFAULT_CAPACITY = 1 << 60
 # First fake address of the bookkeeping backend: nonzero so that 0 stays "null",
 # and high like a real device pointer so snapshots look familiar.
 BOOKKEEPING_BASE_ADDRESS = 0x7F00_0000_0000
-
-
-class BackendOutOfMemory(MemoryError):
-    """The device itself cannot provide another segment (cudaErrorMemoryAllocation)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceMemory:
-    """One upstream allocation (one pool segment).
-
-    Invariants: ``address % SEGMENT_ALIGNMENT == 0`` when ``nbytes > 0``;
-    ``nbytes >= 0``; ``payload`` is the backend's own handle (a NumPy array for
-    the host backend, ``None`` for bookkeeping) and keeps the memory alive.
-    """
-
-    address: int
-    nbytes: int
-    payload: Any = field(default=None, compare=False, repr=False)
-
-
-# The null allocation that zero-byte requests point into (torch hands back nullptr).
-NULL_MEMORY = DeviceMemory(address=0, nbytes=0, payload=None)
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """What the pool needs from a device."""
-
-    device: str  # "cpu", "cuda:0", "sim"
-    xp: Any  # the array module of ``view`` results, or None (bookkeeping)
-    total_bytes: int  # the device's capacity; the pool's default capacity
-
-    def reserve(self, nbytes: int) -> DeviceMemory: ...
-
-    def release(self, memory: DeviceMemory) -> None: ...
-
-    def view(self, memory: DeviceMemory, offset: int, nbytes: int) -> Any: ...
-
-    def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes: ...
-
-    def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None: ...
-
-    def copy(
-        self,
-        src: DeviceMemory,
-        src_offset: int,
-        dst: DeviceMemory,
-        dst_offset: int,
-        nbytes: int,
-    ) -> None:
-        """Bytes from one segment to another (never overlapping): a compaction move."""
-        ...
 
 
 def check_range(memory: DeviceMemory, offset: int, nbytes: int) -> None:

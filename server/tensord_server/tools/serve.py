@@ -16,20 +16,22 @@ import threading
 from types import FrameType
 
 from tensord.errors import FailedPreconditionError
+from tensord.protocol import DEFAULT_ADDRESS
 
-from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S
-from tensord_server.auth import load_tokens
-from tensord_server.devices import resolve_specs
-from tensord_server.limits import DEFAULT_MAX_OP_ELEMENTS
-from tensord_server.quotas import parse_quota
-from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
-from tensord_server.sessions import (
+from tensord_server.devices.table import resolve_specs
+from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, DEFAULT_STREAM_IDLE_TIMEOUT_S
+from tensord_server.domain.auth import load_tokens
+from tensord_server.domain.limits import DEFAULT_MAX_OP_ELEMENTS
+from tensord_server.domain.quotas import parse_quota
+from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_SHARE_TTL_S,
     DEFAULT_SHARE_TTL_S,
 )
-from tensord_server.tls import server_credentials
+from tensord_server.domain.store import TensorStore
+from tensord_server.rpc.server import create_server
+from tensord_server.rpc.tls import server_credentials
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
-        daemon = Daemon(
+        store = TensorStore(
             specs,
             session_grace=args.session_grace,
             lease=args.lease,
@@ -323,11 +325,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         server, port = create_server(
-            args.address, daemon=daemon, max_workers=args.max_workers, credentials=credentials
+            args.address, store=store, max_workers=args.max_workers, credentials=credentials
         )
     except (OSError, RuntimeError) as exc:
         print(f"tensord serve: cannot listen on {args.address}: {exc}", file=sys.stderr)
-        daemon.close()
+        store.close()
         return 2
 
     stop = threading.Event()
@@ -347,5 +349,5 @@ def run(args: argparse.Namespace) -> int:
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)
     server.stop(SHUTDOWN_GRACE_S).wait()
-    daemon.close()
+    store.close()
     return 0

@@ -1,6 +1,6 @@
 """Host segments in shared memory: each ``cpu`` pool segment is one memfd the server maps.
 
-A same-host client that is handed the memfd (see :mod:`tensord_server.exports`)
+A same-host client that is handed the memfd (see :mod:`tensord_server.domain.exports`)
 maps the very pages the server computes on, so its reads and writes are one
 memcpy, or none at all through DLPack.  The memfd is anonymous (no name in any
 filesystem): the only way to reach it is to be given its descriptor, so nobody
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensord_server.backends import BackendOutOfMemory, DeviceMemory, HostBackend
+from tensord_server.devices.memory import BackendOutOfMemory, DeviceMemory, HostBackend
 
 # Segment ids are never reused within one server process (a client's mapping cache keys
 # on them, together with the server's instance id); GPU segments take theirs from here too.

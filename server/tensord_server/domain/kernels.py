@@ -9,9 +9,7 @@ scalars that mirror the torch checks they name, with torch's texts.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +18,9 @@ import numpy as np
 from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import Layout, broadcast_shapes, normalize_dim
+
+from tensord_server.devices import array_ops
+from tensord_server.devices.host_arrays import gather_plan, quiet
 
 Scalar = bool | int | float | complex
 
@@ -54,31 +55,9 @@ _CXX_TYPE_NAMES = {
 # arrays over Storage bytes
 
 
-@contextlib.contextmanager
-def _quiet(xp: Any) -> Iterator[None]:
-    """Casts of NaN/inf/out-of-range values are defined by torch's rules, not warnings."""
-    errstate = getattr(xp, "errstate", None)
-    if errstate is None:
-        yield
-        return
-    with errstate(all="ignore"):
-        yield
-
-
 def _gpu_bfloat16(xp: Any, dtype: DType) -> bool:
     """CuPy has no bfloat16: such tensors are uint16 bits in a BFloat16Array (cuda_backend)."""
     return dtype is dtypes.bfloat16 and xp is not np
-
-
-def _cuda() -> Any:
-    from tensord_server import cuda_backend  # deferred: only GPU arrays need it
-
-    return cuda_backend
-
-
-def _on_gpu(array: Any) -> bool:
-    """A CuPy array or a BFloat16Array (never imports CuPy: without it there are none)."""
-    return "cupy" in sys.modules and _cuda().is_gpu_array(array)
 
 
 def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
@@ -94,55 +73,16 @@ def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
         base = raw[start:stop].view(np_dtype)
         strides = tuple(s * itemsize for s in layout.stride)
         array = xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
-    return _cuda().BFloat16Array(array) if bf16 else array
+    return array_ops.CUDA.bfloat16_array(array) if bf16 else array
 
 
 def assign(xp: Any, dst: Any, src: Any) -> None:
     """``dst[...] = src`` with torch's conversions (complex to real drops the imaginary part).
 
-    Either side on a GPU (cpu<->cuda, cuda:i<->cuda:j, bfloat16 on CuPy) goes to
-    cuda_backend.assign: pinned staging or peer copies, then a CuPy kernel.
+    The array ops of the device the arrays are on do it: either side on a GPU (cpu<->cuda,
+    cuda:i<->cuda:j, bfloat16 on CuPy) means pinned staging or peer copies, then a CuPy kernel.
     """
-    if _on_gpu(dst) or _on_gpu(src):
-        _cuda().assign(dst, src)
-        return
-    if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
-        src = complex_to_real(src, dst.dtype)
-    with _quiet(xp):
-        if src.dtype == np.float64 and dst.dtype in _HALF_TYPES:
-            _assign_through_float32(dst, src)
-        else:
-            dst[...] = src
-
-
-# NumPy's float16 and bfloat16: torch makes them from a float, never straight from a double.
-_HALF_TYPES = tuple(dtypes.to_numpy_dtype(d) for d in (dtypes.float16, dtypes.bfloat16))
-# Elements converted at a time on the double -> float -> half path (its temporary).
-HALF_CAST_CHUNK_ELEMENTS = 1 << 20
-
-
-def _assign_through_float32(dst: Any, src: Any) -> None:
-    """``dst[...] = src`` for float64 into float16/bfloat16 as torch casts: c10::Half and
-    BFloat16 are made from a float, so a double is rounded to float32 first (rounding
-    once, straight to half, differs in ties).  The float32 temporary is a chunk at a time."""
-    if dst.size <= HALF_CAST_CHUNK_ELEMENTS or dst.ndim == 0:
-        dst[...] = np.asarray(src, dtype=np.float32)
-        return
-    src = np.broadcast_to(src, dst.shape)
-    inner = dst.size // dst.shape[0]
-    if inner > HALF_CAST_CHUNK_ELEMENTS:
-        for i in range(dst.shape[0]):
-            _assign_through_float32(dst[i], src[i])
-        return
-    step = max(1, HALF_CAST_CHUNK_ELEMENTS // inner)
-    for start in range(0, dst.shape[0], step):
-        dst[start : start + step] = src[start : start + step].astype(np.float32)
-
-
-def complex_to_real(src: Any, dst_dtype: Any) -> Any:
-    """torch's complex -> real cast: bool is "nonzero" (1j is True), any other type takes
-    the real part (c10::static_cast_with_inter_type)."""
-    return src != 0 if dst_dtype == np.bool_ else src.real
+    array_ops.for_arrays(dst, src).assign(xp, dst, src)
 
 
 def to_module(xp: Any, array: Any) -> Any:
@@ -153,47 +93,9 @@ def to_module(xp: Any, array: Any) -> Any:
     a pinned cpu pool; pinned staging or a peer copy otherwise) rather than
     through a temporary on the way.  Anything else becomes an ``xp`` array.
     """
-    if _on_gpu(array) or (xp is not np and isinstance(array, np.ndarray)):
+    if array_ops.on_gpu(array) or (xp is not np and isinstance(array, np.ndarray)):
         return array
     return xp.asarray(array)
-
-
-Index = tuple[int | slice, ...]
-
-
-def gather_plan(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> Iterator[Index]:
-    """Keys into an array of ``shape`` whose pieces, in order, hold its elements in logical
-    (row-major) order, each piece at most ``chunk_bytes`` (at least one element).
-
-    The smallest k with ``prod(shape[k:]) * itemsize <= chunk_bytes`` fixes the rows: the
-    plan walks the outer indices of ``shape[:k-1]`` and takes dim k-1 ``m`` rows at a
-    time, ``m = chunk_bytes // row_bytes``.  A piece is at least half a chunk except the
-    last of each outer index, whose rows span more than a chunk: the pieces number
-    O(nbytes / chunk_bytes + 1) whatever the strides, and a piece made contiguous is a
-    temporary of at most one chunk (no gather of the whole tensor: an expanded view's
-    logical size is unbounded by its Storage).
-    """
-    shape = tuple(shape)
-    if 0 in shape:
-        return
-    k = 0
-    while k < len(shape) and math.prod(shape[k:]) * itemsize > chunk_bytes:
-        k += 1
-    if k == 0:  # the whole array is one piece
-        yield ()
-        return
-    rows = max(1, chunk_bytes // (math.prod(shape[k:]) * itemsize))
-    for outer in itertools.product(*(range(n) for n in shape[: k - 1])):
-        for low in range(0, shape[k - 1], rows):
-            yield (*outer, slice(low, min(low + rows, shape[k - 1])))
-
-
-def _piece_bytes(piece: Any) -> bytes:
-    """A (small) array's elements in logical order, copied to the host when on a GPU."""
-    if _on_gpu(piece):
-        bits = getattr(piece, "bits", piece)  # a BFloat16Array's bytes are its bits'
-        return bytes(_cuda().array_to_host(bits).reshape(-1).view(np.uint8).data)
-    return np.ascontiguousarray(piece).tobytes()
 
 
 def logical_chunks(
@@ -210,7 +112,8 @@ def logical_chunks(
     pending = bytearray()
     for key in gather_plan(array.shape, itemsize, chunk_bytes):
         with context():
-            pending += _piece_bytes(array[key])
+            piece = array[key]
+            pending += array_ops.for_arrays(piece).to_bytes(piece)
         while len(pending) >= chunk_bytes:
             yield bytes(pending[:chunk_bytes])
             del pending[:chunk_bytes]
@@ -457,7 +360,7 @@ def fill(xp: Any, dst: Any, value: Scalar) -> None:
         value = math.trunc(value)  # C++ truncation toward zero
     if isinstance(value, int) and value < 0 and np.issubdtype(dst.dtype, np.unsignedinteger):
         value += 1 << (8 * dst.dtype.itemsize)  # C++ wraps small negatives (-1 -> 255)
-    with _quiet(xp):
+    with quiet(xp):
         dst[...] = value
 
 
@@ -542,7 +445,7 @@ def arange_fill(xp: Any, out: Any, plan: ArangePlan, dtype: DType) -> None:
         if _gpu_bfloat16(xp, dtype):
             values = values.astype(xp.float32)  # assign rounds to bfloat16 (as ml_dtypes)
         else:
-            with _quiet(xp):
+            with quiet(xp):
                 values = values.astype(dtype.numpy_dtype)
         assign(xp, out[low:high], values)
 
@@ -559,7 +462,7 @@ def _arange_floats(xp: Any, plan: ArangePlan, dtype: DType, low: int, high: int)
     vectorized_end = plan.size - plan.size % (2 * width)
 
     def rounded(values: Any) -> Any:  # to the output type, kept in float64
-        with _quiet(xp):
+        with quiet(xp):
             return _to_dtype(xp, values, dtype).astype(xp.float64)
 
     def acc_float(values: Any) -> Any:  # an integer index as the accumulate type sees it
@@ -577,7 +480,7 @@ def _arange_floats(xp: Any, plan: ArangePlan, dtype: DType, low: int, high: int)
 
 def _to_dtype(xp: Any, values: Any, dtype: DType) -> Any:
     if _gpu_bfloat16(xp, dtype):  # CuPy has no bfloat16: round through its bits
-        bits = _cuda().float32_to_bfloat16_bits(values.astype(xp.float32))
+        bits = array_ops.CUDA.float32_to_bfloat16_bits(values.astype(xp.float32))
         return (bits.astype(xp.uint32) << 16).view(xp.float32)
     return values.astype(dtype.numpy_dtype)
 

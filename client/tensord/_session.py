@@ -1,0 +1,60 @@
+"""What every tensor of one Client shares: the connection and the same-host mapper.
+
+:mod:`tensord.tensor` depends on this object rather than on :mod:`tensord.client`, so
+the SDK's modules form layers (client -> tensor -> _session -> _rpc, _local) with no
+cycle, and a tensor never reaches into its client's private members.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from tensord import _local
+from tensord._rpc import Connection
+from tensord.layout import Layout
+
+
+class SessionClient(Protocol):
+    """The public face of a :class:`tensord.Client`, as its tensors use it."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def tensor(
+        self, data: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
+    ) -> Any: ...
+
+
+class ClientSession:
+    """One Client's connection state, handed to each of its tensors."""
+
+    # no reference back to the Client: the Client holds this object, and a cycle would keep
+    # a dropped Client (and its server session) alive until the garbage collector runs
+    __slots__ = ("conn", "local")
+
+    def __init__(self, conn: Connection, local: _local.LocalMapper) -> None:
+        self.conn = conn
+        self.local = local
+
+    def local_export(self, handle: str) -> _local.Export | _local.CudaExport | None:
+        """A same-host export of the Storage behind ``handle`` (None: use gRPC)."""
+        return self.local.export(handle)
+
+    def local_reason(self) -> str:
+        """Why the last same-host export was impossible, in words for an error message."""
+        if not self.local.enabled:
+            return self.local.reason
+        return self.local.last_refusal or "the server refused to export this tensor"
+
+    def local_array(self, handle: str, layout: Layout, np_dtype: np.dtype) -> np.ndarray | None:
+        """An array of ``layout`` aliasing the pool (the export lives as long as it), or None."""
+        export = self.local_export(handle)
+        if export is None:
+            return None
+        array: np.ndarray = export.array(np_dtype, layout)
+        return array

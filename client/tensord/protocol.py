@@ -1,0 +1,25 @@
+"""The wire protocol's constants, shared by the SDK and the server (one definition each).
+
+Metadata keys the two sides exchange beside the protobuf messages, the message size both
+sides configure their channels for, and the address a client dials by default.  Pure
+constants: this module imports nothing, so both sides (and every layer) may use it.
+"""
+
+from __future__ import annotations
+
+#: the version both sides report (``tensord.__version__``, ServerInfo.version)
+VERSION = "0.1.0"
+#: where a client connects and a server listens when nobody says otherwise
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+#: request metadata: ``Bearer <token>`` when the server has tenants
+AUTHORIZATION_KEY = "authorization"
+#: the prefix of the authorization value
+BEARER = "Bearer "
+#: request metadata: the session a call acts in (from OpenSession)
+SESSION_KEY = "tensord-session"
+#: trailing metadata of an error: the Python built-in torch raises in the same case
+ERROR_TYPE_KEY = "tensord-error-type"
+#: request metadata of an Upload: its serialized UploadHeader (binary, hence ``-bin``)
+UPLOAD_HEADER_KEY = "tensord-upload-bin"
+#: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
+MAX_MESSAGE_BYTES = 256 << 20

@@ -1,0 +1,168 @@
+"""Compaction planning: which allocated blocks move where, as pure functions over numbers.
+
+:func:`plan_compaction` sees segments as :class:`SegmentUsage` (addresses and sizes only)
+and returns a :class:`CompactionPlan` of :class:`Move` s; the allocator executes the plan
+through the narrow :class:`Relocator` interface (the owner of the blocks copies the bytes
+and repoints its references), so planning never holds a lock or touches memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tensord_server.pool.blocks import (
+    Block,
+    Segment,
+    oversize_rules_allow,
+    round_size,
+    should_split,
+)
+
+# ---------------------------------------------------------------------------
+# Compaction policy (pure): which segments to empty, and where their blocks go
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUsage:
+    """What compaction planning sees of one segment: plain numbers, no links.
+
+    ``allocated`` holds ``(address, size, rounded request)`` of each allocated
+    block, ``free`` ``(address, size)`` of each free one; ``movable`` is false
+    when any allocated block may not move (held, or owned by no Storage).
+    """
+
+    address: int
+    size: int
+    is_small: bool
+    stream: int
+    allocated: tuple[tuple[int, int, int], ...]
+    free: tuple[tuple[int, int], ...]
+    movable: bool
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(size for _, size, _ in self.allocated)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Allocate ``size`` at the front of the free block at ``destination``; move ``source`` there."""
+
+    source: int  # address of the allocated block that moves
+    destination: int  # address of the free block it goes into, at the time of the move
+    size: int  # the rounded request allocated there (the moved block's new size, if split)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionPlan:
+    """Moves in the order to run them, the segments they leave wholly free, and their bytes."""
+
+    moves: tuple[Move, ...]
+    evacuated: tuple[int, ...]  # segment addresses
+    released: int  # bytes those segments give back
+
+    @property
+    def empty(self) -> bool:
+        return not self.evacuated
+
+
+def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
+    """Movable segments, least-used first: fewest allocated bytes (the least to copy),
+    then the largest (the most released for it), then by address."""
+    movable = (s for s in segments if s.movable)
+    return sorted(movable, key=lambda s: (s.allocated_bytes, -s.size, s.address))
+
+
+# A free block a planned move may take: (size, address, its segment's address), sorted.
+FreeSpot = tuple[int, int, int]
+
+
+def place(
+    free: Sequence[FreeSpot], request: int, limit: int, small: bool, max_split_size: int
+) -> tuple[int, int] | None:
+    """Where malloc's best fit would put ``request`` among ``free`` without the block
+    ending up larger than ``limit`` (its size now: a moved Storage is never charged
+    more): ``(index into free, resulting block size)``, or None."""
+    index = bisect.bisect_left(free, (request, -1, -1))
+    for i in range(index, len(free)):
+        free_size = free[i][0]
+        if not oversize_rules_allow(free_size, request, max_split_size):
+            continue
+        split = should_split(free_size, request, small, max_split_size)
+        block_size = request if split else free_size
+        if block_size <= limit:
+            return i, block_size
+    return None
+
+
+def plan_compaction(
+    segments: Sequence[SegmentUsage], needed: int, max_split_size: int
+) -> CompactionPlan:
+    """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
+
+    Segments are tried least-used first (:func:`evacuation_order`); one is
+    emptied whole or not at all, its blocks placed largest first into free
+    blocks of *other* segments of the same pool and stream (:func:`place`),
+    never into a segment being emptied, and a segment that receives a block is
+    not emptied later.  Only existing free blocks are used: compaction never
+    reserves.  A plan that cannot reach ``needed`` is empty (nothing moves for
+    nothing) but says in ``released`` how far it got.
+    """
+    free: dict[tuple[bool, int], list[FreeSpot]] = {}
+    for segment in segments:
+        spots = free.setdefault((segment.is_small, segment.stream), [])
+        spots.extend((size, address, segment.address) for address, size in segment.free)
+    for spots in free.values():
+        spots.sort()
+    receiving: set[int] = set()
+    moves: list[Move] = []
+    evacuated: list[int] = []
+    released = 0
+    for segment in evacuation_order(segments):
+        if released >= needed:
+            break
+        if segment.address in receiving:
+            continue
+        key = (segment.is_small, segment.stream)
+        trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
+        placed: list[tuple[Move, int]] = []
+        for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
+            spot = place(trial, request, size, segment.is_small, max_split_size)
+            if spot is None:
+                break
+            index, block_size = spot
+            free_size, free_address, home = trial.pop(index)
+            if block_size < free_size:  # the rest stays free, after the moved block
+                bisect.insort(trial, (free_size - block_size, free_address + block_size, home))
+            placed.append((Move(address, free_address, request), home))
+        else:
+            free[key] = trial
+            moves.extend(move for move, _ in placed)
+            receiving.update(home for _, home in placed)
+            evacuated.append(segment.address)
+            released += segment.size
+    if released < needed:
+        return CompactionPlan((), (), released)
+    return CompactionPlan(tuple(moves), tuple(evacuated), released)
+
+
+def segment_usage(
+    segment: Segment, movable: Mapping[Block, object], *, releasable: bool = True
+) -> SegmentUsage:
+    """What planning sees of ``segment``: its blocks as numbers, movable if every
+    allocated one is a key of ``movable`` and the segment may be released once empty."""
+    blocks = segment.blocks()
+    allocated = tuple(
+        (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
+    )
+    return SegmentUsage(
+        address=segment.address,
+        size=segment.size,
+        is_small=segment.is_small,
+        stream=segment.stream,
+        allocated=allocated,
+        free=tuple((b.address, b.size) for b in blocks if not b.allocated),
+        movable=releasable and all(b in movable for b in blocks if b.allocated),
+    )

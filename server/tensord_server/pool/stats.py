@@ -1,0 +1,242 @@
+"""The pool's statistics and reports: torch's Stat/DeviceStats, summary table and snapshot.
+
+Counters keep torch's ``memory_stats()`` names and move exactly as torch's do; the
+summary is ``torch.cuda.memory_summary``'s table and the snapshot is the dict
+``torch.cuda.memory._snapshot()`` returns (what ``memory_viz`` reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensord_server.pool.blocks import (
+    ALL,
+    Segment,
+)
+
+# The StatArrays of memory_stats(), in torch's order.
+STAT_ARRAY_NAMES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+
+
+class Stat:
+    """One torch Stat.  Invariants: 0 <= current <= peak; allocated - freed == current
+    unless reset_accumulated_memory_stats() ran since."""
+
+    __slots__ = ("allocated", "current", "freed", "peak")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.allocated = 0
+        self.freed = 0
+
+    def increase(self, amount: int) -> None:
+        self.current += amount
+        if self.current > self.peak:
+            self.peak = self.current
+        self.allocated += amount
+
+    def decrease(self, amount: int) -> None:
+        self.current -= amount
+        self.freed += amount
+
+
+# One Stat per StatType: [all, small_pool, large_pool].
+StatArray = list[Stat]
+
+
+def new_stat_array() -> StatArray:
+    return [Stat(), Stat(), Stat()]
+
+
+def increase(array: StatArray, kind: int, amount: int) -> None:
+    """increase_stat on the aggregate and on one pool's Stat (for_each_selected_stat_type)."""
+    array[ALL].increase(amount)
+    array[kind].increase(amount)
+
+
+def decrease(array: StatArray, kind: int, amount: int) -> None:
+    array[ALL].decrease(amount)
+    array[kind].decrease(amount)
+
+
+class DeviceStats:
+    """torch's DeviceStats: one StatArray per name in STAT_ARRAY_NAMES plus counters."""
+
+    def __init__(self) -> None:
+        self.allocation = new_stat_array()  # allocated blocks
+        self.segment = new_stat_array()  # segments reserved from the backend
+        self.active = new_stat_array()  # blocks in use (== allocation: no cross-stream events)
+        self.inactive_split = new_stat_array()  # free blocks inside split segments
+        self.allocated_bytes = new_stat_array()  # sum of allocated block sizes
+        self.reserved_bytes = new_stat_array()  # sum of segment sizes
+        self.active_bytes = new_stat_array()
+        self.inactive_split_bytes = new_stat_array()  # non-releasable cached bytes
+        self.requested_bytes = new_stat_array()  # sum of the sizes callers asked for
+        self.oversize_allocations = Stat()  # allocated blocks >= max_split_size
+        self.oversize_segments = Stat()  # segments >= max_split_size
+        self.num_alloc_retries = (
+            0  # allocations that succeeded or failed after release_cached_blocks
+        )
+        self.num_ooms = 0  # OutOfMemoryErrors raised
+        self.num_sync_all_streams = 0  # release_cached_blocks calls (they synchronize in torch)
+        self.num_device_alloc = 0  # backend.reserve calls that succeeded
+        self.num_device_free = 0  # backend.release calls
+        # beyond torch (compaction):
+        self.num_compactions = 0  # compactions that moved blocks and released segments
+        self.compaction_moved_bytes = 0  # bytes copied to new blocks
+        self.compaction_released_bytes = 0  # bytes of the segments they released
+
+    def arrays(self) -> dict[str, StatArray]:
+        return {name: getattr(self, name) for name in STAT_ARRAY_NAMES}
+
+    def all_stats(self) -> list[Stat]:
+        stats = [stat for array in self.arrays().values() for stat in array]
+        return [*stats, self.oversize_allocations, self.oversize_segments]
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers for compaction, stats, summaries and snapshots
+
+
+def external_fragmentation(largest_free: int, free_bytes: int) -> float:
+    """1 - largest free block / free bytes: 0.0 when the free memory is one block (or none)."""
+    if free_bytes <= 0:
+        return 0.0
+    return 1.0 - largest_free / free_bytes
+
+
+def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
+    return {
+        f"{prefix}.current": stat.current,
+        f"{prefix}.peak": stat.peak,
+        f"{prefix}.allocated": stat.allocated,
+        f"{prefix}.freed": stat.freed,
+    }
+
+
+def segment_info(segment: Segment, device: int) -> dict[str, Any]:
+    """One segment of _snapshot(), as torch's _memory_snapshot_pickled writes it."""
+    blocks: list[dict[str, Any]] = []
+    allocated_size = requested_size = 0
+    for block in segment.blocks():
+        blocks.append(
+            {
+                "address": block.address,
+                "size": block.size,
+                "requested_size": block.requested_size,
+                "state": "active_allocated" if block.allocated else "inactive",
+                "frames": [],
+            }
+        )
+        if block.allocated:
+            allocated_size += block.size
+            requested_size += block.requested_size
+    return {
+        "device": device,
+        "address": segment.address,
+        "total_size": segment.size,
+        "allocated_size": allocated_size,
+        "active_size": allocated_size,  # no block awaits a cross-stream free
+        "requested_size": requested_size,
+        "stream": segment.stream,
+        "segment_type": "small" if segment.is_small else "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": blocks,
+    }
+
+
+def _format_size_cell(size: int, preferred: float) -> str:
+    """memory_summary's _format_size: the unit follows the first (aggregate) value of the row group."""
+    prefix = "B  "
+    for new_prefix in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if preferred < 768 * 1024:
+            break
+        prefix = new_prefix
+        size //= 1024
+        preferred /= 1024
+    return f"{size:6d} {prefix}"
+
+
+def _format_count_cell(count: int, preferred: float) -> str:
+    prefix = " "
+    for new_prefix in ("K", "M"):
+        if preferred < 750 * 1000:
+            break
+        prefix = new_prefix
+        count //= 1000
+        preferred /= 1000
+    return f"{count:7d} {prefix} "
+
+
+SUMMARY_METRICS = (
+    ("allocated_bytes", "Allocated memory", _format_size_cell),
+    ("active_bytes", "Active memory", _format_size_cell),
+    ("requested_bytes", "Requested memory", _format_size_cell),
+    ("reserved_bytes", "GPU reserved memory", _format_size_cell),
+    ("inactive_split_bytes", "Non-releasable memory", _format_size_cell),
+    ("allocation", "Allocations", _format_count_cell),
+    ("active", "Active allocs", _format_count_cell),
+    ("segment", "GPU reserved segments", _format_count_cell),
+    ("inactive_split", "Non-releasable allocs", _format_count_cell),
+)
+
+SUMMARY_WIDTH = 75  # memory_summary's table width
+
+
+def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool = False) -> str:
+    """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord)."""
+    lines = ["=" * SUMMARY_WIDTH]
+    lines.append(f" {'':16} tensord memory summary, device {device}".ljust(SUMMARY_WIDTH))
+    lines.append("-" * SUMMARY_WIDTH)
+    lines.append(
+        f"  {'':9} CUDA OOMs: {int(stats['num_ooms']):<12d} | "
+        f"{'':6} cudaMalloc retries: {int(stats['num_alloc_retries']):<8d}  "
+    )
+    lines.append("=" * SUMMARY_WIDTH)
+    lines.append("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")
+    for key, name, cell in SUMMARY_METRICS:
+        lines.append("-" * SUMMARY_WIDTH)
+        rows = [("all", name)]
+        if not abbreviated:
+            rows += [
+                ("large_pool", "      from large pool"),
+                ("small_pool", "      from small pool"),
+            ]
+        preferred: list[int] = []
+        for kind, row_name in rows:
+            values = [
+                int(stats[f"{key}.{kind}.{field}"])
+                for field in ("current", "peak", "allocated", "freed")
+            ]
+            preferred = preferred or values
+            cells = " | ".join(cell(v, p) for v, p in zip(values, preferred, strict=True))
+            lines.append(f" {row_name:<21} | {cells} ")
+    for key, name in (
+        ("oversize_allocations", "Oversize allocations"),
+        ("oversize_segments", "Oversize GPU segments"),
+    ):
+        lines.append("-" * SUMMARY_WIDTH)
+        values = [
+            int(stats[f"{key}.{field}"]) for field in ("current", "peak", "allocated", "freed")
+        ]
+        cells = " | ".join(_format_count_cell(v, v) for v in values)
+        lines.append(f" {name:<21} | {cells} ")
+    lines.append("=" * SUMMARY_WIDTH)
+    return "|" + "|\n|".join(lines) + "|\n"

@@ -1,0 +1,7 @@
+"""The load test, in one home: the runner, the Locust file and the workloads.
+
+- :mod:`.runner`: ``tensord loadtest``: starts a server, Locust and the sampler; writes the report
+- :mod:`.workloads`: the workloads as plain classes over the SDK (no Locust, no gevent)
+- ``locustfile.py``: one Locust user class per workload (imports gevent: Locust loads it
+  by path, nothing imports it)
+"""

@@ -1,0 +1,282 @@
+"""The import graph keeps the layers: no cycles, no upward imports, no private member across modules.
+
+The graph is read from the source (``ast``), so it sees every import: module level, inside
+functions (the lazy ones), and under ``TYPE_CHECKING`` -- a cycle through a lazy import is still
+a cycle for the reader, and the next refactor that hoists the import turns it into a crash.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROOTS = {
+    "tensord": REPO / "client" / "tensord",
+    "tensord_server": REPO / "server" / "tensord_server",
+}
+GENERATED = ("tensord._proto",)  # protoc's output: not ours to hold to these rules
+
+# The declared layer order, lowest first.  A module may import its own layer and the layers below
+# it, never one above.  The first matching prefix names a module's layer (so list the narrower
+# prefixes first); a trailing ``$`` matches the name exactly (a package's own ``__init__``).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # pure, shared by both sides: the wire's constants, dtypes, the layout engine, the error types
+    (
+        "foundation",
+        (
+            "tensord._proto",
+            "tensord.protocol",
+            "tensord.errors",
+            "tensord.dtypes",
+            "tensord.layout",
+        ),
+    ),
+    ("sdk", ("tensord",)),
+    ("data", ("tensord_server.data",)),
+    ("pool", ("tensord_server.pool",)),
+    ("devices", ("tensord_server.devices",)),
+    ("domain", ("tensord_server.domain",)),
+    ("rpc", ("tensord_server.rpc",)),
+    ("tools", ("tensord_server.tools",)),
+    ("cli", ("tensord_server.cli", "tensord_server.__main__", "tensord_server$")),
+)
+# The server's core serves the SDK over the wire; it shares only the foundation with it.
+SERVER_CORE = ("pool", "devices", "domain", "rpc")
+
+# Private members some code must use on objects of libraries it does not own, with the reason.
+ALLOWED_PRIVATE: dict[str, str] = {
+    "_asdict": "namedtuple's public API (underscore only to avoid field clashes)",
+    "_replace": "namedtuple's public API (underscore only to avoid field clashes)",
+    "_fields": "namedtuple's public API (underscore only to avoid field clashes)",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+
+
+def modules() -> dict[str, Module]:
+    found: dict[str, Module] = {}
+    for package, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join(parts)
+            if name.startswith(GENERATED):
+                continue
+            found[name] = Module(name, path, ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def is_package(module: Module) -> bool:
+    return module.path.name == "__init__.py"
+
+
+def resolve_relative(module: Module, node: ast.ImportFrom) -> str:
+    base = module.name.split(".")
+    if not is_package(module):
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imported_names(module: Module, known: set[str]) -> Iterator[tuple[str, int]]:
+    """Every project module ``module`` imports (its deepest known name), with the line."""
+
+    def deepest(name: str) -> str | None:
+        if name.startswith(GENERATED):
+            return GENERATED[0]  # generated code: a node of the foundation, not read itself
+        parts = name.split(".")
+        while parts:
+            candidate = ".".join(parts)
+            if candidate in known:
+                return candidate
+            parts.pop()
+        return None
+
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = deepest(alias.name)
+                if target:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve_relative(module, node) if node.level else (node.module or "")
+            for alias in node.names:
+                target = deepest(f"{base}.{alias.name}") or deepest(base)
+                if target:
+                    yield target, node.lineno
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {
+        name: {target for target, _ in imported_names(mod, known) if target != name}
+        for name, mod in mods.items()
+    }
+
+
+def matches(name: str, prefix: str) -> bool:
+    if prefix.endswith("$"):
+        return name == prefix[:-1]
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(name: str) -> tuple[int, str]:
+    for rank, (layer, prefixes) in enumerate(LAYERS):
+        if any(matches(name, prefix) for prefix in prefixes):
+            return rank, layer
+    raise AssertionError(f"{name} belongs to no declared layer: add it to LAYERS")
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; the components with more than one module are cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    cycles = strongly_connected(import_graph())
+    assert not cycles, f"import cycles (lazy imports included): {cycles}"
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    for name in modules():
+        layer_of(name)
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    mods = modules()
+    upward = []
+    for name, mod in mods.items():
+        rank, layer = layer_of(name)
+        for target, line in imported_names(mod, set(mods)):
+            target_rank, target_layer = layer_of(target)
+            if target in GENERATED:
+                continue
+            if target_rank > rank:
+                upward.append(
+                    f"{mod.path.relative_to(REPO)}:{line} ({layer}) -> {target} ({target_layer})"
+                )
+            elif layer in SERVER_CORE and target_layer == "sdk":
+                upward.append(
+                    f"{mod.path.relative_to(REPO)}:{line} ({layer}) -> SDK module {target}"
+                )
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def is_private(attr: str) -> bool:
+    return (
+        attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")) and attr != "_"
+    )
+
+
+def names_defined_in(tree: ast.Module) -> set[str]:
+    """Private names the module itself defines: functions, classes, attributes set anywhere."""
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) > 1
+        ):
+            # setattr(obj, "_x", ...) and slots declared as strings are definitions too
+            arg = node.args[1]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                defined.add(arg.value)
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id == "__slots__":
+                    for element in ast.walk(node.value):
+                        if isinstance(element, ast.Constant) and isinstance(element.value, str):
+                            defined.add(element.value)
+    return defined
+
+
+def test_no_private_member_is_used_across_modules() -> None:
+    mods = modules()
+    known = set(mods)
+    crossings = []
+    for mod in mods.values():
+        own = names_defined_in(mod.tree)
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Attribute) and is_private(node.attr):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if node.attr in own or node.attr in ALLOWED_PRIVATE:
+                    continue
+                if f"{ast.unparse(owner)}.{node.attr}" in known:
+                    continue  # a private submodule, imported by the package that owns it
+                crossings.append(f"{mod.path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve_relative(mod, node) if node.level else (node.module or "")
+                for alias in node.names:
+                    if is_private(alias.name) and f"{base}.{alias.name}" not in known:
+                        crossings.append(
+                            f"{mod.path.relative_to(REPO)}:{node.lineno} from {base} import {alias.name}"
+                        )
+    assert not crossings, "private members used outside their module:\n" + "\n".join(crossings)
+
+
+def test_the_checks_see_what_they_claim() -> None:
+    """The checks above would pass on an empty graph: make sure they read the real one."""
+    graph = import_graph()
+    assert len(graph) > 20
+    lazy = [t for deps in graph.values() for t in deps]
+    assert lazy, "no imports found"
+    assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
