@@ -46,6 +46,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # The server's core serves the SDK over the wire; it shares only the foundation with it.
 SERVER_CORE = ("pool", "devices", "domain", "rpc")
 
+# The layers below rpc know nothing of gRPC: these packages are imported only by the rpc layer
+# (and the tools and the SDK above or beside it).
+GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status")
+GRPC_FREE_LAYERS = ("pool", "devices", "domain")
+
 # Private members some code must use on objects of libraries it does not own, with the reason.
 ALLOWED_PRIVATE: dict[str, str] = {
     "_asdict": "namedtuple's public API (underscore only to avoid field clashes)",
@@ -209,6 +214,34 @@ def test_no_module_imports_a_layer_above_it() -> None:
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
 
 
+def external_imports(module: Module) -> Iterator[tuple[str, int]]:
+    """Every absolute module name ``module`` imports (project or not), with the line."""
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module, node.lineno
+
+
+def grpc_imports(mods: dict[str, Module]) -> list[str]:
+    found = []
+    for name, mod in mods.items():
+        if layer_of(name)[1] not in GRPC_FREE_LAYERS:
+            continue
+        for target, line in external_imports(mod):
+            if target.split(".")[0] in GRPC_PACKAGES:
+                found.append(f"{mod.path.relative_to(REPO)}:{line} imports {target}")
+    return found
+
+
+def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
+    """A thin gRPC layer over a domain that knows nothing of gRPC (issue 12): the status codes,
+    the call contexts and the interceptors live in rpc/."""
+    found = grpc_imports(modules())
+    assert not found, "gRPC imported below the rpc layer:\n" + "\n".join(found)
+
+
 def is_private(attr: str) -> bool:
     return (
         attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")) and attr != "_"
@@ -280,3 +313,12 @@ def test_the_checks_see_what_they_claim() -> None:
     assert lazy, "no imports found"
     assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    sample = Module(
+        "tensord_server.domain.sample",
+        REPO / "sample.py",
+        ast.parse("import grpc\nfrom grpc_health.v1 import health\nimport json\n"),
+    )
+    assert grpc_imports({sample.name: sample}) == [
+        "sample.py:1 imports grpc",
+        "sample.py:2 imports grpc_health.v1",
+    ]

@@ -1,41 +1,35 @@
 """Worker accounting: who may hold a server thread, for how long, and how busy the server is.
 
 The gRPC sync server runs every call on one of ``--max-workers`` threads; a
-streaming call holds its thread for as long as the stream is open.  Three
-rules keep one client's streams from costing another client its session:
+streaming call holds its thread for as long as the stream is open.  Two rules
+kept here (pure counting, no gRPC) keep one client's streams from costing
+another client its session:
 
 * Admission: long-lived calls (Upload, Download, KeepAlive) may hold at most
   ``max_streams`` workers in all (the rest stay free for unary calls such as
   Heartbeat) and at most ``max_streams_per_tenant`` per tenant; beyond that a
   new stream is refused at once (RESOURCE_EXHAUSTED).
 * Idle timeout: a stream waiting on its client (an Upload's next chunk, a
-  Download's consumer) for longer than ``idle_timeout`` is cancelled with
-  DEADLINE_EXCEEDED; its handler unwinds and frees what it held.
-* Liveness never queues: Heartbeat and OpenSession run on a small pool of
-  their own (:func:`liveness_pool`), so a server whose workers are all busy
-  still renews leases, and the lease clock never has to stop (a stopped clock
-  let one tenant keep everyone's lost sessions and expired tokens alive).
+  Download's consumer) for longer than ``idle_timeout`` is cancelled through
+  the gate's ``cancel_stream`` (the rpc layer installs one that ends the call
+  with DEADLINE_EXCEEDED); its handler unwinds and frees what it held.
 
-:class:`GateInterceptor` puts every other service's calls (gRPC health and
-reflection) under the same rules as Tensord's own: counted, streams admitted
-and watched, and, with ``--auth-tokens``, a valid token required (except the
-unary health Check, which load balancers probe without credentials).
+The gRPC side of these rules (cancelling a call, the liveness thread pool, the
+interceptor that gates other services' calls) is in
+:mod:`tensord_server.rpc.admission`.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from tensord.errors import ResourceExhaustedError
 
 from tensord_server.domain.auth import describe_tenant
@@ -52,9 +46,6 @@ DEFAULT_MAX_WORKERS = 64
 # The watchdog looks this often relative to the idle timeout (never lazier than 1 s).
 WATCHDOG_INTERVAL_FRACTION = 0.25
 WATCHDOG_MAX_INTERVAL_S = 1.0
-# Threads running Heartbeat and OpenSession apart from --max-workers: each such call only
-# authenticates and takes the session table's lock, so a few serve any number of clients.
-LIVENESS_WORKERS = 4
 
 
 def default_max_streams(max_workers: int) -> int:
@@ -69,20 +60,13 @@ def default_max_streams_per_tenant(max_streams: int) -> int:
     return max(1, max_streams // 2)
 
 
-def cancel_rpc(context: Any, code: grpc.StatusCode, details: str) -> None:
-    """Cancel a call from another thread, telling its client why.
+# How to end an open stream's call, from the watchdog's thread: (the call's context, why).
+StreamCanceller = Callable[[Any, str], None]
 
-    The sync server's public ``context.cancel()`` reports a bare CANCELLED; its
-    call object can cancel with a status, which the client then receives.
-    """
-    call = getattr(getattr(context, "_rpc_event", None), "call", None)
-    try:
-        if call is not None:
-            call.cancel(code.value[0], details)
-            return
-    except Exception:  # an older/newer grpc without the status form: plain cancel below
-        log.debug("cancel with status failed", exc_info=True)
-    context.cancel()
+
+def cancel_nothing(context: Any, details: str) -> None:
+    """The canceller of a gate no server installed one on: the stream is only marked."""
+    log.warning("no stream canceller installed: %s (marked timed out only)", details)
 
 
 @dataclass(eq=False)
@@ -107,10 +91,13 @@ class CallGate:
         idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         multi_tenant: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        cancel_stream: StreamCanceller = cancel_nothing,
     ) -> None:
         if idle_timeout <= 0:
             raise ValueError(f"the stream idle timeout must be > 0, got {idle_timeout}")
         self.idle_timeout = idle_timeout
+        # how the watchdog ends an idle stream's call (the server installs the gRPC one)
+        self.cancel_stream = cancel_stream
         self._explicit = (max_streams, max_streams_per_tenant)
         self._multi_tenant = multi_tenant  # False: one tenant, whose fair share is every stream
         self._clock = clock
@@ -228,9 +215,8 @@ class CallGate:
                 stream.timed_out = True
         for stream in idle:
             log.info("%s stream idle for %.3gs: cancelled", stream.method, stream.idle_timeout)
-            cancel_rpc(
+            self.cancel_stream(
                 stream.context,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"{stream.method} idle for {stream.idle_timeout:g}s (the client neither sent nor "
                 f"read anything; --stream-idle-timeout {self.idle_timeout:g})",
             )
@@ -269,115 +255,3 @@ def watched(gate: CallGate, stream_id: int, source: Iterator[Any]) -> Iterator[A
         finally:
             gate.waiting(stream_id, False)
         yield item
-
-
-def liveness_pool() -> futures.ThreadPoolExecutor:
-    """The threads Heartbeat and OpenSession run on, never queued behind other calls."""
-    return futures.ThreadPoolExecutor(LIVENESS_WORKERS, thread_name_prefix="tensord-liveness")
-
-
-def _service_of(method: str) -> str:
-    """``/pkg.Service/Method`` -> ``pkg.Service``."""
-    return method.lstrip("/").rpartition("/")[0]
-
-
-# Calls of other services any caller may make, token or not: the unary health check.
-UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
-
-
-class GateInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Every call of a service other than ``own_service`` under the gate's rules.
-
-    Tensord's own handlers do this themselves (service.py); the interceptor
-    covers what the server registers beside them (health, reflection), whose
-    streams would otherwise hold workers without admission, idle timeout or token.
-    ``tenant_of(context)`` authenticates (raises UnauthenticatedError) and
-    ``abort(context, exc)`` ends a call with the status of ``exc``.
-    """
-
-    def __init__(
-        self,
-        gate: CallGate,
-        own_service: str,
-        tenant_of: Callable[[Any], str],
-        abort: Callable[[Any, BaseException], None],
-    ) -> None:
-        self._gate = gate
-        self._own_service = own_service
-        self._tenant_of = tenant_of
-        self._abort = abort
-
-    def intercept_service(
-        self, continuation: Callable[[Any], Any], handler_call_details: Any
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or _service_of(method) == self._own_service:
-            return handler
-        if handler.request_streaming or handler.response_streaming:
-            return self._gated_stream(handler, method)
-        return self._gated_unary(handler, method)
-
-    def _gated_unary(self, handler: Any, method: str) -> Any:
-        behavior = handler.unary_unary
-
-        def unary(request: Any, context: Any) -> Any:
-            with self._gate.call():
-                if method not in UNAUTHENTICATED_METHODS:
-                    try:
-                        self._tenant_of(context)
-                    except Exception as exc:
-                        self._abort(context, exc)
-                return behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary, handler.request_deserializer, handler.response_serializer
-        )
-
-    def _gated_stream(self, handler: Any, method: str) -> Any:
-        gate = self._gate
-        requests_stream, responses_stream = handler.request_streaming, handler.response_streaming
-        behavior = {
-            (False, True): handler.unary_stream,
-            (True, False): handler.stream_unary,
-            (True, True): handler.stream_stream,
-        }[(requests_stream, responses_stream)]
-
-        def admitted(context: Any) -> int:
-            try:
-                stream_id = gate.open_stream(context, method, self._tenant_of(context))
-            except Exception as exc:
-                self._abort(context, exc)
-            context.add_callback(functools.partial(gate.close_stream, stream_id))
-            return stream_id
-
-        def unary_response(requests: Any, context: Any) -> Any:
-            with gate.call():
-                stream_id = admitted(context)
-                try:
-                    return behavior(watched(gate, stream_id, requests), context)
-                finally:
-                    gate.close_stream(stream_id)
-
-        def stream_response(request: Any, context: Any) -> Iterator[Any]:
-            with gate.call():
-                stream_id = admitted(context)
-                try:
-                    if requests_stream:
-                        request = watched(gate, stream_id, request)
-                    for response in behavior(request, context):
-                        gate.waiting(stream_id, True)  # its consumer reading it
-                        try:
-                            yield response
-                        finally:
-                            gate.waiting(stream_id, False)
-                finally:
-                    gate.close_stream(stream_id)
-
-        factory = {
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(requests_stream, responses_stream)]
-        gated = stream_response if responses_stream else unary_response
-        return factory(gated, handler.request_deserializer, handler.response_serializer)

@@ -18,10 +18,11 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.table import DeviceSpec
-from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, GateInterceptor, liveness_pool
+from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc import status
+from tensord_server.rpc.admission import GateInterceptor, cancel_idle_stream, liveness_pool
 from tensord_server.rpc.service import SERVICE_NAME, add_to_server, tenant_of_context
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_MAX_WORKERS", "MAX_MESSAGE_BYTES", "create_server"]
@@ -71,6 +72,7 @@ def create_server(
     if store is None:
         store = TensorStore(devices, session_grace=session_grace, lease=lease)
     store.gate.resize(max_workers)  # admission and saturation follow the real thread pool
+    store.gate.cancel_stream = cancel_idle_stream  # an idle stream ends with DEADLINE_EXCEEDED
     # health and reflection calls counted, their streams admitted and watched, tokens checked
     gate_all = GateInterceptor(
         store.gate, SERVICE_NAME, functools.partial(tenant_of_context, store), status.abort

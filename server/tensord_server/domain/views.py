@@ -1,0 +1,124 @@
+"""View ops: new tensors on the same Storage, whose layouts the shared layout engine computes.
+
+No bytes move (but flatten of a tensor no view can express copies, as torch's
+does); the cost a client controls (how many tensors, how many dims) is refused
+before any view is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tensord import dtypes
+from tensord.layout import Layout
+
+from tensord_server.domain import kernels, limits
+from tensord_server.domain.copies import reshape_copy
+from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.sessions import Session
+from tensord_server.domain.storage import TensorRef
+
+
+@dataclass(frozen=True, slots=True)
+class ViewOp:
+    """One layout-engine call: ``Layout.<name>(*args, **kwargs)`` (plus the dtype/grad ops)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def index_key(index: tuple[Any, ...]) -> Any:
+    """x[index] as torch reads it: one item alone takes torch's single-index fast path
+    (``x[1]``, not ``x[(1,)]``)."""
+    return index[0] if len(index) == 1 else index
+
+
+def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
+    """The tensors a view op makes (no bytes move); None when torch would copy (flatten)."""
+    layout, kwargs = ref.layout, dict(op.kwargs)
+    if op.name == "view_dtype":
+        new = dtypes.dtype_from_name(op.args[0])
+        old = ref.dtype
+        viewed = layout.view_dtype(
+            old.itemsize, new.itemsize, old_name=old.scalar_type, new_name=new.scalar_type
+        )
+        # view(dtype) is not differentiable: torch's result never requires grad
+        return [TensorRef(ref.storage, viewed, new, False)]
+    if op.name == "detach":
+        return [TensorRef(ref.storage, layout, ref.dtype, False)]
+    if op.name == "set_requires_grad":
+        kernels.check_requires_grad(ref.dtype, op.args[0])
+        return [TensorRef(ref.storage, layout, ref.dtype, bool(op.args[0]))]
+    if op.name == "expand":
+        kwargs["type_name"] = ref.dtype.legacy_type
+    if op.name == "as_strided":
+        kwargs["storage_elements"] = ref.storage_elements
+        kwargs["itemsize"] = ref.dtype.itemsize
+    if op.name not in VIEW_OPS:
+        raise ValueError(f"unknown view op {op.name!r}")
+    result = getattr(layout, op.name)(*op.args, **kwargs)
+    if result is None:
+        return None
+    layouts = result if isinstance(result, tuple) else (result,)
+    return [ref.with_layout(lay) for lay in layouts]
+
+
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "narrow",
+        "select",
+        "__getitem__",
+        "transpose",
+        "t",
+        "permute",
+        "movedim",
+        "expand",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "unflatten",
+        "split",
+        "chunk",
+        "unbind",
+        "diagonal",
+        "as_strided",
+    }
+)
+
+
+def flattened_shape(shape: tuple[int, ...], op: ViewOp) -> tuple[int, ...]:
+    """The shape torch.flatten gives: the layout engine's flatten of a contiguous tensor
+    (always a view), so the rule lives in one place."""
+    flat = Layout.contiguous(shape).flatten(*op.args)
+    assert flat is not None  # a contiguous tensor always flattens as a view
+    return flat.shape
+
+
+class Views:
+    """The view ops over one :class:`OpContext`."""
+
+    def __init__(self, ops: OpContext) -> None:
+        self.ops = ops
+
+    def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
+        with self.ops.sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
+            self._check_view_cost(session, ref.layout, op)
+            results = apply_view(ref, op)
+            if results is None:  # flatten of a non-viewable tensor copies, as reshape does
+                return [reshape_copy(self.ops, session, ref, flattened_shape(ref.layout.shape, op))]
+            handles = self.ops.sessions.register_all(session, results)
+            return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
+
+    def _check_view_cost(self, session: Session, layout: Layout, op: ViewOp) -> None:
+        """What a view op will produce, refused before any view is built: the number of
+        tensors (split/chunk/unbind, against the limit and the session's room) and the
+        dims of an index (each None adds one; the rest is cheap and checked on issue)."""
+        count = limits.view_result_count(layout, op.name, op.args)
+        if count is not None:
+            limits.check_view_results(count)
+            self.ops.sessions.check_room(session, count)
+        if op.name == "__getitem__":
+            limits.check_result_ndim(limits.index_result_ndim(layout.ndim, op.args[0]))
