@@ -21,6 +21,7 @@ from tensord_server.admission import DEFAULT_STREAM_IDLE_TIMEOUT_S
 from tensord_server.auth import load_tokens
 from tensord_server.devices import resolve_specs
 from tensord_server.limits import DEFAULT_MAX_OP_ELEMENTS
+from tensord_server.observability import configure_logging, serving  # observability hook
 from tensord_server.quotas import parse_quota
 from tensord_server.server import DEFAULT_ADDRESS, DEFAULT_MAX_WORKERS, Daemon, create_server
 from tensord_server.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, DEFAULT_SHARE_TTL_S
@@ -173,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
         "it can use it)",
     )
+    serving.add_arguments(parser)  # observability hook: --metrics-address, --dashboard-address, ...
 
 
 class UnresolvableHostError(ValueError):
@@ -252,7 +254,7 @@ def shown_address(requested: str, port: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(args.log_format, args.log_level)  # observability hook
     try:
         loopback = is_loopback(args.address)
     except UnresolvableHostError as exc:
@@ -279,6 +281,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    problem = serving.check_arguments(args)  # observability hook
+    if problem is not None:
+        print(f"tensord serve: {problem}", file=sys.stderr)
         return 2
     try:
         credentials = (
@@ -314,6 +320,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensord serve: cannot listen on {args.address}: {exc}", file=sys.stderr)
         daemon.close()
         return 2
+    try:  # observability hook: the metrics and dashboard endpoints
+        endpoints = serving.start_endpoints(args, daemon)
+    except (OSError, ValueError) as exc:
+        print(f"tensord serve: cannot serve metrics or the dashboard: {exc}", file=sys.stderr)
+        server.stop(None)
+        daemon.close()
+        return 2
 
     stop = threading.Event()
 
@@ -328,9 +341,13 @@ def run(args: argparse.Namespace) -> int:
     warning = cleartext_warning(args.address, tokens is not None, tls)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
+    for endpoint in endpoints:  # observability hook
+        print(f"tensord http on {serving.describe(endpoint, tls)}", flush=True)
     while not stop.wait(1.0):  # a timed wait keeps signal delivery prompt
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)
     server.stop(SHUTDOWN_GRACE_S).wait()
+    for endpoint in endpoints:  # observability hook
+        endpoint.close()
     daemon.close()
     return 0

@@ -715,6 +715,7 @@ def create_server(
     ``devices``, ``session_grace`` and ``lease``.  ``credentials``
     (:func:`tensord_server.tls.server_credentials`) make the port TLS-only.
     """
+    from tensord_server.observability import interceptor_for  # observability hook
     from tensord_server.service import add_to_server
 
     if daemon is None:
@@ -722,6 +723,8 @@ def create_server(
     daemon.gate.resize(max_workers)  # admission and saturation follow the real thread pool
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
+        # observability hook: per-RPC metrics and logs (tensord_server.observability)
+        interceptors=[interceptor_for(daemon)],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
