@@ -453,6 +453,11 @@ class ObservingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                 )
                 return response
 
+        # the thread pool a handler asked for (Heartbeat and OpenSession run on the liveness
+        # pool, never queued behind busy workers): grpc reads it from the outermost behavior
+        pool = getattr(inner, "experimental_thread_pool", None)
+        if pool is not None:
+            behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
         return factory(
             behavior,
             request_deserializer=handler.request_deserializer,
