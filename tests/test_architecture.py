@@ -39,12 +39,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pool", ("tensord_server.pool",)),
     ("devices", ("tensord_server.devices",)),
     ("domain", ("tensord_server.domain",)),
+    # metrics, the dashboard and logs: read the domain and the pools; rpc installs the interceptor
+    ("observability", ("tensord_server.observability",)),
     ("rpc", ("tensord_server.rpc",)),
     ("tools", ("tensord_server.tools",)),
     ("cli", ("tensord_server.cli", "tensord_server.__main__", "tensord_server$")),
 )
 # The server's core serves the SDK over the wire; it shares only the foundation with it.
-SERVER_CORE = ("pool", "devices", "domain", "rpc")
+SERVER_CORE = ("pool", "devices", "domain", "observability", "rpc")
 
 # The layers below rpc know nothing of gRPC: these packages are imported only by the rpc layer
 # (and the tools and the SDK above or beside it).

@@ -225,6 +225,13 @@ class SessionManager:
         with self._lease_lock:
             session.last_seen = self._clock()
 
+    def is_lost(self, session: Session) -> bool:
+        """Whether ``session`` has lost its client by now (it is released once the grace
+        has passed too); read by the metrics, which split sessions into live and lost."""
+        with self._lease_lock:
+            lost = session.lost_since(self.lease)
+            return lost is not None and lost <= self._clock()
+
     def reap(self) -> list[str]:
         """Release every session lost for longer than the grace, and every expired share
         token; returns the ids of the sessions."""

@@ -210,6 +210,12 @@ class CachingPool:
             result.update(self._free_block_figures())
             return dict(sorted(result.items()))
 
+    @property
+    def num_compactions(self) -> int:
+        """memory_stats()["num_compactions"] without building the whole dict: cheap enough to
+        read after every call (one int read is atomic, so no lock is taken)."""
+        return self._stats.num_compactions
+
     def reset_peak_memory_stats(self) -> None:
         with self._lock:
             for stat in self._stats.all_stats():

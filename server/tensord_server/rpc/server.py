@@ -21,6 +21,7 @@ from tensord_server.devices.table import DeviceSpec
 from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
+from tensord_server.observability import interceptor_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.admission import GateInterceptor, cancel_idle_stream, liveness_pool
 from tensord_server.rpc.service import SERVICE_NAME, add_to_server, tenant_of_context
@@ -81,7 +82,9 @@ def create_server(
     # flood of other calls would get heartbeats refused; admission bounds the streams instead.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
-        interceptors=(gate_all,),
+        # observability hook: per-RPC metrics and logs (tensord_server.observability), outside
+        # the gate so that its refusals (UNAUTHENTICATED, RESOURCE_EXHAUSTED) are counted too
+        interceptors=(interceptor_for(store), gate_all),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -30,8 +30,10 @@ from tensord_server.domain.sessions import (
     DEFAULT_SHARE_TTL_S,
 )
 from tensord_server.domain.store import TensorStore
+from tensord_server.observability import configure_logging  # observability hook
 from tensord_server.rpc.server import create_server
 from tensord_server.rpc.tls import server_credentials
+from tensord_server.tools import serve_observability  # observability hook
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
@@ -189,6 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
         "it can use it)",
     )
+    # observability hook: --metrics-address, --dashboard-address, --log-format, ...
+    serve_observability.add_arguments(parser)
 
 
 class UnresolvableHostError(ValueError):
@@ -268,7 +272,7 @@ def shown_address(requested: str, port: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging(args.log_format, args.log_level)  # observability hook
     try:
         loopback = is_loopback(args.address)
     except UnresolvableHostError as exc:
@@ -295,6 +299,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    problem = serve_observability.check_arguments(args, is_loopback)  # observability hook
+    if problem is not None:
+        print(f"tensord serve: {problem}", file=sys.stderr)
         return 2
     try:
         credentials = (
@@ -331,6 +339,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensord serve: cannot listen on {args.address}: {exc}", file=sys.stderr)
         store.close()
         return 2
+    try:  # observability hook: the metrics and dashboard endpoints
+        endpoints = serve_observability.start_endpoints(args, store)
+    except (OSError, ValueError) as exc:
+        print(f"tensord serve: cannot serve metrics or the dashboard: {exc}", file=sys.stderr)
+        server.stop(None)
+        store.close()
+        return 2
 
     stop = threading.Event()
 
@@ -345,9 +360,13 @@ def run(args: argparse.Namespace) -> int:
     warning = cleartext_warning(args.address, tokens is not None, tls)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
+    for endpoint in endpoints:  # observability hook
+        print(f"tensord http on {serve_observability.describe(endpoint, tls)}", flush=True)
     while not stop.wait(1.0):  # a timed wait keeps signal delivery prompt
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)
     server.stop(SHUTDOWN_GRACE_S).wait()
+    for endpoint in endpoints:  # observability hook
+        endpoint.close()
     store.close()
     return 0
