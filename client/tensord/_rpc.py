@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import grpc.experimental
 
 from tensord import errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
@@ -51,6 +52,9 @@ CHUNK_BYTES = 1 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A Download runs on its caller's thread: otherwise gRPC starts a "channel spin" thread
+    # per download that is still winding down when the caller forks next (see _ForkGate).
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 )
 # Dropped handles are sent in one Release per interval (or sooner once this many wait).
 RELEASE_INTERVAL_S = 0.05
@@ -317,12 +321,100 @@ class _StreamWatchdog:
                 if not idle:
                     self._changed.wait(next_in)
                     continue
-            for stream in idle:  # outside the lock: cancelling may run gRPC's callbacks
-                if stream.call is not None:
-                    stream.call.cancel()
+            with _FORK_GATE.busy():  # outside the lock: cancelling may run gRPC's callbacks
+                for stream in idle:
+                    if stream.call is not None:
+                        stream.call.cancel()
 
 
 # ---- fork ------------------------------------------------------------------------------
+# os.fork() while another thread is inside gRPC, or while a thread is starting or ending,
+# copies that half-done state into the child: about 1 child in 300 died of SIGSEGV in
+# Python's own threading._after_fork, and with GRPC_ENABLE_FORK_SUPPORT=1 the parent
+# could hang in gRPC's fork handlers.  So a fork waits, a bounded time, until no SDK
+# thread is inside gRPC (and holds them out of it until the fork is done), and until the
+# short-lived Python threads gRPC starts for the SDK's own calls have ended.
+
+# How long a fork waits for calls in flight on SDK threads: a beat or a release has a
+# deadline of a few seconds, so this is reached only with a hung server.
+FORK_QUIESCE_S = CLOSE_TIMEOUT_S
+# How long it waits for gRPC's per-call Python threads (an upload's, connect()'s
+# connectivity poll, which checks every 0.2 s): they end in milliseconds once their call
+# is done; one that lives on belongs to a call still running, not worth waiting for.
+FORK_GRPC_THREADS_S = 0.5
+
+
+class _ForkGate:
+    """Keeps the SDK's background threads out of gRPC while the process forks."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._busy = 0
+        self._forking = False
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a background thread's gRPC work: waits while a fork is under way."""
+        with self._changed:
+            while self._forking:
+                self._changed.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._busy -= 1
+                self._changed.notify_all()
+
+    def before_fork(self) -> None:
+        """Wait for the background calls in flight, and keep the lock through the fork:
+        no thread can then be halfway through the gate when the child is made."""
+        self._changed.acquire()
+        self._forking = True
+        deadline = time.monotonic() + FORK_QUIESCE_S
+        while self._busy and (left := deadline - time.monotonic()) > 0:
+            self._changed.wait(left)
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._changed.notify_all()
+        self._changed.release()
+
+
+_FORK_GATE = _ForkGate()
+
+
+def _is_grpc_python_thread(thread: threading.Thread) -> bool:
+    # gRPC's own Python threads (channel spin, request consumer, connectivity poll) all
+    # run a target made by grpc._cython.cygrpc; Thread keeps no public record of it.
+    target = getattr(thread, "_target", None)
+    return getattr(target, "__module__", "") == "grpc._cython.cygrpc"
+
+
+def _join_grpc_threads(timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and _is_grpc_python_thread(thread):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+def _quiesce_before_fork() -> None:
+    _FORK_GATE.before_fork()
+    if any(not connection.inherited for connection in list(_LIVE_CONNECTIONS)):
+        _join_grpc_threads(FORK_GRPC_THREADS_S)
+
+
+def _resume_after_fork_in_parent() -> None:
+    _FORK_GATE.after_fork_in_parent()
+
+
+def _reset_after_fork_in_child() -> None:
+    global _FORK_GATE
+    # the parent's gate is locked (by the forking thread) and counts the parent's threads
+    _FORK_GATE = _ForkGate()
+    _keep_inherited_channels()
+
+
 # A forked child inherits every Connection (its session id, its channel) but none of its
 # threads.  The session is the parent's: the child must never close, release or beat it.
 # Nor may the child touch the inherited gRPC channel: closing it there hangs (a gRPC core
@@ -338,7 +430,11 @@ def _keep_inherited_channels() -> None:
         _INHERITED_CHANNELS.append(connection._channel)
 
 
-os.register_at_fork(after_in_child=_keep_inherited_channels)
+os.register_at_fork(
+    before=_quiesce_before_fork,
+    after_in_parent=_resume_after_fork_in_parent,
+    after_in_child=_reset_after_fork_in_child,
+)
 
 
 class Connection:
@@ -650,7 +746,7 @@ class Connection:
 
     def _flush_forever(self) -> None:
         while not self._closed.wait(RELEASE_INTERVAL_S):
-            with contextlib.suppress(Exception):  # never let a background thread die loudly
+            with contextlib.suppress(Exception), _FORK_GATE.busy():  # never die loudly
                 self.flush_releases()
 
     # ---- the session's liveness ------------------------------------------------------
@@ -665,18 +761,24 @@ class Connection:
         """
         interval = max(self.lease_seconds / 3.0, 0.05)
         while not self._closed.wait(interval):
-            beat_session = self.session_id
-            try:
-                self._stub.Heartbeat(
-                    pb.Heartbeat(sent_at=time.time()),
-                    metadata=((SESSION_KEY, beat_session), *self._auth),
-                    timeout=max(interval, 1.0),
-                )
-            except grpc.RpcError as err:
-                if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
-                    self._replace_session(beat_session)
-            except Exception:  # never let a background thread die loudly
-                pass
+            with _FORK_GATE.busy():
+                self._beat(interval)
+
+    def _beat(self, interval: float) -> None:
+        if self._closed.is_set():
+            return
+        beat_session = self.session_id
+        try:
+            self._stub.Heartbeat(
+                pb.Heartbeat(sent_at=time.time()),
+                metadata=((SESSION_KEY, beat_session), *self._auth),
+                timeout=max(interval, 1.0),
+            )
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
+                self._replace_session(beat_session)
+        except Exception:  # never let a background thread die loudly
+            pass
 
     def _replace_session(self, lost_id: str) -> None:
         """A new session for one the server no longer has (its handles are gone with it).
