@@ -75,6 +75,7 @@ from tensord_server.pool.compaction import (
     Relocator,
     SegmentUsage,
     compact,
+    repack,
     segment_usage,
 )
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
@@ -493,7 +494,27 @@ class CachingPool:
                 alloc_size = tight
         if self.relocator is None or not policy.compact_on_oom:
             return None, ""
-        return self._compact_and_retry(pool, alloc_size, stream)
+        block, note = self._compact_and_retry(pool, alloc_size, stream)
+        if block is None and policy.tight_segments:
+            return self._repack_and_retry(pool, alloc_size, stream, note)
+        return block, note
+
+    def _repack_and_retry(
+        self, pool: BlockPool, alloc_size: int, stream: int, note: str
+    ) -> tuple[Block | None, str]:
+        """Compaction could not empty a segment: repack segments into tight new ones
+        (:func:`~.compaction.repack`) and reserve ``alloc_size`` again."""
+        assert self.relocator is not None
+        needed = self._reserved() + alloc_size - self.capacity
+        if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
+            return None, note
+        result = repack(PoolMoves(self), self.relocator, self, needed)
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
+        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+        if block is not None:
+            return block, ""
+        return None, note + f" Repacking released {format_size(result.plan.released)}."
 
     def _compact_and_retry(
         self, pool: BlockPool, alloc_size: int, stream: int
@@ -680,6 +701,15 @@ class PoolMoves(MoveTarget):
         head = self.pool._segments[address].head
         assert head is not None and not head.allocated and not head.is_split(), head
         self.pool._release_block(head)
+
+    def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
+        pool = self.pool
+        block_pool = pool._small if like.is_small else pool._large
+        block = pool._alloc_block(block_pool, size, like.stream, is_retry=False)
+        if block is None:
+            return None
+        block_pool.insert(block)  # a new segment's block is free and cached until used
+        return block.address
 
 
 def tight_allocation_size(size: int, small: bool) -> int:

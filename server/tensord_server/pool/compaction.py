@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tensord_server.pool.blocks import (
+    ROUND_LARGE,
     Block,
     Segment,
     oversize_rules_allow,
@@ -233,6 +234,11 @@ class MoveTarget(Protocol):
         """Give the wholly free segment at ``address`` back to the device."""
         ...
 
+    def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
+        """Reserve a new segment of ``size`` bytes for ``like``'s pool and stream: its
+        address, or None when the device has no room."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
@@ -277,3 +283,77 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
     for address in plan.evacuated:
         target.release_segment(address)
     return CompactionResult(plan, moved)
+
+
+def repacked_size(segment: SegmentUsage) -> int:
+    """The smallest large-pool segment that holds ``segment``'s blocks back to back
+    (their rounded requests, rounded up to 2 MiB as a segment is)."""
+    used = sum(request for _, _, request in segment.allocated)
+    return ROUND_LARGE * ((used + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+def plan_repack(
+    segment: SegmentUsage, new_address: int, new_size: int, max_split_size: int
+) -> CompactionPlan:
+    """Every block of the large-pool ``segment`` moved, back to back, into a new empty
+    segment at ``new_address``: each takes its rounded request (the rest of the new
+    segment is always over 1 MiB, so malloc's rule splits it), except the last, which
+    takes what is left when that is too little to split, so the block that goes last is
+    one that was at least that large already (no block grows).  Empty when no block can
+    go last, or where max_split_size would keep the new segment whole."""
+    if segment.is_small or new_size >= max_split_size:
+        return CompactionPlan((), (), 0)
+    blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
+    left_over = new_size - sum(request for _, _, request in blocks)
+    if left_over < 0:
+        return CompactionPlan((), (), 0)
+    if left_over > 0 and not should_split(
+        blocks[-1][2] + left_over, blocks[-1][2], False, max_split_size
+    ):
+        fits = [b for b in blocks if b[1] >= b[2] + left_over]
+        if not fits:
+            return CompactionPlan((), (), 0)
+        blocks.remove(fits[-1])
+        blocks.append(fits[-1])
+    moves: list[Move] = []
+    cursor = new_address
+    for address, _, request in blocks:
+        moves.append(Move(address, cursor, request))
+        cursor += request
+    return CompactionPlan(tuple(moves), (segment.address,), segment.size)
+
+
+def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
+    """Beyond compaction: where free space is all holes too small to take another segment's
+    blocks, move a large-pool segment's blocks into a new segment just large enough for
+    them (reserved from what the device has left) and release the old one, the segments
+    with the most free bytes first, until ``needed`` bytes went back.  Each repack gives
+    the device its holes; the next one can use them."""
+    moves: list[Move] = []
+    evacuated: list[int] = []
+    released = moved = 0
+    with relocator.relocation(pool) as movable:
+        segments = [
+            s
+            for s in target.candidate_segments(movable)
+            if s.movable and not s.is_small and s.allocated
+        ]
+        for segment in sorted(segments, key=lambda s: (repacked_size(s) - s.size, s.address)):
+            if released >= needed:
+                break
+            size = repacked_size(segment)
+            if size >= segment.size:
+                break  # sorted by gain: no later segment gains either
+            address = target.reserve_segment(segment, size)
+            if address is None:
+                continue
+            plan = plan_repack(segment, address, size, target.max_split_size)
+            if plan.empty:
+                target.release_segment(address)
+                continue
+            moved += sum(execute_move(target, move, movable) for move in plan.moves)
+            target.release_segment(segment.address)
+            moves.extend(plan.moves)
+            evacuated.append(segment.address)
+            released += segment.size - size
+    return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)

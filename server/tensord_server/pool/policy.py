@@ -33,7 +33,7 @@ class PoolPolicy:
     tight_segments: bool = False
     release_threshold: float | None = None
     compact_threshold: float | None = None
-    min_slack: int = 64 * MiB
+    min_slack: int = 16 * MiB
     max_moved_bytes: int = 256 * MiB
     compact_every: int = 16
 
