@@ -3,8 +3,10 @@
 - :mod:`.backend`: the memory interface the pool allocates from (implemented in ``devices``)
 - :mod:`.blocks`: size rules, Segment, Block, BlockPool
 - :mod:`.stats`: Stat, DeviceStats, the summary table and the snapshot
-- :mod:`.compaction`: compaction planning (pure), executed by the allocator via a Relocator
-- :mod:`.allocator`: :class:`CachingPool`, the policy (malloc, free, release, empty_cache)
+- :mod:`.compaction`: compaction planning (pure) and its execution through two narrow
+  interfaces (the pool's MoveTarget, the owner's Relocator)
+- :mod:`.policy`: what a pool does beyond PyTorch (``pytorch``, ``oom-compaction``, ``adaptive``)
+- :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release, empty_cache)
 
 The names other layers use are re-exported here.
 """
@@ -12,7 +14,7 @@ The names other layers use are re-exported here.
 from tensord_server.pool.allocator import (
     TRACE_MAX_ENTRIES,
     CachingPool,
-    Relocator,
+    PoolMoves,
     check_pool_invariants,
 )
 from tensord_server.pool.backend import (
@@ -36,18 +38,30 @@ from tensord_server.pool.blocks import (
 )
 from tensord_server.pool.compaction import (
     CompactionPlan,
+    CompactionResult,
     Move,
+    MoveTarget,
+    Relocator,
     SegmentUsage,
+    compact,
     evacuation_order,
     place,
     plan_compaction,
 )
+from tensord_server.pool.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    PoolPolicy,
+    policy_named,
+)
 from tensord_server.pool.stats import DeviceStats, Stat, external_fragmentation, format_summary
 
 __all__ = [
+    "DEFAULT_POLICY",
     "LARGE_BUFFER",
     "MIN_BLOCK_SIZE",
     "NULL_MEMORY",
+    "POLICIES",
     "SEGMENT_ALIGNMENT",
     "SMALL_BUFFER",
     "SMALL_SIZE",
@@ -58,20 +72,26 @@ __all__ = [
     "BlockPool",
     "CachingPool",
     "CompactionPlan",
+    "CompactionResult",
     "DeviceMemory",
     "DeviceStats",
     "Move",
+    "MoveTarget",
+    "PoolMoves",
+    "PoolPolicy",
     "Relocator",
     "Segment",
     "SegmentUsage",
     "Stat",
     "check_pool_invariants",
+    "compact",
     "evacuation_order",
     "external_fragmentation",
     "format_summary",
     "get_allocation_size",
     "place",
     "plan_compaction",
+    "policy_named",
     "round_size",
     "should_split",
 ]

@@ -15,13 +15,20 @@ rule, so its figures can be compared with PyTorch's on the same trace:
 - Segments go back to the backend only in ``empty_cache`` and on the
   out-of-memory path.
 
-Beyond torch, compaction (only with a ``relocator``, only where torch would
-raise OutOfMemoryError): the owner of the blocks stops the world, movable
-blocks of the least-used segments move into free blocks of other segments,
-the emptied segments go back to the backend, and the reservation is retried
-once.  Clients hold handles, not pointers, so nothing outside the server
-notices.  Without a relocator, or when no OOM would happen, nothing differs
-from torch.
+Beyond torch, only as the pool's :class:`~.policy.PoolPolicy` says (``pytorch``:
+never; the default ``oom-compaction``: compaction on the OOM path only):
+
+- compaction (only with a ``relocator``): the owner of the blocks stops the world,
+  movable blocks of the least-used segments move into free blocks of other segments,
+  the emptied segments go back to the backend.  Planning and execution live in
+  :mod:`.compaction`; the pool lends it a narrow :class:`~.compaction.MoveTarget`
+  (``PoolMoves``).  On the out-of-memory path the reservation is then retried once;
+  after a free (policy ``compact_threshold``) it runs when reserved / allocated is
+  too high.  Clients hold handles, not pointers, so nothing outside the server notices;
+- tight segments on the out-of-memory path, idle segments given back after a free
+  (policy ``tight_segments``, ``release_threshold``).
+
+Without a relocator and under ``pytorch`` nothing differs from torch.
 
 Statistics keep torch's ``memory_stats()`` names and move exactly as torch's
 do (``inactive_split`` counts free pieces of split segments; a block that is
@@ -36,8 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
@@ -48,6 +54,8 @@ from tensord_server.pool.blocks import (
     LARGE_POOL,
     MIN_BLOCK_SIZE,
     NULL_SEGMENT,
+    ROUND_LARGE,
+    SMALL_BUFFER,
     SMALL_POOL,
     STAT_TYPE_NAMES,
     UNLIMITED_SPLIT_SIZE,
@@ -63,10 +71,14 @@ from tensord_server.pool.blocks import (
     should_split,
 )
 from tensord_server.pool.compaction import (
-    Move,
-    plan_compaction,
+    MoveTarget,
+    Relocator,
+    SegmentUsage,
+    compact,
+    repack,
     segment_usage,
 )
+from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
 from tensord_server.pool.stats import (
     STAT_ARRAY_NAMES,
     DeviceStats,
@@ -79,18 +91,6 @@ from tensord_server.pool.stats import (
 )
 
 TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
-
-
-class Relocator(Protocol):
-    """The owner of a pool's allocated blocks, letting compaction move some (the StorageRegistry)."""
-
-    def relocation(
-        self, pool: CachingPool
-    ) -> AbstractContextManager[Mapping[Block, Callable[[Block], None]]]:
-        """Stops the world while open (nothing holds, reads, writes or frees the owned blocks)
-        and yields the blocks that may move, each with the call that repoints its owner
-        to its new block (after its bytes were copied there)."""
-        ...
 
 
 # ---------------------------------------------------------------------------
@@ -108,6 +108,7 @@ class CachingPool:
         max_split_size: int | None = None,
         record_history: bool = False,
         relocator: Relocator | None = None,
+        policy: PoolPolicy = OOM_COMPACTION,
     ) -> None:
         if max_split_size is not None and max_split_size <= LARGE_BUFFER:
             # As PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: it must exceed kLargeBuffer.
@@ -122,6 +123,8 @@ class CachingPool:
         )
         # who may let blocks move when torch would be out of memory (None: never compact)
         self.relocator: Relocator | None = relocator
+        # what the pool does beyond torch (read under the lock; may be replaced at any time)
+        self.policy: PoolPolicy = policy
         # beyond torch: may veto returning a segment to the device (a GPU segment other
         # processes imported through CUDA IPC must outlive their imports); None: never vetoes
         self.segment_releasable: Callable[[DeviceMemory], bool] | None = None
@@ -130,6 +133,7 @@ class CachingPool:
         self._large = BlockPool(is_small=False)
         self._segments: dict[int, Segment] = {}  # segment address -> segment
         self._stats = DeviceStats()
+        self._frees_since_compaction = 0  # frees since the policy last compacted after a free
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
@@ -157,9 +161,8 @@ class CachingPool:
                 block = self._alloc_block(pool, alloc_size, stream, is_retry=True)
             if block is None:
                 message = self._oom_message(nbytes)
-                if self.relocator is not None:  # beyond torch
-                    block, note = self._compact_and_retry(pool, alloc_size, stream)
-                    message += note
+                block, note = self._beyond_torch_on_oom(pool, size, alloc_size, stream)
+                message += note
             if block is None:
                 self._stats.num_ooms += 1
                 self._record("oom", self.capacity - self._reserved(), size, stream)
@@ -178,6 +181,8 @@ class CachingPool:
             ):
                 raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
             self._free_allocated(block)
+            if self.policy.acts_after_free:
+                self._after_free()
 
     def empty_cache(self) -> None:
         """Return every whole free segment to the backend (torch.cuda.empty_cache)."""
@@ -478,7 +483,44 @@ class CachingPool:
         veto = self.segment_releasable
         return veto is None or veto(block.segment.memory)
 
-    # -- compaction (beyond torch) ----------------------------------------------
+    # -- beyond torch: compaction, tight segments, giving idle segments back -------
+
+    def _beyond_torch_on_oom(
+        self, pool: BlockPool, size: int, alloc_size: int, stream: int
+    ) -> tuple[Block | None, str]:
+        """Where torch raises OutOfMemoryError: what the policy tries first (a block, or
+        None and a note for the out-of-memory message)."""
+        policy = self.policy
+        if policy.tight_segments:
+            tight = tight_allocation_size(size, pool.is_small)
+            if tight < alloc_size:
+                block = self._alloc_block(pool, tight, stream, is_retry=False)
+                if block is not None:
+                    return block, ""
+                alloc_size = tight
+        if self.relocator is None or not policy.compact_on_oom:
+            return None, ""
+        block, note = self._compact_and_retry(pool, alloc_size, stream)
+        if block is None and policy.tight_segments:
+            return self._repack_and_retry(pool, alloc_size, stream, note)
+        return block, note
+
+    def _repack_and_retry(
+        self, pool: BlockPool, alloc_size: int, stream: int, note: str
+    ) -> tuple[Block | None, str]:
+        """Compaction could not empty a segment: repack segments into tight new ones
+        (:func:`~.compaction.repack`) and reserve ``alloc_size`` again."""
+        assert self.relocator is not None
+        needed = self._reserved() + alloc_size - self.capacity
+        if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
+            return None, note
+        result = repack(PoolMoves(self), self.relocator, self, needed)
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
+        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+        if block is not None:
+            return block, ""
+        return None, note + f" Repacking released {format_size(result.plan.released)}."
 
     def _compact_and_retry(
         self, pool: BlockPool, alloc_size: int, stream: int
@@ -499,55 +541,68 @@ class CachingPool:
                 f" Compaction could release at most {format_size(free_space)} "
                 f"of the {format_size(needed)} needed."
             )
-        with self.relocator.relocation(self) as movable:
-            usage = [
-                segment_usage(s, movable, releasable=self._releasable_segment(s))
-                for _, s in sorted(self._segments.items())
-            ]
-            plan = plan_compaction(usage, needed, self.max_split_size)
-            if plan.empty:
-                return None, (
-                    f" Compaction could release {format_size(plan.released)} "
-                    f"of the {format_size(needed)} needed."
-                )
-            blocks = {b.address: b for s in self._segments.values() for b in s.blocks()}
-            moved = sum(self._move(blocks[move.source], move, movable) for move in plan.moves)
-        # the world runs again: the emptied segments are this pool's alone (its lock is held)
-        for address in plan.evacuated:
-            head = self._segments[address].head
-            assert head is not None and not head.allocated and not head.is_split(), head
-            self._release_block(head)
+        result = compact(PoolMoves(self), self.relocator, self, needed)
+        if result.plan.empty:
+            return None, (
+                f" Compaction could release {format_size(result.plan.released)} "
+                f"of the {format_size(needed)} needed."
+            )
+        self._count_compaction(result.moved, result.plan.released)
+        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+        note = f" Compaction released {format_size(result.plan.released)} and it was not enough."
+        return block, "" if block is not None else note
+
+    def _count_compaction(self, moved: int, released: int) -> None:
         stats = self._stats
         stats.num_compactions += 1
         stats.compaction_moved_bytes += moved
-        stats.compaction_released_bytes += plan.released
-        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
-        note = f" Compaction released {format_size(plan.released)} and it was not enough."
-        return block, "" if block is not None else note
+        stats.compaction_released_bytes += released
 
-    def _move(
-        self, old: Block, move: Move, movable: Mapping[Block, Callable[[Block], None]]
-    ) -> int:
-        """One planned move: allocate the new block, copy the bytes, repoint the owner, free
-        the old block.  Returns the bytes copied."""
-        pool = old.pool
-        assert pool is not None and old.allocated, old
-        target = pool.free_blocks[move.destination]
-        pool.remove(target)
-        split = should_split(target.size, move.size, pool.is_small, self.max_split_size)
-        new = self._alloc_found_block(target, move.size, old.requested_size, split)
-        assert new.size <= old.size and new.segment is not old.segment, (old, new)
-        nbytes = old.requested_size
-        try:
-            self.backend.copy(
-                old.segment.memory, old.offset, new.segment.memory, new.offset, nbytes
-            )
-        except BaseException:
-            self._free_allocated(new)  # owned by nothing yet; the Storage stays where it was
-            raise
-        movable[old](new)
-        self._free_allocated(old)
-        return nbytes
+    def _excess(self, threshold: float) -> int:
+        """Reserved bytes beyond ``threshold`` x allocated, when beyond the policy's slack."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        reserved = self._reserved()
+        if reserved - allocated <= self.policy.min_slack:
+            return 0
+        return max(0, reserved - int(threshold * allocated))
+
+    def _after_free(self) -> None:
+        """The policy's work after a free (the caller holds the lock): give idle segments
+        back, then compact, while reserved / allocated is above the thresholds."""
+        policy = self.policy
+        if policy.release_threshold is not None:
+            excess = self._excess(policy.release_threshold)
+            if excess:
+                self._release_idle_segments(excess)
+        if policy.compact_threshold is None or self.relocator is None:
+            return
+        self._frees_since_compaction += 1
+        if self._frees_since_compaction < policy.compact_every:
+            return
+        excess = self._excess(policy.compact_threshold)
+        if not excess:
+            return
+        self._frees_since_compaction = 0
+        result = compact(
+            PoolMoves(self, max_moved=policy.max_moved_bytes), self.relocator, self, excess
+        )
+        if not result.plan.empty:
+            self._count_compaction(result.moved, result.plan.released)
+
+    def _release_idle_segments(self, target: int) -> None:
+        """Give back whole free segments, the largest first, until ``target`` bytes went back."""
+        idle = [
+            block
+            for pool in (self._large, self._small)
+            for block in (pool.free_blocks[key[2]] for key in pool.keys)
+            if not block.is_split() and self._releasable(block)
+        ]
+        released = 0
+        for block in sorted(idle, key=lambda b: (-b.size, b.address)):
+            if released >= target:
+                break
+            released += block.size
+            self._release_block(block)
 
     # -- helpers ----------------------------------------------------------------
 
@@ -600,6 +655,75 @@ class CachingPool:
             result[f"largest_free_block_bytes.{name}"] = largest
             result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free)
         return result
+
+
+# ---------------------------------------------------------------------------
+# The pool as compaction's MoveTarget
+
+
+class PoolMoves(MoveTarget):
+    """The narrow interface compaction executes a plan through, over one pool whose lock the
+    caller holds.  ``max_moved`` bounds the bytes one plan may copy (None: no bound)."""
+
+    def __init__(self, pool: CachingPool, *, max_moved: int | None = None) -> None:
+        self.pool = pool
+        self.max_split_size = pool.max_split_size
+        self.max_moved = max_moved
+        self._blocks: dict[int, Block] = {}
+
+    def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
+        pool = self.pool
+        segments = [segment for _, segment in sorted(pool._segments.items())]
+        self._blocks = {b.address: b for s in segments for b in s.blocks() if b.allocated}
+        return [segment_usage(s, movable, releasable=pool._releasable_segment(s)) for s in segments]
+
+    def allocated_block(self, address: int) -> Block:
+        return self._blocks[address]
+
+    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
+        pool = self.pool
+        block_pool = source.pool
+        assert block_pool is not None and source.allocated, source
+        target = block_pool.free_blocks[destination]
+        block_pool.remove(target)
+        split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
+        return pool._alloc_found_block(target, size, source.requested_size, split)
+
+    def move_bytes(self, source: Block, destination: Block) -> int:
+        nbytes = source.requested_size
+        self.pool.backend.copy(
+            source.segment.memory,
+            source.offset,
+            destination.segment.memory,
+            destination.offset,
+            nbytes,
+        )
+        return nbytes
+
+    def free_block(self, block: Block) -> None:
+        self.pool._free_allocated(block)
+
+    def release_segment(self, address: int) -> None:
+        head = self.pool._segments[address].head
+        assert head is not None and not head.allocated and not head.is_split(), head
+        self.pool._release_block(head)
+
+    def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
+        pool = self.pool
+        block_pool = pool._small if like.is_small else pool._large
+        block = pool._alloc_block(block_pool, size, like.stream, is_retry=False)
+        if block is None:
+            return None
+        block_pool.insert(block)  # a new segment's block is free and cached until used
+        return block.address
+
+
+def tight_allocation_size(size: int, small: bool) -> int:
+    """Beyond torch: the smallest segment that serves ``size`` (the request rounded to
+    2 MiB in the large pool; the small pool's 2 MiB segments are already that)."""
+    if small:
+        return SMALL_BUFFER
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
 # ---------------------------------------------------------------------------

@@ -1,18 +1,23 @@
 """Compaction planning: which allocated blocks move where, as pure functions over numbers.
 
 :func:`plan_compaction` sees segments as :class:`SegmentUsage` (addresses and sizes only)
-and returns a :class:`CompactionPlan` of :class:`Move` s; the allocator executes the plan
-through the narrow :class:`Relocator` interface (the owner of the blocks copies the bytes
-and repoints its references), so planning never holds a lock or touches memory.
+and returns a :class:`CompactionPlan` of :class:`Move` s, so planning never holds a lock
+or touches memory.  :func:`compact` then executes the plan through two narrow interfaces:
+the pool's :class:`MoveTarget` (candidate segments, allocate in place, copy, free,
+release) and the owner's :class:`Relocator` (which blocks may move, and the call that
+repoints each owner).  The allocator keeps PyTorch's policy and only calls :func:`compact`.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tensord_server.pool.blocks import (
+    ROUND_LARGE,
     Block,
     Segment,
     oversize_rules_allow,
@@ -98,7 +103,11 @@ def place(
 
 
 def plan_compaction(
-    segments: Sequence[SegmentUsage], needed: int, max_split_size: int
+    segments: Sequence[SegmentUsage],
+    needed: int,
+    max_split_size: int,
+    *,
+    max_moved: int | None = None,
 ) -> CompactionPlan:
     """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
 
@@ -109,6 +118,10 @@ def plan_compaction(
     not emptied later.  Only existing free blocks are used: compaction never
     reserves.  A plan that cannot reach ``needed`` is empty (nothing moves for
     nothing) but says in ``released`` how far it got.
+
+    With ``max_moved`` (compaction that no request is waiting for) a segment whose
+    blocks would take the bytes moved beyond it is skipped, and a plan that releases
+    less than ``needed`` is kept: every segment released helps.
     """
     free: dict[tuple[bool, int], list[FreeSpot]] = {}
     for segment in segments:
@@ -120,10 +133,13 @@ def plan_compaction(
     moves: list[Move] = []
     evacuated: list[int] = []
     released = 0
+    budget = max_moved
     for segment in evacuation_order(segments):
         if released >= needed:
             break
         if segment.address in receiving:
+            continue
+        if budget is not None and segment.allocated_bytes > budget:
             continue
         key = (segment.is_small, segment.stream)
         trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
@@ -143,7 +159,9 @@ def plan_compaction(
             receiving.update(home for _, home in placed)
             evacuated.append(segment.address)
             released += segment.size
-    if released < needed:
+            if budget is not None:
+                budget -= segment.allocated_bytes
+    if released < needed and max_moved is None:
         return CompactionPlan((), (), released)
     return CompactionPlan(tuple(moves), tuple(evacuated), released)
 
@@ -166,3 +184,176 @@ def segment_usage(
         free=tuple((b.address, b.size) for b in blocks if not b.allocated),
         movable=releasable and all(b in movable for b in blocks if b.allocated),
     )
+
+
+# ---------------------------------------------------------------------------
+# Executing a plan, through two narrow interfaces
+
+
+class Relocator(Protocol):
+    """The owner of a pool's allocated blocks, letting compaction move some (the StorageRegistry)."""
+
+    def relocation(
+        self, pool: Any
+    ) -> AbstractContextManager[Mapping[Block, Callable[[Block], None]]]:
+        """Stops the world while open (nothing holds, reads, writes or frees the owned blocks)
+        and yields the blocks that may move, each with the call that repoints its owner
+        to its new block (after its bytes were copied there).  ``pool`` is the pool asking."""
+        ...
+
+
+class MoveTarget(Protocol):
+    """What compaction needs of a pool to execute a plan; every call is made with the
+    pool's lock held (the pool calls :func:`compact` from inside its own methods)."""
+
+    max_split_size: int
+    max_moved: int | None  # the most bytes one plan may copy (None: any, all or nothing)
+
+    def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
+        """Every segment as planning sees it (movable only where ``movable`` owns every block)."""
+        ...
+
+    def allocated_block(self, address: int) -> Block:
+        """The allocated block starting at ``address``."""
+        ...
+
+    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
+        """Allocate ``size`` at the front of the free block at ``destination``, as malloc would
+        have (split or not), for ``source``'s request: the new block, allocated."""
+        ...
+
+    def move_bytes(self, source: Block, destination: Block) -> int:
+        """Copy ``source``'s requested bytes into ``destination``; returns the bytes copied."""
+        ...
+
+    def free_block(self, block: Block) -> None:
+        """Free an allocated block (merging with free neighbours, as free does)."""
+        ...
+
+    def release_segment(self, address: int) -> None:
+        """Give the wholly free segment at ``address`` back to the device."""
+        ...
+
+    def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
+        """Reserve a new segment of ``size`` bytes for ``like``'s pool and stream: its
+        address, or None when the device has no room."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionResult:
+    """What :func:`compact` did: the plan it ran (empty: nothing moved) and the bytes copied."""
+
+    plan: CompactionPlan
+    moved: int
+
+
+def execute_move(
+    target: MoveTarget, move: Move, movable: Mapping[Block, Callable[[Block], None]]
+) -> int:
+    """One planned move: allocate in place, copy, repoint the owner, free the old block.
+    A failed copy frees the new block (owned by nothing yet) and the owner stays put."""
+    old = target.allocated_block(move.source)
+    new = target.allocate_in_place(old, move.destination, move.size)
+    assert new.size <= old.size and new.segment is not old.segment, (old, new)
+    try:
+        moved = target.move_bytes(old, new)
+    except BaseException:
+        target.free_block(new)
+        raise
+    movable[old](new)
+    target.free_block(old)
+    return moved
+
+
+def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
+    """Stop the world, plan the release of ``needed`` bytes, run the moves, release the
+    emptied segments.  ``pool`` is what the relocator is told is asking (the CachingPool)."""
+    with relocator.relocation(pool) as movable:
+        plan = plan_compaction(
+            target.candidate_segments(movable),
+            needed,
+            target.max_split_size,
+            max_moved=target.max_moved,
+        )
+        if plan.empty:
+            return CompactionResult(plan, 0)
+        moved = sum(execute_move(target, move, movable) for move in plan.moves)
+    # the world runs again: the emptied segments are the pool's alone (its lock is held)
+    for address in plan.evacuated:
+        target.release_segment(address)
+    return CompactionResult(plan, moved)
+
+
+def repacked_size(segment: SegmentUsage) -> int:
+    """The smallest large-pool segment that holds ``segment``'s blocks back to back
+    (their rounded requests, rounded up to 2 MiB as a segment is)."""
+    used = sum(request for _, _, request in segment.allocated)
+    return ROUND_LARGE * ((used + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+def plan_repack(
+    segment: SegmentUsage, new_address: int, new_size: int, max_split_size: int
+) -> CompactionPlan:
+    """Every block of the large-pool ``segment`` moved, back to back, into a new empty
+    segment at ``new_address``: each takes its rounded request (the rest of the new
+    segment is always over 1 MiB, so malloc's rule splits it), except the last, which
+    takes what is left when that is too little to split, so the block that goes last is
+    one that was at least that large already (no block grows).  Empty when no block can
+    go last, or where max_split_size would keep the new segment whole."""
+    if segment.is_small or new_size >= max_split_size:
+        return CompactionPlan((), (), 0)
+    blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
+    left_over = new_size - sum(request for _, _, request in blocks)
+    if left_over < 0:
+        return CompactionPlan((), (), 0)
+    if left_over > 0 and not should_split(
+        blocks[-1][2] + left_over, blocks[-1][2], False, max_split_size
+    ):
+        fits = [b for b in blocks if b[1] >= b[2] + left_over]
+        if not fits:
+            return CompactionPlan((), (), 0)
+        blocks.remove(fits[-1])
+        blocks.append(fits[-1])
+    moves: list[Move] = []
+    cursor = new_address
+    for address, _, request in blocks:
+        moves.append(Move(address, cursor, request))
+        cursor += request
+    return CompactionPlan(tuple(moves), (segment.address,), segment.size)
+
+
+def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
+    """Beyond compaction: where free space is all holes too small to take another segment's
+    blocks, move a large-pool segment's blocks into a new segment just large enough for
+    them (reserved from what the device has left) and release the old one, the segments
+    with the most free bytes first, until ``needed`` bytes went back.  Each repack gives
+    the device its holes; the next one can use them."""
+    moves: list[Move] = []
+    evacuated: list[int] = []
+    released = moved = 0
+    with relocator.relocation(pool) as movable:
+        segments = [
+            s
+            for s in target.candidate_segments(movable)
+            if s.movable and not s.is_small and s.allocated
+        ]
+        for segment in sorted(segments, key=lambda s: (repacked_size(s) - s.size, s.address)):
+            if released >= needed:
+                break
+            size = repacked_size(segment)
+            if size >= segment.size:
+                break  # sorted by gain: no later segment gains either
+            address = target.reserve_segment(segment, size)
+            if address is None:
+                continue
+            plan = plan_repack(segment, address, size, target.max_split_size)
+            if plan.empty:
+                target.release_segment(address)
+                continue
+            moved += sum(execute_move(target, move, movable) for move in plan.moves)
+            target.release_segment(segment.address)
+            moves.extend(plan.moves)
+            evacuated.append(segment.address)
+            released += segment.size - size
+    return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)

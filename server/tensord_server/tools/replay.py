@@ -15,6 +15,13 @@ and CUDA does not hand out addresses in increasing order, so on a device the
 tie-breaks follow the recorded addresses.  ``RecordedAddressBackend`` gives a
 new segment the next recorded address of the same size (falling back to fresh
 fake addresses), which makes the replay follow PyTorch block for block.
+
+``--policy`` picks what the pool does beyond PyTorch (``pytorch``: nothing, the
+default without ``--compaction``); ``--compaction`` makes every allocation the trace
+holds movable between events (:class:`TraceRelocator`: the trace's "Storages" are
+never in use while the pool works) and defaults the policy to the server's
+(``adaptive``).  ``--capacity-factor F`` sizes the device at F x the trace's peak
+allocated (PyTorch's, from its stats file, else a first unlimited replay's).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import pickle
 import sys
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +43,7 @@ from tensord.errors import OutOfMemoryError
 
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_traces, resolve_trace
 from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory
-from tensord_server.pool import CachingPool
+from tensord_server.pool import DEFAULT_POLICY, POLICIES, Block, CachingPool, policy_named
 
 # One trace event: (action, addr, size, stream), as in the bundled traces.
 TraceEvent = tuple[str, int, int, int]
@@ -56,6 +64,9 @@ COMPARED_KEYS = (
     "num_alloc_retries",
     "num_ooms",
 )
+
+# The compaction figures the --json object adds.
+COMPACTION_KEYS = ("num_compactions", "compaction_moved_bytes", "compaction_released_bytes")
 
 
 # ---------------------------------------------------------------------------
@@ -153,6 +164,26 @@ class RecordedAddressBackend(BookkeepingBackend):
             self._recorded[memory.nbytes].appendleft(memory.address)
 
 
+class TraceRelocator:
+    """Compaction's view of a replay: every live allocation may move between events.
+
+    ``live`` maps a trace address to the block serving it now; a move repoints it.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, Block] = {}
+
+    @contextmanager
+    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+        yield {block: self._repointer(addr) for addr, block in self.live.items()}
+
+    def _repointer(self, addr: int) -> Callable[[Block], None]:
+        def repoint(block: Block) -> None:
+            self.live[addr] = block
+
+        return repoint
+
+
 @dataclass(frozen=True)
 class ReplayResult:
     """What one replay measured.  Invariant: ``events > 0`` implies ``seconds > 0``."""
@@ -164,6 +195,8 @@ class ReplayResult:
         int  # free_completed of blocks allocated before the trace began (or that OOMed)
     )
     failed_allocs: int  # allocations that raised OutOfMemoryError
+    policy: str = "pytorch"  # the pool policy's name
+    compaction: bool = False  # whether allocations could move
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -192,15 +225,25 @@ def replay(
     capacity: int | None = None,
     max_split_size: int | None = None,
     recorded_addresses: bool = True,
+    policy: str = "pytorch",
+    compaction: bool = False,
 ) -> ReplayResult:
-    """Run ``events`` through a fresh pool on a bookkeeping backend."""
+    """Run ``events`` through a fresh pool on a bookkeeping backend, under ``policy``;
+    with ``compaction`` every live allocation may move between events."""
     if recorded_addresses:
         segments = [(addr, size) for action, addr, size, _ in events if action == "segment_alloc"]
         backend: BookkeepingBackend = RecordedAddressBackend(segments, total_bytes=capacity)
     else:
         backend = BookkeepingBackend(total_bytes=capacity)
-    pool = CachingPool(backend, capacity=capacity, max_split_size=max_split_size)
-    live = {}  # trace address -> our Block
+    relocator = TraceRelocator()
+    pool = CachingPool(
+        backend,
+        capacity=capacity,
+        max_split_size=max_split_size,
+        policy=policy_named(policy),
+        relocator=relocator if compaction else None,
+    )
+    live = relocator.live  # trace address -> our Block (compaction repoints it)
     unmatched = failed = 0
     malloc, free = pool.malloc, pool.free
     start = time.perf_counter()
@@ -217,7 +260,17 @@ def replay(
             else:
                 free(block)
     seconds = time.perf_counter() - start
-    return ReplayResult(len(events), seconds, pool.memory_stats(), unmatched, failed)
+    stats = pool.memory_stats()
+    return ReplayResult(len(events), seconds, stats, unmatched, failed, policy, compaction)
+
+
+def peak_allocated(path: str | Path, events: Sequence[TraceEvent]) -> int:
+    """The trace's peak allocated: PyTorch's figure when its stats file is beside the
+    trace, else an unlimited replay's (the same, as the replay follows PyTorch's rules)."""
+    pytorch = load_pytorch_stats(path)
+    if pytorch is not None and "allocated_bytes.all.peak" in pytorch:
+        return int(pytorch["allocated_bytes.all.peak"])
+    return replay(events).peak_allocated_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -236,6 +289,12 @@ def summary(result: ReplayResult, pytorch: dict[str, Any] | None) -> dict[str, A
         "num_device_alloc": int(stats["num_device_alloc"]),
         "num_alloc_retries": int(stats["num_alloc_retries"]),
         "num_ooms": int(stats["num_ooms"]),
+        "policy": result.policy,
+        "compaction": result.compaction,
+        **{key: int(stats[key]) for key in COMPACTION_KEYS},
+        "compaction_moved_per_allocated": ratio(
+            int(stats["compaction_moved_bytes"]), int(stats["allocated_bytes.all.allocated"])
+        ),
         "unmatched_frees": result.unmatched_frees,
         "events": result.events,
         "seconds": result.seconds,
@@ -287,7 +346,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"of a bundled trace (see --list; default {DEFAULT_TRACE_NAME}); a file wins over a name",
     )
     parser.add_argument("--list", action="store_true", help="list the bundled traces and exit")
-    parser.add_argument("--capacity", type=int, default=None, help="device capacity in bytes")
+    capacity = parser.add_mutually_exclusive_group()
+    capacity.add_argument("--capacity", type=int, default=None, help="device capacity in bytes")
+    capacity.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="device capacity as F x the trace's peak allocated (e.g. 1.01)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=None,
+        help="what the pool does beyond PyTorch's rules (default: pytorch, or "
+        f"{DEFAULT_POLICY} with --compaction)",
+    )
+    parser.add_argument(
+        "--compaction",
+        action="store_true",
+        help="every allocation the trace holds may move between events (as unheld Storages)",
+    )
     parser.add_argument("--max-split-size", type=int, default=None, help="max_split_size in bytes")
     parser.add_argument(
         "--fresh-addresses",
@@ -308,11 +387,20 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
         return 2
+    capacity = args.capacity
+    if args.capacity_factor is not None:
+        if not args.capacity_factor > 0:
+            print("tensord replay: --capacity-factor must be > 0", file=sys.stderr)
+            return 2
+        capacity = int(args.capacity_factor * peak_allocated(path, events))
+    policy = args.policy or (DEFAULT_POLICY if args.compaction else "pytorch")
     result = replay(
         events,
-        capacity=args.capacity,
+        capacity=capacity,
         max_split_size=args.max_split_size,
         recorded_addresses=not args.fresh_addresses,
+        policy=policy,
+        compaction=args.compaction,
     )
     pytorch = load_pytorch_stats(path)
     if args.json:

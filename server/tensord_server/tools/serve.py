@@ -31,6 +31,7 @@ from tensord_server.domain.sessions import (
 )
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
+from tensord_server.pool import DEFAULT_POLICY, POLICIES, policy_named
 from tensord_server.rpc.server import create_server
 from tensord_server.rpc.tls import server_credentials
 from tensord_server.tools import serve_observability  # observability hook
@@ -186,6 +187,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(PyTorch's allocator exactly: OOM once release-and-retry fails)",
     )
     parser.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default=DEFAULT_POLICY,
+        help="what each device's pool does beyond PyTorch's allocator rules: pytorch (nothing, "
+        "and no compaction), oom-compaction (compaction where PyTorch would be out of memory), "
+        "adaptive (also tight segments and repacking under pressure, idle cached segments given "
+        "back and compaction after a free when reserved/allocated exceeds 1.10/1.15) "
+        f"(default {DEFAULT_POLICY})",
+    )
+    parser.add_argument(
         "--insecure-allow-remote",
         action="store_true",
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
@@ -320,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             max_sessions_per_tenant=args.max_sessions_per_tenant,
             max_names_per_tenant=args.max_names_per_tenant,
             quotas=quotas,
-            compaction=not args.no_compaction,
+            compaction=not args.no_compaction and args.policy != "pytorch",
             max_streams=args.max_streams,
             max_streams_per_tenant=args.max_streams_per_tenant,
             stream_idle_timeout=args.stream_idle_timeout,
@@ -331,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
+    for device in store.devices:
+        device.pool.policy = policy_named(args.policy)
     try:
         server, port = create_server(
             args.address, store=store, max_workers=args.max_workers, credentials=credentials

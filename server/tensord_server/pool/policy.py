@@ -1,0 +1,70 @@
+"""Pool policies: PyTorch's rules exactly, or rules that go beyond them for a shared device.
+
+A :class:`PoolPolicy` is a handful of switches the :class:`~.allocator.CachingPool`
+reads; it never changes how a block is found or split (that stays PyTorch's), only
+what the pool does *besides*:
+
+- ``compact_on_oom``: where torch would raise OutOfMemoryError, move unheld blocks
+  out of the least-used segments and release them (needs a relocator);
+- ``tight_segments``: on the out-of-memory path, before compacting, reserve only the
+  request rounded to 2 MiB instead of torch's 20 MiB shared segment for a 1-10 MiB
+  request (what expandable segments achieve by mapping only what is used);
+- ``release_threshold``: after a free, while reserved / allocated exceeds it, give
+  back whole idle cached segments (torch's garbage_collection_threshold idea, for a
+  pool other programs share; torch only gives memory back on OOM or empty_cache);
+- ``compact_threshold``: after a free, when reserved / allocated still exceeds it,
+  compact until it no longer does (not only on OOM), at most ``max_moved_bytes`` per
+  compaction and once per ``compact_every`` frees, so no free waits long;
+- ``min_slack``: below this many reserved-but-unallocated bytes none of the last two
+  acts (a pool that close to its allocation is tight already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    name: str
+    compact_on_oom: bool = False
+    tight_segments: bool = False
+    release_threshold: float | None = None
+    compact_threshold: float | None = None
+    min_slack: int = 16 * MiB
+    max_moved_bytes: int = 256 * MiB
+    compact_every: int = 16
+
+    @property
+    def acts_after_free(self) -> bool:
+        return self.release_threshold is not None or self.compact_threshold is not None
+
+
+#: PyTorch's DeviceCachingAllocator rule for rule: nothing beyond it
+PYTORCH = PoolPolicy("pytorch")
+#: PyTorch's rules, plus compaction where torch would raise OutOfMemoryError
+OOM_COMPACTION = PoolPolicy("oom-compaction", compact_on_oom=True)
+#: beyond PyTorch: tight segments and compaction under pressure, idle segments given back,
+#: compaction when reserved / allocated crosses a threshold
+ADAPTIVE = PoolPolicy(
+    "adaptive",
+    compact_on_oom=True,
+    tight_segments=True,
+    release_threshold=1.10,
+    compact_threshold=1.15,
+)
+
+POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}
+
+#: what `tensord serve` runs unless told otherwise
+DEFAULT_POLICY = ADAPTIVE.name
+
+
+def policy_named(name: str) -> PoolPolicy:
+    """The policy called ``name``; ValueError naming the ones there are."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"no pool policy {name!r}; policies: {', '.join(POLICIES)}") from None
