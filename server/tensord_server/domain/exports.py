@@ -6,8 +6,8 @@ charged to its tenant.  It ends by ReleaseExports or with its session (a crashed
 client's after the grace, through the session's end listeners).
 
 The descriptor of a segment (a memfd, :mod:`tensord_server.devices.shm`) is handed out on a
-unix socket in a fresh private directory, to whoever presents a *ticket*: 192
-random bits, usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
+unix socket in a fresh private directory, to whoever presents a *ticket*'s key: 192
+random bits (a key the client sends and a proof the server answers with), usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
 a session that exported a Storage of that segment.  Segments are never shared
 between tenants (each tenant allocates on its own pool stream, see
 :meth:`StorageRegistry.stream_of`), so a ticket never reveals another tenant's byte.
