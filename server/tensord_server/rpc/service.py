@@ -28,7 +28,7 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.shm import SharedHostBackend
-from tensord_server.domain import auth, limits
+from tensord_server.domain import auth, batch, limits
 from tensord_server.domain.admission import watched
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.sessions import Session
@@ -146,6 +146,30 @@ def decode_view_op(request: pb.ViewRequest) -> ViewOp:
     if kind is None:
         raise ValueError("ViewRequest names no op")
     return _VIEW_DECODERS[kind](getattr(request, kind))
+
+
+def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
+    """One queued op of a Batch as the domain's value (issue 15)."""
+    kind = message.WhichOneof("op")
+    if kind == "view":
+        view = message.view
+        return batch.QueuedView(view.handle, decode_view_op(view), tuple(message.results))
+    if kind == "fill":
+        return batch.QueuedFill(message.fill.handle, decode_scalar(message.fill.value))
+    if kind == "copy":
+        return batch.QueuedCopy(message.copy.dst, message.copy.src)
+    if kind == "set_item":
+        item = message.set_item
+        by_handle = item.WhichOneof("value") == "src_handle"
+        return batch.QueuedSetItem(
+            item.handle,
+            decode_index(item.index),
+            None if by_handle else decode_scalar(item.scalar),
+            item.src_handle if by_handle else None,
+        )
+    if kind == "release":
+        return batch.QueuedRelease(tuple(message.release.handles))
+    raise InvalidArgumentError("a BatchOp names no op")
 
 
 def _metadata(context: grpc.ServicerContext, key: str) -> Any:
@@ -325,6 +349,25 @@ class TensordService:
         session = self._session(context)
         issued = self.store.view(session, request.handle, decode_view_op(request))
         return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
+
+    # -- issue 15 pipelining ---------------------------------------------------------
+
+    @_unary
+    def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
+        session = self._session(context)
+        limits.check_batch_ops(len(request.ops))  # bounded before any op is even decoded
+        outcome = batch.run_batch(self.store, session, [decode_batch_op(o) for o in request.ops])
+        if outcome.error is None:
+            return pb.BatchResponse(applied=outcome.applied)
+        exc = outcome.error
+        return pb.BatchResponse(
+            applied=outcome.applied,
+            failed=True,
+            failed_index=outcome.failed_index or 0,
+            error_type=status.error_type_for(exc),
+            error_message=status.details_for(exc),
+            error_code=status.status_for(exc).value[0],
+        )
 
     # -- factories ----------------------------------------------------------------
 
