@@ -417,6 +417,9 @@ class Connection:
         self._send_lock = threading.Lock()
         self._inflight: tuple[grpc.Future, list[str]] | None = None
         self._async_error: errors.TensordError | None = None
+        #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
+        #: hands it to an executor so a view never blocks the event loop
+        self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
         # same-host zero copy (tensord._local): ended exports, sent in batches like handles
         self._pending_exports: collections.deque[str] = collections.deque()
         self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
@@ -639,7 +642,10 @@ class Connection:
             self._queue.append((op, what))
             full = len(self._queue) >= PIPELINE_BATCH
         if full:
-            self._flush(wait=False)
+            if self.flush_scheduler is None:
+                self._flush(wait=False)
+            else:
+                self.flush_scheduler(lambda: self._flush(wait=False))
 
     def synchronize(self, releases: bool = True) -> None:
         """Send what is queued and wait until the server applied it; raise the first error

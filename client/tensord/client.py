@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -170,6 +170,11 @@ class Client:
     @property
     def pipelining(self) -> bool:
         return self._conn.pipelining
+
+    def schedule_flushes(self, scheduler: Callable[[Callable[[], None]], None] | None) -> None:
+        """Run the flush of a full queue through ``scheduler`` (None: in the issuing thread),
+        so issuing a view never waits for the server (tensord.aio uses an executor)."""
+        self._conn.flush_scheduler = scheduler
 
     def __enter__(self) -> Client:
         return self
