@@ -8,6 +8,9 @@ Starts two servers in their own processes, so neither shares this process's GIL:
 identity serializers and nothing else (the ceiling for any gRPC transfer here).
 Prints one table of latencies (p50/p99) and one of throughputs, with ratios.
 Targets (issue 4): a view <= 1.5x an empty RPC; 64 MiB transfers >= 0.7x bare gRPC.
+Pipelining (issue 15): a view as the caller sees it, views/s of one client, and 1,000
+``x[i].fill_(i)`` plus one read with pipelining on and off (targets: p50 <= 25 us,
+>= 20,000 views/s, >= 10x).
 """
 
 from __future__ import annotations
@@ -158,6 +161,8 @@ def main() -> int:
             print(f"servers: tensord {address}, bare gRPC {bare_address}\n")
             run_latency(client, channel)
             print()
+            run_pipelining(client, address)
+            print()
             run_transfers(client, channel, sizes)
     finally:
         channel.close()
@@ -193,6 +198,60 @@ def run_latency(client: tensord.Client, channel: grpc.Channel) -> None:
     for name, samples in results.items():
         p50, p99 = pct(samples, 50), pct(samples, 99)
         print(f"{name:<44}{p50 * 1e6:>9.1f}{p99 * 1e6:>9.1f}{p50 / base:>12.2f}x")
+    client.flush()
+
+
+FILL_LOOP = 1000
+VIEW_RATE_CALLS = 20000
+
+
+def views_per_second(client: tensord.Client) -> float:
+    """Views of one client, its queue flushed and applied at the end (synchronize)."""
+    x = client.arange(12)
+    client.synchronize()
+    start = time.perf_counter()
+    for i in range(VIEW_RATE_CALLS):
+        x[i % 12]
+    client.synchronize()
+    return VIEW_RATE_CALLS / (time.perf_counter() - start)
+
+
+def fill_loop_seconds(client: tensord.Client) -> float:
+    """1,000 ``x[i].fill_(i)`` and one read of x (which waits for all of them)."""
+    x = client.zeros(FILL_LOOP)
+    client.synchronize()
+    start = time.perf_counter()
+    for i in range(FILL_LOOP):
+        x[i].fill_(i)
+    values = x.numpy()
+    elapsed = time.perf_counter() - start
+    assert values[-1] == FILL_LOOP - 1
+    return elapsed
+
+
+def run_pipelining(client: tensord.Client, address: str) -> None:
+    with tensord.connect(address, pipelining=False) as plain:
+        x, y = client.arange(12), plain.arange(12)
+        sync = client._conn
+        samples = interleaved_latencies([lambda: x[3], lambda: y[3]], LATENCY_CALLS)
+        sync.synchronize()
+        on_rate, off_rate = views_per_second(client), views_per_second(plain)
+        on = statistics.median(fill_loop_seconds(client) for _ in range(3))
+        off = statistics.median(fill_loop_seconds(plain) for _ in range(3))
+    print(f"{'pipelining (issue 15)':<52}{'on':>12}{'off':>12}{'on / off':>11}")
+    p50_on, p50_off = pct(samples[0], 50) * 1e6, pct(samples[1], 50) * 1e6
+    print(
+        f"{'view x[3] as the caller sees it, p50 us':<52}{p50_on:>12.1f}{p50_off:>12.1f}"
+        f"{p50_off / p50_on:>10.1f}x"
+    )
+    print(
+        f"{'views/s, one client (then synchronize)':<52}{on_rate:>12,.0f}{off_rate:>12,.0f}"
+        f"{on_rate / off_rate:>10.1f}x"
+    )
+    print(
+        f"{f'{FILL_LOOP} x[i].fill_(i) + one read, ms (median of 3)':<52}{on * 1e3:>12.1f}"
+        f"{off * 1e3:>12.1f}{off / on:>10.1f}x"
+    )
     client.flush()
 
 

@@ -147,7 +147,9 @@ def test_setitem_from_scalar_array_and_tensor(client: tensord.Client) -> None:
 
 
 def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
-    with tensord.connect(fresh_server.address) as client:
+    # one RPC per view, releases in Release calls: the unpipelined path (pipelining batches
+    # views and releases together, tests/test_pipelining.py)
+    with tensord.connect(fresh_server.address, pipelining=False) as client:
         baseline = client_allocated(client)
         calls: list[str] = []
         real_unary = client._conn._unary

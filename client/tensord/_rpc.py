@@ -59,6 +59,9 @@ CHANNEL_OPTIONS = (
 # Dropped handles are sent in one Release per interval (or sooner once this many wait).
 RELEASE_INTERVAL_S = 0.05
 RELEASE_BATCH = 1024
+# Pipelining (issue 15): queued ops go to the server in one Batch once this many wait (or
+# at the next call that waits for the server, or within RELEASE_INTERVAL_S).
+PIPELINE_BATCH = 256
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
 # Every unary call's deadline, and how long a transfer may go without a chunk moving: a
@@ -452,8 +455,11 @@ class Connection:
         client_name: str | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        pipelining: bool = True,
     ) -> None:
         self.address = address
+        #: queue views and in-place writes (issue 15); False: one RPC each, as before
+        self.pipelining = pipelining
         self.tls = credentials is not None
         #: every unary call's deadline and every transfer's idle limit (None: neither)
         self.call_timeout = call_timeout
@@ -499,6 +505,17 @@ class Connection:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pending: collections.deque[str] = collections.deque()
+        # pipelining: ops queued in issue order (with a word each for errors), the Batch in
+        # flight (one at a time, so the server applies them in order) and the first error
+        # of a Batch, raised at the next call that waits
+        self._queue: list[tuple[pb.BatchOp, str]] = []
+        self._queue_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._inflight: tuple[grpc.Future, list[str]] | None = None
+        self._async_error: errors.TensordError | None = None
+        #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
+        #: hands it to an executor so a view never blocks the event loop
+        self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
         # same-host zero copy (tensord._local): ended exports, sent in batches like handles
         self._pending_exports: collections.deque[str] = collections.deque()
         self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
@@ -577,7 +594,13 @@ class Connection:
             raise errors.SessionLostError(_session_lost_message(session_id))
 
     def _unary(
-        self, method: str, request: Any, *, session: bool = True, timeout: float | None = None
+        self,
+        method: str,
+        request: Any,
+        *,
+        session: bool = True,
+        timeout: float | None = None,
+        sync: bool = True,
     ) -> Any:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline)."""
         self._check_open()
@@ -593,6 +616,7 @@ class Connection:
             return self._in_session(
                 metadata[0][1],
                 lambda: stub_method(request, metadata=metadata, timeout=grpc_timeout),
+                sync=sync,
             )
         except errors.DeadlineExceededError as exc:
             if grpc_timeout is None:  # not our deadline: the server's own word
@@ -603,7 +627,7 @@ class Connection:
                 f"connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
             ) from None
 
-    def _in_session(self, session_id: str, fn: Callable[[], M]) -> M:
+    def _in_session(self, session_id: str, fn: Callable[[], M], sync: bool = True) -> M:
         """Run a call sent in ``session_id``; "unknown session" means it was lost.
 
         The server restarted, or reaped the session after its grace: a new session
@@ -612,6 +636,11 @@ class Connection:
         """
         if self.local is not None:  # a consumer's GPU writes complete before the server's op
             self.local.before_call()
+        if self.pipelining and sync:
+            # what was queued first is applied first; dropped handles wait for the flusher,
+            # as without pipelining: a temporary's handle read just before this call
+            # (`call(..., x.zeros(1).handle)`) must outlive it
+            self.synchronize(releases=False)
         try:
             return fn()
         except grpc.RpcError as err:
@@ -700,6 +729,87 @@ class Connection:
             "the server may be hung or overloaded"
         )
 
+    # ---- pipelining (issue 15) ------------------------------------------------------
+
+    def enqueue(self, op: pb.BatchOp, what: str) -> None:
+        """Queue ``op`` (its result is known here); sent in order in the next Batch."""
+        self._check_open()
+        with self._queue_lock:
+            self._queue.append((op, what))
+            full = len(self._queue) >= PIPELINE_BATCH
+        if full:
+            if self.flush_scheduler is None:
+                self._flush(wait=False)
+            else:
+                self.flush_scheduler(lambda: self._flush(wait=False))
+
+    def synchronize(self, releases: bool = True) -> None:
+        """Send what is queued and wait until the server applied it; raise the first error
+        a queued op met since the last wait (the error names that op)."""
+        self._flush(wait=True, releases=releases)
+        error, self._async_error = self._async_error, None
+        if error is not None:
+            raise error
+
+    def _flush(self, wait: bool, releases: bool = True) -> None:
+        with self._send_lock:
+            self._collect()  # at most one Batch in flight: the server applies them in order
+            with self._queue_lock:
+                queued, self._queue = self._queue, []
+            # releases after the ops queued so far: a handle dropped was issued before it
+            released = self._take_pending(len(queued)) if releases else []
+            ops = [op for op, _ in queued]
+            whats = [what for _, what in queued]
+            if released:
+                ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=released)))
+                whats.append("release")
+            if not ops or self._closed.is_set() or self.inherited:
+                return
+            if self.local is not None:
+                self.local.before_call()
+            timeout = None if self.call_timeout is None else self.call_timeout
+            future = self._stub.Batch.future(
+                pb.BatchRequest(ops=ops), metadata=self.metadata(), timeout=timeout
+            )
+            self._inflight = (future, whats)
+            if wait:
+                self._collect()
+
+    def _take_pending(self, queued: int) -> list[str]:
+        batch: list[str] = []
+        with contextlib.suppress(IndexError):
+            while len(batch) + queued < PIPELINE_BATCH * 4 and self._pending:
+                batch.append(self._pending.popleft())
+        return batch
+
+    def _collect(self) -> None:
+        """Wait for the Batch in flight; keep its first error for the next wait."""
+        if self._inflight is None:
+            return
+        future, whats = self._inflight
+        self._inflight = None
+        try:
+            response = future.result()
+        except grpc.RpcError as err:
+            self._keep_error(error_from_rpc(err))
+            return
+        if response.failed:
+            index = response.failed_index
+            what = whats[index] if 0 <= index < len(whats) else "?"
+            code = next((c for c in grpc.StatusCode if c.value[0] == response.error_code), None)
+            cls = error_class(code, response.error_type)
+            skipped = len(whats) - index - 1
+            self._keep_error(
+                cls(
+                    f"{response.error_message} (pipelined op {what} failed on the server; "
+                    f"the {skipped} op(s) queued after it in the same batch were skipped)"
+                )
+            )
+
+    def _keep_error(self, error: errors.TensordError) -> None:
+        if self._async_error is None:  # the first error is the one that explains the rest
+            self._async_error = error
+
     # ---- releases (batched) --------------------------------------------------------
 
     def queue_release(self, handle: str) -> None:
@@ -726,12 +836,19 @@ class Connection:
                     export_ids=batch, mapped_segments=mapped, closed_imports=closed
                 )
                 with contextlib.suppress(errors.TensordError):  # the session's end frees them
-                    response = self._unary("ReleaseExports", request, timeout=CLOSE_TIMEOUT_S)
+                    response = self._unary(
+                        "ReleaseExports", request, timeout=CLOSE_TIMEOUT_S, sync=False
+                    )
                     if self.local is not None:
                         self.local.unmap_gone(list(response.gone_segments))
 
     def flush_releases(self) -> None:
         self.flush_export_releases()
+        if self.pipelining:  # in order with the queued ops; an op's error waits for a sync
+            self._flush(wait=True)
+            while self._pending and not self.inherited and not self._closed.is_set():
+                self._flush(wait=True)
+            return
         while self._pending and not self.inherited:
             batch: list[str] = []
             with contextlib.suppress(IndexError):  # another flusher emptied the deque
@@ -747,7 +864,13 @@ class Connection:
     def _flush_forever(self) -> None:
         while not self._closed.wait(RELEASE_INTERVAL_S):
             with contextlib.suppress(Exception), _FORK_GATE.busy():  # never die loudly
-                self.flush_releases()
+                if self.pipelining:
+                    # queued ops and releases in one ordered Batch: a release sent alone
+                    # could overtake the queued view that issues its handle
+                    self.flush_export_releases()
+                    self._flush(wait=False)
+                else:
+                    self.flush_releases()
 
     # ---- the session's liveness ------------------------------------------------------
 
@@ -813,8 +936,14 @@ class Connection:
         # One short deadline for all of it, so exit never hangs on a hung server.  No Release
         # first: closing the session frees its handles, the pending ones included.
         deadline = time.monotonic() + self._close_timeout
+        if self.pipelining:  # queued writes may reach Storages other sessions share
+            with contextlib.suppress(errors.TensordError, grpc.RpcError):
+                self._flush(wait=True)
+            self._async_error = None  # the session ends: nothing waits for its ops any more
         with contextlib.suppress(errors.TensordError):
-            self._unary("CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout)
+            self._unary(
+                "CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout, sync=False
+            )
         self._closed.set()
         if self._watchdog is not None:
             self._watchdog.stop()

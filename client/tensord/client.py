@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -55,6 +55,7 @@ def connect(
     tls: bool | None = None,
     root_certificates: RootCertificates | None = None,
     local: bool | None = None,
+    pipelining: bool = True,
 ) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
 
@@ -77,6 +78,12 @@ def connect(
     ``local`` (else ``$TENSORD_LOCAL``, default on): on the server's host, map its
     memory for zero-copy DLPack and one-memcpy transfers, falling back to gRPC silently
     when that is impossible; ``local=False`` always uses gRPC (README, "Same-host zero copy").
+
+    ``pipelining`` (default on): views, ``detach`` and in-place writes (``fill_``,
+    ``zero_``, ``copy_``, ``x[i] = v``) and releases return at once and are sent in order,
+    in batches; a server-side error of one surfaces at the next call that waits for the
+    server (a read, a factory, stats, sharing, ``synchronize()``), naming the op, as CUDA's
+    asynchronous errors do (README, "Pipelining").  ``pipelining=False``: one RPC per op.
     """
     return Client(
         address,
@@ -86,6 +93,7 @@ def connect(
         tls=tls,
         root_certificates=root_certificates,
         local=local,
+        pipelining=pipelining,
     )
 
 
@@ -114,6 +122,7 @@ class Client:
         tls: bool | None = None,
         root_certificates: RootCertificates | None = None,
         local: bool | None = None,
+        pipelining: bool = True,
     ) -> None:
         self._conn = Connection(
             resolve_address(address),
@@ -121,6 +130,7 @@ class Client:
             call_timeout=resolve_call_timeout(call_timeout),
             token=resolve_token(token),
             credentials=resolve_tls(tls, root_certificates),
+            pipelining=pipelining,
         )
         self._local = _local.LocalMapper(self._conn, _local.local_wanted(local))
         self._conn.local = self._local
@@ -151,6 +161,20 @@ class Client:
     def flush(self) -> None:
         """Send the releases of dropped tensors now rather than at the next interval."""
         self._conn.flush_releases()
+
+    def synchronize(self) -> None:
+        """Wait until the server applied every op this client queued (pipelining); raise the
+        first error one of them met, naming it (torch.cuda.synchronize's role)."""
+        self._conn.synchronize()
+
+    @property
+    def pipelining(self) -> bool:
+        return self._conn.pipelining
+
+    def schedule_flushes(self, scheduler: Callable[[Callable[[], None]], None] | None) -> None:
+        """Run the flush of a full queue through ``scheduler`` (None: in the issuing thread),
+        so issuing a view never waits for the server (tensord.aio uses an executor)."""
+        self._conn.flush_scheduler = scheduler
 
     def __enter__(self) -> Client:
         return self

@@ -12,10 +12,15 @@ client sends the queue in batches.
 
 from __future__ import annotations
 
+import base64
 import builtins
+import collections
 import contextlib
+import dataclasses
 import math
 import operator
+import os
+import secrets
 import sys
 import warnings
 import weakref
@@ -404,13 +409,36 @@ class Tensor:
 
     # ---- views: checked locally, then registered by one RPC ---------------------------
 
-    def _views(self, **op: Any) -> list[Tensor]:
-        response = self._session.conn.call("View", pb.ViewRequest(handle=self.handle, **op))
+    def _views(self, layouts: Any = None, **op: Any) -> list[Tensor]:
+        """The view op ``op`` (a ViewRequest field); ``layouts`` are its results as the layout
+        engine computed them here: with pipelining the op is queued and they are returned at
+        once, under handle ids this client chose (issue 15)."""
+        conn = self._session.conn
+        request = pb.ViewRequest(handle=self.handle, **op)
+        if layouts is not None and conn.pipelining:
+            metas = [self._view_meta(lay, op) for lay in layouts]
+            conn.enqueue(
+                pb.BatchOp(view=request, results=[m.handle for m in metas]),
+                f"{next(iter(op))} of {self._meta.handle[:8]}...",
+            )
+            return [Tensor(self._client, self._session, m) for m in metas]
+        response = conn.call("View", request)
         return [wrap(self._client, self._session, m) for m in response.tensors]
 
-    def _view(self, **op: Any) -> Tensor:
-        (result,) = self._views(**op)
+    def _view(self, layout: Layout | None = None, **op: Any) -> Tensor:
+        (result,) = self._views(None if layout is None else (layout,), **op)
         return result
+
+    def _view_meta(self, layout: Layout, op: dict[str, Any]) -> Meta:
+        """A view's metadata as the server will make it (same Storage, a new handle)."""
+        meta = dataclasses.replace(self._meta, handle=new_handle_id(), layout=layout)
+        if "view_dtype" in op:  # view(dtype) is not differentiable: never requires grad
+            return dataclasses.replace(
+                meta, dtype=dtypes.dtype_from_name(op["view_dtype"].dtype), requires_grad=False
+            )
+        if "detach" in op:
+            return dataclasses.replace(meta, requires_grad=False)
+        return meta
 
     def view(self, *shape: Any) -> Tensor:
         if not shape:
@@ -422,16 +450,16 @@ class Tensor:
             return self._view_dtype(as_dtype(shape[0]))
         with torch_errors():
             sizes = shape_args(shape)
-            self._meta.layout.view(sizes)
-        return self._view(view=pb.ViewShape(shape=sizes))
+            layout = self._meta.layout.view(sizes)
+        return self._view(layout, view=pb.ViewShape(shape=sizes))
 
     def _view_dtype(self, dtype: DType) -> Tensor:
         old = self.dtype
         with torch_errors():
-            self._meta.layout.view_dtype(
+            layout = self._meta.layout.view_dtype(
                 old.itemsize, dtype.itemsize, old_name=old.scalar_type, new_name=dtype.scalar_type
             )
-        return self._view(view_dtype=pb.ViewDtype(dtype=dtype.name))
+        return self._view(layout, view_dtype=pb.ViewDtype(dtype=dtype.name))
 
     def view_as(self, other: Tensor) -> Tensor:
         return self.view(other.shape)
@@ -442,7 +470,7 @@ class Tensor:
             sizes = shape_args(shape)
             viewed = self._meta.layout.reshape(sizes)
         if viewed is not None:
-            return self._view(view=pb.ViewShape(shape=sizes))
+            return self._view(viewed, view=pb.ViewShape(shape=sizes))
         meta = self._session.conn.call(
             "Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes)
         )
@@ -455,27 +483,27 @@ class Tensor:
         if _is_tensor(start):  # torch's narrow(dim, Tensor start, length) overload
             start = _narrow_start(start)
         with torch_errors():
-            self._meta.layout.narrow(dim, start, length)
-        return self._view(narrow=pb.Narrow(dim=dim, start=start, length=length))
+            layout = self._meta.layout.narrow(dim, start, length)
+        return self._view(layout, narrow=pb.Narrow(dim=dim, start=start, length=length))
 
     def select(self, dim: builtins.int, index: builtins.int) -> Tensor:
         with torch_errors():
-            self._meta.layout.select(dim, index)
-        return self._view(select=pb.Select(dim=dim, index=index))
+            layout = self._meta.layout.select(dim, index)
+        return self._view(layout, select=pb.Select(dim=dim, index=index))
 
     def __getitem__(self, key: Any) -> Tensor:
         key = plain_index(key)
         with torch_errors():
-            self._meta.layout[key]
-        return self._view(index=pb.Index(items=index_items(key)))
+            layout = self._meta.layout[key]
+        return self._view(layout, index=pb.Index(items=index_items(key)))
 
     def __delitem__(self, key: Any) -> None:
         raise errors.TensordTypeError("Tensor does not support deleting items")
 
     def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
         with torch_errors():
-            self._meta.layout.transpose(dim0, dim1)
-        return self._view(transpose=pb.Transpose(dim0=dim0, dim1=dim1))
+            layout = self._meta.layout.transpose(dim0, dim1)
+        return self._view(layout, transpose=pb.Transpose(dim0=dim0, dim1=dim1))
 
     def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
         return self.transpose(axis0, axis1)
@@ -485,8 +513,8 @@ class Tensor:
 
     def t(self) -> Tensor:
         with torch_errors():
-            self._meta.layout.t()
-        return self._view(t=pb.T())
+            layout = self._meta.layout.t()
+        return self._view(layout, t=pb.T())
 
     @property
     def T(self) -> Tensor:
@@ -538,25 +566,25 @@ class Tensor:
         require_args("permute", "dims", dims)
         with torch_errors():
             order = shape_args(dims)
-            self._meta.layout.permute(order)
-        return self._view(permute=pb.Permute(dims=order))
+            layout = self._meta.layout.permute(order)
+        return self._view(layout, permute=pb.Permute(dims=order))
 
     def moveaxis(self, source: Any, destination: Any) -> Tensor:
         return self.movedim(source, destination)
 
     def movedim(self, source: Any, destination: Any) -> Tensor:
         with torch_errors():
-            self._meta.layout.movedim(source, destination)
+            layout = self._meta.layout.movedim(source, destination)
         src = [source] if isinstance(source, builtins.int) else list(source)
         dst = [destination] if isinstance(destination, builtins.int) else list(destination)
-        return self._view(movedim=pb.Movedim(source=src, destination=dst))
+        return self._view(layout, movedim=pb.Movedim(source=src, destination=dst))
 
     def expand(self, *sizes: Any) -> Tensor:
         require_args("expand", "size", sizes)
         with torch_errors():
             target = shape_args(sizes)
-            self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
-        return self._view(expand=pb.Expand(shape=target))
+            layout = self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
+        return self._view(layout, expand=pb.Expand(shape=target))
 
     def expand_as(self, other: Any) -> Tensor:
         return self.expand(tuple(other.shape))
@@ -566,16 +594,16 @@ class Tensor:
 
     def squeeze(self, dim: Any = None) -> Tensor:
         with torch_errors():
-            self._meta.layout.squeeze(dim)
+            layout = self._meta.layout.squeeze(dim)
         if dim is None:
-            return self._view(squeeze=pb.Squeeze())
+            return self._view(layout, squeeze=pb.Squeeze())
         dims = [dim] if isinstance(dim, builtins.int) else list(dim)
-        return self._view(squeeze=pb.Squeeze(dims=pb.IntList(values=dims)))
+        return self._view(layout, squeeze=pb.Squeeze(dims=pb.IntList(values=dims)))
 
     def unsqueeze(self, dim: builtins.int) -> Tensor:
         with torch_errors():
-            self._meta.layout.unsqueeze(dim)
-        return self._view(unsqueeze=pb.Unsqueeze(dim=dim))
+            layout = self._meta.layout.unsqueeze(dim)
+        return self._view(layout, unsqueeze=pb.Unsqueeze(dim=dim))
 
     def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
         with torch_errors():
@@ -583,7 +611,7 @@ class Tensor:
         if viewed is self._meta.layout and self.ndim > 0:
             return self  # start_dim == end_dim: torch returns self
         if viewed is not None:
-            return self._view(flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
+            return self._view(viewed, flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
         # torch.flatten reshapes, and a reshape that cannot view copies
         # the flattened shape: the layout engine's flatten of a contiguous tensor (always a view)
         flat = Layout.contiguous(tuple(self.shape)).flatten(start_dim, end_dim)
@@ -592,17 +620,17 @@ class Tensor:
 
     def unflatten(self, dim: builtins.int, sizes: Sequence[builtins.int]) -> Tensor:
         with torch_errors():
-            self._meta.layout.unflatten(dim, sizes)
-        return self._view(unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
+            layout = self._meta.layout.unflatten(dim, sizes)
+        return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
-            self._meta.layout.split(split_size_or_sections, dim)
+            parts = self._meta.layout.split(split_size_or_sections, dim)
         if isinstance(split_size_or_sections, builtins.int):
             op = pb.Split(split_size=split_size_or_sections, dim=dim)
         else:
             op = pb.Split(sections=pb.IntList(values=list(split_size_or_sections)), dim=dim)
-        return tuple(self._views(split=op))
+        return tuple(self._views(parts, split=op))
 
     def tensor_split(self, indices_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         """mirrors torch.Tensor.tensor_split: an int (sections), a sequence of split
@@ -641,13 +669,13 @@ class Tensor:
         with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
             if self._meta.layout.split(sizes, dim) == parts:
                 op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
-                return tuple(self._views(split=op))
+                return tuple(self._views(parts, split=op))
         return tuple(self._strided_view(p) for p in parts)
 
     def _strided_view(self, layout: Layout) -> Tensor:
         """A handle on ``layout`` (computed here by the layout engine) as one as_strided."""
         op = pb.AsStrided(size=layout.shape, stride=layout.stride, storage_offset=layout.offset)
-        return self._view(as_strided=op)
+        return self._view(layout, as_strided=op)
 
     def unfold(self, dimension: builtins.int, size: builtins.int, step: builtins.int) -> Tensor:
         with torch_errors():
@@ -660,20 +688,20 @@ class Tensor:
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
-            self._meta.layout.chunk(chunks, dim)
-        return tuple(self._views(chunk=pb.Chunk(chunks=chunks, dim=dim)))
+            parts = self._meta.layout.chunk(chunks, dim)
+        return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
-            self._meta.layout.unbind(dim)
-        return tuple(self._views(unbind=pb.Unbind(dim=dim)))
+            parts = self._meta.layout.unbind(dim)
+        return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
 
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
     ) -> Tensor:
         with torch_errors():
-            self._meta.layout.diagonal(offset, dim1, dim2)
-        return self._view(diagonal=pb.Diagonal(offset=offset, dim1=dim1, dim2=dim2))
+            layout = self._meta.layout.diagonal(offset, dim1, dim2)
+        return self._view(layout, diagonal=pb.Diagonal(offset=offset, dim1=dim1, dim2=dim2))
 
     def as_strided(
         self,
@@ -683,7 +711,7 @@ class Tensor:
     ) -> Tensor:
         itemsize = self.dtype.itemsize
         with torch_errors():
-            self._meta.layout.as_strided(
+            layout = self._meta.layout.as_strided(
                 size,
                 stride,
                 storage_offset,
@@ -691,7 +719,7 @@ class Tensor:
                 itemsize=itemsize,
             )
         op = pb.AsStrided(size=list(size), stride=list(stride), storage_offset=storage_offset)
-        return self._view(as_strided=op)
+        return self._view(layout, as_strided=op)
 
     # ---- in-place view ops: this object takes a new handle; other handles are unchanged ----
 
@@ -727,7 +755,7 @@ class Tensor:
         return self._become(self.as_strided(size, stride, storage_offset))
 
     def detach(self) -> Tensor:
-        return self._view(detach=pb.Detach())
+        return self._view(self._meta.layout, detach=pb.Detach())
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
         """In place, as torch: this object now carries the flag (the server holds it too)."""
@@ -855,7 +883,7 @@ class Tensor:
             return self
         source = src if isinstance(src, Tensor) else self._upload_source(src)
         handle = own(self._client, source, 0)
-        self._session.conn.call("Copy", pb.CopyRequest(dst=self.handle, src=handle))
+        self._write("Copy", pb.CopyRequest(dst=self.handle, src=handle))
         return self
 
     def fill_(self, value: Any) -> Tensor:
@@ -866,7 +894,7 @@ class Tensor:
                     f"{value.ndim} dimensions."
                 )
             value = value.item()
-        self._session.conn.call("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
+        self._write("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
         return self
 
     def zero_(self) -> Tensor:
@@ -893,7 +921,17 @@ class Tensor:
         else:  # an array or nested list: uploaded first, then copied in on the server
             source = self._upload_source(value)
             request.src_handle = source.handle
-        self._session.conn.call("SetItem", request)
+        self._write("SetItem", request)
+
+    def _write(self, method: str, request: Any) -> None:
+        """An in-place write: queued with pipelining (its result is this tensor), else one RPC."""
+        conn = self._session.conn
+        if not conn.pipelining:
+            conn.call(method, request)
+            return
+        field = {"Copy": "copy", "Fill": "fill", "SetItem": "set_item"}[method]
+        what = {"Copy": "copy_", "Fill": "fill_", "SetItem": "__setitem__"}[method]
+        conn.enqueue(pb.BatchOp(**{field: request}), f"{what} of {self._meta.handle[:8]}...")
 
     # ---- bytes to Python ----------------------------------------------------------------
 
@@ -1218,6 +1256,30 @@ def _parse_to(
 
 
 # ---- what the client and the same-host paths need of tensors ------------------------------
+
+
+# Pipelined views' handle ids: 16 random bytes each (the server's own format), drawn from
+# the OS this many at a time: one getrandom per view cost more than the rest of the view.
+_IDS_PER_DRAW = 256
+_random_ids: collections.deque[str] = collections.deque()
+_random_ids_pid = os.getpid()
+
+
+def new_handle_id() -> str:
+    """A handle id this client chooses for a pipelined view: as secrets.token_urlsafe(16)."""
+    global _random_ids_pid
+    if _random_ids_pid != os.getpid():  # a fork child draws its own
+        _random_ids.clear()
+        _random_ids_pid = os.getpid()
+    try:
+        return _random_ids.popleft()
+    except IndexError:
+        raw = secrets.token_bytes(16 * _IDS_PER_DRAW)
+        _random_ids.extend(
+            base64.urlsafe_b64encode(raw[i : i + 16]).rstrip(b"=").decode()
+            for i in range(0, len(raw), 16)
+        )
+        return _random_ids.popleft()
 
 
 def wrap(client: SessionClient, session: ClientSession, meta: pb.TensorMeta) -> Tensor:

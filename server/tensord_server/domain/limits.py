@@ -23,6 +23,9 @@ DIM_FIELDS = frozenset(
 )
 # Any other repeated field (handles to release or cat, index items, split sections).
 MAX_LIST_LEN = 65536
+# Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
+# checked as its unary RPC's is.
+MAX_BATCH_OPS = 4096
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
 # Every integer in a shape, stride or offset: |n| <= 2**48, so a product or sum of up
@@ -145,4 +148,11 @@ def check_op_elements(elements: int, limit: int | None) -> None:
     if limit is not None and elements > limit:
         raise ResourceExhaustedError(
             f"this op would touch {elements} elements, over the limit (--max-op-elements {limit})"
+        )
+
+
+def check_batch_ops(count: int) -> None:
+    if count > MAX_BATCH_OPS:
+        raise InvalidArgumentError(
+            f"a Batch of {count} ops exceeds the limit {MAX_BATCH_OPS} (limits.MAX_BATCH_OPS)"
         )

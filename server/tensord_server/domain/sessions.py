@@ -38,7 +38,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tensord.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError
+from tensord.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
@@ -64,6 +69,22 @@ DEFAULT_MAX_SHARE_TTL_S = 86400.0
 def new_capability() -> str:
     """An unguessable id (128 bits): handle ids and share tokens."""
     return secrets.token_urlsafe(16)
+
+
+# A handle id a client chooses (pipelining, issue 15) has the shape of ours: 16 random
+# bytes in URL-safe base64, so it is as hard to guess and no longer than a server's.
+CHOSEN_ID_LENGTH = 22
+_CHOSEN_ID_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def check_chosen_id(handle_id: str) -> None:
+    """Refuse a client-chosen handle id that is not 22 URL-safe base64 characters."""
+    if len(handle_id) != CHOSEN_ID_LENGTH or not _CHOSEN_ID_ALPHABET.issuperset(handle_id):
+        raise InvalidArgumentError(
+            f"a client-chosen handle id must be {CHOSEN_ID_LENGTH} characters of the URL-safe "
+            f"base64 alphabet (16 random bytes, as secrets.token_urlsafe(16)); got "
+            f"{handle_id[:32]!r}"
+        )
 
 
 @dataclass(eq=False)
@@ -318,6 +339,24 @@ class SessionManager:
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
         return handles
+
+    def rename(self, session: Session, issued: Sequence[str], chosen: Sequence[str]) -> None:
+        """Give handles just issued in ``session`` the ids its client chose (a pipelined view,
+        issue 15).  All or none: every chosen id must be well formed (``check_chosen_id``) and
+        not live in the session.  A client-chosen id is a name in this session's table only."""
+        for handle_id in chosen:
+            check_chosen_id(handle_id)
+        if len(set(chosen)) != len(chosen):
+            raise AlreadyExistsError("a pipelined op names the same result handle twice")
+        with self._lock:
+            for handle_id in chosen:
+                if handle_id in session.handles:
+                    raise AlreadyExistsError(
+                        f"handle {handle_id[:8]!r}... is live in this session: a result id "
+                        "is never reused while it names a tensor"
+                    )
+            for old, new in zip(issued, chosen, strict=True):
+                session.handles[new] = session.handles.pop(old)
 
     def check_room(self, session: Session, wanted: int) -> None:
         """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""

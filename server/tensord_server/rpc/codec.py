@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError
 
-from tensord_server.domain import limits
+from tensord_server.domain import batch, limits
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.views import ViewOp, index_key
@@ -126,3 +126,27 @@ def decode_view_op(request: pb.ViewRequest) -> ViewOp:
     if kind is None:
         raise ValueError("ViewRequest names no op")
     return _VIEW_DECODERS[kind](getattr(request, kind))
+
+
+def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
+    """One queued op of a Batch as the domain's value (issue 15)."""
+    kind = message.WhichOneof("op")
+    if kind == "view":
+        view = message.view
+        return batch.QueuedView(view.handle, decode_view_op(view), tuple(message.results))
+    if kind == "fill":
+        return batch.QueuedFill(message.fill.handle, decode_scalar(message.fill.value))
+    if kind == "copy":
+        return batch.QueuedCopy(message.copy.dst, message.copy.src)
+    if kind == "set_item":
+        item = message.set_item
+        by_handle = item.WhichOneof("value") == "src_handle"
+        return batch.QueuedSetItem(
+            item.handle,
+            decode_index(item.index),
+            None if by_handle else decode_scalar(item.scalar),
+            item.src_handle if by_handle else None,
+        )
+    if kind == "release":
+        return batch.QueuedRelease(tuple(message.release.handles))
+    raise InvalidArgumentError("a BatchOp names no op")

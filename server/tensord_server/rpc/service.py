@@ -28,7 +28,7 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.shm import SharedHostBackend
-from tensord_server.domain import auth
+from tensord_server.domain import auth, batch, limits
 from tensord_server.domain.admission import watched
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session
@@ -36,6 +36,7 @@ from tensord_server.domain.store import TensorStore
 from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
+    decode_batch_op,
     decode_index,
     decode_message,
     decode_scalar,
@@ -229,6 +230,25 @@ class TensordService:
         session = self._session(context)
         issued = self.store.view(session, request.handle, decode_view_op(request))
         return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
+
+    # -- issue 15 pipelining ---------------------------------------------------------
+
+    @_unary
+    def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
+        session = self._session(context)
+        limits.check_batch_ops(len(request.ops))  # bounded before any op is even decoded
+        outcome = batch.run_batch(self.store, session, [decode_batch_op(o) for o in request.ops])
+        if outcome.error is None:
+            return pb.BatchResponse(applied=outcome.applied)
+        exc = outcome.error
+        return pb.BatchResponse(
+            applied=outcome.applied,
+            failed=True,
+            failed_index=outcome.failed_index or 0,
+            error_type=status.error_type_for(exc),
+            error_message=status.details_for(exc),
+            error_code=status.status_for(exc).value[0],
+        )
 
     # -- factories ----------------------------------------------------------------
 

@@ -209,6 +209,11 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/tensord.v1.Tensord/Batch',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.BatchRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.BatchResponse.FromString,
+                _registered_method=True)
 
 
 class TensordServicer:
@@ -462,6 +467,18 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request, context):
+        """issue 15 pipelining
+        An ordered list of ops the client queued (views, detach, fills, copies, setitem,
+        releases), applied in order in the caller's session. Result handles are chosen by the
+        client (BatchOp.results). The first op that fails stops the batch: the ops after it
+        are skipped, and the answer names the failed op (OK status: the client raises it at
+        its next call that waits for the server). At most limits.MAX_BATCH_OPS ops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensordServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -639,6 +656,11 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.ReleaseExports,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.BatchRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.BatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1586,6 +1608,33 @@ class Tensord:
             '/tensord.v1.Tensord/ReleaseExports',
             tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Batch',
+            tensord_dot_v1_dot_tensord__pb2.BatchRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.BatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,111 @@
+"""A pipelined Batch (issue 15): a session's queued ops, applied in the order they were issued.
+
+The SDK queues the ops whose result it can compute itself (views, detach, in-place
+writes, releases) and sends them in one Batch.  Each op runs through the same
+:class:`TensorStore` method as its unary RPC, so its cost is checked exactly as
+today; a view's results then take the ids the client chose.  The first op that
+fails stops the batch (the rest may depend on it: CUDA's asynchronous error model),
+and the outcome names it so the client can raise it at its next call that waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensord.errors import InvalidArgumentError
+
+from tensord_server.domain import limits
+from tensord_server.domain.kernels import Scalar
+from tensord_server.domain.sessions import Session, check_chosen_id
+from tensord_server.domain.store import TensorStore, ViewOp
+
+
+@dataclass(frozen=True)
+class QueuedView:
+    handle: str
+    op: ViewOp
+    results: tuple[str, ...]  # the client-chosen ids, one per result
+
+
+@dataclass(frozen=True)
+class QueuedFill:
+    handle: str
+    value: Scalar
+
+
+@dataclass(frozen=True)
+class QueuedCopy:
+    dst: str
+    src: str
+
+
+@dataclass(frozen=True)
+class QueuedSetItem:
+    handle: str
+    index: tuple[Any, ...]
+    value: Scalar | None
+    src_handle: str | None
+
+
+@dataclass(frozen=True)
+class QueuedRelease:
+    handles: tuple[str, ...]
+
+
+QueuedOp = QueuedView | QueuedFill | QueuedCopy | QueuedSetItem | QueuedRelease
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    applied: int
+    failed_index: int | None = None
+    error: BaseException | None = None
+
+
+def check_batch(ops: Sequence[QueuedOp]) -> None:
+    """Bound the batch before any op runs: its length and every chosen id's format."""
+    limits.check_batch_ops(len(ops))
+    for op in ops:
+        if isinstance(op, QueuedView):
+            for handle_id in op.results:
+                check_chosen_id(handle_id)
+
+
+def run_batch(store: TensorStore, session: Session, ops: Sequence[QueuedOp]) -> BatchOutcome:
+    """Apply ``ops`` in order; stop at the first failure and say which op it was."""
+    check_batch(ops)
+    for index, op in enumerate(ops):
+        try:
+            _apply(store, session, op)
+        except Exception as exc:  # the client raises it, typed, at its next wait
+            return BatchOutcome(applied=index, failed_index=index, error=exc)
+    return BatchOutcome(applied=len(ops))
+
+
+def _apply(store: TensorStore, session: Session, op: QueuedOp) -> None:
+    if isinstance(op, QueuedView):
+        _view(store, session, op)
+    elif isinstance(op, QueuedFill):
+        store.fill(session, op.handle, op.value)
+    elif isinstance(op, QueuedCopy):
+        store.copy(session, op.dst, op.src)
+    elif isinstance(op, QueuedSetItem):
+        store.setitem(session, op.handle, op.index, value=op.value, src_handle=op.src_handle)
+    else:
+        store.sessions.release(session, op.handles)
+
+
+def _view(store: TensorStore, session: Session, op: QueuedView) -> None:
+    issued = [i.handle for i in store.view(session, op.handle, op.op)]
+    try:
+        if len(issued) != len(op.results):
+            raise InvalidArgumentError(
+                f"the view op {op.op.name} made {len(issued)} tensors but the batch named "
+                f"{len(op.results)} result handles"
+            )
+        store.sessions.rename(session, issued, op.results)
+    except BaseException:
+        store.sessions.release(session, issued)  # never a handle the client does not know
+        raise

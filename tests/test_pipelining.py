@@ -1,0 +1,162 @@
+"""Pipelining (issue 15): queued views and writes, applied in issue order, errors at the next wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tensord
+import torch
+from conftest import server_allocated
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+
+
+def test_views_and_writes_are_queued_not_sent(client: Any, server: Any) -> None:
+    x = client.zeros(4, 3)
+    before = server.daemon.sessions.handle_count(server.daemon.sessions.get(client.session_id))
+    row = x[1]
+    row.fill_(5)
+    assert row.shape == (3,) and row.stride() == (1,) and row.storage_offset() == 3
+    # nothing reached the server yet: the view's handle is not in the session
+    session = server.daemon.sessions.get(client.session_id)
+    assert server.daemon.sessions.handle_count(session) == before
+    client.synchronize()
+    assert server.daemon.sessions.handle_count(session) == before + 1
+
+
+def test_write_then_read(client: Any) -> None:
+    x = client.zeros(100, 2)
+    oracle = torch.zeros(100, 2)
+    for i in range(100):
+        x[i].fill_(i)
+        oracle[i].fill_(i)
+    np.testing.assert_array_equal(x.numpy(), oracle.numpy())
+
+
+def test_view_then_write_through_the_view(client: Any) -> None:
+    x = client.zeros(3, 4)
+    oracle = torch.zeros(3, 4)
+    for t in (x, oracle):
+        t.t()[2].fill_(7)
+        t.transpose(0, 1).narrow(0, 0, 1).zero_()
+        _, b = t.split(2)
+        b.copy_(t[0:1])
+        t[1, 1:3] = 9
+        d = t.detach()
+        d[0, 3] = -1
+    np.testing.assert_array_equal(x.numpy(), oracle.numpy())
+    assert x.detach().requires_grad is False
+
+
+def test_release_then_reuse(client: Any, server: Any) -> None:
+    session = server.daemon.sessions.get(client.session_id)
+    x = client.zeros(8)
+    client.synchronize()
+    baseline = server.daemon.sessions.handle_count(session)
+    for i in range(50):
+        v = x[i % 8 : i % 8 + 1]
+        v.fill_(i)
+        del v  # released through the queue, after the view that issued it
+    client.flush()
+    assert server.daemon.sessions.handle_count(session) == baseline
+    assert x.tolist() == [48.0, 49.0, 42.0, 43.0, 44.0, 45.0, 46.0, 47.0]
+
+
+def test_error_surfaces_at_next_wait_naming_the_op(client: Any) -> None:
+    x = client.zeros(4, dtype=torch.uint8)
+    x.fill_(1)
+    x.fill_(300)  # fits no uint8: only the server's kernel checks it
+    x[0].fill_(2)  # skipped: it comes after the failure in the same batch
+    with pytest.raises(RuntimeError, match=r"fill_ of .*failed on the server.*skipped"):
+        x.numpy()
+    assert x.tolist() == [1, 1, 1, 1]  # the first fill ran, the one after the error did not
+    client.synchronize()  # the error was raised once
+
+
+def test_unknown_client_ids_are_refused(server: Any, open_session: Any) -> None:
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4], dtype="float32"), metadata=session.md)
+
+    def view_t(chosen: str) -> pb.BatchRequest:
+        op = pb.BatchOp(view=pb.ViewRequest(handle=meta.handle, t=pb.T()), results=[chosen])
+        return pb.BatchRequest(ops=[op])
+
+    # malformed ids: the whole batch is refused before any op runs
+    for chosen in ("short", "x" * 21 + "!"):
+        with pytest.raises(grpc.RpcError) as info:
+            session.Batch(view_t(chosen), metadata=session.md)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    # a live id (here the input's own): the op fails and is named, nothing was renamed
+    response = session.Batch(view_t(meta.handle), metadata=session.md)
+    assert response.failed and response.failed_index == 0 and "live" in response.error_message
+    ok = session.Batch(view_t("B" * 22), metadata=session.md)
+    assert not ok.failed and ok.applied == 1
+    again = session.Batch(view_t("B" * 22), metadata=session.md)  # never a live id twice
+    assert again.failed
+    # two results with one id: refused, and the view issued nothing
+    op = pb.BatchOp(
+        view=pb.ViewRequest(handle=meta.handle, chunk=pb.Chunk(chunks=2, dim=0)),
+        results=["A" * 22, "A" * 22],
+    )
+    response = session.Batch(pb.BatchRequest(ops=[op]), metadata=session.md)
+    assert response.failed and "twice" in response.error_message
+    too_many = [pb.BatchOp(release=pb.ReleaseRequest(handles=["h"]))] * 4097
+    with pytest.raises(grpc.RpcError) as info:
+        session.Batch(pb.BatchRequest(ops=too_many), metadata=session.md)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_many_threads_share_one_client(client: Any) -> None:
+    x = client.zeros(8, 64)
+
+    def work(row: int) -> None:
+        for j in range(64):
+            x[row, j].fill_(row * 100 + j)
+        assert x[row].tolist() == [row * 100 + j for j in range(64)]
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    expected = np.arange(64)[None, :] + 100 * np.arange(8)[:, None]
+    np.testing.assert_array_equal(x.numpy(), expected)
+
+
+def test_killed_client_with_ops_queued_leaks_nothing(make_server: Any, wait_until: Any) -> None:
+    server = make_server(lease=0.5, session_grace=0.2)
+    before = server_allocated(server)
+    script = textwrap.dedent(
+        f"""
+        import os, tensord
+        c = tensord.connect({server.address!r})
+        x = c.zeros(1024, 256)
+        c.synchronize()
+        views = [x[i] for i in range(200)]
+        for v in views:
+            v.fill_(1)
+        print("queued", flush=True)
+        os._exit(0)  # killed: no close, ops still queued
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "queued" in done.stdout, done.stderr
+    assert server_allocated(server) > before or server.daemon.sessions.session_ids() == []
+    assert wait_until(lambda: server_allocated(server) == before, timeout=20)
+    assert server.daemon.sessions.session_ids() == []
+
+
+def test_pipelining_off_sends_each_op(server: Any) -> None:
+    with tensord.connect(server.address, pipelining=False) as c:
+        x = c.zeros(2, dtype=torch.uint8)
+        with pytest.raises(RuntimeError):
+            x.fill_(300)  # raised at once, as before
+        assert not c.pipelining
