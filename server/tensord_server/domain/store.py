@@ -21,7 +21,7 @@ from tensord.dtypes import DType
 from tensord.layout import PRESERVE_FORMAT, Layout, empty_strided_layout
 
 from tensord_server.devices.table import Device, DeviceSpec, DeviceTable, activate
-from tensord_server.domain import kernels, limits
+from tensord_server.domain import indexing, kernels, limits
 from tensord_server.domain.admission import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
@@ -650,6 +650,69 @@ class TensorStore:
         before = int(pool.memory_stats()["reserved_bytes.all.current"])
         pool.empty_cache()
         return before - int(pool.memory_stats()["reserved_bytes.all.current"])
+
+    # -- issue 14 indexing: advanced indexing (the rules in domain/indexing.py) -------------
+
+    def advanced_index(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        raw: bool = False,
+        op: str = "",
+    ) -> Issued:
+        """x[items] with a tensor (or Python bool) among them: a gather into a new tensor.
+        ``raw``: the items are aten::index's list (tensors and None), as index_select's."""
+        extra = indexing.tensor_handles(items)
+        with self._using(session, handle, *extra) as held:
+            ref, refs = held[0], dict(zip(extra, held[1:], strict=True))
+            target, indices = indexing.sliced(self.array, ref, items, refs, raw)
+            plan = indexing.planned(self.array, self._check_elements, target, indices, op)
+            indexing.check_bounds(plan, op)
+            layout = Layout(plan.shape, plan.stride)
+            with self._allocated(session, ref.device, layout, ref.dtype, ref.requires_grad) as out:
+                indexing.gather(ref.device.xp, self.array(target), self.array(out), plan)
+                return self._issue(session, out)
+
+    def advanced_setitem(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        value: Scalar | None = None,
+        src_handle: str | None = None,
+        accumulate: bool = False,
+        raw: bool = False,
+    ) -> Issued:
+        """x[items] = value (a scalar or a tensor); x.index_put_(items, value, accumulate)
+        with ``raw``.  Checks in torch's order: the scalar, the slicing, the masked_fill_
+        dispatch or the value's shape and dtype, then the indices' bounds."""
+        extra = indexing.tensor_handles(items)
+        sources = () if src_handle is None else (src_handle,)
+        with self._using(session, handle, *extra, *sources) as held:
+            ref, refs = held[0], dict(zip(extra, held[1 : 1 + len(extra)], strict=True))
+            src = held[-1] if src_handle is not None else None
+            if src is None:  # torch makes the scalar a tensor of x's dtype first
+                assert value is not None
+                kernels.check_scalar_fits(value, ref.dtype)
+            target, indices = indexing.sliced(self.array, ref, items, refs, raw)
+            plan = indexing.planned(self.array, self._check_elements, target, indices)
+            xp, dst = ref.device.xp, self.array(target)
+            if not accumulate and indexing.dispatches_to_masked_fill(indices, src):
+                indexing.check_masked_fill_mask(indices)
+                if src is not None:
+                    value = kernels.to_host(self.array(src)).reshape(()).item()
+                assert value is not None
+                source = indexing.scalar_source(xp, dst, value, ref.dtype)
+            elif src is None:
+                assert value is not None
+                source = indexing.scalar_source(xp, dst, value, ref.dtype)
+            else:
+                shape = indexing.check_put_source(ref, src, plan, raw)
+                source = kernels.to_module(xp, self.array(src)).reshape(shape)
+            indexing.check_bounds(plan, "")
+            indexing.scatter(xp, dst, source, plan, accumulate)
+            return Issued(handle, ref)
 
 
 def flattened_shape(shape: tuple[int, ...], op: ViewOp) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from tensord.protocol import (
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import auth, limits
 from tensord_server.domain.admission import watched
+from tensord_server.domain.indexing import TensorItem
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import (
@@ -103,6 +104,21 @@ def decode_index_item(item: pb.IndexItem) -> Any:
 
 def decode_index(items: Any) -> tuple[Any, ...]:
     return tuple(decode_index_item(item) for item in items)
+
+
+def decode_advanced_item(item: pb.AdvancedIndexItem) -> Any:
+    kind = item.WhichOneof("item")
+    if kind == "basic":
+        return decode_index_item(item.basic)
+    if kind == "tensor":
+        return TensorItem(item.tensor)
+    if kind == "boolean":
+        return bool(item.boolean)
+    raise ValueError("an AdvancedIndexItem must carry a basic item, a tensor or a bool")
+
+
+def decode_advanced_index(items: Any) -> tuple[Any, ...]:
+    return tuple(decode_advanced_item(item) for item in items)
 
 
 # ViewRequest's oneof field -> how to turn its message into a layout-engine call.
@@ -577,6 +593,33 @@ class TensordService:
         ]
         gone = table.gone_segments(backends, list(request.mapped_segments))
         return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
+
+    # -- issue 14 indexing ------------------------------------------------------------
+
+    @_unary
+    def AdvancedIndex(self, request: pb.AdvancedIndexRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        items = decode_advanced_index(request.index)
+        return encode_meta(
+            self.store.advanced_index(session, request.handle, items, request.raw, request.op)
+        )
+
+    @_unary
+    def AdvancedSetItem(self, request: pb.AdvancedSetItemRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        items = decode_advanced_index(request.index)
+        is_tensor = request.WhichOneof("value") == "src_handle"
+        return encode_meta(
+            self.store.advanced_setitem(
+                session,
+                request.handle,
+                items,
+                value=None if is_tensor else decode_scalar(request.scalar),
+                src_handle=request.src_handle if is_tensor else None,
+                accumulate=request.accumulate,
+                raw=request.raw,
+            )
+        )
 
 
 _HANDLER_FACTORIES = {
