@@ -470,6 +470,8 @@ def sliced(
 ) -> tuple[TensorRef, list[_Index | None]]:
     """The tensor the index reads or writes (the basic view) and aten::index's list on it."""
     if raw:  # index_put_/index_select: the items are aten's list itself (tensors, None)
+        if not all(i is None or isinstance(i, TensorItem) for i in items):
+            raise ValueError("a raw index holds only index tensors and None")
         if len(items) > ref.layout.ndim:
             raise IndexError(
                 f"too many indices for tensor of dimension {ref.layout.ndim} (got {len(items)})"
