@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import _dlpack, _format, _local, dtypes, errors
+from tensord import _dlpack, _format, _indexing, _local, dtypes, errors
 from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._session import ClientSession, SessionClient
@@ -493,6 +493,9 @@ class Tensor:
 
     def __getitem__(self, key: Any) -> Tensor:
         key = plain_index(key)
+        items = plain_index(_indexing.key_items(key, _is_tensor))
+        if _indexing.is_advanced(items, _is_tensor):
+            return self._advanced_index(items)
         with torch_errors():
             layout = self._meta.layout[key]
         return self._view(layout, index=pb.Index(items=index_items(key)))
@@ -907,6 +910,10 @@ class Tensor:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         key = plain_index(key)
+        items = plain_index(_indexing.key_items(key, _is_tensor))
+        if _indexing.is_advanced(items, _is_tensor):
+            self._advanced_put(items, value)
+            return
         with torch_errors():
             self._meta.layout[key]
         request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
@@ -1077,6 +1084,126 @@ class Tensor:
 
     def cdouble(self) -> Tensor:
         return self.to(dtypes.complex128)
+
+    # ---- issue 14 indexing: advanced indexing (a gather or scatter on the server) -----------
+
+    def _index_handle(self, item: Any, keep: list[Tensor]) -> str:
+        """An index item's handle: a tensor of this client as it is, anything else (a list,
+        an array, a torch tensor) uploaded first onto this tensor's device."""
+        if isinstance(item, Tensor):
+            return own(self._client, item, 0)
+        data = item.detach().cpu().numpy() if _is_tensor(item) else _indexing.index_data(item)
+        uploaded: Tensor = self._client.tensor(data, device=self.device)
+        keep.append(uploaded)  # alive until the call is answered
+        return uploaded.handle
+
+    def _advanced_items(
+        self, items: tuple[Any, ...], keep: list[Tensor]
+    ) -> list[pb.AdvancedIndexItem]:
+        return _indexing.advanced_items(
+            items, _is_tensor, lambda item: self._index_handle(item, keep)
+        )
+
+    def _advanced_index(
+        self, items: tuple[Any, ...], raw: builtins.bool = False, op: str = ""
+    ) -> Tensor:
+        keep: list[Tensor] = []
+        request = pb.AdvancedIndexRequest(
+            handle=self.handle, index=self._advanced_items(items, keep), raw=raw, op=op
+        )
+        return wrap(self._client, self._session, self._session.conn.call("AdvancedIndex", request))
+
+    def _advanced_put(
+        self,
+        items: tuple[Any, ...],
+        value: Any,
+        raw: builtins.bool = False,
+        accumulate: builtins.bool = False,
+    ) -> None:
+        keep: list[Tensor] = []
+        request = pb.AdvancedSetItemRequest(
+            handle=self.handle,
+            index=self._advanced_items(items, keep),
+            raw=raw,
+            accumulate=accumulate,
+        )
+        if isinstance(value, Tensor):
+            request.src_handle = own(self._client, value, 0)
+        elif _is_number(value):
+            request.scalar.CopyFrom(scalar_pb(value))
+        else:  # a torch tensor keeps its dtype; an array or list takes this tensor's
+            dtype = None if _is_tensor(value) else self.dtype
+            source: Tensor = self._client.tensor(value, dtype=dtype, device=self.device)
+            keep.append(source)
+            request.src_handle = source.handle
+        self._session.conn.call("AdvancedSetItem", request)
+
+    def index_select(self, dim: builtins.int, index: Tensor) -> Tensor:
+        """torch.index_select: a copy of the rows ``index`` names along ``dim``."""
+        own(self._client, index, 1)
+        # mirrors index_select_out_cpu_'s checks, in its order
+        with torch_errors():
+            dim = normalize_dim(dim, self.ndim)
+        if index.ndim > 1:
+            raise errors.TensordIndexError("index_select(): Index is supposed to be a vector")
+        if self.ndim == 0 and index.numel() != 1:
+            raise errors.TensordRuntimeError(
+                "index_select(): Index to scalar can have only 1 value, got "
+                f"{index.numel()} value(s)"
+            )
+        if index.dtype not in (dtypes.int64, dtypes.int32):
+            raise errors.TensordRuntimeError(
+                "index_select(): Expected dtype int32 or int64 for index"
+            )
+        if self.ndim == 0:
+            picked = self.view(1)._advanced_index((index.view(1),), raw=True, op="index_select")
+            return picked.view(())
+        vector = index.view(1) if index.ndim == 0 else index
+        return self._advanced_index((None,) * dim + (vector,), raw=True, op="index_select")
+
+    def masked_select(self, mask: Tensor) -> Tensor:
+        """torch.masked_select: the elements where ``mask`` (broadcast with self) is True, 1-D."""
+        own(self._client, mask, 1)
+        if mask.dtype is not dtypes.bool:
+            raise errors.TensordRuntimeError("masked_select: expected BoolTensor for mask")
+        with torch_errors():
+            shape = _indexing.infer_size(mask.shape, self.shape)
+        return self.expand(shape)._advanced_index((mask.expand(shape),))
+
+    def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:
+        """torch's masked_fill_: ``value`` (a number or a 0-dim tensor) where ``mask`` is True."""
+        own(self._client, mask, 1)
+        if _is_tensor(value):  # masked_fill__cpu checks the value, then the mask
+            if value.ndim != 0:
+                raise errors.TensordRuntimeError(
+                    "masked_fill_ only supports a 0-dimensional value tensor, but got tensor "
+                    f"with {value.ndim} dimension(s)."
+                )
+            value = value.item()
+        if mask.dtype is not dtypes.bool:
+            name = _indexing.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
+            raise errors.TensordRuntimeError(
+                f"masked_fill_ only supports boolean masks, but got mask with dtype {name}"
+            )
+        with torch_errors():
+            shape = _indexing.infer_size(self.shape, mask.shape)
+        if shape != tuple(self.shape):
+            raise errors.TensordRuntimeError(
+                f"output with shape {list(self.shape)} doesn't match the broadcast shape "
+                f"{list(shape)}"
+            )
+        self._advanced_put((mask.expand(self.shape),), value)
+        return self
+
+    def index_put_(self, indices: Any, values: Tensor, accumulate: builtins.bool = False) -> Tensor:
+        """torch's index_put_: ``self[indices] = values`` (``+=`` with accumulate), where
+        ``indices`` is a tuple of index tensors (aten's list: no slicing rules apply)."""
+        items = tuple(indices)
+        for position, item in enumerate(items):
+            own(self._client, item, position)
+        own(self._client, values, 1)
+        self._advanced_put(items, values, raw=True, accumulate=accumulate)
+        return self
 
     # Last in the class body: these names shadow the built-ins below them.
     def float(self) -> Tensor:

@@ -98,6 +98,15 @@ def to_module(xp: Any, array: Any) -> Any:
     return xp.asarray(array)
 
 
+def to_host(array: Any) -> Any:
+    """``array``'s values as a NumPy array (an index tensor read on the host to plan a gather;
+    its size is bounded by the op limit before)."""
+    if not array_ops.on_gpu(array):
+        return np.asarray(array)
+    data = array_ops.CUDA.to_bytes(array)
+    return np.frombuffer(data, dtype=np.dtype(array.dtype)).reshape(array.shape)
+
+
 def logical_chunks(
     array: Any,
     itemsize: int,

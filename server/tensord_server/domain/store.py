@@ -36,6 +36,7 @@ from tensord_server.domain.admission import (
 from tensord_server.domain.copies import Copies
 from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.factories import Factories
+from tensord_server.domain.indexing import Indexing
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued, OpContext
 from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
@@ -143,6 +144,7 @@ class TensorStore:
         self.views = Views(self.ops)
         self.copies = Copies(self.ops)
         self.writes = Writes(self.ops)
+        self.indexing = Indexing(self.ops)
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
@@ -326,3 +328,29 @@ class TensorStore:
 
     def empty_cache(self, device: str) -> int:
         return self.stats.empty_cache(device)
+
+    # -- issue 14 indexing: advanced indexing (domain/indexing.py) ---------------------------
+
+    def advanced_index(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        raw: bool = False,
+        op: str = "",
+    ) -> Issued:
+        return self.indexing.advanced_index(session, handle, items, raw, op)
+
+    def advanced_setitem(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        value: Scalar | None = None,
+        src_handle: str | None = None,
+        accumulate: bool = False,
+        raw: bool = False,
+    ) -> Issued:
+        return self.indexing.advanced_setitem(
+            session, handle, items, value, src_handle, accumulate, raw
+        )

@@ -16,6 +16,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError
 
 from tensord_server.domain import batch, limits
+from tensord_server.domain.indexing import TensorItem
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.views import ViewOp, index_key
@@ -150,3 +151,18 @@ def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
     if kind == "release":
         return batch.QueuedRelease(tuple(message.release.handles))
     raise InvalidArgumentError("a BatchOp names no op")
+
+
+def decode_advanced_item(item: pb.AdvancedIndexItem) -> Any:
+    kind = item.WhichOneof("item")
+    if kind == "basic":
+        return decode_index_item(item.basic)
+    if kind == "tensor":
+        return TensorItem(item.tensor)
+    if kind == "boolean":
+        return bool(item.boolean)
+    raise ValueError("an AdvancedIndexItem must carry a basic item, a tensor or a bool")
+
+
+def decode_advanced_index(items: Any) -> tuple[Any, ...]:
+    return tuple(decode_advanced_item(item) for item in items)

@@ -36,6 +36,7 @@ from tensord_server.domain.store import TensorStore
 from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
+    decode_advanced_index,
     decode_batch_op,
     decode_index,
     decode_message,
@@ -501,6 +502,33 @@ class TensordService:
         ]
         gone = table.gone_segments(backends, list(request.mapped_segments))
         return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
+
+    # -- issue 14 indexing ------------------------------------------------------------
+
+    @_unary
+    def AdvancedIndex(self, request: pb.AdvancedIndexRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        items = decode_advanced_index(request.index)
+        return encode_meta(
+            self.store.advanced_index(session, request.handle, items, request.raw, request.op)
+        )
+
+    @_unary
+    def AdvancedSetItem(self, request: pb.AdvancedSetItemRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        items = decode_advanced_index(request.index)
+        is_tensor = request.WhichOneof("value") == "src_handle"
+        return encode_meta(
+            self.store.advanced_setitem(
+                session,
+                request.handle,
+                items,
+                value=None if is_tensor else decode_scalar(request.scalar),
+                src_handle=request.src_handle if is_tensor else None,
+                accumulate=request.accumulate,
+                raw=request.raw,
+            )
+        )
 
 
 _HANDLER_FACTORIES = {

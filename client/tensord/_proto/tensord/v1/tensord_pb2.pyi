@@ -723,3 +723,41 @@ class BatchResponse(_message.Message):
     error_message: str
     error_code: int
     def __init__(self, applied: _Optional[int] = ..., failed: _Optional[bool] = ..., failed_index: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
+
+class AdvancedIndexItem(_message.Message):
+    __slots__ = ("basic", "tensor", "boolean")
+    BASIC_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    BOOLEAN_FIELD_NUMBER: _ClassVar[int]
+    basic: IndexItem
+    tensor: str
+    boolean: bool
+    def __init__(self, basic: _Optional[_Union[IndexItem, _Mapping]] = ..., tensor: _Optional[str] = ..., boolean: _Optional[bool] = ...) -> None: ...
+
+class AdvancedIndexRequest(_message.Message):
+    __slots__ = ("handle", "index", "raw", "op")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    index: _containers.RepeatedCompositeFieldContainer[AdvancedIndexItem]
+    raw: bool
+    op: str
+    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., op: _Optional[str] = ...) -> None: ...
+
+class AdvancedSetItemRequest(_message.Message):
+    __slots__ = ("handle", "index", "raw", "scalar", "src_handle", "accumulate")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    SRC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    index: _containers.RepeatedCompositeFieldContainer[AdvancedIndexItem]
+    raw: bool
+    scalar: Scalar
+    src_handle: str
+    accumulate: bool
+    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ...) -> None: ...

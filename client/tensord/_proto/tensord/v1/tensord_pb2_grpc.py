@@ -214,6 +214,16 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.BatchRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.BatchResponse.FromString,
                 _registered_method=True)
+        self.AdvancedIndex = channel.unary_unary(
+                '/tensord.v1.Tensord/AdvancedIndex',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.AdvancedIndexRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
+        self.AdvancedSetItem = channel.unary_unary(
+                '/tensord.v1.Tensord/AdvancedSetItem',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
 
 
 class TensordServicer:
@@ -479,6 +489,21 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdvancedIndex(self, request, context):
+        """issue 14 indexing
+        x[index] with index tensors or masks: a gather into a new tensor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdvancedSetItem(self, request, context):
+        """x[index] = value and x.index_put_(indices, values, accumulate): a scatter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensordServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -661,6 +686,16 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.Batch,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.BatchRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.BatchResponse.SerializeToString,
+            ),
+            'AdvancedIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvancedIndex,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.AdvancedIndexRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
+            ),
+            'AdvancedSetItem': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvancedSetItem,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1635,6 +1670,60 @@ class Tensord:
             '/tensord.v1.Tensord/Batch',
             tensord_dot_v1_dot_tensord__pb2.BatchRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.BatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdvancedIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/AdvancedIndex',
+            tensord_dot_v1_dot_tensord__pb2.AdvancedIndexRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdvancedSetItem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/AdvancedSetItem',
+            tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
             options,
             channel_credentials,
             insecure,

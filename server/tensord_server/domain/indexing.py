@@ -1,0 +1,636 @@
+"""Advanced indexing (issue 14): ``x[tensor]``, ``x[mask]``, ``x[idx] = v``, ``index_put_``.
+
+Torch's two steps, mirrored so that result shapes and errors are torch's:
+
+1. ``applySlicing`` (torch/csrc/autograd/python_variable_indexing.cpp): the basic items
+   (ints, slices, None, Ellipsis) make a view; each tensor item (and a Python bool, and a
+   0-dim bool tensor) is recorded at the dim it stands at, for the second step.
+2. ``aten::index`` / ``aten::index_put_``: masks become their nonzero coordinates, the
+   index tensors broadcast together, and the broadcast dims land where the indexed dims
+   were when those are adjacent, else in front (NumPy's rule, which the array gather
+   below follows once every index is an integer array).
+
+Every cost a client controls (index tensor and mask elements, result elements) is
+checked against ``--max-op-elements`` before any array work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tensord import dtypes
+from tensord.dtypes import DType
+from tensord.layout import CHANNELS_LAST, Layout, broadcast_shapes
+
+from tensord_server.domain import kernels, limits
+from tensord_server.domain.kernels import Scalar
+from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.sessions import Session
+from tensord_server.domain.storage import TensorRef
+
+# a held tensor's zero-copy array (TensorStore.array)
+ArrayOf = Callable[[TensorRef], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorItem:
+    """An index item naming a tensor of the session (an integer tensor or a mask)."""
+
+    handle: str
+
+
+# an index item as decoded: int | slice | None | Ellipsis | bool (a Python bool) | TensorItem
+IndexItem = Any
+
+_INDEX_DTYPES = frozenset({"int64", "int32", "uint8", "bool"})
+
+
+def _is_mask(ref: TensorRef) -> bool:
+    return ref.dtype is dtypes.bool or ref.dtype is dtypes.uint8
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+@dataclass(slots=True)
+class _Index:
+    """An index entry of aten::index's list: an index tensor, or a Python bool's
+    ``[0]``/``[]`` (torch's boolToIndexingTensor)."""
+
+    ref: TensorRef | None = None
+    constant: tuple[int, ...] | None = None
+
+
+def _specified_dims(items: tuple[IndexItem, ...], refs: dict[str, TensorRef]) -> int:
+    """torch's count_specified_dimensions: a mask counts its dims, None/Ellipsis/bool none."""
+    count = 0
+    for item in items:
+        if isinstance(item, TensorItem):
+            ref = refs[item.handle]
+            count += ref.layout.ndim if _is_mask(ref) else 1
+        elif item is None or item is Ellipsis or isinstance(item, bool):
+            continue
+        else:
+            count += 1
+    return count
+
+
+def _scalar_value(array: ArrayOf, ref: TensorRef) -> Any:
+    return kernels.to_host(array(ref)).reshape(()).item()
+
+
+def apply_slicing(
+    array: ArrayOf, layout: Layout, items: tuple[IndexItem, ...], refs: dict[str, TensorRef]
+) -> tuple[Layout, list[_Index | None]]:
+    """torch's applySlicing: the basic view and aten::index's list (None: the whole dim)."""
+    ndim = layout.ndim
+    if _specified_dims(items, refs) > ndim:
+        raise IndexError(f"too many indices for tensor of dimension {ndim}")
+    result, dim = layout, 0
+    indices: list[_Index | None] = []
+
+    def width(entry: _Index | None) -> int:
+        return (
+            1
+            if entry is None or entry.ref is None or not _is_mask(entry.ref)
+            else entry.ref.layout.ndim
+        )
+
+    def record(entry: _Index) -> None:
+        # torch's recordTensorIndex: the entry stands at dim, a mask then covers its dims
+        nonlocal dim
+        covered = sum(width(e) for e in indices)
+        indices.extend([None] * (dim - covered))
+        indices.append(entry)
+        dim += width(entry)
+
+    for position, item in enumerate(items):
+        if item is Ellipsis:
+            dim += ndim - _specified_dims(items, refs)
+        elif item is None:
+            result = result.unsqueeze(dim)
+            dim += 1
+        elif isinstance(item, bool):
+            result = result.unsqueeze(dim)
+            record(_Index(constant=(0,) if item else ()))
+        elif isinstance(item, TensorItem):
+            ref = refs[item.handle]
+            if ref.layout.ndim == 0 and dtypes_integral(ref):
+                if not _is_mask(ref):  # a 0-dim integer tensor selects, a view
+                    result = _select(result, dim, int(_scalar_value(array, ref)), position)
+                else:
+                    result = result.unsqueeze(dim)
+                    record(_Index(constant=(0,) if _scalar_value(array, ref) else ()))
+            else:
+                record(_Index(ref=ref))
+        elif isinstance(item, slice):
+            result = result[(slice(None),) * dim + (item,)]
+            dim += 1
+        else:  # an int: select, the dim goes
+            result = _select(result, dim, int(item), position)
+    return result, indices
+
+
+def _select(layout: Layout, dim: int, index: int, position: int) -> Layout:
+    """layout.select(dim, index) with torch's applySelect text, which names the item's
+    position in the key ("real_dim"), not the dim it selects."""
+    try:
+        return layout[(slice(None),) * dim + (index,)]
+    except IndexError as e:
+        text = str(e)
+        prefix = f"index {index} is out of bounds for dimension {dim} "
+        if text.startswith(prefix):
+            raise IndexError(
+                text.replace(f"dimension {dim} ", f"dimension {position} ", 1)
+            ) from None
+        raise
+
+
+def dtypes_integral(ref: TensorRef) -> bool:
+    return not (ref.dtype.is_floating_point or ref.dtype.is_complex)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """aten::index's work on a sliced tensor: one integer array (or None) per dim."""
+
+    arrays: tuple[Any, ...]  # host int64 arrays (broadcast to one shape) or None
+    shape: tuple[int, ...]  # the result's shape
+    sizes: tuple[int, ...]  # the indexed dims' sizes, in order (for the bounds check)
+    stride: tuple[int, ...]  # the strides torch's TensorIterator gives the gathered result
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """One index tensor of aten's list after masks are expanded: values and torch's strides."""
+
+    values: Any
+    stride: tuple[int, ...]
+
+
+def _expanded_stride(
+    shape: tuple[int, ...], stride: tuple[int, ...], common: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Tensor.expand's strides: new leading dims and broadcast size-1 dims take 0."""
+    lead = len(common) - len(shape)
+    out = [0] * lead
+    for n, st, want in zip(shape, stride, common[lead:], strict=True):
+        out.append(st if n == want else 0)
+    return tuple(out)
+
+
+def _dense_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Tensor.to(long)'s strides (preserve_format): kept when non-overlapping and dense,
+    contiguous otherwise (an expanded int32 index)."""
+    layout = Layout(shape, stride)
+    if layout.is_non_overlapping_and_dense():
+        return stride
+    return Layout.contiguous(shape).stride
+
+
+def _fast_setup_stride(
+    shape: tuple[int, ...], operands: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[int, ...] | None:
+    """TensorIterator's fast setup: inputs all of the output's shape and all contiguous
+    (or all channels-last, or all dense with one set of strides) give the output that
+    layout, with no reordering.  mirrors compute_fast_setup_type."""
+    if any(op_shape != shape for op_shape, _ in operands):
+        return None
+    layouts = [Layout(op_shape, op_stride) for op_shape, op_stride in operands]
+    if all(lay.is_contiguous() for lay in layouts):
+        return Layout.contiguous(shape).stride
+    if all(lay.is_contiguous(CHANNELS_LAST) for lay in layouts):
+        return Layout.contiguous(shape).clone_layout(CHANNELS_LAST).stride
+    if all(lay.is_non_overlapping_and_dense() for lay in layouts) and (
+        len({lay.stride for lay in layouts}) == 1
+    ):
+        return layouts[0].stride
+    return None
+
+
+def iterator_stride(
+    shape: tuple[int, ...], operands: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[int, ...]:
+    """The strides TensorIterator gives an output it allocates, from its inputs' shapes and
+    strides: the fast setup, else its reorder_dimensions (an insertion sort of the dims by
+    the inputs' strides, ties to the smaller size), then compatible_stride in that order.
+    mirrors aten/src/ATen/TensorIterator.cpp."""
+    fast = _fast_setup_stride(shape, operands)
+    if fast is not None:
+        return fast
+    inputs = [_broadcast_input(op_shape, op_stride, shape) for op_shape, op_stride in operands]
+    ndim = len(shape)
+    if ndim <= 1:
+        return Layout.contiguous(shape).stride
+    perm = list(range(ndim - 1, -1, -1))
+
+    def should_swap(dim0: int, dim1: int) -> int:
+        for stride in inputs:
+            s0, s1 = stride[dim0], stride[dim1]
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[dim0] > shape[dim1]:
+                return 1
+        return 0
+
+    for i in range(1, ndim):
+        dim1 = i
+        for dim0 in range(i - 1, -1, -1):
+            comparison = should_swap(perm[dim0], perm[dim1])
+            if comparison > 0:
+                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
+                dim1 = dim0
+            elif comparison < 0:
+                break
+    if perm == list(range(ndim - 1, -1, -1)):
+        return Layout.contiguous(shape).stride
+    out = [0] * ndim
+    step = 1
+    for d in perm:
+        out[d] = step
+        step *= shape[d]
+    return tuple(out)
+
+
+def _broadcast_input(
+    op_shape: tuple[int, ...], op_stride: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """An input's strides as TensorIterator's compute_strides sees them (broadcast: 0)."""
+    return tuple(
+        0 if n == 1 and want != 1 else st
+        for n, st, want in zip(op_shape, op_stride, shape, strict=True)
+    )
+
+
+def _result_stride(
+    sliced: Layout,
+    columns: list[_Column | None],
+    common: tuple[int, ...],
+    result: tuple[int, ...],
+    on_gpu: bool,
+) -> tuple[int, ...]:
+    """torch's gathered result's strides: AdvancedIndex's restrided source and reshaped
+    indices (after make_info's transposeToFront) as the TensorIterator's inputs."""
+    dims = [d for d, c in enumerate(columns) if c is not None]
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    order = (
+        list(range(len(columns)))
+        if adjacent
+        else dims + [d for d in range(len(columns)) if columns[d] is None]
+    )
+    src_stride = [sliced.stride[d] for d in order]
+    before = order.index(dims[0]) if adjacent else 0
+    after = len(order) - before - len(dims)
+    operands = [
+        (result, (*src_stride[:before], *([0] * len(common)), *src_stride[before + len(dims) :]))
+    ]
+    index_strides = []
+    for d in dims:
+        column = columns[d]
+        assert column is not None
+        index_strides.append(_expanded_stride(column.values.shape, column.stride, common))
+    if on_gpu and len(set(index_strides)) > 1:  # torch makes CUDA indices contiguous
+        index_strides = [Layout.contiguous(common).stride] * len(index_strides)
+    for stride in index_strides:
+        shape = (1,) * before + common + (1,) * after
+        operands.append((shape, Layout(common, stride).view(shape).stride))
+    return iterator_stride(result, operands)
+
+
+def plan_index(
+    array: ArrayOf,
+    check_elements: Callable[[int], None],
+    sliced: Layout,
+    indices: list[_Index | None],
+    op: str = "",
+    on_gpu: bool = False,
+) -> Plan:
+    """Masks to coordinates, broadcast, result shape: every error torch raises before the
+    kernel, every cost bounded before the index tensors are read."""
+    for entry in indices:
+        if entry is not None and entry.ref is not None:
+            if entry.ref.dtype.name not in _INDEX_DTYPES:
+                raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+            check_elements(entry.ref.layout.numel)
+    shape = sliced.shape
+    expanded: list[_Column | None] = []
+    for entry in indices:
+        if entry is None:
+            expanded.append(None)
+        elif entry.constant is not None:  # torch's boolToIndexingTensor: [0] or []
+            expanded.append(_Column(np.asarray(entry.constant, dtype=np.int64), (1,)))
+        elif entry.ref is not None and _is_mask(entry.ref):
+            mask_shape = entry.ref.layout.shape
+            for j, n in enumerate(mask_shape):
+                src = len(expanded) + j
+                if src >= len(shape):  # self.size(src) in expandTensors
+                    raise IndexError(
+                        f"Dimension out of range (expected to be in range of "
+                        f"[{-max(len(shape), 1)}, {max(len(shape), 1) - 1}], but got {src})"
+                    )
+                if n != shape[src]:
+                    raise IndexError(
+                        f"The shape of the mask {_fmt(mask_shape)} at index {j} does not match "
+                        f"the shape of the indexed tensor {_fmt(shape)} at index {src}"
+                    )
+            mask = np.asarray(kernels.to_host(array(entry.ref))) != 0
+            # torch's nonzero is (n, k) with strides (1, n): each column has stride 1
+            expanded.extend(_Column(c.astype(np.int64), (1,)) for c in np.nonzero(mask))
+        elif entry.ref is not None:
+            values = np.asarray(kernels.to_host(array(entry.ref))).astype(np.int64)
+            stride = entry.ref.layout.stride
+            expanded.append(_Column(values, stride))
+    if len(expanded) > len(shape):
+        raise IndexError(
+            f"too many indices for tensor of dimension {len(shape)} (got {len(expanded)})"
+        )
+    expanded.extend([None] * (len(shape) - len(expanded)))
+    defined = [(d, c) for d, c in enumerate(expanded) if c is not None]
+    if not defined:  # only 0-dim masks in index_put_'s list (never from x[...])
+        raise NotImplementedError("tensord: index_put_ with only 0-dim masks is not supported")
+    try:
+        common: tuple[int, ...] = tuple(broadcast_shapes(*(c.values.shape for _, c in defined)))
+    except RuntimeError:
+        shapes = ", ".join(_fmt(c.values.shape) for _, c in defined)
+        raise IndexError(
+            f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}"
+        ) from None
+    check_elements(math.prod(common))
+    dims = [d for d, _ in defined]
+    rest = [shape[d] for d in range(len(shape)) if expanded[d] is None]
+    if dims == list(range(dims[0], dims[-1] + 1)):  # adjacent: in place
+        before = [shape[d] for d in range(dims[0])]
+        result = (*before, *common, *rest[len(before) :])
+    else:
+        result = (*common, *rest)
+    limits.check_result_ndim(len(result))
+    check_elements(math.prod(result))
+    # int32 indices become int64 (Tensor.to) after the broadcast, as make_info does
+    columns: list[_Column | None] = []
+    for entry, column in zip(indices_per_dim(indices, expanded), expanded, strict=True):
+        if column is not None and entry is not None and entry.ref is not None:
+            column = _as_long(column, entry.ref.dtype, tuple(common))
+        columns.append(column)
+    arrays = tuple(None if c is None else np.broadcast_to(c.values, common) for c in expanded)
+    stride = (
+        Layout.contiguous(result).stride
+        if op == "index_select"
+        else _result_stride(sliced, columns, tuple(common), tuple(result), on_gpu)
+    )
+    plan = Plan(arrays, tuple(result), tuple(shape[d] for d in dims), stride)
+    if op == "index_select":
+        check_index_select(shape, dims[0], arrays[dims[0]])
+        return plan
+    if 0 in plan.sizes and 0 not in common:  # torch's AdvancedIndex, before its kernel
+        raise IndexError("index is out of bounds for dimension with size 0")
+    return plan
+
+
+def _as_long(column: _Column, dtype: DType, common: tuple[int, ...]) -> _Column:
+    """An int32 index after make_info's Tensor.to(long) of its broadcast (int64: as is)."""
+    if dtype is not dtypes.int32:
+        return column
+    broad = _expanded_stride(column.values.shape, column.stride, common)
+    return _Column(np.broadcast_to(column.values, common), _dense_stride(common, broad))
+
+
+def indices_per_dim(
+    indices: list[_Index | None], expanded: list[_Column | None]
+) -> list[_Index | None]:
+    """Which entry of aten's list each expanded column came from (a mask gives several)."""
+    out: list[_Index | None] = []
+    for entry in indices:
+        if entry is not None and entry.ref is not None and _is_mask(entry.ref):
+            out.extend([entry] * entry.ref.layout.ndim)
+        else:
+            out.append(entry)
+    out.extend([None] * (len(expanded) - len(out)))
+    return out
+
+
+def check_index_select(shape: tuple[int, ...], dim: int, values: Any) -> None:
+    """index_select's own bounds rules: no negative index, and with no elements in self a
+    check of its own.  mirrors index_select_out_cpu_."""
+    if values.size == 0:
+        return
+    size = shape[dim]
+    if len(shape) > 1 and math.prod(shape) == 0 and size <= 0:
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
+    if len(shape) > 1 and (math.prod(shape) == 0 or dim == 1):  # its dim-1 fast path's text
+        for value in values.reshape(-1).tolist():
+            if not 0 <= value < size:
+                raise RuntimeError(
+                    f"INDICES element is out of DATA bounds, id={value} axis_dim={size}"
+                )
+        return
+    if bool(((values < 0) | (values >= size)).any()):
+        raise IndexError("index out of range in self")
+
+
+def check_bounds(plan: Plan, op: str) -> None:
+    """torch's error for the first index out of range, in element order then dim order
+    (the dim counted among the indexed dims, as torch's kernel numbers them); its kernel
+    checks as it runs: no elements, no check."""
+    if not math.prod(plan.shape) or op == "index_select":
+        return
+    defined = [a for a in plan.arrays if a is not None]
+    bad = [(a < -n) | (a >= n) for a, n in zip(defined, plan.sizes, strict=True)]
+    any_bad = np.logical_or.reduce(bad) if bad else None
+    if any_bad is None or not any_bad.any():
+        return
+    if op == "index_select":
+        raise IndexError("index out of range in self")
+    first = int(np.argmax(any_bad.reshape(-1)))
+    for k, (a, n) in enumerate(zip(defined, plan.sizes, strict=True)):
+        value = int(a.reshape(-1)[first])
+        if value < -n or value >= n:
+            raise IndexError(f"index {value} is out of bounds for dimension {k} with size {n}")
+
+
+def _key(xp: Any, plan: Plan) -> tuple[Any, ...]:
+    return tuple(slice(None) if a is None else xp.asarray(a) for a in plan.arrays)
+
+
+def tensor_handles(items: tuple[IndexItem, ...]) -> tuple[str, ...]:
+    """The index tensors' handles, each once (x[i, i] holds i once)."""
+    return tuple(dict.fromkeys(i.handle for i in items if isinstance(i, TensorItem)))
+
+
+def sliced(
+    array: ArrayOf,
+    ref: TensorRef,
+    items: tuple[IndexItem, ...],
+    refs: dict[str, TensorRef],
+    raw: bool = False,
+) -> tuple[TensorRef, list[_Index | None]]:
+    """The tensor the index reads or writes (the basic view) and aten::index's list on it."""
+    if raw:  # index_put_/index_select: the items are aten's list itself (tensors, None)
+        if not all(i is None or isinstance(i, TensorItem) for i in items):
+            raise ValueError("a raw index holds only index tensors and None")
+        if len(items) > ref.layout.ndim:
+            raise IndexError(
+                f"too many indices for tensor of dimension {ref.layout.ndim} (got {len(items)})"
+            )
+        layout = ref.layout
+        indices = [None if i is None else _Index(ref=refs[i.handle]) for i in items]
+    else:
+        layout, indices = apply_slicing(array, ref.layout, items, refs)
+    target = ref.with_layout(layout)
+    array(target)  # the view's geometry checked like any issued one
+    return target, indices
+
+
+def planned(
+    array: ArrayOf,
+    check_elements: Callable[[int], None],
+    target: TensorRef,
+    indices: list[_Index | None],
+    op: str = "",
+) -> Plan:
+    on_gpu = target.device.xp is not np
+    return plan_index(array, check_elements, target.layout, indices, op, on_gpu)
+
+
+def dispatches_to_masked_fill(indices: list[_Index | None], src: TensorRef | None) -> bool:
+    """torch's canDispatchToMaskedFill (index_put_ without accumulate): one mask and no
+    other index, and a one-element value on the host; torch then runs
+    masked_fill_(mask, value.item()), with no check of the value's shape or dtype."""
+    if src is not None and (src.layout.numel != 1 or src.device.xp is not np):
+        return False
+    defined = [e for e in indices if e is not None]
+    return len(defined) == 1 and defined[0].ref is not None and _is_mask(defined[0].ref)
+
+
+def check_masked_fill_mask(indices: list[_Index | None]) -> None:
+    (mask,) = (e.ref for e in indices if e is not None and e.ref is not None)
+    if mask.dtype is not dtypes.bool:
+        raise RuntimeError(
+            "masked_fill_ only supports boolean masks, but got mask with dtype unsigned char"
+        )
+
+
+def gather(xp: Any, source: Any, out: Any, plan: Plan) -> None:
+    """out = source[plan] (out has the plan's shape)."""
+    if math.prod(plan.shape):
+        kernels.assign(xp, out, source[_key(xp, plan)])
+
+
+def check_put_source(
+    dst: TensorRef, src: TensorRef, plan: Plan, raw: bool = False
+) -> tuple[int, ...]:
+    """torch's index_put_ checks of a tensor value; the shape it is read as (torch's
+    setitem drops leading 1s first, index_put_ itself does not)."""
+    stripped = src.layout.shape if raw else kernels.strip_leading_ones(src.layout.shape)
+    try:
+        fits = broadcast_shapes(stripped, plan.shape) == plan.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(
+            f"shape mismatch: value tensor of shape {_fmt(stripped)} cannot be "
+            f"broadcast to indexing result of shape {_fmt(plan.shape)}"
+        )
+    if src.dtype is not dst.dtype:
+        raise RuntimeError(
+            "Index put requires the source and destination dtypes match, got "
+            f"{dst.dtype.scalar_type} for the destination and {src.dtype.scalar_type} "
+            "for the source."
+        )
+    return stripped
+
+
+def scalar_source(xp: Any, like: Any, value: Scalar, dtype: DType) -> Any:
+    """A 0-dim array of ``like``'s array dtype holding ``value`` as torch casts it."""
+    kernels.check_scalar_fits(value, dtype)
+    source = xp.empty((), dtype=like.dtype)
+    kernels.fill(xp, source, value)
+    return source
+
+
+def scatter(xp: Any, dst: Any, source: Any, plan: Plan, accumulate: bool) -> None:
+    """dst[plan] = source, or += with accumulate (duplicates add up, as torch's do)."""
+    if not math.prod(plan.shape):
+        return
+    key = _key(xp, plan)
+    values = xp.broadcast_to(source, plan.shape).copy()  # never reads what it writes
+    if accumulate:
+        xp.add.at(dst, key, values)
+    else:
+        dst[key] = values
+
+
+class Indexing:
+    """Advanced indexing ops (gather and scatter) over one :class:`OpContext`."""
+
+    def __init__(self, ops: OpContext) -> None:
+        self.ops = ops
+
+    def advanced_index(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        raw: bool = False,
+        op: str = "",
+    ) -> Issued:
+        """x[items] with a tensor (or Python bool) among them: a gather into a new tensor.
+        ``raw``: the items are aten::index's list (tensors and None), as index_select's."""
+        extra = tensor_handles(items)
+        with self.ops.using(session, handle, *extra) as held:
+            ref, refs = held[0], dict(zip(extra, held[1:], strict=True))
+            target, indices = sliced(self.ops.array, ref, items, refs, raw)
+            plan = planned(self.ops.array, self.ops.check_elements, target, indices, op)
+            check_bounds(plan, op)
+            layout = Layout(plan.shape, plan.stride)
+            with self.ops.allocated(
+                session, ref.device, layout, ref.dtype, ref.requires_grad
+            ) as out:
+                gather(ref.device.xp, self.ops.array(target), self.ops.array(out), plan)
+                return self.ops.issue(session, out)
+
+    def advanced_setitem(
+        self,
+        session: Session,
+        handle: str,
+        items: tuple[Any, ...],
+        value: Scalar | None = None,
+        src_handle: str | None = None,
+        accumulate: bool = False,
+        raw: bool = False,
+    ) -> Issued:
+        """x[items] = value (a scalar or a tensor); x.index_put_(items, value, accumulate)
+        with ``raw``.  Checks in torch's order: the scalar, the slicing, the masked_fill_
+        dispatch or the value's shape and dtype, then the indices' bounds."""
+        extra = tensor_handles(items)
+        sources = () if src_handle is None else (src_handle,)
+        with self.ops.using(session, handle, *extra, *sources) as held:
+            ref, refs = held[0], dict(zip(extra, held[1 : 1 + len(extra)], strict=True))
+            src = held[-1] if src_handle is not None else None
+            if src is None:  # torch makes the scalar a tensor of x's dtype first
+                assert value is not None
+                kernels.check_scalar_fits(value, ref.dtype)
+            target, indices = sliced(self.ops.array, ref, items, refs, raw)
+            plan = planned(self.ops.array, self.ops.check_elements, target, indices)
+            xp, dst = ref.device.xp, self.ops.array(target)
+            if not accumulate and dispatches_to_masked_fill(indices, src):
+                check_masked_fill_mask(indices)
+                if src is not None:
+                    value = kernels.to_host(self.ops.array(src)).reshape(()).item()
+                assert value is not None
+                source = scalar_source(xp, dst, value, ref.dtype)
+            elif src is None:
+                assert value is not None
+                source = scalar_source(xp, dst, value, ref.dtype)
+            else:
+                shape = check_put_source(ref, src, plan, raw)
+                source = kernels.to_module(xp, self.ops.array(src)).reshape(shape)
+            check_bounds(plan, "")
+            scatter(xp, dst, source, plan, accumulate)
+            return Issued(handle, ref)
