@@ -403,3 +403,18 @@ def test_refusals_of_the_gate_are_counted() -> None:
         running.stop()
     counted = (("code", "UNAUTHENTICATED"), ("method", "Watch"))
     assert samples[("tensord_rpc_requests_total", counted)] == 1
+
+
+def test_an_idle_http_connection_is_closed(
+    observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # found by an attacker's read: each idle connection held a thread for ever (slowloris)
+    import socket
+
+    from tensord_server.observability import dashboard
+
+    monkeypatch.setattr(dashboard._Handler, "timeout", 0.5)
+    _, endpoints = observed
+    with socket.create_connection(("127.0.0.1", endpoints.port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n")  # a request line, then nothing
+        assert sock.recv(1024) == b""  # the server closed it (before: recv timed out)

@@ -160,3 +160,23 @@ def test_pipelining_off_sends_each_op(server: Any) -> None:
         with pytest.raises(RuntimeError):
             x.fill_(300)  # raised at once, as before
         assert not c.pipelining
+
+
+def test_a_batch_stops_at_the_next_op_once_its_caller_is_gone(make_server: Any) -> None:
+    # found by an attacker's read: a Batch of 4,096 element-limit ops went on working for a
+    # caller that had already given up (DEADLINE_EXCEEDED after 0.2 s, 3 s of fills after)
+    from conftest import SessionStub, open_channel
+    from tensord_server.domain import batch
+
+    running = make_server()
+    with open_channel(running.address) as channel:
+        stub = SessionStub(channel)
+        meta = stub.upload(np.zeros(4, np.float32))
+        session = running.daemon.sessions.peek(stub.session_id)
+        ops = [batch.QueuedFill(meta.handle, float(i)) for i in range(1, 6)]
+        answers = iter([True, True, False])  # the call goes inactive before the third op
+        outcome = batch.run_batch(running.daemon, session, ops, keep_going=lambda: next(answers))
+        assert (outcome.applied, outcome.failed_index) == (2, 2)
+        assert isinstance(outcome.error, tensord.DeadlineExceededError)
+        np.testing.assert_array_equal(stub.download(meta), np.full(4, 2.0, np.float32))
+        stub.close()

@@ -10,11 +10,11 @@ and the outcome names it so the client can raise it at its next call that waits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tensord.errors import InvalidArgumentError
+from tensord.errors import DeadlineExceededError, InvalidArgumentError
 
 from tensord_server.domain import limits
 from tensord_server.domain.kernels import Scalar
@@ -73,10 +73,28 @@ def check_batch(ops: Sequence[QueuedOp]) -> None:
                 check_chosen_id(handle_id)
 
 
-def run_batch(store: TensorStore, session: Session, ops: Sequence[QueuedOp]) -> BatchOutcome:
-    """Apply ``ops`` in order; stop at the first failure and say which op it was."""
+def run_batch(
+    store: TensorStore,
+    session: Session,
+    ops: Sequence[QueuedOp],
+    keep_going: Callable[[], bool] = lambda: True,
+) -> BatchOutcome:
+    """Apply ``ops`` in order; stop at the first failure and say which op it was.
+
+    ``keep_going`` is asked before each op (the service passes whether the call is still
+    active): a caller that cancelled or ran out of time stops the work at the next op,
+    so a batch costs at most one op's bounded work after its caller is gone.
+    """
     check_batch(ops)
     for index, op in enumerate(ops):
+        if not keep_going():
+            return BatchOutcome(
+                applied=index,
+                failed_index=index,
+                error=DeadlineExceededError(
+                    f"the Batch's caller is gone: ops {index} and later were not applied"
+                ),
+            )
         try:
             _apply(store, session, op)
         except Exception as exc:  # the client raises it, typed, at its next wait

@@ -242,9 +242,15 @@ class HttpEndpoints:
             thread.join(timeout=5)
 
 
+# A connection that sends no complete request line or header within this many seconds is
+# closed: each connection holds a thread, so an idle one must not hold it for ever.
+IDLE_TIMEOUT_S = 10.0
+
+
 class _Handler(BaseHTTPRequestHandler):
     owner: HttpEndpoints
     server_version = "tensord"
+    timeout = IDLE_TIMEOUT_S  # socketserver sets it on the connection before reading
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # the gRPC access log is the server's; scrapes every few seconds are noise

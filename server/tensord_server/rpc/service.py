@@ -238,7 +238,9 @@ class TensordService:
     def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
         session = self._session(context)
         limits.check_batch_ops(len(request.ops))  # bounded before any op is even decoded
-        outcome = batch.run_batch(self.store, session, [decode_batch_op(o) for o in request.ops])
+        ops = [decode_batch_op(o) for o in request.ops]
+        # a caller that cancelled or ran out of time stops the batch at its next op
+        outcome = batch.run_batch(self.store, session, ops, keep_going=context.is_active)
         if outcome.error is None:
             return pb.BatchResponse(applied=outcome.applied)
         exc = outcome.error
