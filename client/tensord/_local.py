@@ -42,6 +42,7 @@ import numpy as np
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.layout import Layout
+from tensord.protocol import split_ticket
 
 if TYPE_CHECKING:
     from tensord._rpc import Connection
@@ -52,9 +53,6 @@ LOCAL_ENV = "TENSORD_LOCAL"
 MIN_FAST_BYTES = 256 << 10
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
-# The fd socket's ticket: this many characters are sent, the rest is the server's proof
-# (tensord_server.domain.exports.TICKET_KEY_CHARS, the other side of the same protocol).
-TICKET_KEY_CHARS = 16
 RELEASE_BATCH = 1024
 # x.numpy() copies out of the mapping in slices of about this many bytes.  One np.copyto of
 # a whole large array ends in glibc's large-copy loop, which reads several 4 KiB pages at
@@ -81,7 +79,7 @@ def receive_segment_fd(path: str, ticket: str, nbytes: int) -> int:
     and the descriptor must be a file of at least ``nbytes`` (a shorter one would raise
     SIGBUS on access, killing this process).
     """
-    key, proof = ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
+    key, proof = split_ticket(ticket)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(FD_TIMEOUT_S)
         sock.connect(path)

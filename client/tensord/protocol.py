@@ -1,8 +1,9 @@
 """The wire protocol's constants, shared by the SDK and the server (one definition each).
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
-sides configure their channels for, and the address a client dials by default.  Pure
-constants: this module imports nothing, so both sides (and every layer) may use it.
+sides configure their channels for, the address a client dials by default, and how the
+fd socket's ticket splits.  Pure: this module imports nothing, so both sides (and every
+layer) may use it.
 """
 
 from __future__ import annotations
@@ -23,3 +24,15 @@ ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
 MAX_MESSAGE_BYTES = 256 << 20
+
+# A same-host fd socket's ticket is two halves: the client sends the first (the key), the
+# server answers with the second (the proof) beside the descriptor. Whoever listens on a
+# socket path the client was sent but is not that server (a remote server's path, squatted
+# on the client's host) learns only the key and cannot answer with the proof, so the client
+# never maps, reads or writes memory that is not the server's.
+TICKET_KEY_CHARS = 16
+
+
+def split_ticket(ticket: str) -> tuple[str, str]:
+    """(key, proof): what the client sends, and what only the issuing server can answer."""
+    return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]

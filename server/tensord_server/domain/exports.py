@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from tensord.protocol import split_ticket
 
 from tensord_server.devices.cuda import CudaBackend
 from tensord_server.devices.memory import DeviceMemory
@@ -81,25 +82,12 @@ class Export:
     ipc_handle: bytes = b""  # a GPU segment's cudaIpcMemHandle_t; empty for host memory
 
 
-# A ticket is two halves: the client sends the first (the key) to the fd socket, which
-# answers with the second (the proof) beside the descriptor. Whoever listens on a socket
-# path the client was sent but is not this server (a remote server's path, squatted on
-# the client's host) learns only the key and cannot answer with the proof, so the client
-# never maps, reads or writes memory that is not this server's.
-TICKET_KEY_CHARS = 16
-
-
 @dataclass(frozen=True, slots=True)
 class Ticket:
     segment_id: int
     backend: SharedHostBackend
     expires: float
     proof: str  # the ticket's second half, answered with the descriptor
-
-
-def split_ticket(ticket: str) -> tuple[str, str]:
-    """(key, proof): what the client sends, and what only the server can answer."""
-    return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
 
 
 class ExportTable:
