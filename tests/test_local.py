@@ -119,6 +119,114 @@ def test_exports_pin_until_the_consumer_collects_its_array(server: Any, client: 
     assert exported_storages(server.daemon) == before
 
 
+def count_calls(client: Any, monkeypatch: Any, method: str) -> list[str]:
+    """The ``method`` RPCs the client makes from now on (one entry each)."""
+    made: list[str] = []
+    call = client._conn.call
+
+    def counting(name: str, request: Any) -> Any:
+        if name == method:
+            made.append(name)
+        return call(name, request)
+
+    monkeypatch.setattr(client._conn, "call", counting)
+    return made
+
+
+def test_dlpack_of_any_view_reuses_a_live_export_without_an_rpc(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    values = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    x = client.tensor(values)
+    storage = storage_of_handle(server.daemon, client, x)
+    exports = count_calls(client, monkeypatch, "Export")
+    first = torch.from_dlpack(x)
+    aliases = [
+        torch.from_dlpack(x),
+        torch.from_dlpack(x.t()),
+        torch.from_dlpack(x[3:9, ::2]),
+        torch.from_dlpack(x.view(tensord.int32)),
+    ]
+    assert len(exports) == 1  # only the first __dlpack__ asked the server
+    assert storage.holds == 1
+    assert torch.equal(aliases[1], torch.from_numpy(values).t())
+    assert torch.equal(aliases[2], torch.from_numpy(values)[3:9, ::2])
+    assert torch.equal(aliases[3], torch.from_numpy(values).view(torch.int32))
+    # the pin lasts while any capsule's array does, whichever came first
+    del first, aliases[:3]
+    client.flush()
+    assert storage.holds == 1
+    assert aliases[0][0, 5].item() == values.view(np.int32)[0, 5]  # the int32 view
+    del aliases
+    client.flush()
+    assert storage.holds == 0
+    # a new __dlpack__ after the last capsule went exports again
+    again = torch.from_dlpack(x)
+    assert len(exports) == 2
+    assert storage.holds == 1
+    del again
+    client.flush()
+    assert storage.holds == 0
+
+
+def test_a_reused_export_sees_the_writes_queued_before_it(client: Any, monkeypatch: Any) -> None:
+    x = client.zeros(4096)
+    alias = torch.from_dlpack(x)
+    exports = count_calls(client, monkeypatch, "Export")
+    x.fill_(7.0)  # pipelined: queued, not yet sent
+    x[:10] = 3.0
+    again = torch.from_dlpack(x)
+    assert not exports  # reused, and still the bytes are those of every op issued before
+    assert again[:10].eq(3).all() and again[10:].eq(7).all()
+    del alias, again
+
+
+def test_a_reused_export_is_not_reused_by_another_session_or_a_closed_client(
+    server: Any, monkeypatch: Any
+) -> None:
+    with tensord.connect(server.address) as owner, tensord.connect(server.address) as other:
+        owner.put("reuse-me", owner.tensor(np.ones(4096, dtype=np.float32)))
+        x = owner.get("reuse-me")
+        alias = torch.from_dlpack(x)
+        y = other.get("reuse-me")
+        exports = count_calls(other, monkeypatch, "Export")
+        theirs = torch.from_dlpack(y)  # same Storage, another session: its own export
+        assert len(exports) == 1
+        assert torch.equal(theirs, alias)
+        owner.delete("reuse-me")
+    with pytest.raises(tensord.errors.TensordError):
+        torch.from_dlpack(x)  # a closed client refuses, capsule alive or not
+    del alias, theirs
+
+
+class _NoWalk(dict):  # type: ignore[type-arg]
+    """An export table that fails a test when walked whole."""
+
+    def values(self) -> Any:
+        raise AssertionError("an Export walked every export of the server")
+
+
+def test_export_checks_the_handle_limit_without_walking_every_export(make_server: Any) -> None:
+    running = make_server(max_handles_per_session=8)
+    table = running.daemon.exports
+    with tensord.connect(running.address) as client:
+        x = client.tensor(np.ones(1000, dtype=np.float32))
+        session = running.daemon.sessions.peek(client.session_id)
+        room = 8 - running.daemon.sessions.handle_count(session)
+        table._exports = _NoWalk(table._exports)
+        try:
+            exports = [table.export(session, x.handle)[0] for _ in range(room)]
+            assert table.count(session.id) == room
+            with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+                table.export(session, x.handle)
+            assert table.release(session, [exports[0].id, "unknown"]) == 1
+            assert table.count(session.id) == room - 1
+            table.export(session, x.handle)
+        finally:
+            table._exports = dict(table._exports)
+    assert table.count(session.id) == 0  # the session's end released the rest
+
+
 def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
     session = daemon.sessions.peek(client.session_id)
     return daemon.sessions.lookup(session, tensor.handle).storage

@@ -108,7 +108,10 @@ def to_dlpack(
         array = values.view(np.uint16) if bfloat16 else values
     else:
         array = session.local_array(
-            tensor.handle, layout, np.dtype(np.uint16) if bfloat16 else np_dtype
+            tensor.handle,
+            layout,
+            np.dtype(np.uint16) if bfloat16 else np_dtype,
+            tensor.untyped_storage().storage_id,
         )
         if array is None:
             raise BufferError(

@@ -11,7 +11,9 @@ every transfer then goes through gRPC as before.  ``tensord.connect(local=False)
 Mappings are cached by (server instance, segment id) and unmapped once no array over
 them is alive and the server says the segment is gone (it answers that with each
 batch of ReleaseExports).  An :class:`Export` lives while any array made over it does;
-when the last one is collected its id is queued and sent in the next batch.
+when the last one is collected its id is queued and sent in the next batch.  While a cpu
+export made for DLPack lives, another ``__dlpack__`` of any view of the same Storage in the
+same session reuses it (:meth:`LocalMapper.shared_export`): no Export RPC.
 
 A GPU segment is *imported* instead: the Export's answer carries its CUDA IPC handle
 (the server synchronized its stream first, so every op queued before is complete),
@@ -121,13 +123,21 @@ class Export:
     by :meth:`array` holds it.  :meth:`close` (or collection) queues the release.
     """
 
-    def __init__(self, mapper: LocalMapper, response: pb.ExportResponse, segment: Segment) -> None:
+    def __init__(
+        self,
+        mapper: LocalMapper,
+        response: pb.ExportResponse,
+        segment: Segment,
+        reuse_key: tuple[str, str] | None = None,
+    ) -> None:
         self.id = response.export_id
         self.meta = response.tensor
         self.storage_start = response.storage_byte_offset
         self.storage_nbytes = response.tensor.storage_nbytes
         self._segment = segment
-        self._finalizer = weakref.finalize(self, mapper.ended, response.export_id, segment)
+        self._finalizer = weakref.finalize(
+            self, mapper.ended, response.export_id, segment, reuse_key
+        )
         self._finalizer.atexit = False  # at exit the session's close ends every export
 
     def storage_bytes(self) -> np.ndarray:
@@ -187,12 +197,46 @@ class LocalMapper:
         self._open_lock = threading.Lock()  # one CUDA IPC open or close at a time
         self._imports: dict[tuple[str, int], CudaImport] = {}
         self._pending: collections.deque[str] = collections.deque()
+        # (session id, storage id) -> the live cpu export DLPack capsules of that Storage
+        # hold: another __dlpack__ of any view of it reuses it (no Export RPC); _lock
+        self._reusable: dict[tuple[str, str], weakref.ref[Export]] = {}
 
     def disable(self, reason: str) -> None:
         self.enabled = False
         self.reason = reason
 
-    def export(self, handle: str) -> Export | CudaExport | None:
+    def shared_export(self, handle: str, storage_id: str) -> Export | CudaExport | None:
+        """An export for an alias that may outlive the call (a DLPack capsule): a live cpu
+        export of the same Storage in this session if there is one, else a new one.
+
+        Reusing one is safe because the export lives as long as anything made over it: the
+        new capsule's array holds it like the old ones, so its pin ends with the last of
+        them.  Only cpu exports are reused: a GPU Export also synchronizes the server's
+        stream, which each capsule needs (the server's ops on cpu memory are complete when
+        their RPC answers).
+        """
+        if not self.enabled:
+            return None
+        session_id = self._conn.session_id
+        with self._lock:
+            ref = self._reusable.get((session_id, storage_id))
+        reused = ref() if ref is not None else None
+        if reused is not None:
+            # what a call would check and wait for: a closed, forked or replaced session
+            # raises, and ops queued before this call are applied before it sees the bytes
+            self._conn.check_session(session_id)
+            if self._conn.pipelining:
+                self._conn.synchronize(releases=False)
+            return reused
+        export = self.export(handle, reuse_key=(session_id, storage_id))
+        if isinstance(export, Export) and export.meta.storage_id == storage_id:
+            with self._lock:
+                self._reusable[(session_id, storage_id)] = weakref.ref(export)
+        return export
+
+    def export(
+        self, handle: str, *, reuse_key: tuple[str, str] | None = None
+    ) -> Export | CudaExport | None:
         """An export of the handle's Storage mapped here, or None (the caller uses gRPC):
         this client cannot map the server's memory, or this device's memory is not mappable."""
         if not self.enabled:
@@ -235,7 +279,7 @@ class LocalMapper:
                 f"{segment.base.size}-byte segment"
             )
             return None
-        return Export(self, response, segment)
+        return Export(self, response, segment, reuse_key)
 
     def _segment(self, key: tuple[str, int], response: pb.ExportResponse) -> Segment:
         with self._lock:
@@ -320,10 +364,16 @@ class LocalMapper:
         with self._lock:
             return [k[1] for k in self._imports]
 
-    def ended(self, export_id: str, segment: Segment) -> None:
+    def ended(
+        self, export_id: str, segment: Segment, reuse_key: tuple[str, str] | None = None
+    ) -> None:
         """An export's last array was collected (any thread, even at exit): never blocks."""
         with self._lock:
             segment.exports -= 1
+            if reuse_key is not None and reuse_key in self._reusable:
+                current = self._reusable[reuse_key]()
+                if current is None or current.id == export_id:  # not a newer one's entry
+                    del self._reusable[reuse_key]
         self._conn.queue_export_release(export_id)
 
     def mapped_segments(self, server_instance: str | None = None) -> list[int]:
@@ -348,6 +398,7 @@ class LocalMapper:
         keeps its import open until this process exits)."""
         with self._lock:
             self._segments.clear()
+            self._reusable.clear()
         with contextlib.suppress(Exception):
             self.close_idle_imports()
 

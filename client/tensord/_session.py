@@ -51,9 +51,12 @@ class ClientSession:
             return self.local.reason
         return self.local.last_refusal or "the server refused to export this tensor"
 
-    def local_array(self, handle: str, layout: Layout, np_dtype: np.dtype) -> np.ndarray | None:
-        """An array of ``layout`` aliasing the pool (the export lives as long as it), or None."""
-        export = self.local_export(handle)
+    def local_array(
+        self, handle: str, layout: Layout, np_dtype: np.dtype, storage_id: str
+    ) -> np.ndarray | None:
+        """An array of ``layout`` aliasing the pool (the export lives as long as it), or None;
+        a live export of the Storage (``storage_id``) is reused."""
+        export = self.local.shared_export(handle, storage_id)
         if export is None:
             return None
         array: np.ndarray = export.array(np_dtype, layout)

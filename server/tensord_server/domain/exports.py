@@ -102,6 +102,9 @@ class ExportTable:
         self.instance = secrets.token_hex(8)  # a client's mapping cache is per server instance
         self._lock = threading.Lock()  # guards the two dicts below
         self._exports: dict[str, Export] = {}
+        # session id -> its live exports: the handle limit's check is O(1) per Export, not
+        # a walk over every export of the server
+        self._per_session: dict[str, int] = {}
         self._tickets: OrderedDict[str, Ticket] = OrderedDict()
         # CUDA IPC imports: segment id -> {session id: Exports answered with its handle}
         self._imports: dict[int, dict[str, int]] = {}
@@ -157,7 +160,7 @@ class ExportTable:
         )
         ticket = ""
         with self._lock:
-            self._exports[export.id] = export
+            self._add(export)
             if segment is not None:
                 ticket = self._issue_ticket(segment.id, backend)
         if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
@@ -171,7 +174,7 @@ class ExportTable:
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
             export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
             with self._lock:
-                self._exports[export.id] = export
+                self._add(export)
             return export
         try:
             segment_id, handle = backend.ipc_export(memory)
@@ -188,7 +191,7 @@ class ExportTable:
             ipc_handle=handle,
         )
         with self._lock:
-            self._exports[export.id] = export
+            self._add(export)
             importers = self._imports.setdefault(segment_id, {})
             importers[session.id] = importers.get(session.id, 0) + 1
             self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
@@ -245,7 +248,7 @@ class ExportTable:
             for export_id in export_ids:
                 export = self._exports.get(export_id)
                 if export is not None and export.session_id == session.id:
-                    ended.append(self._exports.pop(export_id))
+                    ended.append(self._remove(export_id))
         for export in ended:
             self.storages.release_hold(export.storage)
         return len(ended)
@@ -255,7 +258,7 @@ class ExportTable:
         with self._lock:
             ended = [e for e in self._exports.values() if e.session_id == session.id]
             for export in ended:
-                del self._exports[export.id]
+                self._remove(export.id)
             for segment_id, importers in list(self._imports.items()):
                 importers.pop(session.id, None)  # its process closed them, or soon dies
                 if not importers:
@@ -264,9 +267,24 @@ class ExportTable:
         for export in ended:
             self.storages.release_hold(export.storage)
 
+    def _add(self, export: Export) -> None:
+        """(lock held)"""
+        self._exports[export.id] = export
+        self._per_session[export.session_id] = self._per_session.get(export.session_id, 0) + 1
+
+    def _remove(self, export_id: str) -> Export:
+        """(lock held)"""
+        export = self._exports.pop(export_id)
+        left = self._per_session[export.session_id] - 1
+        if left:
+            self._per_session[export.session_id] = left
+        else:
+            del self._per_session[export.session_id]
+        return export
+
     def count(self, session_id: str) -> int:
         with self._lock:
-            return sum(1 for e in self._exports.values() if e.session_id == session_id)
+            return self._per_session.get(session_id, 0)
 
     def stats(self, device_name: str) -> tuple[int, int]:
         """(exported Storages, their bytes) on a device, each Storage counted once."""
