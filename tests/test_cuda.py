@@ -313,3 +313,20 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
     np.testing.assert_array_equal(host(x), expected)
     assert gpu_server.daemon.memory_stats(GPU)["exports.imported_segments.current"] == 0
     c.delete("ipc-shared")
+
+
+def test_the_pinned_cpu_pool_is_mapped_zero_copy_and_stays_pinned(
+    gpu_server: RunningServer, c: Any
+) -> None:
+    from tensord_server.devices import cuda as cuda_backend
+
+    values = np.arange(1 << 20, dtype=np.float32)
+    x = c.tensor(values)
+    alias = np.from_dlpack(x[::4])  # the pinned pool is a memfd pool: mappable
+    np.testing.assert_array_equal(alias, values[::4])
+    alias[1] = -5.0
+    assert host(x.to(GPU))[4] == -5.0  # one DMA from the registered pages
+    session = gpu_server.daemon.sessions.peek(c.session_id)
+    storage = gpu_server.daemon.sessions.lookup(session, x.handle).storage
+    assert cuda_backend.is_pinned(storage.block.segment.memory.address)
+    del alias

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
+import os
 import subprocess
 import sys
 import types
@@ -22,13 +23,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_serve
+import tensord
+from conftest import run_serve, start_server
 from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
 from tensord.layout import Layout
 from tensord_server.devices import cuda as cuda_backend
 from tensord_server.devices import table as devices
 from tensord_server.devices.memory import BackendOutOfMemory
+from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_device_spec, resolve_specs
 from tensord_server.domain import kernels
 
@@ -186,6 +189,7 @@ class FakeRuntime:
         self.opened: list[int] = []  # flags of every ipcOpenMemHandle
         self.freed_while_imported: list[int] = []
         self.device_syncs = 0
+        self.registrations: list[tuple[str, int, int]] = []  # (what, address, flags), in order
 
     def getDeviceCount(self) -> int:
         return self.count
@@ -222,6 +226,24 @@ class FakeRuntime:
     def pointerGetAttributes(self, address: int) -> Any:
         pinned = any(a <= address < a + n for a, n in self.pinned)
         return types.SimpleNamespace(type=1 if pinned else 0, device=0)
+
+    # page-locking of memory the caller allocated: registering a range twice, or
+    # unregistering one never registered, is cudaErrorHostMemoryAlready(Not)Registered
+    def hostRegister(self, address: int, nbytes: int, flags: int) -> None:
+        if any(a == address for a, _n in self.pinned):
+            raise FakeCudaError(712)
+        if self.fail_status:
+            status, self.fail_status = self.fail_status, 0
+            raise FakeCudaError(status)
+        self.pinned.append((address, nbytes))
+        self.registrations.append(("register", address, flags))
+
+    def hostUnregister(self, address: int) -> None:
+        registered = [(a, n) for a, n in self.pinned if a == address]
+        if not registered:
+            raise FakeCudaError(713)
+        self.pinned.remove(registered[0])
+        self.registrations.append(("unregister", address, 0))
 
     def deviceSynchronize(self) -> None:
         self.device_syncs += 1
@@ -488,6 +510,94 @@ def test_pinned_host_memory_takes_one_dma(cupy: Any) -> None:
     assert runtime.copies == [("h2d", 10_000), ("d2h", 10_000)]
     assert staging.made == 0
     np.testing.assert_array_equal(out, source)
+
+
+def test_pinned_host_segments_are_registered_memfds_unregistered_before_closing(
+    cupy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = cupy.cuda.runtime
+    host = cuda_backend.PinnedHostBackend()
+    assert isinstance(host, SharedHostBackend)  # same-host clients may map it
+    first, second = host.reserve(8192), host.reserve(4096)
+    assert host.reserve(0).nbytes == 0  # a zero-byte segment: nothing to register
+    segment = host.segment(first)
+    assert segment is not None and os.fstat(segment.fd).st_size == 8192  # a memfd
+    assert cuda_backend.is_pinned(first.address) and cuda_backend.is_pinned(second.address)
+    portable = cuda_backend.CUDA_HOST_REGISTER_PORTABLE
+    assert runtime.registrations == [
+        ("register", first.address, portable),
+        ("register", second.address, portable),
+    ]
+    # unregistered first, while the segment (its memfd and the server's mapping) still is
+    seen_at_unregister: list[bool] = []
+    unregister = runtime.hostUnregister
+
+    def watching(address: int) -> None:
+        seen_at_unregister.append(host.segment_by_id(segment.id) is not None and segment.fd >= 0)
+        unregister(address)
+
+    monkeypatch.setattr(runtime, "hostUnregister", watching)
+    host.release(first)
+    assert seen_at_unregister == [True]
+    assert host.segment_by_id(segment.id) is None and segment.fd == -1
+    host.release(second)
+    assert_paired(runtime.registrations)
+    assert runtime.registrations[2:] == [
+        ("unregister", first.address, 0),
+        ("unregister", second.address, 0),
+    ]
+    assert not runtime.pinned and host.live_segments() == 0
+
+
+def test_a_refused_registration_releases_the_segment(cupy: Any) -> None:
+    runtime = cupy.cuda.runtime
+    host = cuda_backend.PinnedHostBackend()
+    runtime.fail_status = runtime.errorMemoryAllocation
+    with pytest.raises(BackendOutOfMemory, match="pinned host allocation of 4096 bytes"):
+        host.reserve(4096)
+    runtime.fail_status = 999  # any other error is not an out-of-memory
+    with pytest.raises(FakeCudaError):
+        host.reserve(4096)
+    assert host.live_segments() == 0 and not runtime.registrations
+
+
+def test_a_pinned_cpu_pool_is_mapped_by_same_host_clients(cupy: Any) -> None:
+    running = start_server(devices=(DeviceSpec("cpu", 64 << 20, pinned=True),))
+    try:
+        assert isinstance(running.daemon.devices.get("cpu").backend, cuda_backend.PinnedHostBackend)
+        with tensord.connect(running.address) as client:
+            values = np.arange(1 << 16, dtype=np.float32)
+            x = client.tensor(values)
+            alias = np.from_dlpack(x[1::2])  # zero copy: before, a BufferError
+            np.testing.assert_array_equal(alias, values[1::2])
+            alias[0] = -1.0
+            assert x[1].item() == -1.0
+            # the server computes on pinned pages (its address, not this mapping's)
+            session = running.daemon.sessions.peek(client.session_id)
+            storage = running.daemon.sessions.lookup(session, x.handle).storage
+            assert cuda_backend.is_pinned(storage.block.segment.memory.address)
+            del alias
+            client.flush()
+        backend = running.daemon.devices.get("cpu").backend
+        assert len(cupy.cuda.runtime.pinned) == backend.live_segments() > 0
+        running.daemon.empty_cache("cpu")
+        assert backend.live_segments() == 0
+    finally:
+        running.stop()
+    assert_paired(cupy.cuda.runtime.registrations)
+    assert not cupy.cuda.runtime.pinned
+
+
+def assert_paired(registrations: list[tuple[str, int, int]]) -> None:
+    """Each address unregistered only while registered, registered only while not."""
+    registered: set[int] = set()
+    for what, address, _flags in registrations:
+        if what == "register":
+            assert address not in registered
+            registered.add(address)
+        else:
+            assert address in registered
+            registered.remove(address)
 
 
 def test_staging_pool_reuses_after_the_copy() -> None:

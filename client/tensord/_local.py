@@ -243,7 +243,7 @@ class LocalMapper:
             return None
         try:
             response = self._conn.call("Export", pb.ExportRequest(handle=handle))
-        except errors.FailedPreconditionError as exc:  # e.g. a pinned host pool
+        except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
         key = (response.server_instance, int(response.segment_id))

@@ -42,13 +42,11 @@ import numpy as np
 
 from tensord_server.devices.host_arrays import assign_host, complex_to_real, gather_plan
 from tensord_server.devices.memory import (
-    SEGMENT_ALIGNMENT,
     BackendOutOfMemory,
     DeviceMemory,
-    HostBackend,
     check_range,
 )
-from tensord_server.devices.shm import next_segment_id
+from tensord_server.devices.shm import SharedHostBackend, next_segment_id
 
 # Capacity held back from the pool by default: CUDA contexts, cuBLAS workspaces and
 # CuPy's kernel cache need device memory outside our pool.
@@ -62,6 +60,9 @@ STAGING_BUFFER_BYTES = 64 << 20
 STAGING_BUFFERS_KEPT = 4
 # cudaPointerAttributes.type of page-locked host memory (cudaMemoryTypeHost).
 CUDA_MEMORY_TYPE_HOST = 1
+# cudaHostRegisterPortable: the cpu pool's pages count as pinned for every GPU of the server,
+# not only the one current when a segment was registered
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _cupy() -> Any:
@@ -466,31 +467,44 @@ class CudaBackend:
             self.stream.synchronize()
 
 
-class PinnedHostBackend(HostBackend):
-    """Host memory for the ``cpu`` pool of a server that owns a GPU: page-locked
-    (``cudaHostAlloc``), so cpu<->cuda copies of its Storages are one DMA each,
-    with no staging.  Otherwise a :class:`HostBackend` (NumPy arrays over it)."""
+class PinnedHostBackend(SharedHostBackend):
+    """Host memory for the ``cpu`` pool of a server that owns a GPU: page-locked, so
+    cpu<->cuda copies of its Storages are one DMA each, with no staging, and mappable by
+    same-host clients like :class:`SharedHostBackend`'s.
+
+    Each segment is a memfd mapping (what clients map) registered with
+    ``cudaHostRegister`` (what makes it page-locked) once mapped, and unregistered in
+    ``release`` before anything else: the server's mapping is unmapped only after, when the
+    last array over it is collected.
+    """
 
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         super().__init__(device=device, total_bytes=total_bytes)
         self.description = "host memory (pinned)"
 
     def reserve(self, nbytes: int) -> DeviceMemory:
-        cuda = _cupy().cuda
+        memory = super().reserve(nbytes)
+        if nbytes == 0:
+            return memory
+        runtime = _cupy().cuda.runtime
         try:
-            memory = cuda.PinnedMemory(nbytes + SEGMENT_ALIGNMENT)
-        except cuda.runtime.CUDARuntimeError as exc:
-            if getattr(exc, "status", None) == cuda.runtime.errorMemoryAllocation:
+            runtime.hostRegister(memory.address, nbytes, CUDA_HOST_REGISTER_PORTABLE)
+        except runtime.CUDARuntimeError as exc:
+            super().release(memory)  # never registered: nothing to unregister
+            if getattr(exc, "status", None) == runtime.errorMemoryAllocation:
                 raise BackendOutOfMemory(
                     f"pinned host allocation of {nbytes} bytes failed"
                 ) from exc
             raise
-        raw = np.frombuffer(
-            cuda.PinnedMemoryPointer(memory, 0), dtype=np.uint8, count=nbytes + SEGMENT_ALIGNMENT
-        )
-        start = -raw.ctypes.data % SEGMENT_ALIGNMENT
-        array = raw[start : start + nbytes]  # keeps the PinnedMemory alive through .base
-        return DeviceMemory(address=int(array.ctypes.data), nbytes=nbytes, payload=array)
+        return memory
+
+    def release(self, memory: DeviceMemory) -> None:
+        if memory.nbytes:
+            runtime = _cupy().cuda.runtime
+            # a failure leaves nothing to undo: the pages go with the mapping either way
+            with contextlib.suppress(runtime.CUDARuntimeError):
+                runtime.hostUnregister(memory.address)
+        super().release(memory)
 
 
 # ---------------------------------------------------------------------------
