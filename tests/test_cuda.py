@@ -120,6 +120,39 @@ def test_writes_match_cpu(c: Any, dtype: str) -> None:
     same(*results)
 
 
+# issue 14: torch's lazy conjugate / negative bits through the CUDA kernels
+LAZY_BITS: dict[str, Callable[[Any], Any]] = {
+    "clone": lambda x: x.conj().transpose(0, 1).clone(),
+    "imag_clone": lambda x: x.conj().imag.clone(),
+    "expand_contiguous": lambda x: x[:, :1].conj().expand(3, 6, 5).contiguous(),
+    "to_complex128": lambda x: x.conj().to(tensord.complex128),
+    "cat": lambda x: tensord.cat([x.conj(), x], dim=1),
+    "gather": lambda x: x.conj()[[2, 0, 2]],
+    "conj_physical": lambda x: x.conj_physical(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_BITS))
+def test_lazy_bits_match_cpu(c: Any, name: str) -> None:
+    data = (DATA + 1j * DATA[::-1]).astype(np.complex64)
+    op = LAZY_BITS[name]
+    same(op(c.tensor(data, device=GPU)), op(c.tensor(data)))
+
+
+def test_writes_through_lazy_bits_match_cpu(c: Any) -> None:
+    data = (DATA + 1j * DATA[::-1]).astype(np.complex64)
+    results = []
+    for device in (GPU, "cpu"):
+        x = c.tensor(data, device=device)
+        x.conj()[0].fill_(1 + 2j)
+        x.conj().imag[1] = 5.0
+        x.conj()[2, :, ::2].copy_(c.tensor(data[0, :, ::2], device=device))
+        x.conj()[[1, 1]] = c.tensor(data[2, :1], device=device)
+        results.append(x)
+    same(*results)
+    np.testing.assert_array_equal(results[0].conj().numpy(force=True), host(results[1]).conj())
+
+
 def test_bfloat16_round_trip(c: Any) -> None:
     values = np.array([0.1, -2.5, 3.0e38, 1e-40, np.inf, -np.inf, 1 + 2**-8], np.float64)
     on_gpu = c.tensor(values, device=GPU).to(tensord.bfloat16)

@@ -87,6 +87,8 @@ def to_dlpack(
         raise errors.TensordRuntimeError(
             "Can't export tensors that require gradient, use tensor.detach()"
         )
+    if tensor.is_conj():  # torch's own refusal, word for word
+        raise BufferError("Can't export tensors with the conjugate bit set")
     if tensor.device.type == "cuda":
         return _cuda_capsule(
             tensor, session, layout, max_version=max_version, dl_device=dl_device, copy=copy

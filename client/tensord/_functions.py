@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensord import errors, layout
-from tensord.tensor import Tensor, torch_errors
+from tensord.tensor import Tensor, complex_function, torch_errors
 
 
 def narrow(input: Tensor, dim: int, start: Any, length: int) -> Tensor:
@@ -197,3 +197,60 @@ def atleast_2d(*tensors: Any) -> Any:
 
 def atleast_3d(*tensors: Any) -> Any:
     return _atleast(tensors, _at_least_3d)
+
+
+# ---- complex views and torch's lazy bits (issue 14) -------------------------------------
+
+
+def _tensor_argument(function: str, input: Any) -> Tensor:
+    """torch's argument parser's refusal of a non-tensor ``input``, word for word."""
+    if not isinstance(input, Tensor):
+        raise errors.TensordTypeError(
+            f"{function}(): argument 'input' (position 1) must be Tensor, not "
+            f"{type(input).__name__}"
+        )
+    return input
+
+
+def view_as_real(input: Tensor) -> Tensor:
+    return complex_function("view_as_real", input)
+
+
+def view_as_complex(input: Tensor) -> Tensor:
+    return complex_function("view_as_complex", input)
+
+
+def real(input: Tensor) -> Tensor:
+    return _tensor_argument("real", input).real
+
+
+def imag(input: Tensor) -> Tensor:
+    return _tensor_argument("imag", input).imag
+
+
+def conj(input: Tensor) -> Tensor:
+    return _tensor_argument("conj", input).conj()
+
+
+def conj_physical(input: Tensor) -> Tensor:
+    return _tensor_argument("conj_physical", input).conj_physical()
+
+
+def conj_physical_(input: Tensor) -> Tensor:
+    return _tensor_argument("conj_physical_", input).conj_physical_()
+
+
+def resolve_conj(input: Tensor) -> Tensor:
+    return _tensor_argument("resolve_conj", input).resolve_conj()
+
+
+def resolve_neg(input: Tensor) -> Tensor:
+    return _tensor_argument("resolve_neg", input).resolve_neg()
+
+
+def is_conj(input: Tensor) -> bool:
+    return _tensor_argument("is_conj", input).is_conj()
+
+
+def is_neg(input: Tensor) -> bool:
+    return _tensor_argument("is_neg", input).is_neg()

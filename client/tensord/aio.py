@@ -48,17 +48,17 @@ _SYNC_METHODS = frozenset(
         "unsqueeze", "unflatten", "split", "tensor_split", "hsplit", "vsplit", "dsplit",
         "unfold", "chunk", "unbind", "diagonal", "as_strided", "detach", "fill_", "zero_",
         "t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_", "as_strided_",
-        "adjoint",
+        "adjoint", "conj",
     }
 )  # fmt: skip
 # Tensor properties that are views (no call).
-_VIEW_PROPERTIES = frozenset({"T", "mT", "mH", "H"})
+_VIEW_PROPERTIES = frozenset({"T", "mT", "mH", "H", "real", "imag"})
 # Metadata: read locally, never a call.
 _METADATA = frozenset(
     {
         "shape", "size", "stride", "storage_offset", "dtype", "device", "is_cuda", "is_cpu",
         "requires_grad", "is_contiguous", "numel", "nelement", "dim", "ndim", "element_size",
-        "itemsize", "nbytes", "data_ptr", "untyped_storage", "handle",
+        "itemsize", "nbytes", "data_ptr", "untyped_storage", "handle", "is_conj", "is_neg",
     }
 )  # fmt: skip
 

@@ -39,6 +39,9 @@ from tensord.layout import (
     CONTIGUOUS_FORMAT,
     PRESERVE_FORMAT,
     Layout,
+    LazyView,
+    check_view_dtype_bits,
+    complex_view,
     memory_format_strides,
     normalize_dim,
 )
@@ -248,6 +251,9 @@ class Meta:
     storage_id: str
     storage_nbytes: builtins.int
     storage_data_ptr: builtins.int
+    # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
+    conj: builtins.bool = False
+    neg: builtins.bool = False
 
     @classmethod
     def from_pb(cls, m: pb.TensorMeta) -> Meta:
@@ -260,6 +266,8 @@ class Meta:
             storage_id=m.storage_id,
             storage_nbytes=m.storage_nbytes,
             storage_data_ptr=m.storage_data_ptr,
+            conj=m.is_conj,
+            neg=m.is_neg,
         )
 
 
@@ -438,6 +446,11 @@ class Tensor:
             )
         if "detach" in op:
             return dataclasses.replace(meta, requires_grad=False)
+        if "complex_view" in op:
+            lazy = self._lazy_view(op["complex_view"].op)
+            return dataclasses.replace(
+                meta, dtype=dtypes.dtype_from_name(lazy.dtype), conj=lazy.conj, neg=lazy.neg
+            )
         return meta
 
     def view(self, *shape: Any) -> Tensor:
@@ -456,6 +469,7 @@ class Tensor:
     def _view_dtype(self, dtype: DType) -> Tensor:
         old = self.dtype
         with torch_errors():
+            check_view_dtype_bits(self._meta.conj, self._meta.neg)
             layout = self._meta.layout.view_dtype(
                 old.itemsize, dtype.itemsize, old_name=old.scalar_type, new_name=dtype.scalar_type
             )
@@ -535,20 +549,18 @@ class Tensor:
 
     def _matrix_view(self, name: builtins.str, zero_dim_warning: builtins.str) -> Tensor:
         # mT / mH / H / adjoint(): a transpose of the last two dims (of a real tensor)
+        # mH / H / adjoint() of a complex tensor: the transpose's lazy conjugate, as torch's
+        conjugate = name != "mT" and self.dtype.is_complex
         if self.ndim == 0:
             _warn_once(zero_dim_warning)
-            return self
-        if name != "mT" and self.dtype.is_complex:
-            raise errors.TensordRuntimeError(
-                f"tensord does not support {name} of a complex tensor yet (it needs torch's "
-                "conjugate view); use transpose(-2, -1) and a copy for the conjugate"
-            )
+            return self.conj() if conjugate else self
         with torch_errors():
             if name == "H":
                 self._meta.layout.h()
             else:
                 self._meta.layout.matrix_transpose(name)
-        return self.transpose(-2, -1)
+        transposed = self.transpose(-2, -1)
+        return transposed.conj() if conjugate else transposed
 
     @property
     def mT(self) -> Tensor:
@@ -564,6 +576,58 @@ class Tensor:
 
     def adjoint(self) -> Tensor:
         return self._matrix_view("adjoint()", _CONJ_0D.format("adjoint()"))
+
+    # ---- complex views and torch's lazy conjugate / negative bits (issue 14) ----------
+
+    def _lazy_view(self, name: builtins.str) -> LazyView:
+        meta = self._meta
+        with torch_errors():
+            return complex_view(
+                name, meta.layout, meta.dtype.name, meta.dtype.scalar_type, meta.conj, meta.neg
+            )
+
+    def _complex_view(self, name: builtins.str) -> Tensor:
+        """A complex view (the layout engine's rules, checked here first), one View RPC."""
+        lazy = self._lazy_view(name)
+        return self._view(lazy.layout, complex_view=pb.ComplexView(op=name))
+
+    @property
+    def real(self) -> Tensor:
+        """torch's x.real: a view of the real parts; a real tensor's is the tensor itself."""
+        return self._complex_view("real") if self.dtype.is_complex else self
+
+    @property
+    def imag(self) -> Tensor:
+        """torch's x.imag: a view of the imaginary parts (of a conjugate: with the neg bit)."""
+        return self._complex_view("imag")
+
+    def conj(self) -> Tensor:
+        """torch's lazy conjugate: a view with the conjugate bit flipped (self if not complex)."""
+        return self._complex_view("conj") if self.dtype.is_complex else self
+
+    def is_conj(self) -> builtins.bool:
+        return self._meta.conj
+
+    def is_neg(self) -> builtins.bool:
+        return self._meta.neg
+
+    def resolve_conj(self) -> Tensor:
+        """A copy holding the conjugated values when the conjugate bit is set, else self."""
+        return self.clone() if self._meta.conj else self
+
+    def resolve_neg(self) -> Tensor:
+        """A copy holding the negated values when the negative bit is set, else self."""
+        return self.clone() if self._meta.neg else self
+
+    def conj_physical(self) -> Tensor:
+        """The conjugated values in a new tensor (never a conjugate view); self if not complex."""
+        return self.conj().clone() if self.dtype.is_complex else self
+
+    def conj_physical_(self) -> Tensor:
+        """Conjugates the values in place (self if not complex): a copy_ from the conjugate."""
+        if self.dtype.is_complex:
+            self.copy_(self.conj())
+        return self
 
     def permute(self, *dims: Any) -> Tensor:
         require_args("permute", "dims", dims)
@@ -946,7 +1010,11 @@ class Tensor:
         """The elements in logical order, as a new NumPy array (any device)."""
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
         fast = _local.read_array(self, self._session.local, self._meta.layout)
-        if fast is not None:
+        if fast is not None:  # the stored values: a new array, made values in place
+            if self._meta.conj:
+                np.conjugate(fast, out=fast)
+            if self._meta.neg:
+                np.negative(fast, out=fast)
             return fast
         out = np.empty(self.nbytes, dtype=np.uint8)
         if self.nbytes:
@@ -962,6 +1030,16 @@ class Tensor:
             raise errors.TensordTypeError(
                 f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
                 "copy the tensor to host memory first."
+            )
+        if not force and self._meta.conj:
+            raise errors.TensordRuntimeError(
+                "Can't call numpy() on Tensor that has conjugate bit set. Use "
+                "tensor.resolve_conj().numpy() instead."
+            )
+        if not force and self._meta.neg:
+            raise errors.TensordRuntimeError(
+                "Can't call numpy() on Tensor that has negative bit set. Use "
+                "tensor.resolve_neg().numpy() instead."
             )
         return self._download()
 
@@ -1214,6 +1292,16 @@ class Tensor:
 
     def bool(self) -> Tensor:
         return self.to(dtypes.bool)
+
+
+def complex_function(name: builtins.str, input: Any) -> Tensor:
+    """torch.view_as_real / torch.view_as_complex (no Tensor methods in torch): the complex
+    view of ``input``, after torch's argument check (issue 14)."""
+    if not isinstance(input, Tensor):
+        raise errors.TensordTypeError(
+            f"{name}(): argument 'input' (position 1) must be Tensor, not {type(input).__name__}"
+        )
+    return input._complex_view(name)
 
 
 _T_DEPRECATED = (

@@ -71,7 +71,7 @@ class Copies:
                 pairs = tuple(x for r, n in zip(repeats, padded, strict=True) for x in (r, n))
                 src_pairs = tuple(x for n in padded for x in (1, n))
                 if math.prod(shape) > 0:
-                    src = self.ops.array(ref).reshape(src_pairs)
+                    src = self.ops.values(ref).reshape(src_pairs)
                     kernels.assign(out.device.xp, self.ops.array(out).reshape(pairs), src)
                 return self.ops.issue(session, out)
 
@@ -90,7 +90,7 @@ class Copies:
                     n = refs[i].layout.shape[dim]
                     part = out_array[(slice(None),) * dim + (slice(start, start + n),)]
                     kernels.assign(
-                        device.xp, part, kernels.to_module(device.xp, self.ops.array(refs[i]))
+                        device.xp, part, kernels.to_module(device.xp, self.ops.values(refs[i]))
                     )
                     start += n
                 return self.ops.issue(session, out)
@@ -111,7 +111,7 @@ class Copies:
                 for i, ref in enumerate(refs):
                     part = out_array[(slice(None),) * dim + (i,)]
                     kernels.assign(
-                        device.xp, part, kernels.to_module(device.xp, self.ops.array(ref))
+                        device.xp, part, kernels.to_module(device.xp, self.ops.values(ref))
                     )
                 return self.ops.issue(session, out)
 
@@ -123,7 +123,7 @@ class Copies:
         grad = src.requires_grad and (dtype.is_floating_point or dtype.is_complex)
         self.ops.check_elements(src.layout.numel)
         with self.ops.allocated(session, device, layout, dtype, grad) as out:
-            self.ops.assign(out, self.ops.array(src))
+            self.ops.assign(out, self.ops.values(src))
             return self.ops.issue(session, out)
 
 
@@ -137,7 +137,7 @@ def reshape_copy(
     with ops.allocated(
         session, ref.device, Layout.contiguous(ref.layout.shape), ref.dtype, ref.requires_grad
     ) as out:
-        ops.assign(out, ops.array(ref))
+        ops.assign(out, ops.values(ref))
         return ops.issue(session, out.with_layout(target))
 
 

@@ -592,7 +592,13 @@ class Indexing:
             with self.ops.allocated(
                 session, ref.device, layout, ref.dtype, ref.requires_grad
             ) as out:
-                gather(ref.device.xp, self.ops.array(target), self.ops.array(out), plan)
+                out_array = self.ops.array(out)
+                gather(ref.device.xp, self.ops.array(target), out_array, plan)
+                # the gathered stored values -> values: only out's elements, never target's
+                if target.conj or target.neg:
+                    out_array[...] = kernels.apply_lazy_bits(
+                        ref.device.xp, out_array, target.conj, target.neg
+                    )
                 return self.ops.issue(session, out)
 
     def advanced_setitem(
@@ -622,7 +628,7 @@ class Indexing:
             if not accumulate and dispatches_to_masked_fill(indices, src):
                 check_masked_fill_mask(indices)
                 if src is not None:
-                    value = kernels.to_host(self.ops.array(src)).reshape(()).item()
+                    value = kernels.to_host(self.ops.values(src)).reshape(()).item()
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
             elif src is None:
@@ -630,7 +636,9 @@ class Indexing:
                 source = scalar_source(xp, dst, value, ref.dtype)
             else:
                 shape = check_put_source(ref, src, plan, raw)
-                source = kernels.to_module(xp, self.ops.array(src)).reshape(shape)
+                source = kernels.to_module(xp, self.ops.values(src)).reshape(shape)
             check_bounds(plan, "")
+            # into a tensor with lazy bits: their stored form (conj / neg are involutions)
+            source = kernels.apply_lazy_bits(xp, source, target.conj, target.neg)
             scatter(xp, dst, source, plan, accumulate)
             return Issued(handle, ref)

@@ -112,16 +112,20 @@ def logical_chunks(
     itemsize: int,
     chunk_bytes: int,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Iterator[bytes]:
     """``array``'s elements in logical order as messages of exactly ``chunk_bytes`` (the last
     one shorter), gathered a piece at a time (:func:`gather_plan`): for downloads.  The
     memory it holds at any time is a few chunks, whatever the array's logical size.
     ``context`` is entered around each piece's gather only (never across a yield: the
-    consumer may stop, or close the generator from another thread, between chunks)."""
+    consumer may stop, or close the generator from another thread, between chunks).
+    ``transform`` maps each piece first (a tensor's lazy bits, issue 14)."""
     pending = bytearray()
     for key in gather_plan(array.shape, itemsize, chunk_bytes):
         with context():
             piece = array[key]
+            if transform is not None:
+                piece = transform(piece)
             pending += array_ops.for_arrays(piece).to_bytes(piece)
         while len(pending) >= chunk_bytes:
             yield bytes(pending[:chunk_bytes])
@@ -561,3 +565,35 @@ def _trunc_div(a: int, b: int) -> int:
     """C++ integer division (truncation toward zero)."""
     q = abs(a) // abs(b)
     return q if (a >= 0) == (b > 0) else -q
+
+
+# ---------------------------------------------------------------------------
+# complex views (issue 14): torch's lazy conjugate and negative bits
+
+
+def apply_lazy_bits(xp: Any, array: Any, conj: bool, neg: bool) -> Any:
+    """``array`` conjugated and/or negated: a tensor's values from its stored ones, and (each
+    an involution) the stored form of values written into it.  Computed once per distinct
+    element (an expanded dim is broadcast again after), so the temporary is bounded by the
+    Storage, never by an expanded view's logical size."""
+    if not (conj or neg):
+        return array
+    once = tuple(
+        slice(0, 1) if step == 0 and size > 1 else slice(None)
+        for size, step in zip(array.shape, array.strides, strict=True)
+    )
+    result = array[once]
+    if conj:
+        result = xp.conj(result)
+    if neg:
+        result = xp.negative(result)
+    return xp.broadcast_to(result, array.shape)
+
+
+def lazy_scalar(value: Scalar, conj: bool, neg: bool) -> Scalar:
+    """A fill value's stored form in a tensor with lazy bits (after check_scalar_fits)."""
+    if conj and isinstance(value, complex):
+        value = value.conjugate()
+    if neg:
+        value = -value
+    return value

@@ -74,6 +74,17 @@ class OpContext:
         check_in_bounds(ref)
         return kernels.strided_array(ref.device.xp, ref.storage.raw(), ref.layout, ref.dtype)
 
+    @classmethod
+    def values(cls, ref: TensorRef) -> Any:
+        """The tensor's values, for reading: :meth:`array` with its lazy conjugate and
+        negative bits applied (issue 14; then a temporary, else the array itself)."""
+        return kernels.apply_lazy_bits(ref.device.xp, cls.array(ref), ref.conj, ref.neg)
+
+    def fill(self, dst: TensorRef, value: Any) -> None:
+        """dst.fill_(value) (after check_scalar_fits): its stored form, if dst has lazy bits."""
+        stored = kernels.lazy_scalar(value, dst.conj, dst.neg)
+        kernels.fill(dst.device.xp, self.array(dst), stored)
+
     @contextlib.contextmanager
     def allocated(
         self,
@@ -96,6 +107,8 @@ class OpContext:
             self.storages.release_hold(storage)
 
     def assign(self, dst: TensorRef, src_array: Any) -> None:
-        """dst's elements = src_array's (broadcast and cast by torch's rules)."""
+        """dst's elements = src_array's (broadcast and cast by torch's rules); into a tensor
+        with lazy bits, their stored form (conjugated / negated back)."""
         xp = dst.device.xp
-        kernels.assign(xp, self.array(dst), kernels.to_module(xp, src_array))
+        source = kernels.apply_lazy_bits(xp, kernels.to_module(xp, src_array), dst.conj, dst.neg)
+        kernels.assign(xp, self.array(dst), source)

@@ -283,6 +283,9 @@ class TensorRef:
     layout: Layout
     dtype: DType
     requires_grad: bool = False
+    # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
+    conj: bool = False
+    neg: bool = False
 
     @property
     def device(self) -> Device:
@@ -293,7 +296,9 @@ class TensorRef:
         return self.storage.nbytes // self.dtype.itemsize
 
     def with_layout(self, layout: Layout, dtype: DType | None = None) -> TensorRef:
-        return TensorRef(self.storage, layout, dtype or self.dtype, self.requires_grad)
+        return TensorRef(
+            self.storage, layout, dtype or self.dtype, self.requires_grad, self.conj, self.neg
+        )
 
 
 # Byte strides and offsets must fit int64: the wire's TensorMeta and the kernels' strided

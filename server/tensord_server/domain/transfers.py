@@ -75,7 +75,7 @@ class Transfers:
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self.ops.check_elements(layout.numel)
             nbytes = layout.numel * itemsize
-            if layout.is_contiguous():
+            if layout.is_contiguous() and not (ref.conj or ref.neg):
                 block, backend = ref.storage.block, ref.device.backend
                 base = block.offset + layout.offset * itemsize
                 for start in range(0, nbytes, chunk):
@@ -84,6 +84,15 @@ class Transfers:
                 return
             # an expanded view's logical size is unbounded by its Storage: gather it a chunk
             # at a time, never whole (a 2**27-element expand grew the server by 528 MB)
+            # a tensor with lazy bits (issue 14): its values, a gathered piece at a time
+            lazy = ref.conj or ref.neg
+            xp = ref.device.xp
             yield from kernels.logical_chunks(
-                self.ops.array(ref), itemsize, chunk, lambda: activate(ref.device)
+                self.ops.array(ref),
+                itemsize,
+                chunk,
+                lambda: activate(ref.device),
+                (lambda piece: kernels.apply_lazy_bits(xp, piece, ref.conj, ref.neg))
+                if lazy
+                else None,
             )

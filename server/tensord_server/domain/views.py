@@ -7,11 +7,12 @@ before any view is built.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from tensord import dtypes
-from tensord.layout import Layout
+from tensord.layout import Layout, check_view_dtype_bits, complex_view
 
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.copies import reshape_copy
@@ -39,6 +40,7 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
     """The tensors a view op makes (no bytes move); None when torch would copy (flatten)."""
     layout, kwargs = ref.layout, dict(op.kwargs)
     if op.name == "view_dtype":
+        check_view_dtype_bits(ref.conj, ref.neg)
         new = dtypes.dtype_from_name(op.args[0])
         old = ref.dtype
         viewed = layout.view_dtype(
@@ -47,10 +49,12 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
         # view(dtype) is not differentiable: torch's result never requires grad
         return [TensorRef(ref.storage, viewed, new, False)]
     if op.name == "detach":
-        return [TensorRef(ref.storage, layout, ref.dtype, False)]
+        return [dataclasses.replace(ref, requires_grad=False)]
     if op.name == "set_requires_grad":
         kernels.check_requires_grad(ref.dtype, op.args[0])
-        return [TensorRef(ref.storage, layout, ref.dtype, bool(op.args[0]))]
+        return [dataclasses.replace(ref, requires_grad=bool(op.args[0]))]
+    if op.name == "complex_view":
+        return [complex_view_of(ref, op.args[0])]
     if op.name == "expand":
         kwargs["type_name"] = ref.dtype.legacy_type
     if op.name == "as_strided":
@@ -63,6 +67,16 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
         return None
     layouts = result if isinstance(result, tuple) else (result,)
     return [ref.with_layout(lay) for lay in layouts]
+
+
+def complex_view_of(ref: TensorRef, name: str) -> TensorRef:
+    """x.real, x.imag, view_as_real, view_as_complex, x.conj() (issue 14): the same Storage
+    under the layout, dtype and lazy bits the layout engine gives; differentiable views,
+    so requires_grad stays."""
+    dtype = ref.dtype
+    lazy = complex_view(name, ref.layout, dtype.name, dtype.scalar_type, ref.conj, ref.neg)
+    new_dtype = dtypes.dtype_from_name(lazy.dtype)
+    return TensorRef(ref.storage, lazy.layout, new_dtype, ref.requires_grad, lazy.conj, lazy.neg)
 
 
 VIEW_OPS = frozenset(

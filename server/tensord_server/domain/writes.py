@@ -28,13 +28,14 @@ class Writes:
         with self.ops.using(session, dst_handle, src_handle) as (dst, src):
             kernels.copy_broadcast_check(dst.layout.shape, src.layout.shape)
             self.ops.check_elements(dst.layout.numel)
-            self._write(dst, src, self.ops.array(src))
+            self._write(dst, src, self.ops.values(src))
             return Issued(dst_handle, dst)
 
     def _write(self, dst: TensorRef, src: TensorRef, src_array: Any) -> None:
         """dst.copy_(src) after the shape checks: torch's overlap rules, then the kernel."""
-        if dst.storage is src.storage and dst.layout == src.layout and dst.dtype == src.dtype:
-            return  # torch: copying a tensor onto itself is a no-op
+        same = dst.storage is src.storage and dst.layout == src.layout and dst.dtype == src.dtype
+        if same and (dst.conj, dst.neg) == (src.conj, src.neg):
+            return  # torch: copying a tensor onto itself is a no-op (not onto its conjugate)
         kernels.assert_no_internal_overlap(dst.layout)
         kernels.assert_no_partial_overlap(
             dst.storage is src.storage,
@@ -51,7 +52,7 @@ class Writes:
             # torch's fill_ takes an expanded tensor; writing each location once is the same
             once = ref.with_layout(kernels.collapse_expanded(ref.layout))
             self.ops.check_elements(once.layout.numel)
-            kernels.fill(ref.device.xp, self.ops.array(once), value)
+            self.ops.fill(once, value)
             return Issued(handle, ref)
 
     def setitem(
@@ -72,12 +73,12 @@ class Writes:
                 # torch writes x[i] = v as a copy_: an expanded target is refused
                 kernels.assert_no_internal_overlap(target.layout)
                 self.ops.check_elements(target.layout.numel)
-                kernels.fill(ref.device.xp, self.ops.array(target), value)
+                self.ops.fill(target, value)
                 return Issued(handle, ref)
             src = refs[1]
             # mirrors torch's copy_to: drop src's leading 1s, then expand to the slice
             stripped = kernels.strip_leading_ones(src.layout.shape)
             Layout.contiguous(stripped).expand(target.layout.shape, type_name=src.dtype.legacy_type)
             self.ops.check_elements(target.layout.numel)
-            self._write(target, src, self.ops.array(src).reshape(stripped))
+            self._write(target, src, self.ops.values(src).reshape(stripped))
             return Issued(handle, ref)

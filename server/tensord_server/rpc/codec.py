@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError, Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError
+from tensord.layout import COMPLEX_VIEW_OPS
 
 from tensord_server.domain import batch, limits
 from tensord_server.domain.indexing import TensorItem
@@ -48,6 +49,8 @@ def encode_meta(issued: Issued) -> pb.TensorMeta:
         storage_id=ref.storage.id,
         storage_nbytes=ref.storage.nbytes,
         storage_data_ptr=ref.storage.data_ptr,
+        is_conj=ref.conj,
+        is_neg=ref.neg,
     )
 
 
@@ -119,7 +122,15 @@ _VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
     ),
     "detach": lambda m: ViewOp("detach"),
     "set_requires_grad": lambda m: ViewOp("set_requires_grad", (bool(m.requires_grad),)),
+    "complex_view": lambda m: ViewOp("complex_view", (decode_complex_view(m.op),)),
 }
+
+
+def decode_complex_view(op: str) -> str:
+    """A ComplexView's op, one the layout engine knows (issue 14)."""
+    if op not in COMPLEX_VIEW_OPS:
+        raise ValueError(f"unknown complex view {op[:40]!r}")
+    return op
 
 
 def decode_view_op(request: pb.ViewRequest) -> ViewOp:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorMeta(_message.Message):
-    __slots__ = ("handle", "shape", "stride", "storage_offset", "dtype", "device", "requires_grad", "storage_id", "storage_nbytes", "storage_data_ptr")
+    __slots__ = ("handle", "shape", "stride", "storage_offset", "dtype", "device", "requires_grad", "storage_id", "storage_nbytes", "storage_data_ptr", "is_conj", "is_neg")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class TensorMeta(_message.Message):
     STORAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_DATA_PTR_FIELD_NUMBER: _ClassVar[int]
+    IS_CONJ_FIELD_NUMBER: _ClassVar[int]
+    IS_NEG_FIELD_NUMBER: _ClassVar[int]
     handle: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     stride: _containers.RepeatedScalarFieldContainer[int]
@@ -28,7 +30,9 @@ class TensorMeta(_message.Message):
     storage_id: str
     storage_nbytes: int
     storage_data_ptr: int
-    def __init__(self, handle: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., storage_id: _Optional[str] = ..., storage_nbytes: _Optional[int] = ..., storage_data_ptr: _Optional[int] = ...) -> None: ...
+    is_conj: bool
+    is_neg: bool
+    def __init__(self, handle: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., storage_id: _Optional[str] = ..., storage_nbytes: _Optional[int] = ..., storage_data_ptr: _Optional[int] = ..., is_conj: _Optional[bool] = ..., is_neg: _Optional[bool] = ...) -> None: ...
 
 class Scalar(_message.Message):
     __slots__ = ("bool_value", "int_value", "float_value", "complex_value")
@@ -309,7 +313,7 @@ class SetRequiresGrad(_message.Message):
     def __init__(self, requires_grad: _Optional[bool] = ...) -> None: ...
 
 class ViewRequest(_message.Message):
-    __slots__ = ("handle", "view", "view_dtype", "narrow", "select", "index", "transpose", "t", "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal", "as_strided", "detach", "set_requires_grad")
+    __slots__ = ("handle", "view", "view_dtype", "narrow", "select", "index", "transpose", "t", "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal", "as_strided", "detach", "set_requires_grad", "complex_view")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     VIEW_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +336,7 @@ class ViewRequest(_message.Message):
     AS_STRIDED_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
     SET_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    COMPLEX_VIEW_FIELD_NUMBER: _ClassVar[int]
     handle: str
     view: ViewShape
     view_dtype: ViewDtype
@@ -354,7 +359,8 @@ class ViewRequest(_message.Message):
     as_strided: AsStrided
     detach: Detach
     set_requires_grad: SetRequiresGrad
-    def __init__(self, handle: _Optional[str] = ..., view: _Optional[_Union[ViewShape, _Mapping]] = ..., view_dtype: _Optional[_Union[ViewDtype, _Mapping]] = ..., narrow: _Optional[_Union[Narrow, _Mapping]] = ..., select: _Optional[_Union[Select, _Mapping]] = ..., index: _Optional[_Union[Index, _Mapping]] = ..., transpose: _Optional[_Union[Transpose, _Mapping]] = ..., t: _Optional[_Union[T, _Mapping]] = ..., permute: _Optional[_Union[Permute, _Mapping]] = ..., movedim: _Optional[_Union[Movedim, _Mapping]] = ..., expand: _Optional[_Union[Expand, _Mapping]] = ..., squeeze: _Optional[_Union[Squeeze, _Mapping]] = ..., unsqueeze: _Optional[_Union[Unsqueeze, _Mapping]] = ..., flatten: _Optional[_Union[Flatten, _Mapping]] = ..., unflatten: _Optional[_Union[Unflatten, _Mapping]] = ..., split: _Optional[_Union[Split, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unbind: _Optional[_Union[Unbind, _Mapping]] = ..., diagonal: _Optional[_Union[Diagonal, _Mapping]] = ..., as_strided: _Optional[_Union[AsStrided, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ..., set_requires_grad: _Optional[_Union[SetRequiresGrad, _Mapping]] = ...) -> None: ...
+    complex_view: ComplexView
+    def __init__(self, handle: _Optional[str] = ..., view: _Optional[_Union[ViewShape, _Mapping]] = ..., view_dtype: _Optional[_Union[ViewDtype, _Mapping]] = ..., narrow: _Optional[_Union[Narrow, _Mapping]] = ..., select: _Optional[_Union[Select, _Mapping]] = ..., index: _Optional[_Union[Index, _Mapping]] = ..., transpose: _Optional[_Union[Transpose, _Mapping]] = ..., t: _Optional[_Union[T, _Mapping]] = ..., permute: _Optional[_Union[Permute, _Mapping]] = ..., movedim: _Optional[_Union[Movedim, _Mapping]] = ..., expand: _Optional[_Union[Expand, _Mapping]] = ..., squeeze: _Optional[_Union[Squeeze, _Mapping]] = ..., unsqueeze: _Optional[_Union[Unsqueeze, _Mapping]] = ..., flatten: _Optional[_Union[Flatten, _Mapping]] = ..., unflatten: _Optional[_Union[Unflatten, _Mapping]] = ..., split: _Optional[_Union[Split, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., unbind: _Optional[_Union[Unbind, _Mapping]] = ..., diagonal: _Optional[_Union[Diagonal, _Mapping]] = ..., as_strided: _Optional[_Union[AsStrided, _Mapping]] = ..., detach: _Optional[_Union[Detach, _Mapping]] = ..., set_requires_grad: _Optional[_Union[SetRequiresGrad, _Mapping]] = ..., complex_view: _Optional[_Union[ComplexView, _Mapping]] = ...) -> None: ...
 
 class ViewResponse(_message.Message):
     __slots__ = ("tensors",)
@@ -761,3 +767,9 @@ class AdvancedSetItemRequest(_message.Message):
     src_handle: str
     accumulate: bool
     def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ...) -> None: ...
+
+class ComplexView(_message.Message):
+    __slots__ = ("op",)
+    OP_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    def __init__(self, op: _Optional[str] = ...) -> None: ...
