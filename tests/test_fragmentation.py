@@ -20,9 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
-from tensord_server.data import bundled_trace
+from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.devices.memory import HostBackend
-from tensord_server.pool import POLICIES, Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool import (
+    DEFAULT_POLICY,
+    POLICIES,
+    Block,
+    CachingPool,
+    PoolPolicy,
+    policy_named,
+)
 from tensord_server.tools import replay as replay_tool
 from tensord_server.tools.replay import COMPARED_KEYS, load_trace, replay
 
@@ -221,3 +228,30 @@ def test_replay_at_1_01x_peak_has_no_oom_under_the_default_policy(
     assert torch_rules["policy"] == "pytorch" and torch_rules["compaction"] is False
     assert isinstance(torch_rules["num_ooms"], int) and torch_rules["num_ooms"] > 0
     assert torch_rules["num_compactions"] == 0
+
+
+# Bundled traces the default policy does not yet run at 1.01x without OOM (issue 18 is
+# open for them): unet_train's U-Net steps leave 2 MiB tails in 20 MiB segments, and at its
+# first OOM no segment's blocks fit in what the device has left (a 14 MiB repack with
+# 12.9 MiB free), so neither compaction nor repacking can serve the 18 MiB request.
+NOT_YET_AT_1_01X = {"unet_train"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(name in NOT_YET_AT_1_01X, reason="issue 18", strict=True),
+        )
+        for name in bundled_traces()
+    ],
+)
+def test_every_bundled_trace_at_1_01x_peak_has_no_oom_under_the_default_policy(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 18's target for every bundled trace, as `tensord replay` measures it."""
+    result = replay_json(capsys, name, "--compaction", "--capacity-factor", "1.01")
+    assert result["policy"] == DEFAULT_POLICY and result["compaction"] is True
+    assert result["unmatched_frees"] == 0
+    assert result["num_ooms"] == 0
