@@ -26,7 +26,9 @@ never; the default ``oom-compaction``: compaction on the OOM path only):
   after a free (policy ``compact_threshold``) it runs when reserved / allocated is
   too high.  Clients hold handles, not pointers, so nothing outside the server notices;
 - tight segments on the out-of-memory path, idle segments given back after a free
-  (policy ``tight_segments``, ``release_threshold``).
+  (policy ``tight_segments``, ``release_threshold``);
+- compaction and repacking before reserving a segment near the device's edge
+  (policy ``consolidate``).
 
 Without a relocator and under ``pytorch`` nothing differs from torch.
 
@@ -152,6 +154,8 @@ class CachingPool:
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
             block = self._get_free_block(pool, size, stream)
+            if block is None and self._should_consolidate(alloc_size):
+                self._consolidate()
             if block is None:
                 block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
             if block is None and self._release_available_cached_blocks(pool, size, stream):
@@ -551,6 +555,35 @@ class CachingPool:
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         note = f" Compaction released {format_size(result.plan.released)} and it was not enough."
         return block, "" if block is not None else note
+
+    def _slack(self) -> int:
+        """Reserved bytes no allocation uses: the free blocks of every segment."""
+        return self._reserved() - self._stats.allocated_bytes[ALL].current
+
+    def _should_consolidate(self, alloc_size: int) -> bool:
+        """Whether reserving ``alloc_size`` more would leave the device less headroom than
+        the pool holds in free blocks (policy ``consolidate``; no relocator: never)."""
+        policy = self.policy
+        if not policy.consolidate or self.relocator is None:
+            return False
+        slack = self._slack()
+        headroom = self.capacity - self._reserved() - alloc_size
+        return slack >= policy.min_slack and headroom < slack
+
+    def _consolidate(self) -> None:
+        """Give the pool's free blocks back to the device before it runs out: empty the
+        least-used segments into holes elsewhere, then repack partly used ones into holes
+        and tight new segments, at most ``max_moved_bytes`` moved by each.  Once the
+        device is full these holes and tails cannot be gathered any more (a repack needs
+        room for its new segment), and the request that finds them scattered fails."""
+        assert self.relocator is not None
+        budget = self.policy.max_moved_bytes
+        result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
+        if not result.plan.empty:
+            self._count_compaction(result.moved, result.plan.released)
+        result = repack(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
 
     def _count_compaction(self, moved: int, released: int) -> None:
         stats = self._stats
