@@ -624,6 +624,8 @@ class CachingPool:
 
     def _release_idle_segments(self, target: int) -> None:
         """Give back whole free segments, the largest first, until ``target`` bytes went back."""
+        if not self._has_idle_segment():
+            return  # most calls: looking costs a walk of every free block
         idle = [
             block
             for pool in (self._large, self._small)
@@ -636,6 +638,12 @@ class CachingPool:
                 break
             released += block.size
             self._release_block(block)
+
+    def _has_idle_segment(self) -> bool:
+        """Whether some free block spans its whole segment: the free blocks of a pool less
+        those of split segments (stat ``inactive_split``), in O(1)."""
+        split = self._stats.inactive_split
+        return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
 
     # -- helpers ----------------------------------------------------------------
 
@@ -702,16 +710,22 @@ class PoolMoves(MoveTarget):
         self.pool = pool
         self.max_split_size = pool.max_split_size
         self.max_moved = max_moved
-        self._blocks: dict[int, Block] = {}
+        self._segments: list[Segment] = []  # by address, as candidate_segments saw them
 
     def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
         pool = self.pool
-        segments = [segment for _, segment in sorted(pool._segments.items())]
-        self._blocks = {b.address: b for s in segments for b in s.blocks() if b.allocated}
+        self._segments = segments = [segment for _, segment in sorted(pool._segments.items())]
         return [segment_usage(s, movable, releasable=pool._releasable_segment(s)) for s in segments]
 
     def allocated_block(self, address: int) -> Block:
-        return self._blocks[address]
+        # found when asked (a plan moves a few blocks; indexing every block cost more)
+        index = bisect.bisect_right(self._segments, address, key=lambda s: s.address) - 1
+        block = self._segments[index].head if index >= 0 else None
+        while block is not None and block.address < address:
+            block = block.next
+        if block is None or block.address != address or not block.allocated:
+            raise KeyError(f"no allocated block at {address:#x}")
+        return block
 
     def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
         pool = self.pool

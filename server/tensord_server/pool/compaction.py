@@ -102,6 +102,19 @@ def place(
     return None
 
 
+def could_fit_elsewhere(segment: SegmentUsage, free: Sequence[FreeSpot], free_bytes: int) -> bool:
+    """False when ``segment``'s blocks surely cannot all be placed into the free blocks of
+    other segments (``free``, sorted, ``free_bytes`` in all, the segment's own included):
+    each placed block takes at least its rounded request from one free block, and free
+    blocks only shrink as blocks are placed, so the requests must fit in the bytes and the
+    largest request in the largest free block.  True says only that planning may try."""
+    if not free:
+        return False
+    own_free = sum(size for _, size in segment.free)
+    requests = [request for _, _, request in segment.allocated]
+    return sum(requests) <= free_bytes - own_free and max(requests, default=0) <= free[-1][0]
+
+
 def plan_compaction(
     segments: Sequence[SegmentUsage],
     needed: int,
@@ -129,6 +142,7 @@ def plan_compaction(
         spots.extend((size, address, segment.address) for address, size in segment.free)
     for spots in free.values():
         spots.sort()
+    free_bytes = {key: sum(spot[0] for spot in spots) for key, spots in free.items()}
     receiving: set[int] = set()
     moves: list[Move] = []
     evacuated: list[int] = []
@@ -142,7 +156,9 @@ def plan_compaction(
         if budget is not None and segment.allocated_bytes > budget:
             continue
         key = (segment.is_small, segment.stream)
-        trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
+        if not could_fit_elsewhere(segment, free.get(key, []), free_bytes.get(key, 0)):
+            continue  # the placement below would fail: a shortcut, not a different decision
+        trial = [spot for spot in free[key] if spot[2] != segment.address]
         placed: list[tuple[Move, int]] = []
         for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
             spot = place(trial, request, size, segment.is_small, max_split_size)
@@ -155,6 +171,7 @@ def plan_compaction(
             placed.append((Move(address, free_address, request), home))
         else:
             free[key] = trial
+            free_bytes[key] = sum(spot[0] for spot in trial)
             moves.extend(move for move, _ in placed)
             receiving.update(home for _, home in placed)
             evacuated.append(segment.address)
@@ -171,18 +188,25 @@ def segment_usage(
 ) -> SegmentUsage:
     """What planning sees of ``segment``: its blocks as numbers, movable if every
     allocated one is a key of ``movable`` and the segment may be released once empty."""
-    blocks = segment.blocks()
-    allocated = tuple(
-        (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
-    )
+    allocated = []
+    free = []
+    all_movable = releasable
+    block = segment.head
+    while block is not None:  # one walk: planning reads every segment on each compaction
+        if block.allocated:
+            allocated.append((block.address, block.size, round_size(block.requested_size)))
+            all_movable = all_movable and block in movable
+        else:
+            free.append((block.address, block.size))
+        block = block.next
     return SegmentUsage(
         address=segment.address,
         size=segment.size,
         is_small=segment.is_small,
         stream=segment.stream,
-        allocated=allocated,
-        free=tuple((b.address, b.size) for b in blocks if not b.allocated),
-        movable=releasable and all(b in movable for b in blocks if b.allocated),
+        allocated=tuple(allocated),
+        free=tuple(free),
+        movable=all_movable,
     )
 
 
