@@ -1,6 +1,7 @@
 """Fragmentation per pool policy, side by side: the figures of issue 18 in one run.
 
-Workloads: every bundled trace (the ResNet-50 training run) and a load-test-like
+Workloads: every bundled trace (``tensord replay --list``: the ResNet-50 run recorded
+on a GPU, the GPT, LSTM and U-Net runs recorded on CPU) and a load-test-like
 bimodal mix (``bench_compaction.bimodal_steps``: 8-48 MiB tensors living 1-4
 steps among 64 KiB-3 MiB ones living 20-200 steps).  Each runs through
 ``tensord replay``'s ``replay()`` on a bookkeeping backend (no bytes: the

@@ -20,9 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
-from tensord_server.data import bundled_trace
+from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.devices.memory import HostBackend
-from tensord_server.pool import POLICIES, Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool import (
+    DEFAULT_POLICY,
+    POLICIES,
+    Block,
+    CachingPool,
+    PoolPolicy,
+    policy_named,
+)
 from tensord_server.tools import replay as replay_tool
 from tensord_server.tools.replay import COMPARED_KEYS, load_trace, replay
 
@@ -135,12 +142,16 @@ def test_random_sequences_keep_invariants_and_bytes_under_each_policy(
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
-def holey_pool(policy: str) -> tuple[CachingPool, HoldingRelocator]:
-    """Two 20 MiB segments of [6 MiB kept][6 MiB hole][6 MiB kept][2 MiB hole] on 52 MiB:
-    a 14 MiB request needs 2 MiB back, and no segment can be emptied into the holes."""
+def holey_pool(
+    policy: str | PoolPolicy, capacity: int = 52 * MiB
+) -> tuple[CachingPool, HoldingRelocator]:
+    """Two 20 MiB segments of [6 MiB kept][6 MiB hole][6 MiB kept][2 MiB hole] (on 52 MiB:
+    a 14 MiB request needs 2 MiB back, and no segment can be emptied into the holes)."""
     backend = HostBackend(total_bytes=HOST_BYTES)
     owner = HoldingRelocator(backend)
-    pool = CachingPool(backend, capacity=52 * MiB, relocator=owner, policy=policy_named(policy))
+    if isinstance(policy, str):
+        policy = policy_named(policy)
+    pool = CachingPool(backend, capacity=capacity, relocator=owner, policy=policy)
     for i in range(6):
         owner.add(f"t{i}", pool.malloc(6 * MiB), seed=i)
     for i in (1, 4):
@@ -165,11 +176,33 @@ def test_adaptive_repacks_a_segment_into_a_tight_one_and_keeps_every_byte() -> N
     owner.check_bytes()
     assert block.size == 14 * MiB
     moved = sorted(n for n, b in owner.blocks.items() if b is not before[n])
-    assert len(moved) == 2  # one segment's two blocks, into a 12 MiB segment
+    # one segment's two blocks: one into the other segment's hole, one into a 6 MiB segment
+    assert len(moved) == 2
     stats = pool.memory_stats()
     assert stats["num_ooms"] == 0 and stats["num_compactions"] == 1
     assert stats["compaction_moved_bytes"] == 12 * MiB
-    assert stats["reserved_bytes.all.current"] == 20 * MiB + 12 * MiB + 14 * MiB
+    assert stats["reserved_bytes.all.current"] == 20 * MiB + 6 * MiB + 14 * MiB
+
+
+def test_adaptive_gathers_free_blocks_before_the_device_is_too_full_to() -> None:
+    """Two 18 MiB requests on 62 MiB after the holey layout (16 MiB free in holes and tails).
+    Once the first is reserved, the device has 4 MiB left: too little for the 6 MiB segment
+    a repack needs, so the second fails.  adaptive repacks before reserving the first, while
+    the device still has room (consolidate), and serves both."""
+    outcome = {}
+    adaptive = policy_named("adaptive")
+    for policy in (adaptive, dataclasses.replace(adaptive, consolidate=False)):
+        pool, owner = holey_pool(policy, capacity=62 * MiB)
+        try:
+            for i in range(2):
+                owner.add(f"big{i}", pool.malloc(18 * MiB), seed=10 + i)
+        except OutOfMemoryError:
+            outcome[policy.consolidate] = "oom"
+        else:
+            outcome[policy.consolidate] = "served"
+        pool.assert_invariants()
+        owner.check_bytes()
+    assert outcome == {True: "served", False: "oom"}
 
 
 def test_adaptive_gives_idle_segments_back_and_pytorch_keeps_them() -> None:
@@ -221,3 +254,14 @@ def test_replay_at_1_01x_peak_has_no_oom_under_the_default_policy(
     assert torch_rules["policy"] == "pytorch" and torch_rules["compaction"] is False
     assert isinstance(torch_rules["num_ooms"], int) and torch_rules["num_ooms"] > 0
     assert torch_rules["num_compactions"] == 0
+
+
+@pytest.mark.parametrize("name", bundled_traces())
+def test_every_bundled_trace_at_1_01x_peak_has_no_oom_under_the_default_policy(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 18's target for every bundled trace, as `tensord replay` measures it."""
+    result = replay_json(capsys, name, "--compaction", "--capacity-factor", "1.01")
+    assert result["policy"] == DEFAULT_POLICY and result["compaction"] is True
+    assert result["unmatched_frees"] == 0
+    assert result["num_ooms"] == 0

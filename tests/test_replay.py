@@ -228,7 +228,8 @@ def test_cli_names_the_bundled_traces_when_neither_file_nor_name_matches(tmp_pat
         cwd=tmp_path,
     )
     assert completed.returncode == 2
-    assert "no bundled trace of that name (bundled: resnet50_train)" in completed.stderr
+    bundled = "gpt_train, lstm_train, resnet50_train, unet_train"
+    assert f"no bundled trace of that name (bundled: {bundled})" in completed.stderr
 
 
 def test_cli_replay_table(tmp_path: Path) -> None:
@@ -249,3 +250,75 @@ def test_cli_replay_table(tmp_path: Path) -> None:
         check=True,
     )
     assert "reserved_bytes.all.peak" in completed.stdout and "events/s" in completed.stdout
+
+
+CPU_TRACES = ("gpt_train", "lstm_train", "unet_train")
+
+
+def load_record_script() -> object:
+    """scripts/record_trace.py as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "record_trace.py"
+    spec = importlib.util.spec_from_file_location("record_trace", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", CPU_TRACES)
+def test_the_cpu_recorded_traces_are_bundled_small_and_replay_whole(name: str) -> None:
+    assert name in bundled_traces()
+    path = bundled_trace(name)
+    assert path.stat().st_size < 200_000  # the repository ships them
+    events = load_trace(path)
+    assert {action for action, *_ in events} == {"alloc", "free_completed"}
+    result = replay(events)
+    # every free matches an allocation of the trace, and a training step's tensors come
+    # in both pools' sizes (the small pool's <= 1 MiB, the large pool's > 10 MiB)
+    assert result.unmatched_frees == 0 and result.failed_allocs == 0
+    sizes = [size for action, _, size, _ in events if action == "alloc"]
+    assert min(sizes) <= MiB and max(sizes) > 10 * MiB
+    assert result.peak_allocated_bytes > 256 * MiB
+
+
+def test_record_trace_turns_allocator_events_into_trace_events() -> None:
+    record_trace = load_record_script()
+    # (time, pointer, size): 0x10 is freed and its address reused; 0x99 was allocated
+    # before recording began; 0x30 stays live
+    allocations = [(1, 0x10, 100), (2, 0x20, 200), (3, 0x10, -100), (4, 0x10, 300)]
+    allocations += [(5, 0x99, -50), (6, 0x20, -200), (7, 0x30, 400)]
+    assert record_trace.trace_events(allocations) == [  # type: ignore[attr-defined]
+        ("alloc", 1, 100, 0),
+        ("alloc", 2, 200, 0),
+        ("free_completed", 1, 100, 0),
+        ("alloc", 3, 300, 0),
+        ("free_completed", 2, 200, 0),
+        ("alloc", 4, 400, 0),
+    ]
+
+
+def test_record_trace_records_a_real_training_step(tmp_path: Path) -> None:
+    import torch
+
+    record_trace = load_record_script()
+
+    def tiny() -> object:
+        model = torch.nn.Linear(64, 1024)
+        yield
+        loss = model(torch.randn(32, 64)).square().sum()
+        loss.backward()
+        yield
+
+    events = record_trace.record(tiny)  # type: ignore[attr-defined]
+    path = tmp_path / "tiny.events.json.gz"
+    record_trace.write_trace(events, path)  # type: ignore[attr-defined]
+    assert load_trace(path) == events
+    sizes = {size for action, _, size, _ in events if action == "alloc"}
+    # the weight, the output and its gradient, each 32 x 1024 or 64 x 1024 floats
+    assert 64 * 1024 * 4 in sizes and 32 * 1024 * 4 in sizes
+    result = replay(events)
+    # the model was built and dropped inside the recording: every allocation is freed
+    assert result.unmatched_frees == 0 and result.peak_allocated_bytes >= 64 * 1024 * 4
+    assert result.stats["allocated_bytes.all.current"] == 0

@@ -26,7 +26,7 @@ def traces_dir() -> Path:
 
 
 def bundled_traces() -> list[str]:
-    """The names of the bundled traces, sorted: ``["resnet50_train"]``."""
+    """The names of the bundled traces, sorted: ``["gpt_train", "lstm_train", ...]``."""
     folder = traces_dir()
     if not folder.is_dir():
         return []

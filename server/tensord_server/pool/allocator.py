@@ -26,7 +26,9 @@ never; the default ``oom-compaction``: compaction on the OOM path only):
   after a free (policy ``compact_threshold``) it runs when reserved / allocated is
   too high.  Clients hold handles, not pointers, so nothing outside the server notices;
 - tight segments on the out-of-memory path, idle segments given back after a free
-  (policy ``tight_segments``, ``release_threshold``).
+  (policy ``tight_segments``, ``release_threshold``);
+- compaction and repacking before reserving a segment near the device's edge
+  (policy ``consolidate``).
 
 Without a relocator and under ``pytorch`` nothing differs from torch.
 
@@ -152,6 +154,8 @@ class CachingPool:
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
             block = self._get_free_block(pool, size, stream)
+            if block is None and self._should_consolidate(alloc_size):
+                self._consolidate()
             if block is None:
                 block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
             if block is None and self._release_available_cached_blocks(pool, size, stream):
@@ -552,6 +556,35 @@ class CachingPool:
         note = f" Compaction released {format_size(result.plan.released)} and it was not enough."
         return block, "" if block is not None else note
 
+    def _slack(self) -> int:
+        """Reserved bytes no allocation uses: the free blocks of every segment."""
+        return self._reserved() - self._stats.allocated_bytes[ALL].current
+
+    def _should_consolidate(self, alloc_size: int) -> bool:
+        """Whether reserving ``alloc_size`` more would leave the device less headroom than
+        the pool holds in free blocks (policy ``consolidate``; no relocator: never)."""
+        policy = self.policy
+        if not policy.consolidate or self.relocator is None:
+            return False
+        slack = self._slack()
+        headroom = self.capacity - self._reserved() - alloc_size
+        return slack >= policy.min_slack and headroom < slack
+
+    def _consolidate(self) -> None:
+        """Give the pool's free blocks back to the device before it runs out: empty the
+        least-used segments into holes elsewhere, then repack partly used ones into holes
+        and tight new segments, at most ``max_moved_bytes`` moved by each.  Once the
+        device is full these holes and tails cannot be gathered any more (a repack needs
+        room for its new segment), and the request that finds them scattered fails."""
+        assert self.relocator is not None
+        budget = self.policy.max_moved_bytes
+        result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
+        if not result.plan.empty:
+            self._count_compaction(result.moved, result.plan.released)
+        result = repack(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
+
     def _count_compaction(self, moved: int, released: int) -> None:
         stats = self._stats
         stats.num_compactions += 1
@@ -591,6 +624,8 @@ class CachingPool:
 
     def _release_idle_segments(self, target: int) -> None:
         """Give back whole free segments, the largest first, until ``target`` bytes went back."""
+        if not self._has_idle_segment():
+            return  # most calls: looking costs a walk of every free block
         idle = [
             block
             for pool in (self._large, self._small)
@@ -603,6 +638,12 @@ class CachingPool:
                 break
             released += block.size
             self._release_block(block)
+
+    def _has_idle_segment(self) -> bool:
+        """Whether some free block spans its whole segment: the free blocks of a pool less
+        those of split segments (stat ``inactive_split``), in O(1)."""
+        split = self._stats.inactive_split
+        return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
 
     # -- helpers ----------------------------------------------------------------
 
@@ -669,16 +710,22 @@ class PoolMoves(MoveTarget):
         self.pool = pool
         self.max_split_size = pool.max_split_size
         self.max_moved = max_moved
-        self._blocks: dict[int, Block] = {}
+        self._segments: list[Segment] = []  # by address, as candidate_segments saw them
 
     def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
         pool = self.pool
-        segments = [segment for _, segment in sorted(pool._segments.items())]
-        self._blocks = {b.address: b for s in segments for b in s.blocks() if b.allocated}
+        self._segments = segments = [segment for _, segment in sorted(pool._segments.items())]
         return [segment_usage(s, movable, releasable=pool._releasable_segment(s)) for s in segments]
 
     def allocated_block(self, address: int) -> Block:
-        return self._blocks[address]
+        # found when asked (a plan moves a few blocks; indexing every block cost more)
+        index = bisect.bisect_right(self._segments, address, key=lambda s: s.address) - 1
+        block = self._segments[index].head if index >= 0 else None
+        while block is not None and block.address < address:
+            block = block.next
+        if block is None or block.address != address or not block.allocated:
+            raise KeyError(f"no allocated block at {address:#x}")
+        return block
 
     def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
         pool = self.pool

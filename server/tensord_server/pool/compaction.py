@@ -102,6 +102,19 @@ def place(
     return None
 
 
+def could_fit_elsewhere(segment: SegmentUsage, free: Sequence[FreeSpot], free_bytes: int) -> bool:
+    """False when ``segment``'s blocks surely cannot all be placed into the free blocks of
+    other segments (``free``, sorted, ``free_bytes`` in all, the segment's own included):
+    each placed block takes at least its rounded request from one free block, and free
+    blocks only shrink as blocks are placed, so the requests must fit in the bytes and the
+    largest request in the largest free block.  True says only that planning may try."""
+    if not free:
+        return False
+    own_free = sum(size for _, size in segment.free)
+    requests = [request for _, _, request in segment.allocated]
+    return sum(requests) <= free_bytes - own_free and max(requests, default=0) <= free[-1][0]
+
+
 def plan_compaction(
     segments: Sequence[SegmentUsage],
     needed: int,
@@ -129,6 +142,7 @@ def plan_compaction(
         spots.extend((size, address, segment.address) for address, size in segment.free)
     for spots in free.values():
         spots.sort()
+    free_bytes = {key: sum(spot[0] for spot in spots) for key, spots in free.items()}
     receiving: set[int] = set()
     moves: list[Move] = []
     evacuated: list[int] = []
@@ -142,7 +156,9 @@ def plan_compaction(
         if budget is not None and segment.allocated_bytes > budget:
             continue
         key = (segment.is_small, segment.stream)
-        trial = [spot for spot in free.get(key, []) if spot[2] != segment.address]
+        if not could_fit_elsewhere(segment, free.get(key, []), free_bytes.get(key, 0)):
+            continue  # the placement below would fail: a shortcut, not a different decision
+        trial = [spot for spot in free[key] if spot[2] != segment.address]
         placed: list[tuple[Move, int]] = []
         for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
             spot = place(trial, request, size, segment.is_small, max_split_size)
@@ -155,6 +171,7 @@ def plan_compaction(
             placed.append((Move(address, free_address, request), home))
         else:
             free[key] = trial
+            free_bytes[key] = sum(spot[0] for spot in trial)
             moves.extend(move for move, _ in placed)
             receiving.update(home for _, home in placed)
             evacuated.append(segment.address)
@@ -171,18 +188,25 @@ def segment_usage(
 ) -> SegmentUsage:
     """What planning sees of ``segment``: its blocks as numbers, movable if every
     allocated one is a key of ``movable`` and the segment may be released once empty."""
-    blocks = segment.blocks()
-    allocated = tuple(
-        (b.address, b.size, round_size(b.requested_size)) for b in blocks if b.allocated
-    )
+    allocated = []
+    free = []
+    all_movable = releasable
+    block = segment.head
+    while block is not None:  # one walk: planning reads every segment on each compaction
+        if block.allocated:
+            allocated.append((block.address, block.size, round_size(block.requested_size)))
+            all_movable = all_movable and block in movable
+        else:
+            free.append((block.address, block.size))
+        block = block.next
     return SegmentUsage(
         address=segment.address,
         size=segment.size,
         is_small=segment.is_small,
         stream=segment.stream,
-        allocated=allocated,
-        free=tuple((b.address, b.size) for b in blocks if not b.allocated),
-        movable=releasable and all(b in movable for b in blocks if b.allocated),
+        allocated=tuple(allocated),
+        free=tuple(free),
+        movable=all_movable,
     )
 
 
@@ -323,37 +347,112 @@ def plan_repack(
     return CompactionPlan(tuple(moves), (segment.address,), segment.size)
 
 
+def spill_into_holes(
+    segment: SegmentUsage, free: Sequence[FreeSpot], max_split_size: int
+) -> tuple[list[Move], SegmentUsage]:
+    """The blocks of ``segment`` that fit holes of ``free`` (other segments' free blocks,
+    sorted), largest first, each into the hole malloc's best fit would pick without the
+    block growing (:func:`place`): their moves, and ``segment`` with only the blocks left."""
+    trial = [spot for spot in free if spot[2] != segment.address]
+    moves: list[Move] = []
+    left: list[tuple[int, int, int]] = []
+    for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
+        spot = place(trial, request, size, segment.is_small, max_split_size)
+        if spot is None:
+            left.append((address, size, request))
+            continue
+        index, block_size = spot
+        free_size, free_address, home = trial.pop(index)
+        if block_size < free_size:  # the rest stays free, after the moved block
+            bisect.insort(trial, (free_size - block_size, free_address + block_size, home))
+        moves.append(Move(address, free_address, request))
+    rest = SegmentUsage(
+        segment.address,
+        segment.size,
+        segment.is_small,
+        segment.stream,
+        tuple(sorted(left)),
+        segment.free,
+        segment.movable,
+    )
+    return moves, rest
+
+
+@dataclass(frozen=True, slots=True)
+class RepackOption:
+    """One way to give back ``segment``: some blocks into holes elsewhere, the rest back to
+    back into a new segment of ``new_size`` bytes (0: none needed)."""
+
+    segment: SegmentUsage
+    into_holes: tuple[Move, ...]
+    rest: SegmentUsage
+    new_size: int
+
+    @property
+    def gain(self) -> int:
+        return self.segment.size - self.new_size
+
+
+def repack_options(segments: Sequence[SegmentUsage], max_split_size: int) -> list[RepackOption]:
+    """Every movable large-pool segment's repack that gives bytes back, the most first."""
+    free: dict[int, list[FreeSpot]] = {}
+    for segment in segments:
+        if not segment.is_small:
+            spots = free.setdefault(segment.stream, [])
+            spots.extend((size, address, segment.address) for address, size in segment.free)
+    for spots in free.values():
+        spots.sort()
+    options = []
+    for segment in segments:
+        if segment.is_small or not segment.movable or not segment.allocated:
+            continue
+        into_holes, rest = spill_into_holes(segment, free[segment.stream], max_split_size)
+        new_size = repacked_size(rest)
+        if new_size >= segment.size:
+            continue
+        # a plan with a stand-in address says whether the rest can go back to back at all
+        if rest.allocated and plan_repack(rest, 0, new_size, max_split_size).empty:
+            continue
+        options.append(RepackOption(segment, tuple(into_holes), rest, new_size))
+    return sorted(options, key=lambda o: (-o.gain, o.segment.address))
+
+
 def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
-    """Beyond compaction: where free space is all holes too small to take another segment's
-    blocks, move a large-pool segment's blocks into a new segment just large enough for
-    them (reserved from what the device has left) and release the old one, the segments
-    with the most free bytes first, until ``needed`` bytes went back.  Each repack gives
-    the device its holes; the next one can use them."""
+    """Beyond compaction: where free space is all holes too small to take a whole segment's
+    blocks, move a large-pool segment's blocks into the holes of other segments that fit
+    them and the rest into a new segment just large enough (reserved from what the device
+    has left), and release the old one, the repack that gives back the most first, until
+    ``needed`` bytes went back.  Each repack gives the device its holes and may leave new
+    ones elsewhere, so the options are weighed again after each.  Every repack gives back
+    at least 2 MiB, so this ends after at most reserved / 2 MiB of them.  With the target's
+    ``max_moved``, a repack that would copy the bytes moved beyond it is skipped."""
     moves: list[Move] = []
     evacuated: list[int] = []
     released = moved = 0
     with relocator.relocation(pool) as movable:
-        segments = [
-            s
-            for s in target.candidate_segments(movable)
-            if s.movable and not s.is_small and s.allocated
-        ]
-        for segment in sorted(segments, key=lambda s: (repacked_size(s) - s.size, s.address)):
-            if released >= needed:
+        while released < needed:
+            options = repack_options(target.candidate_segments(movable), target.max_split_size)
+            chosen = None
+            for option in options:
+                budget = target.max_moved
+                if budget is not None and moved + option.segment.allocated_bytes > budget:
+                    continue
+                address = (  # all into holes: no new segment
+                    target.reserve_segment(option.rest, option.new_size) if option.new_size else 0
+                )
+                if address is not None:
+                    chosen = option, address
+                    break
+            if chosen is None:
                 break
-            size = repacked_size(segment)
-            if size >= segment.size:
-                break  # sorted by gain: no later segment gains either
-            address = target.reserve_segment(segment, size)
-            if address is None:
-                continue
-            plan = plan_repack(segment, address, size, target.max_split_size)
-            if plan.empty:
-                target.release_segment(address)
-                continue
-            moved += sum(execute_move(target, move, movable) for move in plan.moves)
-            target.release_segment(segment.address)
-            moves.extend(plan.moves)
-            evacuated.append(segment.address)
-            released += segment.size - size
+            option, address = chosen
+            plan_moves = list(option.into_holes)
+            if option.new_size:
+                plan = plan_repack(option.rest, address, option.new_size, target.max_split_size)
+                plan_moves.extend(plan.moves)
+            moved += sum(execute_move(target, move, movable) for move in plan_moves)
+            target.release_segment(option.segment.address)
+            moves.extend(plan_moves)
+            evacuated.append(option.segment.address)
+            released += option.gain
     return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)

@@ -9,13 +9,20 @@ what the pool does *besides*:
 - ``tight_segments``: on the out-of-memory path, before compacting, reserve only the
   request rounded to 2 MiB instead of torch's 20 MiB shared segment for a 1-10 MiB
   request (what expandable segments achieve by mapping only what is used);
+- ``consolidate``: before reserving a new segment that would leave the device less
+  headroom (capacity - reserved) than the pool's free-but-reserved bytes, compact and
+  repack (into holes of other segments and tight new segments) so those bytes go back
+  to the device while there is still room to gather them: near the device's edge,
+  free bytes left in the tails and holes of partly used segments are what later
+  makes a large request fail (at most ``max_moved_bytes`` moved each time, and only
+  with at least ``min_slack`` free-but-reserved bytes);
 - ``release_threshold``: after a free, while reserved / allocated exceeds it, give
   back whole idle cached segments (torch's garbage_collection_threshold idea, for a
   pool other programs share; torch only gives memory back on OOM or empty_cache);
 - ``compact_threshold``: after a free, when reserved / allocated still exceeds it,
   compact until it no longer does (not only on OOM), at most ``max_moved_bytes`` per
   compaction and once per ``compact_every`` frees, so no free waits long;
-- ``min_slack``: below this many reserved-but-unallocated bytes none of the last two
+- ``min_slack``: below this many reserved-but-unallocated bytes none of the last three
   acts (a pool that close to its allocation is tight already).
 """
 
@@ -31,6 +38,7 @@ class PoolPolicy:
     name: str
     compact_on_oom: bool = False
     tight_segments: bool = False
+    consolidate: bool = False
     release_threshold: float | None = None
     compact_threshold: float | None = None
     min_slack: int = 16 * MiB
@@ -46,12 +54,14 @@ class PoolPolicy:
 PYTORCH = PoolPolicy("pytorch")
 #: PyTorch's rules, plus compaction where torch would raise OutOfMemoryError
 OOM_COMPACTION = PoolPolicy("oom-compaction", compact_on_oom=True)
-#: beyond PyTorch: tight segments and compaction under pressure, idle segments given back,
+#: beyond PyTorch: tight segments, compaction and repacking under pressure (and before the
+#: device runs out), idle segments given back,
 #: compaction when reserved / allocated crosses a threshold
 ADAPTIVE = PoolPolicy(
     "adaptive",
     compact_on_oom=True,
     tight_segments=True,
+    consolidate=True,
     release_threshold=1.10,
     compact_threshold=1.15,
 )

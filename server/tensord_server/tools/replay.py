@@ -27,13 +27,14 @@ allocated (PyTorch's, from its stats file, else a first unlimited replay's).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import pickle
 import sys
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,14 +175,30 @@ class TraceRelocator:
         self.live: dict[int, Block] = {}
 
     @contextmanager
-    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
-        yield {block: self._repointer(addr) for addr, block in self.live.items()}
+    def relocation(self, pool: CachingPool) -> Iterator[Mapping[Block, Callable[[Block], None]]]:
+        # a repointer made only for a block that moves: making one for every live block on
+        # each compaction was a good part of a replay's time
+        yield Repointers({block: addr for addr, block in self.live.items()}, self.live)
 
-    def _repointer(self, addr: int) -> Callable[[Block], None]:
-        def repoint(block: Block) -> None:
-            self.live[addr] = block
 
-        return repoint
+class Repointers(Mapping[Block, Callable[[Block], None]]):
+    """Each live block, with the call that makes its trace address name the block it moved to."""
+
+    def __init__(self, addresses: dict[Block, int], live: dict[int, Block]) -> None:
+        self._addresses = addresses  # block -> its trace address, when the world stopped
+        self._live = live
+
+    def __getitem__(self, block: Block) -> Callable[[Block], None]:
+        return functools.partial(self._live.__setitem__, self._addresses[block])
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._addresses
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._addresses)
+
+    def __len__(self) -> int:
+        return len(self._addresses)
 
 
 @dataclass(frozen=True)
