@@ -180,3 +180,36 @@ def test_a_batch_stops_at_the_next_op_once_its_caller_is_gone(make_server: Any) 
         assert isinstance(outcome.error, tensord.DeadlineExceededError)
         np.testing.assert_array_equal(stub.download(meta), np.full(4, 2.0, np.float32))
         stub.close()
+
+
+def test_a_batch_has_one_element_budget_for_all_its_ops(make_server: Any) -> None:
+    # found by an attacker's read: each op was bounded by --max-op-elements alone, so one
+    # Batch of 4,096 ops held a worker for 4,096 times the per-op cost
+    from conftest import SessionStub, open_channel
+    from tensord_server.domain import batch
+
+    running = make_server(max_op_elements=1000, max_batch_elements=2500)
+    with open_channel(running.address) as channel:
+        stub = SessionStub(channel)
+        meta = stub.upload(np.zeros(1000, np.float32))
+        session = running.daemon.sessions.peek(stub.session_id)
+        ops = [batch.QueuedFill(meta.handle, float(i)) for i in range(1, 6)]
+        outcome = batch.run_batch(running.daemon, session, ops)
+        # 1,000 + 1,000 elements fit; the third fill would make 3,000: refused before its work
+        assert (outcome.applied, outcome.failed_index) == (2, 2)
+        assert isinstance(outcome.error, tensord.ResourceExhaustedError)
+        assert "--max-batch-elements 2500" in str(outcome.error)
+        np.testing.assert_array_equal(stub.download(meta), np.full(1000, 2.0, np.float32))
+        # the budget is the batch's: the next batch starts from nothing (views cost none)
+        view = pb.BatchOp(view=pb.ViewRequest(handle=meta.handle, t=pb.T()), results=["C" * 22])
+        fill = pb.BatchOp(fill=pb.FillRequest(handle=meta.handle, value=pb.Scalar(float_value=7)))
+        response = stub.Batch(pb.BatchRequest(ops=[view, fill, fill, fill]), metadata=stub.md)
+        assert response.failed and response.applied == 3 and response.failed_index == 3
+        assert response.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "--max-batch-elements" in response.error_message
+        # outside a Batch an op is bounded by --max-op-elements alone
+        for _ in range(4):
+            stub.Fill(
+                pb.FillRequest(handle=meta.handle, value=pb.Scalar(float_value=1)), metadata=stub.md
+            )
+        stub.close()

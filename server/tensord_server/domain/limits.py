@@ -8,7 +8,10 @@ bounds make sure the numbers they compute with stay far from int64 overflow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
@@ -41,6 +44,10 @@ MAX_VIEW_RESULTS = 65536
 # stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
 DEFAULT_MAX_OP_ELEMENTS = 1 << 32
+# Elements all the ops of one pipelined Batch may read or write together, each op's count
+# (the one checked against --max-op-elements) added before it runs: without it one message
+# held a worker for MAX_BATCH_OPS times one op's cost.  `tensord serve --max-batch-elements`.
+DEFAULT_MAX_BATCH_ELEMENTS = DEFAULT_MAX_OP_ELEMENTS
 
 
 def check_request(message: Message, depth: int = 0) -> None:
@@ -144,11 +151,47 @@ def check_result_ndim(ndim: int) -> None:
 
 
 def check_op_elements(elements: int, limit: int | None) -> None:
-    """Refuse an op that would read or write more than ``limit`` elements (None: no limit)."""
+    """Refuse an op that would read or write more than ``limit`` elements (None: no limit),
+    or that would take the running Batch (if any) over its budget."""
     if limit is not None and elements > limit:
         raise ResourceExhaustedError(
             f"this op would touch {elements} elements, over the limit (--max-op-elements {limit})"
         )
+    budget = _BATCH_BUDGET.get()
+    if budget is not None:
+        budget.charge(elements)
+
+
+@dataclass
+class BatchBudget:
+    """Elements the ops of one Batch have touched so far, against its limit."""
+
+    limit: int
+    spent: int = 0
+
+    def charge(self, elements: int) -> None:
+        total = self.spent + elements
+        if total > self.limit:
+            raise ResourceExhaustedError(
+                f"this op would take its Batch to {total} elements touched, over the budget "
+                f"(--max-batch-elements {self.limit}); the ops before it were applied"
+            )
+        self.spent = total
+
+
+# The Batch the current thread is applying (its ops run one after another, on the thread
+# of the call): every op's element check charges it too.
+_BATCH_BUDGET: ContextVar[BatchBudget | None] = ContextVar("batch_budget", default=None)
+
+
+@contextlib.contextmanager
+def batch_budget(limit: int | None) -> Iterator[None]:
+    """Charge the element checks of the ops run in the block to one budget (None: none)."""
+    token = _BATCH_BUDGET.set(None if limit is None else BatchBudget(limit))
+    try:
+        yield
+    finally:
+        _BATCH_BUDGET.reset(token)
 
 
 def check_batch_ops(count: int) -> None:
