@@ -209,3 +209,28 @@ def test_a_value_sharing_the_written_storage_is_read_before_any_write(
     y = client.tensor(values)
     y.index_put_((y[::3],), client.tensor(5), accumulate=True)
     np.testing.assert_array_equal(y.numpy(), expected_int)
+
+
+def test_many_basic_items_beside_a_tensor_cost_linear_time(
+    store: tuple[TensorStore, Session],
+) -> None:
+    """Found by an attacker's read: each Ellipsis recounted the whole key, and each None
+    or Python bool unsqueezed a view that kept growing, before the result's dims were
+    checked: 8,000 Nones held a worker for a minute (65,536 items: hours)."""
+    import time
+
+    from tensord.errors import InvalidArgumentError
+
+    daemon, session = store
+    x = _full(daemon, session, [4], 1.0, "float32")
+    index = _full(daemon, session, [2], 1, "int64")
+    n = 6000
+    for filler in (None, True):
+        started = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match="MAX_DIMS"):
+            daemon.advanced_index(session, x, (filler,) * n + (TensorItem(index),))
+        assert time.monotonic() - started < 2.0
+    started = time.monotonic()
+    out = daemon.advanced_index(session, x, (Ellipsis,) * n + (TensorItem(index),))
+    assert time.monotonic() - started < 2.0
+    assert tuple(out.ref.layout.shape) == (2,)

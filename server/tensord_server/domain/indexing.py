@@ -96,6 +96,21 @@ def _specified_dims(items: tuple[IndexItem, ...], refs: dict[str, TensorRef]) ->
     return count
 
 
+def _view_ndim(ndim: int, items: tuple[IndexItem, ...], refs: dict[str, TensorRef]) -> int:
+    """Dims of applySlicing's view once every item is applied: an int or a 0-dim integer
+    tensor takes one, a None, a Python bool or a 0-dim mask adds one."""
+    for item in items:
+        if item is None or isinstance(item, bool):
+            ndim += 1
+        elif isinstance(item, TensorItem):
+            ref = refs[item.handle]
+            if ref.layout.ndim == 0 and dtypes_integral(ref):
+                ndim += 1 if _is_mask(ref) else -1
+        elif isinstance(item, int):
+            ndim -= 1
+    return ndim
+
+
 def _scalar_value(array: ArrayOf, ref: TensorRef) -> Any:
     return kernels.to_host(array(ref)).reshape(()).item()
 
@@ -105,8 +120,11 @@ def apply_slicing(
 ) -> tuple[Layout, list[_Index | None]]:
     """torch's applySlicing: the basic view and aten::index's list (None: the whole dim)."""
     ndim = layout.ndim
-    if _specified_dims(items, refs) > ndim:
+    specified = _specified_dims(items, refs)  # once: every Ellipsis needs it
+    if specified > ndim:
         raise IndexError(f"too many indices for tensor of dimension {ndim}")
+    # bounded before the view is built: each None or bool unsqueezes it (O(dims) a time)
+    limits.check_result_ndim(_view_ndim(ndim, items, refs))
     result, dim = layout, 0
     indices: list[_Index | None] = []
 
@@ -127,7 +145,7 @@ def apply_slicing(
 
     for position, item in enumerate(items):
         if item is Ellipsis:
-            dim += ndim - _specified_dims(items, refs)
+            dim += ndim - specified
         elif item is None:
             result = result.unsqueeze(dim)
             dim += 1
