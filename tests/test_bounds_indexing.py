@@ -234,3 +234,21 @@ def test_many_basic_items_beside_a_tensor_cost_linear_time(
     out = daemon.advanced_index(session, x, (Ellipsis,) * n + (TensorItem(index),))
     assert time.monotonic() - started < 2.0
     assert tuple(out.ref.layout.shape) == (2,)
+
+
+def test_a_setitem_with_many_nones_is_refused_before_its_view(
+    store: tuple[TensorStore, Session],
+) -> None:
+    """Found by an attacker's read: x[None, None, ..., 0] = v (a unary SetItem, or one op of
+    a Batch) built its view one unsqueeze at a time before any dims check: 4,000 Nones
+    held a worker for 11 s, 16,000 for four minutes."""
+    import time
+
+    from tensord.errors import InvalidArgumentError
+
+    daemon, session = store
+    x = _full(daemon, session, [4], 1.0, "float32")
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="MAX_DIMS"):
+        daemon.setitem(session, x, (None,) * 6000 + (0,), value=2.0)
+    assert time.monotonic() - started < 2.0
