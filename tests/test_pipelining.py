@@ -213,3 +213,22 @@ def test_a_batch_has_one_element_budget_for_all_its_ops(make_server: Any) -> Non
                 pb.FillRequest(handle=meta.handle, value=pb.Scalar(float_value=1)), metadata=stub.md
             )
         stub.close()
+
+
+def test_a_batch_request_holds_a_bounded_number_of_list_items(server: Any, open_session) -> None:
+    # found by an attacker's read: each op's lists were bounded alone, so one Batch could
+    # nest 4,096 x 65,536 index items (within the message size, a million of them took
+    # minutes to walk and apply); the request's items are counted together as it is checked
+    from tensord_server.domain import limits
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4], dtype="float32"), metadata=session.md)
+    many = [pb.IndexItem(ellipsis=True)] * limits.MAX_LIST_LEN
+    op = pb.BatchOp(
+        set_item=pb.SetItemRequest(handle=meta.handle, index=many, scalar=pb.Scalar(int_value=1))
+    )
+    ops = [op] * (limits.MAX_REQUEST_ITEMS // limits.MAX_LIST_LEN + 1)
+    with pytest.raises(grpc.RpcError) as info:
+        session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "MAX_REQUEST_ITEMS" in info.value.details()

@@ -26,6 +26,9 @@ DIM_FIELDS = frozenset(
 )
 # Any other repeated field (handles to release or cat, index items, split sections).
 MAX_LIST_LEN = 65536
+# Items of all the lists of one request together (a Batch nests one list per op: 4,096 ops of
+# 65,536 index items each were 268M items to walk, then to apply, in one message).
+MAX_REQUEST_ITEMS = 1 << 20
 # Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
 # checked as its unary RPC's is.
 MAX_BATCH_OPS = 4096
@@ -50,8 +53,11 @@ DEFAULT_MAX_OP_ELEMENTS = 1 << 32
 DEFAULT_MAX_BATCH_ELEMENTS = DEFAULT_MAX_OP_ELEMENTS
 
 
-def check_request(message: Message, depth: int = 0) -> None:
-    """Refuse a request whose lists, strings or extents exceed the limits above."""
+def check_request(message: Message, depth: int = 0, seen: list[int] | None = None) -> None:
+    """Refuse a request whose lists, strings or extents exceed the limits above, or whose
+    lists hold more than MAX_REQUEST_ITEMS items together (counted as they are walked)."""
+    if seen is None:
+        seen = [0]
     for field, value in message.ListFields():
         if field.is_repeated:
             limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
@@ -60,11 +66,17 @@ def check_request(message: Message, depth: int = 0) -> None:
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
                     f"the limit is {limit}"
                 )
+            seen[0] += len(value)
+            if seen[0] > MAX_REQUEST_ITEMS:
+                raise InvalidArgumentError(
+                    f"the request's lists hold more than {MAX_REQUEST_ITEMS} items together "
+                    "(limits.MAX_REQUEST_ITEMS)"
+                )
             items = list(value)
         else:
             items = [value]
         for item in items:
-            _check_value(message, field, item, depth)
+            _check_value(message, field, item, depth, seen)
     if "shape" in message.DESCRIPTOR.fields_by_name:
         numel = 1
         for n in message.shape:
@@ -75,10 +87,12 @@ def check_request(message: Message, depth: int = 0) -> None:
             )
 
 
-def _check_value(message: Message, field: d.FieldDescriptor, item: object, depth: int) -> None:
+def _check_value(
+    message: Message, field: d.FieldDescriptor, item: object, depth: int, seen: list[int]
+) -> None:
     if isinstance(item, Message):
         if depth < 8:
-            check_request(item, depth + 1)
+            check_request(item, depth + 1, seen)
     elif isinstance(item, str):
         if len(item.encode()) > MAX_STRING_BYTES:
             raise InvalidArgumentError(
