@@ -62,6 +62,27 @@ def test_live_ranges_never_overlap_and_the_space_follows_the_live_bytes(ops) -> 
     assert space.top == ADDRESS_SPACE_BASE and space.free_bytes_below_top() == 0
 
 
+def test_first_fit_looks_at_a_path_not_at_every_hole() -> None:
+    """Many small Storages leave many holes; finding a range walks one path of the holes'
+    tree (O(log n)), not all of them (a scan under the registry's lock slowed every
+    allocation by every other tenant's small Storages)."""
+    holes = 4096
+    space = AddressSpace()
+    small = [space.take(ADDRESS_ALIGNMENT) for _ in range(2 * holes)]
+    big = space.take(8 * ADDRESS_ALIGNMENT)
+    space.take(ADDRESS_ALIGNMENT)  # keeps the big range below the top
+    for address in small[::2]:
+        space.give_back(address, ADDRESS_ALIGNMENT)
+    space.give_back(big, 8 * ADDRESS_ALIGNMENT)
+    assert space.free_bytes_below_top() == (holes + 8) * ADDRESS_ALIGNMENT
+    before = space.inspected
+    assert space.take(8 * ADDRESS_ALIGNMENT) == big  # the only fit: the highest hole
+    assert space.inspected - before <= 6 * math.log2(holes)
+    before = space.inspected
+    assert space.take(ADDRESS_ALIGNMENT) == small[0]  # the lowest hole that fits
+    assert space.inspected - before <= 6 * math.log2(holes)
+
+
 def test_the_end_of_the_space_is_refused_not_wrapped() -> None:
     space = AddressSpace(base=1 << 20, end=(1 << 20) + 4 * ADDRESS_ALIGNMENT)
     space.take(3 * ADDRESS_ALIGNMENT)

@@ -13,9 +13,14 @@ limits (SECURITY.md, "Limits and their defaults"), so over the run:
 * the slowest single request (client-side wall time) stays under SLOWEST_REQUEST_BOUND_S;
 * no request ends INTERNAL/UNKNOWN (a cost the server did not foresee).
 
-The pool's resident bytes are read from /proc/PID/pagemap over the segments the server's
-MemorySnapshot names: its reserved bytes are not all resident (a segment is rounded up,
-an `empty` is never written), so RSS less `reserved_bytes` would hide real growth.
+The server's memory is read per mapping from /proc/PID/smaps, in one pass: a mapping that
+lies in a pool segment (one the server's MemorySnapshot names just before or just after
+that pass) is the pool's, every other mapping's resident bytes are outside it.  The
+pool's reserved bytes are not all resident (a segment is rounded up, an `empty` is
+never written), so RSS less `reserved_bytes` would hide real growth; and a segment the
+pool made while a sample was taken is the pool's in either snapshot, never "outside"
+(RSS read apart from the pool's pages counted it outside: a flake), while a released
+segment that stays mapped (a real leak) is in neither, so it counts outside.
 
 `TENSORD_COST_FUZZ_SECONDS` (default 12, the CI setting; 300 for the long run) and
 `TENSORD_COST_FUZZ_SEED` (default a fixed seed; `random` for a new one, printed with the
@@ -24,7 +29,9 @@ figures under `pytest -s`).
 
 from __future__ import annotations
 
+import bisect
 import gc
+import json
 import math
 import os
 import random
@@ -44,6 +51,7 @@ import pytest
 from conftest import SessionStub, open_channel, start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.devices.memory import HostBackend
+from tensord_server.devices.shm import create_segment
 from tensord_server.domain import limits
 from tensord_server.domain.store import TensorStore
 from tensord_server.pool import CachingPool
@@ -93,7 +101,6 @@ OUTSIDE_POOL_BOUND_BYTES = (
 SLOWEST_REQUEST_BOUND_S = MAX_OP_ELEMENTS * 300e-9 + limits.MAX_LIST_LEN * 100e-6 + 5.0
 CALL_TIMEOUT_S = 120.0  # far above the bound: a call that hits it failed the bound anyway
 BUG_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_INTERVAL_S = 0.02
 
 DTYPES = (
@@ -106,33 +113,46 @@ BIG = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 32, 1 << 40, 1 << 47, 1
 # -- measuring the server ---------------------------------------------------------------
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS line")
+def mapped_resident(pid: int) -> list[tuple[int, int, int]]:
+    """Every mapping of the process as (start, end, resident bytes), from one read of
+    /proc/PID/smaps (each mapping's figure is the kernel's, at the moment it was read)."""
+    mappings: list[tuple[int, int, int]] = []
+    start = end = 0
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's header line
+                low, high = head.split("-")
+                start, end = int(low, 16), int(high, 16)
+            elif head == "Rss:":
+                mappings.append((start, end, int(line.split()[1]) * 1024))
+    return mappings
 
 
-def resident_bytes(pid: int, segments: list[tuple[int, int]]) -> int:
-    """Bytes of these address ranges the process has in RAM or swap (pagemap bits 63, 62)."""
-    pages = 0
-    with open(f"/proc/{pid}/pagemap", "rb") as pagemap:
-        for address, size in segments:
-            first, last = address // PAGE_BYTES, (address + size - 1) // PAGE_BYTES
-            pagemap.seek(first * 8)
-            entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
-            pages += int(np.count_nonzero(entries >> np.uint64(62)))
-    return pages * PAGE_BYTES
+def outside_pool_bytes(
+    mappings: list[tuple[int, int, int]], segments: list[tuple[int, int]]
+) -> tuple[int, int]:
+    """(resident bytes outside the pool, all resident bytes): a mapping inside one of the
+    pool's segments is the pool's, any other is outside it."""
+    pool_ranges = sorted((address, address + size) for address, size in segments)
+    starts = [low for low, _ in pool_ranges]
+    outside = total = 0
+    for start, end, rss in mappings:
+        total += rss
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or end > pool_ranges[i][1]:
+            outside += rss
+    return outside, total
 
 
 @dataclass
 class Sampler:
-    """Samples (RSS - the pool's resident bytes) of the server every few ms, in a thread.
+    """Samples the server's resident bytes outside the pool every few ms, in a thread.
 
-    The pool's segments are read first, then their pages, then RSS: a page the server
-    touches in between counts as outside the pool, never the other way (the figure errs
-    high, never low)."""
+    The pool's segments are read before and after one pass over the server's mappings:
+    a segment made meanwhile is the pool's (it is in the second list), one released
+    meanwhile too (in the first), and only memory that was never a live segment during
+    the pass counts outside the pool."""
 
     pid: int
     monitor: SessionStub
@@ -144,19 +164,19 @@ class Sampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def outside_pool(self) -> tuple[int, int]:
+    def segments(self) -> list[tuple[int, int]]:
         snapshot = self.monitor.MemorySnapshot(
             pb.DeviceRequest(device="cpu"), metadata=self.monitor.md, timeout=CALL_TIMEOUT_S
         )
-        import json
-
-        segments = [
+        return [
             (int(s["address"]), int(s["total_size"]))
             for s in json.loads(snapshot.snapshot_json)["segments"]
         ]
-        pool = resident_bytes(self.pid, segments)
-        rss = rss_bytes(self.pid)
-        return rss - pool, rss
+
+    def outside_pool(self) -> tuple[int, int]:
+        before = self.segments()
+        mappings = mapped_resident(self.pid)
+        return outside_pool_bytes(mappings, before + self.segments())
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -563,6 +583,23 @@ def test_a_released_host_segment_is_freed_at_once() -> None:
         assert payload() is None
     finally:
         gc.enable()
+
+
+def test_the_measure_splits_pool_segments_from_the_rest_exactly() -> None:
+    """The cost fuzz's measure on this process: a touched memfd segment (as the cpu pool
+    makes) is the pool's while the segment list names it and outside it once not (a
+    released segment still mapped: a leak), and anonymous memory is always outside."""
+    segment = create_segment(32 << 20)
+    segment.array[:] = 1  # resident
+    anonymous = np.ones(16 << 20, dtype=np.uint8)
+    listed = [(int(segment.array.ctypes.data), segment.nbytes)]
+    mappings = mapped_resident(os.getpid())
+    with_segment, total = outside_pool_bytes(mappings, listed)
+    without_segment, same_total = outside_pool_bytes(mappings, [])
+    assert same_total == total >= (48 << 20)
+    assert without_segment - with_segment >= (32 << 20)  # the segment's pages, all of them
+    assert with_segment >= anonymous.nbytes  # the NumPy array is never the pool's
+    segment.close()
 
 
 @pytest.mark.parametrize("op", ["arange", "full"])

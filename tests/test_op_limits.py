@@ -145,6 +145,8 @@ def test_ops_touching_too_many_elements_are_refused(make_server) -> None:
 def test_serve_takes_max_op_elements() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--device", "cpu", "--max-op-elements", "0")
     assert result.returncode == 2 and "--max-op-elements must be >= 1" in result.stderr
+    result = run_serve("--address", "127.0.0.1:0", "--device", "cpu", "--max-batch-elements", "0")
+    assert result.returncode == 2 and "--max-batch-elements must be >= 1" in result.stderr
 
 
 _SHAPES = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)

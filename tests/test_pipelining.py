@@ -180,3 +180,55 @@ def test_a_batch_stops_at_the_next_op_once_its_caller_is_gone(make_server: Any) 
         assert isinstance(outcome.error, tensord.DeadlineExceededError)
         np.testing.assert_array_equal(stub.download(meta), np.full(4, 2.0, np.float32))
         stub.close()
+
+
+def test_a_batch_has_one_element_budget_for_all_its_ops(make_server: Any) -> None:
+    # found by an attacker's read: each op was bounded by --max-op-elements alone, so one
+    # Batch of 4,096 ops held a worker for 4,096 times the per-op cost
+    from conftest import SessionStub, open_channel
+    from tensord_server.domain import batch
+
+    running = make_server(max_op_elements=1000, max_batch_elements=2500)
+    with open_channel(running.address) as channel:
+        stub = SessionStub(channel)
+        meta = stub.upload(np.zeros(1000, np.float32))
+        session = running.daemon.sessions.peek(stub.session_id)
+        ops = [batch.QueuedFill(meta.handle, float(i)) for i in range(1, 6)]
+        outcome = batch.run_batch(running.daemon, session, ops)
+        # 1,000 + 1,000 elements fit; the third fill would make 3,000: refused before its work
+        assert (outcome.applied, outcome.failed_index) == (2, 2)
+        assert isinstance(outcome.error, tensord.ResourceExhaustedError)
+        assert "--max-batch-elements 2500" in str(outcome.error)
+        np.testing.assert_array_equal(stub.download(meta), np.full(1000, 2.0, np.float32))
+        # the budget is the batch's: the next batch starts from nothing (views cost none)
+        view = pb.BatchOp(view=pb.ViewRequest(handle=meta.handle, t=pb.T()), results=["C" * 22])
+        fill = pb.BatchOp(fill=pb.FillRequest(handle=meta.handle, value=pb.Scalar(float_value=7)))
+        response = stub.Batch(pb.BatchRequest(ops=[view, fill, fill, fill]), metadata=stub.md)
+        assert response.failed and response.applied == 3 and response.failed_index == 3
+        assert response.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "--max-batch-elements" in response.error_message
+        # outside a Batch an op is bounded by --max-op-elements alone
+        for _ in range(4):
+            stub.Fill(
+                pb.FillRequest(handle=meta.handle, value=pb.Scalar(float_value=1)), metadata=stub.md
+            )
+        stub.close()
+
+
+def test_a_batch_request_holds_a_bounded_number_of_list_items(server: Any, open_session) -> None:
+    # found by an attacker's read: each op's lists were bounded alone, so one Batch could
+    # nest 4,096 x 65,536 index items (within the message size, a million of them took
+    # minutes to walk and apply); the request's items are counted together as it is checked
+    from tensord_server.domain import limits
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4], dtype="float32"), metadata=session.md)
+    many = [pb.IndexItem(ellipsis=True)] * limits.MAX_LIST_LEN
+    op = pb.BatchOp(
+        set_item=pb.SetItemRequest(handle=meta.handle, index=many, scalar=pb.Scalar(int_value=1))
+    )
+    ops = [op] * (limits.MAX_REQUEST_ITEMS // limits.MAX_LIST_LEN + 1)
+    with pytest.raises(grpc.RpcError) as info:
+        session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "MAX_REQUEST_ITEMS" in info.value.details()

@@ -3,7 +3,8 @@
 The SDK queues the ops whose result it can compute itself (views, detach, in-place
 writes, releases) and sends them in one Batch.  Each op runs through the same
 :class:`TensorStore` method as its unary RPC, so its cost is checked exactly as
-today; a view's results then take the ids the client chose.  The first op that
+today, and the elements all of them touch are added up against one budget
+(``--max-batch-elements``), each op's before it runs; a view's results then take the ids the client chose.  The first op that
 fails stops the batch (the rest may depend on it: CUDA's asynchronous error model),
 and the outcome names it so the client can raise it at its next call that waits.
 """
@@ -86,19 +87,21 @@ def run_batch(
     so a batch costs at most one op's bounded work after its caller is gone.
     """
     check_batch(ops)
-    for index, op in enumerate(ops):
-        if not keep_going():
-            return BatchOutcome(
-                applied=index,
-                failed_index=index,
-                error=DeadlineExceededError(
-                    f"the Batch's caller is gone: ops {index} and later were not applied"
-                ),
-            )
-        try:
-            _apply(store, session, op)
-        except Exception as exc:  # the client raises it, typed, at its next wait
-            return BatchOutcome(applied=index, failed_index=index, error=exc)
+    # every op's element check also charges the batch's budget, before that op's work
+    with limits.batch_budget(store.max_batch_elements):
+        for index, op in enumerate(ops):
+            if not keep_going():
+                return BatchOutcome(
+                    applied=index,
+                    failed_index=index,
+                    error=DeadlineExceededError(
+                        f"the Batch's caller is gone: ops {index} and later were not applied"
+                    ),
+                )
+            try:
+                _apply(store, session, op)
+            except Exception as exc:  # the client raises it, typed, at its next wait
+                return BatchOutcome(applied=index, failed_index=index, error=exc)
     return BatchOutcome(applied=len(ops))
 
 

@@ -11,14 +11,21 @@ Torch's two steps, mirrored so that result shapes and errors are torch's:
    below follows once every index is an integer array).
 
 Every cost a client controls (index tensor and mask elements, result elements) is
-checked against ``--max-op-elements`` before any array work.
+checked against ``--max-op-elements`` before any array work.  The work itself goes
+``INDEX_CHUNK_ELEMENTS`` at a time over the broadcast index (issue 11's standard): an
+index tensor is read a piece of its broadcast at a time (an expanded index is never
+materialised), and so are the bounds checks, the gathered values and the scattered ones,
+so memory outside the pool is O(chunk) whatever the index's size.  A mask's nonzero
+coordinates (torch's own temporary) live in the pool, charged to the tenant like an output.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +33,8 @@ from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import CHANNELS_LAST, Layout, broadcast_shapes
 
+from tensord_server.devices.host_arrays import gather_plan
+from tensord_server.devices.table import Device
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued, OpContext
@@ -34,6 +43,13 @@ from tensord_server.domain.storage import TensorRef
 
 # a held tensor's zero-copy array (TensorStore.array)
 ArrayOf = Callable[[TensorRef], Any]
+# a new int64 tensor of this contiguous shape in the pool, held for the op (a mask's nonzero)
+AllocateIndex = Callable[[tuple[int, ...]], TensorRef]
+
+# Elements of temporaries (index values, the gathered or scattered values, a mask's piece)
+# that a gather or scatter makes at a time, outside the pool: it walks the broadcast index
+# this many positions (divided by the elements each position moves) at a time.
+INDEX_CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +96,21 @@ def _specified_dims(items: tuple[IndexItem, ...], refs: dict[str, TensorRef]) ->
     return count
 
 
+def _view_ndim(ndim: int, items: tuple[IndexItem, ...], refs: dict[str, TensorRef]) -> int:
+    """Dims of applySlicing's view once every item is applied: an int or a 0-dim integer
+    tensor takes one, a None, a Python bool or a 0-dim mask adds one."""
+    for item in items:
+        if item is None or isinstance(item, bool):
+            ndim += 1
+        elif isinstance(item, TensorItem):
+            ref = refs[item.handle]
+            if ref.layout.ndim == 0 and dtypes_integral(ref):
+                ndim += 1 if _is_mask(ref) else -1
+        elif isinstance(item, int):
+            ndim -= 1
+    return ndim
+
+
 def _scalar_value(array: ArrayOf, ref: TensorRef) -> Any:
     return kernels.to_host(array(ref)).reshape(()).item()
 
@@ -89,8 +120,11 @@ def apply_slicing(
 ) -> tuple[Layout, list[_Index | None]]:
     """torch's applySlicing: the basic view and aten::index's list (None: the whole dim)."""
     ndim = layout.ndim
-    if _specified_dims(items, refs) > ndim:
+    specified = _specified_dims(items, refs)  # once: every Ellipsis needs it
+    if specified > ndim:
         raise IndexError(f"too many indices for tensor of dimension {ndim}")
+    # bounded before the view is built: each None or bool unsqueezes it (O(dims) a time)
+    limits.check_result_ndim(_view_ndim(ndim, items, refs))
     result, dim = layout, 0
     indices: list[_Index | None] = []
 
@@ -111,7 +145,7 @@ def apply_slicing(
 
     for position, item in enumerate(items):
         if item is Ellipsis:
-            dim += ndim - _specified_dims(items, refs)
+            dim += ndim - specified
         elif item is None:
             result = result.unsqueeze(dim)
             dim += 1
@@ -156,21 +190,32 @@ def dtypes_integral(ref: TensorRef) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """aten::index's work on a sliced tensor: one integer array (or None) per dim."""
+class _Column:
+    """One index tensor of aten's list after masks are expanded: where its values are (an
+    index tensor, a mask's coordinates in the pool, or a Python bool's constant), its shape
+    and torch's strides for it (the result's strides follow them)."""
 
-    arrays: tuple[Any, ...]  # host int64 arrays (broadcast to one shape) or None
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    ref: TensorRef | None = None
+    constant: tuple[int, ...] | None = None  # a Python bool's [0] or []
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """aten::index's work on a sliced tensor: one index column (or None) per dim, each read
+    a piece of its broadcast to ``common`` at a time."""
+
+    columns: tuple[_Column | None, ...]
+    common: tuple[int, ...]  # the index tensors' broadcast shape
+    before: int  # the result's dims in front of the broadcast dims (adjacent indices)
     shape: tuple[int, ...]  # the result's shape
     sizes: tuple[int, ...]  # the indexed dims' sizes, in order (for the bounds check)
     stride: tuple[int, ...]  # the strides torch's TensorIterator gives the gathered result
 
-
-@dataclass(frozen=True, slots=True)
-class _Column:
-    """One index tensor of aten's list after masks are expanded: values and torch's strides."""
-
-    values: Any
-    stride: tuple[int, ...]
+    @property
+    def defined(self) -> list[_Column]:
+        return [c for c in self.columns if c is not None]
 
 
 def _expanded_stride(
@@ -295,7 +340,7 @@ def _result_stride(
     for d in dims:
         column = columns[d]
         assert column is not None
-        index_strides.append(_expanded_stride(column.values.shape, column.stride, common))
+        index_strides.append(_expanded_stride(column.shape, column.stride, common))
     if on_gpu and len(set(index_strides)) > 1:  # torch makes CUDA indices contiguous
         index_strides = [Layout.contiguous(common).stride] * len(index_strides)
     for stride in index_strides:
@@ -307,6 +352,7 @@ def _result_stride(
 def plan_index(
     array: ArrayOf,
     check_elements: Callable[[int], None],
+    allocate: AllocateIndex,
     sliced: Layout,
     indices: list[_Index | None],
     op: str = "",
@@ -325,7 +371,7 @@ def plan_index(
         if entry is None:
             expanded.append(None)
         elif entry.constant is not None:  # torch's boolToIndexingTensor: [0] or []
-            expanded.append(_Column(np.asarray(entry.constant, dtype=np.int64), (1,)))
+            expanded.append(_Column((len(entry.constant),), (1,), constant=entry.constant))
         elif entry.ref is not None and _is_mask(entry.ref):
             mask_shape = entry.ref.layout.shape
             for j, n in enumerate(mask_shape):
@@ -340,13 +386,11 @@ def plan_index(
                         f"The shape of the mask {_fmt(mask_shape)} at index {j} does not match "
                         f"the shape of the indexed tensor {_fmt(shape)} at index {src}"
                     )
-            mask = np.asarray(kernels.to_host(array(entry.ref))) != 0
-            # torch's nonzero is (n, k) with strides (1, n): each column has stride 1
-            expanded.extend(_Column(c.astype(np.int64), (1,)) for c in np.nonzero(mask))
+            expanded.extend(mask_columns(array, allocate, entry.ref))
         elif entry.ref is not None:
-            values = np.asarray(kernels.to_host(array(entry.ref))).astype(np.int64)
-            stride = entry.ref.layout.stride
-            expanded.append(_Column(values, stride))
+            # read a piece at a time when the work runs: an expanded index stays a view
+            layout = entry.ref.layout
+            expanded.append(_Column(layout.shape, layout.stride, ref=entry.ref))
     if len(expanded) > len(shape):
         raise IndexError(
             f"too many indices for tensor of dimension {len(shape)} (got {len(expanded)})"
@@ -356,15 +400,16 @@ def plan_index(
     if not defined:  # only 0-dim masks in index_put_'s list (never from x[...])
         raise NotImplementedError("tensord: index_put_ with only 0-dim masks is not supported")
     try:
-        common: tuple[int, ...] = tuple(broadcast_shapes(*(c.values.shape for _, c in defined)))
+        common: tuple[int, ...] = tuple(broadcast_shapes(*(c.shape for _, c in defined)))
     except RuntimeError:
-        shapes = ", ".join(_fmt(c.values.shape) for _, c in defined)
+        shapes = ", ".join(_fmt(c.shape) for _, c in defined)
         raise IndexError(
             f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}"
         ) from None
     check_elements(math.prod(common))
     dims = [d for d, _ in defined]
     rest = [shape[d] for d in range(len(shape)) if expanded[d] is None]
+    before: list[int] = []
     if dims == list(range(dims[0], dims[-1] + 1)):  # adjacent: in place
         before = [shape[d] for d in range(dims[0])]
         result = (*before, *common, *rest[len(before) :])
@@ -378,27 +423,121 @@ def plan_index(
         if column is not None and entry is not None and entry.ref is not None:
             column = _as_long(column, entry.ref.dtype, tuple(common))
         columns.append(column)
-    arrays = tuple(None if c is None else np.broadcast_to(c.values, common) for c in expanded)
     stride = (
         Layout.contiguous(result).stride
         if op == "index_select"
         else _result_stride(sliced, columns, tuple(common), tuple(result), on_gpu)
     )
-    plan = Plan(arrays, tuple(result), tuple(shape[d] for d in dims), stride)
+    plan = Plan(
+        tuple(expanded), common, len(before), tuple(result), tuple(shape[d] for d in dims), stride
+    )
     if op == "index_select":
-        check_index_select(shape, dims[0], arrays[dims[0]])
+        column = expanded[dims[0]]
+        assert column is not None
+        check_index_select(array, shape, dims[0], column, common)
         return plan
     if 0 in plan.sizes and 0 not in common:  # torch's AdvancedIndex, before its kernel
         raise IndexError("index is out of bounds for dimension with size 0")
     return plan
 
 
-def _as_long(column: _Column, dtype: DType, common: tuple[int, ...]) -> _Column:
-    """An int32 index after make_info's Tensor.to(long) of its broadcast (int64: as is)."""
-    if dtype is not dtypes.int32:
-        return column
-    broad = _expanded_stride(column.values.shape, column.stride, common)
-    return _Column(np.broadcast_to(column.values, common), _dense_stride(common, broad))
+def mask_columns(array: ArrayOf, allocate: AllocateIndex, mask: TensorRef) -> list[_Column]:
+    """A mask's nonzero coordinates, one column per mask dim (torch's nonzero: (n, k) with
+    strides (1, n), each column of stride 1).  Counted, then written into a pooled (k, n)
+    int64 tensor, a piece of the mask at a time (a piece's coordinates: O(chunk))."""
+    ndim = mask.layout.ndim
+    if ndim == 0:  # never from x[...] (a 0-dim mask is a constant there): no coordinates
+        return []
+    pieces = list(_mask_pieces(mask.layout.shape))
+    count = sum(int(np.count_nonzero(_host(array, mask, key))) for key in pieces)
+    if count == 0:
+        return [_Column((0,), (1,), constant=()) for _ in range(ndim)]
+    coords = allocate((ndim, count))
+    out = array(coords)
+    start = 0
+    for key in pieces:
+        found = _piece_nonzero(key, np.nonzero(_host(array, mask, key)))
+        n = len(found[0])
+        for j in range(ndim):
+            kernels.assign(coords.device.xp, out[j, start : start + n], found[j])
+        start += n
+    return [
+        _Column((count,), (1,), ref=coords.with_layout(Layout((count,), (1,), j * count)))
+        for j in range(ndim)
+    ]
+
+
+def _mask_pieces(shape: tuple[int, ...]) -> Iterator[tuple[int | slice, ...]]:
+    """Keys into a mask, in row-major order, each piece at most a chunk of coordinates
+    (a piece of m elements may give m nonzero positions, each of len(shape) int64s)."""
+    return gather_plan(shape, max(len(shape), 1), INDEX_CHUNK_ELEMENTS)
+
+
+def _piece_nonzero(key: tuple[int | slice, ...], found: tuple[Any, ...]) -> list[Any]:
+    """A piece's nonzero coordinates (over the piece's dims) as coordinates of the mask:
+    the key's ints first, then its slice's start added to the first piece dim."""
+    n = len(found[0]) if found else 1
+    ints = [np.full(n, k, dtype=np.int64) for k in key[:-1]]
+    if not key:
+        return [c.astype(np.int64) for c in found]
+    last = key[-1]
+    assert isinstance(last, slice)
+    first = found[0].astype(np.int64) + (last.start or 0)
+    return [*ints, first, *(c.astype(np.int64) for c in found[1:])]
+
+
+def _host(array: ArrayOf, ref: TensorRef, key: tuple[int | slice, ...]) -> Any:
+    """The elements of ``ref[key]`` (a bounded piece) as a NumPy array on the host."""
+    return np.asarray(kernels.to_host(array(ref.with_layout(ref.layout[key]))))
+
+
+def _column_values(
+    array: ArrayOf, column: _Column, common: tuple[int, ...], key: tuple[int | slice, ...]
+) -> Any:
+    """A column's int64 values at positions ``key`` of its broadcast to ``common``, on the
+    host: only that piece is read (an expanded index is never made whole)."""
+    if column.constant is not None:
+        constant = np.asarray(column.constant, dtype=np.int64)
+        return np.ascontiguousarray(np.broadcast_to(constant, common)[key])
+    assert column.ref is not None
+    layout = column.ref.layout
+    broadcast = Layout(common, _expanded_stride(layout.shape, layout.stride, common), layout.offset)
+    return _host(array, column.ref.with_layout(broadcast), key).astype(np.int64)
+
+
+def _position_keys(common: tuple[int, ...], per_position: int) -> Iterator[tuple[Any, ...]]:
+    """Keys into the broadcast index, in row-major order, each for at most a chunk of
+    elements when each position costs ``per_position`` (ints alone once one position
+    is more than a chunk: its values are then a view, never a temporary)."""
+    if per_position > INDEX_CHUNK_ELEMENTS:
+        return itertools.product(*(range(n) for n in common))
+    return gather_plan(common, per_position, INDEX_CHUNK_ELEMENTS)
+
+
+def _per_position(plan: Plan) -> int:
+    """Elements of temporaries per index position: the values it moves, or its indices."""
+    common = math.prod(plan.common)
+    moved = math.prod(plan.shape) // common if common else 0
+    return max(moved, len(plan.defined), 1)
+
+
+def _array_key(xp: Any, array: ArrayOf, plan: Plan, key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key into the sliced tensor for index positions ``key``: a column's piece of
+    values (an int for a single position), the whole dim where no index stands."""
+    out: list[Any] = []
+    for column in plan.columns:
+        if column is None:
+            out.append(slice(None))
+            continue
+        values = _column_values(array, column, plan.common, key)
+        out.append(int(values) if values.ndim == 0 else xp.asarray(values))
+    return tuple(out)
+
+
+def _result_key(plan: Plan, key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key into the result for index positions ``key`` (the broadcast dims stand
+    after ``before`` dims: NumPy's rule for an indexed array's result, as torch's)."""
+    return (slice(None),) * plan.before + tuple(key) + (Ellipsis,)  # ints alone: a 0-d view
 
 
 def indices_per_dim(
@@ -415,47 +554,64 @@ def indices_per_dim(
     return out
 
 
-def check_index_select(shape: tuple[int, ...], dim: int, values: Any) -> None:
+def _as_long(column: _Column, dtype: DType, common: tuple[int, ...]) -> _Column:
+    """An int32 index after make_info's Tensor.to(long) of its broadcast (int64: as is)."""
+    if dtype is not dtypes.int32:
+        return column
+    broad = _expanded_stride(column.shape, column.stride, common)
+    return replace(column, shape=common, stride=_dense_stride(common, broad))
+
+
+def check_index_select(
+    array: ArrayOf, shape: tuple[int, ...], dim: int, column: _Column, common: tuple[int, ...]
+) -> None:
     """index_select's own bounds rules: no negative index, and with no elements in self a
-    check of its own.  mirrors index_select_out_cpu_."""
-    if values.size == 0:
+    check of its own.  mirrors index_select_out_cpu_ (the index read a chunk at a time)."""
+    if not math.prod(common):
         return
     size = shape[dim]
     if len(shape) > 1 and math.prod(shape) == 0 and size <= 0:
         raise RuntimeError("index_select(): self indexing axis dim should be positive")
-    if len(shape) > 1 and (math.prod(shape) == 0 or dim == 1):  # its dim-1 fast path's text
-        for value in values.reshape(-1).tolist():
-            if not 0 <= value < size:
-                raise RuntimeError(
-                    f"INDICES element is out of DATA bounds, id={value} axis_dim={size}"
-                )
-        return
-    if bool(((values < 0) | (values >= size)).any()):
+    # its dim-1 fast path names the first bad value, in order
+    one_by_one = len(shape) > 1 and (math.prod(shape) == 0 or dim == 1)
+    for key in _position_keys(common, 1):
+        values = _column_values(array, column, common, key).reshape(-1)
+        bad = (values < 0) | (values >= size)
+        if not bad.any():
+            continue
+        if one_by_one:
+            value = int(values[int(np.argmax(bad))])
+            raise RuntimeError(f"INDICES element is out of DATA bounds, id={value} axis_dim={size}")
         raise IndexError("index out of range in self")
 
 
-def check_bounds(plan: Plan, op: str) -> None:
+def check_bounds(array: ArrayOf, plan: Plan, op: str) -> None:
     """torch's error for the first index out of range, in element order then dim order
     (the dim counted among the indexed dims, as torch's kernel numbers them); its kernel
-    checks as it runs: no elements, no check."""
+    checks as it runs: no elements, no check.  A chunk of positions at a time."""
     if not math.prod(plan.shape) or op == "index_select":
         return
-    defined = [a for a in plan.arrays if a is not None]
-    bad = [(a < -n) | (a >= n) for a, n in zip(defined, plan.sizes, strict=True)]
-    any_bad = np.logical_or.reduce(bad) if bad else None
-    if any_bad is None or not any_bad.any():
+    defined = plan.defined
+    for key in _position_keys(plan.common, len(defined)):
+        values = [_column_values(array, c, plan.common, key).reshape(-1) for c in defined]
+        bad = [(v < -n) | (v >= n) for v, n in zip(values, plan.sizes, strict=True)]
+        any_bad = np.logical_or.reduce(bad)
+        if not any_bad.any():
+            continue
+        first = int(np.argmax(any_bad))
+        for k, (v, n) in enumerate(zip(values, plan.sizes, strict=True)):
+            value = int(v[first])
+            if value < -n or value >= n:
+                raise IndexError(f"index {value} is out of bounds for dimension {k} with size {n}")
+
+
+def gather(xp: Any, array: ArrayOf, source: Any, out: Any, plan: Plan) -> None:
+    """out = source[plan] (out has the plan's shape), a chunk of index positions at a time."""
+    if not math.prod(plan.shape):
         return
-    if op == "index_select":
-        raise IndexError("index out of range in self")
-    first = int(np.argmax(any_bad.reshape(-1)))
-    for k, (a, n) in enumerate(zip(defined, plan.sizes, strict=True)):
-        value = int(a.reshape(-1)[first])
-        if value < -n or value >= n:
-            raise IndexError(f"index {value} is out of bounds for dimension {k} with size {n}")
-
-
-def _key(xp: Any, plan: Plan) -> tuple[Any, ...]:
-    return tuple(slice(None) if a is None else xp.asarray(a) for a in plan.arrays)
+    for key in _position_keys(plan.common, _per_position(plan)):
+        index = _array_key(xp, array, plan, key)
+        kernels.assign(xp, out[_result_key(plan, key)], source[index])
 
 
 def tensor_handles(items: tuple[IndexItem, ...]) -> tuple[str, ...]:
@@ -490,12 +646,13 @@ def sliced(
 def planned(
     array: ArrayOf,
     check_elements: Callable[[int], None],
+    allocate: AllocateIndex,
     target: TensorRef,
     indices: list[_Index | None],
     op: str = "",
 ) -> Plan:
     on_gpu = target.device.xp is not np
-    return plan_index(array, check_elements, target.layout, indices, op, on_gpu)
+    return plan_index(array, check_elements, allocate, target.layout, indices, op, on_gpu)
 
 
 def dispatches_to_masked_fill(indices: list[_Index | None], src: TensorRef | None) -> bool:
@@ -514,12 +671,6 @@ def check_masked_fill_mask(indices: list[_Index | None]) -> None:
         raise RuntimeError(
             "masked_fill_ only supports boolean masks, but got mask with dtype unsigned char"
         )
-
-
-def gather(xp: Any, source: Any, out: Any, plan: Plan) -> None:
-    """out = source[plan] (out has the plan's shape)."""
-    if math.prod(plan.shape):
-        kernels.assign(xp, out, source[_key(xp, plan)])
 
 
 def check_put_source(
@@ -554,16 +705,21 @@ def scalar_source(xp: Any, like: Any, value: Scalar, dtype: DType) -> Any:
     return source
 
 
-def scatter(xp: Any, dst: Any, source: Any, plan: Plan, accumulate: bool) -> None:
-    """dst[plan] = source, or += with accumulate (duplicates add up, as torch's do)."""
+def scatter(xp: Any, array: ArrayOf, dst: Any, source: Any, plan: Plan, accumulate: bool) -> None:
+    """dst[plan] = source, or += with accumulate (duplicates add up, as torch's do), a
+    chunk of index positions at a time, in row-major order (so a later duplicate's value
+    stays, as in one pass).  ``source`` never shares memory with ``dst`` (see
+    :func:`unaliased`): a piece read after an earlier piece's write is still the value."""
     if not math.prod(plan.shape):
         return
-    key = _key(xp, plan)
-    values = xp.broadcast_to(source, plan.shape).copy()  # never reads what it writes
-    if accumulate:
-        xp.add.at(dst, key, values)
-    else:
-        dst[key] = values
+    values = xp.broadcast_to(source, plan.shape)
+    for key in _position_keys(plan.common, _per_position(plan)):
+        index = _array_key(xp, array, plan, key)
+        piece = values[_result_key(plan, key)]
+        if accumulate:
+            xp.add.at(dst, index, piece)
+        else:
+            dst[index] = piece
 
 
 class Indexing:
@@ -571,6 +727,35 @@ class Indexing:
 
     def __init__(self, ops: OpContext) -> None:
         self.ops = ops
+
+    def _allocator(
+        self, stack: contextlib.ExitStack[Any], session: Session, device: Device
+    ) -> AllocateIndex:
+        """Pooled int64 temporaries (a mask's coordinates) held until the op ends."""
+
+        def allocate(shape: tuple[int, ...]) -> TensorRef:
+            layout = Layout.contiguous(shape)
+            return stack.enter_context(self.ops.allocated(session, device, layout, dtypes.int64))
+
+        return allocate
+
+    def _unaliased(
+        self,
+        stack: contextlib.ExitStack[Any],
+        session: Session,
+        dst: TensorRef,
+        ref: TensorRef,
+    ) -> TensorRef:
+        """``ref``, or a pooled copy of it when it shares ``dst``'s Storage: the scatter
+        reads its values a chunk at a time while it writes, so they are copied first (as
+        one pass would read them all before writing); the copy is charged like an output."""
+        if ref.storage is not dst.storage:
+            return ref
+        copy = stack.enter_context(
+            self.ops.allocated(session, ref.device, Layout.contiguous(ref.layout.shape), ref.dtype)
+        )
+        self.ops.assign(copy, self.ops.values(ref))  # keeps its lazy bits' values
+        return copy
 
     def advanced_index(
         self,
@@ -583,22 +768,25 @@ class Indexing:
         """x[items] with a tensor (or Python bool) among them: a gather into a new tensor.
         ``raw``: the items are aten::index's list (tensors and None), as index_select's."""
         extra = tensor_handles(items)
-        with self.ops.using(session, handle, *extra) as held:
+        with (
+            self.ops.using(session, handle, *extra) as held,
+            contextlib.ExitStack() as temporaries,
+        ):
             ref, refs = held[0], dict(zip(extra, held[1:], strict=True))
             target, indices = sliced(self.ops.array, ref, items, refs, raw)
-            plan = planned(self.ops.array, self.ops.check_elements, target, indices, op)
-            check_bounds(plan, op)
+            allocate = self._allocator(temporaries, session, ref.device)
+            plan = planned(self.ops.array, self.ops.check_elements, allocate, target, indices, op)
+            check_bounds(self.ops.array, plan, op)
             layout = Layout(plan.shape, plan.stride)
             with self.ops.allocated(
                 session, ref.device, layout, ref.dtype, ref.requires_grad
             ) as out:
                 out_array = self.ops.array(out)
-                gather(ref.device.xp, self.ops.array(target), out_array, plan)
+                xp, source = ref.device.xp, self.ops.array(target)
+                gather(xp, self.ops.array, source, out_array, plan)
                 # the gathered stored values -> values: only out's elements, never target's
                 if target.conj or target.neg:
-                    out_array[...] = kernels.apply_lazy_bits(
-                        ref.device.xp, out_array, target.conj, target.neg
-                    )
+                    out_array[...] = kernels.apply_lazy_bits(xp, out_array, target.conj, target.neg)
                 return self.ops.issue(session, out)
 
     def advanced_setitem(
@@ -616,14 +804,18 @@ class Indexing:
         dispatch or the value's shape and dtype, then the indices' bounds."""
         extra = tensor_handles(items)
         sources = () if src_handle is None else (src_handle,)
-        with self.ops.using(session, handle, *extra, *sources) as held:
+        with (
+            self.ops.using(session, handle, *extra, *sources) as held,
+            contextlib.ExitStack() as temporaries,
+        ):
             ref, refs = held[0], dict(zip(extra, held[1 : 1 + len(extra)], strict=True))
             src = held[-1] if src_handle is not None else None
             if src is None:  # torch makes the scalar a tensor of x's dtype first
                 assert value is not None
                 kernels.check_scalar_fits(value, ref.dtype)
             target, indices = sliced(self.ops.array, ref, items, refs, raw)
-            plan = planned(self.ops.array, self.ops.check_elements, target, indices)
+            allocate = self._allocator(temporaries, session, ref.device)
+            plan = planned(self.ops.array, self.ops.check_elements, allocate, target, indices)
             xp, dst = ref.device.xp, self.ops.array(target)
             if not accumulate and dispatches_to_masked_fill(indices, src):
                 check_masked_fill_mask(indices)
@@ -631,14 +823,26 @@ class Indexing:
                     value = kernels.to_host(self.ops.values(src)).reshape(()).item()
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
+                src = None
             elif src is None:
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
             else:
                 shape = check_put_source(ref, src, plan, raw)
+            check_bounds(self.ops.array, plan, "")
+            if src is not None:
+                src = self._unaliased(temporaries, session, ref, src)
                 source = kernels.to_module(xp, self.ops.values(src)).reshape(shape)
-            check_bounds(plan, "")
+            plan = replace(
+                plan,
+                columns=tuple(
+                    c
+                    if c is None or c.ref is None
+                    else replace(c, ref=self._unaliased(temporaries, session, ref, c.ref))
+                    for c in plan.columns
+                ),
+            )
             # into a tensor with lazy bits: their stored form (conj / neg are involutions)
             source = kernels.apply_lazy_bits(xp, source, target.conj, target.neg)
-            scatter(xp, dst, source, plan, accumulate)
+            scatter(xp, self.ops.array, dst, source, plan, accumulate)
             return Issued(handle, ref)

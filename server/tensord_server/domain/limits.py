@@ -8,7 +8,10 @@ bounds make sure the numbers they compute with stay far from int64 overflow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
@@ -23,6 +26,9 @@ DIM_FIELDS = frozenset(
 )
 # Any other repeated field (handles to release or cat, index items, split sections).
 MAX_LIST_LEN = 65536
+# Items of all the lists of one request together (a Batch nests one list per op: 4,096 ops of
+# 65,536 index items each were 268M items to walk, then to apply, in one message).
+MAX_REQUEST_ITEMS = 1 << 20
 # Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
 # checked as its unary RPC's is.
 MAX_BATCH_OPS = 4096
@@ -41,10 +47,17 @@ MAX_VIEW_RESULTS = 65536
 # stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
 DEFAULT_MAX_OP_ELEMENTS = 1 << 32
+# Elements all the ops of one pipelined Batch may read or write together, each op's count
+# (the one checked against --max-op-elements) added before it runs: without it one message
+# held a worker for MAX_BATCH_OPS times one op's cost.  `tensord serve --max-batch-elements`.
+DEFAULT_MAX_BATCH_ELEMENTS = DEFAULT_MAX_OP_ELEMENTS
 
 
-def check_request(message: Message, depth: int = 0) -> None:
-    """Refuse a request whose lists, strings or extents exceed the limits above."""
+def check_request(message: Message, depth: int = 0, seen: list[int] | None = None) -> None:
+    """Refuse a request whose lists, strings or extents exceed the limits above, or whose
+    lists hold more than MAX_REQUEST_ITEMS items together (counted as they are walked)."""
+    if seen is None:
+        seen = [0]
     for field, value in message.ListFields():
         if field.is_repeated:
             limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
@@ -53,11 +66,17 @@ def check_request(message: Message, depth: int = 0) -> None:
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
                     f"the limit is {limit}"
                 )
+            seen[0] += len(value)
+            if seen[0] > MAX_REQUEST_ITEMS:
+                raise InvalidArgumentError(
+                    f"the request's lists hold more than {MAX_REQUEST_ITEMS} items together "
+                    "(limits.MAX_REQUEST_ITEMS)"
+                )
             items = list(value)
         else:
             items = [value]
         for item in items:
-            _check_value(message, field, item, depth)
+            _check_value(message, field, item, depth, seen)
     if "shape" in message.DESCRIPTOR.fields_by_name:
         numel = 1
         for n in message.shape:
@@ -68,10 +87,12 @@ def check_request(message: Message, depth: int = 0) -> None:
             )
 
 
-def _check_value(message: Message, field: d.FieldDescriptor, item: object, depth: int) -> None:
+def _check_value(
+    message: Message, field: d.FieldDescriptor, item: object, depth: int, seen: list[int]
+) -> None:
     if isinstance(item, Message):
         if depth < 8:
-            check_request(item, depth + 1)
+            check_request(item, depth + 1, seen)
     elif isinstance(item, str):
         if len(item.encode()) > MAX_STRING_BYTES:
             raise InvalidArgumentError(
@@ -144,11 +165,47 @@ def check_result_ndim(ndim: int) -> None:
 
 
 def check_op_elements(elements: int, limit: int | None) -> None:
-    """Refuse an op that would read or write more than ``limit`` elements (None: no limit)."""
+    """Refuse an op that would read or write more than ``limit`` elements (None: no limit),
+    or that would take the running Batch (if any) over its budget."""
     if limit is not None and elements > limit:
         raise ResourceExhaustedError(
             f"this op would touch {elements} elements, over the limit (--max-op-elements {limit})"
         )
+    budget = _BATCH_BUDGET.get()
+    if budget is not None:
+        budget.charge(elements)
+
+
+@dataclass
+class BatchBudget:
+    """Elements the ops of one Batch have touched so far, against its limit."""
+
+    limit: int
+    spent: int = 0
+
+    def charge(self, elements: int) -> None:
+        total = self.spent + elements
+        if total > self.limit:
+            raise ResourceExhaustedError(
+                f"this op would take its Batch to {total} elements touched, over the budget "
+                f"(--max-batch-elements {self.limit}); the ops before it were applied"
+            )
+        self.spent = total
+
+
+# The Batch the current thread is applying (its ops run one after another, on the thread
+# of the call): every op's element check charges it too.
+_BATCH_BUDGET: ContextVar[BatchBudget | None] = ContextVar("batch_budget", default=None)
+
+
+@contextlib.contextmanager
+def batch_budget(limit: int | None) -> Iterator[None]:
+    """Charge the element checks of the ops run in the block to one budget (None: none)."""
+    token = _BATCH_BUDGET.set(None if limit is None else BatchBudget(limit))
+    try:
+        yield
+    finally:
+        _BATCH_BUDGET.reset(token)
 
 
 def check_batch_ops(count: int) -> None:

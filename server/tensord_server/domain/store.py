@@ -103,6 +103,7 @@ class TensorStore:
         share_ttl: float = DEFAULT_SHARE_TTL_S,
         max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
+        max_batch_elements: int | None = limits.DEFAULT_MAX_BATCH_ELEMENTS,
     ) -> None:
         self.devices = DeviceTable(devices)
         # worker accounting (create_server tells it the real worker count); without tenants
@@ -141,6 +142,8 @@ class TensorStore:
         self._exports_lock = threading.Lock()
         # the op families, one module each, all over the state above
         self.ops = OpContext(self.devices, self.storages, self.sessions, max_op_elements)
+        # elements the ops of one pipelined Batch may touch together (None: no budget)
+        self.max_batch_elements = max_batch_elements
         self.views = Views(self.ops)
         self.copies = Copies(self.ops)
         self.writes = Writes(self.ops)

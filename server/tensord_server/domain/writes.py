@@ -10,7 +10,7 @@ from typing import Any
 
 from tensord.layout import Layout
 
-from tensord_server.domain import kernels
+from tensord_server.domain import kernels, limits
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued, OpContext
 from tensord_server.domain.sessions import Session
@@ -66,6 +66,8 @@ class Writes:
         handles = (handle,) if src_handle is None else (handle, src_handle)
         with self.ops.using(session, *handles) as refs:
             ref = refs[0]
+            # bounded before the view is built: each None unsqueezes it (O(dims) a time)
+            limits.check_result_ndim(limits.index_result_ndim(ref.layout.ndim, index))
             target = ref.with_layout(ref.layout[index_key(index)])
             if src_handle is None:
                 assert value is not None

@@ -21,7 +21,7 @@ from tensord.protocol import DEFAULT_ADDRESS
 from tensord_server.devices.table import resolve_specs
 from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, DEFAULT_STREAM_IDLE_TIMEOUT_S
 from tensord_server.domain.auth import load_tokens
-from tensord_server.domain.limits import DEFAULT_MAX_OP_ELEMENTS
+from tensord_server.domain.limits import DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.domain.quotas import parse_quota
 from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
@@ -149,6 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "setitem, clone, contiguous, to, cat, stack, repeat, download, arange, full; "
         "RESOURCE_EXHAUSTED) "
         f"(default: {DEFAULT_MAX_OP_ELEMENTS})",
+    )
+    parser.add_argument(
+        "--max-batch-elements",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_BATCH_ELEMENTS,
+        help="refuse the op of a pipelined Batch that would take the elements its ops read "
+        "or write together over N (that op fails RESOURCE_EXHAUSTED, the ops before it "
+        f"stay applied) (default: {DEFAULT_MAX_BATCH_ELEMENTS})",
     )
     parser.add_argument(
         "--max-sessions-per-tenant",
@@ -303,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
         "max_streams",
         "max_streams_per_tenant",
         "max_op_elements",
+        "max_batch_elements",
     ):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -338,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
             share_ttl=args.share_ttl,
             max_share_ttl=args.max_share_ttl,
             max_op_elements=args.max_op_elements,
+            max_batch_elements=args.max_batch_elements,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
