@@ -461,3 +461,17 @@ def test_server_checks_complex_views_itself(server: Any, open_session: Any) -> N
             view(handle, view_dtype=pb.ViewDtype(dtype="int32"))
     with pytest.raises(grpc.RpcError, match="view_as_real doesn't work on unresolved"):
         view(conj.handle, complex_view=pb.ComplexView(op="view_as_real"))
+
+
+def test_index_put_of_a_conjugate_view_of_itself(client: tensord.Client) -> None:
+    """The scatter copies a value sharing the written Storage before writing (issue 11's
+    chunking); that copy must hold the value's conjugated values, not its stored ones."""
+    t = complex_base(6)
+    x = client.tensor(t)
+    rows = torch.tensor([0, 1])
+    t[rows] = t.conj()[4:6]
+    x[client.tensor(rows)] = x.conj()[4:6]
+    np.testing.assert_array_equal(x.numpy(), t.numpy())
+    t.index_put_((rows,), t.conj()[2:4], accumulate=True)
+    x.index_put_((client.tensor(rows),), x.conj()[2:4], accumulate=True)
+    np.testing.assert_array_equal(x.numpy(), t.numpy())
