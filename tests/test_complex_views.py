@@ -475,3 +475,26 @@ def test_index_put_of_a_conjugate_view_of_itself(client: tensord.Client) -> None
     t.index_put_((rows,), t.conj()[2:4], accumulate=True)
     x.index_put_((client.tensor(rows),), x.conj()[2:4], accumulate=True)
     np.testing.assert_array_equal(x.numpy(), t.numpy())
+
+
+@pytest.mark.parametrize("src_dtype", ["bool", "uint8", "int8", "int64"])
+def test_integer_and_bool_sources_written_into_a_negative_view_match_torch(
+    client: tensord.Client, src_dtype: str
+) -> None:
+    """The stored form of a bool or integer value is the negated *converted* value: NumPy's
+    negative of the source itself raised for bool and wrapped uint8 5 -> 251, int8 -128."""
+    src_t = torch.tensor([5, -128, 1, 0]).to(getattr(torch, src_dtype))
+    src_x = client.tensor(src_t)
+    t = complex_base(8).view(2, 4)
+    x = client.tensor(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # int8 overflow in the source's conversion
+        for op in (
+            lambda v, s: v.copy_(s),
+            lambda v, s: v.__setitem__(1, s),
+            lambda v, s: v[:, 1:].copy_(s[:3].expand(2, 3)),
+        ):
+            op(t.conj().imag, src_t)
+            op(x.conj().imag, src_x)
+            np.testing.assert_array_equal(x.numpy(), t.numpy())  # the stored values
+            assert_same(x.conj().imag, t.conj().imag)

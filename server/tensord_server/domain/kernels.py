@@ -571,11 +571,18 @@ def _trunc_div(a: int, b: int) -> int:
 # complex views (issue 14): torch's lazy conjugate and negative bits
 
 
-def apply_lazy_bits(xp: Any, array: Any, conj: bool, neg: bool) -> Any:
+def apply_lazy_bits(
+    xp: Any, array: Any, conj: bool, neg: bool, written_as: np.dtype | None = None
+) -> Any:
     """``array`` conjugated and/or negated: a tensor's values from its stored ones, and (each
     an involution) the stored form of values written into it.  Computed once per distinct
     element (an expanded dim is broadcast again after), so the temporary is bounded by the
-    Storage, never by an expanded view's logical size."""
+    Storage, never by an expanded view's logical size.
+
+    ``written_as``: the dtype of the tensor ``array``'s values are written into.  A bool or
+    integer source is converted to it before it is negated: NumPy's negative of a bool array
+    raises, of a uint8 5 is 251 and of an int8 -128 is -128, where torch negates the value
+    it wrote (a tensor with a bit is always floating or complex)."""
     if not (conj or neg):
         return array
     once = tuple(
@@ -583,6 +590,8 @@ def apply_lazy_bits(xp: Any, array: Any, conj: bool, neg: bool) -> Any:
         for size, step in zip(array.shape, array.strides, strict=True)
     )
     result = array[once]
+    if neg and written_as is not None and np.dtype(result.dtype).kind in "biu":
+        result = result.astype(written_as)
     if conj:
         result = xp.conj(result)
     if neg:

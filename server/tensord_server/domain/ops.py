@@ -110,5 +110,7 @@ class OpContext:
         """dst's elements = src_array's (broadcast and cast by torch's rules); into a tensor
         with lazy bits, their stored form (conjugated / negated back)."""
         xp = dst.device.xp
-        source = kernels.apply_lazy_bits(xp, kernels.to_module(xp, src_array), dst.conj, dst.neg)
+        source = kernels.apply_lazy_bits(
+            xp, kernels.to_module(xp, src_array), dst.conj, dst.neg, dst.dtype.numpy_dtype
+        )
         kernels.assign(xp, self.array(dst), source)
