@@ -877,3 +877,25 @@ def test_an_export_answered_while_its_import_closes_keeps_the_count(cupy: Any) -
     assert table._imports == {5: {"s": 1}}
     table.imports_closed(session, [(5, 1)])
     assert table._imports == {} and table._import_sizes == {}
+
+
+def test_lazy_bits_of_a_host_source_for_a_gpu_destination_stay_on_the_host() -> None:
+    """x_cuda.conj().copy_(y_cpu): to_module leaves the host source on the host (one DMA
+    later), so its stored form is computed by NumPy; CuPy refuses NumPy arrays."""
+
+    class GpuModule:  # what CuPy does with a NumPy array
+        def conj(self, array: Any) -> Any:
+            raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+
+        negative = conj
+
+        def broadcast_to(self, array: Any, shape: Any) -> Any:
+            raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+
+    source = np.array([1 + 2j, 3 - 4j], dtype=np.complex64)
+    stored = kernels.apply_lazy_bits(GpuModule(), source, True, False)
+    np.testing.assert_array_equal(stored, np.conj(source))
+    negated = kernels.apply_lazy_bits(
+        GpuModule(), np.array([1, 2], np.uint8), False, True, np.float32
+    )
+    np.testing.assert_array_equal(negated, np.array([-1.0, -2.0], np.float32))

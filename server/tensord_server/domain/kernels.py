@@ -585,6 +585,10 @@ def apply_lazy_bits(
     it wrote (a tensor with a bit is always floating or complex)."""
     if not (conj or neg):
         return array
+    if xp is not np and isinstance(array, np.ndarray):
+        # a host source written into a GPU tensor (to_module leaves it on the host, for one
+        # DMA): CuPy refuses NumPy arrays, so its stored form is computed on the host
+        xp = np
     once = tuple(
         slice(0, 1) if step == 0 and size > 1 else slice(None)
         for size, step in zip(array.shape, array.strides, strict=True)
