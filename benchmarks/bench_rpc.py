@@ -10,12 +10,18 @@ Prints one table of latencies (p50/p99) and one of throughputs, with ratios.
 Targets (issue 4): a view <= 1.5x an empty RPC; 64 MiB transfers >= 0.7x bare gRPC.
 Pipelining (issue 15): a view as the caller sees it, views/s of one client, and 1,000
 ``x[i].fill_(i)`` plus one read with pipelining on and off (targets: p50 <= 25 us,
->= 20,000 views/s, >= 10x).
+>= 20,000 views/s, >= 10x).  Many clients (issue 15): aggregate views/s of 1, 2, 4 and 8
+client *processes* (pipelined, the SDK's default) against the bare server's empty unary
+calls/s from as many processes, side by side (targets: the aggregate never falls as
+clients are added; >= 1.0x bare gRPC).
+
+    python benchmarks/bench_rpc.py --clients-only   # just the many-clients table
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -128,10 +134,19 @@ def interleaved_rates(fns: list[Callable[[], object]], nbytes: int, repeats: int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--big", action="store_true", help="also transfer 1 GiB")
+    parser.add_argument(
+        "--clients-only", action="store_true", help="only the many-client-processes table"
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    # one client process of the many-clients table: KIND ADDRESS START_AT SECONDS
+    parser.add_argument("--client-process", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_server:
         serve_bare()
+        return 0
+    if args.client_process:
+        kind, target, start_at, seconds = args.client_process
+        print(client_process(kind, target, float(start_at), float(seconds)), flush=True)
         return 0
 
     sizes = [1 * MiB, 64 * MiB] + ([1024 * MiB] if args.big else [])
@@ -159,11 +174,15 @@ def main() -> int:
                 f"tensord {tensord.__version__}, grpcio {grpc.__version__}, numpy {np.__version__}"
             )
             print(f"servers: tensord {address}, bare gRPC {bare_address}\n")
-            run_latency(client, channel)
-            print()
-            run_pipelining(client, address)
-            print()
-            run_transfers(client, channel, sizes)
+            if not args.clients_only:
+                run_latency(client, channel)
+                print()
+                run_pipelining(client, address)
+                print()
+            run_many_clients(address, bare_address)
+            if not args.clients_only:
+                print()
+                run_transfers(client, channel, sizes)
     finally:
         channel.close()
         for process in (tensord_proc, bare_proc):
@@ -253,6 +272,82 @@ def run_pipelining(client: tensord.Client, address: str) -> None:
         f"{off * 1e3:>12.1f}{off / on:>10.1f}x"
     )
     client.flush()
+
+
+CLIENT_COUNTS = (1, 2, 4, 8)
+MANY_CLIENTS_SECONDS = 2.0
+# every process connects and warms up before a common start time this far ahead
+MANY_CLIENTS_LEAD_S = 2.5
+
+
+def client_process(kind: str, target: str, start_at: float, seconds: float) -> str:
+    """One process of the many-clients table: "ops elapsed" once its window is over.
+
+    ``tensord``: views ``x[i % 12]`` (queued, as the SDK does by default; each dropped
+    view's release goes in the batches too), then one synchronize, inside the window's
+    elapsed time.  ``bare``: empty unary calls to the bare server.
+    """
+    if kind == "tensord":
+        with tensord.connect(target) as client:
+            x = client.arange(12)
+            for i in range(WARMUP_CALLS):
+                x[i % 12]
+            client.synchronize()
+            return _count_until(lambda i: x[i % 12], start_at, seconds, client.synchronize)
+    channel = grpc.insecure_channel(target, options=OPTIONS)
+    try:
+        empty = channel.unary_unary("/bench.Raw/Empty")
+        for _ in range(WARMUP_CALLS):
+            empty(b"")
+        return _count_until(lambda i: empty(b""), start_at, seconds, lambda: None)
+    finally:
+        channel.close()
+
+
+def _count_until(
+    op: Callable[[int], object], start_at: float, seconds: float, finish: Callable[[], None]
+) -> str:
+    time.sleep(max(start_at - time.time(), 0.0))
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    done = 0
+    while time.perf_counter() < end:
+        for _ in range(64):  # check the clock every 64 ops: a clock read is not free
+            op(done)
+            done += 1
+    finish()
+    return f"{done} {time.perf_counter() - t0}"
+
+
+def aggregate_rate(kind: str, target: str, processes: int) -> float:
+    """Ops/s of ``processes`` client processes started together: all ops over the longest
+    process's elapsed time (a process's time includes waiting for its last batch)."""
+    start_at = time.time() + MANY_CLIENTS_LEAD_S
+    command = [sys.executable, __file__, "--client-process", kind, target, f"{start_at}"]
+    command.append(f"{MANY_CLIENTS_SECONDS}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    children = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(processes)
+    ]
+    results = []
+    for child in children:
+        out, _ = child.communicate(timeout=60)
+        ops, elapsed = out.split()[-2:]
+        results.append((int(ops), float(elapsed)))
+    return sum(ops for ops, _ in results) / max(elapsed for _, elapsed in results)
+
+
+def run_many_clients(address: str, bare_address: str) -> None:
+    print(
+        f"{'many clients (issue 15), ' + f'{MANY_CLIENTS_SECONDS:g} s each':<34}"
+        f"{'tensord views/s':>16}{'bare empty/s':>14}{'vs bare':>9}"
+    )
+    for processes in CLIENT_COUNTS:
+        ours = aggregate_rate("tensord", address, processes)
+        bare = aggregate_rate("bare", bare_address, processes)
+        label = f"{processes} client process{'es' if processes > 1 else ''}"
+        print(f"{label:<34}{ours:>16,.0f}{bare:>14,.0f}{ours / bare:>8.2f}x")
 
 
 def run_transfers(client: tensord.Client, channel: grpc.Channel, sizes: list[int]) -> None:

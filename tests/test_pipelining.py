@@ -232,3 +232,119 @@ def test_a_batch_request_holds_a_bounded_number_of_list_items(server: Any, open_
         session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "MAX_REQUEST_ITEMS" in info.value.details()
+
+
+def _count_unary_calls(conn: Any, monkeypatch: Any) -> list[str]:
+    """The unary RPCs ``conn`` makes from now on (a Batch is not one: it is a future)."""
+    calls: list[str] = []
+    unary = conn._unary
+
+    def counting(method: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        return unary(method, *args, **kwargs)
+
+    monkeypatch.setattr(conn, "_unary", counting)
+    return calls
+
+
+def test_requires_grad_and_copying_reshape_are_queued(client: Any, monkeypatch: Any) -> None:
+    x = client.arange(12, dtype=torch.float32).view(3, 4)
+    oracle = torch.arange(12, dtype=torch.float32).view(3, 4)
+    client.synchronize()
+    calls = _count_unary_calls(client._conn, monkeypatch)
+    y, y_oracle = x.t().reshape(2, 6), oracle.t().reshape(2, 6)  # no view can: a copy
+    f, f_oracle = x.t().flatten(), oracle.t().flatten()  # the same through flatten
+    row = y[1]  # a view of a copy not yet made
+    assert x.requires_grad_() is x and x.requires_grad and oracle.requires_grad_().requires_grad
+    assert calls == []  # nothing waited for the server (the flusher sends the Batch)
+    for ours, theirs in ((y, y_oracle), (f, f_oracle), (row, y_oracle[1])):
+        assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
+        assert ours.storage_offset() == theirs.storage_offset()
+    assert (y.requires_grad, x.t().reshape(12).requires_grad) == (False, True)
+    # the copies' Storages are the server's: their facts come with the Batch's answer
+    assert y.untyped_storage().nbytes() == 48 and row.data_ptr() == y.data_ptr() + 24
+    assert y.data_ptr() not in (x.data_ptr(), f.data_ptr())
+    assert calls == []
+    y.fill_(-1)  # a copy: x is untouched
+    assert row.tolist() == y_oracle.detach().fill_(-1)[1].tolist() == [-1.0] * 6
+    assert f.tolist() == f_oracle.tolist()
+    assert x.detach().tolist() == oracle.detach().tolist()
+    with pytest.raises(RuntimeError, match=r"^Only Tensors of floating point and complex dtype"):
+        client.arange(3).requires_grad_()  # refused at once, as torch (nothing queued)
+    client.synchronize()
+
+
+def test_a_queued_reshape_that_fails_is_named_at_the_next_wait(make_server: Any) -> None:
+    server = make_server(max_op_elements=8)
+    with tensord.connect(server.address) as c:
+        x = c.tensor(np.zeros((3, 4), np.float32))  # an upload: no element limit
+        y = x.t().reshape(12)  # 12 elements to copy: over the server's limit
+        assert y.shape == (12,)
+        with pytest.raises(tensord.ResourceExhaustedError, match=r"reshape of .*failed on the"):
+            c.synchronize()
+        with pytest.raises(RuntimeError, match="Storage was never made"):
+            y.data_ptr()
+        assert x[0].tolist() == [0.0] * 4  # the session goes on
+
+
+def test_a_queued_view_makes_no_system_call_and_no_finalizer(client: Any, monkeypatch: Any) -> None:
+    # issue 15's hot path, as the caller sees it: os.getpid() (a system call) was asked
+    # four times per view and a weakref.finalize made per Tensor, more than the view's
+    # own work; the fork hooks keep the pid now and a Tensor releases from __del__
+    import os
+    import weakref
+
+    x = client.arange(12)
+    x[0]  # the first draw of random ids is allowed its system call
+    counts = {"getpid": 0, "finalize": 0}
+    getpid, finalize = os.getpid, weakref.finalize
+
+    def counting_getpid() -> int:
+        counts["getpid"] += 1
+        return getpid()
+
+    def counting_finalize(*args: Any, **kwargs: Any) -> Any:
+        counts["finalize"] += 1
+        return finalize(*args, **kwargs)
+
+    monkeypatch.setattr(os, "getpid", counting_getpid)
+    monkeypatch.setattr(weakref, "finalize", counting_finalize)
+    views = [x[i % 12] for i in range(100)] + [x.t() for _ in range(10)]
+    monkeypatch.undo()
+    assert counts == {"getpid": 0, "finalize": 0}
+    assert [v.item() for v in views[:12]] == list(range(12))
+
+
+def test_the_server_registers_chosen_ids_without_drawing_its_own(
+    server: Any, open_session: Any, monkeypatch: Any
+) -> None:
+    # a queued view drew a random id (secrets.token_urlsafe), then renamed it to the
+    # client's: the draw and the rename were a fifth of the server's work per view
+    from tensord_server.domain import sessions
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4, 3], dtype="float32"), metadata=session.md)
+    drawn: list[str] = []
+    capability = sessions.new_capability
+
+    def counting() -> str:
+        drawn.append(capability())
+        return drawn[-1]
+
+    monkeypatch.setattr(sessions, "new_capability", counting)
+    chosen = [f"{i:022d}" for i in range(3)]
+    ops = [
+        pb.BatchOp(
+            view=pb.ViewRequest(
+                handle=meta.handle, index=pb.Index(items=[pb.IndexItem(integer=i)])
+            ),
+            results=[chosen[i]],
+        )
+        for i in range(3)
+    ]
+    response = session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    assert not response.failed and response.applied == 3
+    assert drawn == []
+    for i, handle in enumerate(chosen):
+        (row,) = session.View(pb.ViewRequest(handle=handle, t=pb.T()), metadata=session.md).tensors
+        assert (tuple(row.shape), row.storage_offset) == ((3,), 3 * i)

@@ -84,6 +84,8 @@ _UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
 _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
 
 M = TypeVar("M")
+# What a queued op that makes a new Storage hears once its Batch is answered.
+CopyAnswered = Callable[[pb.TensorMeta], None]
 
 # The Python built-in torch raises (sent by the server in the trailer) -> our subclass of it.
 _INVALID_ARGUMENT_BY_BUILTIN: dict[str, type[errors.TensordError]] = {
@@ -412,7 +414,8 @@ def _resume_after_fork_in_parent() -> None:
 
 
 def _reset_after_fork_in_child() -> None:
-    global _FORK_GATE
+    global _FORK_GATE, _PROCESS_ID
+    _PROCESS_ID = os.getpid()
     # the parent's gate is locked (by the forking thread) and counts the parent's threads
     _FORK_GATE = _ForkGate()
     _keep_inherited_channels()
@@ -425,6 +428,9 @@ def _reset_after_fork_in_child() -> None:
 # Connection refuses use, its close does nothing, and its channel is kept referenced for
 # the life of the process (deallocating a channel closes it).
 _LIVE_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+# This process's id, kept by the fork hook: every pipelined view asks whether its
+# connection was inherited, and os.getpid() is a system call each time.
+_PROCESS_ID = os.getpid()
 _INHERITED_CHANNELS: list[grpc.Channel] = []
 
 
@@ -508,10 +514,10 @@ class Connection:
         # pipelining: ops queued in issue order (with a word each for errors), the Batch in
         # flight (one at a time, so the server applies them in order) and the first error
         # of a Batch, raised at the next call that waits
-        self._queue: list[tuple[pb.BatchOp, str]] = []
+        self._queue: list[tuple[pb.BatchOp, str, CopyAnswered | None]] = []
         self._queue_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._inflight: tuple[grpc.Future, list[str]] | None = None
+        self._inflight: tuple[grpc.Future, list[str], list[CopyAnswered]] | None = None
         self._async_error: errors.TensordError | None = None
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
@@ -571,7 +577,7 @@ class Connection:
     @property
     def inherited(self) -> bool:
         """True in a process forked from the one that connected: the session is the parent's."""
-        return os.getpid() != self._pid
+        return self._pid != _PROCESS_ID
 
     def _check_open(self) -> None:
         if self.inherited:
@@ -731,11 +737,13 @@ class Connection:
 
     # ---- pipelining (issue 15) ------------------------------------------------------
 
-    def enqueue(self, op: pb.BatchOp, what: str) -> None:
-        """Queue ``op`` (its result is known here); sent in order in the next Batch."""
+    def enqueue(self, op: pb.BatchOp, what: str, copied: CopyAnswered | None = None) -> None:
+        """Queue ``op`` (its result is known here); sent in order in the next Batch.
+        ``copied``: for an op that makes a new Storage, called with what the server issued
+        once the Batch is answered (the Storage's id and address are the server's)."""
         self._check_open()
         with self._queue_lock:
-            self._queue.append((op, what))
+            self._queue.append((op, what, copied))
             full = len(self._queue) >= PIPELINE_BATCH
         if full:
             if self.flush_scheduler is None:
@@ -758,8 +766,9 @@ class Connection:
                 queued, self._queue = self._queue, []
             # releases after the ops queued so far: a handle dropped was issued before it
             released = self._take_pending(len(queued)) if releases else []
-            ops = [op for op, _ in queued]
-            whats = [what for _, what in queued]
+            ops = [op for op, _, _ in queued]
+            whats = [what for _, what, _ in queued]
+            answered = [copied for _, _, copied in queued if copied is not None]
             if released:
                 ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=released)))
                 whats.append("release")
@@ -771,7 +780,7 @@ class Connection:
             future = self._stub.Batch.future(
                 pb.BatchRequest(ops=ops), metadata=self.metadata(), timeout=timeout
             )
-            self._inflight = (future, whats)
+            self._inflight = (future, whats, answered)
             if wait:
                 self._collect()
 
@@ -786,13 +795,15 @@ class Connection:
         """Wait for the Batch in flight; keep its first error for the next wait."""
         if self._inflight is None:
             return
-        future, whats = self._inflight
+        future, whats, answered = self._inflight
         self._inflight = None
         try:
             response = future.result()
         except grpc.RpcError as err:
             self._keep_error(error_from_rpc(err))
             return
+        for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
+            copied(meta)
         if response.failed:
             index = response.failed_index
             what = whats[index] if 0 <= index < len(whats) else "?"

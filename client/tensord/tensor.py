@@ -23,7 +23,6 @@ import os
 import secrets
 import sys
 import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,25 +217,103 @@ def _zero_dim_index(item: Any) -> Any:
     return builtins.int(item.item())
 
 
-@contextlib.contextmanager
-def torch_errors() -> Iterator[None]:
+class _TorchErrors:
     """Raise the layout engine's built-in errors as tensord's subclasses of the same built-ins.
 
     ``except RuntimeError`` still catches them, and so does ``except tensord.TensordError``,
-    exactly as for the same error coming back from the server.
+    exactly as for the same error coming back from the server.  A class, not a generator
+    context manager: every view enters one, and a generator per view cost microseconds.
     """
-    try:
-        yield
-    except errors.TensordError:
-        raise
-    except IndexError as e:
-        raise errors.TensordIndexError(str(e)) from None
-    except TypeError as e:
-        raise errors.TensordTypeError(str(e)) from None
-    except RuntimeError as e:
-        raise errors.TensordRuntimeError(str(e)) from None
-    except ValueError as e:
-        raise errors.InvalidArgumentError(str(e)) from None
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if exc is None or isinstance(exc, errors.TensordError):
+            return
+        for builtin, ours in _TORCH_ERROR_TYPES:
+            if isinstance(exc, builtin):
+                raise ours(str(exc)) from None
+
+
+_TORCH_ERROR_TYPES: tuple[tuple[type[Exception], type[errors.TensordError]], ...] = (
+    (IndexError, errors.TensordIndexError),
+    (TypeError, errors.TensordTypeError),
+    (RuntimeError, errors.TensordRuntimeError),
+    (ValueError, errors.InvalidArgumentError),
+)
+_TORCH_ERRORS = _TorchErrors()
+
+
+def torch_errors() -> _TorchErrors:
+    """``with torch_errors():`` the layout engine's errors as tensord's (see _TorchErrors)."""
+    return _TORCH_ERRORS
+
+
+class StorageInfo:
+    """What the server said about a Storage: its id, size in bytes and address.
+
+    A pipelined copy's Storage (a reshape that must copy, issue 15) is made by the server
+    after the call returned: its facts arrive with the Batch's answer (``answered``), and
+    reading them before that waits for it (``settle``: the connection's synchronize, which
+    raises the copy's error if it failed).  Views of that tensor share this object.
+    """
+
+    __slots__ = ("_data_ptr", "_id", "_nbytes", "_settle")
+
+    def __init__(
+        self,
+        storage_id: str,
+        nbytes: builtins.int,
+        data_ptr: builtins.int,
+        settle: Any = None,
+    ) -> None:
+        self._id = storage_id
+        self._nbytes = nbytes
+        self._data_ptr = data_ptr
+        self._settle = settle
+
+    @classmethod
+    def pending(cls, settle: Any) -> StorageInfo:
+        """A Storage a queued op will make; ``settle()`` waits until the server answered."""
+        return cls("", 0, 0, settle)
+
+    def answered(self, meta: pb.TensorMeta) -> None:
+        """The server made it: its facts, from the Batch's answer."""
+        self._id, self._nbytes = meta.storage_id, meta.storage_nbytes
+        self._data_ptr = meta.storage_data_ptr
+        self._settle = None  # last: a reader that sees it gone sees the facts
+
+    def _known(self) -> None:
+        settle = self._settle
+        if settle is None:
+            return
+        settle()
+        if self._settle is not None:
+            raise errors.TensordRuntimeError(
+                "this tensor's Storage was never made: the queued copy that makes it (a "
+                "reshape or flatten that could not view) failed on the server, and its error "
+                "was raised at an earlier wait"
+            )
+
+    @property
+    def id(self) -> str:
+        self._known()
+        return self._id
+
+    @property
+    def nbytes(self) -> builtins.int:
+        self._known()
+        return self._nbytes
+
+    @property
+    def data_ptr(self) -> builtins.int:
+        self._known()
+        return self._data_ptr
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,12 +325,22 @@ class Meta:
     dtype: DType
     device: Device
     requires_grad: builtins.bool
-    storage_id: str
-    storage_nbytes: builtins.int
-    storage_data_ptr: builtins.int
+    storage: StorageInfo
     # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
     conj: builtins.bool = False
     neg: builtins.bool = False
+
+    @property
+    def storage_id(self) -> str:
+        return self.storage.id
+
+    @property
+    def storage_nbytes(self) -> builtins.int:
+        return self.storage.nbytes
+
+    @property
+    def storage_data_ptr(self) -> builtins.int:
+        return self.storage.data_ptr
 
     @classmethod
     def from_pb(cls, m: pb.TensorMeta) -> Meta:
@@ -263,9 +350,7 @@ class Meta:
             dtype=dtypes.dtype_from_name(m.dtype),
             device=Device(m.device or "cpu"),
             requires_grad=m.requires_grad,
-            storage_id=m.storage_id,
-            storage_nbytes=m.storage_nbytes,
-            storage_data_ptr=m.storage_data_ptr,
+            storage=StorageInfo(m.storage_id, m.storage_nbytes, m.storage_data_ptr),
             conj=m.is_conj,
             neg=m.is_neg,
         )
@@ -299,10 +384,24 @@ class UntypedStorage:
         return f"<tensord.UntypedStorage {self._id} of {self._nbytes} bytes on {self.device}>"
 
 
+def _view_batch_op(handle: str, op: dict[str, Any], metas: list[Meta]) -> pb.BatchOp:
+    """The queued view: filled in place (a ViewRequest passed to BatchOp() is copied)."""
+    batch_op = pb.BatchOp(results=[m.handle for m in metas])
+    request = batch_op.view
+    request.handle = handle
+    for name, message in op.items():
+        getattr(request, name).CopyFrom(message)
+    return batch_op
+
+
+# View ops whose result's metadata differs from its input's beyond handle and layout.
+_META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad"})
+
+
 class Tensor:
     """A handle on a tensor in a tensord server, with torch.Tensor's names and return types."""
 
-    __slots__ = ("__weakref__", "_client", "_finalizer", "_meta", "_session", "_session_id")
+    __slots__ = ("__weakref__", "_client", "_meta", "_owned", "_session", "_session_id")
 
     def __init__(self, client: SessionClient, session: ClientSession, meta: Meta) -> None:
         self._client = client  # tensors hold their client: it lives while they do
@@ -310,8 +409,25 @@ class Tensor:
         self._meta = meta
         # the session the handle lives in: a replaced session (server restart) took it along
         self._session_id = session.conn.session_id
-        self._finalizer = weakref.finalize(self, session.conn.queue_release, meta.handle)
-        self._finalizer.atexit = False  # at exit the session's close frees everything
+        # the handle this object releases when it goes (None: handed to another object)
+        self._owned: str | None = meta.handle
+
+    def __del__(self) -> None:
+        # Queue the handle's release (a deque append: never blocks or raises).  __del__, not
+        # weakref.finalize: a finalizer per view cost more than the rest of a pipelined view.
+        # At exit the client's close ends the session (and the queue takes nothing then).
+        handle = getattr(self, "_owned", None)  # None too if __init__ never finished
+        if handle is not None:
+            self._owned = None
+            # late in interpreter shutdown even that may fail: the session's close frees it
+            with contextlib.suppress(Exception):
+                self._session.conn.queue_release(handle)
+
+    def _release_now(self) -> None:
+        """Queue this object's handle for release now (it takes another one)."""
+        handle, self._owned = self._owned, None
+        if handle is not None:
+            self._session.conn.queue_release(handle)
 
     # ---- metadata: no RPC ----------------------------------------------------------
 
@@ -422,15 +538,12 @@ class Tensor:
         engine computed them here: with pipelining the op is queued and they are returned at
         once, under handle ids this client chose (issue 15)."""
         conn = self._session.conn
-        request = pb.ViewRequest(handle=self.handle, **op)
+        handle = self.handle
         if layouts is not None and conn.pipelining:
             metas = [self._view_meta(lay, op) for lay in layouts]
-            conn.enqueue(
-                pb.BatchOp(view=request, results=[m.handle for m in metas]),
-                f"{next(iter(op))} of {self._meta.handle[:8]}...",
-            )
+            conn.enqueue(_view_batch_op(handle, op, metas), f"{next(iter(op))} of {handle[:8]}...")
             return [Tensor(self._client, self._session, m) for m in metas]
-        response = conn.call("View", request)
+        response = conn.call("View", pb.ViewRequest(handle=handle, **op))
         return [wrap(self._client, self._session, m) for m in response.tensors]
 
     def _view(self, layout: Layout | None = None, **op: Any) -> Tensor:
@@ -439,7 +552,19 @@ class Tensor:
 
     def _view_meta(self, layout: Layout, op: dict[str, Any]) -> Meta:
         """A view's metadata as the server will make it (same Storage, a new handle)."""
-        meta = dataclasses.replace(self._meta, handle=new_handle_id(), layout=layout)
+        m = self._meta
+        if not op.keys() & _META_CHANGING_VIEWS:  # the common case, built directly: replace()
+            return Meta(  # introspects the dataclass on every call
+                new_handle_id(),
+                layout,
+                m.dtype,
+                m.device,
+                m.requires_grad,
+                m.storage,  # shared: a view's Storage is its input's
+                m.conj,  # and so are its lazy bits (issue 14)
+                m.neg,
+            )
+        meta = dataclasses.replace(m, handle=new_handle_id(), layout=layout)
         if "view_dtype" in op:  # view(dtype) is not differentiable: never requires grad
             return dataclasses.replace(
                 meta, dtype=dtypes.dtype_from_name(op["view_dtype"].dtype), requires_grad=False
@@ -451,6 +576,8 @@ class Tensor:
             return dataclasses.replace(
                 meta, dtype=dtypes.dtype_from_name(lazy.dtype), conj=lazy.conj, neg=lazy.neg
             )
+        if "set_requires_grad" in op:
+            return dataclasses.replace(meta, requires_grad=op["set_requires_grad"].requires_grad)
         return meta
 
     def view(self, *shape: Any) -> Tensor:
@@ -485,10 +612,26 @@ class Tensor:
             viewed = self._meta.layout.reshape(sizes)
         if viewed is not None:
             return self._view(viewed, view=pb.ViewShape(shape=sizes))
-        meta = self._session.conn.call(
-            "Reshape", pb.ReshapeRequest(handle=self.handle, shape=sizes)
+        conn = self._session.conn
+        request = pb.ReshapeRequest(handle=self.handle, shape=sizes)
+        if conn.pipelining:
+            with torch_errors():  # torch's copy: _unsafe_view(clone(contiguous_format), shape)
+                layout = Layout.contiguous(self._meta.layout.shape).view(sizes)
+            return self._queued_copy(request, layout)
+        return wrap(self._client, self._session, conn.call("Reshape", request))
+
+    def _queued_copy(self, request: pb.ReshapeRequest, layout: Layout) -> Tensor:
+        """A reshape that must copy, queued (issue 15): the result's layout is contiguous and
+        its id ours; its Storage's facts come with the Batch's answer (StorageInfo)."""
+        conn = self._session.conn
+        storage = StorageInfo.pending(conn.synchronize)
+        meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
+        conn.enqueue(
+            pb.BatchOp(reshape=request, results=[meta.handle]),
+            f"reshape of {request.handle[:8]}...",
+            storage.answered,
         )
-        return wrap(self._client, self._session, meta)
+        return Tensor(self._client, self._session, meta)
 
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
@@ -506,6 +649,10 @@ class Tensor:
         return self._view(layout, select=pb.Select(dim=dim, index=index))
 
     def __getitem__(self, key: Any) -> Tensor:
+        if type(key) is builtins.int:  # x[i], the commonest view: basic, nothing to normalize
+            with torch_errors():
+                layout = self._meta.layout[key]
+            return self._view(layout, index=pb.Index(items=(pb.IndexItem(integer=key),)))
         key = plain_index(key)
         items = plain_index(_indexing.key_items(key, _is_tensor))
         if _indexing.is_advanced(items, _is_tensor):
@@ -791,7 +938,7 @@ class Tensor:
     # ---- in-place view ops: this object takes a new handle; other handles are unchanged ----
 
     def _become(self, other: Tensor) -> Tensor:
-        other._finalizer.detach()  # the handle is ours now: released with self, not other
+        other._owned = None  # the handle is ours now: released with self, not other
         self._adopt(other._meta)
         return self
 
@@ -825,7 +972,15 @@ class Tensor:
         return self._view(self._meta.layout, detach=pb.Detach())
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
-        """In place, as torch: this object now carries the flag (the server holds it too)."""
+        """In place, as torch: this object now carries the flag (the server holds it too).
+        Pipelined, a metadata change like a view: queued, under a handle id chosen here."""
+        op = pb.SetRequiresGrad(requires_grad=requires_grad)
+        if self._session.conn.pipelining:
+            if op.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+                raise errors.TensordRuntimeError(  # the server's check (kernels), made here
+                    "Only Tensors of floating point and complex dtype can require gradients"
+                )
+            return self._become(self._view(self._meta.layout, set_requires_grad=op))
         (meta,) = self._session.conn.call(
             "View",
             pb.ViewRequest(
@@ -839,9 +994,8 @@ class Tensor:
     def _adopt(self, meta: Meta) -> None:
         # Swap in new metadata; a new handle replaces the old one, which is released.
         if meta.handle != self._meta.handle:
-            self._finalizer()
-            self._finalizer = weakref.finalize(self, self._session.conn.queue_release, meta.handle)
-            self._finalizer.atexit = False
+            self._release_now()
+            self._owned = meta.handle
             self._session_id = self._session.conn.session_id
         self._meta = meta
 
@@ -1477,15 +1631,12 @@ def _parse_to(
 # the OS this many at a time: one getrandom per view cost more than the rest of the view.
 _IDS_PER_DRAW = 256
 _random_ids: collections.deque[str] = collections.deque()
-_random_ids_pid = os.getpid()
+# a fork child draws its own ids: the parent's would name the parent's next views
+os.register_at_fork(after_in_child=_random_ids.clear)
 
 
 def new_handle_id() -> str:
     """A handle id this client chooses for a pipelined view: as secrets.token_urlsafe(16)."""
-    global _random_ids_pid
-    if _random_ids_pid != os.getpid():  # a fork child draws its own
-        _random_ids.clear()
-        _random_ids_pid = os.getpid()
     try:
         return _random_ids.popleft()
     except IndexError:

@@ -19,6 +19,7 @@ from tensord.errors import DeadlineExceededError, InvalidArgumentError
 
 from tensord_server.domain import limits
 from tensord_server.domain.kernels import Scalar
+from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session, check_chosen_id
 from tensord_server.domain.store import TensorStore, ViewOp
 
@@ -55,7 +56,16 @@ class QueuedRelease:
     handles: tuple[str, ...]
 
 
-QueuedOp = QueuedView | QueuedFill | QueuedCopy | QueuedSetItem | QueuedRelease
+@dataclass(frozen=True)
+class QueuedReshape:
+    """A reshape (or flatten) the client knows must copy: checked as the Reshape RPC."""
+
+    handle: str
+    shape: tuple[int, ...]
+    results: tuple[str, ...]  # the client-chosen id of the copy
+
+
+QueuedOp = QueuedView | QueuedFill | QueuedCopy | QueuedSetItem | QueuedRelease | QueuedReshape
 
 
 @dataclass(frozen=True)
@@ -63,13 +73,15 @@ class BatchOutcome:
     applied: int
     failed_index: int | None = None
     error: BaseException | None = None
+    # what the applied copying ops issued, in op order (the client learns their Storages)
+    copies: tuple[Issued, ...] = ()
 
 
 def check_batch(ops: Sequence[QueuedOp]) -> None:
     """Bound the batch before any op runs: its length and every chosen id's format."""
     limits.check_batch_ops(len(ops))
     for op in ops:
-        if isinstance(op, QueuedView):
+        if isinstance(op, QueuedView | QueuedReshape):
             for handle_id in op.results:
                 check_chosen_id(handle_id)
 
@@ -87,6 +99,7 @@ def run_batch(
     so a batch costs at most one op's bounded work after its caller is gone.
     """
     check_batch(ops)
+    copies: list[Issued] = []
     # every op's element check also charges the batch's budget, before that op's work
     with limits.batch_budget(store.max_batch_elements):
         for index, op in enumerate(ops):
@@ -97,15 +110,23 @@ def run_batch(
                     error=DeadlineExceededError(
                         f"the Batch's caller is gone: ops {index} and later were not applied"
                     ),
+                    copies=tuple(copies),
                 )
             try:
-                _apply(store, session, op)
+                copied = _apply(store, session, op)
+                if copied is not None:
+                    copies.append(copied)
             except Exception as exc:  # the client raises it, typed, at its next wait
-                return BatchOutcome(applied=index, failed_index=index, error=exc)
-    return BatchOutcome(applied=len(ops))
+                return BatchOutcome(
+                    applied=index, failed_index=index, error=exc, copies=tuple(copies)
+                )
+    return BatchOutcome(applied=len(ops), copies=tuple(copies))
 
 
-def _apply(store: TensorStore, session: Session, op: QueuedOp) -> None:
+def _apply(store: TensorStore, session: Session, op: QueuedOp) -> Issued | None:
+    """Run one op; what it issued when it made a new Storage (the client learns it)."""
+    if isinstance(op, QueuedReshape):
+        return _reshape(store, session, op)
     if isinstance(op, QueuedView):
         _view(store, session, op)
     elif isinstance(op, QueuedFill):
@@ -116,11 +137,33 @@ def _apply(store: TensorStore, session: Session, op: QueuedOp) -> None:
         store.setitem(session, op.handle, op.index, value=op.value, src_handle=op.src_handle)
     else:
         store.sessions.release(session, op.handles)
+    return None
+
+
+def _reshape(store: TensorStore, session: Session, op: QueuedReshape) -> Issued:
+    """The copy under the id the client chose (the Reshape RPC's checks and cost bounds)."""
+    if len(op.results) != 1:
+        raise InvalidArgumentError(
+            f"a pipelined reshape makes one tensor but the batch named {len(op.results)} "
+            "result handles"
+        )
+    issued = store.reshape(session, op.handle, op.shape)
+    if issued.handle == op.handle:  # never renames the input (a reshape never returns it)
+        raise InvalidArgumentError("a pipelined reshape returned its input")
+    try:
+        store.sessions.rename(session, [issued.handle], op.results)
+    except BaseException:
+        store.sessions.release(session, [issued.handle])  # never a handle the client does not know
+        raise
+    return Issued(op.results[0], issued.ref)
 
 
 def _view(store: TensorStore, session: Session, op: QueuedView) -> None:
-    issued = [i.handle for i in store.view(session, op.handle, op.op)]
-    try:
+    # a view registers the chosen ids itself (no random id drawn, then renamed)
+    issued = [i.handle for i in store.view(session, op.handle, op.op, op.results)]
+    if issued == list(op.results):
+        return
+    try:  # a flatten that copied: its result came back under a new id
         if len(issued) != len(op.results):
             raise InvalidArgumentError(
                 f"the view op {op.op.name} made {len(issued)} tensors but the batch named "

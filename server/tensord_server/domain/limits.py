@@ -59,12 +59,12 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
     if seen is None:
         seen = [0]
     for field, value in message.ListFields():
+        kind, list_limit = _field_plan(field)
         if field.is_repeated:
-            limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
-            if len(value) > limit:
+            if len(value) > list_limit:
                 raise InvalidArgumentError(
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
-                    f"the limit is {limit}"
+                    f"the limit is {list_limit}"
                 )
             seen[0] += len(value)
             if seen[0] > MAX_REQUEST_ITEMS:
@@ -72,12 +72,12 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
                     f"the request's lists hold more than {MAX_REQUEST_ITEMS} items together "
                     "(limits.MAX_REQUEST_ITEMS)"
                 )
-            items = list(value)
-        else:
-            items = [value]
-        for item in items:
-            _check_value(message, field, item, depth, seen)
-    if "shape" in message.DESCRIPTOR.fields_by_name:
+            if kind is not _UNBOUNDED:
+                for item in value:
+                    _check_value(message, field, kind, item, depth, seen)
+        elif kind is not _UNBOUNDED:
+            _check_value(message, field, kind, value, depth, seen)
+    if _has_shape(message.DESCRIPTOR):
         numel = 1
         for n in message.shape:
             numel *= max(int(n), 0)
@@ -87,23 +87,62 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
             )
 
 
+# What check_request bounds in a field's values, decided once per field of the schema
+# (the walk runs over every op of every Batch: no per-value type tests on the hot path).
+_MESSAGE, _STRING, _EXTENT, _UNBOUNDED = "message", "string", "extent", "unbounded"
+_INT_TYPES = frozenset(
+    {d.FieldDescriptor.CPPTYPE_INT32, d.FieldDescriptor.CPPTYPE_INT64}
+    | {d.FieldDescriptor.CPPTYPE_UINT32, d.FieldDescriptor.CPPTYPE_UINT64}
+    | {d.FieldDescriptor.CPPTYPE_ENUM}
+)
+_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int]] = {}
+_SHAPED: dict[d.Descriptor, bool] = {}
+# A str of at most this many characters is at most MAX_STRING_BYTES in UTF-8.
+_SHORT_STRING = MAX_STRING_BYTES // 4
+
+
+def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
+    plan = _FIELD_PLANS.get(field)
+    if plan is None:
+        limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
+        if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
+            kind = _MESSAGE
+        elif field.type == d.FieldDescriptor.TYPE_STRING:
+            kind = _STRING
+        elif field.cpp_type in _INT_TYPES and field.name in EXTENT_FIELDS:
+            kind = _EXTENT
+        else:
+            kind = _UNBOUNDED
+        plan = _FIELD_PLANS[field] = (kind, limit)
+    return plan
+
+
+def _has_shape(descriptor: d.Descriptor) -> bool:
+    shaped = _SHAPED.get(descriptor)
+    if shaped is None:
+        shaped = _SHAPED[descriptor] = "shape" in descriptor.fields_by_name
+    return shaped
+
+
 def _check_value(
-    message: Message, field: d.FieldDescriptor, item: object, depth: int, seen: list[int]
+    message: Message,
+    field: d.FieldDescriptor,
+    kind: str,
+    item: object,
+    depth: int,
+    seen: list[int],
 ) -> None:
-    if isinstance(item, Message):
+    if kind is _MESSAGE:
         if depth < 8:
+            assert isinstance(item, Message)
             check_request(item, depth + 1, seen)
-    elif isinstance(item, str):
-        if len(item.encode()) > MAX_STRING_BYTES:
+    elif kind is _STRING:
+        assert isinstance(item, str)
+        if len(item) > _SHORT_STRING and len(item.encode()) > MAX_STRING_BYTES:
             raise InvalidArgumentError(
                 f"{message.DESCRIPTOR.name}.{field.name} is longer than {MAX_STRING_BYTES} bytes"
             )
-    elif (
-        isinstance(item, int)
-        and not isinstance(item, bool)
-        and field.name in EXTENT_FIELDS
-        and abs(item) > MAX_EXTENT
-    ):
+    elif abs(item) > MAX_EXTENT:  # type: ignore[arg-type]
         raise InvalidArgumentError(
             f"{message.DESCRIPTOR.name}.{field.name} = {item} is outside +-{MAX_EXTENT}"
         )

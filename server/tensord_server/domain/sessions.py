@@ -87,6 +87,28 @@ def check_chosen_id(handle_id: str) -> None:
         )
 
 
+def _check_chosen_ids(chosen: Sequence[str], count: int) -> None:
+    """Every chosen id well formed, one per result, none twice."""
+    if len(chosen) != count:
+        raise InvalidArgumentError(
+            f"the op made {count} tensors but the batch named {len(chosen)} result handles"
+        )
+    for handle_id in chosen:
+        check_chosen_id(handle_id)
+    if len(chosen) > 1 and len(set(chosen)) != len(chosen):
+        raise AlreadyExistsError("a pipelined op names the same result handle twice")
+
+
+def _check_not_live(session: Session, chosen: Sequence[str]) -> None:
+    """No chosen id names a live handle of ``session`` (under the table lock)."""
+    for handle_id in chosen:
+        if handle_id in session.handles:
+            raise AlreadyExistsError(
+                f"handle {handle_id[:8]!r}... is live in this session: a result id "
+                "is never reused while it names a tensor"
+            )
+
+
 @dataclass(eq=False)
 class Session:
     """One client process's session.  ``last_seen``, ``streams`` and ``stream_ended_at``
@@ -322,19 +344,31 @@ class SessionManager:
         """A new handle on ``ref`` in ``session`` (the caller has a hold on its Storage)."""
         return self.register_all(session, [ref])[0]
 
-    def register_all(self, session: Session, refs: Sequence[TensorRef]) -> list[str]:
+    def register_all(
+        self, session: Session, refs: Sequence[TensorRef], chosen: Sequence[str] | None = None
+    ) -> list[str]:
         """New handles on all of ``refs`` or, when the session has no room for all, none:
-        a split or chunk refused halfway must not leave handles its client never learns."""
+        a split or chunk refused halfway must not leave handles its client never learns.
+        ``chosen``: the ids the client chose (a pipelined view, issue 15), checked as
+        :meth:`rename` checks them; None: new random ids."""
         for ref in refs:
             check_in_bounds(ref)
+        if chosen is not None:
+            _check_chosen_ids(chosen, len(refs))
         with self._lock:
-            return self._register_locked(session, refs)
+            return self._register_locked(session, refs, chosen)
 
-    def _register_locked(self, session: Session, refs: Sequence[TensorRef]) -> list[str]:
-        handles = [new_capability() for _ in refs]
+    def _register_locked(
+        self, session: Session, refs: Sequence[TensorRef], chosen: Sequence[str] | None = None
+    ) -> list[str]:
         if self._sessions.get(session.id) is not session:
             raise NotFoundError("unknown session")
         self._check_room(session, len(refs))
+        if chosen is None:
+            handles = [new_capability() for _ in refs]
+        else:
+            _check_not_live(session, chosen)
+            handles = list(chosen)
         for handle, ref in zip(handles, refs, strict=True):
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
@@ -344,17 +378,9 @@ class SessionManager:
         """Give handles just issued in ``session`` the ids its client chose (a pipelined view,
         issue 15).  All or none: every chosen id must be well formed (``check_chosen_id``) and
         not live in the session.  A client-chosen id is a name in this session's table only."""
-        for handle_id in chosen:
-            check_chosen_id(handle_id)
-        if len(set(chosen)) != len(chosen):
-            raise AlreadyExistsError("a pipelined op names the same result handle twice")
+        _check_chosen_ids(chosen, len(issued))
         with self._lock:
-            for handle_id in chosen:
-                if handle_id in session.handles:
-                    raise AlreadyExistsError(
-                        f"handle {handle_id[:8]!r}... is live in this session: a result id "
-                        "is never reused while it names a tensor"
-                    )
+            _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
 

@@ -203,8 +203,10 @@ class TensorStore:
 
     # -- views (views.py) -----------------------------------------------------
 
-    def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
-        return self.views.view(session, handle, op)
+    def view(
+        self, session: Session, handle: str, op: ViewOp, chosen: Sequence[str] | None = None
+    ) -> list[Issued]:
+        return self.views.view(session, handle, op, chosen)
 
     # -- copies (copies.py) ---------------------------------------------------
 

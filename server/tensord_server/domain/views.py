@@ -8,6 +8,7 @@ before any view is built.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,13 +118,17 @@ class Views:
     def __init__(self, ops: OpContext) -> None:
         self.ops = ops
 
-    def view(self, session: Session, handle: str, op: ViewOp) -> list[Issued]:
+    def view(
+        self, session: Session, handle: str, op: ViewOp, chosen: Sequence[str] | None = None
+    ) -> list[Issued]:
+        """``chosen``: the results' ids, as a pipelined client chose them (issue 15); a view
+        registers them directly.  A flatten that copies ignores them (its caller renames)."""
         with self.ops.sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
             self._check_view_cost(session, ref.layout, op)
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
                 return [reshape_copy(self.ops, session, ref, flattened_shape(ref.layout.shape, op))]
-            handles = self.ops.sessions.register_all(session, results)
+            handles = self.ops.sessions.register_all(session, results, chosen)
             return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
 
     def _check_view_cost(self, session: Session, layout: Layout, op: ViewOp) -> None:

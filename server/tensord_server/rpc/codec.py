@@ -161,6 +161,9 @@ def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
         )
     if kind == "release":
         return batch.QueuedRelease(tuple(message.release.handles))
+    if kind == "reshape":
+        reshape = message.reshape
+        return batch.QueuedReshape(reshape.handle, tuple(reshape.shape), tuple(message.results))
     raise InvalidArgumentError("a BatchOp names no op")
 
 

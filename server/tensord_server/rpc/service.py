@@ -241,11 +241,13 @@ class TensordService:
         ops = [decode_batch_op(o) for o in request.ops]
         # a caller that cancelled or ran out of time stops the batch at its next op
         outcome = batch.run_batch(self.store, session, ops, keep_going=context.is_active)
+        copies = self._replies(session, list(outcome.copies))
         if outcome.error is None:
-            return pb.BatchResponse(applied=outcome.applied)
+            return pb.BatchResponse(applied=outcome.applied, copies=copies)
         exc = outcome.error
         return pb.BatchResponse(
             applied=outcome.applied,
+            copies=copies,
             failed=True,
             failed_index=outcome.failed_index or 0,
             error_type=status.error_type_for(exc),

@@ -693,20 +693,22 @@ class ReleaseExportsResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ..., gone_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchOp(_message.Message):
-    __slots__ = ("view", "fill", "copy", "set_item", "release", "results")
+    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "results")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     SET_ITEM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     view: ViewRequest
     fill: FillRequest
     copy: CopyRequest
     set_item: SetItemRequest
     release: ReleaseRequest
+    reshape: ReshapeRequest
     results: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
     __slots__ = ("ops",)
@@ -715,20 +717,22 @@ class BatchRequest(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[BatchOp, _Mapping]]] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
-    __slots__ = ("applied", "failed", "failed_index", "error_type", "error_message", "error_code")
+    __slots__ = ("applied", "failed", "failed_index", "error_type", "error_message", "error_code", "copies")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     FAILED_INDEX_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     applied: int
     failed: bool
     failed_index: int
     error_type: str
     error_message: str
     error_code: int
-    def __init__(self, applied: _Optional[int] = ..., failed: _Optional[bool] = ..., failed_index: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, applied: _Optional[int] = ..., failed: _Optional[bool] = ..., failed_index: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_code: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class AdvancedIndexItem(_message.Message):
     __slots__ = ("basic", "tensor", "boolean")
