@@ -395,7 +395,7 @@ def _view_batch_op(handle: str, op: dict[str, Any], metas: list[Meta]) -> pb.Bat
 
 
 # View ops whose result's metadata differs from its input's beyond handle and layout.
-_META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad"})
+_META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad", "complex_view"})
 
 
 class Tensor:
