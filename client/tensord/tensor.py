@@ -909,6 +909,12 @@ class Tensor:
         return source
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        # torch's valueToTensor refuses anything but a tensor or a number, before the key
+        check_setitem_value(value, self.dtype, self.device.type)
+        self._assign(key, value)
+
+    def _assign(self, key: Any, value: Any) -> None:
+        """x[key] = value, where value may also be an array or a list (uploaded first)."""
         key = plain_index(key)
         items = plain_index(_indexing.key_items(key, _is_tensor))
         if _indexing.is_advanced(items, _is_tensor):
@@ -1119,6 +1125,7 @@ class Tensor:
         value: Any,
         raw: builtins.bool = False,
         accumulate: builtins.bool = False,
+        value_requires_grad: builtins.bool = False,
     ) -> None:
         keep: list[Tensor] = []
         request = pb.AdvancedSetItemRequest(
@@ -1126,6 +1133,7 @@ class Tensor:
             index=self._advanced_items(items, keep),
             raw=raw,
             accumulate=accumulate,
+            value_requires_grad=value_requires_grad,
         )
         if isinstance(value, Tensor):
             request.src_handle = own(self._client, value, 0)
@@ -1136,7 +1144,8 @@ class Tensor:
             source: Tensor = self._client.tensor(value, dtype=dtype, device=self.device)
             keep.append(source)
             request.src_handle = source.handle
-        self._session.conn.call("AdvancedSetItem", request)
+        # the handle's metadata after the write: it requires grad once a value did
+        self._adopt(Meta.from_pb(self._session.conn.call("AdvancedSetItem", request)))
 
     def index_select(self, dim: builtins.int, index: Tensor) -> Tensor:
         """torch.index_select: a copy of the rows ``index`` names along ``dim``."""
@@ -1173,12 +1182,15 @@ class Tensor:
     def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:
         """torch's masked_fill_: ``value`` (a number or a 0-dim tensor) where ``mask`` is True."""
         own(self._client, mask, 1)
+        value_requires_grad = False
         if _is_tensor(value):  # masked_fill__cpu checks the value, then the mask
             if value.ndim != 0:
                 raise errors.TensordRuntimeError(
                     "masked_fill_ only supports a 0-dimensional value tensor, but got tensor "
                     f"with {value.ndim} dimension(s)."
                 )
+            # torch's autograd: x requires grad after the fill when the value did
+            value_requires_grad = builtins.bool(value.requires_grad)
             value = value.item()
         if mask.dtype is not dtypes.bool:
             name = _indexing.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
@@ -1192,7 +1204,9 @@ class Tensor:
                 f"output with shape {list(self.shape)} doesn't match the broadcast shape "
                 f"{list(shape)}"
             )
-        self._advanced_put((mask.expand(self.shape),), value)
+        self._advanced_put(
+            (mask.expand(self.shape),), value, value_requires_grad=value_requires_grad
+        )
         return self
 
     def index_put_(self, indices: Any, values: Tensor, accumulate: builtins.bool = False) -> Tensor:
@@ -1425,6 +1439,39 @@ def own(client: SessionClient, tensor: Any, position: int) -> str:
             f"tensor {position} belongs to another tensord client ({tensor.client.address})"
         )
     return tensor.handle
+
+
+def assign_data(tensor: Tensor, key: Any, data: Any) -> None:
+    """``tensor[key] = data`` where ``data`` may also be an array or a list, uploaded in
+    ``tensor``'s dtype (tensord.aio's ``await x.setitem(key, data)``; torch's own
+    ``__setitem__`` takes only tensors and numbers)."""
+    tensor._assign(key, data)
+
+
+def _python_type_name(cls: type) -> str:
+    """CPython's tp_name, which torch prints: a heap type's bare name, a static type's
+    "module.name" (built-ins bare)."""
+    if cls.__flags__ & _HEAP_TYPE or cls.__module__ == "builtins":
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE
+
+
+def check_setitem_value(value: Any, dtype: DType, device_type: str) -> None:
+    """torch's valueToTensor: a tensor, a Python (or NumPy integer) int, a bool, a float or a
+    complex; NumPy float64/complex128 pass as subclasses of float/complex, other NumPy
+    scalars, arrays, lists and tuples raise its TypeError."""
+    if _is_tensor(value) or isinstance(
+        value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.integer)
+    ):
+        return
+    place = "" if device_type == "cpu" else f"{device_type}."
+    raise errors.TensordTypeError(
+        f"can't assign a {_python_type_name(type(value))} to a "
+        f"torch.{place}{dtype.scalar_type}Tensor"
+    )
 
 
 def layout_of(tensor: Tensor) -> Layout:

@@ -16,6 +16,7 @@ checked against ``--max-op-elements`` before any array work.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -340,6 +341,8 @@ def plan_index(
                         f"The shape of the mask {_fmt(mask_shape)} at index {j} does not match "
                         f"the shape of the indexed tensor {_fmt(shape)} at index {src}"
                     )
+            if not mask_shape:  # torch's expandTensors: a 0-dim mask leaves no index
+                continue
             mask = np.asarray(kernels.to_host(array(entry.ref))) != 0
             # torch's nonzero is (n, k) with strides (1, n): each column has stride 1
             expanded.extend(_Column(c.astype(np.int64), (1,)) for c in np.nonzero(mask))
@@ -353,8 +356,8 @@ def plan_index(
         )
     expanded.extend([None] * (len(shape) - len(expanded)))
     defined = [(d, c) for d, c in enumerate(expanded) if c is not None]
-    if not defined:  # only 0-dim masks in index_put_'s list (never from x[...])
-        raise NotImplementedError("tensord: index_put_ with only 0-dim masks is not supported")
+    if not defined:  # only 0-dim masks in aten's list (never from x[...]): no index at all
+        return Plan((None,) * len(shape), shape, (), Layout.contiguous(shape).stride)
     try:
         common: tuple[int, ...] = tuple(broadcast_shapes(*(c.values.shape for _, c in defined)))
     except RuntimeError:
@@ -391,6 +394,22 @@ def plan_index(
     if 0 in plan.sizes and 0 not in common:  # torch's AdvancedIndex, before its kernel
         raise IndexError("index is out of bounds for dimension with size 0")
     return plan
+
+
+# What torch 2.13's CPU index kernels raise when aten's list held only 0-dim masks (their
+# expandTensors drops such a mask: no index is left), word for word, as the oracle does.
+NO_INDEX_ASSERT = (
+    'ntensor >= 3 INTERNAL ASSERT FAILED at "/__w/pytorch/pytorch/aten/src/ATen/native/cpu/'
+    'IndexKernelUtils.h":8, please report a bug to PyTorch. '
+)
+
+
+def check_some_index(plan: Plan) -> None:
+    """aten::index / index_put_ with no index left reach torch's kernel, which asserts; with
+    no elements its kernel never runs and the op does nothing."""
+    elements: int = math.prod(plan.shape)
+    if elements and all(a is None for a in plan.arrays):
+        raise RuntimeError(NO_INDEX_ASSERT)
 
 
 def _as_long(column: _Column, dtype: DType, common: tuple[int, ...]) -> _Column:
@@ -516,6 +535,12 @@ def check_masked_fill_mask(indices: list[_Index | None]) -> None:
         )
 
 
+def masked_fill_mask_value(array: ArrayOf, indices: list[_Index | None]) -> bool:
+    """The truth of masked_fill_'s single 0-dim mask (its expandTensors left no index)."""
+    (mask,) = (e.ref for e in indices if e is not None and e.ref is not None)
+    return bool(_scalar_value(array, mask))
+
+
 def gather(xp: Any, source: Any, out: Any, plan: Plan) -> None:
     """out = source[plan] (out has the plan's shape)."""
     if math.prod(plan.shape):
@@ -588,6 +613,7 @@ class Indexing:
             target, indices = sliced(self.ops.array, ref, items, refs, raw)
             plan = planned(self.ops.array, self.ops.check_elements, target, indices, op)
             check_bounds(plan, op)
+            check_some_index(plan)
             layout = Layout(plan.shape, plan.stride)
             with self.ops.allocated(
                 session, ref.device, layout, ref.dtype, ref.requires_grad
@@ -604,10 +630,13 @@ class Indexing:
         src_handle: str | None = None,
         accumulate: bool = False,
         raw: bool = False,
+        value_requires_grad: bool = False,
     ) -> Issued:
         """x[items] = value (a scalar or a tensor); x.index_put_(items, value, accumulate)
         with ``raw``.  Checks in torch's order: the scalar, the slicing, the masked_fill_
-        dispatch or the value's shape and dtype, then the indices' bounds."""
+        dispatch or the value's shape and dtype, then the indices' bounds.  A value that
+        requires grad (a tensor, or ``value_requires_grad`` for a scalar taken from one)
+        makes x's handle require grad, whatever its dtype, as torch's autograd does."""
         extra = tensor_handles(items)
         sources = () if src_handle is None else (src_handle,)
         with self.ops.using(session, handle, *extra, *sources) as held:
@@ -625,6 +654,10 @@ class Indexing:
                     value = kernels.to_host(self.ops.array(src)).reshape(()).item()
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
+                if all(a is None for a in plan.arrays):  # one 0-dim mask: all of x or none
+                    if masked_fill_mask_value(self.ops.array, indices):
+                        kernels.fill(xp, dst, value)
+                    return self._written(session, handle, ref, src, value_requires_grad)
             elif src is None:
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
@@ -632,5 +665,22 @@ class Indexing:
                 shape = check_put_source(ref, src, plan, raw)
                 source = kernels.to_module(xp, self.ops.array(src)).reshape(shape)
             check_bounds(plan, "")
+            check_some_index(plan)
             scatter(xp, dst, source, plan, accumulate)
+            return self._written(session, handle, ref, src, value_requires_grad)
+
+    def _written(
+        self,
+        session: Session,
+        handle: str,
+        ref: TensorRef,
+        src: TensorRef | None,
+        value_requires_grad: bool,
+    ) -> Issued:
+        """x after an in-place write: it requires grad once its value did (torch's rule for
+        an in-place op; no autograd graph here, so only the flag)."""
+        if ref.requires_grad or not (value_requires_grad or (src and src.requires_grad)):
             return Issued(handle, ref)
+        flagged = dataclasses.replace(ref, requires_grad=True)
+        self.ops.sessions.replace(session, handle, flagged)
+        return Issued(handle, flagged)

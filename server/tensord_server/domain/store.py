@@ -350,7 +350,8 @@ class TensorStore:
         src_handle: str | None = None,
         accumulate: bool = False,
         raw: bool = False,
+        value_requires_grad: bool = False,
     ) -> Issued:
         return self.indexing.advanced_setitem(
-            session, handle, items, value, src_handle, accumulate, raw
+            session, handle, items, value, src_handle, accumulate, raw, value_requires_grad
         )

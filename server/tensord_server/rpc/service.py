@@ -529,6 +529,7 @@ class TensordService:
                 src_handle=request.src_handle if is_tensor else None,
                 accumulate=request.accumulate,
                 raw=request.raw,
+                value_requires_grad=request.value_requires_grad,
             )
         )
 

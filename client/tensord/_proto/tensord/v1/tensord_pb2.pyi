@@ -747,17 +747,19 @@ class AdvancedIndexRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., op: _Optional[str] = ...) -> None: ...
 
 class AdvancedSetItemRequest(_message.Message):
-    __slots__ = ("handle", "index", "raw", "scalar", "src_handle", "accumulate")
+    __slots__ = ("handle", "index", "raw", "scalar", "src_handle", "accumulate", "value_requires_grad")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     SCALAR_FIELD_NUMBER: _ClassVar[int]
     SRC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     handle: str
     index: _containers.RepeatedCompositeFieldContainer[AdvancedIndexItem]
     raw: bool
     scalar: Scalar
     src_handle: str
     accumulate: bool
-    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ...) -> None: ...
+    value_requires_grad: bool
+    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ..., value_requires_grad: _Optional[bool] = ...) -> None: ...
