@@ -40,6 +40,7 @@ from tensord_server.domain.indexing import Indexing
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued, OpContext
 from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
+from tensord_server.domain.resizing import Resizing
 from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
@@ -145,6 +146,7 @@ class TensorStore:
         self.copies = Copies(self.ops)
         self.writes = Writes(self.ops)
         self.indexing = Indexing(self.ops)
+        self.resizing = Resizing(self.ops)
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
@@ -354,4 +356,25 @@ class TensorStore:
     ) -> Issued:
         return self.indexing.advanced_setitem(
             session, handle, items, value, src_handle, accumulate, raw, value_requires_grad
+        )
+
+    # ---- resize, set_ (issue 14): in place on one handle -------------------------------
+
+    def resize(
+        self, session: Session, handle: str, size: Sequence[int], memory_format: str = ""
+    ) -> Issued:
+        return self.resizing.resize(session, handle, size, memory_format)
+
+    def set_storage(
+        self,
+        session: Session,
+        handle: str,
+        source: str = "",
+        source_is_storage: bool = False,
+        storage_offset: int | None = None,
+        size: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> Issued:
+        return self.resizing.set_storage(
+            session, handle, source, source_is_storage, storage_offset, size, stride
         )

@@ -533,6 +533,30 @@ class TensordService:
             )
         )
 
+    # -- resize, set_ (issue 14) ----------------------------------------------------------
+
+    @_unary
+    def Resize(self, request: pb.ResizeRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(
+            self.store.resize(session, request.handle, list(request.size), request.memory_format)
+        )
+
+    @_unary
+    def SetStorage(self, request: pb.SetStorageRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(
+            self.store.set_storage(
+                session,
+                request.handle,
+                request.source,
+                request.source_is_storage,
+                request.storage_offset if request.HasField("storage_offset") else None,
+                list(request.size.values) if request.HasField("size") else None,
+                list(request.stride.values) if request.HasField("stride") else None,
+            )
+        )
+
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
