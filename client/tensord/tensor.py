@@ -1182,6 +1182,10 @@ class Tensor:
             raise errors.TensordRuntimeError("masked_select: expected BoolTensor for mask")
         with torch_errors():
             shape = _indexing.infer_size(mask.shape, self.shape)
+        if self.dtype in dtypes.BAREBONES_UNSIGNED:  # torch 2.13 has no kernel for them
+            raise errors.TensordNotImplementedError(
+                f"\"masked_select\" not implemented for '{self.dtype.scalar_type}'"
+            )
         return self.expand(shape)._advanced_index((mask.expand(shape),))
 
     def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:

@@ -611,6 +611,8 @@ class Indexing:
         with self.ops.using(session, handle, *extra) as held:
             ref, refs = held[0], dict(zip(extra, held[1:], strict=True))
             target, indices = sliced(self.ops.array, ref, items, refs, raw)
+            if op == "index_select":
+                kernels.check_kernel("index_select", ref.dtype)
             plan = planned(self.ops.array, self.ops.check_elements, target, indices, op)
             check_bounds(plan, op)
             check_some_index(plan)
@@ -654,6 +656,7 @@ class Indexing:
                     value = kernels.to_host(self.ops.array(src)).reshape(()).item()
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
+                kernels.check_kernel("masked_fill", ref.dtype)
                 if all(a is None for a in plan.arrays):  # one 0-dim mask: all of x or none
                     if masked_fill_mask_value(self.ops.array, indices):
                         kernels.fill(xp, dst, value)
@@ -664,6 +667,7 @@ class Indexing:
             else:
                 shape = check_put_source(ref, src, plan, raw)
                 source = kernels.to_module(xp, self.ops.array(src)).reshape(shape)
+            kernels.check_kernel("index_put", ref.dtype)
             check_bounds(plan, "")
             check_some_index(plan)
             scatter(xp, dst, source, plan, accumulate)
