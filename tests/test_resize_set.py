@@ -312,3 +312,11 @@ def test_growth_of_an_exported_storage_is_refused(client: tensord.Client) -> Non
     x.resize_(2)  # shrinking needs no new bytes: allowed, as torch's
     assert held.tolist() == [0.0, 1.0, 2.0, 3.0]
     del held
+
+
+def test_grown_bytes_are_zeros_never_a_freed_blocks_bytes(client: tensord.Client) -> None:
+    # torch leaves them uninitialised; here a freed block may hold another tenant's bytes
+    client.full((64,), 5.0).tolist()  # a block that held fives, freed
+    x = client.full((3,), 7.0)
+    x.resize_(64)
+    assert x.tolist() == [7.0] * 3 + [0.0] * 61
