@@ -11,6 +11,7 @@ made on that state, and the store's methods of the same names delegate to them:
 ``copies.py``       clone, contiguous, reshape, to, repeat, cat, stack
 ``writes.py``       in-place writes: copy, fill, setitem
 ``factories.py``    empty, full, arange
+``resizing.py``     resize_, set_ (a handle re-pointed in place, a Storage grown)
 ``transfers.py``    upload and download of raw bytes
 ``sharing.py``      share tokens and names
 ``stats.py``        memory statistics, summary, snapshot, empty_cache
