@@ -194,7 +194,7 @@ def test_writes_through_views_are_visible_in_the_base(client: tensord.Client) ->
     t.narrow(1, 2, 2).fill_(7)
     x.t()[0] = client.tensor([1.0, 2.0, 3.0])
     t.t()[0] = torch.tensor([1.0, 2.0, 3.0])
-    x[2, 1:3] = np.array([8.0, 9.0])
+    x[2, 1:3] = client.tensor([8.0, 9.0])
     t[2, 1:3] = torch.tensor([8.0, 9.0])
     x.diagonal().zero_()
     t.diagonal().zero_()

@@ -45,6 +45,7 @@ def test_fill_and_setitem_of_a_complex_into_bool_match_torch(client) -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tensord import _convert  # noqa: E402
+from tensord.tensor import assign_data  # noqa: E402
 
 TENSOR_DTYPES = (*DTYPES, "bfloat16", "complex64", "complex128")
 I64 = 2**63
@@ -132,17 +133,17 @@ def test_python_floats_copied_into_float64_stay_exact(client) -> None:
     expected = torch.zeros(5, dtype=torch.float64)
     expected.copy_(torch.tensor(values, dtype=torch.float64))
     ours = client.zeros(5, dtype=tensord.float64)
-    ours[:] = values
+    assign_data(ours, slice(None), values)  # tensord.aio's x.setitem(key, list)
     assert ours.tolist() == expected.tolist() == values
     ours.zero_()
     ours.copy_(values)
     assert ours.tolist() == values
     cplx = client.zeros(2, dtype=tensord.complex128)
-    cplx[:] = [0.1 + 1j / 3, 1j]
+    cplx.copy_([0.1 + 1j / 3, 1j])
     assert cplx.tolist() == [0.1 + 1j / 3, 1j]
     # a narrower destination rounds once, from the exact value (as torch's copy_)
     half = client.zeros(2, dtype=tensord.float32)
-    half[:] = [0.1, 1 / 3]
+    half.copy_([0.1, 1 / 3])
     assert half.tolist() == torch.tensor([0.1, 1 / 3], dtype=torch.float64).float().tolist()
 
 

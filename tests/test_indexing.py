@@ -429,3 +429,125 @@ def test_index_tensors_and_results_are_bounded_by_max_op_elements(make_server) -
         with pytest.raises(tensord.errors.ResourceExhaustedError, match="max-op-elements"):
             client.zeros(2, 600)[[0, 1]] = 1.0
         assert x[client.zeros(1000, dtype=tensord.int64)].shape == (1000,)
+
+
+# ---- values torch refuses in x[key] = v; index_put_ with only 0-dim masks -------------
+
+REFUSED_VALUES: list[Callable[[], Any]] = [
+    lambda: [1.0, 2.0, 3.0, 4.0],
+    lambda: (1.0, 2.0, 3.0, 4.0),
+    lambda: np.arange(4.0),
+    lambda: np.array(1.0),  # a 0-dim array is an array too
+    lambda: np.float32(1.0),  # only float64 is a Python float
+    lambda: np.bool_(True),
+    lambda: "a",
+    lambda: None,
+]
+
+
+@pytest.mark.parametrize("value", range(len(REFUSED_VALUES)))
+@pytest.mark.parametrize("key", [(slice(None), 1), [0, 1], False, 7])
+def test_setitem_refuses_what_torch_refuses_before_reading_the_key(
+    client: tensord.Client, value: int, key: Any
+) -> None:
+    x, t = client.zeros(2, 4), torch.zeros(2, 4)
+
+    def ours() -> None:
+        x[key] = REFUSED_VALUES[value]()
+
+    def theirs() -> None:
+        t[key] = REFUSED_VALUES[value]()
+
+    both(ours, theirs)
+    np.testing.assert_array_equal(x.numpy(), t.numpy())  # nothing written
+
+
+def test_setitem_refusal_names_the_tensor_type_as_torch(client: tensord.Client) -> None:
+    for dtype in ("int64", "uint8", "float16", "bfloat16", "complex128", "bool"):
+        x = client.zeros(2, dtype=getattr(tensord, dtype))
+        t = torch.zeros(2, dtype=getattr(torch, dtype))
+
+        def ours(x: Any = x) -> None:
+            x[0] = [1]
+
+        def theirs(t: Any = t) -> None:
+            t[0] = [1]
+
+        both(ours, theirs)
+
+
+@pytest.mark.parametrize("value", [np.int32(3), np.uint64(2), np.float64(1.5), np.complex128(2)])
+def test_setitem_takes_the_numbers_torch_takes(client: tensord.Client, value: Any) -> None:
+    x, t = client.zeros(2, 4, dtype=tensord.complex64), torch.zeros(2, 4, dtype=torch.complex64)
+    x[0] = value
+    t[0] = value
+    np.testing.assert_array_equal(x.numpy(), t.numpy())
+
+
+ZERO_DIM_MASK_CASES: list[Callable[[Any, Any, Any], Any]] = [
+    lambda m, y, b: y.index_put_((b,), m.tensor(9.0)),
+    lambda m, y, b: y.index_put_((b,), m.tensor([9.0])),  # one element: masked_fill_
+    lambda m, y, b: y.index_put_((b,), m.tensor(9)),  # masked_fill_ casts any dtype
+    lambda m, y, b: y.index_put_((b.to(m.uint8),), m.tensor(1.0)),
+    lambda m, y, b: y.index_put_((b, b), m.tensor(9.0)),  # two masks: no masked_fill_
+    lambda m, y, b: y.index_put_((b,), m.tensor([1.0, 2.0, 3.0])),
+    lambda m, y, b: y.index_put_((b,), m.ones(2, 3)),
+    lambda m, y, b: y.index_put_((b,), m.ones(1, 2, 3)),
+    lambda m, y, b: y.index_put_((b,), m.tensor([1.0, 2.0])),
+    lambda m, y, b: y.index_put_((b,), m.tensor([1, 2, 3])),
+    lambda m, y, b: y.index_put_((b,), m.tensor(1.0), True),
+    lambda m, y, b: y.index_put_((b,), m.tensor([1.0, 2.0]), True),
+    lambda m, y, b: y.index_put_((b, m.tensor([True, False, True])), m.tensor(1.0)),
+    lambda m, y, b: y.index_put_((b, b, b), m.tensor(1.0)),
+    lambda m, y, b: m.tensor(5.0).index_put_((b,), m.tensor(1.0)),
+    lambda m, y, b: m.zeros(0, 3).index_put_((b,), m.tensor([1.0, 2.0, 3.0])),
+    lambda m, y, b: m.zeros(0, 3).index_put_((b,), m.tensor(1.0), True),
+    lambda m, y, b: m.zeros(4).index_put_((b,), m.tensor(2.0)),
+    lambda m, y, b: m.zeros(3, dtype=m.uint8).index_put_((b,), m.tensor(300)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ZERO_DIM_MASK_CASES)))
+@pytest.mark.parametrize("truth", [True, False])
+def test_index_put_with_only_zero_dim_masks_matches_torch(
+    client: tensord.Client, case: int, truth: bool
+) -> None:
+    x, t = client.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3)
+    result = both(
+        lambda: ZERO_DIM_MASK_CASES[case](Ours(client), x, client.tensor(truth)),
+        lambda: ZERO_DIM_MASK_CASES[case](torch, t, torch.tensor(truth)),
+    )
+    if result is not None:
+        assert_same_tensor(*result)
+    np.testing.assert_array_equal(x.numpy(), t.numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex64", "bool"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_masked_fill_value_that_requires_grad_makes_x_require_grad(
+    client: tensord.Client, dtype: str, grad: bool
+) -> None:
+    x = client.zeros(3, dtype=getattr(tensord, dtype))
+    t = torch.zeros(3, dtype=getattr(torch, dtype))
+    value_x = client.tensor(2.0).requires_grad_(grad)
+    value_t = torch.tensor(2.0).requires_grad_(grad)
+    assert x.masked_fill_(client.tensor([True, False, True]), value_x) is x
+    t.masked_fill_(torch.tensor([True, False, True]), value_t)
+    assert x.requires_grad == t.requires_grad == grad
+    np.testing.assert_array_equal(x.detach().numpy(), t.detach().numpy())
+    assert not client.tensor([True]).requires_grad  # the mask and others unchanged
+
+
+def test_index_put_and_setitem_values_that_require_grad_make_x_require_grad(
+    client: tensord.Client,
+) -> None:
+    for op in (
+        lambda m, y, v: y.index_put_((m.tensor([0, 2]),), v),
+        lambda m, y, v: y.__setitem__(m.tensor([True, False, True]), v),
+        lambda m, y, v: y.__setitem__([0, 2], v),
+    ):
+        x, t = client.zeros(3), torch.zeros(3)
+        op(client, x, client.ones(2).requires_grad_())
+        op(torch, t, torch.ones(2).requires_grad_())
+        assert x.requires_grad == t.requires_grad is True
+        np.testing.assert_array_equal(x.detach().numpy(), t.detach().numpy())

@@ -21,6 +21,7 @@ import torch
 from conftest import SessionStub, open_channel, wait_until
 from tensord import _local
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.tensor import assign_data
 from tensord_server.devices.shm import SharedHostBackend
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
 
@@ -248,7 +249,7 @@ def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch
     x.t().copy_(fresh)
     oracle.t().copy_(torch.from_numpy(fresh))
     row = np.arange(512, dtype=np.float32)[None, None, :]  # leading 1s, broadcast over rows
-    x[100:400] = row
+    assign_data(x, slice(100, 400), row)  # tensord.aio's x.setitem(key, array)
     oracle[100:400] = torch.from_numpy(row)
     np.testing.assert_array_equal(x.numpy(), oracle.numpy())
     assert x.numpy().flags.owndata  # numpy() copies (np.from_dlpack aliases)
@@ -414,7 +415,7 @@ def test_a_remote_looking_client_falls_back_to_grpc(
         values = np.arange(MiB, dtype=np.float32)
         x = client.tensor(values)
         np.testing.assert_array_equal(x.numpy(), values)
-        x[:10] = np.ones(10, dtype=np.float32) * 5
+        x[:10].copy_(np.ones(10, dtype=np.float32) * 5)
         assert x[9].item() == 5.0
         with pytest.raises(BufferError, match="zero-copy DLPack export is impossible"):
             x.__dlpack__()

@@ -129,12 +129,12 @@ def test_to_forms_and_conversions(client: tensord.Client) -> None:
     assert r is x and not x.requires_grad
 
 
-def test_setitem_from_scalar_array_and_tensor(client: tensord.Client) -> None:
+def test_setitem_from_scalar_and_tensor(client: tensord.Client) -> None:
     x, t = client.zeros(4, 4, dtype=tensord.dtypes.int32), torch.zeros(4, 4, dtype=torch.int32)
     for key, value in [
         ((0,), 1),
-        ((slice(1, 3), 2), [5, 6]),
-        ((3, slice(None)), np.arange(4)),
+        ((slice(1, 3), 2), client.tensor([5, 6])),
+        ((3, slice(None)), np.int64(4)),
         ((Ellipsis, 0), client.tensor([9])),
         ((None, 2, slice(0, 2)), 2.7),
     ]:

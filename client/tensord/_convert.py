@@ -86,11 +86,24 @@ def _wrap(value: int, dtype: DType) -> int:
     return value - (1 << bits) if dtype.is_signed and value >> (bits - 1) else value
 
 
+def _uint64_item(item: Any) -> int:
+    """torch.tensor's uint64 element: THPUtils_unpackUInt64 (PyLong_AsUnsignedLongLong)."""
+    if not isinstance(item, int):
+        raise TypeError("an integer is required")
+    if item < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if item >= 1 << 64:
+        raise OverflowError("int too big to convert")
+    return int(item)
+
+
 def _python_item(item: Any, dtype: DType) -> bool | int | float | complex:
     """One Python number as torch.tensor stores it into ``dtype``, or torch's error for it
     (torch/csrc/utils/python_arg_parsing: unpack the Python object, then checked_convert)."""
     if dtype is dtypes.bool:
         return bool(item)  # PyObject_IsTrue: nan, 1j and 2**70 are True
+    if dtype is dtypes.uint64:  # unpacked as an unsigned long long: ints only, no wrap
+        return _uint64_item(item)
     if _is_integral(dtype):
         if isinstance(item, complex):
             raise TypeError("'complex' object cannot be interpreted as an integer")
@@ -118,6 +131,8 @@ def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | None:
         return np.asarray(array != 0)
     if kind == "b":
         return array.astype(target)
+    if dtype is dtypes.uint64:
+        return None  # its items unpack one by one (no negatives, no floats)
     if not _is_integral(dtype):
         if kind == "c" and not dtype.is_complex:
             return None  # TypeError at the first complex item: only the items know which

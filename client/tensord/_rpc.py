@@ -93,6 +93,7 @@ _INVALID_ARGUMENT_BY_BUILTIN: dict[str, type[errors.TensordError]] = {
     "IndexError": errors.TensordIndexError,
     "TypeError": errors.TensordTypeError,
     "ValueError": errors.InvalidArgumentError,
+    "NotImplementedError": errors.TensordNotImplementedError,
 }
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {

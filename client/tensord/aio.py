@@ -35,7 +35,7 @@ import numpy as np
 
 from tensord import errors
 from tensord.client import Client
-from tensord.tensor import Tensor
+from tensord.tensor import Tensor, assign_data
 
 # Threads that run one client's waiting calls (each call holds one while it waits).
 EXECUTOR_THREADS = 4
@@ -145,7 +145,7 @@ class AsyncTensor:
         self._tensor[key] = _unwrap(value)
 
     async def setitem(self, key: Any, value: Any) -> None:
-        await self._client.run(self._tensor.__setitem__, key, _unwrap(value))
+        await self._client.run(assign_data, self._tensor, key, _unwrap(value))
 
     def __iter__(self) -> Iterator[AsyncTensor]:
         return iter(_wrap(self._client, tuple(self._tensor.unbind(0))))

@@ -90,6 +90,10 @@ float32 = _make("float32", 4, np.float32, "Float", "Float", floating=True)
 float64 = _make("float64", 8, np.float64, "Double", "Double", floating=True)
 complex64 = _make("complex64", 8, np.complex64, "ComplexFloat", "", complex_=True)
 complex128 = _make("complex128", 16, np.complex128, "ComplexDouble", "", complex_=True)
+# torch's "barebones" unsigned dtypes: storage, views, conversions and few ops (issue 14)
+uint16 = _make("uint16", 2, np.uint16, "UInt16", "", signed=False)
+uint32 = _make("uint32", 4, np.uint32, "UInt32", "", signed=False)
+uint64 = _make("uint64", 8, np.uint64, "UInt64", "", signed=False)
 
 # torch's aliases
 float = float32
@@ -127,8 +131,12 @@ _ALIASES: dict[str, DType] = {
     "cfloat": complex64,
     "cdouble": complex128,
 }
-_BY_NAME: dict[str, DType] = {d.name: d for d in ALL_DTYPES} | _ALIASES
-_BY_NUMPY: dict[np.dtype[Any], DType] = {d.numpy_dtype: d for d in ALL_DTYPES}
+#: torch's barebones unsigned dtypes (c10's UInt16..UInt64), not in ALL_DTYPES: torch 2.13
+#: has few kernels for them and no integer promotion (see README's table)
+BAREBONES_UNSIGNED: tuple[DType, ...] = (uint16, uint32, uint64)
+
+_BY_NAME: dict[str, DType] = {d.name: d for d in ALL_DTYPES + BAREBONES_UNSIGNED} | _ALIASES
+_BY_NUMPY: dict[np.dtype[Any], DType] = {d.numpy_dtype: d for d in ALL_DTYPES + BAREBONES_UNSIGNED}
 
 # Python scalars are "wrapped numbers" in torch: int -> int64, float -> the default
 # dtype, complex -> the default complex dtype (torch's defaults).
@@ -209,6 +217,14 @@ def promote_types(a: DType, b: DType) -> DType:
     """torch.promote_types: the smallest dtype both ``a`` and ``b`` convert to safely."""
     if a is b:
         return a
+    if a in BAREBONES_UNSIGNED or b in BAREBONES_UNSIGNED:
+        # c10: a barebones unsigned dtype promotes with a floating dtype only
+        if a.is_floating_point or b.is_floating_point:
+            return a if a.is_floating_point else b
+        raise RuntimeError(
+            "Promotion for uint16, uint32, uint64 types is not supported, attempted to "
+            f"promote {a.scalar_type} and {b.scalar_type}"
+        )
     if a is bool:
         return b
     if b is bool:

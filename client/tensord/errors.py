@@ -60,6 +60,10 @@ class TensordTypeError(InvalidArgumentError, TypeError):
     """Invalid input for which torch raises TypeError."""
 
 
+class TensordNotImplementedError(InvalidArgumentError, NotImplementedError):
+    """An op torch has no kernel for with this dtype (uint16/32/64's "not implemented for")."""
+
+
 class ResourceExhaustedError(TensordError, RuntimeError):
     """A pool, quota or limit is exhausted."""
 

@@ -323,6 +323,12 @@ def _storage_nbytes(shape: Shape, stride: Shape, itemsize: int, offset: int) -> 
     return size
 
 
+def storage_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int, offset: int) -> int:
+    """The bytes a storage needs for this strided layout (0 without elements): torch's
+    computeStorageNbytes, its overflow checks and text (set_, resize_)."""
+    return _storage_nbytes(tuple(shape), tuple(stride), itemsize, offset)
+
+
 def empty_strided_layout(shape: Sequence[int], stride: Sequence[int]) -> Layout:
     """The layout torch.empty_strided(shape, stride) gives its new tensor (offset 0).
 

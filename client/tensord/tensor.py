@@ -356,16 +356,21 @@ class Meta:
         )
 
 
+_UNSET: Any = object()  # an argument not given (torch's TypeError lists a None given)
+
+
 class UntypedStorage:
     """What ``x.untyped_storage()`` tells about the Storage under a tensor (no bytes here)."""
 
-    __slots__ = ("_data_ptr", "_id", "_nbytes", "device")
+    __slots__ = ("_data_ptr", "_id", "_nbytes", "_tensor", "device")
 
-    def __init__(self, meta: Meta) -> None:
+    def __init__(self, meta: Meta, tensor: Tensor | None = None) -> None:
         self._nbytes = meta.storage_nbytes
         self._data_ptr = meta.storage_data_ptr
         self._id = meta.storage_id
         self.device = meta.device
+        # a tensor on this Storage: x.set_(storage, ...) reaches the Storage through it
+        self._tensor = tensor
 
     def nbytes(self) -> builtins.int:
         return self._nbytes
@@ -517,7 +522,7 @@ class Tensor:
         return self._meta.storage_data_ptr + self._meta.layout.offset * self.dtype.itemsize
 
     def untyped_storage(self) -> UntypedStorage:
-        return UntypedStorage(self._meta)
+        return UntypedStorage(self._meta, self)
 
     def __reduce__(self) -> Any:
         # A handle is only valid in its own session: hand another process a token instead.
@@ -1127,6 +1132,12 @@ class Tensor:
         return source
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        # torch's valueToTensor refuses anything but a tensor or a number, before the key
+        check_setitem_value(value, self.dtype, self.device.type)
+        self._assign(key, value)
+
+    def _assign(self, key: Any, value: Any) -> None:
+        """x[key] = value, where value may also be an array or a list (uploaded first)."""
         key = plain_index(key)
         items = plain_index(_indexing.key_items(key, _is_tensor))
         if _indexing.is_advanced(items, _is_tensor):
@@ -1351,6 +1362,7 @@ class Tensor:
         value: Any,
         raw: builtins.bool = False,
         accumulate: builtins.bool = False,
+        value_requires_grad: builtins.bool = False,
     ) -> None:
         keep: list[Tensor] = []
         request = pb.AdvancedSetItemRequest(
@@ -1358,6 +1370,7 @@ class Tensor:
             index=self._advanced_items(items, keep),
             raw=raw,
             accumulate=accumulate,
+            value_requires_grad=value_requires_grad,
         )
         if isinstance(value, Tensor):
             request.src_handle = own(self._client, value, 0)
@@ -1368,7 +1381,8 @@ class Tensor:
             source: Tensor = self._client.tensor(value, dtype=dtype, device=self.device)
             keep.append(source)
             request.src_handle = source.handle
-        self._session.conn.call("AdvancedSetItem", request)
+        # the handle's metadata after the write: it requires grad once a value did
+        self._adopt(Meta.from_pb(self._session.conn.call("AdvancedSetItem", request)))
 
     def index_select(self, dim: builtins.int, index: Tensor) -> Tensor:
         """torch.index_select: a copy of the rows ``index`` names along ``dim``."""
@@ -1400,17 +1414,24 @@ class Tensor:
             raise errors.TensordRuntimeError("masked_select: expected BoolTensor for mask")
         with torch_errors():
             shape = _indexing.infer_size(mask.shape, self.shape)
+        if self.dtype in dtypes.BAREBONES_UNSIGNED:  # torch 2.13 has no kernel for them
+            raise errors.TensordNotImplementedError(
+                f"\"masked_select\" not implemented for '{self.dtype.scalar_type}'"
+            )
         return self.expand(shape)._advanced_index((mask.expand(shape),))
 
     def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:
         """torch's masked_fill_: ``value`` (a number or a 0-dim tensor) where ``mask`` is True."""
         own(self._client, mask, 1)
+        value_requires_grad = False
         if _is_tensor(value):  # masked_fill__cpu checks the value, then the mask
             if value.ndim != 0:
                 raise errors.TensordRuntimeError(
                     "masked_fill_ only supports a 0-dimensional value tensor, but got tensor "
                     f"with {value.ndim} dimension(s)."
                 )
+            # torch's autograd: x requires grad after the fill when the value did
+            value_requires_grad = builtins.bool(value.requires_grad)
             value = value.item()
         if mask.dtype is not dtypes.bool:
             name = _indexing.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
@@ -1424,7 +1445,9 @@ class Tensor:
                 f"output with shape {list(self.shape)} doesn't match the broadcast shape "
                 f"{list(shape)}"
             )
-        self._advanced_put((mask.expand(self.shape),), value)
+        self._advanced_put(
+            (mask.expand(self.shape),), value, value_requires_grad=value_requires_grad
+        )
         return self
 
     def index_put_(self, indices: Any, values: Tensor, accumulate: builtins.bool = False) -> Tensor:
@@ -1435,6 +1458,58 @@ class Tensor:
             own(self._client, item, position)
         own(self._client, values, 1)
         self._advanced_put(items, values, raw=True, accumulate=accumulate)
+        return self
+
+    # ---- resize, set_ (issue 14): this handle changes in place; others keep their layout ----
+
+    def is_same_size(self, other: Any) -> builtins.bool:
+        _check_tensor_argument("is_same_size", "other", other)
+        return tuple(self.shape) == tuple(other.shape)
+
+    def is_set_to(self, tensor: Any) -> builtins.bool:
+        """torch's is_set_to: the same Storage, offset, sizes and strides (any dtype)."""
+        _check_tensor_argument("is_set_to", "tensor", tensor)
+        if not isinstance(tensor, Tensor):
+            return False  # a torch tensor never shares a tensord Storage
+        mine, theirs = self._meta.layout, tensor._meta.layout
+        return self._meta.storage_id == tensor._meta.storage_id and (
+            mine.offset,
+            mine.shape,
+            mine.stride,
+        ) == (theirs.offset, theirs.shape, theirs.stride)
+
+    def resize_(self, *sizes: Any, memory_format: Any = None) -> Tensor:
+        """torch's resize_: contiguous at the same offset (the layout kept when the size is);
+        a Storage too small grows, seen by every handle on it."""
+        size = _resize_size(sizes)
+        fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
+        request = pb.ResizeRequest(handle=self.handle, size=size, memory_format=fmt)
+        self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
+        return self
+
+    def resize_as_(self, the_template: Any, memory_format: Any = None) -> Tensor:
+        _check_tensor_argument("resize_as_", "the_template", the_template)
+        if memory_format is None:
+            return self.resize_(tuple(the_template.shape))
+        fmt = memory_format_name(memory_format, "resize_as_")
+        if fmt == PRESERVE_FORMAT:  # torch: the template's own format
+            template = Layout(tuple(the_template.shape), tuple(the_template.stride()))
+            fmt = template.suggest_memory_format()
+        return self.resize_(tuple(the_template.shape), memory_format=MemoryFormat(fmt))
+
+    def set_(
+        self,
+        source: Any = _UNSET,
+        storage_offset: Any = _UNSET,
+        size: Any = _UNSET,
+        stride: Any = _UNSET,
+    ) -> Tensor:
+        """torch's set_(), set_(tensor), set_(storage) and both with
+        (storage_offset, size, stride=None): this handle views the source's Storage."""
+        request = _set_request(self.handle, source, storage_offset, size, stride)
+        if request.source:
+            own(self._client, source if isinstance(source, Tensor) else source._tensor, 0)
+        self._adopt(Meta.from_pb(self._session.conn.call("SetStorage", request)))
         return self
 
     # Last in the class body: these names shadow the built-ins below them.
@@ -1664,6 +1739,123 @@ def own(client: SessionClient, tensor: Any, position: int) -> str:
             f"tensor {position} belongs to another tensord client ({tensor.client.address})"
         )
     return tensor.handle
+
+
+def _check_tensor_argument(method: str, name: str, value: Any) -> None:
+    if not _is_tensor(value):
+        raise errors.TensordTypeError(
+            f"{method}(): argument '{name}' (position 1) must be Tensor, not "
+            f"{python_type_name(value)}"
+        )
+
+
+def _resize_size(sizes: tuple[Any, ...]) -> list[builtins.int]:
+    """resize_'s size argument as torch's parser reads it: ints, or one sequence of them
+    (a 0-dim integer tensor counts as an int)."""
+    if not sizes:
+        raise errors.TensordTypeError('resize_() missing 1 required positional arguments: "size"')
+    one = sizes[0]
+    sequence = isinstance(one, Sequence) and not isinstance(one, str)
+    if len(sizes) == 1 and not sequence and _as_size_int(one) is None:
+        raise errors.TensordTypeError(
+            "resize_(): argument 'size' (position 1) must be tuple of ints, not "
+            f"{python_type_name(one)}"
+        )
+    values = one if len(sizes) == 1 and isinstance(one, Sequence) else sizes
+    out = []
+    for position, value in enumerate(values):
+        number = _as_size_int(value)
+        if number is None:
+            raise errors.TensordTypeError(
+                f"resize_(): argument 'size' failed to unpack the object at pos {position + 1} "
+                f'with error "type must be tuple of ints,but got {python_type_name(value)}"'
+            )
+        out.append(number)
+    return out
+
+
+def _as_size_int(value: Any) -> builtins.int | None:
+    if _is_int_like(value):
+        return builtins.int(value)
+    if isinstance(value, Tensor) and value.ndim == 0 and _is_integral(value.dtype):
+        return operator.index(value)
+    return None
+
+
+_SET_OVERLOADS = (
+    " * ()\n"
+    " * (torch.Storage source)\n"
+    " * (torch.Storage source, int storage_offset, tuple of ints size, tuple of ints stride = None)\n"
+    " * (Tensor source)\n"
+    " * (Tensor source, int storage_offset, tuple of ints size, tuple of ints stride = None)\n"
+)
+
+
+def _set_request(
+    handle: str, source: Any, storage_offset: Any, size: Any, stride: Any
+) -> pb.SetStorageRequest:
+    """set_'s overloads, as torch's parser picks one (its TypeError when none fits)."""
+    given = [a for a in (source, storage_offset, size, stride) if a is not _UNSET]
+    source, storage_offset, size, stride = (
+        None if a is _UNSET else a for a in (source, storage_offset, size, stride)
+    )
+    is_storage = isinstance(source, UntypedStorage) and source._tensor is not None
+    fits = not given
+    if isinstance(source, Tensor) or is_storage:
+        fits = (storage_offset is None and size is None and stride is None) or (
+            _is_int_like(storage_offset)
+            and _is_int_list(size)
+            and (stride is None or _is_int_list(stride))
+        )
+    if not fits:
+        got = ", ".join(python_type_name(a) for a in given)
+        if isinstance(source, UntypedStorage):
+            got = got.replace("UntypedStorage", "torch.storage.UntypedStorage", 1)
+        raise errors.TensordTypeError(
+            f"set_() received an invalid combination of arguments - got ({got}), but "
+            "expected one of:\n" + _SET_OVERLOADS
+        )
+    request = pb.SetStorageRequest(handle=handle)
+    if source is None:
+        return request
+    owner = source if isinstance(source, Tensor) else source._tensor
+    request.source = owner.handle
+    request.source_is_storage = is_storage
+    if size is not None:
+        request.storage_offset = builtins.int(storage_offset)
+        request.size.values.extend(builtins.int(n) for n in size)
+        if stride is not None:
+            request.stride.values.extend(builtins.int(n) for n in stride)
+    return request
+
+
+def _is_int_like(value: Any) -> builtins.bool:
+    return isinstance(value, (builtins.int, np.integer)) and not isinstance(value, builtins.bool)
+
+
+def _is_int_list(value: Any) -> builtins.bool:
+    return isinstance(value, Sequence) and all(_is_int_like(n) for n in value)
+
+
+def assign_data(tensor: Tensor, key: Any, data: Any) -> None:
+    """``tensor[key] = data`` where ``data`` may also be an array or a list, uploaded in
+    ``tensor``'s dtype (tensord.aio's ``await x.setitem(key, data)``; torch's own
+    ``__setitem__`` takes only tensors and numbers)."""
+    tensor._assign(key, data)
+
+
+def check_setitem_value(value: Any, dtype: DType, device_type: str) -> None:
+    """torch's valueToTensor: a tensor, a Python (or NumPy integer) int, a bool, a float or a
+    complex; NumPy float64/complex128 pass as subclasses of float/complex, other NumPy
+    scalars, arrays, lists and tuples raise its TypeError."""
+    if _is_tensor(value) or isinstance(
+        value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.integer)
+    ):
+        return
+    place = "" if device_type == "cpu" else f"{device_type}."
+    raise errors.TensordTypeError(
+        f"can't assign a {python_type_name(value)} to a torch.{place}{dtype.scalar_type}Tensor"
+    )
 
 
 def layout_of(tensor: Tensor) -> Layout:

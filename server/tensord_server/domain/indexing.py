@@ -22,6 +22,7 @@ coordinates (torch's own temporary) live in the pool, charged to the tenant like
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -397,8 +398,8 @@ def plan_index(
         )
     expanded.extend([None] * (len(shape) - len(expanded)))
     defined = [(d, c) for d, c in enumerate(expanded) if c is not None]
-    if not defined:  # only 0-dim masks in index_put_'s list (never from x[...])
-        raise NotImplementedError("tensord: index_put_ with only 0-dim masks is not supported")
+    if not defined:  # only 0-dim masks in aten's list (never from x[...]): no index at all
+        return Plan((None,) * len(shape), (), 0, shape, (), Layout.contiguous(shape).stride)
     try:
         common: tuple[int, ...] = tuple(broadcast_shapes(*(c.shape for _, c in defined)))
     except RuntimeError:
@@ -540,6 +541,22 @@ def _result_key(plan: Plan, key: tuple[Any, ...]) -> tuple[Any, ...]:
     return (slice(None),) * plan.before + tuple(key) + (Ellipsis,)  # ints alone: a 0-d view
 
 
+# What torch 2.13's CPU index kernels raise when aten's list held only 0-dim masks (their
+# expandTensors drops such a mask: no index is left), word for word, as the oracle does.
+NO_INDEX_ASSERT = (
+    'ntensor >= 3 INTERNAL ASSERT FAILED at "/__w/pytorch/pytorch/aten/src/ATen/native/cpu/'
+    'IndexKernelUtils.h":8, please report a bug to PyTorch. '
+)
+
+
+def check_some_index(plan: Plan) -> None:
+    """aten::index / index_put_ with no index left reach torch's kernel, which asserts; with
+    no elements its kernel never runs and the op does nothing."""
+    elements: int = math.prod(plan.shape)
+    if elements and not plan.defined:
+        raise RuntimeError(NO_INDEX_ASSERT)
+
+
 def indices_per_dim(
     indices: list[_Index | None], expanded: list[_Column | None]
 ) -> list[_Index | None]:
@@ -673,6 +690,12 @@ def check_masked_fill_mask(indices: list[_Index | None]) -> None:
         )
 
 
+def masked_fill_mask_value(array: ArrayOf, indices: list[_Index | None]) -> bool:
+    """The truth of masked_fill_'s single 0-dim mask (its expandTensors left no index)."""
+    (mask,) = (e.ref for e in indices if e is not None and e.ref is not None)
+    return bool(_scalar_value(array, mask))
+
+
 def check_put_source(
     dst: TensorRef, src: TensorRef, plan: Plan, raw: bool = False
 ) -> tuple[int, ...]:
@@ -774,9 +797,12 @@ class Indexing:
         ):
             ref, refs = held[0], dict(zip(extra, held[1:], strict=True))
             target, indices = sliced(self.ops.array, ref, items, refs, raw)
+            if op == "index_select":
+                kernels.check_kernel("index_select", ref.dtype)
             allocate = self._allocator(temporaries, session, ref.device)
             plan = planned(self.ops.array, self.ops.check_elements, allocate, target, indices, op)
             check_bounds(self.ops.array, plan, op)
+            check_some_index(plan)
             layout = Layout(plan.shape, plan.stride)
             with self.ops.allocated(
                 session, ref.device, layout, ref.dtype, ref.requires_grad
@@ -798,10 +824,13 @@ class Indexing:
         src_handle: str | None = None,
         accumulate: bool = False,
         raw: bool = False,
+        value_requires_grad: bool = False,
     ) -> Issued:
         """x[items] = value (a scalar or a tensor); x.index_put_(items, value, accumulate)
         with ``raw``.  Checks in torch's order: the scalar, the slicing, the masked_fill_
-        dispatch or the value's shape and dtype, then the indices' bounds."""
+        dispatch or the value's shape and dtype, then the indices' bounds.  A value that
+        requires grad (a tensor, or ``value_requires_grad`` for a scalar taken from one)
+        makes x's handle require grad, whatever its dtype, as torch's autograd does."""
         extra = tensor_handles(items)
         sources = () if src_handle is None else (src_handle,)
         with (
@@ -821,15 +850,23 @@ class Indexing:
                 check_masked_fill_mask(indices)
                 if src is not None:
                     value = kernels.to_host(self.ops.values(src)).reshape(()).item()
+                    value_requires_grad = value_requires_grad or src.requires_grad
+                    src = None  # masked_fill_(mask, value.item()): a scalar from here on
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
-                src = None
+                kernels.check_kernel("masked_fill", ref.dtype)
+                if not plan.defined:  # one 0-dim mask: all of x or none
+                    if masked_fill_mask_value(self.ops.array, indices):
+                        self.ops.fill(target, value)
+                    return self._written(session, handle, ref, src, value_requires_grad)
             elif src is None:
                 assert value is not None
                 source = scalar_source(xp, dst, value, ref.dtype)
             else:
                 shape = check_put_source(ref, src, plan, raw)
+            kernels.check_kernel("index_put", ref.dtype)
             check_bounds(self.ops.array, plan, "")
+            check_some_index(plan)
             if src is not None:
                 src = self._unaliased(temporaries, session, ref, src)
                 source = kernels.to_module(xp, self.ops.values(src)).reshape(shape)
@@ -845,4 +882,20 @@ class Indexing:
             # into a tensor with lazy bits: their stored form (conj / neg are involutions)
             source = kernels.apply_lazy_bits(xp, source, target.conj, target.neg)
             scatter(xp, self.ops.array, dst, source, plan, accumulate)
+            return self._written(session, handle, ref, src, value_requires_grad)
+
+    def _written(
+        self,
+        session: Session,
+        handle: str,
+        ref: TensorRef,
+        src: TensorRef | None,
+        value_requires_grad: bool,
+    ) -> Issued:
+        """x after an in-place write: it requires grad once its value did (torch's rule for
+        an in-place op; no autograd graph here, so only the flag)."""
+        if ref.requires_grad or not (value_requires_grad or (src and src.requires_grad)):
             return Issued(handle, ref)
+        flagged = dataclasses.replace(ref, requires_grad=True)
+        self.ops.sessions.replace(session, handle, flagged)
+        return Issued(handle, flagged)

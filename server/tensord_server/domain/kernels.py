@@ -48,7 +48,17 @@ _CXX_TYPE_NAMES = {
     "float64": "double",
     "complex64": "c10::complex<float>",
     "complex128": "c10::complex<double>",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
 }
+
+
+def check_kernel(op: str, dtype: DType) -> None:
+    """torch 2.13 has no kernel of ``op`` for its barebones unsigned dtypes (uint16/32/64):
+    its dispatch macro's NotImplementedError, word for word."""
+    if dtype in dtypes.BAREBONES_UNSIGNED:
+        raise NotImplementedError(f"\"{op}\" not implemented for '{dtype.scalar_type}'")
 
 
 # ---------------------------------------------------------------------------

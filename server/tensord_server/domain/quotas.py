@@ -150,6 +150,19 @@ class TenantLedger:
             self._peak[key] = max(self._peak.get(key, 0), held)
             assert quota is None or held <= quota.limit, (key, held, quota)
 
+    def grow(self, tenant: str, device: str, nbytes: int) -> None:
+        """A live Storage's charge changes by ``nbytes`` (resize_/set_ grew it; negative:
+        undone); ResourceExhaustedError (nothing charged) if over."""
+        quota = self.quotas.for_tenant(tenant, device)
+        key = (tenant, device)
+        with self._lock:
+            if quota is not None and nbytes > 0:
+                self._refuse_over(quota, tenant, device, nbytes)
+            held = self._bytes.get(key, 0) + nbytes
+            assert held >= 0, (key, held)
+            self._bytes[key] = held
+            self._peak[key] = max(self._peak.get(key, 0), held)
+
     def refund(self, tenant: str, device: str, nbytes: int) -> None:
         key = (tenant, device)
         with self._lock:

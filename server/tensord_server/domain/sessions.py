@@ -384,6 +384,18 @@ class SessionManager:
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
 
+    def replace(self, session: Session, handle: str, ref: TensorRef) -> TensorRef:
+        """The handle names ``ref`` from now on (an in-place op changed what it names: set_,
+        resize_, a write that made it require grad); other handles keep theirs.  Returns
+        what it named before."""
+        check_in_bounds(ref)
+        with self._lock:
+            old = self._lookup(session, handle)
+            self.storages.incref(ref.storage)
+            session.handles[handle] = ref
+        self.storages.decref(old.storage)
+        return old
+
     def check_room(self, session: Session, wanted: int) -> None:
         """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""
         with self._lock:

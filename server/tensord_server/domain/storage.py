@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensord.dtypes import DType
-from tensord.errors import InternalError, ResourceExhaustedError
+from tensord.errors import InternalError, PermissionDeniedError, ResourceExhaustedError
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device
@@ -335,6 +335,45 @@ class StorageRegistry:
             block = storage.block
         storage.device.pool.free(block)
 
+    def grow(self, storage: Storage, nbytes: int, tenant: str, own_holds: int = 1) -> None:
+        """``storage`` now has ``nbytes`` (more than it had): torch's resize_bytes_cpu.  Every
+        handle on it sees the larger Storage: its bytes are copied into a new block, the
+        rest zero-filled (torch leaves them uninitialised; a freed block may hold another
+        tenant's bytes), and it takes a new virtual address (torch's realloc moves its
+        data_ptr too).  The caller holds it ``own_holds`` times (its op); any other hold (a same-host
+        export, DLPack, another op using it right now) means its bytes may be read in
+        place, and it is refused as torch refuses a storage it does not own.  Only its own
+        tenant may grow it (the grown size is charged to the tenant it is charged to)."""
+        if storage.tenant != tenant:
+            raise PermissionDeniedError("a Storage shared by another tenant cannot be resized")
+        device = storage.device
+        delta = charge_for(nbytes) - storage.charge
+        self.ledger.precheck(storage.tenant, device.name, delta)
+        block = device.pool.malloc(nbytes, self.stream_of(storage.tenant))
+        try:
+            with self._lock:  # no hold can start while the bytes are copied and swapped
+                if storage.holds != own_holds:
+                    raise RuntimeError("Trying to resize storage that is not resizable")
+                new = device.backend.view(block.segment.memory, block.offset, nbytes)
+                _copy_grown(new, storage.raw())
+                self.ledger.grow(storage.tenant, device.name, delta)
+                try:
+                    address = self._addresses.take(nbytes)
+                except BaseException:
+                    self.ledger.grow(storage.tenant, device.name, -delta)
+                    raise
+                self._addresses.give_back(storage.address, storage.nbytes)
+                old, storage.block, storage.nbytes, storage.address = (
+                    storage.block,
+                    block,
+                    nbytes,
+                    address,
+                )
+        except BaseException:
+            device.pool.free(block)
+            raise
+        device.pool.free(old)
+
     @contextmanager
     def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
         """For compaction (the pool calls it holding its own lock): stops the world and yields
@@ -361,6 +400,12 @@ class StorageRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._storages)
+
+
+def _copy_grown(new: Any, old: Any) -> None:
+    """A grown Storage's bytes: the old ones first, zeros after (uint8 arrays of one device)."""
+    new[: old.shape[0]] = old
+    new[old.shape[0] :] = 0
 
 
 @dataclass(frozen=True, slots=True)

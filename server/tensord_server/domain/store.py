@@ -11,6 +11,7 @@ made on that state, and the store's methods of the same names delegate to them:
 ``copies.py``       clone, contiguous, reshape, to, repeat, cat, stack
 ``writes.py``       in-place writes: copy, fill, setitem
 ``factories.py``    empty, full, arange
+``resizing.py``     resize_, set_ (a handle re-pointed in place, a Storage grown)
 ``transfers.py``    upload and download of raw bytes
 ``sharing.py``      share tokens and names
 ``stats.py``        memory statistics, summary, snapshot, empty_cache
@@ -40,6 +41,7 @@ from tensord_server.domain.indexing import Indexing
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued, OpContext
 from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
+from tensord_server.domain.resizing import Resizing
 from tensord_server.domain.sessions import (
     DEFAULT_GRACE_S,
     DEFAULT_LEASE_S,
@@ -148,6 +150,7 @@ class TensorStore:
         self.copies = Copies(self.ops)
         self.writes = Writes(self.ops)
         self.indexing = Indexing(self.ops)
+        self.resizing = Resizing(self.ops)
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
@@ -355,7 +358,29 @@ class TensorStore:
         src_handle: str | None = None,
         accumulate: bool = False,
         raw: bool = False,
+        value_requires_grad: bool = False,
     ) -> Issued:
         return self.indexing.advanced_setitem(
-            session, handle, items, value, src_handle, accumulate, raw
+            session, handle, items, value, src_handle, accumulate, raw, value_requires_grad
+        )
+
+    # ---- resize, set_ (issue 14): in place on one handle -------------------------------
+
+    def resize(
+        self, session: Session, handle: str, size: Sequence[int], memory_format: str = ""
+    ) -> Issued:
+        return self.resizing.resize(session, handle, size, memory_format)
+
+    def set_storage(
+        self,
+        session: Session,
+        handle: str,
+        source: str = "",
+        source_is_storage: bool = False,
+        storage_offset: int | None = None,
+        size: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> Issued:
+        return self.resizing.set_storage(
+            session, handle, source, source_is_storage, storage_offset, size, stride
         )

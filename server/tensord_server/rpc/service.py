@@ -531,6 +531,31 @@ class TensordService:
                 src_handle=request.src_handle if is_tensor else None,
                 accumulate=request.accumulate,
                 raw=request.raw,
+                value_requires_grad=request.value_requires_grad,
+            )
+        )
+
+    # -- resize, set_ (issue 14) ----------------------------------------------------------
+
+    @_unary
+    def Resize(self, request: pb.ResizeRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(
+            self.store.resize(session, request.handle, list(request.size), request.memory_format)
+        )
+
+    @_unary
+    def SetStorage(self, request: pb.SetStorageRequest, context: Any) -> pb.TensorMeta:
+        session = self._session(context)
+        return encode_meta(
+            self.store.set_storage(
+                session,
+                request.handle,
+                request.source,
+                request.source_is_storage,
+                request.storage_offset if request.HasField("storage_offset") else None,
+                list(request.size.values) if request.HasField("size") else None,
+                list(request.stride.values) if request.HasField("stride") else None,
             )
         )
 

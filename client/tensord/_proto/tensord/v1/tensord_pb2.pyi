@@ -757,20 +757,48 @@ class AdvancedIndexRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., op: _Optional[str] = ...) -> None: ...
 
 class AdvancedSetItemRequest(_message.Message):
-    __slots__ = ("handle", "index", "raw", "scalar", "src_handle", "accumulate")
+    __slots__ = ("handle", "index", "raw", "scalar", "src_handle", "accumulate", "value_requires_grad")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     SCALAR_FIELD_NUMBER: _ClassVar[int]
     SRC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
     handle: str
     index: _containers.RepeatedCompositeFieldContainer[AdvancedIndexItem]
     raw: bool
     scalar: Scalar
     src_handle: str
     accumulate: bool
-    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ...) -> None: ...
+    value_requires_grad: bool
+    def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[AdvancedIndexItem, _Mapping]]] = ..., raw: _Optional[bool] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ..., accumulate: _Optional[bool] = ..., value_requires_grad: _Optional[bool] = ...) -> None: ...
+
+class ResizeRequest(_message.Message):
+    __slots__ = ("handle", "size", "memory_format")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    size: _containers.RepeatedScalarFieldContainer[int]
+    memory_format: str
+    def __init__(self, handle: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., memory_format: _Optional[str] = ...) -> None: ...
+
+class SetStorageRequest(_message.Message):
+    __slots__ = ("handle", "source", "source_is_storage", "storage_offset", "size", "stride")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IS_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    source: str
+    source_is_storage: bool
+    storage_offset: int
+    size: IntList
+    stride: IntList
+    def __init__(self, handle: _Optional[str] = ..., source: _Optional[str] = ..., source_is_storage: _Optional[bool] = ..., storage_offset: _Optional[int] = ..., size: _Optional[_Union[IntList, _Mapping]] = ..., stride: _Optional[_Union[IntList, _Mapping]] = ...) -> None: ...
 
 class ComplexView(_message.Message):
     __slots__ = ("op",)

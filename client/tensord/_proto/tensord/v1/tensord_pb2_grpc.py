@@ -224,6 +224,16 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
                 _registered_method=True)
+        self.Resize = channel.unary_unary(
+                '/tensord.v1.Tensord/Resize',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.ResizeRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
+        self.SetStorage = channel.unary_unary(
+                '/tensord.v1.Tensord/SetStorage',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.SetStorageRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
 
 
 class TensordServicer:
@@ -504,6 +514,22 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resize(self, request, context):
+        """resize, set_ (issue 14)
+        x.resize_(size, memory_format) in place: the same handle, a new layout; a Storage too
+        small grows (every handle on it sees the larger Storage, the old bytes kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetStorage(self, request, context):
+        """x.set_(...) in place: the handle now views the source's Storage (or a new empty one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensordServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -695,6 +721,16 @@ def add_TensordServicer_to_server(servicer, server):
             'AdvancedSetItem': grpc.unary_unary_rpc_method_handler(
                     servicer.AdvancedSetItem,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
+            ),
+            'Resize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resize,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.ResizeRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
+            ),
+            'SetStorage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetStorage,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.SetStorageRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
             ),
     }
@@ -1723,6 +1759,60 @@ class Tensord:
             target,
             '/tensord.v1.Tensord/AdvancedSetItem',
             tensord_dot_v1_dot_tensord__pb2.AdvancedSetItemRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Resize',
+            tensord_dot_v1_dot_tensord__pb2.ResizeRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetStorage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/SetStorage',
+            tensord_dot_v1_dot_tensord__pb2.SetStorageRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
             options,
             channel_credentials,

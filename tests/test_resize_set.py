@@ -1,0 +1,322 @@
+"""Issue 14: resize_, resize_as_, set_, is_same_size and is_set_to against torch 2.13.
+
+The handle changes in place (sizes, strides, offset, Storage), other handles keep their
+layouts, a Storage too small grows with its bytes kept and every handle on it sees it
+grown, and every error has torch's type and text.  The server's own rules: a grown
+Storage is charged to its tenant, refused while exported, bounded by --max-op-elements.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensord
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensord import dtypes
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch]
+
+HYPOTHESIS = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def outcome(op: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return "ok", op()
+    except Exception as e:  # the oracle's error, compared by type and text
+        return "error", e
+
+
+def assert_layout(x: tensord.Tensor, t: Any) -> None:
+    assert tuple(x.shape) == tuple(t.shape)
+    assert x.stride() == t.stride()
+    assert x.storage_offset() == t.storage_offset()
+    assert x.dtype == dtypes.from_torch(t.dtype)
+    assert x.requires_grad == t.requires_grad
+    assert x.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+
+
+def assert_values(x: tensord.Tensor, t: Any) -> None:
+    """Elements compared where torch's are defined (grown bytes are uninitialised there)."""
+    np.testing.assert_array_equal(x.detach().numpy(), t.detach().numpy())
+
+
+def both(x_op: Callable[[], Any], t_op: Callable[[], Any], first_line: bool = False) -> bool:
+    """Torch's op then ours: both succeed (True), or the same error type and text."""
+    kind, theirs = outcome(t_op)
+    if kind == "error":
+        with pytest.raises(Exception) as got:
+            x_op()
+        ours = got.value
+        assert isinstance(ours, type(theirs)), (ours, theirs)
+        assert isinstance(ours, tensord.TensordError)
+        text = str(theirs).split("\nException raised from")[0]
+        if first_line:
+            assert str(ours).splitlines()[0] == text.splitlines()[0]
+        else:
+            assert str(ours) == text
+        return False
+    x_op()
+    return True
+
+
+# ---- resize_ ------------------------------------------------------------------------
+
+
+@HYPOTHESIS
+@given(data=st.data())
+def test_resize_matches_torch(client: tensord.Client, data: st.DataObject) -> None:
+    n = data.draw(st.integers(0, 12))
+    start = data.draw(st.integers(0, n))
+    ndim = data.draw(st.integers(0, 4))
+    size = tuple(data.draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
+    transposed = data.draw(st.booleans())
+    fmt = data.draw(st.sampled_from((None, None, "contiguous_format", "channels_last")))
+    base_t, base_x = torch.arange(float(n)), client.arange(float(n))
+    t, x = base_t[start:], base_x[start:]
+    if transposed and n - start >= 6:
+        t, x = t[:6].view(2, 3).t(), x[:6].view(2, 3).t()
+        size = data.draw(st.sampled_from((size, (3, 2))))  # the same size keeps strides
+    kwargs_t = {} if fmt is None else {"memory_format": getattr(torch, fmt)}
+    kwargs_x = {} if fmt is None else {"memory_format": getattr(tensord, fmt)}
+    before = t.detach().clone()
+    if both(lambda: x.resize_(*size, **kwargs_x), lambda: t.resize_(*size, **kwargs_t)):
+        assert_layout(x, t)
+        # the bytes the old layout had are kept; the base keeps its layout
+        assert_values(base_x, base_t)
+        kept = min(before.numel(), t.numel())
+        if t.is_contiguous() and before.is_contiguous():
+            assert_values(x.reshape(-1)[:kept], t.reshape(-1)[:kept])
+    else:
+        assert_values(base_x, base_t)
+
+
+RESIZE_CASES: list[Callable[[Any, Any], Any]] = [
+    lambda m, y: y.resize_(),
+    lambda m, y: y.resize_(-1),
+    lambda m, y: y.resize_(2, -3),
+    lambda m, y: y.resize_(2**47, 2**14),  # bytes past int64 (sizes within the wire's bound)
+    lambda m, y: y.resize_(2**40, 2**40),
+    lambda m, y: y.resize_(2.0),
+    lambda m, y: y.resize_("a"),
+    lambda m, y: y.resize_(None),
+    lambda m, y: y.resize_(2, "a"),
+    lambda m, y: y.resize_((2, 3.0)),
+    lambda m, y: y.resize_([2, 3]),
+    lambda m, y: y.resize_(m.Size([2, 3])) if hasattr(m, "Size") else y.resize_((2, 3)),
+    lambda m, y: y.resize_(m.tensor(3)),
+    lambda m, y: y.resize_(m.tensor([2, 3])),
+    lambda m, y: y.resize_(np.int64(2)),
+    lambda m, y: y.resize_(()),
+    lambda m, y: y.resize_(2, 3, memory_format=m.preserve_format),
+    lambda m, y: y.resize_(2, 3, memory_format=m.channels_last),
+    lambda m, y: y.resize_(1, 2, 3, 1, memory_format=m.channels_last),
+    lambda m, y: y.resize_(1, 2, 3, 1, 1, memory_format=m.channels_last_3d),
+    lambda m, y: y.resize_(2, memory_format=3),
+    lambda m, y: y.requires_grad_().resize_(6),
+    lambda m, y: y.requires_grad_().resize_(7),
+    lambda m, y: y.resize_as_(m.zeros(2, 5)),
+    lambda m, y: y.resize_as_(m.zeros(3, 2).t()),
+    lambda m, y: y.resize_as_(m.zeros(1, 2, 3, 1).contiguous(memory_format=m.channels_last)),
+    lambda m, y: y.resize_as_(m.zeros(1, 2, 3, 1), memory_format=m.channels_last),
+    lambda m, y: y.resize_as_(
+        m.zeros(1, 2, 3, 1).contiguous(memory_format=m.channels_last),
+        memory_format=m.preserve_format,
+    ),
+    lambda m, y: y.resize_as_(m.zeros(2, 5, dtype=m.int64)),
+    lambda m, y: y.resize_as_([2, 5]),
+    lambda m, y: y.expand(2, 6).resize_(2, 6),  # the same size: the layout kept
+    lambda m, y: y.expand(2, 6).resize_(13),
+]
+
+
+class Ours:
+    """The tensord side of a case written once for both: the client's factories and
+    tensord's names under torch's (``m.zeros(3)``, ``m.int64``)."""
+
+    def __init__(self, client: tensord.Client) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name, None) or getattr(tensord, name)
+
+
+@pytest.mark.parametrize("case", range(len(RESIZE_CASES)))
+def test_resize_cases_match_torch(client: tensord.Client, case: int) -> None:
+    t, x = torch.arange(6.0), client.arange(6.0)
+    results: dict[str, Any] = {}
+
+    def ours() -> None:
+        results["x"] = RESIZE_CASES[case](Ours(client), x)
+
+    def theirs() -> None:
+        results["t"] = RESIZE_CASES[case](torch, t)
+
+    if both(ours, theirs):
+        assert results["x"] is not None
+        assert_layout(results["x"], results["t"])
+
+
+def test_resize_grows_the_storage_every_handle_sees_and_keeps_the_bytes(
+    client: tensord.Client,
+) -> None:
+    base = client.arange(6.0)
+    view = base[2:4]
+    pointer = base.data_ptr()
+    grown = base.resize_(3, 4)
+    assert grown is base and base.shape == (3, 4) and base.stride() == (4, 1)
+    assert base.data_ptr() != pointer  # a new allocation, as torch's realloc
+    assert base.reshape(-1)[:6].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert view.shape == (2,) and view.storage_offset() == 2  # other handles: their layout
+    view.fill_(9.0)  # ... on the grown Storage: the write lands in base
+    assert base.reshape(-1)[:6].tolist() == [0.0, 1.0, 9.0, 9.0, 4.0, 5.0]
+    view.resize_(10)  # growing from a view at offset 2: 12 elements needed, 12 there
+    assert base.untyped_storage().nbytes() == 48
+    view.resize_(11)  # 13 elements: grows again, base sees it on its next metadata refresh
+    assert view.untyped_storage().nbytes() == 52
+    assert base.reshape(-1).tolist()[:6] == [0.0, 1.0, 9.0, 9.0, 4.0, 5.0]
+
+
+# ---- set_ -----------------------------------------------------------------------------
+
+
+SET_CASES: list[Callable[[Any, Any, Any], Any]] = [
+    lambda m, y, s: y.set_(),
+    lambda m, y, s: y.set_(s.view(3, 4).t()),
+    lambda m, y, s: y.set_(s[3:].view(3, 3)),
+    lambda m, y, s: y.set_(s.to(m.int64)),
+    lambda m, y, s: y.set_(s.untyped_storage()),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0),
+    lambda m, y, s: y.set_(s.untyped_storage(), 2, (3,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 2, (3, 2), (1, 3)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 2, [3, 2], [1, 3]),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (13,)),  # grows s's Storage
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (4,), (4,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), -1, (4,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (-1,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (2, 2), (1,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), -1, (3, 2), (1,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (2,), (-1,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 100, (0,)),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (2,), ()),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, (2,), stride=(2,)),
+    lambda m, y, s: y.set_(source=s.untyped_storage(), storage_offset=1, size=(2,), stride=(2,)),
+    lambda m, y, s: y.set_(s, 1, (3,), (2,)),
+    lambda m, y, s: y.set_(s.to(m.int64), 0, (3,)),
+    lambda m, y, s: y.to(m.float64).set_(s.untyped_storage()),
+    lambda m, y, s: y.to(m.float64).set_(s.untyped_storage(), 1, (2, 2)),
+    lambda m, y, s: y.set_(s.clone().requires_grad_()),
+    lambda m, y, s: y.requires_grad_().set_(s),
+    lambda m, y, s: y.requires_grad_().set_(),
+    lambda m, y, s: y.set_(s, 1),
+    lambda m, y, s: y.set_([1, 2]),
+    lambda m, y, s: y.set_(s.untyped_storage(), 0, None),
+    lambda m, y, s: y.view(2, 1).t().set_(s.untyped_storage(), 4, (1, 2)),  # strides kept
+]
+
+
+@pytest.mark.parametrize("case", range(len(SET_CASES)))
+def test_set_cases_match_torch(client: tensord.Client, case: int) -> None:
+    t, x = torch.zeros(2), client.zeros(2)
+    s_t, s_x = torch.arange(12.0), client.arange(12.0)
+    results: dict[str, Any] = {}
+
+    def ours() -> None:
+        results["x"] = SET_CASES[case](Ours(client), x, s_x)
+
+    def theirs() -> None:
+        results["t"] = SET_CASES[case](torch, t, s_t)
+
+    if both(ours, theirs, first_line=True):
+        y, r = results["x"], results["t"]
+        assert_layout(y, r)
+        if r.untyped_storage().data_ptr() == s_t.untyped_storage().data_ptr():
+            assert y.untyped_storage().storage_id == s_x.untyped_storage().storage_id
+            if r.untyped_storage().nbytes() == 48:  # grown bytes: uninitialised in torch
+                assert_values(y, r)  # the source's elements, seen through the new layout
+        assert y.is_set_to(s_x) == r.is_set_to(s_t)
+
+
+def test_set_changes_this_handle_only(client: tensord.Client) -> None:
+    x = client.zeros(2)
+    other = x.view(2, 1)
+    source = client.arange(12.0)
+    assert x.set_(source.view(3, 4)) is x
+    assert x.is_set_to(source.view(3, 4)) and not x.is_set_to(source)
+    assert x.untyped_storage().storage_id == source.untyped_storage().storage_id
+    assert other.shape == (2, 1) and other.tolist() == [[0.0], [0.0]]
+    x[0, 0] = 100.0  # writes through the shared Storage
+    assert source[0].item() == 100.0
+    x.set_()
+    assert x.shape == (0,) and x.untyped_storage().nbytes() == 0 and x.data_ptr() == 0
+
+
+def test_sizes_past_the_wire_bound_are_refused_before_torch_would_overflow(
+    client: tensord.Client,
+) -> None:
+    x = client.arange(6.0)
+    for size in ((2**62,), (2**61, 2)):
+        with pytest.raises(tensord.InvalidArgumentError, match="is outside"):
+            x.resize_(*size)
+    assert x.shape == (6,)
+
+
+def test_is_same_size_and_is_set_to_match_torch(client: tensord.Client) -> None:
+    x, t = client.zeros(2, 3), torch.zeros(2, 3)
+    assert x.is_same_size(client.ones(2, 3, dtype=tensord.int64))
+    assert not x.is_same_size(client.ones(3, 2))
+    assert x.is_set_to(x) and x[:].is_set_to(x) and not x.t().is_set_to(x)
+    assert x.view(tensord.int32).is_set_to(x) == t.view(torch.int32).is_set_to(t)
+    assert not client.zeros(0).is_set_to(client.zeros(0))
+    for method, arg in (("is_same_size", [2, 3]), ("is_set_to", [1])):
+        both(lambda m=method, a=arg: getattr(x, m)(a), lambda m=method, a=arg: getattr(t, m)(a))
+
+
+# ---- the server's rules for growing a Storage --------------------------------------------
+
+
+def test_growth_is_bounded_by_max_op_elements_and_charged(make_server: Any) -> None:
+    server = make_server(max_op_elements=1000)
+    with tensord.connect(server.address) as client:
+        x = client.zeros(10)
+        with pytest.raises(tensord.ResourceExhaustedError):
+            x.resize_(2000)
+        assert x.shape == (10,) and x.untyped_storage().nbytes() == 40  # unchanged
+        with pytest.raises(tensord.ResourceExhaustedError):
+            x.set_(x.untyped_storage(), 0, (2000,))
+        before = server.daemon.storages.ledger.usage("", "cpu")
+        x.resize_(1000)
+        after = server.daemon.storages.ledger.usage("", "cpu")
+        assert after.current == before.current - 512 + 4096  # charged as the pool rounds
+        assert after.storages == before.storages
+
+
+def test_growth_of_an_exported_storage_is_refused(client: tensord.Client) -> None:
+    x = client.arange(4.0)
+    held = np.from_dlpack(x)  # a same-host DLPack export holds the Storage in place
+    with pytest.raises(RuntimeError, match="Trying to resize storage that is not resizable"):
+        x.resize_(100)
+    x.resize_(2)  # shrinking needs no new bytes: allowed, as torch's
+    assert held.tolist() == [0.0, 1.0, 2.0, 3.0]
+    del held
+
+
+def test_grown_bytes_are_zeros_never_a_freed_blocks_bytes(client: tensord.Client) -> None:
+    # torch leaves them uninitialised; here a freed block may hold another tenant's bytes
+    client.full((64,), 5.0).tolist()  # a block that held fives, freed
+    x = client.full((3,), 7.0)
+    x.resize_(64)
+    assert x.tolist() == [7.0] * 3 + [0.0] * 61

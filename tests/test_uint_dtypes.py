@@ -1,0 +1,157 @@
+"""Issue 14: torch's barebones unsigned dtypes (uint16, uint32, uint64) against torch 2.13.
+
+torch has storage, views, conversions and copies for them, few kernels (arange,
+index_put, index_select, masked_fill, masked_select raise NotImplementedError) and no
+promotion but with a floating dtype: every case runs on both sides and must give the
+same dtype, shape and values, or the same error type and text.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensord
+from tensord import dtypes
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch]
+
+UNSIGNED = ["uint16", "uint32", "uint64"]
+
+
+class Ours:
+    """The tensord side of a case: the client's factories, tensord's names."""
+
+    def __init__(self, client: tensord.Client) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name, None) or getattr(tensord, name)
+
+
+def outcome(op: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return "ok", op()
+    except Exception as e:  # the oracle's error, compared by type and text
+        return "error", e
+
+
+def as_python(value: Any) -> Any:
+    if isinstance(value, tensord.Tensor):
+        return (value.dtype.name, tuple(value.shape), value.stride(), value.tolist())
+    if _is_torch(value):
+        return (
+            str(value.dtype).removeprefix("torch."),
+            tuple(value.shape),
+            value.stride(),
+            value.tolist(),
+        )
+    if isinstance(value, (dtypes.DType,)):
+        return value.name
+    return str(value).removeprefix("torch.")
+
+
+def _is_torch(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+CASES: list[Callable[[Any, Any], Any]] = [
+    lambda m, d: m.zeros(2, 3, dtype=d),
+    lambda m, d: m.ones(2, dtype=d),
+    lambda m, d: m.full((2,), 7, dtype=d),
+    lambda m, d: m.full((2,), -1, dtype=d),  # wraps, as C++
+    lambda m, d: m.full((2,), 1.5, dtype=d),
+    lambda m, d: m.full((2,), 2**40, dtype=d),
+    lambda m, d: m.tensor([1, 2], dtype=d),
+    lambda m, d: m.tensor([-1], dtype=d),
+    lambda m, d: m.tensor([2**64 - 1], dtype=d),
+    lambda m, d: m.tensor([2**64], dtype=d),
+    lambda m, d: m.tensor([1.5, 2.0], dtype=d),
+    lambda m, d: m.tensor([-1.0], dtype=d),
+    lambda m, d: m.tensor([[True, False]], dtype=d),
+    lambda m, d: m.arange(3, dtype=d),
+    lambda m, d: m.from_numpy(np.arange(5, dtype=dtypes.dtype_from_name(str(d)).numpy_dtype)),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).view(3, 1).t(),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).view(m.uint8),
+    lambda m, d: m.tensor([1, 2, 3, 4], dtype=d).view(m.int16),
+    lambda m, d: m.tensor([1, 2], dtype=m.int64).view(d),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).clone(),
+    lambda m, d: m.tensor([[1, 2, 3]], dtype=d).t().contiguous(),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).to(m.float32),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).to(m.int64),
+    lambda m, d: m.tensor([0, 2], dtype=d).to(m.bool),
+    lambda m, d: m.tensor([1, 2], dtype=d).to(m.complex64),
+    lambda m, d: m.tensor([1, 2], dtype=d).to(m.bfloat16),
+    lambda m, d: m.tensor([1.5, -1.0, 70000.0]).to(d),
+    lambda m, d: m.tensor([-1, 70000]).to(d),
+    lambda m, d: m.tensor([1, 2], dtype=d).to(m.uint16 if d is not m.uint16 else m.uint32),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).fill_(5),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).fill_(-1),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).fill_(2**40),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).copy_(m.tensor([1.0, 2.0, 3.0])),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d)[[0, 2]],
+    lambda m, d: m.tensor([1, 2, 3], dtype=d)[m.tensor([True, False, True])],
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).index_select(0, m.tensor([0])),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).masked_select(m.tensor([True, False, True])),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).masked_fill_(m.tensor([True, False, True]), 4),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).index_put_(
+        (m.tensor([0, 0]),), m.tensor([1, 1], dtype=d), True
+    ),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).__setitem__([0, 1], 9),
+    lambda m, d: m.tensor([1, 2, 3], dtype=d).__setitem__(slice(0, 2), 9),
+    lambda m, d: m.cat([m.tensor([1], dtype=d), m.tensor([2], dtype=d)]),
+    lambda m, d: m.cat([m.tensor([1], dtype=d), m.tensor([2.0])]),
+    lambda m, d: m.cat([m.tensor([1], dtype=d), m.tensor([2])]),
+    lambda m, d: m.stack([m.tensor([1], dtype=d), m.tensor([2], dtype=d)]),
+    lambda m, d: m.tensor([1, 2], dtype=d).repeat(2, 1),
+    lambda m, d: m.tensor([7], dtype=d)[0].item(),
+    lambda m, d: m.promote_types(d, m.float16),
+    lambda m, d: m.promote_types(m.float64, d),
+    lambda m, d: m.promote_types(d, m.int64),
+    lambda m, d: m.promote_types(m.bool, d),
+    lambda m, d: m.promote_types(d, m.complex64),
+    lambda m, d: m.promote_types(d, d),
+]
+
+
+@pytest.fixture(scope="module")
+def unpipelined(server: Any) -> Any:
+    """One RPC per op: a write's error is raised by the write itself, as torch's."""
+    with tensord.connect(server.address, pipelining=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("name", UNSIGNED)
+def test_unsigned_dtypes_match_torch(unpipelined: tensord.Client, name: str, case: int) -> None:
+    client = unpipelined
+    kind, theirs = outcome(lambda: CASES[case](torch, getattr(torch, name)))
+    if kind == "error":
+        with pytest.raises(Exception) as got:
+            CASES[case](Ours(client), getattr(tensord, name))
+        ours = got.value
+        assert isinstance(ours, type(theirs)), (ours, theirs)
+        assert str(ours) == str(theirs).split("\nException raised from")[0]
+        return
+    ours = CASES[case](Ours(client), getattr(tensord, name))
+    assert as_python(ours) == as_python(theirs)
+
+
+@pytest.mark.parametrize("name", UNSIGNED)
+def test_unsigned_numpy_and_dlpack_round_trip(client: tensord.Client, name: str) -> None:
+    values = np.array([0, 1, np.iinfo(name).max], dtype=name)
+    x = client.tensor(values)
+    assert x.dtype is getattr(tensord, name)
+    assert x.numpy().dtype == values.dtype
+    np.testing.assert_array_equal(x.numpy(), values)
+    np.testing.assert_array_equal(np.from_dlpack(x), values)
+    t = torch.from_dlpack(x)
+    assert t.dtype is getattr(torch, name) and t.tolist() == values.tolist()
+    assert repr(x).replace("tensord.", "torch.") == repr(torch.from_numpy(values))
+    assert client.tensor(torch.from_numpy(values)).tolist() == values.tolist()
