@@ -366,8 +366,7 @@ WRITES: list[tuple[str, Callable[[Any, Any], Any]]] = [
         lambda v, src: v.__setitem__((0, slice(1, None)), 7 - 1j if v.dtype.is_complex else 7.0),
     ),
     ("setitem tensor", lambda v, src: v.__setitem__(1, src[0])),
-    ("setitem list", lambda v, src: v.__setitem__(0, plain_row(v, [1, 2, 3]))),
-    ("setitem ndarray", lambda v, src: v.__setitem__(0, plain_row(v, np.array([1, 2, 3])))),
+    ("setitem uploaded row", lambda v, src: v.__setitem__(0, plain_row(v, [1, 2, 3]))),
     ("advanced setitem", lambda v, src: v.__setitem__((slice(None), [2, 0]), src[:, :2])),
     ("index_put_ accumulate", lambda v, src: v.index_put_((index_of(v, [1, 1]),), src[0], True)),
     ("masked_fill_", lambda v, src: v.masked_fill_(mask_of(v), 2.0)),
@@ -376,8 +375,10 @@ WRITES: list[tuple[str, Callable[[Any, Any], Any]]] = [
 
 
 def plain_row(v: Any, row: Any) -> Any:
-    """A list or an array for the SDK; torch's setitem takes only tensors (of v's dtype)."""
-    return row if isinstance(v, tensord.Tensor) else torch.tensor(np.asarray(row), dtype=v.dtype)
+    """A row as a tensor of v's dtype (torch's setitem takes only tensors and numbers)."""
+    if isinstance(v, tensord.Tensor):
+        return v.client.tensor(np.asarray(row)).to(v.dtype)
+    return torch.tensor(np.asarray(row), dtype=v.dtype)
 
 
 def mask_of(v: Any) -> Any:

@@ -142,7 +142,10 @@ def _cast(array: np.ndarray, dtype: DType) -> np.ndarray | None:
             wide = array.astype(np.complex128 if kind == "c" else np.float64)
             if dtype.itemsize == 2:  # c10::Half and BFloat16 are made from a float, not a double
                 wide = wide.astype(np.float32)
-            return np.asarray(wide.astype(target))
+            out = np.asarray(wide.astype(target))
+            if dtype is dtypes.bfloat16:  # c10's round_to_nearest_even: every NaN is 0x7FC0
+                out.view(np.uint16)[np.isnan(wide)] = 0x7FC0
+            return out
     if kind == "i":
         low, high = _int_range(dtype)
         if array.size and (int(array.min()) < low or int(array.max()) > high):
