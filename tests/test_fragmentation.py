@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -22,6 +24,9 @@ from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace
 from tensord_server.devices.memory import HostBackend
+from tensord_server.domain.compactor import BackgroundCompactor
+from tensord_server.domain.storage import Storage
+from tensord_server.domain.store import TensorStore
 from tensord_server.pool import POLICIES, Block, CachingPool, PoolPolicy, policy_named
 from tensord_server.tools import replay as replay_tool
 from tensord_server.tools.replay import COMPARED_KEYS, load_trace, replay
@@ -221,3 +226,144 @@ def test_replay_at_1_01x_peak_has_no_oom_under_the_default_policy(
     assert torch_rules["policy"] == "pytorch" and torch_rules["compaction"] is False
     assert isinstance(torch_rules["num_ooms"], int) and torch_rules["num_ooms"] > 0
     assert torch_rules["num_compactions"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Compaction after a free, in the background (issue 18)
+
+# adaptive, compacting whatever the slack, with no pause between moves (so only stepping
+# aside lets a waiting request through): the after-free path on a small device
+BACKGROUND = dataclasses.replace(
+    policy_named("adaptive"),
+    name="background",
+    min_slack=0,
+    compact_every=1,
+    background_bytes_per_s=1 << 62,
+)
+WAIT_LIMIT_S = 10.0  # every wait below ends well before this unless something is broken
+
+
+def wait_until(condition: Callable[[], bool], limit: float = WAIT_LIMIT_S) -> bool:
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def waiters(store: TensorStore) -> int:
+    """Threads blocked on the registry's or a pool's lock (0 where locks do not count them)."""
+    pools = sum(getattr(d.pool, "lock_waiters", 0) for d in store.devices)
+    return int(getattr(store.storages, "lock_waiters", 0)) + pools
+
+
+def kept(store: TensorStore, nbytes: int, seed: int) -> tuple[Storage, bytes]:
+    """A live, unheld Storage of ``nbytes`` random bytes (as a handle keeps one)."""
+    storage = store.storages.allocate(store.device("cpu"), nbytes)
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8).tobytes()
+    storage.write(0, data)
+    store.storages.incref(storage)
+    store.storages.release_hold(storage)
+    return storage, data
+
+
+def two_segments_one_to_empty(store: TensorStore) -> dict[int, tuple[Storage, bytes]]:
+    """Two 20 MiB segments of five 4 MiB Storages; three freed from the first and two from
+    the second leave reserved/allocated at 2.0, and the first segment's two Storages fit
+    the second's 8 MiB hole: two moves release a segment."""
+    storages = {i: kept(store, 4 * MiB, seed=i) for i in range(10)}
+    for i in (0, 1, 2, 8, 9):
+        store.storages.decref(storages.pop(i)[0])
+    return storages
+
+
+def test_a_request_waits_for_at_most_one_background_move() -> None:
+    """The compaction a free starts runs one Storage per lock acquisition and steps aside
+    while a request waits: a malloc arriving during a move waits for that move only (on
+    the freeing call, it waited for the whole compaction)."""
+    store = TensorStore(["cpu=256MiB"])
+    store.start()
+    try:
+        pool = store.device("cpu").pool
+        pool.policy = BACKGROUND
+        copies_done = 0
+        seen_by_request: list[int] = []
+        request_started = threading.Event()
+        real_copy = pool.backend.copy
+
+        def request() -> None:
+            request_started.set()
+            storage = store.storages.allocate(store.device("cpu"), 1 << 10)
+            seen_by_request.append(copies_done)  # moves finished while it waited
+            store.storages.release_hold(storage)
+
+        def copy_during_which_a_request_comes(*args: object) -> None:
+            nonlocal copies_done
+            if not request_started.is_set():
+                threading.Thread(target=request, daemon=True).start()
+                # until it waits for a lock this move holds (the registry's, for its stream;
+                # locks without waiter counts: give it time to get there)
+                if not wait_until(lambda: waiters(store) > 0, 0.3):
+                    assert not hasattr(pool, "lock_waiters"), "the request never waited"
+            real_copy(*args)
+            copies_done += 1
+
+        pool.backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
+        live = two_segments_one_to_empty(store)
+        assert wait_until(lambda: copies_done == 2 and bool(seen_by_request))
+        assert wait_until(lambda: pool.memory_stats()["segment.large_pool.current"] == 1)
+        assert seen_by_request == [1]  # the move in progress, not the one after it
+        for storage, data in live.values():
+            assert bytes(storage.raw()) == data
+        pool.assert_invariants()
+    finally:
+        store.close()
+    # shut down: the thread is gone and frees compact on their own call again
+    assert not store.compactor.running and pool.compaction_wanted is None
+
+
+def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
+    """Deterministic: while ``contended()`` says a request waits, the compactor polls and
+    moves nothing; it finishes the compaction once nobody waits."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    for i in range(10):
+        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+    for i in (0, 1, 2, 8, 9):
+        owner.contents.pop(f"s{i}")
+        pool.free(owner.blocks.pop(f"s{i}"))
+    assert pool.compaction_excess() > 0
+    copies = 0
+    waiting = False
+    polls = 0
+    real_copy = backend.copy
+
+    def copy_during_which_a_request_comes(*args: object) -> None:
+        nonlocal copies, waiting
+        real_copy(*args)
+        copies += 1
+        waiting = True
+
+    def contended() -> bool:
+        nonlocal polls
+        polls += 1
+        return waiting
+
+    backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
+    compactor = BackgroundCompactor([pool], contended)
+    drained: list[int] = []
+    thread = threading.Thread(target=lambda: drained.append(compactor.drain(pool)))
+    thread.start()
+    try:
+        assert wait_until(lambda: polls >= 5)  # stepping aside, several looks
+        assert copies == 1 and not drained
+    finally:
+        waiting = False
+        thread.join(WAIT_LIMIT_S)
+    assert drained == [8 * MiB] and copies == 2 and compactor.moves == 2
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.assert_invariants()
+    owner.check_bytes()

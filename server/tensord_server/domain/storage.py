@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import functools
 import secrets
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from tensord.layout import Layout
 from tensord_server.devices.table import Device
 from tensord_server.domain import limits
 from tensord_server.domain.quotas import TenantLedger
-from tensord_server.pool import Block, CachingPool, round_size
+from tensord_server.pool import Block, CachingPool, CountingLock, round_size
 
 # The first virtual address handed out (non-zero, like a real pointer) and the alignment
 # of each one (torch's allocators align blocks to 512 B).
@@ -177,8 +176,9 @@ class StorageRegistry:
 
     def __init__(self, ledger: TenantLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else TenantLedger()
-        # guards _storages, every Storage's refs, holds and block, and the ledger's changes
-        self._lock = threading.Lock()
+        # guards _storages, every Storage's refs, holds and block, and the ledger's changes;
+        # counts its waiters: the background compactor moves only while nobody waits
+        self._lock = CountingLock()
         self._storages: dict[str, Storage] = {}
         self._addresses = AddressSpace()  # data_ptrs: unique among live Storages, reused after
         # tenant -> its pool stream: blocks are only reused and segments only split on
@@ -208,6 +208,11 @@ class StorageRegistry:
             device.pool.free(block)
             raise
         return storage
+
+    @property
+    def lock_waiters(self) -> int:
+        """Threads blocked on the registry's lock now (the background compactor steps aside)."""
+        return self._lock.waiting
 
     def stream_of(self, tenant: str) -> int:
         """The tenant's stable pool stream key (0 for "", then 1, 2... in order of first use)."""

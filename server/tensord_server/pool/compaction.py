@@ -239,6 +239,11 @@ class MoveTarget(Protocol):
         address, or None when the device has no room."""
         ...
 
+    def free_segment_size(self, address: int) -> int | None:
+        """The size of the segment at ``address`` when it is one whole free block that may
+        go back to the device now; None otherwise (blocks allocated, or released already)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
@@ -283,6 +288,37 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
     for address in plan.evacuated:
         target.release_segment(address)
     return CompactionResult(plan, moved)
+
+
+def compact_step(
+    target: MoveTarget, relocator: Relocator, pool: Any, needed: int
+) -> CompactionResult:
+    """One step of a compaction nobody waits for (the background compactor's): plan as
+    :func:`compact` does, within ``target.max_moved``, but run only the plan's first move
+    (one Storage), then release the planned segments that are wholly free by now.  The
+    next step plans again from the pool as it is then, so the world runs between moves;
+    the plan puts the least-used segment first, so successive steps keep emptying it.
+    A result with neither moves nor released segments: nothing was left to do."""
+    with relocator.relocation(pool) as movable:
+        plan = plan_compaction(
+            target.candidate_segments(movable),
+            needed,
+            target.max_split_size,
+            max_moved=target.max_moved,
+        )
+        if plan.empty:
+            return CompactionResult(plan, 0)
+        first = plan.moves[:1]
+        moved = sum(execute_move(target, move, movable) for move in first)
+    # the world runs again: the emptied segments are the pool's alone (its lock is held)
+    emptied = []
+    for address in plan.evacuated:
+        size = target.free_segment_size(address)
+        if size is not None:
+            target.release_segment(address)
+            emptied.append((address, size))
+    step = CompactionPlan(first, tuple(a for a, _ in emptied), sum(size for _, size in emptied))
+    return CompactionResult(step, moved)
 
 
 def repacked_size(segment: SegmentUsage) -> int:

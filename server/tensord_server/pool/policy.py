@@ -13,8 +13,11 @@ what the pool does *besides*:
   back whole idle cached segments (torch's garbage_collection_threshold idea, for a
   pool other programs share; torch only gives memory back on OOM or empty_cache);
 - ``compact_threshold``: after a free, when reserved / allocated still exceeds it,
-  compact until it no longer does (not only on OOM), at most ``max_moved_bytes`` per
-  compaction and once per ``compact_every`` frees, so no free waits long;
+  compact until it no longer does (not only on OOM).  With a background compactor
+  (``tensord serve``: ``tensord_server.domain.compactor``) the free only wakes it, and
+  it moves one Storage per lock acquisition, at most ``max_moved_bytes`` per wake-up and
+  ``background_bytes_per_s`` on average; without one (a replay) the freeing call
+  compacts, at most ``max_moved_bytes`` once per ``compact_every`` frees;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last two
   acts (a pool that close to its allocation is tight already).
 """
@@ -36,6 +39,7 @@ class PoolPolicy:
     min_slack: int = 16 * MiB
     max_moved_bytes: int = 256 * MiB
     compact_every: int = 16
+    background_bytes_per_s: int = 1024 * MiB
 
     @property
     def acts_after_free(self) -> bool:
