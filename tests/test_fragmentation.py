@@ -367,3 +367,78 @@ def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
     assert pool.memory_stats()["segment.all.current"] == 1
     pool.assert_invariants()
     owner.check_bytes()
+
+
+class LockedRelocator(HoldingRelocator):
+    """A HoldingRelocator whose relocation stops the world, as the registry's does: the
+    test thread reads, holds and drops blocks under the same lock."""
+
+    def __init__(self, backend: HostBackend) -> None:
+        super().__init__(backend)
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+        with self.lock, super().relocation(pool) as movable:
+            yield movable
+
+
+@settings(
+    derandomize=True,
+    database=None,
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=ops)
+def test_random_sequences_with_the_compactor_running_keep_invariants_and_bytes(
+    steps: list[tuple[str, int]],
+) -> None:
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = LockedRelocator(backend)
+    policy = dataclasses.replace(BACKGROUND, background_min_slack=0)
+    pool = CachingPool(backend, capacity=40 * MiB, relocator=owner, policy=policy)
+    compactor = BackgroundCompactor([pool], lambda: pool.lock_waiters > 0)
+    compactor.start()
+    names = itertools.count()
+    try:
+        for action, value in steps:
+            with owner.lock:
+                live = sorted(owner.blocks)
+                held_before = {n: owner.blocks[n] for n in owner.held}
+            if action == "alloc":
+                try:
+                    block = pool.malloc(value)
+                except OutOfMemoryError:
+                    pass
+                else:
+                    with owner.lock:
+                        owner.add(f"b{next(names)}", block, seed=len(live) * 7919 + value)
+            elif action == "free" and live:
+                name = live[value % len(live)]
+                with owner.lock:  # out of the relocator's reach first, as decref does
+                    owner.held.discard(name)
+                    held_before.pop(name, None)
+                    owner.contents.pop(name)
+                    block = owner.blocks.pop(name)
+                pool.free(block)
+            elif action == "hold" and live:
+                with owner.lock:
+                    owner.held ^= {live[value % len(live)]}
+            pool.assert_invariants()
+            with owner.lock:
+                owner.check_bytes()
+                for name, block in held_before.items():
+                    if name in owner.held:
+                        assert owner.blocks[name] is block, f"held {name} moved"
+                spans = sorted((b.address, b.address + b.size) for b in owner.blocks.values())
+                assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    finally:
+        compactor.close()
+    assert not compactor.running
+    pool.assert_invariants()
+    owner.check_bytes()
+    for block in owner.blocks.values():
+        pool.free(block)
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0

@@ -597,18 +597,24 @@ class CachingPool:
         stats.compaction_moved_bytes += moved
         stats.compaction_released_bytes += released
 
-    def _excess(self, threshold: float) -> int:
-        """Reserved bytes beyond ``threshold`` x allocated, when beyond the policy's slack."""
+    def _excess(self, threshold: float, slack: int | None = None) -> int:
+        """Reserved bytes beyond ``threshold`` x allocated, when beyond ``slack`` (default:
+        the policy's min_slack)."""
         allocated = self._stats.allocated_bytes[ALL].current
         reserved = self._reserved()
-        if reserved - allocated <= self.policy.min_slack:
+        if reserved - allocated <= (self.policy.min_slack if slack is None else slack):
             return 0
         return max(0, reserved - int(threshold * allocated))
 
     def _compaction_excess(self) -> int:
-        if self.policy.compact_threshold is None or self.relocator is None:
+        """What the background compactor should give back (its own threshold and slack)."""
+        policy = self.policy
+        if policy.compact_threshold is None or self.relocator is None:
             return 0
-        return self._excess(self.policy.compact_threshold)
+        threshold = policy.background_threshold
+        if threshold is None:
+            threshold = policy.compact_threshold
+        return self._excess(threshold, policy.background_min_slack)
 
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
@@ -616,16 +622,19 @@ class CachingPool:
         background compactor the free only rings its doorbell; without one (a replay, a
         pool on its own) it compacts here, within max_moved_bytes, once per compact_every."""
         policy = self.policy
+        wanted = self.compaction_wanted
+        if wanted is not None and self._compaction_excess():
+            # a server: idle segments go back down to the compactor's aim (no copy, so
+            # cheap on this call), and the compactor does the rest off it
+            self._release_idle_segments(self._compaction_excess())
+            if self._compaction_excess():
+                wanted()
+            return
         if policy.release_threshold is not None:
             excess = self._excess(policy.release_threshold)
             if excess:
                 self._release_idle_segments(excess)
-        if policy.compact_threshold is None or self.relocator is None:
-            return
-        wanted = self.compaction_wanted
-        if wanted is not None:
-            if self._compaction_excess():
-                wanted()
+        if policy.compact_threshold is None or self.relocator is None or wanted is not None:
             return
         self._frees_since_compaction += 1
         if self._frees_since_compaction < policy.compact_every:

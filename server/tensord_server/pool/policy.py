@@ -16,8 +16,11 @@ what the pool does *besides*:
   compact until it no longer does (not only on OOM).  With a background compactor
   (``tensord serve``: ``tensord_server.domain.compactor``) the free only wakes it, and
   it moves one Storage per lock acquisition, at most ``max_moved_bytes`` per wake-up and
-  ``background_bytes_per_s`` on average; without one (a replay) the freeing call
-  compacts, at most ``max_moved_bytes`` once per ``compact_every`` frees;
+  ``background_bytes_per_s`` on average, until reserved / allocated is down to
+  ``background_threshold`` (or within ``background_min_slack``): moving costs requests
+  at most one move there, so it may aim lower than the freeing call does; without
+  one (a replay) the freeing call compacts, at most ``max_moved_bytes`` once per
+  ``compact_every`` frees;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last two
   acts (a pool that close to its allocation is tight already).
 """
@@ -40,6 +43,8 @@ class PoolPolicy:
     max_moved_bytes: int = 256 * MiB
     compact_every: int = 16
     background_bytes_per_s: int = 1024 * MiB
+    background_threshold: float | None = None  # None: compact_threshold
+    background_min_slack: int | None = None  # None: min_slack
 
     @property
     def acts_after_free(self) -> bool:
@@ -58,6 +63,8 @@ ADAPTIVE = PoolPolicy(
     tight_segments=True,
     release_threshold=1.10,
     compact_threshold=1.15,
+    background_threshold=1.00,
+    background_min_slack=8 * MiB,
 )
 
 POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}

@@ -177,6 +177,8 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     """``tensord serve`` on a free loopback port; returns the process and its address."""
     command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
     command += ["--device", args.device, "--session-grace", str(args.session_grace)]
+    if getattr(args, "policy", None):
+        command += ["--policy", args.policy]
     # Each user has one call in flight, and its session's unary heartbeats come on top
     # (sessions hold no thread since the KeepAlive stream became optional): twice the
     # users leaves headroom, so calls never queue for a server thread.
@@ -370,12 +372,18 @@ def summarize(
         if peak_allocated
         else math.nan,
         "mean_reserved_over_allocated": sum(ratios) / len(ratios) if ratios else math.nan,
+        "max_reserved_over_allocated": max(ratios, default=math.nan),
         "max_external_fragmentation": max(frags, default=math.nan),
         "num_ooms": delta("num_ooms"),
         "num_alloc_retries": delta("num_alloc_retries"),
         "num_compactions": delta("num_compactions"),
         "compaction_moved_bytes": delta("compaction_moved_bytes"),
         "compaction_released_bytes": delta("compaction_released_bytes"),
+        # the policy's cost: bytes compaction copied per byte the run allocated
+        "compaction_moved_per_allocated": delta("compaction_moved_bytes")
+        / delta("allocated_bytes.all.allocated")
+        if delta("allocated_bytes.all.allocated") > 0
+        else math.nan,
         "capacity_bytes": capacity,
         "min_allocated_at_oom_bytes": int(min(at_oom)) if at_oom else None,
         "baseline_allocated_bytes": int(_num(baseline.get(allocated_key, 0))),
@@ -448,10 +456,14 @@ def render_markdown(
         f"| peak reserved | {mib(s['peak_reserved_bytes'])} |",
         f"| peak reserved / peak allocated | {s['peak_reserved_over_peak_allocated']:.3f} |",
         f"| mean reserved / allocated under load (*) | {s['mean_reserved_over_allocated']:.3f} |",
+        f"| max reserved / allocated under load (*) | "
+        f"{s.get('max_reserved_over_allocated', math.nan):.3f} |",
         f"| max external fragmentation under load (*) | {s['max_external_fragmentation']:.3f} |",
         f"| OOMs / allocation retries | {s['num_ooms']} / {s['num_alloc_retries']} |",
         f"| compactions: count / bytes moved / bytes released | {s['num_compactions']} / "
         f"{mib(s['compaction_moved_bytes'])} / {mib(s['compaction_released_bytes'])} |",
+        f"| bytes moved by compaction / byte allocated | "
+        f"{s.get('compaction_moved_per_allocated', math.nan):.4f} |",
         f"| pool capacity | {mib(s['capacity_bytes']) if s.get('capacity_bytes') else 'unknown'} |",
         f"| allocated when an OOM was sampled (lowest) | {_at_oom(s)} |",
         f"| allocated: baseline -> after users left | {s['baseline_allocated_bytes']:,} -> {s['final_allocated_bytes']:,} B |",
@@ -631,6 +643,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-timeout", type=int, default=10, help="seconds users get to finish when stopping"
     )
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="the started server's pool policy (tensord serve --policy; default: its default)",
+    )
     parser.add_argument("--locustfile", type=Path, default=LOADTEST_DIR / "locustfile.py")
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
 
@@ -729,7 +746,9 @@ def run(args: argparse.Namespace) -> int:
             "spawn rate": args.spawn_rate,
             "run time": args.run_time,
             "workers": args.workers,
-            "server": args.address or f"started here, --device {args.device}",
+            "server": args.address
+            or f"started here, --device {args.device}"
+            + (f" --policy {args.policy}" if args.policy else ""),
             "workloads": ",".join(f"{k}={w}" for k, w in weights.items() if w) or args.workloads,
             "size scale": args.scale,
             "sample interval": f"{args.interval} s",
