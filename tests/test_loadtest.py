@@ -6,6 +6,7 @@ loadtest`` in a subprocess, which starts the server and Locust in theirs.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -280,6 +281,34 @@ def test_summary_fails_on_a_leak_and_counts_expected_errors_apart(tmp_path: Path
     assert "| compactions: count / bytes moved / bytes released | 2 / 2.0 MiB / 40.0 MiB |" in (
         markdown
     )
+    # the policy's cost: bytes moved per byte the run allocated
+    before["allocated_bytes.all.allocated"] = 10 << 20
+    after["allocated_bytes.all.allocated"] = 50 << 20
+    cost = loadtest.summarize(tmp_path, baseline=before, final=after, leftover_names=[])
+    assert cost["compaction_moved_per_allocated"] == 2 / 40
+    markdown = loadtest.render_markdown(cost, command="tensord loadtest", settings={})
+    assert "| bytes moved by compaction / byte allocated | 0.0500 |" in markdown
+
+
+def test_the_started_server_runs_the_policy_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensord loadtest --policy NAME: the server it starts runs ``tensord serve --policy NAME``."""
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    commands: list[list[str]] = []
+
+    def popen(command: list[str], **kwargs: Any) -> None:
+        commands.append(command)
+        raise OSError("not started")
+
+    monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    for argv in (["--policy", "pytorch"], []):
+        with pytest.raises(OSError):
+            loadtest.start_server(parser.parse_args(argv), tmp_path / "server.log")
+    policy = commands[0].index("--policy")
+    assert commands[0][policy + 1] == "pytorch"
+    assert "--policy" not in commands[1]  # the server's own default
 
 
 # -- docker-compose.yml --------------------------------------------------------------
