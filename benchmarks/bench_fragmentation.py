@@ -169,6 +169,7 @@ def loadtest_once(policy: str, users: int, run_time: str, out: Path) -> dict[str
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["policy"] = policy
     summary["load_average"] = load
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
 
@@ -203,7 +204,7 @@ def loadtest_markdown(runs: list[dict[str, Any]], policies: list[str]) -> str:
         for key, _, form in LOADTEST_FIGURES:
             values = [run[key] for run in mine]
             mean = sum(values) / len(values)
-            shown = format(mean, ".4f" if form == "d" else form)
+            shown = format(mean, ".1f" if form.endswith("d") else form)
             cells.append(f"{shown} ({format(min(values), form)}-{format(max(values), form)})")
         relative = [run["requests_per_s"] / first[run["pair"]] for run in mine]
         spread = ", ".join(f"{r:.2f}" for r in relative)
