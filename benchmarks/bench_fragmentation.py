@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +56,7 @@ from bench_compaction import bimodal_steps
 # capacity factors tried, as multiples of the workload's peak allocated
 FACTORS = (1.00, 1.01, 1.02, 1.03, 1.05, 1.10, 1.25, 1.50, 2.00)
 BIMODAL_USERS = 8
+MiB = 1 << 20
 
 
 @dataclass
@@ -148,7 +150,9 @@ def markdown(rows: list[Row]) -> str:
 
 # the load-test figures compared, from each run's summary.json: (key, heading, format)
 LOADTEST_FIGURES = (
-    ("requests_per_s", "requests/s", ",.1f"),
+    ("requests_per_s", "requests/s (all)", ",.1f"),
+    ("successful_requests_per_s", "successful requests/s", ",.1f"),
+    ("allocated_mib_per_s", "MiB allocated/s", ",.1f"),
     ("mean_reserved_over_allocated", "mean reserved / allocated under load", ".3f"),
     ("max_reserved_over_allocated", "max reserved / allocated under load", ".3f"),
     ("peak_reserved_over_peak_allocated", "peak reserved / peak allocated", ".3f"),
@@ -156,6 +160,13 @@ LOADTEST_FIGURES = (
     ("num_ooms", "OOMs", "d"),
     ("leaked_bytes", "leaked bytes", ",d"),
     ("compaction_moved_per_allocated", "bytes moved / byte allocated", ".4f"),
+)
+
+
+# the throughput figures each run is compared on with its pair's first policy
+RATIOS = (
+    ("requests_per_s", "requests/s (all)"),
+    ("successful_requests_per_s", "successful requests/s"),
 )
 
 
@@ -168,6 +179,7 @@ def loadtest_once(policy: str, users: int, run_time: str, out: Path) -> dict[str
     subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["policy"] = policy
+    summary["allocated_mib_per_s"] = summary.get("allocated_bytes_per_s", math.nan) / MiB
     summary["load_average"] = load
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
@@ -195,9 +207,9 @@ def loadtest_markdown(runs: list[dict[str, Any]], policies: list[str]) -> str:
     for run in runs:
         cells = " | ".join(format(run[key], form) for key, _, form in LOADTEST_FIGURES)
         lines.append(f"| {run['pair']} | {run['policy']} | {run['load_average']:.1f} | {cells} |")
-    lines += ["", f"| policy | {headings} | requests/s vs {policies[0]}, per pair |"]
-    lines.append("|---" + "|---" * len(LOADTEST_FIGURES) + "|---|")
-    first = {run["pair"]: run["requests_per_s"] for run in runs if run["policy"] == policies[0]}
+    ratio_heads = " | ".join(f"{heading} vs {policies[0]}, per pair" for _, heading in RATIOS)
+    lines += ["", f"| policy | {headings} | {ratio_heads} |"]
+    lines.append("|---" + "|---" * (len(LOADTEST_FIGURES) + len(RATIOS)) + "|")
     for policy in policies:
         mine = [run for run in runs if run["policy"] == policy]
         cells = []
@@ -206,9 +218,10 @@ def loadtest_markdown(runs: list[dict[str, Any]], policies: list[str]) -> str:
             mean = sum(values) / len(values)
             shown = format(mean, ".1f" if form.endswith("d") else form)
             cells.append(f"{shown} ({format(min(values), form)}-{format(max(values), form)})")
-        relative = [run["requests_per_s"] / first[run["pair"]] for run in mine]
-        spread = ", ".join(f"{r:.2f}" for r in relative)
-        lines.append(f"| {policy} | {' | '.join(cells)} | {spread} |")
+        for key, _ in RATIOS:
+            first = {run["pair"]: run[key] for run in runs if run["policy"] == policies[0]}
+            cells.append(", ".join(f"{run[key] / first[run['pair']]:.2f}" for run in mine))
+        lines.append(f"| {policy} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

@@ -442,3 +442,63 @@ def test_random_sequences_with_the_compactor_running_keep_invariants_and_bytes(
         pool.free(block)
     pool.empty_cache()
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_quiet_servers_background_compaction_plans_once_for_many_moves() -> None:
+    """While nobody waits, one step runs its plan's moves one after another (planning is
+    the step's cost: a plan per Storage moved took a third of a loaded server's time)."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    for i in range(10):
+        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+    for i in (0, 1, 2, 8, 9):
+        owner.contents.pop(f"s{i}")
+        pool.free(owner.blocks.pop(f"s{i}"))
+    plans = 0
+    real_relocation = owner.relocation
+
+    def counted_relocation(pool: CachingPool) -> contextlib.AbstractContextManager[object]:
+        nonlocal plans
+        plans += 1
+        return real_relocation(pool)
+
+    owner.relocation = counted_relocation  # type: ignore[method-assign,assignment]
+    compactor = BackgroundCompactor([pool], lambda: False)
+    assert compactor.drain(pool) == 8 * MiB
+    # one plan moved both Storages (then nothing was in excess: no second plan)
+    assert compactor.moves == 1 and plans == 1
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.assert_invariants()
+    owner.check_bytes()
+
+
+def test_a_free_below_the_wake_threshold_keeps_idle_segments_cached() -> None:
+    """Hysteresis: under a background compactor a free gives idle segments back and rings
+    the doorbell only above background_wake_threshold (1.10), and then only down to it,
+    so a loaded server keeps a bounded idle cache instead of reserving a new segment (a
+    new memfd and its page faults, on a host) right after giving one back."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    pool = CachingPool(
+        backend, relocator=HoldingRelocator(backend), policy=policy_named("adaptive")
+    )
+    rung = 0
+
+    def ring() -> None:
+        nonlocal rung
+        rung += 1
+
+    pool.compaction_wanted = ring
+    blocks = [pool.malloc(12 * MiB) for _ in range(40)]  # one 12 MiB segment each
+    for block in blocks[:2]:
+        pool.free(block)  # 480 MiB reserved / 456 MiB allocated = 1.053
+    stats = pool.memory_stats()
+    assert stats["segment.all.current"] == 40 and rung == 0
+    for block in blocks[2:4]:
+        pool.free(block)  # 480 / 432 = 1.111: back down to <= 1.10 x 432 MiB
+    stats = pool.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 468 * MiB and rung == 0
+    for block in blocks[4:]:
+        pool.free(block)
+    pool.assert_invariants()

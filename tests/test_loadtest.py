@@ -288,6 +288,10 @@ def test_summary_fails_on_a_leak_and_counts_expected_errors_apart(tmp_path: Path
     assert cost["compaction_moved_per_allocated"] == 2 / 40
     markdown = loadtest.render_markdown(cost, command="tensord loadtest", settings={})
     assert "| bytes moved by compaction / byte allocated | 0.0500 |" in markdown
+    # throughput without the cheap failures: 100 requests at 10/s took 10 s, 90 succeeded
+    assert cost["requests_per_s"] == 10.0 and cost["successful_requests_per_s"] == 9.0
+    assert cost["allocated_bytes_per_s"] == (40 << 20) / 10
+    assert "| successful requests/s (without expected errors such as OOMs) | 9.0 |" in markdown
 
 
 def test_the_started_server_runs_the_policy_asked_for(

@@ -232,18 +232,21 @@ class CachingPool:
         with self._lock:
             return self._compaction_excess()
 
-    def compact_step(self, max_moved: int) -> int | None:
-        """One background compaction step (:func:`~.compaction.compact_step`): at most one
-        Storage of at most ``max_moved`` bytes moves, and segments it leaves wholly free go
-        back, all under one acquisition of this pool's lock (and the relocator's).  Returns
-        the bytes moved, or None when there is nothing (more) to do."""
+    def compact_step(
+        self, max_moved: int, proceed: Callable[[], bool] = lambda: False
+    ) -> int | None:
+        """One background compaction step (:func:`~.compaction.compact_step`): one plan of
+        at most ``max_moved`` bytes, its first Storage moved and the next ones while
+        ``proceed()``, and segments left wholly free go back, all under one acquisition of
+        this pool's lock (and the relocator's).  Returns the bytes moved, or None when
+        there is nothing (more) to do."""
         with self._lock:
             excess = self._compaction_excess()
             if not excess or max_moved <= 0:
                 return None
             assert self.relocator is not None
             result = compact_step(
-                PoolMoves(self, max_moved=max_moved), self.relocator, self, excess
+                PoolMoves(self, max_moved=max_moved), self.relocator, self, excess, proceed
             )
             plan = result.plan
             if not plan.moves and not plan.evacuated:
@@ -616,6 +619,15 @@ class CachingPool:
             threshold = policy.compact_threshold
         return self._excess(threshold, policy.background_min_slack)
 
+    def _wake_excess(self) -> int:
+        """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be)."""
+        policy = self.policy
+        if policy.background_wake_threshold is None:
+            return self._compaction_excess()
+        if policy.compact_threshold is None or self.relocator is None:
+            return 0
+        return self._excess(policy.background_wake_threshold, policy.background_min_slack)
+
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
         back, then compact, while reserved / allocated is above the thresholds.  With a
@@ -623,18 +635,23 @@ class CachingPool:
         pool on its own) it compacts here, within max_moved_bytes, once per compact_every."""
         policy = self.policy
         wanted = self.compaction_wanted
-        if wanted is not None and self._compaction_excess():
-            # a server: idle segments go back down to the compactor's aim (no copy, so
-            # cheap on this call), and the compactor does the rest off it
-            self._release_idle_segments(self._compaction_excess())
-            if self._compaction_excess():
-                wanted()
+        if wanted is not None:
+            # a server, with hysteresis: below the wake-up threshold nothing happens (the
+            # idle segments stay cached for the next requests: reserving a host segment
+            # again is a new memfd and its page faults); above it idle segments go back
+            # down to it (no copy, so cheap on this call) and the compactor, woken, brings
+            # reserved down to its aim off this call
+            excess = self._wake_excess()
+            if excess:
+                self._release_idle_segments(excess)
+                if self._wake_excess():
+                    wanted()
             return
         if policy.release_threshold is not None:
             excess = self._excess(policy.release_threshold)
             if excess:
                 self._release_idle_segments(excess)
-        if policy.compact_threshold is None or self.relocator is None or wanted is not None:
+        if policy.compact_threshold is None or self.relocator is None:
             return
         self._frees_since_compaction += 1
         if self._frees_since_compaction < policy.compact_every:

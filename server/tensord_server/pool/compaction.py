@@ -291,14 +291,20 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
 
 
 def compact_step(
-    target: MoveTarget, relocator: Relocator, pool: Any, needed: int
+    target: MoveTarget,
+    relocator: Relocator,
+    pool: Any,
+    needed: int,
+    proceed: Callable[[], bool] = lambda: False,
 ) -> CompactionResult:
     """One step of a compaction nobody waits for (the background compactor's): plan as
-    :func:`compact` does, within ``target.max_moved``, but run only the plan's first move
-    (one Storage), then release the planned segments that are wholly free by now.  The
-    next step plans again from the pool as it is then, so the world runs between moves;
-    the plan puts the least-used segment first, so successive steps keep emptying it.
-    A result with neither moves nor released segments: nothing was left to do."""
+    :func:`compact` does, within ``target.max_moved``, run the plan's first move (one
+    Storage), and each further move only while ``proceed()`` says nobody waits for the
+    world (checked before each move: a request that starts waiting waits for the move
+    in progress only); then release the planned segments that are wholly free by now.
+    One plan serves many moves while the server is quiet, and the next step plans again
+    from the pool as it is then.  A result with neither moves nor released segments:
+    nothing was left to do."""
     with relocator.relocation(pool) as movable:
         plan = plan_compaction(
             target.candidate_segments(movable),
@@ -308,8 +314,13 @@ def compact_step(
         )
         if plan.empty:
             return CompactionResult(plan, 0)
-        first = plan.moves[:1]
-        moved = sum(execute_move(target, move, movable) for move in first)
+        done: list[Move] = []
+        moved = 0
+        for move in plan.moves:
+            if done and not proceed():
+                break
+            moved += execute_move(target, move, movable)
+            done.append(move)
     # the world runs again: the emptied segments are the pool's alone (its lock is held)
     emptied = []
     for address in plan.evacuated:
@@ -317,7 +328,9 @@ def compact_step(
         if size is not None:
             target.release_segment(address)
             emptied.append((address, size))
-    step = CompactionPlan(first, tuple(a for a, _ in emptied), sum(size for _, size in emptied))
+    step = CompactionPlan(
+        tuple(done), tuple(a for a, _ in emptied), sum(size for _, size in emptied)
+    )
     return CompactionResult(step, moved)
 
 

@@ -20,7 +20,11 @@ what the pool does *besides*:
   ``background_threshold`` (or within ``background_min_slack``): moving costs requests
   at most one move there, so it may aim lower than the freeing call does; without
   one (a replay) the freeing call compacts, at most ``max_moved_bytes`` once per
-  ``compact_every`` frees;
+  ``compact_every`` frees.  Hysteresis: with a background compactor a free acts only
+  once reserved / allocated exceeds ``background_wake_threshold``, and gives idle
+  segments back only down to it (a bounded idle cache, so the next requests reuse
+  segments instead of reserving new ones); the compactor then brings it down to
+  ``background_threshold``;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last two
   acts (a pool that close to its allocation is tight already).
 """
@@ -45,6 +49,7 @@ class PoolPolicy:
     background_bytes_per_s: int = 1024 * MiB
     background_threshold: float | None = None  # None: compact_threshold
     background_min_slack: int | None = None  # None: min_slack
+    background_wake_threshold: float | None = None  # None: background_threshold
 
     @property
     def acts_after_free(self) -> bool:
@@ -63,8 +68,9 @@ ADAPTIVE = PoolPolicy(
     tight_segments=True,
     release_threshold=1.10,
     compact_threshold=1.15,
-    background_threshold=1.00,
+    background_threshold=1.04,
     background_min_slack=8 * MiB,
+    background_wake_threshold=1.10,
 )
 
 POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}
