@@ -436,3 +436,26 @@ def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert "--trace: no trace file 'no-such-trace'" in result.stderr
     assert "bundled: resnet50_train" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no server was started, nothing written
+
+
+def test_ratios_under_load_skip_the_samples_while_users_arrive_or_leave(tmp_path: Path) -> None:
+    """At the stop, users leave and free at once while segments are still reserved: a
+    sample then (fewer live sessions) says nothing about the pool under load."""
+    rows = []
+    for sessions, allocated, reserved in (
+        (3, 300, 900),
+        (51, 400, 440),
+        (51, 500, 550),
+        (26, 300, 750),
+    ):
+        row = dict.fromkeys(loadtest.COLUMNS, "")
+        row.update(phase="load", live_sessions=sessions, allocated_bytes=allocated)
+        row.update(reserved_bytes=reserved, reserved_over_allocated=reserved / allocated)
+        rows.append(row)
+    with open(tmp_path / "timeseries.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=loadtest.COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = loadtest.summarize(tmp_path, baseline={}, final={}, leftover_names=[])
+    assert summary["max_reserved_over_allocated"] == 1.1
+    assert summary["mean_reserved_over_allocated"] == pytest.approx(1.1)

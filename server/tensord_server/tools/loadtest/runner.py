@@ -302,6 +302,17 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+def under_load(load: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The load samples taken while every user was connected: as many live sessions
+    as the run ever had (the users' and the sampler's), not while users were still
+    arriving or already leaving.  Samples without a session count all count."""
+    sessions = [_num(r.get("live_sessions", "")) for r in load]
+    full = max((n for n in sessions if not math.isnan(n)), default=math.nan)
+    if math.isnan(full):
+        return load
+    return [r for r, n in zip(load, sessions, strict=True) if math.isnan(n) or n >= full]
+
+
 def summarize(
     out: Path,
     *,
@@ -315,9 +326,10 @@ def summarize(
 
     Peaks come from the server's own peak counters when it was started for this
     run (``fresh_server``), else from the samples alone (the counters would
-    include whatever ran before).  The mean reserved/allocated ratio counts only
-    load samples with at least ``RATIO_FLOOR`` of the peak allocated, so the
-    ramp-up's near-empty pool does not dominate it.
+    include whatever ran before).  The reserved/allocated ratios (mean and max) count
+    only samples *under load*: every user connected (:func:`under_load`) and at least
+    ``RATIO_FLOOR`` of the peak allocated, so neither the ramp-up's near-empty pool nor
+    the stop, when users leave and free at once, dominates them.
     """
     stats = read_csv(out / "locust_stats.csv")
     total = next((r for r in stats if r.get("Name") == "Aggregated"), None)
@@ -339,7 +351,11 @@ def summarize(
 
     peak_allocated = peak("allocated_bytes", "allocated_bytes.all.peak")
     floor = RATIO_FLOOR * peak_allocated
-    busy = [r for r in load if r["allocated_bytes"] != "" and _num(r["allocated_bytes"]) >= floor]
+    busy = [
+        r
+        for r in under_load(load)
+        if r["allocated_bytes"] != "" and _num(r["allocated_bytes"]) >= floor
+    ]
     ratios = [_num(r["reserved_over_allocated"]) for r in busy if r["reserved_over_allocated"]]
     frags = [_num(r["external_fragmentation"]) for r in busy if r["external_fragmentation"] != ""]
     peak_reserved = peak("reserved_bytes", "reserved_bytes.all.peak")
@@ -506,7 +522,8 @@ def render_markdown(
     ]
     lines += [
         "",
-        f"(*) over the load samples with at least {RATIO_FLOOR:.0%} of the peak allocated.",
+        f"(*) over the load samples with every user connected and at least {RATIO_FLOOR:.0%} "
+        "of the peak allocated.",
         "Expected errors are fired as their own request type and never count as failures;",
         "`check` rows are data read back and compared, not RPCs.",
         "",
