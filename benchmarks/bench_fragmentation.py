@@ -18,13 +18,25 @@ Per workload and policy:
 - replay speed (events/s) on the unlimited device.
 
     python benchmarks/bench_fragmentation.py [--seed N] [--json]
+
+Paired load tests (issue 18's load-test targets): ``--loadtest-pairs N`` runs
+``tensord loadtest -u USERS -t TIME --policy P`` for each policy of ``--policies``
+(default ``pytorch,adaptive``), alternating them N times so that the machine's load
+falls on both alike, and prints one row per run, then per policy the mean and spread
+(min-max) of each figure and each pair's requests/s relative to the first policy:
+
+    python benchmarks/bench_fragmentation.py --loadtest-pairs 3 -u 50 -t 60s
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +57,7 @@ from bench_compaction import bimodal_steps
 # capacity factors tried, as multiples of the workload's peak allocated
 FACTORS = (1.00, 1.01, 1.02, 1.03, 1.05, 1.10, 1.25, 1.50, 2.00)
 BIMODAL_USERS = 8
+MiB = 1 << 20
 
 
 @dataclass
@@ -136,11 +149,101 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# the load-test figures compared, from each run's summary.json: (key, heading, format)
+LOADTEST_FIGURES = (
+    ("requests_per_s", "requests/s (all)", ",.1f"),
+    ("successful_requests_per_s", "successful requests/s", ",.1f"),
+    ("allocated_mib_per_s", "MiB allocated/s", ",.1f"),
+    ("mean_reserved_over_allocated", "mean reserved / allocated under load", ".3f"),
+    ("max_reserved_over_allocated", "max reserved / allocated under load", ".3f"),
+    ("peak_reserved_over_peak_allocated", "peak reserved / peak allocated", ".3f"),
+    ("unexpected_failures", "unexpected failures", "d"),
+    ("num_ooms", "OOMs", "d"),
+    ("leaked_bytes", "leaked bytes", ",d"),
+    ("compaction_moved_per_allocated", "bytes moved / byte allocated", ".4f"),
+)
+
+
+# the throughput figures each run is compared on with its pair's first policy
+RATIOS = (
+    ("requests_per_s", "requests/s (all)"),
+    ("successful_requests_per_s", "successful requests/s"),
+)
+
+
+def loadtest_once(policy: str, users: int, run_time: str, out: Path) -> dict[str, Any]:
+    """One ``tensord loadtest`` against a fresh server under ``policy``: its summary.json,
+    with the machine's load average when it started."""
+    load = os.getloadavg()[0]
+    command = [sys.executable, "-m", "tensord_server", "loadtest", "-u", str(users)]
+    command += ["-t", run_time, "--policy", policy, "--out", str(out), "--no-plot"]
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    summary["policy"] = policy
+    summary["allocated_mib_per_s"] = summary.get("allocated_bytes_per_s", math.nan) / MiB
+    summary["load_average"] = load
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def paired_loadtests(
+    policies: list[str], pairs: int, users: int, run_time: str, out: Path
+) -> list[dict[str, Any]]:
+    runs = []
+    for pair in range(pairs):
+        for policy in policies:
+            summary = loadtest_once(policy, users, run_time, out / f"{pair}-{policy}")
+            summary["pair"] = pair
+            runs.append(summary)
+            print(f"pair {pair} {policy}: {summary['requests_per_s']:.1f}/s", file=sys.stderr)
+    return runs
+
+
+def loadtest_markdown(runs: list[dict[str, Any]], policies: list[str]) -> str:
+    headings = " | ".join(heading for _, heading, _ in LOADTEST_FIGURES)
+    lines = [
+        f"| pair | policy | load average | {headings} |",
+        "|---|---|---" + "|---" * len(LOADTEST_FIGURES) + "|",
+    ]
+    for run in runs:
+        cells = " | ".join(format(run[key], form) for key, _, form in LOADTEST_FIGURES)
+        lines.append(f"| {run['pair']} | {run['policy']} | {run['load_average']:.1f} | {cells} |")
+    ratio_heads = " | ".join(f"{heading} vs {policies[0]}, per pair" for _, heading in RATIOS)
+    lines += ["", f"| policy | {headings} | {ratio_heads} |"]
+    lines.append("|---" + "|---" * (len(LOADTEST_FIGURES) + len(RATIOS)) + "|")
+    for policy in policies:
+        mine = [run for run in runs if run["policy"] == policy]
+        cells = []
+        for key, _, form in LOADTEST_FIGURES:
+            values = [run[key] for run in mine]
+            mean = sum(values) / len(values)
+            shown = format(mean, ".1f" if form.endswith("d") else form)
+            cells.append(f"{shown} ({format(min(values), form)}-{format(max(values), form)})")
+        for key, _ in RATIOS:
+            first = {run["pair"]: run[key] for run in runs if run["policy"] == policies[0]}
+            cells.append(", ".join(f"{run[key] / first[run['pair']]:.2f}" for run in mine))
+        lines.append(f"| {policy} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--loadtest-pairs", type=int, default=0, help="paired load tests instead of replays"
+    )
+    parser.add_argument("--policies", default="pytorch,adaptive")
+    parser.add_argument("-u", "--users", type=int, default=50)
+    parser.add_argument("-t", "--run-time", default="60s")
+    parser.add_argument("--out", type=Path, default=None, help="the load tests' folders")
     args = parser.parse_args()
+    if args.loadtest_pairs > 0:
+        policies = args.policies.split(",")
+        out = args.out or Path(tempfile.mkdtemp(prefix="bench-fragmentation-"))
+        runs = paired_loadtests(policies, args.loadtest_pairs, args.users, args.run_time, out)
+        print(json.dumps(runs, default=str) if args.json else loadtest_markdown(runs, policies))
+        return 0
     rows: list[Row] = []
     for name in bundled_traces():
         path = bundled_trace(name)

@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -22,6 +24,9 @@ from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.devices.memory import HostBackend
+from tensord_server.domain.compactor import BackgroundCompactor
+from tensord_server.domain.storage import Storage
+from tensord_server.domain.store import TensorStore
 from tensord_server.pool import (
     DEFAULT_POLICY,
     POLICIES,
@@ -265,3 +270,279 @@ def test_every_bundled_trace_at_1_01x_peak_has_no_oom_under_the_default_policy(
     assert result["policy"] == DEFAULT_POLICY and result["compaction"] is True
     assert result["unmatched_frees"] == 0
     assert result["num_ooms"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Compaction after a free, in the background (issue 18)
+
+# adaptive, compacting whatever the slack, with no pause between moves (so only stepping
+# aside lets a waiting request through): the after-free path on a small device
+BACKGROUND = dataclasses.replace(
+    policy_named("adaptive"),
+    name="background",
+    min_slack=0,
+    compact_every=1,
+    background_bytes_per_s=1 << 62,
+)
+WAIT_LIMIT_S = 10.0  # every wait below ends well before this unless something is broken
+
+
+def wait_until(condition: Callable[[], bool], limit: float = WAIT_LIMIT_S) -> bool:
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def waiters(store: TensorStore) -> int:
+    """Threads blocked on the registry's or a pool's lock (0 where locks do not count them)."""
+    pools = sum(getattr(d.pool, "lock_waiters", 0) for d in store.devices)
+    return int(getattr(store.storages, "lock_waiters", 0)) + pools
+
+
+def kept(store: TensorStore, nbytes: int, seed: int) -> tuple[Storage, bytes]:
+    """A live, unheld Storage of ``nbytes`` random bytes (as a handle keeps one)."""
+    storage = store.storages.allocate(store.device("cpu"), nbytes)
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8).tobytes()
+    storage.write(0, data)
+    store.storages.incref(storage)
+    store.storages.release_hold(storage)
+    return storage, data
+
+
+def two_segments_one_to_empty(store: TensorStore) -> dict[int, tuple[Storage, bytes]]:
+    """Two 20 MiB segments of five 4 MiB Storages; three freed from the first and two from
+    the second leave reserved/allocated at 2.0, and the first segment's two Storages fit
+    the second's 8 MiB hole: two moves release a segment."""
+    storages = {i: kept(store, 4 * MiB, seed=i) for i in range(10)}
+    for i in (0, 1, 2, 8, 9):
+        store.storages.decref(storages.pop(i)[0])
+    return storages
+
+
+def test_a_request_waits_for_at_most_one_background_move() -> None:
+    """The compaction a free starts runs one Storage per lock acquisition and steps aside
+    while a request waits: a malloc arriving during a move waits for that move only (on
+    the freeing call, it waited for the whole compaction)."""
+    store = TensorStore(["cpu=256MiB"])
+    store.start()
+    try:
+        pool = store.device("cpu").pool
+        pool.policy = BACKGROUND
+        copies_done = 0
+        seen_by_request: list[int] = []
+        request_started = threading.Event()
+        real_copy = pool.backend.copy
+
+        def request() -> None:
+            request_started.set()
+            storage = store.storages.allocate(store.device("cpu"), 1 << 10)
+            seen_by_request.append(copies_done)  # moves finished while it waited
+            store.storages.release_hold(storage)
+
+        def copy_during_which_a_request_comes(*args: object) -> None:
+            nonlocal copies_done
+            if not request_started.is_set():
+                threading.Thread(target=request, daemon=True).start()
+                # until it waits for a lock this move holds (the registry's, for its stream;
+                # locks without waiter counts: give it time to get there)
+                if not wait_until(lambda: waiters(store) > 0, 0.3):
+                    assert not hasattr(pool, "lock_waiters"), "the request never waited"
+            real_copy(*args)
+            copies_done += 1
+
+        pool.backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
+        live = two_segments_one_to_empty(store)
+        assert wait_until(lambda: copies_done == 2 and bool(seen_by_request))
+        assert wait_until(lambda: pool.memory_stats()["segment.large_pool.current"] == 1)
+        assert seen_by_request == [1]  # the move in progress, not the one after it
+        for storage, data in live.values():
+            assert bytes(storage.raw()) == data
+        pool.assert_invariants()
+    finally:
+        store.close()
+    # shut down: the thread is gone and frees compact on their own call again
+    assert not store.compactor.running and pool.compaction_wanted is None
+
+
+def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
+    """Deterministic: while ``contended()`` says a request waits, the compactor polls and
+    moves nothing; it finishes the compaction once nobody waits."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    for i in range(10):
+        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+    for i in (0, 1, 2, 8, 9):
+        owner.contents.pop(f"s{i}")
+        pool.free(owner.blocks.pop(f"s{i}"))
+    assert pool.compaction_excess() > 0
+    copies = 0
+    waiting = False
+    polls = 0
+    real_copy = backend.copy
+
+    def copy_during_which_a_request_comes(*args: object) -> None:
+        nonlocal copies, waiting
+        real_copy(*args)
+        copies += 1
+        waiting = True
+
+    def contended() -> bool:
+        nonlocal polls
+        polls += 1
+        return waiting
+
+    backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
+    compactor = BackgroundCompactor([pool], contended)
+    drained: list[int] = []
+    thread = threading.Thread(target=lambda: drained.append(compactor.drain(pool)))
+    thread.start()
+    try:
+        assert wait_until(lambda: polls >= 5)  # stepping aside, several looks
+        assert copies == 1 and not drained
+    finally:
+        waiting = False
+        thread.join(WAIT_LIMIT_S)
+    assert drained == [8 * MiB] and copies == 2 and compactor.moves == 2
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.assert_invariants()
+    owner.check_bytes()
+
+
+class LockedRelocator(HoldingRelocator):
+    """A HoldingRelocator whose relocation stops the world, as the registry's does: the
+    test thread reads, holds and drops blocks under the same lock."""
+
+    def __init__(self, backend: HostBackend) -> None:
+        super().__init__(backend)
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+        with self.lock, super().relocation(pool) as movable:
+            yield movable
+
+
+@settings(
+    derandomize=True,
+    database=None,
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=ops)
+def test_random_sequences_with_the_compactor_running_keep_invariants_and_bytes(
+    steps: list[tuple[str, int]],
+) -> None:
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = LockedRelocator(backend)
+    policy = dataclasses.replace(BACKGROUND, background_min_slack=0)
+    pool = CachingPool(backend, capacity=40 * MiB, relocator=owner, policy=policy)
+    compactor = BackgroundCompactor([pool], lambda: pool.lock_waiters > 0)
+    compactor.start()
+    names = itertools.count()
+    try:
+        for action, value in steps:
+            with owner.lock:
+                live = sorted(owner.blocks)
+                held_before = {n: owner.blocks[n] for n in owner.held}
+            if action == "alloc":
+                try:
+                    block = pool.malloc(value)
+                except OutOfMemoryError:
+                    pass
+                else:
+                    with owner.lock:
+                        owner.add(f"b{next(names)}", block, seed=len(live) * 7919 + value)
+            elif action == "free" and live:
+                name = live[value % len(live)]
+                with owner.lock:  # out of the relocator's reach first, as decref does
+                    owner.held.discard(name)
+                    held_before.pop(name, None)
+                    owner.contents.pop(name)
+                    block = owner.blocks.pop(name)
+                pool.free(block)
+            elif action == "hold" and live:
+                with owner.lock:
+                    owner.held ^= {live[value % len(live)]}
+            pool.assert_invariants()
+            with owner.lock:
+                owner.check_bytes()
+                for name, block in held_before.items():
+                    if name in owner.held:
+                        assert owner.blocks[name] is block, f"held {name} moved"
+                spans = sorted((b.address, b.address + b.size) for b in owner.blocks.values())
+                assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    finally:
+        compactor.close()
+    assert not compactor.running
+    pool.assert_invariants()
+    owner.check_bytes()
+    for block in owner.blocks.values():
+        pool.free(block)
+    pool.empty_cache()
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_quiet_servers_background_compaction_plans_once_for_many_moves() -> None:
+    """While nobody waits, one step runs its plan's moves one after another (planning is
+    the step's cost: a plan per Storage moved took a third of a loaded server's time)."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    for i in range(10):
+        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+    for i in (0, 1, 2, 8, 9):
+        owner.contents.pop(f"s{i}")
+        pool.free(owner.blocks.pop(f"s{i}"))
+    plans = 0
+    real_relocation = owner.relocation
+
+    def counted_relocation(pool: CachingPool) -> contextlib.AbstractContextManager[object]:
+        nonlocal plans
+        plans += 1
+        return real_relocation(pool)
+
+    owner.relocation = counted_relocation  # type: ignore[method-assign,assignment]
+    compactor = BackgroundCompactor([pool], lambda: False)
+    assert compactor.drain(pool) == 8 * MiB
+    # one plan moved both Storages (then nothing was in excess: no second plan)
+    assert compactor.moves == 1 and plans == 1
+    assert pool.memory_stats()["segment.all.current"] == 1
+    pool.assert_invariants()
+    owner.check_bytes()
+
+
+def test_a_free_below_the_wake_threshold_keeps_idle_segments_cached() -> None:
+    """Hysteresis: under a background compactor a free gives idle segments back and rings
+    the doorbell only above background_wake_threshold (1.10), and then only down to it,
+    so a loaded server keeps a bounded idle cache instead of reserving a new segment (a
+    new memfd and its page faults, on a host) right after giving one back."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    pool = CachingPool(
+        backend, relocator=HoldingRelocator(backend), policy=policy_named("adaptive")
+    )
+    rung = 0
+
+    def ring() -> None:
+        nonlocal rung
+        rung += 1
+
+    pool.compaction_wanted = ring
+    blocks = [pool.malloc(12 * MiB) for _ in range(40)]  # one 12 MiB segment each
+    for block in blocks[:2]:
+        pool.free(block)  # 480 MiB reserved / 456 MiB allocated = 1.053
+    stats = pool.memory_stats()
+    assert stats["segment.all.current"] == 40 and rung == 0
+    for block in blocks[2:4]:
+        pool.free(block)  # 480 / 432 = 1.111: back down to <= 1.10 x 432 MiB
+    stats = pool.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 468 * MiB and rung == 0
+    for block in blocks[4:]:
+        pool.free(block)
+    pool.assert_invariants()

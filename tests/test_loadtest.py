@@ -6,6 +6,7 @@ loadtest`` in a subprocess, which starts the server and Locust in theirs.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -280,6 +281,38 @@ def test_summary_fails_on_a_leak_and_counts_expected_errors_apart(tmp_path: Path
     assert "| compactions: count / bytes moved / bytes released | 2 / 2.0 MiB / 40.0 MiB |" in (
         markdown
     )
+    # the policy's cost: bytes moved per byte the run allocated
+    before["allocated_bytes.all.allocated"] = 10 << 20
+    after["allocated_bytes.all.allocated"] = 50 << 20
+    cost = loadtest.summarize(tmp_path, baseline=before, final=after, leftover_names=[])
+    assert cost["compaction_moved_per_allocated"] == 2 / 40
+    markdown = loadtest.render_markdown(cost, command="tensord loadtest", settings={})
+    assert "| bytes moved by compaction / byte allocated | 0.0500 |" in markdown
+    # throughput without the cheap failures: 100 requests at 10/s took 10 s, 90 succeeded
+    assert cost["requests_per_s"] == 10.0 and cost["successful_requests_per_s"] == 9.0
+    assert cost["allocated_bytes_per_s"] == (40 << 20) / 10
+    assert "| successful requests/s (without expected errors such as OOMs) | 9.0 |" in markdown
+
+
+def test_the_started_server_runs_the_policy_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensord loadtest --policy NAME: the server it starts runs ``tensord serve --policy NAME``."""
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    commands: list[list[str]] = []
+
+    def popen(command: list[str], **kwargs: Any) -> None:
+        commands.append(command)
+        raise OSError("not started")
+
+    monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    for argv in (["--policy", "pytorch"], []):
+        with pytest.raises(OSError):
+            loadtest.start_server(parser.parse_args(argv), tmp_path / "server.log")
+    policy = commands[0].index("--policy")
+    assert commands[0][policy + 1] == "pytorch"
+    assert "--policy" not in commands[1]  # the server's own default
 
 
 # -- docker-compose.yml --------------------------------------------------------------
@@ -403,3 +436,26 @@ def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert "--trace: no trace file 'no-such-trace'" in result.stderr
     assert "bundled: gpt_train, lstm_train, resnet50_train, unet_train" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no server was started, nothing written
+
+
+def test_ratios_under_load_skip_the_samples_while_users_arrive_or_leave(tmp_path: Path) -> None:
+    """At the stop, users leave and free at once while segments are still reserved: a
+    sample then (fewer live sessions) says nothing about the pool under load."""
+    rows = []
+    for sessions, allocated, reserved in (
+        (3, 300, 900),
+        (51, 400, 440),
+        (51, 500, 550),
+        (26, 300, 750),
+    ):
+        row = dict.fromkeys(loadtest.COLUMNS, "")
+        row.update(phase="load", live_sessions=sessions, allocated_bytes=allocated)
+        row.update(reserved_bytes=reserved, reserved_over_allocated=reserved / allocated)
+        rows.append(row)
+    with open(tmp_path / "timeseries.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=loadtest.COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = loadtest.summarize(tmp_path, baseline={}, final={}, leftover_names=[])
+    assert summary["max_reserved_over_allocated"] == 1.1
+    assert summary["mean_reserved_over_allocated"] == pytest.approx(1.1)

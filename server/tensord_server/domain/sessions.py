@@ -47,6 +47,7 @@ from tensord.errors import (
 
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
+from tensord_server.pool import CountingLock
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,9 @@ class SessionManager:
         self.max_sessions = max_sessions  # open sessions per tenant (None: no limit)
         self.max_names = max_names  # named tensors per tenant (None: no limit)
         self._clock = clock
-        self._lock = threading.Lock()  # the table lock: the three dicts, handles and tokens
+        # the table lock: the three dicts, handles and tokens; counts its waiters (a held()
+        # waiting here may be behind a call waiting for the background compactor)
+        self._lock = CountingLock()
         # the lease lock (taken after the table lock, never before): liveness fields, and
         # _sessions is changed under both so that a lookup needs only this one
         self._lease_lock = threading.Lock()
@@ -319,6 +322,11 @@ class SessionManager:
 
         self._reaper = threading.Thread(target=loop, name="tensord-reaper", daemon=True)
         self._reaper.start()
+
+    @property
+    def lock_waiters(self) -> int:
+        """Threads blocked on the table lock now (the background compactor steps aside)."""
+        return self._lock.waiting
 
     def shutdown(self) -> None:
         """Stop the reaper and release every session, token and name (server shutdown)."""

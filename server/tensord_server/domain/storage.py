@@ -22,8 +22,7 @@ from __future__ import annotations
 import functools
 import random
 import secrets
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from tensord.layout import Layout
 from tensord_server.devices.table import Device
 from tensord_server.domain import limits
 from tensord_server.domain.quotas import TenantLedger
-from tensord_server.pool import Block, CachingPool, round_size
+from tensord_server.pool import Block, CachingPool, CountingLock, round_size
 
 # The first virtual address handed out (non-zero, like a real pointer) and the alignment
 # of each one (torch's allocators align blocks to 512 B).
@@ -265,9 +264,14 @@ class StorageRegistry:
 
     def __init__(self, ledger: TenantLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else TenantLedger()
-        # guards _storages, every Storage's refs, holds and block, and the ledger's changes
-        self._lock = threading.Lock()
+        # guards _storages, every Storage's refs, holds and block, and the ledger's changes;
+        # counts its waiters: the background compactor moves only while nobody waits
+        self._lock = CountingLock()
         self._storages: dict[str, Storage] = {}
+        # each live Storage by its block: compaction asks "who owns this block?" of every
+        # allocated block in a pool, and a plan is cheap only if that is a lookup (building
+        # the answer for every Storage per plan took a tenth of a loaded server's GIL)
+        self._by_block: dict[Block, Storage] = {}
         self._addresses = AddressSpace()  # data_ptrs: unique among live Storages, reused after
         # tenant -> its pool stream: blocks are only reused and segments only split on
         # their own stream, so no segment ever holds two tenants' Storages (a same-host
@@ -292,10 +296,16 @@ class StorageRegistry:
                     self.ledger.refund(tenant, device.name, charge)
                     raise
                 self._storages[storage.id] = storage
+                self._by_block[block] = storage
         except BaseException:
             device.pool.free(block)
             raise
         return storage
+
+    @property
+    def lock_waiters(self) -> int:
+        """Threads blocked on the registry's lock now (the background compactor steps aside)."""
+        return self._lock.waiting
 
     def stream_of(self, tenant: str) -> int:
         """The tenant's stable pool stream key (0 for "", then 1, 2... in order of first use)."""
@@ -330,6 +340,7 @@ class StorageRegistry:
                 return
             storage.freed = True
             del self._storages[storage.id]
+            del self._by_block[storage.block]
             self._addresses.give_back(storage.address, storage.nbytes)
             self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
             block = storage.block
@@ -375,15 +386,12 @@ class StorageRegistry:
         device.pool.free(old)
 
     @contextmanager
-    def relocation(self, pool: CachingPool) -> Iterator[dict[Block, Callable[[Block], None]]]:
+    def relocation(self, pool: CachingPool) -> Iterator[Mapping[Block, Callable[[Block], None]]]:
         """For compaction (the pool calls it holding its own lock): stops the world and yields
-        the blocks of unheld live Storages of ``pool``, each with the call repointing it."""
+        the blocks of unheld live Storages of ``pool``, each with the call repointing it
+        (looked up as asked, while the world stays stopped)."""
         with self._lock:
-            yield {
-                s.block: functools.partial(self._repoint, s)
-                for s in self._storages.values()
-                if s.device.pool is pool and s.holds == 0
-            }
+            yield MovableBlocks(self, pool)
 
     def _repoint(self, storage: Storage, block: Block) -> None:
         """``storage`` now lives in ``block`` (its bytes copied there; caller holds the lock).
@@ -391,7 +399,9 @@ class StorageRegistry:
         Its tenant's charge is the rounded request, not the block: nothing to re-charge.
         """
         assert storage.holds == 0 and block.size <= storage.block.size, (storage, block)
+        del self._by_block[storage.block]
         storage.block = block
+        self._by_block[block] = storage
 
     def live(self) -> list[Storage]:
         with self._lock:
@@ -468,3 +478,36 @@ def check_in_bounds(ref: TensorRef) -> None:
             f"offset {layout.offset}, and itemsize {itemsize} reaching elements {low} to "
             f"{high} are out of bounds for storage of size {ref.storage.nbytes}"
         )
+
+
+class MovableBlocks(Mapping[Block, Callable[[Block], None]]):
+    """What :meth:`StorageRegistry.relocation` yields: the blocks of ``pool`` owned by
+    unheld live Storages, each with the call repointing its Storage; a view looked up
+    per block, valid while the registry's lock is held."""
+
+    def __init__(self, registry: StorageRegistry, pool: CachingPool) -> None:
+        self._registry = registry
+        self._pool = pool
+
+    def _owner(self, block: object) -> Storage | None:
+        if not isinstance(block, Block):
+            return None
+        storage = self._registry._by_block.get(block)
+        if storage is None or storage.device.pool is not self._pool or storage.holds:
+            return None
+        return storage
+
+    def __contains__(self, block: object) -> bool:
+        return self._owner(block) is not None
+
+    def __getitem__(self, block: Block) -> Callable[[Block], None]:
+        storage = self._owner(block)
+        if storage is None:
+            raise KeyError(block)
+        return functools.partial(self._registry._repoint, storage)
+
+    def __iter__(self) -> Iterator[Block]:
+        return (block for block in list(self._registry._by_block) if block in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

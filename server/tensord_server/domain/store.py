@@ -34,6 +34,7 @@ from tensord_server.domain.admission import (
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     CallGate,
 )
+from tensord_server.domain.compactor import BackgroundCompactor
 from tensord_server.domain.copies import Copies
 from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.factories import Factories
@@ -156,6 +157,9 @@ class TensorStore:
         self.transfers = Transfers(self.ops)
         self.sharing = Sharing(self.sessions)
         self.stats = Stats(self.devices, self.storages, self.sessions, lambda: self._exports)
+        # compaction after a free, off the freeing call (policies with a compact_threshold);
+        # it steps aside while any request waits for a lock one of its moves takes
+        self.compactor = BackgroundCompactor([d.pool for d in self.devices], self._contended)
 
     @property
     def exports(self) -> ExportTable:
@@ -167,11 +171,22 @@ class TensorStore:
                 self._exports.watch_pools([d.pool for d in self.devices])
             return self._exports
 
+    def _contended(self) -> bool:
+        """Whether a request waits for a lock a background compaction step takes."""
+        return bool(
+            self.sessions.lock_waiters
+            or self.storages.lock_waiters
+            or any(device.pool.lock_waiters for device in self.devices)
+        )
+
     def start(self) -> None:
         self.sessions.start_reaper()
+        self.compactor.start()
 
     def close(self) -> None:
-        """Stop the reaper and release everything (after the gRPC server stopped)."""
+        """Stop the reaper and the compactor and release everything (after the gRPC server
+        stopped)."""
+        self.compactor.close()
         self.gate.shutdown()
         self.sessions.shutdown()
         with self._exports_lock:

@@ -44,10 +44,12 @@ from tensord_server.pool.compaction import (
     Relocator,
     SegmentUsage,
     compact,
+    compact_step,
     evacuation_order,
     place,
     plan_compaction,
 )
+from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -73,6 +75,7 @@ __all__ = [
     "CachingPool",
     "CompactionPlan",
     "CompactionResult",
+    "CountingLock",
     "DeviceMemory",
     "DeviceStats",
     "Move",
@@ -85,6 +88,7 @@ __all__ = [
     "Stat",
     "check_pool_invariants",
     "compact",
+    "compact_step",
     "evacuation_order",
     "external_fragmentation",
     "format_summary",

@@ -41,7 +41,6 @@ many gRPC threads call the pool at once.
 from __future__ import annotations
 
 import bisect
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -77,9 +76,11 @@ from tensord_server.pool.compaction import (
     Relocator,
     SegmentUsage,
     compact,
+    compact_step,
     repack,
     segment_usage,
 )
+from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
 from tensord_server.pool.stats import (
     STAT_ARRAY_NAMES,
@@ -130,7 +131,12 @@ class CachingPool:
         # beyond torch: may veto returning a segment to the device (a GPU segment other
         # processes imported through CUDA IPC must outlive their imports); None: never vetoes
         self.segment_releasable: Callable[[DeviceMemory], bool] | None = None
-        self._lock = threading.Lock()  # guards every field below
+        # beyond torch: the background compactor's doorbell (a leaf: it only sets an event),
+        # rung after a free leaves reserved / allocated above the policy's compact_threshold;
+        # None: no compactor runs, so that compaction happens on the freeing call instead
+        self.compaction_wanted: Callable[[], None] | None = None
+        # counts its waiters: the background compactor moves only while nobody waits
+        self._lock = CountingLock()  # guards every field below
         self._small = BlockPool(is_small=True)
         self._large = BlockPool(is_small=False)
         self._segments: dict[int, Segment] = {}  # segment address -> segment
@@ -218,6 +224,42 @@ class CachingPool:
             result["max_split_size"] = -1 if unlimited else self.max_split_size
             result.update(self._free_block_figures())
             return dict(sorted(result.items()))
+
+    @property
+    def lock_waiters(self) -> int:
+        """Threads blocked on this pool's lock now (the background compactor steps aside)."""
+        return self._lock.waiting
+
+    def compaction_excess(self) -> int:
+        """Reserved bytes beyond the policy's compact_threshold x allocated (0: nothing to do,
+        no threshold, or no relocator)."""
+        with self._lock:
+            return self._compaction_excess()
+
+    def compact_step(
+        self, max_moved: int, proceed: Callable[[], bool] = lambda: False
+    ) -> int | None:
+        """One background compaction step (:func:`~.compaction.compact_step`): one plan of
+        at most ``max_moved`` bytes, its first Storage moved and the next ones while
+        ``proceed()``, and segments left wholly free go back, all under one acquisition of
+        this pool's lock (and the relocator's).  Returns the bytes moved, or None when
+        there is nothing (more) to do."""
+        with self._lock:
+            excess = self._compaction_excess()
+            if not excess or max_moved <= 0:
+                return None
+            assert self.relocator is not None
+            result = compact_step(
+                PoolMoves(self, max_moved=max_moved), self.relocator, self, excess, proceed
+            )
+            plan = result.plan
+            if not plan.moves and not plan.evacuated:
+                return None
+            stats = self._stats
+            stats.compaction_moved_bytes += result.moved
+            if plan.evacuated:  # a compaction counts once, when it gives segments back
+                self._count_compaction(0, plan.released)
+            return result.moved
 
     @property
     def num_compactions(self) -> int:
@@ -591,18 +633,53 @@ class CachingPool:
         stats.compaction_moved_bytes += moved
         stats.compaction_released_bytes += released
 
-    def _excess(self, threshold: float) -> int:
-        """Reserved bytes beyond ``threshold`` x allocated, when beyond the policy's slack."""
+    def _excess(self, threshold: float, slack: int | None = None) -> int:
+        """Reserved bytes beyond ``threshold`` x allocated, when beyond ``slack`` (default:
+        the policy's min_slack)."""
         allocated = self._stats.allocated_bytes[ALL].current
         reserved = self._reserved()
-        if reserved - allocated <= self.policy.min_slack:
+        if reserved - allocated <= (self.policy.min_slack if slack is None else slack):
             return 0
         return max(0, reserved - int(threshold * allocated))
 
+    def _compaction_excess(self) -> int:
+        """What the background compactor should give back (its own threshold and slack)."""
+        policy = self.policy
+        if policy.compact_threshold is None or self.relocator is None:
+            return 0
+        threshold = policy.background_threshold
+        if threshold is None:
+            threshold = policy.compact_threshold
+        return self._excess(threshold, policy.background_min_slack)
+
+    def _wake_excess(self) -> int:
+        """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be)."""
+        policy = self.policy
+        if policy.background_wake_threshold is None:
+            return self._compaction_excess()
+        if policy.compact_threshold is None or self.relocator is None:
+            return 0
+        return self._excess(policy.background_wake_threshold, policy.background_min_slack)
+
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
-        back, then compact, while reserved / allocated is above the thresholds."""
+        back, then compact, while reserved / allocated is above the thresholds.  With a
+        background compactor the free only rings its doorbell; without one (a replay, a
+        pool on its own) it compacts here, within max_moved_bytes, once per compact_every."""
         policy = self.policy
+        wanted = self.compaction_wanted
+        if wanted is not None:
+            # a server, with hysteresis: below the wake-up threshold nothing happens (the
+            # idle segments stay cached for the next requests: reserving a host segment
+            # again is a new memfd and its page faults); above it idle segments go back
+            # down to it (no copy, so cheap on this call) and the compactor, woken, brings
+            # reserved down to its aim off this call
+            excess = self._wake_excess()
+            if excess:
+                self._release_idle_segments(excess)
+                if self._wake_excess():
+                    wanted()
+            return
         if policy.release_threshold is not None:
             excess = self._excess(policy.release_threshold)
             if excess:
@@ -754,6 +831,13 @@ class PoolMoves(MoveTarget):
         head = self.pool._segments[address].head
         assert head is not None and not head.allocated and not head.is_split(), head
         self.pool._release_block(head)
+
+    def free_segment_size(self, address: int) -> int | None:
+        segment = self.pool._segments.get(address)
+        head = None if segment is None else segment.head
+        if head is None or head.allocated or head.is_split():
+            return None
+        return head.size if self.pool._releasable(head) else None
 
     def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
         pool = self.pool

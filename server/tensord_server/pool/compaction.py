@@ -263,6 +263,11 @@ class MoveTarget(Protocol):
         address, or None when the device has no room."""
         ...
 
+    def free_segment_size(self, address: int) -> int | None:
+        """The size of the segment at ``address`` when it is one whole free block that may
+        go back to the device now; None otherwise (blocks allocated, or released already)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
@@ -307,6 +312,50 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
     for address in plan.evacuated:
         target.release_segment(address)
     return CompactionResult(plan, moved)
+
+
+def compact_step(
+    target: MoveTarget,
+    relocator: Relocator,
+    pool: Any,
+    needed: int,
+    proceed: Callable[[], bool] = lambda: False,
+) -> CompactionResult:
+    """One step of a compaction nobody waits for (the background compactor's): plan as
+    :func:`compact` does, within ``target.max_moved``, run the plan's first move (one
+    Storage), and each further move only while ``proceed()`` says nobody waits for the
+    world (checked before each move: a request that starts waiting waits for the move
+    in progress only); then release the planned segments that are wholly free by now.
+    One plan serves many moves while the server is quiet, and the next step plans again
+    from the pool as it is then.  A result with neither moves nor released segments:
+    nothing was left to do."""
+    with relocator.relocation(pool) as movable:
+        plan = plan_compaction(
+            target.candidate_segments(movable),
+            needed,
+            target.max_split_size,
+            max_moved=target.max_moved,
+        )
+        if plan.empty:
+            return CompactionResult(plan, 0)
+        done: list[Move] = []
+        moved = 0
+        for move in plan.moves:
+            if done and not proceed():
+                break
+            moved += execute_move(target, move, movable)
+            done.append(move)
+    # the world runs again: the emptied segments are the pool's alone (its lock is held)
+    emptied = []
+    for address in plan.evacuated:
+        size = target.free_segment_size(address)
+        if size is not None:
+            target.release_segment(address)
+            emptied.append((address, size))
+    step = CompactionPlan(
+        tuple(done), tuple(a for a, _ in emptied), sum(size for _, size in emptied)
+    )
+    return CompactionResult(step, moved)
 
 
 def repacked_size(segment: SegmentUsage) -> int:

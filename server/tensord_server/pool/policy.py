@@ -20,8 +20,18 @@ what the pool does *besides*:
   back whole idle cached segments (torch's garbage_collection_threshold idea, for a
   pool other programs share; torch only gives memory back on OOM or empty_cache);
 - ``compact_threshold``: after a free, when reserved / allocated still exceeds it,
-  compact until it no longer does (not only on OOM), at most ``max_moved_bytes`` per
-  compaction and once per ``compact_every`` frees, so no free waits long;
+  compact until it no longer does (not only on OOM).  With a background compactor
+  (``tensord serve``: ``tensord_server.domain.compactor``) the free only wakes it, and
+  it moves one Storage per lock acquisition, at most ``max_moved_bytes`` per wake-up and
+  ``background_bytes_per_s`` on average, until reserved / allocated is down to
+  ``background_threshold`` (or within ``background_min_slack``): moving costs requests
+  at most one move there, so it may aim lower than the freeing call does; without
+  one (a replay) the freeing call compacts, at most ``max_moved_bytes`` once per
+  ``compact_every`` frees.  Hysteresis: with a background compactor a free acts only
+  once reserved / allocated exceeds ``background_wake_threshold``, and gives idle
+  segments back only down to it (a bounded idle cache, so the next requests reuse
+  segments instead of reserving new ones); the compactor then brings it down to
+  ``background_threshold``;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last three
   acts (a pool that close to its allocation is tight already).
 """
@@ -44,6 +54,10 @@ class PoolPolicy:
     min_slack: int = 16 * MiB
     max_moved_bytes: int = 256 * MiB
     compact_every: int = 16
+    background_bytes_per_s: int = 1024 * MiB
+    background_threshold: float | None = None  # None: compact_threshold
+    background_min_slack: int | None = None  # None: min_slack
+    background_wake_threshold: float | None = None  # None: background_threshold
 
     @property
     def acts_after_free(self) -> bool:
@@ -64,6 +78,9 @@ ADAPTIVE = PoolPolicy(
     consolidate=True,
     release_threshold=1.10,
     compact_threshold=1.15,
+    background_threshold=1.04,
+    background_min_slack=8 * MiB,
+    background_wake_threshold=1.10,
 )
 
 POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}

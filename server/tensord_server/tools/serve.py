@@ -202,7 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what each device's pool does beyond PyTorch's allocator rules: pytorch (nothing, "
         "and no compaction), oom-compaction (compaction where PyTorch would be out of memory), "
         "adaptive (also tight segments and repacking under pressure, idle cached segments given "
-        "back and compaction after a free when reserved/allocated exceeds 1.10/1.15) "
+        "back after a free and compaction in a background thread, one Storage at a time, while "
+        "reserved exceeds allocated by more than 8 MiB) "
         f"(default {DEFAULT_POLICY})",
     )
     parser.add_argument(

@@ -177,6 +177,8 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     """``tensord serve`` on a free loopback port; returns the process and its address."""
     command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
     command += ["--device", args.device, "--session-grace", str(args.session_grace)]
+    if getattr(args, "policy", None):
+        command += ["--policy", args.policy]
     # Each user has one call in flight, and its session's unary heartbeats come on top
     # (sessions hold no thread since the KeepAlive stream became optional): twice the
     # users leaves headroom, so calls never queue for a server thread.
@@ -300,6 +302,17 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+def under_load(load: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The load samples taken while every user was connected: as many live sessions
+    as the run ever had (the users' and the sampler's), not while users were still
+    arriving or already leaving.  Samples without a session count all count."""
+    sessions = [_num(r.get("live_sessions", "")) for r in load]
+    full = max((n for n in sessions if not math.isnan(n)), default=math.nan)
+    if math.isnan(full):
+        return load
+    return [r for r, n in zip(load, sessions, strict=True) if math.isnan(n) or n >= full]
+
+
 def summarize(
     out: Path,
     *,
@@ -313,9 +326,10 @@ def summarize(
 
     Peaks come from the server's own peak counters when it was started for this
     run (``fresh_server``), else from the samples alone (the counters would
-    include whatever ran before).  The mean reserved/allocated ratio counts only
-    load samples with at least ``RATIO_FLOOR`` of the peak allocated, so the
-    ramp-up's near-empty pool does not dominate it.
+    include whatever ran before).  The reserved/allocated ratios (mean and max) count
+    only samples *under load*: every user connected (:func:`under_load`) and at least
+    ``RATIO_FLOOR`` of the peak allocated, so neither the ramp-up's near-empty pool nor
+    the stop, when users leave and free at once, dominates them.
     """
     stats = read_csv(out / "locust_stats.csv")
     total = next((r for r in stats if r.get("Name") == "Aggregated"), None)
@@ -337,7 +351,11 @@ def summarize(
 
     peak_allocated = peak("allocated_bytes", "allocated_bytes.all.peak")
     floor = RATIO_FLOOR * peak_allocated
-    busy = [r for r in load if r["allocated_bytes"] != "" and _num(r["allocated_bytes"]) >= floor]
+    busy = [
+        r
+        for r in under_load(load)
+        if r["allocated_bytes"] != "" and _num(r["allocated_bytes"]) >= floor
+    ]
     ratios = [_num(r["reserved_over_allocated"]) for r in busy if r["reserved_over_allocated"]]
     frags = [_num(r["external_fragmentation"]) for r in busy if r["external_fragmentation"] != ""]
     peak_reserved = peak("reserved_bytes", "reserved_bytes.all.peak")
@@ -350,9 +368,22 @@ def summarize(
         for before, now in itertools.pairwise(series)
         if _num(now["num_ooms"]) > _num(before["num_ooms"])
     ]
+    requests_per_s = _num(total["Requests/s"]) if total else 0.0
+    expected_errors = sum(int(_num(r["Request Count"])) for r in expected)
+    unexpected = int(_num(total["Failure Count"])) if total else 0
+    # Locust's rate counts every request, the cheap ones that failed with an OOM too: a
+    # policy that refuses more would look faster, so the successful requests' rate and
+    # the bytes the pool allocated per second are the fair throughput figures
+    seconds = requests / requests_per_s if requests and requests_per_s > 0 else math.nan
     summary: dict[str, Any] = {
         "requests": requests,
-        "requests_per_s": _num(total["Requests/s"]) if total else 0.0,
+        "requests_per_s": requests_per_s,
+        "successful_requests_per_s": (requests - expected_errors - unexpected) / seconds
+        if requests
+        else 0.0,
+        "allocated_bytes_per_s": delta("allocated_bytes.all.allocated") / seconds
+        if requests
+        else 0.0,
         "expected_errors": sum(int(_num(r["Request Count"])) for r in expected),
         "expected_by_op": {r["Name"]: int(_num(r["Request Count"])) for r in expected},
         "unexpected_failures": int(_num(total["Failure Count"])) if total else 0,
@@ -370,12 +401,18 @@ def summarize(
         if peak_allocated
         else math.nan,
         "mean_reserved_over_allocated": sum(ratios) / len(ratios) if ratios else math.nan,
+        "max_reserved_over_allocated": max(ratios, default=math.nan),
         "max_external_fragmentation": max(frags, default=math.nan),
         "num_ooms": delta("num_ooms"),
         "num_alloc_retries": delta("num_alloc_retries"),
         "num_compactions": delta("num_compactions"),
         "compaction_moved_bytes": delta("compaction_moved_bytes"),
         "compaction_released_bytes": delta("compaction_released_bytes"),
+        # the policy's cost: bytes compaction copied per byte the run allocated
+        "compaction_moved_per_allocated": delta("compaction_moved_bytes")
+        / delta("allocated_bytes.all.allocated")
+        if delta("allocated_bytes.all.allocated") > 0
+        else math.nan,
         "capacity_bytes": capacity,
         "min_allocated_at_oom_bytes": int(min(at_oom)) if at_oom else None,
         "baseline_allocated_bytes": int(_num(baseline.get(allocated_key, 0))),
@@ -440,6 +477,8 @@ def render_markdown(
         "| --- | --- |",
         f"| requests (all ops) | {s['requests']:,} |",
         f"| requests/s | {s['requests_per_s']:,.1f} |",
+        f"| successful requests/s (without expected errors such as OOMs) | "
+        f"{s.get('successful_requests_per_s', math.nan):,.1f} |",
         f"| latency p50 / p95 / p99 | {lat['50%']:.0f} / {lat['95%']:.0f} / {lat['99%']:.0f} ms |",
         f"| unexpected failures | {s['unexpected_failures']} |",
         f"| exceptions in workloads | {s['exceptions']} |",
@@ -448,10 +487,14 @@ def render_markdown(
         f"| peak reserved | {mib(s['peak_reserved_bytes'])} |",
         f"| peak reserved / peak allocated | {s['peak_reserved_over_peak_allocated']:.3f} |",
         f"| mean reserved / allocated under load (*) | {s['mean_reserved_over_allocated']:.3f} |",
+        f"| max reserved / allocated under load (*) | "
+        f"{s.get('max_reserved_over_allocated', math.nan):.3f} |",
         f"| max external fragmentation under load (*) | {s['max_external_fragmentation']:.3f} |",
         f"| OOMs / allocation retries | {s['num_ooms']} / {s['num_alloc_retries']} |",
         f"| compactions: count / bytes moved / bytes released | {s['num_compactions']} / "
         f"{mib(s['compaction_moved_bytes'])} / {mib(s['compaction_released_bytes'])} |",
+        f"| bytes moved by compaction / byte allocated | "
+        f"{s.get('compaction_moved_per_allocated', math.nan):.4f} |",
         f"| pool capacity | {mib(s['capacity_bytes']) if s.get('capacity_bytes') else 'unknown'} |",
         f"| allocated when an OOM was sampled (lowest) | {_at_oom(s)} |",
         f"| allocated: baseline -> after users left | {s['baseline_allocated_bytes']:,} -> {s['final_allocated_bytes']:,} B |",
@@ -479,7 +522,8 @@ def render_markdown(
     ]
     lines += [
         "",
-        f"(*) over the load samples with at least {RATIO_FLOOR:.0%} of the peak allocated.",
+        f"(*) over the load samples with every user connected and at least {RATIO_FLOOR:.0%} "
+        "of the peak allocated.",
         "Expected errors are fired as their own request type and never count as failures;",
         "`check` rows are data read back and compared, not RPCs.",
         "",
@@ -631,6 +675,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-timeout", type=int, default=10, help="seconds users get to finish when stopping"
     )
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="the started server's pool policy (tensord serve --policy; default: its default)",
+    )
     parser.add_argument("--locustfile", type=Path, default=LOADTEST_DIR / "locustfile.py")
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
 
@@ -729,7 +778,9 @@ def run(args: argparse.Namespace) -> int:
             "spawn rate": args.spawn_rate,
             "run time": args.run_time,
             "workers": args.workers,
-            "server": args.address or f"started here, --device {args.device}",
+            "server": args.address
+            or f"started here, --device {args.device}"
+            + (f" --policy {args.policy}" if args.policy else ""),
             "workloads": ",".join(f"{k}={w}" for k, w in weights.items() if w) or args.workloads,
             "size scale": args.scale,
             "sample interval": f"{args.interval} s",
