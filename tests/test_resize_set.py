@@ -320,3 +320,19 @@ def test_grown_bytes_are_zeros_never_a_freed_blocks_bytes(client: tensord.Client
     x = client.full((3,), 7.0)
     x.resize_(64)
     assert x.tolist() == [7.0] * 3 + [0.0] * 61
+
+
+def test_a_grown_storage_is_freed_on_release_with_its_block_and_charge(
+    fresh_server: Any,
+) -> None:
+    # the registry's block index must follow the grown Storage to its new block: a stale
+    # entry made its free fail (KeyError), leaking the block, its address and its charge
+    ledger = fresh_server.daemon.storages.ledger
+    with tensord.connect(fresh_server.address) as client:
+        before = ledger.usage("", "cpu").current
+        x = client.zeros(10)
+        x.resize_(1000)
+        del x  # its handle's release is queued, sent with the next call
+        client.synchronize()  # the release ran (it raised the server's error here before)
+        assert ledger.usage("", "cpu").current == before
+        assert fresh_server.daemon.storages.live() == []

@@ -380,6 +380,9 @@ class StorageRegistry:
                     nbytes,
                     address,
                 )
+                # the block index follows it (its free and compaction look it up by block)
+                del self._by_block[old]
+                self._by_block[block] = storage
         except BaseException:
             device.pool.free(block)
             raise
