@@ -348,3 +348,22 @@ def test_the_server_registers_chosen_ids_without_drawing_its_own(
     for i, handle in enumerate(chosen):
         (row,) = session.View(pb.ViewRequest(handle=handle, t=pb.T()), metadata=session.md).tensors
         assert (tuple(row.shape), row.storage_offset) == ((3,), 3 * i)
+
+
+def test_releases_in_a_batch_that_fails_before_them_are_sent_again(
+    client: Any, server: Any
+) -> None:
+    # a Batch's releases ride at its end: an op failing earlier skipped them, and their
+    # handles (and Storages) stayed in the session until it ended
+    session = server.daemon.sessions.get(client.session_id)
+    x = client.zeros(4, dtype=torch.uint8)
+    client.synchronize()
+    baseline = server.daemon.sessions.handle_count(session)
+    dropped = client.zeros(1000)
+    client.synchronize()
+    del dropped  # its release waits for the next Batch
+    x.fill_(300)  # fits no uint8: fails on the server, before the release in its Batch
+    with pytest.raises(RuntimeError, match=r"fill_ of .*failed on the server"):
+        client.synchronize()
+    client.synchronize()
+    assert server.daemon.sessions.handle_count(session) == baseline

@@ -518,7 +518,8 @@ class Connection:
         self._queue: list[tuple[pb.BatchOp, str, CopyAnswered | None]] = []
         self._queue_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._inflight: tuple[grpc.Future, list[str], list[CopyAnswered]] | None = None
+        # the Batch in flight: its future, its ops' names, the copies' callbacks, its releases
+        self._inflight: tuple[grpc.Future, list[str], list[CopyAnswered], list[str]] | None = None
         self._async_error: errors.TensordError | None = None
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
@@ -781,7 +782,7 @@ class Connection:
             future = self._stub.Batch.future(
                 pb.BatchRequest(ops=ops), metadata=self.metadata(), timeout=timeout
             )
-            self._inflight = (future, whats, answered)
+            self._inflight = (future, whats, answered, released)
             if wait:
                 self._collect()
 
@@ -796,17 +797,20 @@ class Connection:
         """Wait for the Batch in flight; keep its first error for the next wait."""
         if self._inflight is None:
             return
-        future, whats, answered = self._inflight
+        future, whats, answered, released = self._inflight
         self._inflight = None
         try:
             response = future.result()
         except grpc.RpcError as err:
+            self._requeue_releases(released)  # applied or not: releasing twice is harmless
             self._keep_error(error_from_rpc(err))
             return
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
             copied(meta)
         if response.failed:
             index = response.failed_index
+            if released and index < len(whats) - 1:  # the releases ride last: skipped
+                self._requeue_releases(released)
             what = whats[index] if 0 <= index < len(whats) else "?"
             code = next((c for c in grpc.StatusCode if c.value[0] == response.error_code), None)
             cls = error_class(code, response.error_type)
@@ -817,6 +821,12 @@ class Connection:
                     f"the {skipped} op(s) queued after it in the same batch were skipped)"
                 )
             )
+
+    def _requeue_releases(self, released: list[str]) -> None:
+        """Handles whose release a Batch did not apply go back to the queue: without this
+        an op failing before them kept their Storages until the session ended."""
+        if not self._closed.is_set():
+            self._pending.extend(released)
 
     def _keep_error(self, error: errors.TensordError) -> None:
         if self._async_error is None:  # the first error is the one that explains the rest
