@@ -802,7 +802,6 @@ class Connection:
         try:
             response = future.result()
         except grpc.RpcError as err:
-            self._requeue_releases(released)  # applied or not: releasing twice is harmless
             self._keep_error(error_from_rpc(err))
             return
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
@@ -823,8 +822,9 @@ class Connection:
             )
 
     def _requeue_releases(self, released: list[str]) -> None:
-        """Handles whose release a Batch did not apply go back to the queue: without this
-        an op failing before them kept their Storages until the session ended."""
+        """Handles whose release a Batch skipped (an op before it failed) go back to the
+        queue: without this they kept their Storages until the session ended.  Not after
+        an RPC error: the next Batch would fail too, and flush_releases loops while any wait."""
         if not self._closed.is_set():
             self._pending.extend(released)
 
