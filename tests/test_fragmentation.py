@@ -546,3 +546,40 @@ def test_a_free_below_the_wake_threshold_keeps_idle_segments_cached() -> None:
     for block in blocks[4:]:
         pool.free(block)
     pool.assert_invariants()
+
+
+def test_a_failed_background_move_does_not_stop_the_compactor() -> None:
+    """A copy that fails (a device error) leaves its Storage where it was (execute_move);
+    the compactor thread must survive it: dead, every later free only rang its doorbell,
+    and the pool never gave memory back again."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    real_copy = backend.copy
+    failures = 0
+
+    def copy_failing_once(*args: object) -> None:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise RuntimeError("injected device copy failure")
+        real_copy(*args)
+
+    backend.copy = copy_failing_once  # type: ignore[method-assign]
+    compactor = BackgroundCompactor([pool], lambda: False)
+    compactor.start()
+    try:
+        for i in range(10):
+            owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+        for i in (0, 1, 2, 8, 9):  # the frees ring the doorbell
+            owner.contents.pop(f"s{i}")
+            pool.free(owner.blocks.pop(f"s{i}"))
+        assert wait_until(lambda: failures == 1)
+        owner.contents.pop("s3")  # the next free rings again: the compactor, alive, compacts
+        pool.free(owner.blocks.pop("s3"))
+        assert wait_until(lambda: compactor.moves >= 1 and pool.compaction_excess() == 0)
+        assert compactor.running
+    finally:
+        compactor.close()
+    pool.assert_invariants()
+    owner.check_bytes()

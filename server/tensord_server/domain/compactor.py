@@ -26,10 +26,13 @@ plans).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
 from tensord_server.pool import CachingPool
+
+log = logging.getLogger(__name__)
 
 MIN_WAKE_INTERVAL_S = 0.1  # at most 10 wake-ups a second
 # after a wake-up that moved nothing (no plan helped: the pool's holes fit none of the
@@ -95,7 +98,11 @@ class BackgroundCompactor:
             self.wakeups += 1
             moves = self.moves
             for pool in self.pools:
-                self.drain(pool)
+                try:
+                    self.drain(pool)
+                except Exception:  # a failed copy (a device error) left its Storage in place;
+                    # the thread must live on: dead, every later free only rang its doorbell
+                    log.exception("background compaction of a pool failed; it goes on")
             futile = self.moves == moves
             interval = min(2 * interval, MAX_WAKE_INTERVAL_S) if futile else MIN_WAKE_INTERVAL_S
             self._stop.wait(interval)
