@@ -155,3 +155,19 @@ def test_unsigned_numpy_and_dlpack_round_trip(client: tensord.Client, name: str)
     assert t.dtype is getattr(torch, name) and t.tolist() == values.tolist()
     assert repr(x).replace("tensord.", "torch.") == repr(torch.from_numpy(values))
     assert client.tensor(torch.from_numpy(values)).tolist() == values.tolist()
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("dtype", ["int64", "uint16", "uint64", "bool"])
+def test_requires_grad_of_a_non_float_tensor_is_torchs_error(
+    server: Any, pipelining: bool, dtype: str
+) -> None:
+    with tensord.connect(server.address, pipelining=pipelining) as client:
+        x = client.zeros(2, dtype=getattr(tensord, dtype))
+        t = torch.zeros(2, dtype=getattr(torch, dtype))
+        with pytest.raises(RuntimeError) as theirs:
+            t.requires_grad_()
+        with pytest.raises(RuntimeError) as ours:
+            x.requires_grad_()
+            client.synchronize()
+        assert str(ours.value) == str(theirs.value)

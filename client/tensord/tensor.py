@@ -983,7 +983,7 @@ class Tensor:
         if self._session.conn.pipelining:
             if op.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
                 raise errors.TensordRuntimeError(  # the server's check (kernels), made here
-                    "Only Tensors of floating point and complex dtype can require gradients"
+                    "only Tensors of floating point dtype can require gradients"
                 )
             return self._become(self._view(self._meta.layout, set_requires_grad=op))
         (meta,) = self._session.conn.call(

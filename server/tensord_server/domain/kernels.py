@@ -309,9 +309,15 @@ def check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
-def check_requires_grad(dtype: DType, requires_grad: bool) -> None:
+# torch's texts: a factory's requires_grad=True (and the x.requires_grad setter, lowercase),
+# and x.requires_grad_(), which names floating point dtypes only (complex ones may, though)
+REQUIRES_GRAD_TEXT = "Only Tensors of floating point and complex dtype can require gradients"
+REQUIRES_GRAD_INPLACE_TEXT = "only Tensors of floating point dtype can require gradients"
+
+
+def check_requires_grad(dtype: DType, requires_grad: bool, text: str = REQUIRES_GRAD_TEXT) -> None:
     if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-        raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
+        raise RuntimeError(text)
 
 
 # ---------------------------------------------------------------------------

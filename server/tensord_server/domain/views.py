@@ -52,7 +52,7 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
     if op.name == "detach":
         return [dataclasses.replace(ref, requires_grad=False)]
     if op.name == "set_requires_grad":
-        kernels.check_requires_grad(ref.dtype, op.args[0])
+        kernels.check_requires_grad(ref.dtype, op.args[0], kernels.REQUIRES_GRAD_INPLACE_TEXT)
         return [dataclasses.replace(ref, requires_grad=bool(op.args[0]))]
     if op.name == "complex_view":
         return [complex_view_of(ref, op.args[0])]
