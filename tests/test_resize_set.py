@@ -320,3 +320,22 @@ def test_grown_bytes_are_zeros_never_a_freed_blocks_bytes(client: tensord.Client
     x = client.full((3,), 7.0)
     x.resize_(64)
     assert x.tolist() == [7.0] * 3 + [0.0] * 61
+
+
+def test_a_grown_storage_is_freed_and_refunded_when_released(make_server: Any) -> None:
+    # the registry finds a Storage by its block (compaction, decref): the grown one's new block
+    server = make_server()
+    with tensord.connect(server.address) as client:
+        x = client.arange(6.0)
+        x.resize_(1000)
+        (storage,) = server.daemon.storages.live()
+        with server.daemon.storages.relocation(storage.device.pool) as movable:
+            assert storage.block in movable  # the compactor may move it, by its new block
+        del x
+        client.flush()
+        assert len(server.daemon.storages) == 0
+        usage = server.daemon.storages.ledger.usage("", "cpu")
+        assert usage.current == 0 and usage.storages == 0
+        assert (
+            server.daemon.devices.get("cpu").pool.memory_stats()["allocated_bytes.all.current"] == 0
+        )

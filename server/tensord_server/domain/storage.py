@@ -380,6 +380,8 @@ class StorageRegistry:
                     nbytes,
                     address,
                 )
+                del self._by_block[old]  # decref and compaction find it by its block
+                self._by_block[block] = storage
         except BaseException:
             device.pool.free(block)
             raise
