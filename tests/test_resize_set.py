@@ -228,6 +228,11 @@ SET_CASES: list[Callable[[Any, Any, Any], Any]] = [
     lambda m, y, s: y.set_([1, 2]),
     lambda m, y, s: y.set_(s.untyped_storage(), 0, None),
     lambda m, y, s: y.view(2, 1).t().set_(s.untyped_storage(), 4, (1, 2)),  # strides kept
+    lambda m, y, s: y.set_().resize_(5),  # a zero-byte Storage grows
+    lambda m, y, s: y.set_(y.set_().untyped_storage(), 0, (4,)),
+    lambda m, y, s: y.set_(s.to(m.int8).untyped_storage(), 0, (4, 4)),  # another dtype's, grown
+    lambda m, y, s: s.set_(s.untyped_storage(), 0, (20,)),  # its own Storage, grown
+    lambda m, y, s: y.set_(s.untyped_storage(), 1, (2,), (-1,)),  # reaching below the offset
 ]
 
 
