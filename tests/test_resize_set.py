@@ -8,6 +8,7 @@ Storage is charged to its tenant, refused while exported, bounded by --max-op-el
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,8 @@ import tensord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord import dtypes
+from tensord_server.domain import storage as storage_module
+from tensord_server.domain.quotas import QuotaSpec
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch]
@@ -225,6 +228,11 @@ SET_CASES: list[Callable[[Any, Any, Any], Any]] = [
     lambda m, y, s: y.set_([1, 2]),
     lambda m, y, s: y.set_(s.untyped_storage(), 0, None),
     lambda m, y, s: y.view(2, 1).t().set_(s.untyped_storage(), 4, (1, 2)),  # strides kept
+    lambda m, y, s: y.set_().resize_(5),  # a zero-byte Storage grows
+    lambda m, y, s: y.set_(y.set_().untyped_storage(), 0, (4,)),
+    lambda m, y, s: y.set_(s.to(m.int8).untyped_storage(), 0, (4, 4)),  # another dtype's, grown
+    lambda m, y, s: s.set_(s.untyped_storage(), 0, (20,)),  # its own Storage, grown
+    lambda m, y, s: y.set_(s.untyped_storage(), 1, (2,), (-1,)),  # reaching below the offset
 ]
 
 
@@ -336,3 +344,207 @@ def test_a_grown_storage_is_freed_on_release_with_its_block_and_charge(
         client.synchronize()  # the release ran (it raised the server's error here before)
         assert ledger.usage("", "cpu").current == before
         assert fresh_server.daemon.storages.live() == []
+
+
+def test_a_grown_storage_is_freed_and_refunded_when_released(make_server: Any) -> None:
+    # the registry finds a Storage by its block (compaction, decref): the grown one's new block
+    server = make_server()
+    with tensord.connect(server.address) as client:
+        x = client.arange(6.0)
+        x.resize_(1000)
+        (storage,) = server.daemon.storages.live()
+        with server.daemon.storages.relocation(storage.device.pool) as movable:
+            assert storage.block in movable  # the compactor may move it, by its new block
+        del x
+        client.flush()
+        assert len(server.daemon.storages) == 0
+        usage = server.daemon.storages.ledger.usage("", "cpu")
+        assert usage.current == 0 and usage.storages == 0
+        assert (
+            server.daemon.devices.get("cpu").pool.memory_stats()["allocated_bytes.all.current"] == 0
+        )
+
+
+# ---- growing outside the registry's lock: nobody else waits for the copy -----------------
+
+WAIT_S = 5.0  # what another session's quick ops may take while a grow copies (it waited forever)
+MiB = 1 << 20
+
+
+class GatedCopy:
+    """A grow's copy made observable: ``entered`` is set inside it, and it goes on only
+    after ``release()`` (or GATE_S), so a test acts while a Storage is being copied."""
+
+    GATE_S = 20.0
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self._go = threading.Event()
+        real = storage_module._copy_grown
+
+        def gated(new: Any, old: Any) -> None:
+            self.entered.set()
+            self._go.wait(self.GATE_S)
+            real(new, old)
+
+        monkeypatch.setattr(storage_module, "_copy_grown", gated)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """``work`` started in a daemon thread; its outcome lands in the dict ("value"/"error")."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as e:  # reported to the test, which asserts on it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def storage_of(server: Any, x: tensord.Tensor) -> Any:
+    (storage,) = (
+        s for s in server.daemon.storages.live() if s.id == x.untyped_storage().storage_id
+    )
+    return storage
+
+
+def test_a_storage_being_grown_never_stalls_another_sessions_ops(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = make_server()
+    gate = GatedCopy(monkeypatch)
+    with tensord.connect(server.address) as grower, tensord.connect(server.address) as other:
+        x = grower.arange(6.0)
+        mine = other.zeros(4)
+
+        def others_ops() -> Any:
+            other.zeros(3)  # an allocation
+            mine.view(2, 2).fill_(1.0)  # a view, a write
+            return mine.tolist()
+
+        growing, grown = in_thread(lambda: x.resize_(1000))
+        worker: threading.Thread | None = None
+        done: dict[str, Any] = {}
+        try:
+            assert gate.entered.wait(10)
+            worker, done = in_thread(others_ops)
+            worker.join(WAIT_S)
+            assert done == {"value": [1.0] * 4}, "another session waited for the copy"
+        finally:
+            gate.release()
+            growing.join(10)
+            if worker is not None:
+                worker.join(10)
+        assert grown == {"value": x}
+        assert x.shape == (1000,) and x[:7].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0]
+
+
+def test_the_compactor_never_moves_a_storage_being_grown(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = make_server()
+    gate = GatedCopy(monkeypatch)
+    registry = server.daemon.storages
+    with tensord.connect(server.address) as client:
+        x, idle = client.arange(6.0), client.ones(3)
+        storage, unheld = storage_of(server, x), storage_of(server, idle)
+        growing, grown = in_thread(lambda: x.resize_(1000))
+        try:
+            assert gate.entered.wait(10)
+
+            def movable_now() -> set[Any]:
+                with registry.relocation(storage.device.pool) as movable:
+                    return set(movable)
+
+            looking, seen = in_thread(movable_now)
+            looking.join(WAIT_S)
+            # neither its old block (held) nor the new one (not swapped in yet) may move
+            assert seen == {"value": {unheld.block}}
+        finally:
+            gate.release()
+            growing.join(10)
+        assert grown == {"value": x}
+        assert x[:7].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0]
+        with registry.relocation(storage.device.pool) as movable:
+            assert storage.block in movable  # released: an ordinary Storage again
+
+
+@pytest.mark.parametrize("meddling", ["write", "export"])
+def test_a_hold_taken_during_the_copy_refuses_the_growth_and_changes_nothing(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch, meddling: str
+) -> None:
+    # another session of the tenant writes the old bytes (lost if swapped) or maps them
+    server = make_server()
+    gate = GatedCopy(monkeypatch)
+    ledger, pool = server.daemon.storages.ledger, server.daemon.devices.get("cpu").pool
+    with tensord.connect(server.address) as alice, tensord.connect(server.address) as alice2:
+        x = alice.arange(6.0)
+        y = alice2.attach(x.share())
+        pointer, charged = x.data_ptr(), ledger.usage("", "cpu")
+        allocated = pool.memory_stats()["allocated_bytes.all.current"]
+        exported: list[Any] = []
+
+        def meddle() -> None:
+            if meddling == "write":
+                y.fill_(5.0)
+                alice2.synchronize()  # applied now, not queued (pipelining)
+            else:
+                exported.append(np.from_dlpack(y))
+
+        growing, grown = in_thread(lambda: x.resize_(1000))
+        worker: threading.Thread | None = None
+        done: dict[str, Any] = {}
+        try:
+            assert gate.entered.wait(10)
+            worker, done = in_thread(meddle)
+            worker.join(WAIT_S)
+            assert done == {"value": None}, "the other session waited for the copy"
+        finally:
+            gate.release()
+            growing.join(10)
+            if worker is not None:
+                worker.join(10)
+        error = grown.get("error")
+        assert isinstance(error, RuntimeError), grown
+        assert str(error) == "Trying to resize storage that is not resizable"
+        expected = [5.0] * 6 if meddling == "write" else [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert x.tolist() == expected and x.shape == (6,) and x.data_ptr() == pointer
+        assert storage_of(server, x).nbytes == 24
+        assert ledger.usage("", "cpu").current == charged.current  # the charge refunded
+        assert pool.memory_stats()["allocated_bytes.all.current"] == allocated
+        exported.clear()
+
+
+@pytest.mark.parametrize("limit", ["pool", "quota"])
+def test_a_refused_growth_leaves_the_storage_the_handle_and_the_quota_as_they_were(
+    make_server: Any, limit: str
+) -> None:
+    if limit == "pool":
+        server = make_server(devices=("cpu=8MiB",))
+        error: type[Exception] = tensord.OutOfMemoryError
+    else:
+        server = make_server(quotas=[QuotaSpec("*", "cpu", 4 * MiB)])
+        error = tensord.ResourceExhaustedError
+    ledger = server.daemon.storages.ledger
+    with tensord.connect(server.address) as client:
+        x = client.arange(6.0)
+        view = x[1:3]
+        pointer, charged = x.data_ptr(), ledger.usage("", "cpu")
+        with pytest.raises(error):
+            x.resize_(4 * MiB)  # 16 MiB
+        with pytest.raises(error):
+            view.set_(view.untyped_storage(), 0, (4 * MiB,))
+        assert ledger.usage("", "cpu").current == charged.current
+        storage = storage_of(server, x)
+        assert storage.nbytes == 24 and storage.data_ptr == pointer
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert view.shape == (2,) and view.tolist() == [1.0, 2.0]
+        x.resize_(100)  # and it may still grow within the limits
+        assert x[:7].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0]

@@ -207,11 +207,23 @@ class Storage:
 
     Invariants: ``0 <= holds <= refs``, both guarded by the registry's lock;
     ``block`` is allocated in ``device.pool`` exactly while ``refs > 0``
-    (``freed`` after); ``block`` changes only by compaction, under the
-    registry's lock, while ``holds == 0``.
+    (``freed`` after); ``block`` changes only under the registry's lock: by
+    compaction while ``holds == 0``, or by a grow swapping in the block the
+    op holding it filled outside the lock (``StorageRegistry.grow``).
     """
 
-    __slots__ = ("address", "block", "device", "freed", "holds", "id", "nbytes", "refs", "tenant")
+    __slots__ = (
+        "address",
+        "block",
+        "device",
+        "freed",
+        "holds",
+        "id",
+        "nbytes",
+        "refs",
+        "tenant",
+        "uses",
+    )
 
     def __init__(
         self, device: Device, block: Block, nbytes: int, tenant: str = "", address: int = 0
@@ -224,6 +236,8 @@ class Storage:
         self.tenant: str = tenant  # who created it, and is charged its block
         self.refs: int = 0  # handles + share tokens + names + holds
         self.holds: int = 0  # operations reading or writing the bytes now (never moved then)
+        # holds ever taken: a grow copying outside the lock sees whether any began meanwhile
+        self.uses: int = 0
         self.freed: bool = False
 
     @property
@@ -256,7 +270,8 @@ class StorageRegistry:
     caller's: ``release_hold`` when done with the bytes); ``decref`` to zero frees its
     block back to the pool.  The ledger charges each Storage to the tenant that
     created it, within that tenant's quota (``Storage.charge``: a move changes
-    nothing); charges and refunds happen under the lock.
+    nothing); charges and refunds happen under the lock, but for a grow's, charged
+    before its copy (outside the lock) and refunded if it fails.
 
     It is also the pools' :class:`~tensord_server.pool.Relocator` (lock order:
     a pool's lock, then this one; this one is never held while calling a pool).
@@ -325,6 +340,7 @@ class StorageRegistry:
                 raise InternalError(f"hold of a freed {storage!r}")
             storage.refs += 1
             storage.holds += 1
+            storage.uses += 1
 
     def release_hold(self, storage: Storage) -> None:
         with self._lock:
@@ -354,39 +370,55 @@ class StorageRegistry:
         data_ptr too).  The caller holds it ``own_holds`` times (its op); any other hold (a same-host
         export, DLPack, another op using it right now) means its bytes may be read in
         place, and it is refused as torch refuses a storage it does not own.  Only its own
-        tenant may grow it (the grown size is charged to the tenant it is charged to)."""
+        tenant may grow it (the grown size is charged to the tenant it is charged to).
+
+        The copy runs outside the registry's lock, so no other op waits for it: the
+        caller's hold keeps compaction from moving the Storage, the growth is charged
+        before the block is asked for (refunded on any failure), and the new block is
+        swapped in under the lock only if no other hold was taken meanwhile (an op that
+        wrote the old block during the copy, an export made then): otherwise the grow is
+        refused and the Storage is left as it was."""
         if storage.tenant != tenant:
             raise PermissionDeniedError("a Storage shared by another tenant cannot be resized")
+        with self._lock:
+            self._check_resizable(storage, own_holds)
+            uses, old_nbytes = storage.uses, storage.nbytes
         device = storage.device
-        delta = charge_for(nbytes) - storage.charge
-        self.ledger.precheck(storage.tenant, device.name, delta)
-        block = device.pool.malloc(nbytes, self.stream_of(storage.tenant))
+        delta = charge_for(nbytes) - charge_for(old_nbytes)
+        self.ledger.grow(storage.tenant, device.name, delta)  # before any work for it
         try:
-            with self._lock:  # no hold can start while the bytes are copied and swapped
-                if storage.holds != own_holds:
-                    raise RuntimeError("Trying to resize storage that is not resizable")
+            block = device.pool.malloc(nbytes, self.stream_of(storage.tenant))
+            try:
                 new = device.backend.view(block.segment.memory, block.offset, nbytes)
-                _copy_grown(new, storage.raw())
-                self.ledger.grow(storage.tenant, device.name, delta)
-                try:
-                    address = self._addresses.take(nbytes)
-                except BaseException:
-                    self.ledger.grow(storage.tenant, device.name, -delta)
-                    raise
-                self._addresses.give_back(storage.address, storage.nbytes)
-                old, storage.block, storage.nbytes, storage.address = (
-                    storage.block,
-                    block,
-                    nbytes,
-                    address,
-                )
-                # the block index follows it (its free and compaction look it up by block)
-                del self._by_block[old]
-                self._by_block[block] = storage
+                _copy_grown(new, storage.raw())  # held by the caller: the block stays put
+                with self._lock:
+                    self._check_resizable(storage, own_holds, uses)
+                    old = self._swap_grown(storage, block, nbytes)
+            except BaseException:
+                device.pool.free(block)
+                raise
         except BaseException:
-            device.pool.free(block)
+            self.ledger.grow(storage.tenant, device.name, -delta)
             raise
         device.pool.free(old)
+
+    @staticmethod
+    def _check_resizable(storage: Storage, own_holds: int, uses: int | None = None) -> None:
+        """(lock held) Refuse to grow a Storage something else holds, or (``uses`` given:
+        the count when the grow began) one another hold reached since, torch's text."""
+        if storage.holds != own_holds or (uses is not None and storage.uses != uses):
+            raise RuntimeError("Trying to resize storage that is not resizable")
+
+    def _swap_grown(self, storage: Storage, block: Block, nbytes: int) -> Block:
+        """(lock held) ``storage`` now lives in ``block`` of ``nbytes`` (its bytes copied
+        there), at a new address; returns its old block, for the caller to free."""
+        address = self._addresses.take(nbytes)  # first: the new data_ptr is not the old
+        self._addresses.give_back(storage.address, storage.nbytes)
+        old = storage.block
+        del self._by_block[old]  # decref and compaction find it by its block
+        storage.block, storage.nbytes, storage.address = block, nbytes, address
+        self._by_block[block] = storage
+        return old
 
     @contextmanager
     def relocation(self, pool: CachingPool) -> Iterator[Mapping[Block, Callable[[Block], None]]]:
