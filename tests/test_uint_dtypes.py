@@ -171,3 +171,39 @@ def test_requires_grad_of_a_non_float_tensor_is_torchs_error(
             x.requires_grad_()
             client.synchronize()
         assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("dtype", ["uint64", "int64", "int32", "float32", "bool", "complex64"])
+@pytest.mark.parametrize("value", [2**63, 2**64 - 1, 2**64, 2**70, -(2**63) - 1])
+def test_python_ints_past_int64_as_fill_values_are_torchs(
+    server: Any, dtype: str, value: int
+) -> None:
+    """torch's Scalar takes an int64, else a uint64 (2**63 fills a uint64 or float tensor;
+    an int64 tensor overflows), else raises OverflowError, whatever the dtype.  Unpipelined,
+    so the server's error is raised by the call itself, with torch's text alone."""
+    client = tensord.connect(server.address, pipelining=False)
+
+    def outcome(make: Callable[[], Any]) -> Any:
+        try:
+            return make().tolist()
+        except (RuntimeError, OverflowError) as exc:
+            return exc
+
+    def ours_full() -> Any:
+        return client.full((2,), value, dtype=getattr(tensord, dtype))
+
+    def ours_fill() -> Any:
+        x = client.zeros(2, dtype=getattr(tensord, dtype))
+        x.fill_(value)
+        return x
+
+    theirs = outcome(lambda: torch.full((2,), value, dtype=getattr(torch, dtype)))
+    also = outcome(lambda: torch.zeros(2, dtype=getattr(torch, dtype)).fill_(value))
+    assert repr(also) == repr(theirs)
+    for make in (ours_full, ours_fill):
+        ours = outcome(make)
+        if isinstance(theirs, Exception):  # the built-in type torch raises (ours may subclass it)
+            assert isinstance(ours, type(theirs)) and str(ours) == str(theirs), (ours, theirs)
+        else:
+            assert ours == theirs
+    client.close()

@@ -139,10 +139,22 @@ def scalar_pb(value: Any) -> pb.Scalar:
     if isinstance(value, builtins.bool):
         return pb.Scalar(bool_value=value)
     if isinstance(value, builtins.int):
-        return pb.Scalar(int_value=value)
+        return _int_scalar_pb(value)
     if isinstance(value, builtins.float):
         return pb.Scalar(float_value=value)
     return pb.Scalar(complex_value=pb.Complex(real=value.real, imag=value.imag))
+
+
+def _int_scalar_pb(value: builtins.int) -> pb.Scalar:
+    """A Python int as torch makes it a Scalar: int64, else uint64, else its OverflowError
+    (THPUtils_unpackLong, then PyLong_AsUnsignedLongLong), whatever the tensor's dtype."""
+    if -(1 << 63) <= value < 1 << 63:
+        return pb.Scalar(int_value=value)
+    if value < 0:
+        raise OverflowError("can't convert negative int to unsigned")
+    if value >= 1 << 64:
+        raise OverflowError("int too big to convert")
+    return pb.Scalar(uint_value=value)
 
 
 def _ints(values: Any) -> tuple[builtins.int, ...]:

@@ -60,6 +60,8 @@ def decode_scalar(message: pb.Scalar) -> Scalar:
         return bool(message.bool_value)
     if kind == "int_value":
         return int(message.int_value)
+    if kind == "uint_value":
+        return int(message.uint_value)
     if kind == "float_value":
         return float(message.float_value)
     if kind == "complex_value":

@@ -35,16 +35,18 @@ class TensorMeta(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., requires_grad: _Optional[bool] = ..., storage_id: _Optional[str] = ..., storage_nbytes: _Optional[int] = ..., storage_data_ptr: _Optional[int] = ..., is_conj: _Optional[bool] = ..., is_neg: _Optional[bool] = ...) -> None: ...
 
 class Scalar(_message.Message):
-    __slots__ = ("bool_value", "int_value", "float_value", "complex_value")
+    __slots__ = ("bool_value", "int_value", "float_value", "complex_value", "uint_value")
     BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
     INT_VALUE_FIELD_NUMBER: _ClassVar[int]
     FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
     COMPLEX_VALUE_FIELD_NUMBER: _ClassVar[int]
+    UINT_VALUE_FIELD_NUMBER: _ClassVar[int]
     bool_value: bool
     int_value: int
     float_value: float
     complex_value: Complex
-    def __init__(self, bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., complex_value: _Optional[_Union[Complex, _Mapping]] = ...) -> None: ...
+    uint_value: int
+    def __init__(self, bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., complex_value: _Optional[_Union[Complex, _Mapping]] = ..., uint_value: _Optional[int] = ...) -> None: ...
 
 class Complex(_message.Message):
     __slots__ = ("real", "imag")
