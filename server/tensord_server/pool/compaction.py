@@ -47,13 +47,15 @@ class SegmentUsage:
     allocated: tuple[tuple[int, int, int], ...]
     free: tuple[tuple[int, int], ...]
     movable: bool
-    # sums planning reads for every segment of every plan, computed once (a pool keeps
+    # what planning reads of every segment for every plan, computed once (a pool keeps
     # its segments' usages between plans): the allocated blocks' sizes, their rounded
-    # requests and the largest one, and the free blocks' sizes
+    # requests and the largest one, the free blocks' sizes, and the free blocks as
+    # planning's FreeSpots (size, address, this segment's address)
     allocated_bytes: int = field(init=False, repr=False, compare=False)
     requested_bytes: int = field(init=False, repr=False, compare=False)
     largest_request: int = field(init=False, repr=False, compare=False)
     free_bytes: int = field(init=False, repr=False, compare=False)
+    free_spots: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         requests = [request for _, _, request in self.allocated]
@@ -62,6 +64,7 @@ class SegmentUsage:
             ("requested_bytes", sum(requests)),
             ("largest_request", max(requests, default=0)),
             ("free_bytes", sum(size for _, size in self.free)),
+            ("free_spots", tuple((size, address, self.address) for address, size in self.free)),
         )
         for name, value in sums:
             object.__setattr__(self, name, value)
@@ -102,6 +105,17 @@ def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
 
 # A free block a planned move may take: (size, address, its segment's address), sorted.
 FreeSpot = tuple[int, int, int]
+
+
+def spots_of_others(free: Sequence[FreeSpot], segment: SegmentUsage) -> list[FreeSpot]:
+    """``free`` (sorted) without ``segment``'s own free blocks: a copy, less each of those
+    found by bisection (cheaper than filtering every spot; the same list)."""
+    others = list(free)
+    for spot in segment.free_spots:
+        index = bisect.bisect_left(others, spot)
+        if index < len(others) and others[index] == spot:
+            del others[index]
+    return others
 
 
 def place(
@@ -163,12 +177,13 @@ def plan_compaction(
     as if it were not movable, so the plan is the same as with that answer in ``movable``.
     """
     free: dict[tuple[bool, int], list[FreeSpot]] = {}
+    free_bytes: dict[tuple[bool, int], int] = {}
     for segment in segments:
-        spots = free.setdefault((segment.is_small, segment.stream), [])
-        spots.extend((size, address, segment.address) for address, size in segment.free)
+        key = (segment.is_small, segment.stream)
+        free.setdefault(key, []).extend(segment.free_spots)
+        free_bytes[key] = free_bytes.get(key, 0) + segment.free_bytes
     for spots in free.values():
         spots.sort()
-    free_bytes = {key: sum(spot[0] for spot in spots) for key, spots in free.items()}
     receiving: set[int] = set()
     moves: list[Move] = []
     evacuated: list[int] = []
@@ -186,7 +201,8 @@ def plan_compaction(
             continue  # the placement below would fail: a shortcut, not a different decision
         if may_move is not None and not may_move(segment):
             continue  # asked last: the answer costs a look at every block of the segment
-        trial = [spot for spot in free[key] if spot[2] != segment.address]
+        # a segment that never received a block still has its own free blocks as they were
+        trial = spots_of_others(free[key], segment)
         placed: list[tuple[Move, int]] = []
         for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
             spot = place(trial, request, size, segment.is_small, max_split_size)
@@ -464,7 +480,7 @@ def spill_into_holes(
     """The blocks of ``segment`` that fit holes of ``free`` (other segments' free blocks,
     sorted), largest first, each into the hole malloc's best fit would pick without the
     block growing (:func:`place`): their moves, and ``segment`` with only the blocks left."""
-    trial = [spot for spot in free if spot[2] != segment.address]
+    trial = spots_of_others(free, segment)
     moves: list[Move] = []
     left: list[tuple[int, int, int]] = []
     for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
@@ -512,8 +528,7 @@ def repack_options(
     free: dict[int, list[FreeSpot]] = {}
     for segment in segments:
         if not segment.is_small:
-            spots = free.setdefault(segment.stream, [])
-            spots.extend((size, address, segment.address) for address, size in segment.free)
+            free.setdefault(segment.stream, []).extend(segment.free_spots)
     for spots in free.values():
         spots.sort()
     options = []
