@@ -38,11 +38,15 @@ from tensord_server.pool import (
     CachingPool,
     CompactionPlan,
     Move,
+    PoolMoves,
     SegmentUsage,
+    allocator,
+    compaction,
     evacuation_order,
     place,
     plan_compaction,
 )
+from tensord_server.pool.compaction import repack_options, segment_usage
 from tensord_server.tools.replay import (
     COMPARED_KEYS,
     RecordedAddressBackend,
@@ -366,6 +370,91 @@ def test_random_sequences_with_compaction_keep_invariants(
         pool.free(block)
     pool.empty_cache()
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def random_pinned_pool(seed: int) -> tuple[CachingPool, ToyRelocator, random.Random]:
+    """A pool of small and large segments, some blocks freed and some pinned, no compaction
+    yet (a 4 GiB bookkeeping device, so nothing runs out)."""
+    rng = random.Random(seed)
+    relocator = ToyRelocator()
+    pool = CachingPool(BookkeepingBackend(), capacity=4 << 30, relocator=relocator)
+    for i in range(rng.randint(20, 120)):
+        small = rng.random() < 0.4
+        nbytes = rng.randint(1, MiB) if small else rng.randint(MiB, 24 * MiB)
+        relocator.blocks[f"b{i}"] = pool.malloc(nbytes)
+    churn(pool, relocator, rng)
+    return pool, relocator, rng
+
+
+def churn(pool: CachingPool, relocator: ToyRelocator, rng: random.Random) -> None:
+    """Free some blocks, allocate a few more, pin and unpin a few."""
+    names = sorted(relocator.blocks)
+    for name in rng.sample(names, len(names) // 3):
+        relocator.pinned.discard(name)
+        pool.free(relocator.blocks.pop(name))
+    for _ in range(rng.randint(0, 5)):
+        relocator.blocks[f"n{rng.getrandbits(40)}"] = pool.malloc(rng.randint(1, 8 * MiB))
+    names = sorted(relocator.blocks)
+    relocator.pinned ^= set(rng.sample(names, min(len(names), rng.randint(0, 6))))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_kept_segment_views_plan_as_a_walk_from_scratch(seed: int) -> None:
+    """Planning from the pool's kept segment views, asking may_move only about the segments
+    a plan would empty, gives the very plans and repack options of a fresh walk of every
+    segment with movability decided up front, pool after pool as blocks come, go and
+    get pinned between plans (and between moves)."""
+    pool, relocator, rng = random_pinned_pool(seed)
+    for _round in range(6):
+        with relocator.relocation(pool) as movable:
+            target = PoolMoves(pool, max_moved=rng.choice([None, 8 * MiB, 64 * MiB]))
+            kept = target.candidate_segments(movable)
+            fresh = [segment_usage(s, movable) for _, s in sorted(pool._segments.items())]
+            assert [s.address for s in kept] == [s.address for s in fresh]
+            assert [s.movable for s in fresh] == [s.movable and target.may_move(s) for s in kept]
+            for needed in (1, 8 * MiB, 40 * MiB, UNLIMITED):
+                assert plan_compaction(
+                    kept,
+                    needed,
+                    pool.max_split_size,
+                    max_moved=target.max_moved,
+                    may_move=target.may_move,
+                ) == plan_compaction(fresh, needed, pool.max_split_size, max_moved=target.max_moved)
+            assert repack_options(kept, pool.max_split_size, target.may_move) == repack_options(
+                fresh, pool.max_split_size
+            )
+        if rng.random() < 0.5:  # run a step's moves, so the next plan sees moved blocks
+            pool.compact_step(64 * MiB)
+        churn(pool, relocator, rng)
+        pool.assert_invariants()  # the kept views equal fresh walks of their segments
+
+
+def test_a_plan_walks_only_the_segments_changed_since_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planning keeps each segment's view between plans and walks again only the segments
+    whose blocks changed since (planning walked every block of every segment for each
+    plan, holding the GIL and the registry's lock)."""
+    pool, relocator, _ = random_pinned_pool(0)
+    walked: list[int] = []
+
+    def counting_shape(segment: Any) -> Any:
+        walked.append(segment.address)
+        return compaction.segment_shape(segment)
+
+    monkeypatch.setattr(allocator, "segment_shape", counting_shape)
+    with relocator.relocation(pool) as movable:
+        PoolMoves(pool).candidate_segments(movable)
+    assert sorted(walked) == sorted(pool._segments)  # the first plan walks every segment
+    name = sorted(relocator.blocks)[0]
+    freed = relocator.blocks[name]
+    relocator.pinned.discard(name)
+    pool.free(relocator.blocks.pop(name))
+    walked.clear()
+    with relocator.relocation(pool) as movable:
+        PoolMoves(pool).candidate_segments(movable)
+    assert walked == [freed.segment.address]
+    pool.assert_invariants()
 
 
 def test_replay_with_a_relocator_matches_pytorch_exactly() -> None:

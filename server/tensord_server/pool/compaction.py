@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tensord_server.pool.blocks import (
@@ -35,7 +35,9 @@ class SegmentUsage:
 
     ``allocated`` holds ``(address, size, rounded request)`` of each allocated
     block, ``free`` ``(address, size)`` of each free one; ``movable`` is false
-    when any allocated block may not move (held, or owned by no Storage).
+    when any allocated block may not move (held, or owned by no Storage).  A pool
+    that plans often may leave the blocks' part of ``movable`` to a ``may_move``
+    predicate the planners ask only about the segments they would empty.
     """
 
     address: int
@@ -45,10 +47,31 @@ class SegmentUsage:
     allocated: tuple[tuple[int, int, int], ...]
     free: tuple[tuple[int, int], ...]
     movable: bool
+    # what planning reads of every segment for every plan, computed once (a pool keeps
+    # its segments' usages between plans): the allocated blocks' sizes, their rounded
+    # requests and the largest one, the free blocks' sizes, and the free blocks as
+    # planning's FreeSpots (size, address, this segment's address)
+    allocated_bytes: int = field(init=False, repr=False, compare=False)
+    requested_bytes: int = field(init=False, repr=False, compare=False)
+    largest_request: int = field(init=False, repr=False, compare=False)
+    free_bytes: int = field(init=False, repr=False, compare=False)
+    free_spots: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(size for _, size, _ in self.allocated)
+    def __post_init__(self) -> None:
+        requests = [request for _, _, request in self.allocated]
+        sums = (
+            ("allocated_bytes", sum(size for _, size, _ in self.allocated)),
+            ("requested_bytes", sum(requests)),
+            ("largest_request", max(requests, default=0)),
+            ("free_bytes", sum(size for _, size in self.free)),
+            ("free_spots", tuple((size, address, self.address) for address, size in self.free)),
+        )
+        for name, value in sums:
+            object.__setattr__(self, name, value)
+
+
+# Whether a segment whose ``movable`` is true may be emptied now (its blocks may move).
+MayMove = Callable[[SegmentUsage], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +107,17 @@ def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
 FreeSpot = tuple[int, int, int]
 
 
+def spots_of_others(free: Sequence[FreeSpot], segment: SegmentUsage) -> list[FreeSpot]:
+    """``free`` (sorted) without ``segment``'s own free blocks: a copy, less each of those
+    found by bisection (cheaper than filtering every spot; the same list)."""
+    others = list(free)
+    for spot in segment.free_spots:
+        index = bisect.bisect_left(others, spot)
+        if index < len(others) and others[index] == spot:
+            del others[index]
+    return others
+
+
 def place(
     free: Sequence[FreeSpot], request: int, limit: int, small: bool, max_split_size: int
 ) -> tuple[int, int] | None:
@@ -110,9 +144,10 @@ def could_fit_elsewhere(segment: SegmentUsage, free: Sequence[FreeSpot], free_by
     largest request in the largest free block.  True says only that planning may try."""
     if not free:
         return False
-    own_free = sum(size for _, size in segment.free)
-    requests = [request for _, _, request in segment.allocated]
-    return sum(requests) <= free_bytes - own_free and max(requests, default=0) <= free[-1][0]
+    return (
+        segment.requested_bytes <= free_bytes - segment.free_bytes
+        and segment.largest_request <= free[-1][0]
+    )
 
 
 def plan_compaction(
@@ -121,6 +156,7 @@ def plan_compaction(
     max_split_size: int,
     *,
     max_moved: int | None = None,
+    may_move: MayMove | None = None,
 ) -> CompactionPlan:
     """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
 
@@ -135,14 +171,19 @@ def plan_compaction(
     With ``max_moved`` (compaction that no request is waiting for) a segment whose
     blocks would take the bytes moved beyond it is skipped, and a plan that releases
     less than ``needed`` is kept: every segment released helps.
+
+    ``may_move`` is asked, last, about each segment the plan would empty (None: every
+    segment whose ``movable`` is true may be emptied); a segment it refuses is skipped
+    as if it were not movable, so the plan is the same as with that answer in ``movable``.
     """
     free: dict[tuple[bool, int], list[FreeSpot]] = {}
+    free_bytes: dict[tuple[bool, int], int] = {}
     for segment in segments:
-        spots = free.setdefault((segment.is_small, segment.stream), [])
-        spots.extend((size, address, segment.address) for address, size in segment.free)
+        key = (segment.is_small, segment.stream)
+        free.setdefault(key, []).extend(segment.free_spots)
+        free_bytes[key] = free_bytes.get(key, 0) + segment.free_bytes
     for spots in free.values():
         spots.sort()
-    free_bytes = {key: sum(spot[0] for spot in spots) for key, spots in free.items()}
     receiving: set[int] = set()
     moves: list[Move] = []
     evacuated: list[int] = []
@@ -158,7 +199,10 @@ def plan_compaction(
         key = (segment.is_small, segment.stream)
         if not could_fit_elsewhere(segment, free.get(key, []), free_bytes.get(key, 0)):
             continue  # the placement below would fail: a shortcut, not a different decision
-        trial = [spot for spot in free[key] if spot[2] != segment.address]
+        if may_move is not None and not may_move(segment):
+            continue  # asked last: the answer costs a look at every block of the segment
+        # a segment that never received a block still has its own free blocks as they were
+        trial = spots_of_others(free[key], segment)
         placed: list[tuple[Move, int]] = []
         for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
             spot = place(trial, request, size, segment.is_small, max_split_size)
@@ -183,31 +227,56 @@ def plan_compaction(
     return CompactionPlan(tuple(moves), tuple(evacuated), released)
 
 
-def segment_usage(
-    segment: Segment, movable: Mapping[Block, object], *, releasable: bool = True
-) -> SegmentUsage:
-    """What planning sees of ``segment``: its blocks as numbers, movable if every
-    allocated one is a key of ``movable`` and the segment may be released once empty."""
+@dataclass(frozen=True, slots=True)
+class SegmentShape:
+    """A segment's blocks as planning sees them, with its allocated Blocks (in
+    ``usage.allocated``'s order) to ask who may move them; ``usage.movable`` is true.
+    Valid until a block of the segment changes (allocated, freed, split or merged): a
+    pool that keeps shapes between plans drops the segment's then."""
+
+    usage: SegmentUsage
+    blocks: tuple[Block, ...]
+
+
+def segment_shape(segment: Segment) -> SegmentShape:
+    """``segment``'s blocks as numbers, in one walk."""
     allocated = []
     free = []
-    all_movable = releasable
+    blocks = []
     block = segment.head
-    while block is not None:  # one walk: planning reads every segment on each compaction
+    while block is not None:
         if block.allocated:
             allocated.append((block.address, block.size, round_size(block.requested_size)))
-            all_movable = all_movable and block in movable
+            blocks.append(block)
         else:
             free.append((block.address, block.size))
         block = block.next
-    return SegmentUsage(
+    usage = SegmentUsage(
         address=segment.address,
         size=segment.size,
         is_small=segment.is_small,
         stream=segment.stream,
         allocated=tuple(allocated),
         free=tuple(free),
-        movable=all_movable,
+        movable=True,
     )
+    return SegmentShape(usage, tuple(blocks))
+
+
+def blocks_may_move(shape: SegmentShape, movable: Mapping[Block, object]) -> bool:
+    """Whether every allocated block of ``shape`` is a key of ``movable``."""
+    return all(block in movable for block in shape.blocks)
+
+
+def segment_usage(
+    segment: Segment, movable: Mapping[Block, object], *, releasable: bool = True
+) -> SegmentUsage:
+    """What planning sees of ``segment``: its blocks as numbers, movable if every
+    allocated one is a key of ``movable`` and the segment may be released once empty."""
+    shape = segment_shape(segment)
+    if releasable and blocks_may_move(shape, movable):
+        return shape.usage
+    return replace(shape.usage, movable=False)
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +303,14 @@ class MoveTarget(Protocol):
     max_moved: int | None  # the most bytes one plan may copy (None: any, all or nothing)
 
     def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
-        """Every segment as planning sees it (movable only where ``movable`` owns every block)."""
+        """Every segment as planning sees it: ``movable`` false where the segment may not be
+        released once empty; whether its blocks may move (``movable`` owns every one) is
+        :meth:`may_move`'s answer, asked only about the segments a plan would empty."""
+        ...
+
+    def may_move(self, segment: SegmentUsage) -> bool:
+        """Whether every allocated block of ``segment`` (one of the last candidate_segments)
+        may move now: a key of the ``movable`` candidate_segments was given."""
         ...
 
     def allocated_block(self, address: int) -> Block:
@@ -304,6 +380,7 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
             needed,
             target.max_split_size,
             max_moved=target.max_moved,
+            may_move=target.may_move,
         )
         if plan.empty:
             return CompactionResult(plan, 0)
@@ -335,6 +412,7 @@ def compact_step(
             needed,
             target.max_split_size,
             max_moved=target.max_moved,
+            may_move=target.may_move,
         )
         if plan.empty:
             return CompactionResult(plan, 0)
@@ -402,7 +480,7 @@ def spill_into_holes(
     """The blocks of ``segment`` that fit holes of ``free`` (other segments' free blocks,
     sorted), largest first, each into the hole malloc's best fit would pick without the
     block growing (:func:`place`): their moves, and ``segment`` with only the blocks left."""
-    trial = [spot for spot in free if spot[2] != segment.address]
+    trial = spots_of_others(free, segment)
     moves: list[Move] = []
     left: list[tuple[int, int, int]] = []
     for address, size, request in sorted(segment.allocated, key=lambda b: (-b[1], b[0])):
@@ -442,18 +520,22 @@ class RepackOption:
         return self.segment.size - self.new_size
 
 
-def repack_options(segments: Sequence[SegmentUsage], max_split_size: int) -> list[RepackOption]:
-    """Every movable large-pool segment's repack that gives bytes back, the most first."""
+def repack_options(
+    segments: Sequence[SegmentUsage], max_split_size: int, may_move: MayMove | None = None
+) -> list[RepackOption]:
+    """Every movable large-pool segment's repack that gives bytes back, the most first
+    (``may_move``: as :func:`plan_compaction`'s)."""
     free: dict[int, list[FreeSpot]] = {}
     for segment in segments:
         if not segment.is_small:
-            spots = free.setdefault(segment.stream, [])
-            spots.extend((size, address, segment.address) for address, size in segment.free)
+            free.setdefault(segment.stream, []).extend(segment.free_spots)
     for spots in free.values():
         spots.sort()
     options = []
     for segment in segments:
         if segment.is_small or not segment.movable or not segment.allocated:
+            continue
+        if may_move is not None and not may_move(segment):
             continue
         into_holes, rest = spill_into_holes(segment, free[segment.stream], max_split_size)
         new_size = repacked_size(rest)
@@ -480,7 +562,9 @@ def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> 
     released = moved = 0
     with relocator.relocation(pool) as movable:
         while released < needed:
-            options = repack_options(target.candidate_segments(movable), target.max_split_size)
+            options = repack_options(
+                target.candidate_segments(movable), target.max_split_size, target.may_move
+            )
             chosen = None
             for option in options:
                 budget = target.max_moved
