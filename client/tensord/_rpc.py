@@ -86,6 +86,10 @@ _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
 M = TypeVar("M")
 # What a queued op that makes a new Storage hears once its Batch is answered.
 CopyAnswered = Callable[[pb.TensorMeta], None]
+# One queued op, kept as plain values until its Batch is built (issue 15: building a
+# BatchOp per view cost more than the view): (BatchOp field, verb for errors, input handle,
+# message -- for a view, {ViewRequest field: its message} --, result ids, copy callback).
+QueuedOp = tuple[str, str, str, Any, tuple[str, ...], CopyAnswered | None]
 
 # The Python built-in torch raises (sent by the server in the trailer) -> our subclass of it.
 _INVALID_ARGUMENT_BY_BUILTIN: dict[str, type[errors.TensordError]] = {
@@ -447,6 +451,35 @@ os.register_at_fork(
 )
 
 
+def _batch_request(queued: list[QueuedOp], released: list[str]) -> pb.BatchRequest:
+    """The Batch of ``queued`` (in order), then one release of ``released`` if any: each
+    BatchOp filled in place (a message passed to BatchOp() would be copied)."""
+    request = pb.BatchRequest()
+    add = request.ops.add
+    for field, _, handle, message, results, _ in queued:
+        op = add()
+        if results:
+            op.results.extend(results)
+        if field == "view":
+            view = op.view
+            view.handle = handle
+            for name, part in message.items():
+                getattr(view, name).CopyFrom(part)
+        else:
+            getattr(op, field).CopyFrom(message)
+    if released:
+        add().release.handles.extend(released)
+    return request
+
+
+def _describe(queued: list[QueuedOp], released: bool, index: int) -> str:
+    """The op at ``index`` of a Batch, as its error names it ("fill_ of 3MrLn47C...")."""
+    if 0 <= index < len(queued):
+        _, verb, handle, _, _, _ = queued[index]
+        return f"{verb} of {handle[:8]}..."
+    return "release" if released and index == len(queued) else "?"
+
+
 class Connection:
     """A channel to one server, the session on it, and the background threads that keep it.
 
@@ -515,11 +548,13 @@ class Connection:
         # pipelining: ops queued in issue order (with a word each for errors), the Batch in
         # flight (one at a time, so the server applies them in order) and the first error
         # of a Batch, raised at the next call that waits
-        self._queue: list[tuple[pb.BatchOp, str, CopyAnswered | None]] = []
+        self._queue: list[QueuedOp] = []
         self._queue_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        # the Batch in flight: its future, its ops' names, the copies' callbacks, its releases
-        self._inflight: tuple[grpc.Future, list[str], list[CopyAnswered], list[str]] | None = None
+        # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
+        self._inflight: tuple[grpc.Future, list[QueuedOp], list[str], list[CopyAnswered]] | None = (
+            None
+        )
         self._async_error: errors.TensordError | None = None
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
@@ -739,14 +774,25 @@ class Connection:
 
     # ---- pipelining (issue 15) ------------------------------------------------------
 
-    def enqueue(self, op: pb.BatchOp, what: str, copied: CopyAnswered | None = None) -> None:
-        """Queue ``op`` (its result is known here); sent in order in the next Batch.
-        ``copied``: for an op that makes a new Storage, called with what the server issued
-        once the Batch is answered (the Storage's id and address are the server's)."""
-        self._check_open()
+    def enqueue(
+        self,
+        field: str,
+        verb: str,
+        handle: str,
+        message: Any,
+        results: tuple[str, ...] = (),
+        copied: CopyAnswered | None = None,
+    ) -> None:
+        """Queue the BatchOp ``field`` = ``message`` on ``handle`` (its result is known here);
+        sent in order in the next Batch, which builds the BatchOp (see :func:`_batch_request`).
+        ``field`` "view": ``message`` is {ViewRequest field: its message}.  ``verb`` names the
+        op in its error.  ``copied``: for an op that makes a new Storage, called with what the
+        server issued once the Batch is answered (the Storage's id and address are the server's)."""
+        # not _check_open() again: every caller took ``handle`` through Tensor.handle, which did
         with self._queue_lock:
-            self._queue.append((op, what, copied))
-            full = len(self._queue) >= PIPELINE_BATCH
+            queue = self._queue
+            queue.append((field, verb, handle, message, results, copied))
+            full = len(queue) >= PIPELINE_BATCH
         if full:
             if self.flush_scheduler is None:
                 self._flush(wait=False)
@@ -768,21 +814,15 @@ class Connection:
                 queued, self._queue = self._queue, []
             # releases after the ops queued so far: a handle dropped was issued before it
             released = self._take_pending(len(queued)) if releases else []
-            ops = [op for op, _, _ in queued]
-            whats = [what for _, what, _ in queued]
-            answered = [copied for _, _, copied in queued if copied is not None]
-            if released:
-                ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=released)))
-                whats.append("release")
-            if not ops or self._closed.is_set() or self.inherited:
+            if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
+            answered = [op[5] for op in queued if op[5] is not None]
+            request = _batch_request(queued, released)
             if self.local is not None:
                 self.local.before_call()
             timeout = None if self.call_timeout is None else self.call_timeout
-            future = self._stub.Batch.future(
-                pb.BatchRequest(ops=ops), metadata=self.metadata(), timeout=timeout
-            )
-            self._inflight = (future, whats, answered, released)
+            future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
+            self._inflight = (future, queued, released, answered)
             if wait:
                 self._collect()
 
@@ -797,7 +837,7 @@ class Connection:
         """Wait for the Batch in flight; keep its first error for the next wait."""
         if self._inflight is None:
             return
-        future, whats, answered, released = self._inflight
+        future, queued, released, answered = self._inflight
         self._inflight = None
         try:
             response = future.result()
@@ -808,12 +848,13 @@ class Connection:
             copied(meta)
         if response.failed:
             index = response.failed_index
-            if released and index < len(whats) - 1:  # the releases ride last: skipped
+            ops = len(queued) + bool(released)  # the releases ride last, in one op
+            if released and index < ops - 1:  # skipped
                 self._requeue_releases(released)
-            what = whats[index] if 0 <= index < len(whats) else "?"
+            what = _describe(queued, bool(released), index)
             code = next((c for c in grpc.StatusCode if c.value[0] == response.error_code), None)
             cls = error_class(code, response.error_type)
-            skipped = len(whats) - index - 1
+            skipped = ops - index - 1
             self._keep_error(
                 cls(
                     f"{response.error_message} (pipelined op {what} failed on the server; "

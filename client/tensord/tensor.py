@@ -16,7 +16,6 @@ import base64
 import builtins
 import collections
 import contextlib
-import dataclasses
 import math
 import operator
 import os
@@ -24,7 +23,6 @@ import secrets
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -328,19 +326,45 @@ class StorageInfo:
         return self._data_ptr
 
 
-@dataclass(frozen=True, slots=True)
 class Meta:
-    """What the server said about one handle (TensorMeta), decoded once."""
+    """What the server said about one handle (TensorMeta), decoded once; never changed after
+    (``replace`` makes another).  A plain class: a frozen dataclass's __init__ cost a
+    pipelined view more than its layout math (issue 15)."""
 
-    handle: str
-    layout: Layout
-    dtype: DType
-    device: Device
-    requires_grad: builtins.bool
-    storage: StorageInfo
-    # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
-    conj: builtins.bool = False
-    neg: builtins.bool = False
+    __slots__ = ("conj", "device", "dtype", "handle", "layout", "neg", "requires_grad", "storage")
+
+    def __init__(
+        self,
+        handle: str,
+        layout: Layout,
+        dtype: DType,
+        device: Device,
+        requires_grad: builtins.bool,
+        storage: StorageInfo,
+        conj: builtins.bool = False,
+        neg: builtins.bool = False,
+    ) -> None:
+        self.handle = handle
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.requires_grad = requires_grad
+        self.storage = storage
+        # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
+        self.conj = conj
+        self.neg = neg
+
+    def replace(self, **changes: Any) -> Meta:
+        """A copy with ``changes`` (dataclasses.replace's contract)."""
+        fields = {name: getattr(self, name) for name in self.__slots__} | changes
+        return Meta(**fields)
+
+    def __repr__(self) -> str:
+        return (
+            f"Meta(handle={self.handle!r}, layout={self.layout!r}, dtype={self.dtype!r}, "
+            f"device={self.device!r}, requires_grad={self.requires_grad!r}, "
+            f"storage={self.storage!r}, conj={self.conj!r}, neg={self.neg!r})"
+        )
 
     @property
     def storage_id(self) -> str:
@@ -399,16 +423,6 @@ class UntypedStorage:
 
     def __repr__(self) -> str:
         return f"<tensord.UntypedStorage {self._id} of {self._nbytes} bytes on {self.device}>"
-
-
-def _view_batch_op(handle: str, op: dict[str, Any], metas: list[Meta]) -> pb.BatchOp:
-    """The queued view: filled in place (a ViewRequest passed to BatchOp() is copied)."""
-    batch_op = pb.BatchOp(results=[m.handle for m in metas])
-    request = batch_op.view
-    request.handle = handle
-    for name, message in op.items():
-        getattr(request, name).CopyFrom(message)
-    return batch_op
 
 
 # View ops whose result's metadata differs from its input's beyond handle and layout.
@@ -558,7 +572,8 @@ class Tensor:
         handle = self.handle
         if layouts is not None and conn.pipelining:
             metas = [self._view_meta(lay, op) for lay in layouts]
-            conn.enqueue(_view_batch_op(handle, op, metas), f"{next(iter(op))} of {handle[:8]}...")
+            results = tuple(m.handle for m in metas)
+            conn.enqueue("view", next(iter(op)), handle, op, results)
             return [Tensor(self._client, self._session, m) for m in metas]
         response = conn.call("View", pb.ViewRequest(handle=handle, **op))
         return [wrap(self._client, self._session, m) for m in response.tensors]
@@ -570,8 +585,8 @@ class Tensor:
     def _view_meta(self, layout: Layout, op: dict[str, Any]) -> Meta:
         """A view's metadata as the server will make it (same Storage, a new handle)."""
         m = self._meta
-        if not op.keys() & _META_CHANGING_VIEWS:  # the common case, built directly: replace()
-            return Meta(  # introspects the dataclass on every call
+        if not op.keys() & _META_CHANGING_VIEWS:  # the common case, built directly
+            return Meta(
                 new_handle_id(),
                 layout,
                 m.dtype,
@@ -581,20 +596,20 @@ class Tensor:
                 m.conj,  # and so are its lazy bits (issue 14)
                 m.neg,
             )
-        meta = dataclasses.replace(m, handle=new_handle_id(), layout=layout)
+        meta = m.replace(handle=new_handle_id(), layout=layout)
         if "view_dtype" in op:  # view(dtype) is not differentiable: never requires grad
-            return dataclasses.replace(
-                meta, dtype=dtypes.dtype_from_name(op["view_dtype"].dtype), requires_grad=False
+            return meta.replace(
+                dtype=dtypes.dtype_from_name(op["view_dtype"].dtype), requires_grad=False
             )
         if "detach" in op:
-            return dataclasses.replace(meta, requires_grad=False)
+            return meta.replace(requires_grad=False)
         if "complex_view" in op:
             lazy = self._lazy_view(op["complex_view"].op)
-            return dataclasses.replace(
-                meta, dtype=dtypes.dtype_from_name(lazy.dtype), conj=lazy.conj, neg=lazy.neg
+            return meta.replace(
+                dtype=dtypes.dtype_from_name(lazy.dtype), conj=lazy.conj, neg=lazy.neg
             )
         if "set_requires_grad" in op:
-            return dataclasses.replace(meta, requires_grad=op["set_requires_grad"].requires_grad)
+            return meta.replace(requires_grad=op["set_requires_grad"].requires_grad)
         return meta
 
     def view(self, *shape: Any) -> Tensor:
@@ -644,9 +659,7 @@ class Tensor:
         storage = StorageInfo.pending(conn.synchronize)
         meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
         conn.enqueue(
-            pb.BatchOp(reshape=request, results=[meta.handle]),
-            f"reshape of {request.handle[:8]}...",
-            storage.answered,
+            "reshape", "reshape", request.handle, request, (meta.handle,), storage.answered
         )
         return Tensor(self._client, self._session, meta)
 
@@ -1179,7 +1192,7 @@ class Tensor:
             return
         field = {"Copy": "copy", "Fill": "fill", "SetItem": "set_item"}[method]
         what = {"Copy": "copy_", "Fill": "fill_", "SetItem": "__setitem__"}[method]
-        conn.enqueue(pb.BatchOp(**{field: request}), f"{what} of {self._meta.handle[:8]}...")
+        conn.enqueue(field, what, self._meta.handle, request)
 
     # ---- bytes to Python ----------------------------------------------------------------
 
