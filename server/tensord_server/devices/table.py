@@ -191,8 +191,10 @@ class Device:
         return stack
 
 
-def activate(*devices: Device) -> contextlib.ExitStack:
+def activate(*devices: Device) -> contextlib.AbstractContextManager[Any]:
     """Every distinct device's context at once (a cross-device copy needs both)."""
+    if len(devices) == 1:  # most ops: that device's own context, without a stack around it
+        return devices[0].activate()
     stack = contextlib.ExitStack()
     seen: set[str] = set()
     for device in devices:

@@ -9,6 +9,7 @@ scalars that mirror the torch checks they name, with torch's texts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,12 @@ def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
         stop = layout.storage_extent() * itemsize
         base = raw[start:stop].view(np_dtype)
         strides = tuple(s * itemsize for s in layout.stride)
-        array = xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
+        if xp is np and type(base) is np.ndarray:
+            # as_strided's result, without its per-call __array_interface__ detour: NumPy
+            # checks that shape and strides stay inside base's bytes
+            array = np.ndarray(layout.shape, np_dtype, base, 0, strides)
+        else:
+            array = xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
     return array_ops.CUDA.bfloat16_array(array) if bf16 else array
 
 
@@ -158,6 +164,8 @@ def has_internal_overlap(layout: Layout) -> bool:
 def collapse_expanded(layout: Layout) -> Layout:
     """``layout`` with each expanded (stride-0) dim cut to one element: the same memory
     locations, each named once (a fill through it writes what a fill of ``layout`` writes)."""
+    if 0 not in layout.stride:  # nothing expanded (most fills): the layout itself
+        return layout
     shape = tuple(
         1 if s == 0 and n > 1 else n for n, s in zip(layout.shape, layout.stride, strict=True)
     )
@@ -376,9 +384,15 @@ def check_scalar_fits(value: Scalar, dtype: DType) -> None:
 
 def ml_max(dtype: DType) -> float:
     """The largest finite value of a floating dtype (bfloat16 included)."""
+    return _ml_max(dtype.name)
+
+
+@functools.cache  # every fill of a float tensor asks (a few dtypes): finfo per call cost
+def _ml_max(name: str) -> float:
     import ml_dtypes
 
-    return float(ml_dtypes.finfo(dtype.numpy_dtype).max)  # type: ignore[no-untyped-call]
+    numpy_dtype = dtypes.dtype_from_name(name).numpy_dtype
+    return float(ml_dtypes.finfo(numpy_dtype).max)  # type: ignore[no-untyped-call]
 
 
 def fill(xp: Any, dst: Any, value: Scalar) -> None:

@@ -343,24 +343,32 @@ class StorageRegistry:
             storage.uses += 1
 
     def release_hold(self, storage: Storage) -> None:
-        with self._lock:
+        with self._lock:  # one acquisition for both counts: every op's input goes through here
             storage.holds -= 1
             assert storage.holds >= 0, storage
-        self.decref(storage)
+            block = self._decref_locked(storage)
+        if block is not None:
+            storage.device.pool.free(block)
 
     def decref(self, storage: Storage) -> None:
         with self._lock:
-            storage.refs -= 1
-            assert storage.refs >= 0, storage
-            if storage.refs > 0:
-                return
-            storage.freed = True
-            del self._storages[storage.id]
-            del self._by_block[storage.block]
-            self._addresses.give_back(storage.address, storage.nbytes)
-            self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
-            block = storage.block
-        storage.device.pool.free(block)
+            block = self._decref_locked(storage)
+        if block is not None:
+            storage.device.pool.free(block)
+
+    def _decref_locked(self, storage: Storage) -> Any:
+        """Drop one reference; the block to give back to the pool (outside this lock) if
+        that was the last."""
+        storage.refs -= 1
+        assert storage.refs >= 0, storage
+        if storage.refs > 0:
+            return None
+        storage.freed = True
+        del self._storages[storage.id]
+        del self._by_block[storage.block]
+        self._addresses.give_back(storage.address, storage.nbytes)
+        self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
+        return storage.block
 
     def grow(self, storage: Storage, nbytes: int, tenant: str, own_holds: int = 1) -> None:
         """``storage`` now has ``nbytes`` (more than it had): torch's resize_bytes_cpu.  Every
