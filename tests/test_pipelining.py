@@ -315,6 +315,61 @@ def test_a_queued_view_makes_no_system_call_and_no_finalizer(client: Any, monkey
     assert [v.item() for v in views[:12]] == list(range(12))
 
 
+def test_a_queued_view_builds_no_protobuf_op_until_its_batch(client: Any, monkeypatch: Any) -> None:
+    # issue 15's hot path: each view built a BatchOp (and its ViewRequest copied in),
+    # which the flush then copied again into the BatchRequest; the queue keeps plain
+    # values now and the flush fills each op of the request in place
+    x = client.arange(12).view(3, 4)
+    client.synchronize()
+    built = 0
+    batch_op = pb.BatchOp
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal built
+        built += 1
+        return batch_op(*args, **kwargs)
+
+    monkeypatch.setattr(pb, "BatchOp", counting)
+    views = [x[i % 3] for i in range(30)] + [x.t(), x.narrow(1, 1, 2), x.view(4, 3)]
+    views[0].fill_(7)
+    client.synchronize()
+    monkeypatch.undo()
+    assert built == 0
+    oracle = torch.arange(12).view(3, 4)
+    oracle[0].fill_(7)
+    np.testing.assert_array_equal(views[1].numpy(), oracle[1].numpy())
+    np.testing.assert_array_equal(views[30].numpy(), oracle.t().numpy())
+    np.testing.assert_array_equal(views[31].numpy(), oracle.narrow(1, 1, 2).numpy())
+    np.testing.assert_array_equal(views[32].numpy(), oracle.view(4, 3).numpy())
+
+
+def test_a_queued_fill_takes_the_storage_registry_lock_twice(
+    server: Any, open_session: Any, monkeypatch: Any
+) -> None:
+    # issue 15's server cost per op: letting go of an op's input took the registry's lock
+    # twice (the hold, then the reference); one acquisition drops both now
+    from tensord_server.pool.locks import CountingLock
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4], dtype="float32"), metadata=session.md)
+    registry_lock = server.daemon.storages._lock
+    taken = 0
+    acquire = CountingLock.acquire
+
+    def counting(self: CountingLock, blocking: bool = True, timeout: float = -1) -> bool:
+        nonlocal taken
+        taken += self is registry_lock
+        return acquire(self, blocking, timeout)
+
+    fill = pb.BatchOp(fill=pb.FillRequest(handle=meta.handle, value=pb.Scalar(int_value=3)))
+    monkeypatch.setattr(CountingLock, "acquire", counting)
+    response = session.Batch(pb.BatchRequest(ops=[fill]), metadata=session.md)
+    monkeypatch.undo()
+    assert response.applied == 1 and not response.failed
+    assert taken == 2  # one to hold the input, one to let it go
+    np.testing.assert_array_equal(session.download(meta), np.full(4, 3, np.float32))
+
+
 def test_the_server_registers_chosen_ids_without_drawing_its_own(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
