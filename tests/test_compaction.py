@@ -41,6 +41,7 @@ from tensord_server.pool import (
     PoolMoves,
     SegmentUsage,
     allocator,
+    background_evacuation_order,
     compaction,
     evacuation_order,
     place,
@@ -831,3 +832,20 @@ def test_serve_no_compaction_flag(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.communicate(timeout=30)
+
+
+def test_background_plans_empty_the_least_used_fraction_first() -> None:
+    """Nobody waits for a background plan: within its budget it empties the segment that
+    releases the most bytes per byte moved, not the one with the fewest bytes to move."""
+    a = usage(0x1000_0000, 4, [2], [2])  # 2 MiB moved for 4 MiB released
+    b = usage(0x2000_0000, 40, [3], [37])  # 3 MiB moved for 40 MiB released
+    home = usage(0x3000_0000, 20, [15], [5])
+    assert [s.address for s in background_evacuation_order([a, b, home])] == [
+        b.address,
+        a.address,
+        home.address,
+    ]
+    plan = plan_compaction(
+        [a, b, home], 1, UNLIMITED, max_moved=3 * MiB, order=background_evacuation_order
+    )
+    assert plan.evacuated == (b.address,) and plan.released == 40 * MiB

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.devices.memory import HostBackend
-from tensord_server.domain.compactor import BackgroundCompactor
+from tensord_server.domain.compactor import URGENT_RATIO, BackgroundCompactor
 from tensord_server.domain.storage import Storage
 from tensord_server.domain.store import TensorStore
 from tensord_server.pool import (
@@ -581,5 +581,27 @@ def test_a_failed_background_move_does_not_stop_the_compactor() -> None:
         assert compactor.running
     finally:
         compactor.close()
+    pool.assert_invariants()
+    owner.check_bytes()
+
+
+def test_a_pool_far_above_target_is_compacted_beyond_the_per_wake_up_budget() -> None:
+    """Far above target (reserved / allocated > URGENT_RATIO: users freeing at once) one
+    wake-up is not held to max_moved_bytes: the segment whose Storages take more than it
+    to move is emptied now, not left for later (one move per step, still stepping aside)."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    policy = dataclasses.replace(BACKGROUND, max_moved_bytes=4 * MiB)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=policy)
+    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    for i in range(10):
+        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
+    for i in (0, 1, 2, 8, 9):
+        owner.contents.pop(f"s{i}")
+        pool.free(owner.blocks.pop(f"s{i}"))
+    assert pool.reserved_ratio() == 2.0 > URGENT_RATIO
+    compactor = BackgroundCompactor([pool], lambda: False)
+    assert compactor.drain(pool) == 8 * MiB  # two 4 MiB Storages, past the 4 MiB budget
+    assert pool.memory_stats()["segment.all.current"] == 1
     pool.assert_invariants()
     owner.check_bytes()

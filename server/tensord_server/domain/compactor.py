@@ -21,7 +21,12 @@ most ``background_bytes_per_s`` on average (it sleeps after each move for as lon
 the move's bytes take at that rate), at most ``MAX_PLANS_PER_WAKE`` plans per wake-up and one wake-up per
 ``MIN_WAKE_INTERVAL_S``, backing off up to ``MAX_WAKE_INTERVAL_S`` while wake-ups move
 nothing (each step plans under the locks, so a storm of frees does not become a storm of
-plans).
+plans).  Far above target (reserved / allocated > ``URGENT_RATIO``, as when many users
+free at once) a wake-up lifts those caps (bytes, pace, plans, the wait for the next
+wake-up) while it makes progress: a step is still one plan under one acquisition of the
+locks, and still waits for requests, so the guarantee above holds.  Background plans
+empty the least-used *fraction* first (``background_evacuation_order``: the most bytes
+released per byte moved).
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ YIELD_POLL_S = 0.0005  # a compactor stepping aside looks again after this, firs
 YIELD_POLL_MAX_S = 0.008  # ... then twice as long each time, up to this (a waiting
 # compactor polling every 0.5 ms took the GIL from the requests it stepped aside for)
 YIELD_LIMIT_S = 1.0  # stepping aside longer than this ends the wake-up (the next free wakes it)
+# far above target (reserved / allocated beyond this, e.g. when half of the users free
+# at once), a wake-up lifts its caps: no per-wake-up byte budget beyond the pool's reserved
+# bytes, no pacing, up to URGENT_PLANS_PER_WAKE plans, and the next wake-up follows at
+# once; still one move per lock acquisition and still stepping aside for requests
+URGENT_RATIO = 1.20
+URGENT_PLANS_PER_WAKE = 64
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for a move in progress
 
 
@@ -105,15 +116,25 @@ class BackgroundCompactor:
                     log.exception("background compaction of a pool failed; it goes on")
             futile = self.moves == moves
             interval = min(2 * interval, MAX_WAKE_INTERVAL_S) if futile else MIN_WAKE_INTERVAL_S
+            if not futile and any(self._urgent(pool) for pool in self.pools):
+                self._wake.set()  # progress, and still far above target: go on at once
+                continue
             self._stop.wait(interval)
+
+    @staticmethod
+    def _urgent(pool: CachingPool) -> bool:
+        return pool.reserved_ratio() > URGENT_RATIO
 
     def drain(self, pool: CachingPool) -> int:
         """Steps on ``pool`` until reserved / allocated is under its threshold, no plan
         helps, the wake-up's budget is spent, requests keep waiting, or close(); the bytes moved."""
         policy = pool.policy
-        budget = policy.max_moved_bytes
+        urgent = self._urgent(pool)
+        budget = (
+            max(pool.reserved_bytes, policy.max_moved_bytes) if urgent else policy.max_moved_bytes
+        )
         moved = 0
-        for _ in range(MAX_PLANS_PER_WAKE):
+        for _ in range(URGENT_PLANS_PER_WAKE if urgent else MAX_PLANS_PER_WAKE):
             if moved >= budget or not self._step_aside():
                 break
             step = pool.compact_step(budget - moved, self._quiet)
@@ -123,8 +144,8 @@ class BackgroundCompactor:
             if step:
                 self.moves += 1
                 self.moved_bytes += step
-                # pace: on average no more than background_bytes_per_s
-                self._stop.wait(step / policy.background_bytes_per_s)
+                if not urgent:  # pace: on average no more than background_bytes_per_s
+                    self._stop.wait(step / policy.background_bytes_per_s)
         return moved
 
     def _quiet(self) -> bool:

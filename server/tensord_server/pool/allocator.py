@@ -238,6 +238,17 @@ class CachingPool:
         """Threads blocked on this pool's lock now (the background compactor steps aside)."""
         return self._lock.waiting
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes reserved now (one int read, no lock)."""
+        return self._reserved()
+
+    def reserved_ratio(self) -> float:
+        """reserved / allocated now, without the lock (two int reads: a moment's estimate,
+        enough for the compactor to choose how hard to work); 0.0 with nothing allocated."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        return self._reserved() / allocated if allocated else 0.0
+
     def compaction_excess(self) -> int:
         """Reserved bytes beyond the policy's compact_threshold x allocated (0: nothing to do,
         no threshold, or no relocator)."""

@@ -96,6 +96,13 @@ class CompactionPlan:
         return not self.evacuated
 
 
+def background_evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
+    """Movable segments, the most bytes released per byte moved first (the least-used
+    fraction), then fewest allocated bytes, then by address."""
+    movable = (s for s in segments if s.movable)
+    return sorted(movable, key=lambda s: (s.allocated_bytes / s.size, s.allocated_bytes, s.address))
+
+
 def evacuation_order(segments: Iterable[SegmentUsage]) -> list[SegmentUsage]:
     """Movable segments, least-used first: fewest allocated bytes (the least to copy),
     then the largest (the most released for it), then by address."""
@@ -157,6 +164,7 @@ def plan_compaction(
     *,
     max_moved: int | None = None,
     may_move: MayMove | None = None,
+    order: Callable[[Iterable[SegmentUsage]], list[SegmentUsage]] = evacuation_order,
 ) -> CompactionPlan:
     """The segments to empty, and where each of their blocks goes, to release ``needed`` bytes.
 
@@ -189,7 +197,7 @@ def plan_compaction(
     evacuated: list[int] = []
     released = 0
     budget = max_moved
-    for segment in evacuation_order(segments):
+    for segment in order(segments):
         if released >= needed:
             break
         if segment.address in receiving:
@@ -413,6 +421,7 @@ def compact_step(
             target.max_split_size,
             max_moved=target.max_moved,
             may_move=target.may_move,
+            order=background_evacuation_order,
         )
         if plan.empty:
             return CompactionResult(plan, 0)
