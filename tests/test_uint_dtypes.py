@@ -207,3 +207,17 @@ def test_python_ints_past_int64_as_fill_values_are_torchs(
         else:
             assert ours == theirs
     client.close()
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_a_barebones_unsigned_mask_in_masked_fill_names_its_c10_type(
+    client: tensord.Client, dtype: str
+) -> None:
+    t = torch.zeros(3)
+    x = client.zeros(3)
+    with pytest.raises(RuntimeError) as theirs:
+        t.masked_fill_(torch.zeros(3, dtype=getattr(torch, dtype)), 1.0)
+    with pytest.raises(RuntimeError) as ours:
+        x.masked_fill_(client.zeros(3, dtype=getattr(tensord, dtype)), 1.0)
+        client.synchronize()
+    assert str(ours.value) == str(theirs.value)

@@ -107,20 +107,3 @@ def infer_size(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
             )
         out.append(size_a if size_a != 1 else size_b)
     return tuple(out)
-
-
-# c10's TypeMeta names, which torch's masked_fill_ prints for a mask's dtype
-TYPE_META_NAMES = {
-    "float32": "float",
-    "float64": "double",
-    "float16": "c10::Half",
-    "bfloat16": "c10::BFloat16",
-    "int64": "long int",
-    "int32": "int",
-    "int16": "short int",
-    "int8": "signed char",
-    "uint8": "unsigned char",
-    "bool": "bool",
-    "complex64": "c10::complex<float>",
-    "complex128": "c10::complex<double>",
-}

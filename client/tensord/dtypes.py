@@ -323,3 +323,24 @@ def result_type(*operands: Operand | Sequence[Operand]) -> DType:
     result = _combine_categories(dim_result, _combine_categories(zero_result, wrapped_result))
     assert result is not None, operands
     return result
+
+
+# c10's TypeMeta names, which torch prints for a dtype in some errors (masked_fill_'s mask,
+# set_'s storage)
+TYPE_META_NAMES = {
+    "float32": "float",
+    "float64": "double",
+    "float16": "c10::Half",
+    "bfloat16": "c10::BFloat16",
+    "int64": "long int",
+    "int32": "int",
+    "int16": "short int",
+    "int8": "signed char",
+    "uint8": "unsigned char",
+    "bool": "bool",
+    "complex64": "c10::complex<float>",
+    "complex128": "c10::complex<double>",
+    "uint16": "short unsigned int",
+    "uint32": "unsigned int",
+    "uint64": "long unsigned int",
+}

@@ -1459,7 +1459,7 @@ class Tensor:
             value_requires_grad = builtins.bool(value.requires_grad)
             value = value.item()
         if mask.dtype is not dtypes.bool:
-            name = _indexing.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
+            name = dtypes.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
             raise errors.TensordRuntimeError(
                 f"masked_fill_ only supports boolean masks, but got mask with dtype {name}"
             )

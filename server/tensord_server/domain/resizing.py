@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tensord import dtypes
 from tensord import layout as layouts
 from tensord.layout import Layout
 
@@ -212,25 +213,5 @@ def _check_in_place(ref: TensorRef) -> None:
         )
 
 
-# c10's TypeMeta names, which torch's set_ prints for a dtype
-_TYPE_META_NAMES = {
-    "float32": "float",
-    "float64": "double",
-    "float16": "c10::Half",
-    "bfloat16": "c10::BFloat16",
-    "int64": "long int",
-    "int32": "int",
-    "int16": "short int",
-    "int8": "signed char",
-    "uint8": "unsigned char",
-    "bool": "bool",
-    "complex64": "c10::complex<float>",
-    "complex128": "c10::complex<double>",
-    "uint16": "short unsigned int",
-    "uint32": "unsigned int",
-    "uint64": "long unsigned int",
-}
-
-
 def _type_meta(name: str) -> str:
-    return _TYPE_META_NAMES.get(name, name)
+    return dtypes.TYPE_META_NAMES.get(name, name)
