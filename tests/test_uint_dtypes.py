@@ -221,3 +221,22 @@ def test_a_barebones_unsigned_mask_in_masked_fill_names_its_c10_type(
         x.masked_fill_(client.zeros(3, dtype=getattr(tensord, dtype)), 1.0)
         client.synchronize()
     assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize(
+    "args", [(2**63,), (0, 2**63), (0, 10, 2**63), (2**64 - 1,), (2**63, 2**63 + 2)]
+)
+def test_arange_with_ints_past_int64_is_torchs_error(
+    client: tensord.Client, args: tuple[int, ...]
+) -> None:
+    # found by the RPC fuzz test once such ints could travel (Scalar.uint_value): INTERNAL
+    with pytest.raises(RuntimeError) as theirs:
+        torch.arange(*args)
+    with pytest.raises(RuntimeError) as ours:
+        client.arange(*args)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_float_arange_takes_ints_past_int64_as_torch(client: tensord.Client) -> None:
+    ours = client.arange(0, 2**63, 2**62, dtype=tensord.float32).tolist()
+    assert ours == torch.arange(0, 2**63, 2**62, dtype=torch.float32).tolist()

@@ -453,6 +453,12 @@ def arange_plan(start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> Arang
     start, end, step = _real(start), _real(end), _real(step)
     if dtype is dtypes.bool or dtype.is_complex:
         raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
+    if not dtype.is_floating_point and any(
+        isinstance(v, int) and not -(1 << 63) <= v < 1 << 63 for v in (start, end, step)
+    ):
+        # an unsigned Scalar (2**63..2**64-1) in an integer arange: torch's int64 conversion
+        # refuses it (an int32/int8 arange of one wraps in torch; refused here too)
+        raise RuntimeError("value cannot be converted to type int64_t without overflow")
     # arange_check_bounds: in double precision, whatever the dtype
     dstart, dend, dstep = float(start), float(end), float(step)
     if not (dstep > 0 or dstep < 0):
