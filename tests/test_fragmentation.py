@@ -367,23 +367,32 @@ def test_a_request_waits_for_at_most_one_background_move() -> None:
     assert not store.compactor.running and pool.compaction_wanted is None
 
 
-def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
-    """Deterministic: while ``contended()`` says a request waits, the compactor polls and
-    moves nothing; it finishes the compaction once nobody waits."""
+def half_freed_background_pool(
+    policy: PoolPolicy = BACKGROUND,
+) -> tuple[CachingPool, HoldingRelocator]:
+    """Ten 4 MiB blocks, five of them freed (0-2 and 8-9): a pool with work for the
+    compactor, whose frees leave the compaction to drain() (no compactor thread)."""
     backend = HostBackend(total_bytes=HOST_BYTES)
     owner = HoldingRelocator(backend)
-    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
-    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=policy)
+    pool.compaction_wanted = lambda: None
     for i in range(10):
         owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
     for i in (0, 1, 2, 8, 9):
         owner.contents.pop(f"s{i}")
         pool.free(owner.blocks.pop(f"s{i}"))
+    return pool, owner
+
+
+def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
+    """Deterministic: while ``contended()`` says a request waits, the compactor polls and
+    moves nothing; it finishes the compaction once nobody waits."""
+    pool, owner = half_freed_background_pool()
     assert pool.compaction_excess() > 0
     copies = 0
     waiting = False
     polls = 0
-    real_copy = backend.copy
+    real_copy = owner.backend.copy
 
     def copy_during_which_a_request_comes(*args: object) -> None:
         nonlocal copies, waiting
@@ -396,7 +405,7 @@ def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
         polls += 1
         return waiting
 
-    backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
+    owner.backend.copy = copy_during_which_a_request_comes  # type: ignore[method-assign]
     compactor = BackgroundCompactor([pool], contended)
     drained: list[int] = []
     thread = threading.Thread(target=lambda: drained.append(compactor.drain(pool)))
@@ -491,15 +500,7 @@ def test_random_sequences_with_the_compactor_running_keep_invariants_and_bytes(
 def test_a_quiet_servers_background_compaction_plans_once_for_many_moves() -> None:
     """While nobody waits, one step runs its plan's moves one after another (planning is
     the step's cost: a plan per Storage moved took a third of a loaded server's time)."""
-    backend = HostBackend(total_bytes=HOST_BYTES)
-    owner = HoldingRelocator(backend)
-    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
-    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
-    for i in range(10):
-        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
-    for i in (0, 1, 2, 8, 9):
-        owner.contents.pop(f"s{i}")
-        pool.free(owner.blocks.pop(f"s{i}"))
+    pool, owner = half_freed_background_pool()
     plans = 0
     real_relocation = owner.relocation
 
@@ -589,16 +590,9 @@ def test_a_pool_far_above_target_is_compacted_beyond_the_per_wake_up_budget() ->
     """Far above target (reserved / allocated > URGENT_RATIO: users freeing at once) one
     wake-up is not held to max_moved_bytes: the segment whose Storages take more than it
     to move is emptied now, not left for later (one move per step, still stepping aside)."""
-    backend = HostBackend(total_bytes=HOST_BYTES)
-    owner = HoldingRelocator(backend)
-    policy = dataclasses.replace(BACKGROUND, max_moved_bytes=4 * MiB)
-    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=policy)
-    pool.compaction_wanted = lambda: None  # the frees below leave the compaction to drain()
-    for i in range(10):
-        owner.add(f"s{i}", pool.malloc(4 * MiB), seed=i)
-    for i in (0, 1, 2, 8, 9):
-        owner.contents.pop(f"s{i}")
-        pool.free(owner.blocks.pop(f"s{i}"))
+    pool, owner = half_freed_background_pool(
+        dataclasses.replace(BACKGROUND, max_moved_bytes=4 * MiB)
+    )
     assert pool.reserved_ratio() == 2.0 > URGENT_RATIO
     compactor = BackgroundCompactor([pool], lambda: False)
     assert compactor.drain(pool) == 8 * MiB  # two 4 MiB Storages, past the 4 MiB budget
