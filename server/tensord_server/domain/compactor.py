@@ -27,6 +27,12 @@ wake-up) while it makes progress: a step is still one plan under one acquisition
 locks, and still waits for requests, so the guarantee above holds.  Background plans
 empty the least-used *fraction* first (``background_evacuation_order``: the most bytes
 released per byte moved).
+
+Time hysteresis (policy ``release_idle_s``): a segment left wholly free is kept that long
+(compaction neither empties nor fills it, nor counts it as excess), so the next request
+of its size reuses warm pages; besides the doorbell, the thread wakes when the first kept
+segment of a pool may go back (``until_idle_release``), and that wake-up's steps give it
+back like any idle segment (a plan empties it first, with no move).
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ YIELD_LIMIT_S = 1.0  # stepping aside longer than this ends the wake-up (the nex
 # once; still one move per lock acquisition and still stepping aside for requests
 URGENT_RATIO = 1.20
 URGENT_PLANS_PER_WAKE = 64
+# a wake-up for a kept idle segment comes this long after the segment may go back, so
+# that the pool's clock has surely passed that time when the step looks
+IDLE_RELEASE_MARGIN_S = 0.005
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for a move in progress
 
 
@@ -102,7 +111,8 @@ class BackgroundCompactor:
     def _run(self) -> None:
         interval = MIN_WAKE_INTERVAL_S
         while not self._stop.is_set():
-            self._wake.wait()
+            # a doorbell, or the time a kept idle segment may go back (release_idle_s)
+            self._wake.wait(self.until_idle_release())
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -120,6 +130,12 @@ class BackgroundCompactor:
                 self._wake.set()  # progress, and still far above target: go on at once
                 continue
             self._stop.wait(interval)
+
+    def until_idle_release(self) -> float | None:
+        """Seconds until the first kept idle segment of any pool may go back (the pools'
+        policy ``release_idle_s``), a little after it; None when no segment is kept."""
+        delays = [d for d in (pool.idle_release_delay() for pool in self.pools) if d is not None]
+        return min(delays) + IDLE_RELEASE_MARGIN_S if delays else None
 
     @staticmethod
     def _urgent(pool: CachingPool) -> bool:

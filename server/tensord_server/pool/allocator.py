@@ -25,8 +25,9 @@ never; the default ``oom-compaction``: compaction on the OOM path only):
   (``PoolMoves``).  On the out-of-memory path the reservation is then retried once;
   after a free (policy ``compact_threshold``) it runs when reserved / allocated is
   too high.  Clients hold handles, not pointers, so nothing outside the server notices;
-- tight segments on the out-of-memory path, idle segments given back after a free
-  (policy ``tight_segments``, ``release_threshold``);
+- tight segments on the out-of-memory path, idle segments given back after a free,
+  or once idle for a while (policy ``tight_segments``, ``release_threshold``,
+  ``release_idle_s``);
 - compaction and repacking before reserving a segment near the device's edge
   (policy ``consolidate``).
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -115,6 +116,7 @@ class CachingPool:
         record_history: bool = False,
         relocator: Relocator | None = None,
         policy: PoolPolicy = OOM_COMPACTION,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_split_size is not None and max_split_size <= LARGE_BUFFER:
             # As PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: it must exceed kLargeBuffer.
@@ -138,6 +140,8 @@ class CachingPool:
         # rung after a free leaves reserved / allocated above the policy's compact_threshold;
         # None: no compactor runs, so that compaction happens on the freeing call instead
         self.compaction_wanted: Callable[[], None] | None = None
+        # beyond torch: seconds, for the policy's release_idle_s (injectable: tests)
+        self.clock: Callable[[], float] = clock
         # counts its waiters: the background compactor moves only while nobody waits
         self._lock = CountingLock()  # guards every field below
         self._small = BlockPool(is_small=True)
@@ -150,6 +154,10 @@ class CachingPool:
         self._shapes: dict[int, SegmentShape] = {}  # segment address -> shape
         self._stats = DeviceStats()
         self._frees_since_compaction = 0  # frees since the policy last compacted after a free
+        # beyond torch: segment address -> clock() when the segment became wholly free, for
+        # each segment that is one free block (the policy's release_idle_s keeps those
+        # for a while); absent: allocated from, or never freed since it was reserved
+        self._idle_since: dict[int, float] = {}
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
@@ -268,9 +276,8 @@ class CachingPool:
             if not excess or max_moved <= 0:
                 return None
             assert self.relocator is not None
-            result = compact_step(
-                PoolMoves(self, max_moved=max_moved), self.relocator, self, excess, proceed
-            )
+            moves = PoolMoves(self, max_moved=max_moved, hidden=set(self._kept_idle_segments()))
+            result = compact_step(moves, self.relocator, self, excess, proceed)
             plan = result.plan
             if not plan.moves and not plan.evacuated:
                 return None
@@ -279,6 +286,25 @@ class CachingPool:
             if plan.evacuated:  # a compaction counts once, when it gives segments back
                 self._count_compaction(0, plan.released)
             return result.moved
+
+    def idle_release_delay(self) -> float | None:
+        """Seconds (of the pool's clock) until the background compactor should look again
+        for idle segments to give back (policy ``release_idle_s``): 0 when some may go back
+        now and are in excess (they decayed while it was not looking: waiting only for the
+        kept ones, it would have slept on, with them reserved, until the next doorbell),
+        else until the first kept one may go back; None when there is nothing to wait for."""
+        with self._lock:
+            if not self._keeps_idle_segments():
+                return None
+            kept = self._kept_idle_segments()
+            decayed = (
+                address
+                for address in self._idle_since
+                if address not in kept and self._releasable_segment(self._segments[address])
+            )
+            if any(decayed) and self._compaction_excess():
+                return 0.0
+            return max(0.0, min(kept.values()) - self.clock()) if kept else None
 
     @property
     def num_compactions(self) -> int:
@@ -378,6 +404,7 @@ class CachingPool:
         kind = pool.kind
         stats = self._stats
         self._shapes.pop(block.segment.address, None)
+        self._idle_since.pop(block.segment.address, None)
         already_split = block.is_split()
         if split:
             remaining = block
@@ -449,6 +476,8 @@ class CachingPool:
         if block.is_split():
             net_blocks += 1
             net_bytes += block.size
+        else:
+            self._idle_since[block.segment.address] = self.clock()
         stats = self._stats
         kind = pool.kind
         if net_blocks > 0:
@@ -492,6 +521,7 @@ class CachingPool:
         segment = block.segment
         del self._segments[segment.address]
         self._shapes.pop(segment.address, None)
+        self._idle_since.pop(segment.address, None)
         self.backend.release(segment.memory)
         # the segment and its head block point at each other: a cycle that only the cyclic
         # GC collects.  Host memory is freed with its last reference, so drop the payload
@@ -663,11 +693,11 @@ class CachingPool:
         stats.compaction_moved_bytes += moved
         stats.compaction_released_bytes += released
 
-    def _excess(self, threshold: float, slack: int | None = None) -> int:
-        """Reserved bytes beyond ``threshold`` x allocated, when beyond ``slack`` (default:
-        the policy's min_slack)."""
+    def _excess(self, threshold: float, slack: int | None = None, kept: int = 0) -> int:
+        """Reserved bytes, less ``kept``, beyond ``threshold`` x allocated, when beyond
+        ``slack`` (default: the policy's min_slack)."""
         allocated = self._stats.allocated_bytes[ALL].current
-        reserved = self._reserved()
+        reserved = self._reserved() - kept
         if reserved - allocated <= (self.policy.min_slack if slack is None else slack):
             return 0
         return max(0, reserved - int(threshold * allocated))
@@ -680,16 +710,43 @@ class CachingPool:
         threshold = policy.background_threshold
         if threshold is None:
             threshold = policy.compact_threshold
-        return self._excess(threshold, policy.background_min_slack)
+        kept = sum(self._segments[address].size for address in self._kept_idle_segments())
+        return self._excess(threshold, policy.background_min_slack, kept)
+
+    def _keeps_idle_segments(self) -> bool:
+        """Whether the policy's release_idle_s applies: only where a background compactor
+        gives kept segments back later (compaction_wanted set, and compaction possible)."""
+        policy = self.policy
+        return (
+            policy.release_idle_s is not None
+            and self.compaction_wanted is not None
+            and policy.compact_threshold is not None
+            and self.relocator is not None
+        )
+
+    def _kept_idle_segments(self) -> dict[int, float]:
+        """The wholly free segments kept now (policy ``release_idle_s``): address -> the
+        clock() time from which they may go back.  Background compaction neither empties
+        nor fills them, nor counts them as excess; the out-of-memory paths ignore this."""
+        decay = self.policy.release_idle_s
+        if decay is None or not self._idle_since or not self._keeps_idle_segments():
+            return {}
+        now = self.clock()
+        due = {address: since + decay for address, since in self._idle_since.items()}
+        return {address: when for address, when in due.items() if now < when}
 
     def _wake_excess(self) -> int:
-        """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be)."""
+        """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be),
+        kept idle segments included (the compactor gives them back once they decay)."""
         policy = self.policy
-        if policy.background_wake_threshold is None:
-            return self._compaction_excess()
         if policy.compact_threshold is None or self.relocator is None:
             return 0
-        return self._excess(policy.background_wake_threshold, policy.background_min_slack)
+        threshold = policy.background_wake_threshold
+        if threshold is None:
+            threshold = policy.background_threshold
+        if threshold is None:
+            threshold = policy.compact_threshold
+        return self._excess(threshold, policy.background_min_slack)
 
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
@@ -704,9 +761,11 @@ class CachingPool:
             # again is a new memfd and its page faults); above it idle segments go back
             # down to it (no copy, so cheap on this call) and the compactor, woken, brings
             # reserved down to its aim off this call
+            # (kept segments count here: the compactor must wake to give them back later)
             excess = self._wake_excess()
             if excess:
-                self._release_idle_segments(excess)
+                if not self._keeps_idle_segments():
+                    self._release_idle_segments(excess)
                 if self._wake_excess():
                     wanted()
             return
@@ -813,10 +872,18 @@ class PoolMoves(MoveTarget):
     """The narrow interface compaction executes a plan through, over one pool whose lock the
     caller holds.  ``max_moved`` bounds the bytes one plan may copy (None: no bound)."""
 
-    def __init__(self, pool: CachingPool, *, max_moved: int | None = None) -> None:
+    def __init__(
+        self,
+        pool: CachingPool,
+        *,
+        max_moved: int | None = None,
+        hidden: Collection[int] = (),
+    ) -> None:
         self.pool = pool
         self.max_split_size = pool.max_split_size
         self.max_moved = max_moved
+        # segments planning does not see (neither emptied nor filled): the kept idle ones
+        self.hidden = hidden
         self._segments: list[Segment] = []  # by address, as candidate_segments saw them
         self._shapes: dict[int, SegmentShape] = {}  # ... and their shapes, by address
         self._movable: Mapping[Block, object] = {}  # ... and who could move then
@@ -825,12 +892,13 @@ class PoolMoves(MoveTarget):
         pool = self.pool
         self._segments = segments = [segment for _, segment in sorted(pool._segments.items())]
         self._movable = movable
-        self._shapes = shapes = {s.address: pool._segment_shape(s) for s in segments}
+        visible = [s for s in segments if s.address not in self.hidden]
+        self._shapes = shapes = {s.address: pool._segment_shape(s) for s in visible}
         return [
             shapes[s.address].usage
             if pool._releasable_segment(s)
             else replace(shapes[s.address].usage, movable=False)
-            for s in segments
+            for s in visible
         ]
 
     def may_move(self, segment: SegmentUsage) -> bool:
@@ -976,6 +1044,11 @@ def check_pool_invariants(pool: CachingPool) -> None:
     for stat in stats.all_stats():
         assert 0 <= stat.current <= stat.peak, (stat.current, stat.peak)
     assert stats.reserved_bytes[ALL].current <= pool.capacity, "reserved beyond capacity"
+    for address in pool._idle_since:
+        head = pool._segments[address].head if address in pool._segments else None
+        assert head is not None and not head.allocated and not head.is_split(), (
+            f"the segment at {address:#x} is counted idle but is not one free block"
+        )
     for address, shape in pool._shapes.items():
         assert address in pool._segments, f"a kept shape for no segment at {address:#x}"
         fresh = segment_shape(pool._segments[address])
