@@ -728,9 +728,12 @@ class CachingPool:
         """The wholly free segments kept now (policy ``release_idle_s``): address -> the
         clock() time from which they may go back.  Background compaction neither empties
         nor fills them, nor counts them as excess; the out-of-memory paths ignore this."""
-        decay = self.policy.release_idle_s
+        policy = self.policy
+        decay = policy.release_idle_s
         if decay is None or not self._idle_since or not self._keeps_idle_segments():
             return {}
+        if self._reserved() > policy.keep_idle_below * self.capacity:
+            return {}  # near the device's edge: the room is worth more than warm pages
         now = self.clock()
         due = {address: since + decay for address, since in self._idle_since.items()}
         return {address: when for address, when in due.items() if now < when}

@@ -44,6 +44,9 @@ what the pool does *besides*:
   segments back at once, when the device needs the room.  None: idle segments go back
   as soon as a threshold says so.  Without a background compactor (a replay: no thread,
   no clock) a release is immediate, so a replay stays deterministic;
+- ``keep_idle_below``: segments are kept (``release_idle_s``) only while reserved is
+  at most this fraction of the device's capacity: near the device's edge a kept
+  segment is room other requests (and the load test's reserved / allocated) need;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last three
   acts (a pool that close to its allocation is tight already).
 """
@@ -71,6 +74,7 @@ class PoolPolicy:
     background_min_slack: int | None = None  # None: min_slack
     background_wake_threshold: float | None = None  # None: background_threshold
     release_idle_s: float | None = None  # None: idle segments go back without delay
+    keep_idle_below: float = 0.75  # of capacity: above it no idle segment is kept
 
     @property
     def acts_after_free(self) -> bool:
