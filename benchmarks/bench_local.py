@@ -15,9 +15,12 @@ size, the best of a few runs (gRPC: one run) of three in-process np.copyto basel
       the slices on two threads, MADV_HUGEPAGE or MADV_POPULATE_WRITE on the fresh
       destination, MADV_SEQUENTIAL on the source;
 
-then same-host upload (``client.tensor``) and download (``x.numpy()``, also as one
-np.copyto, its former path, for a before/after in the same run), the gRPC path, and
-each SDK path's ratio to each baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
+and (c) out of a memfd mapping into a warm destination; then same-host upload
+(``client.tensor``) and download (``x.numpy()``, also as one np.copyto, its former path,
+for a before/after in the same run), a download into an existing warm array
+(``np.copyto(out, np.asarray(x, copy=False))``: one copy out of the mapping, compared
+with (c) into a warm destination), the gRPC path, and each SDK path's ratio to each
+baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
 first (maps the segment), warm (a capsule alive: the export is reused) and again once no
 capsule lives (a new Export, the segment still mapped), with the Export RPC's share,
 the bytes the pool allocated and the growth of this process's RSS.  Targets: same-host transfers >= 0.7x
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -179,7 +183,15 @@ def baselines(src: np.ndarray, repeats: int) -> dict[str, float]:
         repeats,
     )
     times |= download_variants(shared, repeats)
+    warm = np.empty_like(src)
+    warm[:] = 1
+    times["c down warm"] = best(lambda: np.copyto(warm, shared), repeats)
     return times
+
+
+def download_into(out: np.ndarray, x: Any) -> None:
+    """A download into an existing array: one np.copyto out of the mapping, no fresh pages."""
+    np.copyto(out, np.asarray(x, copy=False))
 
 
 def one_copyto_download(x: Any) -> Callable[[], np.ndarray]:
@@ -209,13 +221,18 @@ def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, fl
         ("    same, destination MADV_POPULATE_WRITE", "", base["dst populate"]),
         ("    same, MADV_POPULATE_WRITE, 2 threads", "", base["dst populate 2 threads"]),
         ("    same, source MADV_SEQUENTIAL", "", base["src sequential"]),
+        ("(c) np.copyto memfd mapping -> warm", "", base["c down warm"]),
         *sdk,
     ]
     for name, direction, seconds in rows:
         ratios = "- | - | -"
         if direction:
             # (c) for a download: the faster of the two in-process ways out of a mapping
-            c = base["c up"] if direction == "up" else min(base["c down"], base["c down sliced"])
+            c = {
+                "up": base["c up"],
+                "down": min(base["c down"], base["c down sliced"]),
+                "down warm": base["c down warm"],
+            }[direction]
             ratios = " | ".join(f"{ref / seconds:.2f}" for ref in (base["a"], base["b"], c))
         print(f"| {size} | {name} | {seconds:.4f} | {nbytes / seconds / 1e9:.2f} | {ratios} |")
 
@@ -226,6 +243,8 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
     base = baselines(src, repeats)
     x = local.tensor(src)
     assert local._local.enabled, local._local.reason
+    out = np.empty_like(src)
+    out[:] = 1  # warm, as (a)'s destination
     sdk = [
         ("same-host upload `client.tensor(a)`", "up", best(lambda: local.tensor(src), repeats)),
         ("same-host download `x.numpy()`", "down", best(x.numpy, repeats)),
@@ -233,6 +252,11 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
             "same-host download, one np.copyto (before)",
             "down",
             best(one_copyto_download(x), repeats),
+        ),
+        (
+            "same-host download into an existing array",
+            "down warm",
+            best(functools.partial(download_into, out, x), repeats),
         ),
         ("gRPC upload `client.tensor(a)`", "up", best(lambda: remote.tensor(src), 1)),
     ]

@@ -105,6 +105,30 @@ def test_dlpack_views_alias_the_pool_with_their_sizes_and_strides(client: Any) -
         client.tensor(values, requires_grad=True).__dlpack__()
 
 
+def test_asarray_copy_false_aliases_the_pool_and_asarray_copies(client: Any) -> None:
+    values = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = client.tensor(values)
+    view = x.t()[1:4]
+    alias = np.asarray(view, copy=False)  # NumPy's protocol: never a silent copy
+    assert alias.strides == values.T[1:4].strides
+    np.testing.assert_array_equal(alias, values.T[1:4])
+    alias[0, 0] = -7.0  # x[0, 1]: written through the alias, seen by the server
+    assert x[0, 1].item() == -7.0
+    assert np.asarray(view, dtype=np.float32, copy=False)[0, 0] == -7.0
+    snapshot = np.asarray(view)  # copy=None: a copy, as x.numpy() is
+    snapshot[0, 0] = 1.0
+    assert x[0, 1].item() == -7.0
+    with pytest.raises(ValueError, match=r"Unable to avoid copy.*needs a cast"):
+        np.asarray(x, dtype=np.float64, copy=False)
+    with pytest.raises(RuntimeError, match=r"Can.t call numpy\(\) on Tensor that requires grad"):
+        np.asarray(client.tensor(values, requires_grad=True), copy=False)
+    complex_values = client.tensor(np.ones(3, dtype=np.complex64))
+    with pytest.raises(RuntimeError, match="conjugate bit set"):
+        np.asarray(complex_values.conj(), copy=False)
+    with pytest.raises(RuntimeError, match="negative bit set"):
+        np.asarray(complex_values.conj().imag, copy=False)
+
+
 def test_exports_pin_until_the_consumer_collects_its_array(server: Any, client: Any) -> None:
     x = client.tensor(np.ones(1000, dtype=np.float32))
     storage = storage_of_handle(server.daemon, client, x)
@@ -422,6 +446,9 @@ def test_a_remote_looking_client_falls_back_to_grpc(
         with pytest.raises(BufferError):
             torch.from_dlpack(x)
         np.testing.assert_array_equal(np.from_dlpack(x, copy=True), x.numpy())
+        with pytest.raises(ValueError, match=r"Unable to avoid copy.*no zero-copy"):
+            np.asarray(x, copy=False)
+        np.testing.assert_array_equal(np.asarray(x), x.numpy())
         client.flush()
         session = server.daemon.sessions.peek(client.session_id)
         assert server.daemon.exports.count(session.id) == 0  # the failed export was released

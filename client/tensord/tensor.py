@@ -426,6 +426,8 @@ class UntypedStorage:
 
 
 # View ops whose result's metadata differs from its input's beyond handle and layout.
+#: NumPy's own text when ``copy=False`` cannot be honoured (np.asarray(obj, copy=False))
+_NO_COPY_AVOIDED = "Unable to avoid copy while creating an array as requested."
 _META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad", "complex_view"})
 
 
@@ -1257,9 +1259,30 @@ class Tensor:
     def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
         return _dlpack.dlpack_device(self)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: builtins.bool | None = None) -> np.ndarray:
+        """NumPy's conversion protocol: a copy (``np.array``, ``np.asarray``), or with
+        ``copy=False`` (``np.asarray(x, copy=False)``) an array aliasing the pooled bytes on
+        the same host, and NumPy's ValueError where that is impossible (never a silent copy)."""
+        if copy is False:
+            return self._numpy_alias(dtype)
         array = self.numpy()
-        return array if dtype is None else array.astype(dtype)
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def _numpy_alias(self, dtype: Any) -> np.ndarray:
+        """``x.numpy()``'s refusals, then the same-host alias of x's elements (no copy)."""
+        if self.requires_grad or self.device.type != "cpu" or self._meta.conj or self._meta.neg:
+            return self.numpy()  # raises numpy()'s own error for each of these
+        np_dtype = dtypes.to_numpy_dtype(self.dtype)
+        if dtype is not None and np.dtype(dtype) != np_dtype:
+            raise ValueError(
+                f"{_NO_COPY_AVOIDED} (a {self.dtype} tensor as {np.dtype(dtype)} needs a cast)"
+            )
+        array = self._session.local_array(
+            self.handle, self._meta.layout, np_dtype, self.untyped_storage().storage_id
+        )
+        if array is None:
+            raise ValueError(f"{_NO_COPY_AVOIDED} (no zero-copy: {self._session.local_reason()})")
+        return array
 
     def tolist(self) -> Any:
         return _python_values(self._download(), self.dtype).tolist()
