@@ -356,6 +356,11 @@ class StorageRegistry:
         if block is not None:
             storage.device.pool.free(block)
 
+    def ref_counts(self) -> RefCounts:
+        """For references changed under one acquisition of the lock (a Batch's run of views
+        and releases, issue 15): ``with counts.locked(): ...``, then ``counts.give_back()``."""
+        return RefCounts(self)
+
     def _decref_locked(self, storage: Storage) -> Any:
         """Drop one reference; the block to give back to the pool (outside this lock) if
         that was the last."""
@@ -453,6 +458,41 @@ class StorageRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._storages)
+
+
+class RefCounts:
+    """References taken and dropped while :meth:`StorageRegistry.counting` holds the lock:
+    ``incref`` and ``decref`` as the registry's own, the pools' frees deferred past it."""
+
+    __slots__ = ("_freed", "_registry")
+
+    def __init__(self, registry: StorageRegistry) -> None:
+        self._registry = registry
+        self._freed: list[tuple[Storage, Block]] = []
+
+    @contextmanager
+    def locked(self) -> Iterator[RefCounts]:
+        with self._registry._lock:
+            yield self
+
+    def incref(self, storage: Storage) -> None:
+        """(locked) One more reference, as :meth:`StorageRegistry.incref`."""
+        if storage.freed:
+            raise InternalError(f"reference to a freed {storage!r}")
+        storage.refs += 1
+
+    def decref(self, storage: Storage) -> None:
+        """(locked) One reference fewer; a block freed waits for :meth:`give_back`."""
+        block = self._registry._decref_locked(storage)
+        if block is not None:
+            self._freed.append((storage, block))
+
+    def give_back(self) -> None:
+        """Free the blocks whose last reference went: called with no lock held (a pool's
+        lock comes before the registry's, and the registry's is never held calling a pool)."""
+        freed, self._freed = self._freed, []
+        for storage, block in freed:
+            storage.device.pool.free(block)
 
 
 def _copy_grown(new: Any, old: Any) -> None:
