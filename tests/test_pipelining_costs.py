@@ -21,7 +21,7 @@ def _count_acquisitions(monkeypatch: Any, *locks: Any) -> list[int]:
     def counting(self: CountingLock, blocking: bool = True, timeout: float = -1) -> bool:
         for i, lock in enumerate(locks):
             taken[i] += self is lock
-        return acquire(self, blocking, timeout)
+        return bool(acquire(self, blocking, timeout))
 
     monkeypatch.setattr(CountingLock, "acquire", counting)
     return taken
@@ -79,3 +79,102 @@ def test_a_view_failing_in_a_run_keeps_the_ops_before_it(server: Any, open_sessi
     assert not {"a" * 22, "c" * 22, "d" * 22} & handles.keys()
     (row,) = session.View(pb.ViewRequest(handle="b" * 22, t=pb.T()), metadata=session.md).tensors
     np.testing.assert_array_equal(session.download(row), np.zeros((), np.float32))
+
+
+@pytest.fixture
+def ops_sent(monkeypatch: Any) -> list[str]:
+    """The kind of every op the server's Batch handler is given, from now on."""
+    from tensord_server.domain import batch
+
+    sent: list[str] = []
+    run_batch = batch.run_batch
+
+    def recording(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.extend(type(op).__name__ for op in ops)
+        return run_batch(store, session, ops, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "run_batch", recording)
+    return sent
+
+
+def test_a_dropped_unused_view_is_never_sent(client: Any, server: Any, ops_sent: list[str]) -> None:
+    # issue 15: a view dropped before its Batch, that nothing used, cost the server a
+    # registration and a release for nothing; it is removed from the queue now
+    x = client.arange(12).view(3, 4)
+    client.synchronize()
+    session = server.daemon.sessions.get(client.session_id)
+    handles = server.daemon.sessions.handle_count(session)
+    ops_sent.clear()
+    for i in range(300):  # more than a batch: a full queue would flush
+        x[i % 3]
+        x.t()
+        x.narrow(1, 1, 2)
+        x.select(0, 2)
+        x[1:3, ..., 0:2]
+        x.transpose(0, 1)
+    client.synchronize()
+    assert ops_sent == []
+    assert server.daemon.sessions.handle_count(session) == handles
+
+
+def test_views_that_are_used_or_may_fail_are_still_sent(
+    client: Any, server: Any, ops_sent: list[str]
+) -> None:
+    # eliding must change nothing observable: a view an op, another view or a call used
+    # goes to the server even once dropped, and so do views the server might refuse
+    x = client.arange(12).view(3, 4)
+    oracle = torch.arange(12).view(3, 4)
+    client.synchronize()
+    ops_sent.clear()
+    for t in (x, oracle):
+        row = t[1]
+        row.fill_(-1)  # used by a later op
+        del row
+        part = t[0:2]
+        inner = part[1, 1:3]  # its base is a queued view
+        del part
+        inner.zero_()
+        del inner
+    np.testing.assert_array_equal(x.numpy(), oracle.numpy())
+    assert ops_sent.count("QueuedView") == 3 and ops_sent.count("QueuedFill") == 2
+    # a handle read for a call (the temporary is gone before the call runs)
+    reply = client._conn.call("View", pb.ViewRequest(handle=x[2].handle, t=pb.T()))
+    (meta,) = reply.tensors
+    assert (tuple(meta.shape), meta.storage_offset) == ((4,), 8)
+    # views the server may refuse (a new dim, a step, a bound past the sizes) are sent
+    ops_sent.clear()
+    x[None]
+    x[::2]
+    x[0:100]
+    x.view(12)
+    client.synchronize()
+    assert ops_sent.count("QueuedView") == 4
+
+
+def test_eliding_from_many_threads_keeps_every_kept_view(client: Any, server: Any) -> None:
+    # threads queue views, drop most at once and keep some: only dropped ones are elided
+    import threading
+
+    x = client.arange(12)
+    client.synchronize()
+    session = server.daemon.sessions.get(client.session_id)
+    handles = server.daemon.sessions.handle_count(session)
+    kept: list[list[Any]] = [[] for _ in range(4)]
+
+    def work(n: int) -> None:
+        for i in range(400):
+            view = x[(i + n) % 12]
+            if i % 7 == 0:
+                kept[n].append(((i + n) % 12, view))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    read = [[(row, view.item()) for row, view in views] for views in kept]
+    assert sum(map(len, read)) == 4 * 58 and all(row == value for r in read for row, value in r)
+    kept.clear()
+    client.synchronize()
+    client.synchronize()  # the releases of the kept views, in the first one's Batch
+    assert server.daemon.sessions.handle_count(session) == handles
