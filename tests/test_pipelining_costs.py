@@ -178,3 +178,69 @@ def test_eliding_from_many_threads_keeps_every_kept_view(client: Any, server: An
     client.synchronize()
     client.synchronize()  # the releases of the kept views, in the first one's Batch
     assert server.daemon.sessions.handle_count(session) == handles
+
+
+def test_a_batch_of_int_index_views_is_bounded_without_the_generic_walk(
+    server: Any, open_session: Any, monkeypatch: Any
+) -> None:
+    # issue 15's server cost per queued x[i]: the request's generic bounds walk and the
+    # generic decode took as long as applying the view; x[i] ops are bounded and read
+    # field by field now (other ops still walked)
+    from tensord_server.domain import limits
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[12], dtype="float32"), metadata=session.md)
+    chosen = [f"{i:022d}" for i in range(20)]
+    ops = [_row_view(meta.handle, i % 12, h) for i, h in enumerate(chosen)]
+    ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=chosen)))
+    walked: list[str] = []
+    check_request = limits.check_request
+
+    def recording(message: Any, *args: Any) -> None:
+        walked.append(message.DESCRIPTOR.name)
+        check_request(message, *args)
+
+    monkeypatch.setattr(limits, "check_request", recording)
+    response = session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    monkeypatch.undo()
+    assert not response.failed and response.applied == 21
+    assert walked == ["BatchOp", "ReleaseRequest"]  # the release alone
+
+
+def _batch_ops_to_bound() -> list[pb.BatchOp]:
+    """x[i] ops at and past each bound the walk checks, and ops that only look like x[i]."""
+    long_id, ok_id = "é" * 2049, "a" * 22  # 4,098 bytes in UTF-8; 22
+    index = pb.Index(items=[pb.IndexItem(integer=-(2**63))])
+    two = pb.Index(items=[pb.IndexItem(integer=1), pb.IndexItem(integer=2**62)])
+    big_slice = pb.Index(items=[pb.IndexItem(slice=pb.Slice(start=2**60))])
+    return [
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=index), results=[ok_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle=long_id, index=index), results=[ok_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle="é" * 1024, index=index), results=[ok_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=index), results=[ok_id, long_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=index), results=[ok_id] * 65537),
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=index), results=[ok_id] * 65536),
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=two), results=[ok_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle=ok_id, index=big_slice), results=[ok_id]),
+        pb.BatchOp(view=pb.ViewRequest(handle=long_id, t=pb.T()), results=[ok_id]),
+    ]
+
+
+@pytest.mark.parametrize("repeat", [1, 17])
+@pytest.mark.parametrize("position", range(9))
+def test_the_batch_bounds_are_the_walks(position: int, repeat: int) -> None:
+    # the x[i] ops' own checks must refuse exactly what the generic walk refuses, with
+    # its text (the lists' total too: 17 ops of 65,536 results are over 2**20 items)
+    from tensord.errors import InvalidArgumentError
+    from tensord_server.domain import limits
+
+    request = pb.BatchRequest(ops=[_batch_ops_to_bound()[position]] * repeat)
+
+    def outcome(check: Any) -> str:
+        try:
+            check(request)
+        except InvalidArgumentError as exc:
+            return str(exc)
+        return "accepted"
+
+    assert outcome(limits.check_batch_request) == outcome(limits.check_request)
