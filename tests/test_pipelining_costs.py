@@ -244,3 +244,32 @@ def test_the_batch_bounds_are_the_walks(position: int, repeat: int) -> None:
         return "accepted"
 
     assert outcome(limits.check_batch_request) == outcome(limits.check_request)
+
+
+def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) -> None:
+    # issue 15's server cost per queued x[i].fill_(i): each fill of an integer tensor built
+    # an np.iinfo (a tenth of the fill); the limits of each dtype are kept now
+    x = client.zeros(8, dtype=torch.int16)
+    x[0].fill_(1)
+    client.synchronize()
+    asked = 0
+    iinfo = np.iinfo
+
+    def counting(*args: Any) -> Any:
+        nonlocal asked
+        asked += 1
+        return iinfo(*args)
+
+    monkeypatch.setattr(np, "iinfo", counting)
+    for i in range(8):
+        x[i].fill_(i - 4)
+    client.synchronize()
+    monkeypatch.undo()
+    assert asked == 0
+    np.testing.assert_array_equal(x.numpy(), np.arange(8, dtype=np.int16) - 4)
+    with pytest.raises(RuntimeError) as expected:
+        torch.zeros(1, dtype=torch.int16).fill_(2**15)
+    x[0].fill_(2**15)
+    with pytest.raises(RuntimeError, match=r"fill_ of .* failed on the server") as got:
+        client.synchronize()
+    assert str(got.value).startswith(str(expected.value))
