@@ -273,3 +273,47 @@ def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) 
     with pytest.raises(RuntimeError, match=r"fill_ of .* failed on the server") as got:
         client.synchronize()
     assert str(got.value).startswith(str(expected.value))
+
+
+def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
+    client: Any, server: Any, monkeypatch: Any
+) -> None:
+    # issue 15, many clients: a queue of 256 ops waited for the Batch before at once, and
+    # the 50 ms flusher then sent what had come meanwhile: many small Batches (an RPC's
+    # cost each) from clients waiting on a busy server; it fills up to 1,024 ops now
+    import threading
+
+    from tensord._rpc import PIPELINE_BATCH, PIPELINE_BATCH_MAX
+    from tensord_server.domain import batch
+
+    x = client.arange(12)
+    client.synchronize()
+    gate, entered, sizes = threading.Event(), threading.Event(), []
+    run_batch = batch.run_batch
+
+    def held(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(ops))
+        entered.set()
+        gate.wait(30)  # the first Batch stays on the server until the test lets it go
+        return run_batch(store, session, ops, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "run_batch", held)
+    views = [x[i % 12].view(1) for i in range(PIPELINE_BATCH // 2)]  # 256 ops: one Batch
+    assert entered.wait(30)
+    queued = threading.Event()
+
+    def more() -> None:
+        views.extend(x[i % 12].view(1) for i in range(PIPELINE_BATCH_MAX // 2 - 1))
+        queued.set()
+
+    worker = threading.Thread(target=more)
+    worker.start()
+    did_not_wait = queued.wait(30)  # before: the 512th op waited for the held Batch
+    gate.set()
+    worker.join()
+    client.synchronize()
+    monkeypatch.undo()
+    assert did_not_wait
+    # each Batch: its views, then one op releasing the dropped x[i] they were made from
+    assert sizes == [PIPELINE_BATCH + 1, PIPELINE_BATCH_MAX - 2 + 1]
+    assert [v.item() for v in views[:24]] == [i % 12 for i in range(24)]

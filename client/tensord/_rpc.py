@@ -62,6 +62,10 @@ RELEASE_BATCH = 1024
 # Pipelining (issue 15): queued ops go to the server in one Batch once this many wait (or
 # at the next call that waits for the server, or within RELEASE_INTERVAL_S).
 PIPELINE_BATCH = 256
+# While the Batch before is still on the server, a full queue keeps filling up to this many
+# ops before its caller waits: one larger Batch (fewer RPCs per op for the server) instead
+# of a wait at every PIPELINE_BATCH ops (issue 15, many clients).
+PIPELINE_BATCH_MAX = 1024
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
 # Every unary call's deadline, and how long a transfer may go without a chunk moving: a
@@ -805,12 +809,17 @@ class Connection:
             queue.append((field, verb, handle, message, results, copied))
             if elidable:
                 elidable_views[results[0]] = len(queue) - 1
-            full = len(queue) >= PIPELINE_BATCH
-        if full:
+            queued = len(queue)
+        if queued >= PIPELINE_BATCH and (queued >= PIPELINE_BATCH_MAX or not self._busy()):
             if self.flush_scheduler is None:
                 self._flush(wait=False)
             else:
                 self.flush_scheduler(lambda: self._flush(wait=False))
+
+    def _busy(self) -> bool:
+        """Whether a Batch is in flight and not answered yet (the server still works on it)."""
+        inflight = self._inflight
+        return inflight is not None and not inflight[0].done()
 
     def synchronize(self, releases: bool = True) -> None:
         """Send what is queued and wait until the server applied it; raise the first error
@@ -828,7 +837,7 @@ class Connection:
                 self._queue = []
                 self._elidable.clear()  # sent now: past eliding
             # releases after the ops queued so far: a handle dropped was issued before it
-            released = self._take_pending(len(queued)) if releases else []
+            released = self._take_pending() if releases else []
             if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
             answered = [op[5] for op in queued if op[5] is not None]
@@ -841,10 +850,10 @@ class Connection:
             if wait:
                 self._collect()
 
-    def _take_pending(self, queued: int) -> list[str]:
+    def _take_pending(self) -> list[str]:
         batch: list[str] = []
         with contextlib.suppress(IndexError):
-            while len(batch) + queued < PIPELINE_BATCH * 4 and self._pending:
+            while len(batch) < PIPELINE_BATCH * 4 and self._pending:
                 batch.append(self._pending.popleft())
         return batch
 
@@ -969,7 +978,8 @@ class Connection:
                     # queued ops and releases in one ordered Batch: a release sent alone
                     # could overtake the queued view that issues its handle
                     self.flush_export_releases()
-                    self._flush(wait=False)
+                    if not self._busy():  # else what is queued goes in one Batch after it
+                        self._flush(wait=False)
                 else:
                     self.flush_releases()
 
