@@ -544,8 +544,8 @@ def check_in_bounds(ref: TensorRef) -> None:
     """
     layout, itemsize = ref.layout, ref.dtype.itemsize
     limits.check_result_ndim(layout.ndim)  # any op's result, whatever made it (unflatten, ...)
-    numbers = (layout.offset, *layout.stride)
-    if any(abs(n) * itemsize > _INT64_MAX for n in numbers):
+    largest = max(abs(layout.offset), max(map(abs, layout.stride), default=0))
+    if largest * itemsize > _INT64_MAX:
         raise RuntimeError(
             f"Storage size calculation overflowed with sizes={list(layout.shape)} and "
             f"strides={list(layout.stride)}"

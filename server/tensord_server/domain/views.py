@@ -147,9 +147,13 @@ def view_in_run(run: HandleRun, handle: str, op: ViewOp, chosen: Sequence[str]) 
     """A pipelined view in a Batch's run (``op.name`` in REGISTRY_ONLY_VIEWS): the checks
     and results of :meth:`Views.view`, its handles registered under the ids ``chosen``."""
     ref = run.lookup(handle)
-    check_view_cost(ref.layout, op, run.check_room)
-    results = apply_view(ref, op)
-    assert results is not None, op  # only flatten copies, and it never runs here
+    if op.name == "__getitem__" and type(op.args[0]) is int:  # x[i]: one result, a dim fewer
+        results = [ref.with_layout(ref.layout[op.args[0]])]
+    else:
+        check_view_cost(ref.layout, op, run.check_room)
+        viewed = apply_view(ref, op)
+        assert viewed is not None, op  # only flatten copies, and it never runs here
+        results = viewed
     run.register(results, chosen)
 
 
