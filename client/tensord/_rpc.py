@@ -62,6 +62,10 @@ RELEASE_BATCH = 1024
 # Pipelining (issue 15): queued ops go to the server in one Batch once this many wait (or
 # at the next call that waits for the server, or within RELEASE_INTERVAL_S).
 PIPELINE_BATCH = 256
+# While the Batch before is still on the server, a full queue keeps filling up to this many
+# ops before its caller waits: one larger Batch (fewer RPCs per op for the server) instead
+# of a wait at every PIPELINE_BATCH ops (issue 15, many clients).
+PIPELINE_BATCH_MAX = 1024
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
 # Every unary call's deadline, and how long a transfer may go without a chunk moving: a
@@ -548,8 +552,12 @@ class Connection:
         # pipelining: ops queued in issue order (with a word each for errors), the Batch in
         # flight (one at a time, so the server applies them in order) and the first error
         # of a Batch, raised at the next call that waits
-        self._queue: list[QueuedOp] = []
+        self._queue: list[QueuedOp | None] = []  # None: a dead view's place (elided)
         self._queue_lock = threading.Lock()
+        # dead-view elision: each queued view that may be elided (one result, an op the
+        # server cannot refuse on a live base) whose id no later op and no caller has read
+        # yet -> its place in _queue; such a view dropped before its flush is never sent
+        self._elidable: dict[str, int] = {}
         self._send_lock = threading.Lock()
         # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
         self._inflight: tuple[grpc.Future, list[QueuedOp], list[str], list[CopyAnswered]] | None = (
@@ -782,22 +790,36 @@ class Connection:
         message: Any,
         results: tuple[str, ...] = (),
         copied: CopyAnswered | None = None,
+        elidable: bool = False,
     ) -> None:
         """Queue the BatchOp ``field`` = ``message`` on ``handle`` (its result is known here);
         sent in order in the next Batch, which builds the BatchOp (see :func:`_batch_request`).
         ``field`` "view": ``message`` is {ViewRequest field: its message}.  ``verb`` names the
         op in its error.  ``copied``: for an op that makes a new Storage, called with what the
-        server issued once the Batch is answered (the Storage's id and address are the server's)."""
+        server issued once the Batch is answered (the Storage's id and address are the server's).
+        ``elidable``: a view of one result that the server cannot refuse while its input is
+        live (no room beyond its input's, no new dims or strides): dropped before it is
+        sent, and unused, it is removed from the queue with its release (:meth:`queue_release`)."""
         # not _check_open() again: every caller took ``handle`` through Tensor.handle, which did
         with self._queue_lock:
             queue = self._queue
+            elidable_views = self._elidable
+            if elidable_views:
+                elidable_views.pop(handle, None)  # its input is used now: that view must go
             queue.append((field, verb, handle, message, results, copied))
-            full = len(queue) >= PIPELINE_BATCH
-        if full:
+            if elidable:
+                elidable_views[results[0]] = len(queue) - 1
+            queued = len(queue)
+        if queued >= PIPELINE_BATCH and (queued >= PIPELINE_BATCH_MAX or not self._busy()):
             if self.flush_scheduler is None:
                 self._flush(wait=False)
             else:
                 self.flush_scheduler(lambda: self._flush(wait=False))
+
+    def _busy(self) -> bool:
+        """Whether a Batch is in flight and not answered yet (the server still works on it)."""
+        inflight = self._inflight
+        return inflight is not None and not inflight[0].done()
 
     def synchronize(self, releases: bool = True) -> None:
         """Send what is queued and wait until the server applied it; raise the first error
@@ -811,9 +833,11 @@ class Connection:
         with self._send_lock:
             self._collect()  # at most one Batch in flight: the server applies them in order
             with self._queue_lock:
-                queued, self._queue = self._queue, []
+                queued = [op for op in self._queue if op is not None]
+                self._queue = []
+                self._elidable.clear()  # sent now: past eliding
             # releases after the ops queued so far: a handle dropped was issued before it
-            released = self._take_pending(len(queued)) if releases else []
+            released = self._take_pending() if releases else []
             if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
             answered = [op[5] for op in queued if op[5] is not None]
@@ -826,10 +850,10 @@ class Connection:
             if wait:
                 self._collect()
 
-    def _take_pending(self, queued: int) -> list[str]:
+    def _take_pending(self) -> list[str]:
         batch: list[str] = []
         with contextlib.suppress(IndexError):
-            while len(batch) + queued < PIPELINE_BATCH * 4 and self._pending:
+            while len(batch) < PIPELINE_BATCH * 4 and self._pending:
                 batch.append(self._pending.popleft())
         return batch
 
@@ -875,11 +899,34 @@ class Connection:
 
     # ---- releases (batched) --------------------------------------------------------
 
+    def handle_used(self, handle: str) -> None:
+        """``handle`` was read (Tensor.handle: for another op, a call, a share, a name): a
+        queued view that issues it must be sent, even once its tensor is dropped."""
+        if handle in self._elidable:
+            with self._queue_lock:
+                self._elidable.pop(handle, None)
+
     def queue_release(self, handle: str) -> None:
-        """Called from finalizers: must never block or raise, so it only appends."""
+        """Called from finalizers: must never block or raise, so it only appends, or elides
+        a dead view: when ``handle`` is a queued view's that nothing used (see enqueue),
+        that view and its release are never sent.  It only tries the queue's lock (a
+        finalizer may run in a thread holding it), and releases as usual when it is taken."""
         # after close the session has freed them all; an inherited session is not ours to free
-        if not self._closed.is_set() and not self.inherited:
-            self._pending.append(handle)
+        if self._closed.is_set() or self.inherited:
+            return
+        if handle in self._elidable and self._queue_lock.acquire(blocking=False):
+            try:
+                index = self._elidable.pop(handle, None)
+                if index is not None:
+                    queue = self._queue
+                    if index == len(queue) - 1:
+                        queue.pop()  # the commonest case: a view dropped at once
+                    else:
+                        queue[index] = None  # the places of the others stay as they are
+                    return
+            finally:
+                self._queue_lock.release()
+        self._pending.append(handle)
 
     def queue_export_release(self, export_id: str) -> None:
         """Called from array finalizers and DLPack deleters: only appends, like queue_release."""
@@ -931,7 +978,8 @@ class Connection:
                     # queued ops and releases in one ordered Batch: a release sent alone
                     # could overtake the queued view that issues its handle
                     self.flush_export_releases()
-                    self._flush(wait=False)
+                    if not self._busy():  # else what is queued goes in one Batch after it
+                        self._flush(wait=False)
                 else:
                     self.flush_releases()
 

@@ -31,6 +31,11 @@ def _fmt(values: Sequence[int]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
+# Layout._derived's constructor: a frozen dataclass's fields are set as its __init__ does
+_new_object = object.__new__
+_set_field = object.__setattr__
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -490,6 +495,17 @@ class Layout:
     ) -> Layout:
         return Layout(tuple(shape), tuple(stride), self.offset if offset is None else offset)
 
+    def _derived(self, shape: Shape, stride: Shape, offset: int) -> Layout:
+        """A layout that keeps this one's invariants by construction (its own ints, kept,
+        dropped or swapped; a size clamped into [0, size]; an offset moved to an element it
+        reaches, checked >= 0 by the caller), so ``__post_init__``'s checks are skipped: select, slicing and transpose
+        are every pipelined view's cost, on both sides (issue 15)."""
+        layout: Layout = _new_object(Layout)
+        _set_field(layout, "shape", shape)
+        _set_field(layout, "stride", stride)
+        _set_field(layout, "offset", offset)
+        return layout
+
     # -- view / reshape ---------------------------------------------------------------------
 
     def reshape(self, *shape: IntOrSeq) -> Layout | None:
@@ -573,7 +589,10 @@ class Layout:
         shape, stride = list(self.shape), list(self.stride)
         shape[dim] = (hi - lo + step - 1) // step
         stride[dim] *= step
-        return self._with(shape, stride, self.offset + lo * self.stride[dim])
+        offset = self.offset + lo * self.stride[dim]
+        if type(lo) is int and type(hi) is int and type(step) is int and step > 0 and offset >= 0:
+            return self._derived(tuple(shape), tuple(stride), offset)
+        return self._with(shape, stride, offset)
 
     def narrow(self, dim: int, start: int, length: int) -> Layout:
         """mirrors ATen narrow."""
@@ -608,11 +627,12 @@ class Layout:
             )
         if index < 0:
             index += size
-        return self._with(
-            self.shape[:dim] + self.shape[dim + 1 :],
-            self.stride[:dim] + self.stride[dim + 1 :],
-            self.offset + index * self.stride[dim],
-        )
+        shape = self.shape[:dim] + self.shape[dim + 1 :]
+        stride = self.stride[:dim] + self.stride[dim + 1 :]
+        offset = self.offset + index * self.stride[dim]
+        if type(index) is int and offset >= 0:  # (a negative stride could move it below 0)
+            return self._derived(shape, stride, offset)
+        return self._with(shape, stride, offset)
 
     def __getitem__(self, index: Index | tuple[Index, ...]) -> Layout:
         """Basic indexing x[...]: ints, slices (step > 0), None, Ellipsis.
@@ -704,7 +724,7 @@ class Layout:
         shape, stride = list(self.shape), list(self.stride)
         shape[dim0], shape[dim1] = shape[dim1], shape[dim0]
         stride[dim0], stride[dim1] = stride[dim1], stride[dim0]
-        return self._with(shape, stride)
+        return self._derived(tuple(shape), tuple(stride), self.offset)
 
     def t(self) -> Layout:
         if self.ndim > 2:

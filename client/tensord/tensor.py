@@ -471,8 +471,11 @@ class Tensor:
     @property
     def handle(self) -> str:
         """The server's id of this tensor; raises if its session is gone or not this process's."""
-        self._session.conn.check_session(self._session_id)
-        return self._meta.handle
+        conn = self._session.conn
+        conn.check_session(self._session_id)
+        handle = self._meta.handle
+        conn.handle_used(handle)  # a queued view whose id is read is never elided
+        return handle
 
     @property
     def shape(self) -> Size:
@@ -584,6 +587,19 @@ class Tensor:
         (result,) = self._views(None if layout is None else (layout,), **op)
         return result
 
+    def _elidable_view(self, layout: Layout, **op: Any) -> Tensor:
+        """A view the server cannot refuse while this tensor's handle is live: its result
+        keeps a subset of this one's dims and strides, reaches a subset of its elements and
+        takes one handle.  Queued (with pipelining) as a view that, dropped unused before
+        its Batch, is never sent (see Connection.enqueue)."""
+        conn = self._session.conn
+        if not conn.pipelining:
+            return self._view(layout, **op)
+        handle = self.handle
+        meta = self._view_meta(layout, op)
+        conn.enqueue("view", next(iter(op)), handle, op, (meta.handle,), None, True)
+        return Tensor(self._client, self._session, meta)
+
     def _view_meta(self, layout: Layout, op: dict[str, Any]) -> Meta:
         """A view's metadata as the server will make it (same Storage, a new handle)."""
         m = self._meta
@@ -673,25 +689,28 @@ class Tensor:
             start = _narrow_start(start)
         with torch_errors():
             layout = self._meta.layout.narrow(dim, start, length)
-        return self._view(layout, narrow=pb.Narrow(dim=dim, start=start, length=length))
+        return self._elidable_view(layout, narrow=pb.Narrow(dim=dim, start=start, length=length))
 
     def select(self, dim: builtins.int, index: builtins.int) -> Tensor:
         with torch_errors():
             layout = self._meta.layout.select(dim, index)
-        return self._view(layout, select=pb.Select(dim=dim, index=index))
+        return self._elidable_view(layout, select=pb.Select(dim=dim, index=index))
 
     def __getitem__(self, key: Any) -> Tensor:
         if type(key) is builtins.int:  # x[i], the commonest view: basic, nothing to normalize
             with torch_errors():
                 layout = self._meta.layout[key]
-            return self._view(layout, index=pb.Index(items=(pb.IndexItem(integer=key),)))
+            return self._elidable_view(layout, index=_int_index(key))
         key = plain_index(key)
         items = plain_index(_indexing.key_items(key, _is_tensor))
         if _indexing.is_advanced(items, _is_tensor):
             return self._advanced_index(items)
         with torch_errors():
             layout = self._meta.layout[key]
-        return self._view(layout, index=pb.Index(items=index_items(key)))
+        index = pb.Index(items=index_items(key))
+        if _narrowing_index(key, self._meta.layout.shape):
+            return self._elidable_view(layout, index=index)
+        return self._view(layout, index=index)
 
     def __delitem__(self, key: Any) -> None:
         raise errors.TensordTypeError("Tensor does not support deleting items")
@@ -699,7 +718,7 @@ class Tensor:
     def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
         with torch_errors():
             layout = self._meta.layout.transpose(dim0, dim1)
-        return self._view(layout, transpose=pb.Transpose(dim0=dim0, dim1=dim1))
+        return self._elidable_view(layout, transpose=pb.Transpose(dim0=dim0, dim1=dim1))
 
     def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
         return self.transpose(axis0, axis1)
@@ -710,7 +729,7 @@ class Tensor:
     def t(self) -> Tensor:
         with torch_errors():
             layout = self._meta.layout.t()
-        return self._view(layout, t=pb.T())
+        return self._elidable_view(layout, t=pb.T())
 
     @property
     def T(self) -> Tensor:
@@ -1756,6 +1775,44 @@ _IDS_PER_DRAW = 256
 _random_ids: collections.deque[str] = collections.deque()
 # a fork child draws its own ids: the parent's would name the parent's next views
 os.register_at_fork(after_in_child=_random_ids.clear)
+
+
+# x[i]'s Index message for the small ints (read only: the flush copies it into its op)
+_INT_INDEXES: dict[builtins.int, pb.Index] = {}
+_INT_INDEX_CACHED = 1 << 12
+
+
+def _int_index(key: builtins.int) -> pb.Index:
+    index = _INT_INDEXES.get(key)
+    if index is None:
+        index = pb.Index(items=(pb.IndexItem(integer=key),))
+        if -_INT_INDEX_CACHED <= key < _INT_INDEX_CACHED:
+            _INT_INDEXES[key] = index
+    return index
+
+
+def _narrowing_index(key: Any, shape: tuple[builtins.int, ...]) -> builtins.bool:
+    """Whether a valid basic index only selects and narrows (ints, one Ellipsis, slices of
+    step 1 whose bounds are within the largest size): no new dim (None), no stride
+    multiplied by a step, no number past the server's request bounds; its view may be
+    elided."""
+    items = key if isinstance(key, tuple) else (key,)
+    largest = max(shape, default=0)
+
+    def within(bound: Any) -> builtins.bool:
+        return bound is None or (type(bound) is builtins.int and -largest <= bound <= largest)
+
+    return sum(item is Ellipsis for item in items) <= 1 and all(
+        type(item) is builtins.int
+        or item is Ellipsis
+        or (
+            isinstance(item, slice)
+            and item.step in (None, 1)
+            and within(item.start)
+            and within(item.stop)
+        )
+        for item in items
+    )
 
 
 def new_handle_id() -> str:

@@ -20,8 +20,9 @@ from tensord.errors import DeadlineExceededError, InvalidArgumentError
 from tensord_server.domain import limits
 from tensord_server.domain.kernels import Scalar
 from tensord_server.domain.ops import Issued
-from tensord_server.domain.sessions import Session, check_chosen_id
-from tensord_server.domain.store import TensorStore, ViewOp
+from tensord_server.domain.sessions import HandleRun, Session, check_chosen_id
+from tensord_server.domain.store import TensorStore
+from tensord_server.domain.views import REGISTRY_ONLY_VIEWS, ViewOp, view_in_run
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ def check_batch(ops: Sequence[QueuedOp]) -> None:
                 check_chosen_id(handle_id)
 
 
+# The most ops of one run applied under one acquisition of the table and registry locks:
+# a run of metadata-only ops holds them for tens of microseconds per op, so other sessions'
+# calls wait at most this many ops' worth.
+RUN_OPS = 64
+
+
 def run_batch(
     store: TensorStore,
     session: Session,
@@ -94,15 +101,19 @@ def run_batch(
 ) -> BatchOutcome:
     """Apply ``ops`` in order; stop at the first failure and say which op it was.
 
-    ``keep_going`` is asked before each op (the service passes whether the call is still
-    active): a caller that cancelled or ran out of time stops the work at the next op,
-    so a batch costs at most one op's bounded work after its caller is gone.
+    Views and releases (ops that touch no bytes) go in runs of up to RUN_OPS under one
+    acquisition of the locks (:meth:`SessionManager.handle_run`), with each op's checks
+    as its own RPC's; the other ops run one by one through the store.  ``keep_going`` is
+    asked before each op or run (the service passes whether the call is still active): a
+    caller that cancelled or ran out of time stops the work there, so a batch costs at
+    most one op's bounded work, or one run's metadata work, after its caller is gone.
     """
     check_batch(ops)
     copies: list[Issued] = []
+    index = 0
     # every op's element check also charges the batch's budget, before that op's work
     with limits.batch_budget(store.max_batch_elements):
-        for index, op in enumerate(ops):
+        while index < len(ops):
             if not keep_going():
                 return BatchOutcome(
                     applied=index,
@@ -112,15 +123,46 @@ def run_batch(
                     ),
                     copies=tuple(copies),
                 )
+            end = _run_end(ops, index)
             try:
-                copied = _apply(store, session, op)
+                if end > index:
+                    with store.sessions.handle_run(session) as run:
+                        while index < end:  # index: the failed op's, if one fails
+                            _apply_in_run(run, ops[index])
+                            index += 1
+                    continue
+                copied = _apply(store, session, ops[index])
                 if copied is not None:
                     copies.append(copied)
+                index += 1
             except Exception as exc:  # the client raises it, typed, at its next wait
                 return BatchOutcome(
                     applied=index, failed_index=index, error=exc, copies=tuple(copies)
                 )
     return BatchOutcome(applied=len(ops), copies=tuple(copies))
+
+
+def _in_run(op: QueuedOp) -> bool:
+    """Whether ``op`` touches only the handle tables and reference counts."""
+    if isinstance(op, QueuedView):
+        return op.op.name in REGISTRY_ONLY_VIEWS
+    return isinstance(op, QueuedRelease)
+
+
+def _run_end(ops: Sequence[QueuedOp], start: int) -> int:
+    """The end of the run of registry-only ops from ``start`` (``start``: none there)."""
+    end, last = start, min(len(ops), start + RUN_OPS)
+    while end < last and _in_run(ops[end]):
+        end += 1
+    return end
+
+
+def _apply_in_run(run: HandleRun, op: QueuedOp) -> None:
+    if isinstance(op, QueuedView):
+        view_in_run(run, op.handle, op.op, op.results)
+    else:
+        assert isinstance(op, QueuedRelease), op
+        run.release(op.handles)
 
 
 def _apply(store: TensorStore, session: Session, op: QueuedOp) -> Issued | None:

@@ -374,12 +374,17 @@ def check_scalar_fits(value: Scalar, dtype: DType) -> None:
         return
     if isinstance(value, float) and not math.isfinite(value):
         raise _overflow(dtype)
-    info = np.iinfo(dtype.numpy_dtype)
-    low = int(info.min)
+    low, high = _int_range(dtype.name)
     if isinstance(value, int) and not dtype.is_signed:
-        low = -int(info.max)  # c10 lets an integer wrap into an unsigned type (-1 -> 255)
-    if not low <= value <= int(info.max):  # a float compares untruncated: 127.9 overflows int8
+        low = -high  # c10 lets an integer wrap into an unsigned type (-1 -> 255)
+    if not low <= value <= high:  # a float compares untruncated: 127.9 overflows int8
         raise _overflow(dtype)
+
+
+@functools.cache  # every fill of an integer tensor asks (a few dtypes): iinfo per call cost
+def _int_range(name: str) -> tuple[int, int]:
+    info = np.iinfo(dtypes.dtype_from_name(name).numpy_dtype)
+    return int(info.min), int(info.max)
 
 
 def ml_max(dtype: DType) -> float:

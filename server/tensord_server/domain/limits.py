@@ -87,6 +87,57 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
             )
 
 
+def check_batch_request(message: Message) -> None:
+    """check_request for a pipelined Batch (issue 15): the same bounds, but each op that is
+    ``x[i]`` (a view indexing one int, what clients queue most) bounded field by field, not
+    walked: its handle and result ids (strings) and its two lists (an int item is unbounded)."""
+    ops = message.ops
+    if len(ops) > MAX_LIST_LEN:
+        raise InvalidArgumentError(
+            f"BatchRequest.ops has {len(ops)} items; the limit is {MAX_LIST_LEN}"
+        )
+    seen = [len(ops)]
+    for op in ops:
+        if not _checked_int_index_view(op, seen):
+            check_request(op, 1, seen)  # as the walk checks each item of a list
+
+
+def _checked_int_index_view(op: Message, seen: list[int]) -> bool:
+    """Bound ``op`` as check_request would if it is a view indexing one int; False if not.
+    Such an op holds no field but these: BatchOp.results, ViewRequest.handle and the one
+    IndexItem's integer (oneofs: no other field of those messages can be set with them)."""
+    if op.WhichOneof("op") != "view":
+        return False
+    view = op.view
+    if view.WhichOneof("op") != "index":
+        return False
+    items = view.index.items
+    if len(items) != 1 or items[0].WhichOneof("item") != "integer":
+        return False
+    _check_short_string(view, "handle", view.handle)
+    results = op.results
+    if len(results) > MAX_LIST_LEN:
+        raise InvalidArgumentError(
+            f"BatchOp.results has {len(results)} items; the limit is {MAX_LIST_LEN}"
+        )
+    seen[0] += 1 + len(results)
+    if seen[0] > MAX_REQUEST_ITEMS:
+        raise InvalidArgumentError(
+            f"the request's lists hold more than {MAX_REQUEST_ITEMS} items together "
+            "(limits.MAX_REQUEST_ITEMS)"
+        )
+    for result in results:
+        _check_short_string(op, "results", result)
+    return True
+
+
+def _check_short_string(message: Message, name: str, value: str) -> None:
+    if len(value) > _SHORT_STRING and len(value.encode()) > MAX_STRING_BYTES:
+        raise InvalidArgumentError(
+            f"{message.DESCRIPTOR.name}.{name} is longer than {MAX_STRING_BYTES} bytes"
+        )
+
+
 # What check_request bounds in a field's values, decided once per field of the schema
 # (the walk runs over every op of every Batch: no per-value type tests on the hot path).
 _MESSAGE, _STRING, _EXTENT, _UNBOUNDED = "message", "string", "extent", "unbounded"

@@ -46,7 +46,7 @@ from tensord.errors import (
 )
 
 from tensord_server.domain.auth import describe_tenant
-from tensord_server.domain.storage import StorageRegistry, TensorRef, check_in_bounds
+from tensord_server.domain.storage import RefCounts, StorageRegistry, TensorRef, check_in_bounds
 from tensord_server.pool import CountingLock
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,48 @@ class Session:
         if self.stream_ended_at is not None:
             return min(lapsed, self.stream_ended_at)
         return lapsed
+
+
+class HandleRun:
+    """A run of a Batch's view registrations and releases (issue 15) under one acquisition
+    of the table lock and the registry's (:meth:`SessionManager.handle_run`): the checks
+    of ``register_all`` and ``release``, without two lock acquisitions and a hold per op.
+    Only for ops that touch no bytes: a view reads its input's metadata, never its Storage."""
+
+    __slots__ = ("_counts", "_manager", "session")
+
+    def __init__(self, manager: SessionManager, session: Session, counts: RefCounts) -> None:
+        self._manager = manager
+        self._counts = counts
+        self.session = session
+
+    def lookup(self, handle: str) -> TensorRef:
+        return self._manager._lookup(self.session, handle)
+
+    def check_room(self, wanted: int) -> None:
+        self._manager._check_room(self.session, wanted)
+
+    def register(self, refs: Sequence[TensorRef], chosen: Sequence[str]) -> None:
+        """Handles ``chosen`` (the client's ids) on ``refs``: all or none, as register_all."""
+        for ref in refs:
+            check_in_bounds(ref)
+        _check_chosen_ids(chosen, len(refs))
+        session = self.session
+        self._manager._check_room(session, len(refs))
+        _check_not_live(session, chosen)
+        for handle, ref in zip(chosen, refs, strict=True):
+            self._counts.incref(ref.storage)
+            session.handles[handle] = ref
+
+    def release(self, handles: Sequence[str]) -> int:
+        """Drop handles (unknown ones ignored, as release); the count dropped."""
+        table, counts, dropped = self.session.handles, self._counts, 0
+        for handle in handles:
+            ref = table.pop(handle, None)
+            if ref is not None:
+                counts.decref(ref.storage)
+                dropped += 1
+        return dropped
 
 
 @dataclass(eq=False)
@@ -426,6 +468,20 @@ class SessionManager:
         finally:
             for ref in refs:
                 self.storages.release_hold(ref.storage)
+
+    @contextmanager
+    def handle_run(self, session: Session) -> Iterator[HandleRun]:
+        """One acquisition of the table lock, then the registry's, for a run of a Batch's
+        views and releases (issue 15); blocks freed go back to their pools after both."""
+        counts = self.storages.ref_counts()
+        try:
+            with self._lock:
+                if self._sessions.get(session.id) is not session:
+                    raise NotFoundError("unknown session")
+                with counts.locked():
+                    yield HandleRun(self, session, counts)
+        finally:
+            counts.give_back()
 
     def release(self, session: Session, handles: Sequence[str]) -> int:
         """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""

@@ -356,6 +356,11 @@ class StorageRegistry:
         if block is not None:
             storage.device.pool.free(block)
 
+    def ref_counts(self) -> RefCounts:
+        """For references changed under one acquisition of the lock (a Batch's run of views
+        and releases, issue 15): ``with counts.locked(): ...``, then ``counts.give_back()``."""
+        return RefCounts(self)
+
     def _decref_locked(self, storage: Storage) -> Any:
         """Drop one reference; the block to give back to the pool (outside this lock) if
         that was the last."""
@@ -455,6 +460,41 @@ class StorageRegistry:
             return len(self._storages)
 
 
+class RefCounts:
+    """References taken and dropped while :meth:`StorageRegistry.counting` holds the lock:
+    ``incref`` and ``decref`` as the registry's own, the pools' frees deferred past it."""
+
+    __slots__ = ("_freed", "_registry")
+
+    def __init__(self, registry: StorageRegistry) -> None:
+        self._registry = registry
+        self._freed: list[tuple[Storage, Block]] = []
+
+    @contextmanager
+    def locked(self) -> Iterator[RefCounts]:
+        with self._registry._lock:
+            yield self
+
+    def incref(self, storage: Storage) -> None:
+        """(locked) One more reference, as :meth:`StorageRegistry.incref`."""
+        if storage.freed:
+            raise InternalError(f"reference to a freed {storage!r}")
+        storage.refs += 1
+
+    def decref(self, storage: Storage) -> None:
+        """(locked) One reference fewer; a block freed waits for :meth:`give_back`."""
+        block = self._registry._decref_locked(storage)
+        if block is not None:
+            self._freed.append((storage, block))
+
+    def give_back(self) -> None:
+        """Free the blocks whose last reference went: called with no lock held (a pool's
+        lock comes before the registry's, and the registry's is never held calling a pool)."""
+        freed, self._freed = self._freed, []
+        for storage, block in freed:
+            storage.device.pool.free(block)
+
+
 def _copy_grown(new: Any, old: Any) -> None:
     """A grown Storage's bytes: the old ones first, zeros after (uint8 arrays of one device)."""
     new[: old.shape[0]] = old
@@ -504,8 +544,8 @@ def check_in_bounds(ref: TensorRef) -> None:
     """
     layout, itemsize = ref.layout, ref.dtype.itemsize
     limits.check_result_ndim(layout.ndim)  # any op's result, whatever made it (unflatten, ...)
-    numbers = (layout.offset, *layout.stride)
-    if any(abs(n) * itemsize > _INT64_MAX for n in numbers):
+    largest = max(abs(layout.offset), max(map(abs, layout.stride), default=0))
+    if largest * itemsize > _INT64_MAX:
         raise RuntimeError(
             f"Storage size calculation overflowed with sizes={list(layout.shape)} and "
             f"strides={list(layout.stride)}"

@@ -8,7 +8,7 @@ before any view is built.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from tensord.layout import Layout, check_view_dtype_bits, complex_view
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.copies import reshape_copy
 from tensord_server.domain.ops import Issued, OpContext
-from tensord_server.domain.sessions import Session
+from tensord_server.domain.sessions import HandleRun, Session
 from tensord_server.domain.storage import TensorRef
 
 
@@ -123,21 +123,47 @@ class Views:
     ) -> list[Issued]:
         """``chosen``: the results' ids, as a pipelined client chose them (issue 15); a view
         registers them directly.  A flatten that copies ignores them (its caller renames)."""
-        with self.ops.sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
-            self._check_view_cost(session, ref.layout, op)
+        sessions = self.ops.sessions
+        with sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
+            check_view_cost(ref.layout, op, lambda wanted: sessions.check_room(session, wanted))
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
                 return [reshape_copy(self.ops, session, ref, flattened_shape(ref.layout.shape, op))]
             handles = self.ops.sessions.register_all(session, results, chosen)
             return [Issued(h, r) for h, r in zip(handles, results, strict=True)]
 
-    def _check_view_cost(self, session: Session, layout: Layout, op: ViewOp) -> None:
-        """What a view op will produce, refused before any view is built: the number of
-        tensors (split/chunk/unbind, against the limit and the session's room) and the
-        dims of an index (each None adds one; the rest is cheap and checked on issue)."""
-        count = limits.view_result_count(layout, op.name, op.args)
-        if count is not None:
-            limits.check_view_results(count)
-            self.ops.sessions.check_room(session, count)
-        if op.name == "__getitem__":
-            limits.check_result_ndim(limits.index_result_ndim(layout.ndim, op.args[0]))
+
+# Views that never touch bytes, so a Batch may apply a run of them under one lock
+# acquisition (issue 15); flatten is not one: a tensor no view can express is copied.
+REGISTRY_ONLY_VIEWS = frozenset(VIEW_OPS - {"flatten"}) | {
+    "view_dtype",
+    "detach",
+    "set_requires_grad",
+    "complex_view",
+}
+
+
+def view_in_run(run: HandleRun, handle: str, op: ViewOp, chosen: Sequence[str]) -> None:
+    """A pipelined view in a Batch's run (``op.name`` in REGISTRY_ONLY_VIEWS): the checks
+    and results of :meth:`Views.view`, its handles registered under the ids ``chosen``."""
+    ref = run.lookup(handle)
+    if op.name == "__getitem__" and type(op.args[0]) is int:  # x[i]: one result, a dim fewer
+        results = [ref.with_layout(ref.layout[op.args[0]])]
+    else:
+        check_view_cost(ref.layout, op, run.check_room)
+        viewed = apply_view(ref, op)
+        assert viewed is not None, op  # only flatten copies, and it never runs here
+        results = viewed
+    run.register(results, chosen)
+
+
+def check_view_cost(layout: Layout, op: ViewOp, check_room: Callable[[int], None]) -> None:
+    """What a view op will produce, refused before any view is built: the number of
+    tensors (split/chunk/unbind, against the limit and the session's room: ``check_room``)
+    and the dims of an index (each None adds one; the rest is cheap and checked on issue)."""
+    count = limits.view_result_count(layout, op.name, op.args)
+    if count is not None:
+        limits.check_view_results(count)
+        check_room(count)
+    if op.name == "__getitem__":
+        limits.check_result_ndim(limits.index_result_ndim(layout.ndim, op.args[0]))

@@ -32,7 +32,10 @@ def decode_message(cls: type[M], data: bytes) -> M:
         message.ParseFromString(data)
     except DecodeError as exc:
         raise InvalidArgumentError(f"malformed {cls.DESCRIPTOR.full_name}: {exc}") from None
-    limits.check_request(message)  # bounded before anything reaches the pool
+    if isinstance(message, pb.BatchRequest):  # the same bounds, its x[i] ops checked faster
+        limits.check_batch_request(message)
+    else:
+        limits.check_request(message)  # bounded before anything reaches the pool
     return message
 
 
@@ -147,6 +150,11 @@ def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
     kind = message.WhichOneof("op")
     if kind == "view":
         view = message.view
+        if view.WhichOneof("op") == "index":  # x[i], what clients queue most: read directly
+            items = view.index.items
+            if len(items) == 1 and items[0].WhichOneof("item") == "integer":
+                op = ViewOp("__getitem__", (items[0].integer,))
+                return batch.QueuedView(view.handle, op, tuple(message.results))
         return batch.QueuedView(view.handle, decode_view_op(view), tuple(message.results))
     if kind == "fill":
         return batch.QueuedFill(message.fill.handle, decode_scalar(message.fill.value))
