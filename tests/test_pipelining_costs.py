@@ -317,3 +317,87 @@ def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     # each Batch: its views, then one op releasing the dropped x[i] they were made from
     assert sizes == [PIPELINE_BATCH + 1, PIPELINE_BATCH_MAX - 2 + 1]
     assert [v.item() for v in views[:24]] == [i % 12 for i in range(24)]
+
+
+def _split_view(handle: str, results: list[str]) -> pb.BatchOp:
+    split = pb.Split(split_size=1, dim=0)
+    return pb.BatchOp(view=pb.ViewRequest(handle=handle, split=split), results=results)
+
+
+def test_a_run_names_a_bounded_number_of_handles(
+    server: Any, open_session: Any, monkeypatch: Any
+) -> None:
+    # a run held the table and registry locks (every session's calls wait) for all its ops:
+    # 64 splits or releases naming 65,536 handles each were seconds under them (15 splits,
+    # ~1M results: ~14 s); a run names at most RUN_HANDLES handles now, a bigger op runs alone
+    from tensord_server.domain import sessions
+    from tensord_server.domain.batch import RUN_HANDLES
+
+    session = open_session(server.address)
+    rows = RUN_HANDLES + 8
+    meta = session.Empty(pb.EmptyRequest(shape=[rows], dtype="float32"), metadata=session.md)
+    firsts = [f"a{i:021d}" for i in range(rows)]
+    seconds = [f"b{i:021d}" for i in range(rows)]
+    small = [f"c{i:021d}" for i in range(RUN_HANDLES // 2 + 1)]
+    ops = [_split_view(meta.handle, firsts), _split_view(meta.handle, seconds)]
+    ops += [_row_view(meta.handle, i % rows, h) for i, h in enumerate(small)]
+    ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=firsts)))
+    ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=small)))
+    named: list[int] = []  # handles registered and released under each acquisition
+    register, release = sessions.HandleRun.register, sessions.HandleRun.release
+    handle_run = sessions.SessionManager.handle_run
+
+    def counted_run(self: Any, session: Any) -> Any:
+        named.append(0)
+        return handle_run(self, session)
+
+    def counted_register(self: Any, refs: Any, chosen: Any) -> None:
+        named[-1] += len(chosen)
+        register(self, refs, chosen)
+
+    def counted_release(self: Any, handles: Any) -> int:
+        named[-1] += len(handles)
+        return release(self, handles)
+
+    monkeypatch.setattr(sessions.SessionManager, "handle_run", counted_run)
+    monkeypatch.setattr(sessions.HandleRun, "register", counted_register)
+    monkeypatch.setattr(sessions.HandleRun, "release", counted_release)
+    response = session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    monkeypatch.undo()
+    assert not response.failed and response.applied == len(ops)
+    assert named and max(named) <= RUN_HANDLES
+    # the same results: the second split's views and nothing else of the batch live
+    kept = server.daemon.sessions.get(session.session_id).handles
+    assert not (set(firsts) | set(small)) & kept.keys()
+    for i, handle in enumerate(seconds):
+        assert kept[handle].layout.offset == torch.arange(rows).split(1)[i].storage_offset()
+    session.Release(pb.ReleaseRequest(handles=seconds), metadata=session.md)
+
+
+def test_a_view_in_a_run_naming_fewer_results_is_refused_before_any_is_built(
+    server: Any, open_session: Any, monkeypatch: Any
+) -> None:
+    # a split naming one result id was weighed as one handle, then built its 4,096 views
+    # under the locks before registering refused the count; now refused before building
+    from tensord_server.domain import views
+
+    session = open_session(server.address)
+    meta = session.Empty(pb.EmptyRequest(shape=[4096], dtype="float32"), metadata=session.md)
+    built: list[str] = []
+    apply_view = views.apply_view
+
+    def recording(ref: Any, op: Any) -> Any:
+        built.append(op.name)
+        return apply_view(ref, op)
+
+    monkeypatch.setattr(views, "apply_view", recording)
+    ops = [_split_view(meta.handle, ["d" * 22])]
+    response = session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
+    monkeypatch.undo()
+    assert response.failed and (response.applied, response.failed_index) == (0, 0)
+    assert response.error_type == "ValueError"  # InvalidArgumentError, as torch names it
+    assert response.error_message == (
+        "the op made 4096 tensors but the batch named 1 result handles"
+    )
+    assert built == []
+    assert "d" * 22 not in server.daemon.sessions.get(session.session_id).handles

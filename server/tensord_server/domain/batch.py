@@ -91,6 +91,10 @@ def check_batch(ops: Sequence[QueuedOp]) -> None:
 # a run of metadata-only ops holds them for tens of microseconds per op, so other sessions'
 # calls wait at most this many ops' worth.
 RUN_OPS = 64
+# The most handles one run registers and releases together (a view's results, a release's
+# handles): a split or a release names up to 65,536, each ~15 us under the locks, so 64 such
+# ops held them for seconds; an op naming more than this runs alone, outside any run.
+RUN_HANDLES = 256
 
 
 def run_batch(
@@ -142,17 +146,24 @@ def run_batch(
     return BatchOutcome(applied=len(ops), copies=tuple(copies))
 
 
-def _in_run(op: QueuedOp) -> bool:
-    """Whether ``op`` touches only the handle tables and reference counts."""
+def _run_handles(op: QueuedOp) -> int | None:
+    """The handles ``op`` registers or releases if it touches only the handle tables and
+    reference counts (a view in a run makes exactly as many tensors as it names: checked
+    before any is built); None if it does not."""
     if isinstance(op, QueuedView):
-        return op.op.name in REGISTRY_ONLY_VIEWS
-    return isinstance(op, QueuedRelease)
+        return len(op.results) if op.op.name in REGISTRY_ONLY_VIEWS else None
+    return len(op.handles) if isinstance(op, QueuedRelease) else None
 
 
 def _run_end(ops: Sequence[QueuedOp], start: int) -> int:
-    """The end of the run of registry-only ops from ``start`` (``start``: none there)."""
-    end, last = start, min(len(ops), start + RUN_OPS)
-    while end < last and _in_run(ops[end]):
+    """The end of the run of registry-only ops from ``start`` (``start``: none there), at
+    most RUN_OPS ops naming at most RUN_HANDLES handles together."""
+    end, last, handles = start, min(len(ops), start + RUN_OPS), 0
+    while end < last:
+        named = _run_handles(ops[end])
+        if named is None or handles + named > RUN_HANDLES:
+            break
+        handles += named
         end += 1
     return end
 

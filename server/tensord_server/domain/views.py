@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensord import dtypes
+from tensord.errors import InvalidArgumentError
 from tensord.layout import Layout, check_view_dtype_bits, complex_view
 
 from tensord_server.domain import kernels, limits
@@ -150,20 +151,26 @@ def view_in_run(run: HandleRun, handle: str, op: ViewOp, chosen: Sequence[str]) 
     if op.name == "__getitem__" and type(op.args[0]) is int:  # x[i]: one result, a dim fewer
         results = [ref.with_layout(ref.layout[op.args[0]])]
     else:
-        check_view_cost(ref.layout, op, run.check_room)
+        count = check_view_cost(ref.layout, op, run.check_room)
+        if count is not None and count != len(chosen):  # refused before building them all
+            raise InvalidArgumentError(
+                f"the op made {count} tensors but the batch named {len(chosen)} result handles"
+            )
         viewed = apply_view(ref, op)
         assert viewed is not None, op  # only flatten copies, and it never runs here
         results = viewed
     run.register(results, chosen)
 
 
-def check_view_cost(layout: Layout, op: ViewOp, check_room: Callable[[int], None]) -> None:
+def check_view_cost(layout: Layout, op: ViewOp, check_room: Callable[[int], None]) -> int | None:
     """What a view op will produce, refused before any view is built: the number of
     tensors (split/chunk/unbind, against the limit and the session's room: ``check_room``)
-    and the dims of an index (each None adds one; the rest is cheap and checked on issue)."""
+    and the dims of an index (each None adds one; the rest is cheap and checked on issue).
+    Returns that number of tensors (None: one, or an error the layout engine raises)."""
     count = limits.view_result_count(layout, op.name, op.args)
     if count is not None:
         limits.check_view_results(count)
         check_room(count)
     if op.name == "__getitem__":
         limits.check_result_ndim(limits.index_result_ndim(layout.ndim, op.args[0]))
+    return count
