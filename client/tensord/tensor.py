@@ -1288,9 +1288,13 @@ class Tensor:
         return array if dtype is None else array.astype(dtype, copy=False)
 
     def _numpy_alias(self, dtype: Any) -> np.ndarray:
-        """``x.numpy()``'s refusals, then the same-host alias of x's elements (no copy)."""
+        """The same-host alias of x's elements (no copy), or NumPy's ValueError (torch's type
+        for every ``copy=False``) with the reason, numpy()'s refusals included."""
         if self.requires_grad or self.device.type != "cpu" or self._meta.conj or self._meta.neg:
-            return self.numpy()  # raises numpy()'s own error for each of these
+            try:
+                self.numpy()  # raises numpy()'s own error for each of these
+            except (RuntimeError, TypeError) as refusal:
+                raise ValueError(f"{_NO_COPY_AVOIDED} ({refusal})") from refusal
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
         if dtype is not None and np.dtype(dtype) != np_dtype:
             raise ValueError(
