@@ -281,6 +281,19 @@ def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch
     assert x.numpy().flags.owndata  # numpy() copies (np.from_dlpack aliases)
 
 
+def test_a_large_upload_reuses_the_blocks_dropped_before_it(fresh_server: Any) -> None:
+    values = np.ones(_local.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
+    with tensord.connect(fresh_server.address) as client:
+        assert client._local.enabled
+        for _ in range(3):  # each upload's tensor and export are dropped before the next
+            x = client.tensor(values)
+            del x
+        client.synchronize()
+        stats = client.memory_stats()
+    # the releases and export releases of the tensor before went first: one block at a time
+    assert stats["allocated_bytes.all.peak"] == values.nbytes
+
+
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])
 def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     client: Any, monkeypatch: Any, slice_bytes: int

@@ -53,6 +53,8 @@ LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
 # Empty + Export + a release for small tensors.
 MIN_FAST_BYTES = 256 << 10
+#: a same-host upload of at least this many bytes first sends the releases queued before it
+RELEASE_BEFORE_UPLOAD_BYTES = 16 << 20
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
 RELEASE_BATCH = 1024
