@@ -273,9 +273,9 @@ class CachingPool:
     ) -> int | None:
         """One background compaction step (:func:`~.compaction.compact_step`): one plan of
         at most ``max_moved`` bytes, its first Storage moved and the next ones while
-        ``proceed()``, and segments left wholly free go back, all under one acquisition of
-        this pool's lock (and the relocator's).  Returns the bytes moved, or None when
-        there is nothing (more) to do."""
+        ``proceed()``, and segments left wholly free go back; this pool's lock (and the
+        relocator's) is let go while each move copies (:meth:`PoolMoves.copying`).
+        Returns the bytes moved, or None when there is nothing (more) to do."""
         with self._lock:
             excess = self._compaction_excess()
             if not excess or max_moved <= 0:
