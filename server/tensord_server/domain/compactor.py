@@ -3,10 +3,10 @@
 Under a policy with a ``compact_threshold`` (``adaptive``), a free that leaves a pool's
 reserved / allocated above it rings the pool's doorbell (``CachingPool.compaction_wanted``)
 and returns; one daemon thread per server then compacts that pool in steps
-(``CachingPool.compact_step``): each step takes the pool's lock and the registry's once,
+(``CachingPool.compact_step``): each step takes the pool's lock and the registry's,
 plans, moves one Storage, then the plan's next ones for as long as no request waits
 (checked before each move), and gives back the segments left wholly free: one plan
-serves many moves while the server is quiet.  Every guarantee
+serves many moves while the server is quiet; each move lets both locks go while it copies.  Every guarantee
 of compaction holds because each step is an ordinary compaction move: held Storages
 (ops in flight, downloads, exports) never move, one held during its copy stays put, handles, names, share tokens, quotas and
 ``data_ptr()`` do not change, and blocks stay on their tenant's pool stream.
