@@ -180,6 +180,10 @@ class ToyRelocator:
 
         yield {b: repoint(n) for n, b in self.blocks.items() if n not in self.pinned and b.size}
 
+    def claim(self, block: Block) -> object:
+        """The name owning ``block`` (names are never reused; a toy's holds touch no bytes)."""
+        return next((n for n, b in self.blocks.items() if b is block), None)
+
 
 def fragmented_pool(
     backend: Any, relocator: ToyRelocator | None

@@ -23,7 +23,8 @@ Uploads (``write``) return once their chunk is staged, with the copy still
 queued: that overlaps the network with the copies.  Compaction's moves
 (``copy``) are queued on the server stream too and not waited for: whatever
 later reads the new block or reuses the old one is queued after them on that
-stream, and releasing a segment synchronizes the stream first.
+stream, and releasing a segment synchronizes the stream first; a background move,
+whose copy runs outside the pool's lock, waits for it before repointing the Storage.
 
 Nothing here imports CuPy at import time; ``kernels`` and ``devices`` reach this
 module only for GPU arrays and devices.

@@ -3,18 +3,20 @@
 Under a policy with a ``compact_threshold`` (``adaptive``), a free that leaves a pool's
 reserved / allocated above it rings the pool's doorbell (``CachingPool.compaction_wanted``)
 and returns; one daemon thread per server then compacts that pool in steps
-(``CachingPool.compact_step``): each step takes the pool's lock and the registry's once,
+(``CachingPool.compact_step``): each step takes the pool's lock and the registry's,
 plans, moves one Storage, then the plan's next ones for as long as no request waits
 (checked before each move), and gives back the segments left wholly free: one plan
-serves many moves while the server is quiet.  Every guarantee
+serves many moves while the server is quiet; each move lets both locks go while it copies.  Every guarantee
 of compaction holds because each step is an ordinary compaction move: held Storages
-(ops in flight, downloads, exports) never move, handles, names, share tokens, quotas and
+(ops in flight, downloads, exports) never move, one held during its copy stays put, handles, names, share tokens, quotas and
 ``data_ptr()`` do not change, and blocks stay on their tenant's pool stream.
 
 What a request can wait for: a step starts only when no thread waits for a pool's lock,
-the registry's or the session table's (``CountingLock.waiting``), so a request that
-finds one of them taken by a step waits for that one move at most, never for a
-second; under contention the compactor waits (looking again after 0.5 ms, then less
+the registry's or the session table's (``CountingLock.waiting``), and each move copies
+its Storage with neither lock held (``compaction.execute_move_outside_locks``: the
+locks are taken to allocate the destination and note the Storage's ``uses``, then to
+repoint it if it was not held meanwhile), so a request waits for no copy, only for a
+step's planning or a move's bookkeeping; under contention the compactor waits (looking again after 0.5 ms, then less
 and less often, up to every ``YIELD_POLL_MAX_S``; after ``YIELD_LIMIT_S`` it gives the
 wake-up up).  What it costs: at most the policy's ``max_moved_bytes`` per wake-up, at
 most ``background_bytes_per_s`` on average (it sleeps after each move for as long as

@@ -14,7 +14,9 @@ its range (torch users compare ``data_ptr()`` to detect aliasing); a freed
 Storage's range is reused, as torch's allocator reuses addresses, so the space
 in use is bounded by the live Storages, not by every allocation ever made.  Block addresses stay the pool's (snapshots, memory_viz).  Holds
 are counted apart from references for that: a held Storage never moves, and
-while the pool moves blocks it holds the registry's lock, so no hold starts.
+while the pool moves blocks it holds the registry's lock, so no hold starts; a
+background move copies without the lock and repoints the Storage only if no hold
+began meanwhile (``uses`` unchanged: :meth:`StorageRegistry.claim`).
 """
 
 from __future__ import annotations
@@ -440,6 +442,14 @@ class StorageRegistry:
         (looked up as asked, while the world stays stopped)."""
         with self._lock:
             yield MovableBlocks(self, pool)
+
+    def claim(self, block: Block) -> object:
+        """(inside a relocation) The owner of ``block`` as a token for a move that copies
+        outside the lock: its Storage and the holds ever taken on it (``uses``), so a
+        later claim differs if the Storage was freed, held (an op that read or wrote its
+        bytes, an export) or grown meanwhile, even if every such hold has ended."""
+        storage = self._by_block.get(block)
+        return None if storage is None else (storage, storage.uses)  # the object: by identity
 
     def _repoint(self, storage: Storage, block: Block) -> None:
         """``storage`` now lives in ``block`` (its bytes copied there; caller holds the lock).

@@ -42,9 +42,10 @@ many gRPC threads call the pool at once.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -158,6 +159,10 @@ class CachingPool:
         # each segment that is one free block (the policy's release_idle_s keeps those
         # for a while); absent: allocated from, or never freed since it was reserved
         self._idle_since: dict[int, float] = {}
+        # beyond torch: segments a background move copies from with this lock let go, each
+        # with its copies in progress: none goes back to the device (its bytes are being
+        # read) and none is emptied by another compaction meanwhile (not movable)
+        self._copying_from: dict[Segment, int] = {}
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
@@ -268,9 +273,9 @@ class CachingPool:
     ) -> int | None:
         """One background compaction step (:func:`~.compaction.compact_step`): one plan of
         at most ``max_moved`` bytes, its first Storage moved and the next ones while
-        ``proceed()``, and segments left wholly free go back, all under one acquisition of
-        this pool's lock (and the relocator's).  Returns the bytes moved, or None when
-        there is nothing (more) to do."""
+        ``proceed()``, and segments left wholly free go back; this pool's lock (and the
+        relocator's) is let go while each move copies (:meth:`PoolMoves.copying`).
+        Returns the bytes moved, or None when there is nothing (more) to do."""
         with self._lock:
             excess = self._compaction_excess()
             if not excess or max_moved <= 0:
@@ -574,13 +579,14 @@ class CachingPool:
         return True
 
     def _releasable_segment(self, segment: Segment) -> bool:
+        if segment in self._copying_from:
+            return False
         veto = self.segment_releasable
         return veto is None or veto(segment.memory)
 
     def _releasable(self, block: Block) -> bool:
         """Whether the segment of a whole free block may go back to the device now."""
-        veto = self.segment_releasable
-        return veto is None or veto(block.segment.memory)
+        return self._releasable_segment(block.segment)
 
     # -- beyond torch: compaction, tight segments, giving idle segments back -------
 
@@ -936,6 +942,51 @@ class PoolMoves(MoveTarget):
             nbytes,
         )
         return nbytes
+
+    def allocated_block_now(self, address: int) -> Block | None:
+        pool = self.pool
+        self._segments = [segment for _, segment in sorted(pool._segments.items())]
+        try:
+            return self.allocated_block(address)
+        except KeyError:
+            return None
+
+    def allocate_if_placed(self, source: Block, destination: int, size: int) -> Block | None:
+        pool = self.pool
+        block_pool = source.pool
+        assert block_pool is not None and source.allocated, source
+        target = block_pool.free_blocks.get(destination)
+        if (
+            target is None
+            or target.segment is source.segment
+            or target.stream != source.stream
+            or target.segment.address in pool._kept_idle_segments()
+            or not oversize_rules_allow(target.size, size, pool.max_split_size)
+        ):
+            return None
+        split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
+        if (size if split else target.size) > source.size:
+            return None  # a moved Storage is never charged more (no block grows)
+        return self.allocate_in_place(source, destination, size)
+
+    @contextlib.contextmanager
+    def copying(self, source: Block) -> Iterator[None]:
+        pool = self.pool
+        segment = source.segment
+        pool._copying_from[segment] = pool._copying_from.get(segment, 0) + 1
+        pool._lock.release()
+        try:
+            yield
+            # a device's copy may be queued (CUDA: on the server stream): complete before
+            # the owner is repointed, so nothing reads the new block ahead of its bytes
+            wait = getattr(pool.backend, "synchronize", None)
+            if wait is not None:
+                wait()
+        finally:
+            pool._lock.acquire()
+            left = pool._copying_from.pop(segment) - 1
+            if left:
+                pool._copying_from[segment] = left
 
     def free_block(self, block: Block) -> None:
         self.pool._free_allocated(block)

@@ -302,6 +302,13 @@ class Relocator(Protocol):
         to its new block (after its bytes were copied there).  ``pool`` is the pool asking."""
         ...
 
+    def claim(self, block: Block) -> object:
+        """(inside a relocation, ``block`` one of its movable) Who owns ``block`` now, as a
+        token: a later claim (inside a later relocation) compares equal only if the same
+        owner still owns it and no hold on it began between (its bytes were neither read
+        nor written there), so a copy made outside the relocations is still current."""
+        ...
+
 
 class MoveTarget(Protocol):
     """What compaction needs of a pool to execute a plan; every call is made with the
@@ -332,6 +339,24 @@ class MoveTarget(Protocol):
 
     def move_bytes(self, source: Block, destination: Block) -> int:
         """Copy ``source``'s requested bytes into ``destination``; returns the bytes copied."""
+        ...
+
+    def allocated_block_now(self, address: int) -> Block | None:
+        """The allocated block starting at ``address`` in the pool as it is now (the pool's
+        lock was let go since the plan): None when there is none any more."""
+        ...
+
+    def allocate_if_placed(self, source: Block, destination: int, size: int) -> Block | None:
+        """:meth:`allocate_in_place`, only if the planned move still holds in the pool as it
+        is now: a free block at ``destination`` in another segment of ``source``'s pool and
+        stream, not kept idle, that malloc's rules would hand out for ``size`` as a block no
+        larger than ``source``; None (nothing allocated) otherwise."""
+        ...
+
+    def copying(self, source: Block) -> AbstractContextManager[None]:
+        """The pool's lock let go while the block is open (``source``'s segment kept from
+        going back to the device meanwhile), and taken again once the copies made inside
+        are complete on the device."""
         ...
 
     def free_block(self, block: Block) -> None:
@@ -379,6 +404,37 @@ def execute_move(
     return moved
 
 
+def execute_move_outside_locks(
+    target: MoveTarget, relocator: Relocator, pool: Any, move: Move
+) -> int | None:
+    """One planned move of a compaction nobody waits for, its copy made with neither the
+    pool's lock nor the relocator's held, as a grow copies (so no request waits for the
+    bytes): in a first relocation, allocate the destination and claim the owner (still
+    unheld, the move still as planned); copy; in a second, repoint the owner and free the
+    old block if the claim still holds, else free the new block (the copy is wasted, the
+    owner never left its block).  The bytes moved, or None when nothing moved."""
+    with relocator.relocation(pool) as movable:
+        old = target.allocated_block_now(move.source)
+        if old is None or old not in movable:
+            return None
+        new = target.allocate_if_placed(old, move.destination, move.size)
+        if new is None:
+            return None
+        owner = relocator.claim(old)
+    try:
+        with target.copying(old):
+            moved = target.move_bytes(old, new)
+    except BaseException:
+        target.free_block(new)
+        raise
+    with relocator.relocation(pool) as movable:
+        current = old in movable and relocator.claim(old) == owner
+        if current:
+            movable[old](new)
+    target.free_block(old if current else new)
+    return moved if current else None
+
+
 def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
     """Stop the world, plan the release of ``needed`` bytes, run the moves, release the
     emptied segments.  ``pool`` is what the relocator is told is asking (the CachingPool)."""
@@ -409,11 +465,13 @@ def compact_step(
     """One step of a compaction nobody waits for (the background compactor's): plan as
     :func:`compact` does, within ``target.max_moved``, run the plan's first move (one
     Storage), and each further move only while ``proceed()`` says nobody waits for the
-    world (checked before each move: a request that starts waiting waits for the move
-    in progress only); then release the planned segments that are wholly free by now.
-    One plan serves many moves while the server is quiet, and the next step plans again
-    from the pool as it is then.  A result with neither moves nor released segments:
-    nothing was left to do."""
+    locks (checked before each move); then release the planned segments that are wholly
+    free by now.  Each move copies outside the locks (:func:`execute_move_outside_locks`),
+    so a request waits for no copy, only for the bookkeeping before and after one; a move
+    that no longer holds (its owner held, freed or moved meanwhile, its destination taken)
+    ends the step.  One plan serves many moves while the server is quiet, and the next
+    step plans again from the pool as it is then.  A result with neither moves nor
+    released segments: nothing was left to do."""
     with relocator.relocation(pool) as movable:
         plan = plan_compaction(
             target.candidate_segments(movable),
@@ -423,16 +481,19 @@ def compact_step(
             may_move=target.may_move,
             order=background_evacuation_order,
         )
-        if plan.empty:
-            return CompactionResult(plan, 0)
-        done: list[Move] = []
-        moved = 0
-        for move in plan.moves:
-            if done and not proceed():
-                break
-            moved += execute_move(target, move, movable)
-            done.append(move)
-    # the world runs again: the emptied segments are the pool's alone (its lock is held)
+    if plan.empty:
+        return CompactionResult(plan, 0)
+    done: list[Move] = []
+    moved = 0
+    for move in plan.moves:
+        if done and not proceed():
+            break
+        copied = execute_move_outside_locks(target, relocator, pool, move)
+        if copied is None:
+            break
+        moved += copied
+        done.append(move)
+    # the emptied segments are the pool's alone (its lock is held)
     emptied = []
     for address in plan.evacuated:
         size = target.free_segment_size(address)

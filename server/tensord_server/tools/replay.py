@@ -180,6 +180,11 @@ class TraceRelocator:
         # each compaction was a good part of a replay's time
         yield Repointers({block: addr for addr, block in self.live.items()}, self.live)
 
+    def claim(self, block: Block) -> object:
+        """The trace address ``block`` serves (a replay holds nothing: only the owner counts);
+        a replay compacts on its own calls, so only a move outside the locks asks."""
+        return next((address for address, live in self.live.items() if live is block), None)
+
 
 class Repointers(Mapping[Block, Callable[[Block], None]]):
     """Each live block, with the call that makes its trace address name the block it moved to."""
