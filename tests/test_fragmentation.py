@@ -464,6 +464,47 @@ def test_a_segment_emptied_during_a_background_copy_stays_until_the_copy_ends() 
     owner.check_bytes()
 
 
+def test_a_block_reallocated_larger_at_a_planned_source_during_a_copy_is_not_moved() -> None:
+    """A plan's later move names its source by address, and the locks are let go while the
+    move before it copies: the planned Storage freed then, and a larger one allocated at its
+    address, must not be moved into the planned (smaller) destination: its bytes would
+    overrun the destination block into its neighbour's, and it would live in a block
+    smaller than its bytes."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=256 * MiB, relocator=owner, policy=BACKGROUND)
+    pool.compaction_wanted = lambda: None  # frees leave the work to drain() below
+    for i in range(5):  # segment D (20 MiB): d0 d1 [free 8 MiB] d4 once d2, d3 go
+        owner.add(f"d{i}", pool.malloc(4 * MiB), seed=i)
+    for i in range(2):  # segment A (20 MiB): a0 a1 [free 12 MiB]
+        owner.add(f"a{i}", pool.malloc(4 * MiB), seed=10 + i)
+    for name in ("d2", "d3"):
+        owner.contents.pop(name)
+        pool.free(owner.blocks.pop(name))
+    a0, a1_address = owner.blocks["a0"], owner.blocks["a1"].address
+    real_copy = backend.copy
+    reallocated: list[Block] = []
+
+    def free_a1_then_allocate_larger_there(*args: Any) -> None:
+        if not reallocated:
+            assert (args[0], args[1]) == (a0.segment.memory, a0.offset), "a0 moves first"
+            del owner.contents["a1"]
+            pool.free(owner.blocks.pop("a1"))
+            larger = pool.malloc(6 * MiB)  # best fit: the 16 MiB now free from a1's address
+            assert larger.address == a1_address
+            owner.add("larger", larger, seed=99)
+            reallocated.append(larger)
+        real_copy(*args)
+
+    backend.copy = free_a1_then_allocate_larger_there  # type: ignore[method-assign]
+    BackgroundCompactor([pool], lambda: False).drain(pool)
+    assert reallocated
+    for name, block in owner.blocks.items():
+        assert block.size >= block.requested_size, name
+    owner.check_bytes()
+    pool.assert_invariants()
+
+
 def half_freed_background_pool(
     policy: PoolPolicy = BACKGROUND,
 ) -> tuple[CachingPool, HoldingRelocator]:

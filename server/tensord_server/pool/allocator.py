@@ -958,6 +958,9 @@ class PoolMoves(MoveTarget):
         target = block_pool.free_blocks.get(destination)
         if (
             target is None
+            # the plan names its source by address, and the lock was let go since: a larger
+            # block allocated there meanwhile would overrun the planned destination
+            or size < source.requested_size
             or target.segment is source.segment
             or target.stream != source.stream
             or target.segment.address in pool._kept_idle_segments()

@@ -348,9 +348,11 @@ class MoveTarget(Protocol):
 
     def allocate_if_placed(self, source: Block, destination: int, size: int) -> Block | None:
         """:meth:`allocate_in_place`, only if the planned move still holds in the pool as it
-        is now: a free block at ``destination`` in another segment of ``source``'s pool and
-        stream, not kept idle, that malloc's rules would hand out for ``size`` as a block no
-        larger than ``source``; None (nothing allocated) otherwise."""
+        is now: ``size`` holds ``source``'s requested bytes (the block now at the planned
+        address may not be the planned one), a free block at ``destination`` in another
+        segment of ``source``'s pool and stream, not kept idle, that malloc's rules would
+        hand out for ``size`` as a block no larger than ``source``; None (nothing
+        allocated) otherwise."""
         ...
 
     def copying(self, source: Block) -> AbstractContextManager[None]:
