@@ -431,6 +431,40 @@ def test_a_write_racing_a_background_move_is_never_lost() -> None:
         store.close()
 
 
+def test_a_background_copy_that_gave_up_is_paced_like_a_move() -> None:
+    """A step's second move giving up (its Storage written during the copy) still copied
+    its bytes: the step reports both copies to the compactor's pace and budget (a client
+    touching each Storage as it is copied must not get unpaced copying), while the pool's
+    moved-bytes statistic counts the one move made."""
+    store = TensorStore(["cpu=256MiB"])
+    try:
+        pool = store.device("cpu").pool
+        pool.policy = BACKGROUND
+        pool.compaction_wanted = lambda: None  # frees leave the work to compact_step below
+        live = two_segments_one_to_empty(store)
+        real_copy = pool.backend.copy
+        copies: list[int] = []
+
+        def copy_then_a_write_on_the_second(*args: Any) -> None:
+            real_copy(*args)
+            copies.append(args[-1])
+            if len(copies) == 2:  # an op holds the second Storage: its move gives up
+                storage = owner_of((s for s, _ in live.values()), args[0], args[1])
+                store.storages.hold(storage)
+                store.storages.release_hold(storage)
+
+        pool.backend.copy = copy_then_a_write_on_the_second  # type: ignore[method-assign]
+        before = pool.memory_stats()["compaction_moved_bytes"]
+        assert pool.compact_step(64 * MiB, lambda: True) == 8 * MiB  # both copies
+        assert copies == [4 * MiB, 4 * MiB]
+        assert pool.memory_stats()["compaction_moved_bytes"] - before == 4 * MiB
+        for s, d in live.values():
+            assert bytes(s.raw()) == d
+        pool.assert_invariants()
+    finally:
+        store.close()
+
+
 def test_a_segment_emptied_during_a_background_copy_stays_until_the_copy_ends() -> None:
     """Every owner in the segment a copy reads (outside the locks) dropping its last
     reference: the move gives up and frees its destination, and the segment being read

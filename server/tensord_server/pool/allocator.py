@@ -275,7 +275,9 @@ class CachingPool:
         at most ``max_moved`` bytes, its first Storage moved and the next ones while
         ``proceed()``, and segments left wholly free go back; this pool's lock (and the
         relocator's) is let go while each move copies (:meth:`PoolMoves.copying`).
-        Returns the bytes moved, or None when there is nothing (more) to do."""
+        Returns the bytes copied (a move that gave up, its copy wasted, included: the
+        background compactor paces and budgets copies), or None when there is nothing
+        (more) to do."""
         with self._lock:
             excess = self._compaction_excess()
             if not excess or max_moved <= 0:
@@ -290,7 +292,8 @@ class CachingPool:
             stats.compaction_moved_bytes += result.moved
             if plan.evacuated:  # a compaction counts once, when it gives segments back
                 self._count_compaction(0, plan.released)
-            return result.moved
+            # the bytes copied, a move that gave up included: what the caller paces
+            return result.bytes_copied
 
     def idle_release_delay(self) -> float | None:
         """Seconds (of the pool's clock) until the background compactor should look again

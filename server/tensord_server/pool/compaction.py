@@ -382,10 +382,17 @@ class MoveTarget(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
-    """What :func:`compact` did: the plan it ran (empty: nothing moved) and the bytes copied."""
+    """What :func:`compact` did: the plan it ran (empty: nothing moved) and the bytes moved;
+    ``copied`` also counts the copies of background moves that gave up (wasted), which the
+    background compactor's pace and budget charge like any other copy."""
 
     plan: CompactionPlan
     moved: int
+    copied: int = -1  # -1: as moved (no move gave up)
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.moved if self.copied < 0 else self.copied
 
 
 def execute_move(
@@ -408,20 +415,21 @@ def execute_move(
 
 def execute_move_outside_locks(
     target: MoveTarget, relocator: Relocator, pool: Any, move: Move
-) -> int | None:
+) -> tuple[int, bool]:
     """One planned move of a compaction nobody waits for, its copy made with neither the
     pool's lock nor the relocator's held, as a grow copies (so no request waits for the
     bytes): in a first relocation, allocate the destination and claim the owner (still
     unheld, the move still as planned); copy; in a second, repoint the owner and free the
     old block if the claim still holds, else free the new block (the copy is wasted, the
-    owner never left its block).  The bytes moved, or None when nothing moved."""
+    owner never left its block).  The bytes copied and whether the owner moved (0 and False
+    when nothing was copied)."""
     with relocator.relocation(pool) as movable:
         old = target.allocated_block_now(move.source)
         if old is None or old not in movable:
-            return None
+            return 0, False
         new = target.allocate_if_placed(old, move.destination, move.size)
         if new is None:
-            return None
+            return 0, False
         owner = relocator.claim(old)
     try:
         with target.copying(old):
@@ -434,7 +442,7 @@ def execute_move_outside_locks(
         if current:
             movable[old](new)
     target.free_block(old if current else new)
-    return moved if current else None
+    return moved, current
 
 
 def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
@@ -486,14 +494,15 @@ def compact_step(
     if plan.empty:
         return CompactionResult(plan, 0)
     done: list[Move] = []
-    moved = 0
+    moved = copied = 0
     for move in plan.moves:
         if done and not proceed():
             break
-        copied = execute_move_outside_locks(target, relocator, pool, move)
-        if copied is None:
+        nbytes, current = execute_move_outside_locks(target, relocator, pool, move)
+        copied += nbytes  # a wasted copy is paced and budgeted too
+        if not current:
             break
-        moved += copied
+        moved += nbytes
         done.append(move)
     # the emptied segments are the pool's alone (its lock is held)
     emptied = []
@@ -505,7 +514,7 @@ def compact_step(
     step = CompactionPlan(
         tuple(done), tuple(a for a, _ in emptied), sum(size for _, size in emptied)
     )
-    return CompactionResult(step, moved)
+    return CompactionResult(step, moved, copied)
 
 
 def repacked_size(segment: SegmentUsage) -> int:
