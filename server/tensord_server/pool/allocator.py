@@ -293,7 +293,7 @@ class CachingPool:
             if plan.evacuated:  # a compaction counts once, when it gives segments back
                 self._count_compaction(0, plan.released)
             # the bytes copied, a move that gave up included: what the caller paces
-            return result.bytes_copied
+            return result.moved + result.wasted
 
     def idle_release_delay(self) -> float | None:
         """Seconds (of the pool's clock) until the background compactor should look again

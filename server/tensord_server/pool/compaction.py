@@ -383,16 +383,12 @@ class MoveTarget(Protocol):
 @dataclass(frozen=True, slots=True)
 class CompactionResult:
     """What :func:`compact` did: the plan it ran (empty: nothing moved) and the bytes moved;
-    ``copied`` also counts the copies of background moves that gave up (wasted), which the
-    background compactor's pace and budget charge like any other copy."""
+    ``wasted``: the bytes copied by background moves that gave up, which the background
+    compactor's pace and budget charge like any other copy."""
 
     plan: CompactionPlan
     moved: int
-    copied: int = -1  # -1: as moved (no move gave up)
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.moved if self.copied < 0 else self.copied
+    wasted: int = 0
 
 
 def execute_move(
@@ -494,13 +490,13 @@ def compact_step(
     if plan.empty:
         return CompactionResult(plan, 0)
     done: list[Move] = []
-    moved = copied = 0
+    moved = wasted = 0
     for move in plan.moves:
         if done and not proceed():
             break
         nbytes, current = execute_move_outside_locks(target, relocator, pool, move)
-        copied += nbytes  # a wasted copy is paced and budgeted too
         if not current:
+            wasted += nbytes  # paced and budgeted too
             break
         moved += nbytes
         done.append(move)
@@ -514,7 +510,7 @@ def compact_step(
     step = CompactionPlan(
         tuple(done), tuple(a for a, _ in emptied), sum(size for _, size in emptied)
     )
-    return CompactionResult(step, moved, copied)
+    return CompactionResult(step, moved, wasted)
 
 
 def repacked_size(segment: SegmentUsage) -> int:
