@@ -88,12 +88,17 @@ def check_chosen_id(handle_id: str) -> None:
         )
 
 
-def _check_chosen_ids(chosen: Sequence[str], count: int) -> None:
-    """Every chosen id well formed, one per result, none twice."""
+def check_result_count(count: int, chosen: Sequence[str]) -> None:
+    """A pipelined op names exactly one result handle per tensor it makes."""
     if len(chosen) != count:
         raise InvalidArgumentError(
             f"the op made {count} tensors but the batch named {len(chosen)} result handles"
         )
+
+
+def _check_chosen_ids(chosen: Sequence[str], count: int) -> None:
+    """Every chosen id well formed, one per result, none twice."""
+    check_result_count(count, chosen)
     for handle_id in chosen:
         check_chosen_id(handle_id)
     if len(chosen) > 1 and len(set(chosen)) != len(chosen):

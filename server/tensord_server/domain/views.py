@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensord import dtypes
-from tensord.errors import InvalidArgumentError
 from tensord.layout import Layout, check_view_dtype_bits, complex_view
 
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.copies import reshape_copy
 from tensord_server.domain.ops import Issued, OpContext
-from tensord_server.domain.sessions import HandleRun, Session
+from tensord_server.domain.sessions import HandleRun, Session, check_result_count
 from tensord_server.domain.storage import TensorRef
 
 
@@ -152,10 +151,8 @@ def view_in_run(run: HandleRun, handle: str, op: ViewOp, chosen: Sequence[str]) 
         results = [ref.with_layout(ref.layout[op.args[0]])]
     else:
         count = check_view_cost(ref.layout, op, run.check_room)
-        if count is not None and count != len(chosen):  # refused before building them all
-            raise InvalidArgumentError(
-                f"the op made {count} tensors but the batch named {len(chosen)} result handles"
-            )
+        if count is not None:  # refused before building them all
+            check_result_count(count, chosen)
         viewed = apply_view(ref, op)
         assert viewed is not None, op  # only flatten copies, and it never runs here
         results = viewed
