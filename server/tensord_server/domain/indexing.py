@@ -22,7 +22,6 @@ coordinates (torch's own temporary) live in the pool, charged to the tenant like
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -896,6 +895,4 @@ class Indexing:
         an in-place op; no autograd graph here, so only the flag)."""
         if ref.requires_grad or not (value_requires_grad or (src and src.requires_grad)):
             return Issued(handle, ref)
-        flagged = dataclasses.replace(ref, requires_grad=True)
-        self.ops.sessions.replace(session, handle, flagged)
-        return Issued(handle, flagged)
+        return Issued(handle, self.ops.sessions.flag_requires_grad(session, handle))

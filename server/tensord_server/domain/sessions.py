@@ -29,6 +29,7 @@ of another tenant is NOT_FOUND, as if it did not exist.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -438,6 +439,17 @@ class SessionManager:
             _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
+
+    def flag_requires_grad(self, session: Session, handle: str) -> TensorRef:
+        """The handle requires grad from now on (an in-place write of a value that did):
+        whatever it names *now* is flagged under the lock, so a concurrent set_/resize_ of
+        the same handle is never undone by a write that looked the handle up before it."""
+        with self._lock:
+            ref = self._lookup(session, handle)
+            if not ref.requires_grad:
+                ref = dataclasses.replace(ref, requires_grad=True)
+                session.handles[handle] = ref  # same Storage: its count is unchanged
+            return ref
 
     def replace(self, session: Session, handle: str, ref: TensorRef) -> TensorRef:
         """The handle names ``ref`` from now on (an in-place op changed what it names: set_,
