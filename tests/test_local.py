@@ -3,6 +3,7 @@ transfers, holds and their lifetime, tenant isolation and the gRPC fallback (tor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -252,6 +253,37 @@ def test_export_checks_the_handle_limit_without_walking_every_export(make_server
         finally:
             table._exports = dict(table._exports)
     assert table.count(session.id) == 0  # the session's end released the rest
+
+
+def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
+    make_server: Any, monkeypatch: Any
+) -> None:
+    """Two Exports that both pass the first check (one room left): the one added second is
+    refused and its hold dropped (both were added before: the limit overshot)."""
+    running = make_server(max_handles_per_session=8)
+    table, sessions = running.daemon.exports, running.daemon.sessions
+    with tensord.connect(running.address) as client:
+        x = client.tensor(np.ones(1000, dtype=np.float32))
+        session = sessions.peek(client.session_id)
+        storage = storage_of_handle(running.daemon, client, x)
+        room = 8 - sessions.handle_count(session)
+        for _ in range(room - 1):
+            table.export(session, x.handle)
+        holds, held, inner = storage.holds, sessions.held, []
+
+        @contextlib.contextmanager
+        def held_while_another_exports(*args: Any) -> Any:
+            with held(*args) as refs:
+                if not inner:  # the other Export runs between this one's check and its add
+                    inner.append(None)
+                    inner[0] = table.export(session, x.handle)[0]
+                yield refs
+
+        monkeypatch.setattr(sessions, "held", held_while_another_exports)
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+            table.export(session, x.handle)
+        assert len(inner) == 1 and table.count(session.id) == room
+        assert storage.holds == holds + 1  # the inner export's hold only
 
 
 def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
@@ -130,13 +130,9 @@ class ExportTable:
 
     def export(self, session: Session, handle: str) -> tuple[Export, str]:
         """Hold the Storage of ``handle`` for the session; the export and a fd ticket."""
-        held = self.sessions.handle_count(session) + self.count(session.id)
-        limit = self.sessions.max_handles
-        if limit is not None and held + 1 > limit:
-            raise ResourceExhaustedError(
-                f"this session holds {held} handles and exports, the limit "
-                f"(--max-handles-per-session {limit}); release some first"
-            )
+        handles = self.sessions.handle_count(session)
+        with self._lock:  # refused before any work; checked again where the export is added
+            self._check_room(session.id, handles)
         with self.sessions.held(session, handle) as (ref,):
             storage = ref.storage
             backend = storage.device.backend
@@ -148,7 +144,7 @@ class ExportTable:
             self.storages.hold(storage)  # the export's own hold, kept past this block
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
-            return self._export_cuda(session, storage, backend), ""
+            return self._export_cuda(session, storage, backend, handles), ""
         segment = backend.segment(block.segment.memory)
         export = Export(
             id=secrets.token_urlsafe(16),
@@ -159,8 +155,7 @@ class ExportTable:
             byte_offset=block.offset if segment is not None else 0,
         )
         ticket = ""
-        with self._lock:
-            self._add(export)
+        with self._counted(export, handles):
             if segment is not None:
                 ticket = self._issue_ticket(segment.id, backend)
         if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
@@ -168,14 +163,15 @@ class ExportTable:
             raise NotFoundError("unknown session")
         return export, ticket
 
-    def _export_cuda(self, session: Session, storage: Storage, backend: CudaBackend) -> Export:
+    def _export_cuda(
+        self, session: Session, storage: Storage, backend: CudaBackend, handles: int
+    ) -> Export:
         """(the Storage is held) Its segment's IPC handle, the import counted first."""
         memory = storage.block.segment.memory
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
             export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
-            with self._lock:
-                self._add(export)
-            return export
+            with self._counted(export, handles):
+                return export
         try:
             segment_id, handle = backend.ipc_export(memory)
         except BaseException:
@@ -190,8 +186,7 @@ class ExportTable:
             byte_offset=storage.block.offset,
             ipc_handle=handle,
         )
-        with self._lock:
-            self._add(export)
+        with self._counted(export, handles):
             importers = self._imports.setdefault(segment_id, {})
             importers[session.id] = importers.get(session.id, 0) + 1
             self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
@@ -266,6 +261,36 @@ class ExportTable:
                     del self._import_sizes[segment_id]
         for export in ended:
             self.storages.release_hold(export.storage)
+
+    def _check_room(self, session_id: str, handles: int) -> None:
+        """(lock held) Refuse an export beyond --max-handles-per-session, counted with the
+        session's ``handles`` and its live exports."""
+        limit = self.sessions.max_handles
+        held = handles + self._per_session.get(session_id, 0)
+        if limit is not None and held + 1 > limit:
+            raise ResourceExhaustedError(
+                f"this session holds {held} handles and exports, the limit "
+                f"(--max-handles-per-session {limit}); release some first"
+            )
+
+    @contextlib.contextmanager
+    def _counted(self, export: Export, handles: int) -> Iterator[None]:
+        """Under the lock (the body too): the held ``export`` counted for its session (which
+        has ``handles`` handles), or refused beyond the limit and its hold dropped once the
+        lock is let go (a free takes the pool's lock, which may call back into ours).
+        Concurrent Exports of one session each passed the first check before any was added."""
+        self._lock.acquire()
+        try:
+            self._check_room(export.session_id, handles)
+        except ResourceExhaustedError:
+            self._lock.release()
+            self.storages.release_hold(export.storage)
+            raise
+        try:
+            self._add(export)
+            yield
+        finally:
+            self._lock.release()
 
     def _add(self, export: Export) -> None:
         """(lock held)"""
