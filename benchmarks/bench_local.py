@@ -16,14 +16,17 @@ size, the best of a few runs (gRPC: one run) of three in-process np.copyto basel
       destination, MADV_SEQUENTIAL on the source;
 
 and (c) out of a memfd mapping into a warm destination; then same-host upload
-(``client.tensor``) and download (``x.numpy()``, also as one np.copyto, its former path,
-for a before/after in the same run), a download into an existing warm array
+(``client.tensor``) and download (``x.numpy()``), each also with every copy on the calling
+thread (``_local.COPY_WORKERS = 1``, the path before the copy pool, for a before/after in
+the same run), a download into an existing warm array
 (``np.copyto(out, np.asarray(x, copy=False))``: one copy out of the mapping, compared
 with (c) into a warm destination), the gRPC path, and each SDK path's ratio to each
 baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
 first (maps the segment), warm (a capsule alive: the export is reused) and again once no
 capsule lives (a new Export, the segment still mapped), with the Export RPC's share,
-the bytes the pool allocated and the growth of this process's RSS.  Targets: same-host transfers >= 0.7x
+the bytes the pool allocated and the growth of this process's RSS; then a fresh-Export
+from_dlpack, a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC,
+taking turns, median and best.  Targets: same-host transfers >= 0.7x
 np.copyto; from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
 """
 
@@ -35,6 +38,7 @@ import functools
 import mmap
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -42,13 +46,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import numpy as np
 import tensord
 import torch
 from tensord import _local
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 1024 * MiB)
+FRESH_EXPORT_CALLS = 200
 THP = "/sys/kernel/mm/transparent_hugepage"
 # madvise(2) advice, by number: Python's mmap module lacks MADV_POPULATE_WRITE (Linux 5.14)
 MADV_SEQUENTIAL = 2
@@ -194,18 +201,18 @@ def download_into(out: np.ndarray, x: Any) -> None:
     np.copyto(out, np.asarray(x, copy=False))
 
 
-def one_copyto_download(x: Any) -> Callable[[], np.ndarray]:
-    """x.numpy() as it was before the sliced copy: one np.copyto out of the mapping."""
+def one_thread(transfer: Callable[[], Any]) -> Callable[[], Any]:
+    """``transfer`` as it was before the copy pool: every copy on the calling thread."""
 
-    def download() -> np.ndarray:
-        saved = _local.READ_SLICE_BYTES
-        _local.READ_SLICE_BYTES = 1 << 62
+    def run() -> Any:
+        saved = _local.COPY_WORKERS
+        _local.COPY_WORKERS = 1
         try:
-            return x.numpy()
+            return transfer()
         finally:
-            _local.READ_SLICE_BYTES = saved
+            _local.COPY_WORKERS = saved
 
-    return download
+    return run
 
 
 def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, float]]) -> None:
@@ -247,11 +254,16 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
     out[:] = 1  # warm, as (a)'s destination
     sdk = [
         ("same-host upload `client.tensor(a)`", "up", best(lambda: local.tensor(src), repeats)),
+        (
+            "same-host upload, one thread (before)",
+            "up",
+            best(one_thread(lambda: local.tensor(src)), repeats),
+        ),
         ("same-host download `x.numpy()`", "down", best(x.numpy, repeats)),
         (
-            "same-host download, one np.copyto (before)",
+            "same-host download, one thread (before)",
             "down",
-            best(one_copyto_download(x), repeats),
+            best(one_thread(x.numpy), repeats),
         ),
         (
             "same-host download into an existing array",
@@ -269,7 +281,49 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
     remote.flush()
 
 
-def from_dlpack(address: str, local: Any) -> None:
+def start_bare_server() -> tuple[subprocess.Popen[str], str]:
+    """bench_rpc.py's bare gRPC server (no tensord): the floor of one unary call."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rpc.py")
+    process = subprocess.Popen(
+        [sys.executable, script, "--bare-server"], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    match = re.search(r"bare listening on (\S+)", process.stdout.readline())
+    if not match:
+        process.kill()
+        raise SystemExit("bare server did not start")
+    return process, match.group(1)
+
+
+def fresh_export_against_empty_unaries(
+    consumer: Any, big: Any, bare_address: str
+) -> dict[str, list[float]]:
+    """Seconds of a fresh-Export torch.from_dlpack (no capsule alive, segment mapped), a bare
+    gRPC empty unary and tensord's empty RPC in the session, taking turns."""
+    channel = grpc.insecure_channel(bare_address)
+    bare_empty = channel.unary_unary("/bench.Raw/Empty")
+    bare_empty(b"")
+    conn = consumer._conn
+    rows: dict[str, Callable[[], object]] = {
+        "torch.from_dlpack, fresh Export": lambda: torch.from_dlpack(big),
+        "bare gRPC empty unary (bench_rpc's server)": lambda: bare_empty(b""),
+        "tensord empty RPC Release([]) in the session": lambda: conn.call(
+            "Release", pb.ReleaseRequest()
+        ),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(FRESH_EXPORT_CALLS):
+        for name, fn in rows.items():
+            consumer.flush()  # the last capsule's export released: the next one is fresh
+            start = time.perf_counter()
+            result = fn()
+            seconds[name].append(time.perf_counter() - start)
+            del result
+    channel.close()
+    return seconds
+
+
+def from_dlpack(address: str, local: Any, bare_address: str) -> None:
     local.put("bench-1g", local.zeros(256 * MiB, dtype=tensord.float32))
     with tensord.connect(address) as consumer:  # a fresh client: nothing mapped yet
         big = consumer.get("bench-1g")
@@ -312,6 +366,7 @@ def from_dlpack(address: str, local: Any) -> None:
             again.append((time.perf_counter() - start, list(exports)))
             del alias
         again_s, again_exports = min(again)
+        side_by_side = fresh_export_against_empty_unaries(consumer, big, bare_address)
         print(
             f"\ntorch.from_dlpack of a 1 GiB tensor: first (maps the segment) {first * 1e3:.3f} ms, "
             f"of which {len(first_exports)} Export RPC {sum(first_exports) * 1e3:.3f} ms; warm "
@@ -321,6 +376,9 @@ def from_dlpack(address: str, local: Any) -> None:
             f"{sum(again_exports) * 1e3:.3f} ms; pool allocated {copied} bytes; client RSS grew "
             f"{grown / MiB:.1f} MiB; shape (256 * 2**20,); all alias the same pooled bytes: {same}"
         )
+        print(f"side by side, {FRESH_EXPORT_CALLS} calls each, taking turns (median / best ms):")
+        for name, seconds in side_by_side.items():
+            print(f"  {name}: {statistics.median(seconds) * 1e3:.3f} / {min(seconds) * 1e3:.3f}")
     local.delete("bench-1g")
 
 
@@ -337,6 +395,7 @@ def main() -> int:
         f"{'available' if shmem_huge_pages_available(shmem) else 'NOT available (4 KiB pages)'}"
     )
     server, address = start_server()
+    bare, bare_address = start_bare_server()
     try:
         with tensord.connect(address) as local, tensord.connect(address, local=False) as remote:
             print(
@@ -345,10 +404,12 @@ def main() -> int:
             )
             for nbytes in SIZES:
                 transfers(local, remote, nbytes)
-            from_dlpack(address, local)
+            from_dlpack(address, local, bare_address)
     finally:
         server.terminate()
         server.wait(timeout=30)
+        bare.terminate()
+        bare.wait(timeout=30)
     return 0
 
 

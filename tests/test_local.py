@@ -365,6 +365,169 @@ def test_copy_in_slices_equals_one_copyto(shape: tuple[int, ...], slice_bytes: i
     np.testing.assert_array_equal(out, src)
 
 
+def counting_submits(monkeypatch: Any) -> list[int]:
+    """The bytes of each part a same-host copy hands to the copy pool, from now on."""
+    submitted: list[int] = []
+    submit_part = _local.submit_part
+
+    def counted(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> Any:
+        submitted.append(dst.nbytes)
+        return submit_part(dst, src, slice_bytes)
+
+    monkeypatch.setattr(_local, "submit_part", counted)
+    return submitted
+
+
+@pytest.mark.parametrize(
+    "shape", [(), (1,), (5,), (1, 1000), (1000, 1), (2, 3, 4), (3, 1, 7), (1, 1, 1), (0, 9)]
+)
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 64])
+def test_split_along_cuts_any_shape_into_disjoint_pieces_of_whole_rows(
+    shape: tuple[int, ...], parts: int
+) -> None:
+    keys = _local.split_along(shape, parts)
+    seen = np.zeros(shape, dtype=np.int64)
+    for key in keys:
+        seen[key] += 1
+    assert (seen == 1).all()  # every element in exactly one piece
+    longest = max(shape, default=1)
+    assert len(keys) == (min(parts, longest) if longest > 1 and parts > 1 else 1)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("slice_bytes", [None, 1000])
+def test_parallel_copyto_equals_one_copyto_for_any_layout(
+    monkeypatch: Any, workers: int, slice_bytes: int | None
+) -> None:
+    monkeypatch.setattr(_local, "COPY_WORKERS", workers)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    submitted = counting_submits(monkeypatch)
+    base = np.random.default_rng(2).standard_normal((40, 30, 6)).astype(np.float32)
+    sources = [
+        base,
+        base.transpose(2, 0, 1),
+        base[3:37:2, ::-1, 1:5],  # narrowed, reversed
+        np.broadcast_to(base[:1], (40, 30, 6)),  # expanded: stride 0
+        base.reshape(1, -1),  # (1, N): splits along its long axis
+        base.reshape(-1),
+        base[:, :1],  # (40, 1, 6)
+    ]
+    for src in sources:
+        for dst in (np.zeros(src.shape, np.float32), np.zeros(src.shape[::-1], np.float32).T):
+            before = len(submitted)
+            _local.parallel_copyto(dst, src, slice_bytes)  # dst: fresh, or transposed
+            np.testing.assert_array_equal(dst, src)
+            assert len(submitted) - before == workers - 1  # the caller copies one part
+    row = np.arange(6, dtype=np.float32)
+    dst = np.zeros((40, 30, 6), np.float32)
+    _local.parallel_copyto(dst, row)  # broadcast as np.copyto broadcasts
+    np.testing.assert_array_equal(dst, np.broadcast_to(row, dst.shape))
+
+
+def test_parallel_copyto_of_overlapping_arrays_copies_on_one_thread(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    submitted = counting_submits(monkeypatch)
+    square = np.arange(300 * 300, dtype=np.int64).reshape(300, 300)
+    expected = square.T.copy()
+    _local.parallel_copyto(square, square.T)  # np.copyto buffers an overlapping source
+    np.testing.assert_array_equal(square, expected)
+    assert submitted == []
+
+
+def test_a_failing_part_raises_after_every_part_is_done(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    copy_part = _local._copy_part
+    finished: list[int] = []
+    failed = threading.Lock()
+
+    def failing_in_the_pool(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
+        if _local._copy_pool.in_worker() and failed.acquire(blocking=False):
+            finished.append(0)  # the first part the pool runs fails
+            raise MemoryError("a part failed")
+        copy_part(dst, src, slice_bytes)
+        finished.append(dst.size)
+
+    monkeypatch.setattr(_local, "_copy_part", failing_in_the_pool)
+    dst = np.zeros((90, 100), np.float32)
+    with pytest.raises(MemoryError, match="a part failed"):
+        _local.parallel_copyto(dst, np.ones((90, 100), np.float32))
+    assert sorted(finished) == [0, 3000, 3000]  # the other two parts were waited for
+
+
+def test_many_threads_copying_at_once_all_finish(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_local, "COPY_WORKERS", 4)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    src = np.random.default_rng(3).integers(0, 1 << 30, (64, 512), dtype=np.int64)
+    results: list[bool] = []
+
+    def copy_many() -> None:
+        for _ in range(20):
+            out = np.zeros_like(src)
+            _local.parallel_copyto(out, src.T.T, 4096)
+            results.append(bool((out == src).all()))
+
+    threads = [threading.Thread(target=copy_many, daemon=True) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert results == [True] * 240
+
+
+def test_same_host_transfers_split_large_copies_for_any_layout(
+    client: Any, monkeypatch: Any
+) -> None:
+    # every same-host path, with copies from 256 KiB up on 3 threads: torch is the oracle
+    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", _local.MIN_FAST_BYTES)
+    submitted = counting_submits(monkeypatch)
+    values = np.random.default_rng(4).standard_normal((512, 384)).astype(np.float32)
+    x = client.tensor(values)
+    assert submitted == [values.nbytes // 3] * 2 and client._local.enabled
+    oracle = torch.from_numpy(values.copy())
+    for view, expected in [
+        (x, oracle),
+        (x.t(), oracle.t()),
+        (x[:, 10:300], oracle[:, 10:300]),  # narrowed
+        (x[7:8].expand(700, 384), oracle[7:8].expand(700, 384)),  # stride 0
+        (x.view(1, -1), oracle.view(1, -1)),  # (1, N)
+        (x.view(-1)[1:], oracle.view(-1)[1:]),
+    ]:
+        before = len(submitted)
+        np.testing.assert_array_equal(view.numpy(), expected.numpy())
+        assert len(submitted) - before == 2
+    fresh = np.random.default_rng(5).standard_normal((384, 512)).astype(np.float32)
+    x.t().copy_(fresh)  # a transposed destination
+    oracle.t().copy_(torch.from_numpy(fresh))
+    x[:, 200:].copy_(fresh.T[::-1, 200:])  # a narrowed destination, a reversed source
+    oracle[:, 200:].copy_(torch.from_numpy(fresh.T[::-1, 200:].copy()))
+    row = np.arange(384, dtype=np.float32)
+    x[100:500].copy_(np.broadcast_to(row, (400, 384)))  # an expanded source
+    oracle[100:500].copy_(torch.from_numpy(row).expand(400, 384))
+    assign_data(x, slice(3, 450), row[None, None, :])  # x[3:450] = array, leading 1s
+    oracle[3:450] = torch.from_numpy(row)
+    np.testing.assert_array_equal(x.numpy(), oracle.numpy())
+    line = np.random.default_rng(6).standard_normal((1, 300_000)).astype(np.float32)
+    for array in (line, line.reshape(-1)):  # (1, N) and 1-D uploads split too
+        before = len(submitted)
+        np.testing.assert_array_equal(client.from_numpy(array).numpy(), array)
+        assert len(submitted) - before == 4  # 2 for the upload, 2 for the download
+
+
+def test_only_large_same_host_copies_use_the_copy_pool(client: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
+    submitted = counting_submits(monkeypatch)
+    small = np.ones(_local.PARALLEL_MIN_BYTES // 2, dtype=np.uint8)
+    assert client.tensor(small).numpy().sum() == small.size  # fast path, one thread
+    assert submitted == [] and client._local.enabled
+    large = np.arange(_local.PARALLEL_MIN_BYTES, dtype=np.uint8)
+    np.testing.assert_array_equal(client.tensor(large).numpy(), large)
+    assert submitted == [large.nbytes // 2] * 2  # upload, download: one part each on the pool
+
+
 def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> None:
     with tensord.connect(fresh_server.address) as client:
         x = client.tensor(np.ones(4 * MiB, dtype=np.uint8))

@@ -30,13 +30,16 @@ CuPy is needed only here, and imported only for a GPU export.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hmac
+import itertools
 import mmap
 import os
 import socket
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,9 +65,14 @@ RELEASE_BATCH = 1024
 # a whole large array ends in glibc's large-copy loop, which reads several 4 KiB pages at
 # once; from a memfd mapping (shared memory gets no huge pages where the host's
 # shmem_enabled is "never") that ran at 1.75 GB/s for 1 GiB on the build VM, 8 MiB slices
-# at 4.1 GB/s (benchmarks/bench_local.py).  Copies into the mapping keep one np.copyto:
-# there the large-copy loop is the fast one.
+# at 4.1 GB/s (benchmarks/bench_local.py).  Copies into the mapping keep one np.copyto per
+# part: there the large-copy loop is the fast one.
 READ_SLICE_BYTES = 8 << 20
+# Same-host copies of at least this many bytes are split into COPY_WORKERS parts copied at
+# once (np.copyto lets go of the GIL): one thread reading 4 KiB shared pages, or faulting in
+# a fresh destination, is far from the memory's bandwidth (bench_local: 1 GiB out of a memfd
+# mapping 4.2 GB/s on one thread, 8.4 on two).  Below it a thread's start-up is not repaid.
+PARALLEL_MIN_BYTES = 8 << 20
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -522,9 +530,9 @@ def exported(mapper: LocalMapper | None, handle: str) -> Any:
 
 
 def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray | None:
-    """x.numpy() on the same host: one copy out of the mapping into a new array (None: use
-    gRPC).  The result never aliases the pool: numpy() keeps copying (use np.from_dlpack
-    for an alias)."""
+    """x.numpy() on the same host: one copy out of the mapping into a new array, a large one
+    on several threads (:func:`parallel_copyto`); None: use gRPC.  The result never aliases
+    the pool: numpy() keeps copying (use np.from_dlpack for an alias)."""
     if tensor.device.type != "cpu" or tensor.nbytes < MIN_FAST_BYTES:
         return None
     with exported(mapper, tensor.handle) as export:
@@ -533,19 +541,143 @@ def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray |
         np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
         view = export.array(np_dtype, layout)
         out = np.empty(view.shape, dtype=np_dtype)
-        copy_in_slices(out, view, READ_SLICE_BYTES)
+        parallel_copyto(out, view, READ_SLICE_BYTES)
         return out
 
 
+def split_along(shape: tuple[int, ...], parts: int) -> list[tuple[Any, ...]]:
+    """Keys cutting an array of ``shape`` into at most ``parts`` disjoint pieces of whole
+    rows of about equal size: along the outermost axis with at least ``parts`` entries, else
+    along the longest (so a (1, N) or 1-D array still splits); one piece when none is > 1
+    (``...``: the key of a view of the whole, even of a 0-d array)."""
+    if not shape or parts <= 1 or max(shape) <= 1:
+        return [(...,)]
+    axis = next((i for i, n in enumerate(shape) if n >= parts), None)
+    if axis is None:
+        axis = max(range(len(shape)), key=lambda i: shape[i])
+    count = min(parts, shape[axis])
+    bounds = [shape[axis] * i // count for i in range(count + 1)]
+    lead = (slice(None),) * axis
+    return [(*lead, slice(start, stop)) for start, stop in itertools.pairwise(bounds)]
+
+
 def copy_in_slices(out: np.ndarray, src: np.ndarray, slice_bytes: int) -> None:
-    """np.copyto(out, src) (same shape) in slices along the first axis of about
-    ``slice_bytes`` each (whole rows: a row larger than that is one slice)."""
-    if out.ndim == 0 or out.nbytes <= slice_bytes:
+    """np.copyto(out, src) (same shape) in slices of about ``slice_bytes`` each (whole rows
+    along the axis :func:`split_along` picks)."""
+    if out.nbytes <= slice_bytes:
         np.copyto(out, src)
         return
-    rows = max(1, slice_bytes // (out.nbytes // out.shape[0]))
-    for start in range(0, out.shape[0], rows):
-        np.copyto(out[start : start + rows], src[start : start + rows])
+    for key in split_along(out.shape, -(-out.nbytes // slice_bytes)):
+        np.copyto(out[key], src[key])
+
+
+def copy_workers() -> int:
+    """How many threads a large same-host copy runs on: the CPUs this process may use, at
+    most 4 (past that one process's copies gain nothing against the memory's bandwidth)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 4))
+
+
+COPY_WORKERS = copy_workers()
+
+
+class _CopyPool:
+    """The threads that copy the other parts of a large copy while its caller copies the first.
+
+    Made on first use; a forked child makes its own (the parent's threads do not exist in
+    it); at interpreter exit concurrent.futures lets the queued parts finish (each is one
+    bounded copy) and refuses new ones, which the caller then copies itself.  Pool threads
+    only copy, never wait on a future: any number of user threads may copy at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._marker = threading.local()  # set in the pool's own threads
+
+    def in_worker(self) -> bool:
+        return getattr(self._marker, "worker", False)
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max(1, COPY_WORKERS - 1),
+                    thread_name_prefix="tensord-copy",
+                    initializer=self._mark_worker,
+                )
+            return self._executor
+
+    def _mark_worker(self) -> None:
+        self._marker.worker = True
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's pool threads are gone, and its lock may be held."""
+        self._lock = threading.Lock()
+        self._executor = None
+
+
+_copy_pool = _CopyPool()
+os.register_at_fork(after_in_child=_copy_pool.forget_after_fork)
+
+
+def _copy_part(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
+    if slice_bytes is None:
+        np.copyto(dst, src)
+    else:
+        copy_in_slices(dst, src, slice_bytes)
+
+
+def submit_part(
+    dst: np.ndarray, src: np.ndarray, slice_bytes: int | None
+) -> concurrent.futures.Future[None] | None:
+    """One part of a large copy queued on the copy pool (None: the pool takes no more work,
+    at interpreter exit; the caller copies it)."""
+    try:
+        return _copy_pool.executor().submit(_copy_part, dst, src, slice_bytes)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return None
+
+
+def parallel_copyto(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None = None) -> None:
+    """np.copyto(dst, src) (src broadcast to dst's shape, as np.copyto does), a copy of
+    :data:`PARALLEL_MIN_BYTES` or more split into parts of whole rows copied at once on the
+    copy pool's threads and this one; each part in slices of ``slice_bytes`` (None: one
+    np.copyto).  Returns once every part is copied; raises the first part's error.
+
+    Copies on one thread when ``dst`` and ``src`` may share memory (np.copyto's own
+    handling of overlap must see the whole copy) or when called from a pool thread.
+    """
+    source = np.broadcast_to(src, dst.shape)
+    keys = split_along(dst.shape, COPY_WORKERS)
+    if (
+        len(keys) < 2
+        or dst.nbytes < PARALLEL_MIN_BYTES
+        or _copy_pool.in_worker()
+        or np.may_share_memory(dst, source)
+    ):
+        _copy_part(dst, source, slice_bytes)
+        return
+    futures: list[concurrent.futures.Future[None]] = []
+    inline = [keys[0]]
+    try:
+        for key in keys[1:]:
+            future = submit_part(dst[key], source[key], slice_bytes)
+            if future is None:
+                inline.append(key)
+            else:
+                futures.append(future)
+        for key in inline:
+            _copy_part(dst[key], source[key], slice_bytes)
+    finally:
+        # never return (or raise) while a part may still be writing: the caller may end
+        # the export, and the server may then hand those bytes to another tensor
+        concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()  # the first part that failed raises
 
 
 def write_array(
@@ -582,5 +714,5 @@ def write_array(
         if export is None:
             return False
         dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)
-        np.copyto(dst, src.reshape(shape))
+        parallel_copyto(dst, src.reshape(shape))
         return True

@@ -255,7 +255,8 @@ class Client:
         with _local.exported(self._local, tensor.handle) as export:
             if export is None:
                 return None
-            np.copyto(export.storage_bytes()[: array.nbytes], array.reshape(-1).view(np.uint8))
+            flat = array.reshape(-1).view(np.uint8)  # C-contiguous (as_array): no copy
+            _local.parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
             return tensor
 
     # ---- factories ---------------------------------------------------------------------
