@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -454,6 +455,48 @@ def test_a_failing_part_raises_after_every_part_is_done(monkeypatch: Any) -> Non
     with pytest.raises(MemoryError, match="a part failed"):
         _local.parallel_copyto(dst, np.ones((90, 100), np.float32))
     assert sorted(finished) == [0, 3000, 3000]  # the other two parts were waited for
+
+
+def test_an_interrupt_while_parts_run_raises_only_once_every_part_is_done(
+    monkeypatch: Any,
+) -> None:
+    """Ctrl-C while the caller waits for the pool's parts: the interrupt is raised after they
+    end (raised at once, the caller ended the export while a pool thread still wrote: the
+    server could move or reuse those bytes, and the late write land in another tensor)."""
+    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    copy_part = _local._copy_part
+    caller_done, pool_started, pool_may_go, pool_done = (threading.Event() for _ in range(4))
+
+    def slow_in_the_pool(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
+        if _local._copy_pool.in_worker():
+            pool_started.set()
+            pool_may_go.wait(10)
+            copy_part(dst, src, slice_bytes)
+            pool_done.set()
+        else:
+            copy_part(dst, src, slice_bytes)
+            caller_done.set()
+
+    def interrupt_the_waiting_caller() -> None:
+        if caller_done.wait(10) and pool_started.wait(10):
+            time.sleep(0.2)  # the caller is in its wait for the pool's part
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            time.sleep(0.3)
+        pool_may_go.set()
+
+    monkeypatch.setattr(_local, "_copy_part", slow_in_the_pool)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    helper = threading.Thread(target=interrupt_the_waiting_caller, daemon=True)
+    try:
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            _local.parallel_copyto(np.zeros((2, 1000), np.float32), np.ones((2, 1000), np.float32))
+        assert pool_done.is_set()  # not raised while the pool's part still wrote
+    finally:
+        pool_may_go.set()
+        helper.join(10)
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_many_threads_copying_at_once_all_finish(monkeypatch: Any) -> None:

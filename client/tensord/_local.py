@@ -675,9 +675,25 @@ def parallel_copyto(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None = 
     finally:
         # never return (or raise) while a part may still be writing: the caller may end
         # the export, and the server may then hand those bytes to another tensor
-        concurrent.futures.wait(futures)
+        wait_for_every_part(futures)
     for future in futures:
         future.result()  # the first part that failed raises
+
+
+def wait_for_every_part(futures: list[concurrent.futures.Future[None]]) -> None:
+    """concurrent.futures.wait(futures), waiting on through an interrupt (Ctrl-C's
+    KeyboardInterrupt, a signal handler's error) and raising it once every part is done:
+    each part is one bounded copy."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            concurrent.futures.wait(futures)
+        except BaseException as exc:  # raised below, after the parts
+            interrupted = exc
+            continue
+        break
+    if interrupted is not None:
+        raise interrupted
 
 
 def write_array(
