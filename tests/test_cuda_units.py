@@ -879,6 +879,28 @@ def test_an_export_answered_while_its_import_closes_keeps_the_count(cupy: Any) -
     assert table._imports == {} and table._import_sizes == {}
 
 
+def test_a_zero_byte_gpu_export_for_a_session_that_ended_meanwhile_keeps_no_hold() -> None:
+    """The session ended between the export's hold and its add (its end released nothing of
+    this export's): the export is refused and its hold dropped, as every other export's is
+    (it was kept, counted for the dead session, with its Storage held, for good)."""
+    from tensord_server.domain.exports import ExportTable
+
+    table = ExportTable.__new__(ExportTable)
+    table._lock = __import__("threading").Lock()
+    table._exports, table._per_session, table._imports, table._import_sizes = {}, {}, {}, {}
+    table.sessions = types.SimpleNamespace(max_handles=None, peek=lambda session_id: None)
+    released: list[Any] = []
+    table.storages = types.SimpleNamespace(release_hold=released.append)
+    memory = types.SimpleNamespace(nbytes=0)
+    storage = types.SimpleNamespace(
+        block=types.SimpleNamespace(segment=types.SimpleNamespace(memory=memory))
+    )
+    session = types.SimpleNamespace(id="s")
+    with pytest.raises(tensord.errors.NotFoundError, match="unknown session"):
+        table._export_cuda(session, storage, None, 0)
+    assert table.count("s") == 0 and table._exports == {} and released == [storage]
+
+
 def test_lazy_bits_of_a_host_source_for_a_gpu_destination_stay_on_the_host() -> None:
     """x_cuda.conj().copy_(y_cpu): to_module leaves the host source on the host (one DMA
     later), so its stored form is computed by NumPy; CuPy refuses NumPy arrays."""

@@ -158,9 +158,7 @@ class ExportTable:
         with self._counted(export, handles):
             if segment is not None:
                 ticket = self._issue_ticket(segment.id, backend)
-        if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
-            self.session_ended(session)
-            raise NotFoundError("unknown session")
+        self._refuse_if_ended(session)
         return export, ticket
 
     def _export_cuda(
@@ -171,7 +169,9 @@ class ExportTable:
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
             export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
             with self._counted(export, handles):
-                return export
+                pass
+            self._refuse_if_ended(session)
+            return export
         try:
             segment_id, handle = backend.ipc_export(memory)
         except BaseException:
@@ -190,10 +190,15 @@ class ExportTable:
             importers = self._imports.setdefault(segment_id, {})
             importers[session.id] = importers.get(session.id, 0) + 1
             self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
-        if self.sessions.peek(session.id) is not session:  # the session ended meanwhile
+        self._refuse_if_ended(session)
+        return export
+
+    def _refuse_if_ended(self, session: Session) -> None:
+        """(after an export was added) NotFoundError if the session ended meanwhile: its end
+        released the exports it had then, so this one's (and any other added since) go now."""
+        if self.sessions.peek(session.id) is not session:
             self.session_ended(session)
             raise NotFoundError("unknown session")
-        return export
 
     def imports_closed(self, session: Session, closed: list[tuple[int, int]]) -> None:
         """The client closed these imports: (segment id, Exports it opened the handle for).
