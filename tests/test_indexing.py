@@ -551,3 +551,35 @@ def test_index_put_and_setitem_values_that_require_grad_make_x_require_grad(
         op(torch, t, torch.ones(2).requires_grad_())
         assert x.requires_grad == t.requires_grad is True
         np.testing.assert_array_equal(x.detach().numpy(), t.detach().numpy())
+
+
+BASIC_WRITES_OF_A_GRAD_VALUE = {
+    "copy_": lambda y, v: y.copy_(v),
+    "x[0:2] = v[:2]": lambda y, v: y.__setitem__(slice(0, 2), v[:2]),
+    "x[1] = v[0]": lambda y, v: y.__setitem__(1, v[0]),
+    "x[...] = v": lambda y, v: y.__setitem__(Ellipsis, v),
+    "fill_(v[0])": lambda y, v: y.fill_(v[0]),
+}
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "complex64", "int64", "bool"])
+@pytest.mark.parametrize("case", list(BASIC_WRITES_OF_A_GRAD_VALUE))
+def test_basic_writes_of_a_value_that_requires_grad_flag_x_as_torch(
+    server: Any, pipelining: bool, dtype: str, case: str
+) -> None:
+    """copy_ and basic setitem flag x only in a dtype that carries gradients, fill_ in any
+    (torch 2.13's autograd); the flag is the server's too (a fresh handle reads it)."""
+    op = BASIC_WRITES_OF_A_GRAD_VALUE[case]
+    with tensord.connect(server.address, pipelining=pipelining) as client:
+        x = client.zeros(3, dtype=getattr(tensord, dtype))
+        t = torch.zeros(3, dtype=getattr(torch, dtype))
+        op(x, client.ones(3).requires_grad_())
+        op(t, torch.ones(3).requires_grad_())
+        assert x.requires_grad == t.requires_grad
+        client.synchronize()
+        session = server.daemon.sessions.peek(client.session_id)
+        assert server.daemon.sessions.lookup(session, x.handle).requires_grad == t.requires_grad
+        np.testing.assert_array_equal(x.detach().numpy(), t.detach().numpy())
+        op(x, client.ones(3))  # a value without grad changes nothing either way
+        assert x.requires_grad == t.requires_grad

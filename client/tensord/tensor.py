@@ -1025,19 +1025,18 @@ class Tensor:
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
         """In place, as torch: this object now carries the flag (the server holds it too).
         Pipelined, a metadata change like a view: queued, under a handle id chosen here."""
-        op = pb.SetRequiresGrad(requires_grad=requires_grad)
+        return self._set_requires_grad(pb.SetRequiresGrad(requires_grad=requires_grad))
+
+    def _set_requires_grad(self, op: pb.SetRequiresGrad) -> Tensor:
         if self._session.conn.pipelining:
-            if op.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            differentiable = self.dtype.is_floating_point or self.dtype.is_complex
+            if op.requires_grad and not op.by_write and not differentiable:
                 raise errors.TensordRuntimeError(  # the server's check (kernels), made here
                     "only Tensors of floating point dtype can require gradients"
                 )
             return self._become(self._view(self._meta.layout, set_requires_grad=op))
         (meta,) = self._session.conn.call(
-            "View",
-            pb.ViewRequest(
-                handle=self.handle,
-                set_requires_grad=pb.SetRequiresGrad(requires_grad=requires_grad),
-            ),
+            "View", pb.ViewRequest(handle=self.handle, set_requires_grad=op)
         ).tensors
         self._adopt(Meta.from_pb(meta))
         return self
@@ -1156,7 +1155,7 @@ class Tensor:
         source = src if isinstance(src, Tensor) else self._upload_source(src)
         handle = own(self._client, source, 0)
         self._write("Copy", pb.CopyRequest(dst=self.handle, src=handle))
-        return self
+        return self._written_from(src)
 
     def fill_(self, value: Any) -> Tensor:
         if isinstance(value, Tensor):
@@ -1165,7 +1164,8 @@ class Tensor:
                     "fill_ only supports 0-dimension value tensor but got tensor with "
                     f"{value.ndim} dimensions."
                 )
-            value = value.item()
+            self._write("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value.item())))
+            return self._written_from(value, any_dtype=True)
         self._write("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
         return self
 
@@ -1204,6 +1204,19 @@ class Tensor:
             source = self._upload_source(value)
             request.src_handle = source.handle
         self._write("SetItem", request)
+        self._written_from(value)
+
+    def _written_from(self, value: Any, any_dtype: builtins.bool = False) -> Tensor:
+        """After an in-place write of ``value``: torch's autograd makes the written tensor
+        require grad once a value that did was written into it: copy_ and setitem only
+        into a dtype that can carry gradients (an integer x stays as it was), fill_ into
+        any (``any_dtype``).  The flag only, on this tensor: no graph here, and other views
+        of the Storage (torch's view base) keep theirs."""
+        if not isinstance(value, Tensor) or not value.requires_grad or self.requires_grad:
+            return self
+        if any_dtype or self.dtype.is_floating_point or self.dtype.is_complex:
+            self._set_requires_grad(pb.SetRequiresGrad(requires_grad=True, by_write=True))
+        return self
 
     def _write(self, method: str, request: Any) -> None:
         """An in-place write: queued with pipelining (its result is this tensor), else one RPC."""

@@ -52,8 +52,12 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
     if op.name == "detach":
         return [dataclasses.replace(ref, requires_grad=False)]
     if op.name == "set_requires_grad":
-        kernels.check_requires_grad(ref.dtype, op.args[0], kernels.REQUIRES_GRAD_INPLACE_TEXT)
-        return [dataclasses.replace(ref, requires_grad=bool(op.args[0]))]
+        requires_grad, by_write = op.args
+        if not by_write:  # a write's flag takes any dtype (torch: x.fill_(t) of an int x)
+            kernels.check_requires_grad(
+                ref.dtype, requires_grad, kernels.REQUIRES_GRAD_INPLACE_TEXT
+            )
+        return [dataclasses.replace(ref, requires_grad=bool(requires_grad))]
     if op.name == "complex_view":
         return [complex_view_of(ref, op.args[0])]
     if op.name == "expand":

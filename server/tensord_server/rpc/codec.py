@@ -126,7 +126,9 @@ _VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
         ),
     ),
     "detach": lambda m: ViewOp("detach"),
-    "set_requires_grad": lambda m: ViewOp("set_requires_grad", (bool(m.requires_grad),)),
+    "set_requires_grad": lambda m: ViewOp(
+        "set_requires_grad", (bool(m.requires_grad), bool(m.by_write))
+    ),
     "complex_view": lambda m: ViewOp("complex_view", (decode_complex_view(m.op),)),
 }
 

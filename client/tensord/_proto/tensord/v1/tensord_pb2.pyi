@@ -309,10 +309,12 @@ class Detach(_message.Message):
     def __init__(self) -> None: ...
 
 class SetRequiresGrad(_message.Message):
-    __slots__ = ("requires_grad",)
+    __slots__ = ("requires_grad", "by_write")
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    BY_WRITE_FIELD_NUMBER: _ClassVar[int]
     requires_grad: bool
-    def __init__(self, requires_grad: _Optional[bool] = ...) -> None: ...
+    by_write: bool
+    def __init__(self, requires_grad: _Optional[bool] = ..., by_write: _Optional[bool] = ...) -> None: ...
 
 class ViewRequest(_message.Message):
     __slots__ = ("handle", "view", "view_dtype", "narrow", "select", "index", "transpose", "t", "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal", "as_strided", "detach", "set_requires_grad", "complex_view")
