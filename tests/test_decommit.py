@@ -87,13 +87,14 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     fill(pool, hole, 2)
     backed = backed_bytes(pool, a) if kind == "shared" else 0
     reserved = stat(pool, "reserved_bytes.all.current")
+    untouched = stat(pool, "decommitted_bytes.all.current")  # the segment's free rest
     hole_address, hole_size = hole.address, hole.size
 
     pool.free(hole)
     pool.assert_invariants()
     given_back = interior_bytes(hole_address, hole_size)
     assert given_back > 5 * MiB
-    assert stat(pool, "decommitted_bytes.all.current") == given_back
+    assert stat(pool, "decommitted_bytes.all.current") == untouched + given_back
     assert stat(pool, "num_decommits") == 1
     assert stat(pool, "reserved_bytes.all.current") == reserved - given_back
     if kind == "shared":
@@ -108,7 +109,7 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     assert contents(pool, a) == kept[id(a)] and contents(pool, c) == kept[id(c)]
     pool.assert_invariants()
     left = interior_bytes(d.address + d.size, hole_size - d.size)
-    assert stat(pool, "decommitted_bytes.all.current") == left
+    assert stat(pool, "decommitted_bytes.all.current") == untouched + left
     assert stat(pool, "reserved_bytes.all.current") == reserved - left
     if kind == "shared":
         # d's pages came back when written; the rest of the hole stays given back
@@ -120,6 +121,22 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     pool.assert_invariants()
     assert stat(pool, "reserved_bytes.all.current") == 0
     assert stat(pool, "decommitted_bytes.all.current") == 0
+
+
+@pytest.mark.parametrize("policy", [ADAPTIVE, DECOMMIT_ALL], ids=lambda p: p.name)
+def test_a_new_segment_commits_only_the_pages_its_blocks_use(policy: PoolPolicy) -> None:
+    """A 20 MiB segment reserved for a 6 MiB request: the fresh memfd backs no page of the
+    other 14 MiB until a block is allocated there, and reserved_bytes says so."""
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
+    block = pool.malloc(6 * MiB)
+    fill(pool, block, 1)
+    assert stat(pool, "reserved_bytes.all.current") == 6 * MiB == backed_bytes(pool, block)
+    assert stat(pool, "decommitted_bytes.all.current") == 14 * MiB
+    assert stat(pool, "num_decommits") == 0  # nothing was given back: nothing was there
+    other = pool.malloc(4 * MiB)
+    assert other.segment is block.segment
+    assert stat(pool, "reserved_bytes.all.current") == 10 * MiB
+    pool.assert_invariants()
 
 
 def test_the_pytorch_policy_never_decommits() -> None:
@@ -159,8 +176,9 @@ def test_capacity_stays_on_segment_bytes() -> None:
     )
     blocks = [pool.malloc(4 * MiB) for _ in range(3)]
     pool.free(blocks[1])
-    assert stat(pool, "decommitted_bytes.all.current") == 4 * MiB
-    assert stat(pool, "reserved_bytes.all.current") == 16 * MiB
+    # the 4 MiB hole given back, and the 8 MiB never used
+    assert stat(pool, "decommitted_bytes.all.current") == 12 * MiB
+    assert stat(pool, "reserved_bytes.all.current") == 8 * MiB
     with pytest.raises(OutOfMemoryError, match="of which 0 bytes is free"):
         pool.malloc(12 * MiB)  # its own segment: 20 + 12 MiB of segments > 20 MiB
     pool.assert_invariants()

@@ -426,7 +426,10 @@ class CachingPool:
         self._segments[memory.address] = segment
         self._shapes.pop(memory.address, None)
         increase(self._stats.segment, pool.kind, 1)
-        increase(self._stats.reserved_bytes, pool.kind, alloc_size)
+        untouched = self._untouched_pages(segment) if self._decommits() else 0
+        increase(self._stats.reserved_bytes, pool.kind, alloc_size - untouched)
+        if untouched:
+            increase(self._stats.decommitted_bytes, pool.kind, untouched)
         if alloc_size >= self.max_split_size:
             self._stats.oversize_segments.increase(1)
         self._stats.num_device_alloc += 1
@@ -863,6 +866,20 @@ class CachingPool:
 
     def _decommits(self) -> bool:
         return self._decommitter is not None and self.policy.decommit
+
+    def _untouched_pages(self, segment: Segment) -> int:
+        """A new segment's whole pages, counted decommitted until a block is allocated over
+        them: a fresh memfd (or mapping) has no page until touched, and the pool touches
+        only allocated blocks, so a 20 MiB segment reserved for a 6 MiB request commits
+        6 MiB, as PyTorch's expandable segments map only what blocks use."""
+        assert self._decommitter is not None
+        interior = page_interior(
+            segment.address, segment.address + segment.size, self._decommitter[1]
+        )
+        if interior is None:
+            return 0
+        self._decommitted[segment.address] = [interior]
+        return interior[1] - interior[0]
 
     def _recommit(self, block: Block) -> None:
         """A block allocated over decommitted pages: they count as committed again (the

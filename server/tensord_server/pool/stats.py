@@ -101,9 +101,10 @@ class DeviceStats:
         self.num_compactions = 0  # compactions that moved blocks and released segments
         self.compaction_moved_bytes = 0  # bytes copied to new blocks
         self.compaction_released_bytes = 0  # bytes of the segments they released
-        # beyond torch (policy decommit): free page ranges of kept segments given back to the
-        # device (reserved_bytes counts the rest, as torch's expandable segments count
-        # mapped pages); allocated: bytes decommitted, freed: recommitted or released
+        # beyond torch (policy decommit): pages of segments that hold none, free ranges given
+        # back to the device or never used since the segment was reserved (reserved_bytes
+        # counts the rest, as torch's expandable segments count mapped pages); allocated:
+        # bytes decommitted, freed: recommitted or released
         self.decommitted_bytes = new_stat_array()
         self.num_decommits = 0  # ranges decommitted (one backend call each)
 
