@@ -185,10 +185,11 @@ def test_capacity_stays_on_segment_bytes() -> None:
 
 
 def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> None:
-    """adaptive (decommit_threshold 1.05): a free that leaves committed / allocated at or
-    below the threshold decommits nothing; above it, the largest holes go first, only
-    until committed is back under it."""
-    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=ADAPTIVE)
+    """decommit_threshold 1.05: a free that leaves committed / allocated at or below the
+    threshold decommits nothing; above it, the largest holes go first, only until
+    committed is back under it."""
+    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=1.05)
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
     # three 20 MiB segments of [6][6][6][2] MiB: 60 MiB allocated, nothing free
     segments = [[pool.malloc(n * MiB) for n in (6, 6, 6, 2)] for _ in range(3)]
     assert stat(pool, "reserved_bytes.all.current") == stat(pool, "allocated_bytes.all.current")

@@ -56,8 +56,9 @@ what the pool does *besides*:
   segment bytes.  Only free ranges with at least ``decommit_min_bytes`` of whole pages
   are decommitted, and, with ``decommit_threshold``, only while committed / allocated
   exceeds it, the largest free ranges first (None: every such range once freed).
-  Wholly free segments keep their pages (the kept idle ones are warm for the next
-  upload); segments that go back do so whole, as before;
+  The pages of a new segment count as decommitted until a block is allocated over
+  them (a fresh memfd has none until touched).  Wholly free segments keep their pages
+  (the kept idle ones are warm for the next upload); segments go back whole, as before;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last three
   acts (a pool that close to its allocation is tight already).
 """
@@ -114,7 +115,7 @@ ADAPTIVE = PoolPolicy(
     background_wake_threshold=1.10,
     release_idle_s=2.0,
     decommit=True,
-    decommit_threshold=1.05,
+    decommit_threshold=1.02,  # under background_threshold: holes go back before any copy
 )
 
 POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}
