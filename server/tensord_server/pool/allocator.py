@@ -942,16 +942,20 @@ class CachingPool:
             return
         looked = 0
         for pool in (self._large, self._small):
-            for key in reversed(pool.keys):
+            keys = pool.keys  # by (stream, size, address); a decommit changes no block
+            index = len(keys) - 1
+            while index >= 0:
                 if excess <= 0 or looked >= DECOMMIT_SCAN_LIMIT:
                     return
-                if key[1] < minimum:
-                    continue  # smaller than worth it (another stream's may follow)
-                block = pool.free_blocks[key[2]]
-                if not block.is_split():
+                stream, size, address = keys[index]
+                if size < minimum:  # the rest of this stream's are smaller: the next stream's
+                    index = bisect.bisect_left(keys, (stream, -1, -1)) - 1
                     continue
+                index -= 1
                 looked += 1
-                excess -= self._decommit_free_block(block)
+                block = pool.free_blocks[address]
+                if block.is_split():  # wholly free segments keep their pages
+                    excess -= self._decommit_free_block(block)
 
     # -- helpers ----------------------------------------------------------------
 
