@@ -37,7 +37,7 @@ DECOMMIT_EAGER = dataclasses.replace(
 )
 
 BACKENDS: dict[str, Callable[[], HostBackend]] = {
-    "shared": lambda: SharedHostBackend(total_bytes=HOST_BYTES),
+    "memfd": lambda: SharedHostBackend(total_bytes=HOST_BYTES),
     "private": lambda: HostBackend(total_bytes=HOST_BYTES),
 }
 
@@ -85,7 +85,7 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     assert a.segment is hole.segment is c.segment
     kept = {id(a): fill(pool, a, 1), id(c): fill(pool, c, 3)}
     fill(pool, hole, 2)
-    backed = backed_bytes(pool, a) if kind == "shared" else 0
+    backed = backed_bytes(pool, a) if kind == "memfd" else 0
     reserved = stat(pool, "reserved_bytes.all.current")
     untouched = stat(pool, "decommitted_bytes.all.current")  # the segment's free rest
     hole_address, hole_size = hole.address, hole.size
@@ -97,7 +97,7 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     assert stat(pool, "decommitted_bytes.all.current") == untouched + given_back
     assert stat(pool, "num_decommits") == 1
     assert stat(pool, "reserved_bytes.all.current") == reserved - given_back
-    if kind == "shared":
+    if kind == "memfd":
         assert backed_bytes(pool, a) == backed - given_back
     assert contents(pool, a) == kept[id(a)] and contents(pool, c) == kept[id(c)]
 
@@ -111,7 +111,7 @@ def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
     left = interior_bytes(d.address + d.size, hole_size - d.size)
     assert stat(pool, "decommitted_bytes.all.current") == untouched + left
     assert stat(pool, "reserved_bytes.all.current") == reserved - left
-    if kind == "shared":
+    if kind == "memfd":
         # d's pages came back when written; the rest of the hole stays given back
         assert backed_bytes(pool, a) <= backed - left
 
