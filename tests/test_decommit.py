@@ -203,10 +203,13 @@ def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> N
 
 
 def test_only_host_backends_that_can_decommit_are_asked() -> None:
+    from tensord_server.devices.cuda import PinnedHostBackend
     from tensord_server.pool.backend import decommitter
 
     assert decommitter(BookkeepingBackend()) is None
     assert decommitter(SharedHostBackend(total_bytes=HOST_BYTES)) is not None
+    # pinned pages stay the GPU's DMA targets: a punched hole would split CPU and GPU views
+    assert decommitter(PinnedHostBackend(total_bytes=HOST_BYTES)) is None
     pool = CachingPool(BookkeepingBackend(), policy=DECOMMIT_ALL)
     _, hole, _ = (pool.malloc(n) for n in (3 * MiB, 6 * MiB, 4 * MiB))
     pool.free(hole)
