@@ -104,6 +104,8 @@ def test_metrics_match_memory_stats_after_a_short_workload(
     for name, key in (
         ("tensord_pool_allocated_bytes", "allocated_bytes.all.current"),
         ("tensord_pool_reserved_bytes", "reserved_bytes.all.current"),
+        ("tensord_pool_decommitted_bytes", "decommitted_bytes.all.current"),
+        ("tensord_pool_decommits_total", "num_decommits"),
         ("tensord_pool_active_bytes", "active_bytes.all.current"),
         ("tensord_pool_inactive_split_bytes", "inactive_split_bytes.all.current"),
         ("tensord_pool_segments", "segment.all.current"),

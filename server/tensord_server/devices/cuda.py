@@ -476,8 +476,12 @@ class PinnedHostBackend(SharedHostBackend):
     Each segment is a memfd mapping (what clients map) registered with
     ``cudaHostRegister`` (what makes it page-locked) once mapped, and unregistered in
     ``release`` before anything else: the server's mapping is unmapped only after, when the
-    last array over it is collected.
+    last array over it is collected.  Never decommits: registered pages stay the GPU's
+    DMA targets, so a hole punched in the memfd would leave the CPU faulting in new pages
+    that copies to and from the GPU never see.
     """
+
+    can_decommit = False
 
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         super().__init__(device=device, total_bytes=total_bytes)

@@ -10,7 +10,10 @@ simulations of a device of any size).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import threading
 from typing import Any
 
@@ -71,13 +74,41 @@ def host_default_capacity() -> int:
     return int(physical * HOST_DEFAULT_CAPACITY_FRACTION)
 
 
+def _libc_madvise() -> Any:
+    """libc's madvise(addr, length, advice), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+
+
+def check_pages(memory: DeviceMemory, offset: int, nbytes: int, page: int) -> None:
+    """Refuse a decommit of anything but whole pages inside the segment (a server bug)."""
+    check_range(memory, offset, nbytes)
+    if (memory.address + offset) % page or nbytes % page:
+        raise ValueError(f"decommit of [{offset}, {offset + nbytes}) is not whole pages")
+
+
 class HostBackend:
     """Host memory on NumPy: each segment is one 512-byte-aligned ``uint8`` array.
 
     ``address`` is the real data pointer, so a Storage's ``data_ptr()`` means
     something; the array in ``payload`` owns the memory, so releasing is
-    dropping the last reference.
+    dropping the last reference.  ``decommit`` frees the pages of a free range
+    (``madvise(MADV_DONTNEED)``: private anonymous pages read as zeros when next
+    touched), for a pool whose policy decommits.
     """
+
+    can_decommit = _MADVISE is not None and hasattr(mmap, "MADV_DONTNEED")
+    page_size = mmap.PAGESIZE
 
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         self.device = device
@@ -120,6 +151,13 @@ class HostBackend:
         nbytes: int,
     ) -> None:
         self.view(dst, dst_offset, nbytes)[:] = self.view(src, src_offset, nbytes)
+
+    def decommit(self, memory: DeviceMemory, offset: int, nbytes: int) -> None:
+        """Free the pages of [offset, offset + nbytes): whole pages of free bytes only."""
+        check_pages(memory, offset, nbytes, self.page_size)
+        if _MADVISE(memory.address + offset, nbytes, mmap.MADV_DONTNEED) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"madvise(MADV_DONTNEED): {os.strerror(error)}")
 
 
 class BookkeepingBackend:

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensord_server.devices.memory import BackendOutOfMemory, DeviceMemory, HostBackend
+from tensord_server.devices.memory import (
+    BackendOutOfMemory,
+    DeviceMemory,
+    HostBackend,
+    check_pages,
+)
 
 # Segment ids are never reused within one server process (a client's mapping cache keys
 # on them, together with the server's instance id); GPU segments take theirs from here too.
@@ -84,10 +89,13 @@ class SharedHostBackend(HostBackend):
     A :class:`HostBackend` whose segment payloads are arrays over memfd mappings;
     ``segment(memory)`` names the :class:`HostSegment` behind a payload, and
     ``live_segment(id)`` tells whether a segment still exists (clients unmap the
-    ones that do not).
+    ones that do not).  ``decommit`` punches a hole in a segment's memfd
+    (``madvise(MADV_REMOVE)``): the pages go back for every mapping, a client's too,
+    and read as zeros when next touched.
     """
 
     exportable = True
+    can_decommit = hasattr(mmap, "MADV_REMOVE")
 
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         super().__init__(device=device, total_bytes=total_bytes)
@@ -112,6 +120,18 @@ class SharedHostBackend(HostBackend):
             if segment is not None:
                 del self._segments[segment.id]
                 segment.close()
+
+    def decommit(self, memory: DeviceMemory, offset: int, nbytes: int) -> None:
+        """Free the pages of [offset, offset + nbytes) of a live segment (whole pages of
+        free bytes only: the pool's lock keeps them free until this returns)."""
+        check_pages(memory, offset, nbytes, self.page_size)
+        with self._lock:
+            segment = self._by_address.get(memory.address)
+        if segment is None:
+            raise ValueError(f"no live segment at {memory.address:#x}")
+        # MADV_REMOVE frees the backing pages (fallocate's PUNCH_HOLE): MADV_DONTNEED on a
+        # shared mapping would only drop this process's page-table entries
+        segment.mapping.madvise(mmap.MADV_REMOVE, offset, nbytes)
 
     def segment(self, memory: DeviceMemory) -> HostSegment | None:
         with self._lock:

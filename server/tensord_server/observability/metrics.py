@@ -67,7 +67,16 @@ OOM_MARK = " out of memory. Tried to allocate "
 # memory_stats() key -> (metric name, help) for the per-device gauges.
 POOL_GAUGES = (
     ("allocated_bytes.all.current", "tensord_pool_allocated_bytes", "Bytes in allocated blocks"),
-    ("reserved_bytes.all.current", "tensord_pool_reserved_bytes", "Bytes of reserved segments"),
+    (
+        "reserved_bytes.all.current",
+        "tensord_pool_reserved_bytes",
+        "Bytes of reserved segments, less decommitted ones",
+    ),
+    (
+        "decommitted_bytes.all.current",
+        "tensord_pool_decommitted_bytes",
+        "Free bytes of kept segments given back to the device (policy decommit)",
+    ),
     ("active_bytes.all.current", "tensord_pool_active_bytes", "Bytes in active blocks"),
     (
         "inactive_split_bytes.all.current",
@@ -117,6 +126,7 @@ POOL_COUNTERS = (
         "tensord_pool_compaction_released_bytes",
         "Bytes of segments released by compaction",
     ),
+    ("num_decommits", "tensord_pool_decommits", "Free page ranges given back to the device"),
     ("num_device_alloc", "tensord_pool_device_allocs", "Segments reserved from the device"),
     ("num_device_free", "tensord_pool_device_frees", "Segments released to the device"),
 )

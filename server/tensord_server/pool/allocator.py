@@ -29,7 +29,10 @@ never; the default ``oom-compaction``: compaction on the OOM path only):
   or once idle for a while (policy ``tight_segments``, ``release_threshold``,
   ``release_idle_s``);
 - compaction and repacking before reserving a segment near the device's edge
-  (policy ``consolidate``).
+  (policy ``consolidate``);
+- free page ranges of split segments given back to the device, the segment kept
+  (policy ``decommit``, on backends that can: :func:`~.backend.decommitter`): then
+  ``reserved_bytes`` counts committed bytes, and capacity stays on segment bytes.
 
 Without a relocator and under ``pytorch`` nothing differs from torch.
 
@@ -51,7 +54,7 @@ from typing import Any
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
-from tensord_server.pool.backend import Backend, BackendOutOfMemory, DeviceMemory
+from tensord_server.pool.backend import Backend, BackendOutOfMemory, DeviceMemory, decommitter
 from tensord_server.pool.blocks import (
     ALL,
     LARGE_BUFFER,
@@ -86,6 +89,15 @@ from tensord_server.pool.compaction import (
     segment_shape,
 )
 from tensord_server.pool.locks import CountingLock
+from tensord_server.pool.pages import (
+    Span,
+    add_spans,
+    page_interior,
+    remove_range,
+    span_bytes,
+    spans_within,
+    uncovered,
+)
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
 from tensord_server.pool.stats import (
     STAT_ARRAY_NAMES,
@@ -99,6 +111,10 @@ from tensord_server.pool.stats import (
 )
 
 TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
+
+# policy decommit_threshold: free blocks looked at per free, the largest first (the walk
+# runs under the lock on every free above the threshold, and most free blocks are small)
+DECOMMIT_SCAN_LIMIT = 64
 
 
 # ---------------------------------------------------------------------------
@@ -143,6 +159,8 @@ class CachingPool:
         self.compaction_wanted: Callable[[], None] | None = None
         # beyond torch: seconds, for the policy's release_idle_s (injectable: tests)
         self.clock: Callable[[], float] = clock
+        # beyond torch: the backend's decommit and page size (policy decommit); None: it has none
+        self._decommitter = decommitter(backend)
         # counts its waiters: the background compactor moves only while nobody waits
         self._lock = CountingLock()  # guards every field below
         self._small = BlockPool(is_small=True)
@@ -163,6 +181,9 @@ class CachingPool:
         # with its copies in progress: none goes back to the device (its bytes are being
         # read) and none is emptied by another compaction meanwhile (not movable)
         self._copying_from: dict[Segment, int] = {}
+        # beyond torch (policy decommit): segment address -> its decommitted page ranges,
+        # sorted, disjoint, page-aligned, each inside one free block; absent: none
+        self._decommitted: dict[int, list[Span]] = {}
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
@@ -212,6 +233,8 @@ class CachingPool:
             ):
                 raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
             self._free_allocated(block)
+            if self._decommits() and self.policy.decommit_threshold is not None:
+                self._decommit_excess(self.policy.decommit_threshold)
             if self.policy.acts_after_free:
                 self._after_free()
 
@@ -238,8 +261,12 @@ class CachingPool:
                 "num_compactions",
                 "compaction_moved_bytes",
                 "compaction_released_bytes",
+                "num_decommits",
             ):
                 result[counter] = getattr(self._stats, counter)
+            for kind, kind_name in enumerate(STAT_TYPE_NAMES):
+                decommitted = self._stats.decommitted_bytes[kind]
+                result.update(stat_items(f"decommitted_bytes.{kind_name}", decommitted))
             # torch reports SIZE_MAX as int64, i.e. -1, when max_split_size is unset.
             unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE
             result["max_split_size"] = -1 if unlimited else self.max_split_size
@@ -253,14 +280,15 @@ class CachingPool:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes reserved now (one int read, no lock)."""
+        """Bytes of the segments reserved now, decommitted pages included (no lock)."""
         return self._reserved()
 
     def reserved_ratio(self) -> float:
-        """reserved / allocated now, without the lock (two int reads: a moment's estimate,
-        enough for the compactor to choose how hard to work); 0.0 with nothing allocated."""
+        """reserved / allocated now, without the lock (a few int reads: a moment's estimate,
+        enough for the compactor to choose how hard to work); 0.0 with nothing allocated.
+        Reserved is committed bytes (``reserved_bytes.all.current``)."""
         allocated = self._stats.allocated_bytes[ALL].current
-        return self._reserved() / allocated if allocated else 0.0
+        return self._committed() / allocated if allocated else 0.0
 
     def compaction_excess(self) -> int:
         """Reserved bytes beyond the policy's compact_threshold x allocated (0: nothing to do,
@@ -334,7 +362,7 @@ class CachingPool:
             stats.num_alloc_retries = stats.num_ooms = stats.num_sync_all_streams = 0
             stats.num_device_alloc = stats.num_device_free = 0
             stats.num_compactions = stats.compaction_moved_bytes = 0
-            stats.compaction_released_bytes = 0
+            stats.compaction_released_bytes = stats.num_decommits = 0
 
     def memory_summary(self, abbreviated: bool = False) -> str:
         """torch.cuda.memory_summary()'s table, for this pool."""
@@ -398,7 +426,10 @@ class CachingPool:
         self._segments[memory.address] = segment
         self._shapes.pop(memory.address, None)
         increase(self._stats.segment, pool.kind, 1)
-        increase(self._stats.reserved_bytes, pool.kind, alloc_size)
+        untouched = self._untouched_pages(segment) if self._decommits() else 0
+        increase(self._stats.reserved_bytes, pool.kind, alloc_size - untouched)
+        if untouched:
+            increase(self._stats.decommitted_bytes, pool.kind, untouched)
         if alloc_size >= self.max_split_size:
             self._stats.oversize_segments.increase(1)
         self._stats.num_device_alloc += 1
@@ -440,6 +471,7 @@ class CachingPool:
             decrease(stats.inactive_split, kind, 1)
         block.allocated = True
         block.requested_size = requested
+        self._recommit(block)
         increase(stats.allocation, kind, 1)
         increase(stats.allocated_bytes, kind, block.size)
         increase(stats.active, kind, 1)
@@ -499,6 +531,8 @@ class CachingPool:
         decrease(stats.active, kind, 1)
         decrease(stats.active_bytes, kind, original_size)
         decrease(stats.requested_bytes, kind, requested)
+        if block.is_split() and self._decommits() and self.policy.decommit_threshold is None:
+            self._decommit_free_block(block)
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """Mirrors try_merge_blocks: ``dst`` absorbs its free neighbour ``src``; returns its size."""
@@ -538,7 +572,10 @@ class CachingPool:
         segment.memory = DeviceMemory(segment.address, segment.size)
         self._stats.num_device_free += 1
         decrease(self._stats.segment, pool.kind, 1)
-        decrease(self._stats.reserved_bytes, pool.kind, block.size)
+        decommitted = span_bytes(self._decommitted.pop(segment.address, []))
+        if decommitted:
+            decrease(self._stats.decommitted_bytes, pool.kind, decommitted)
+        decrease(self._stats.reserved_bytes, pool.kind, block.size - decommitted)
         if block.size >= self.max_split_size:
             self._stats.oversize_segments.decrease(1)
         self._record("segment_free", segment.address, block.size, block.stream)
@@ -703,10 +740,10 @@ class CachingPool:
         stats.compaction_released_bytes += released
 
     def _excess(self, threshold: float, slack: int | None = None, kept: int = 0) -> int:
-        """Reserved bytes, less ``kept``, beyond ``threshold`` x allocated, when beyond
+        """Committed bytes, less ``kept``, beyond ``threshold`` x allocated, when beyond
         ``slack`` (default: the policy's min_slack)."""
         allocated = self._stats.allocated_bytes[ALL].current
-        reserved = self._reserved() - kept
+        reserved = self._committed() - kept
         if reserved - allocated <= (self.policy.min_slack if slack is None else slack):
             return 0
         return max(0, reserved - int(threshold * allocated))
@@ -719,7 +756,9 @@ class CachingPool:
         threshold = policy.background_threshold
         if threshold is None:
             threshold = policy.compact_threshold
-        kept = sum(self._segments[address].size for address in self._kept_idle_segments())
+        kept = sum(
+            self._committed_in(self._segments[address]) for address in self._kept_idle_segments()
+        )
         return self._excess(threshold, policy.background_min_slack, kept)
 
     def _keeps_idle_segments(self) -> bool:
@@ -814,7 +853,7 @@ class CachingPool:
         for block in sorted(idle, key=lambda b: (-b.size, b.address)):
             if released >= target:
                 break
-            released += block.size
+            released += self._committed_in(block.segment)
             self._release_block(block)
 
     def _has_idle_segment(self) -> bool:
@@ -823,10 +862,115 @@ class CachingPool:
         split = self._stats.inactive_split
         return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
 
+    # -- beyond torch: decommitted page ranges -------------------------------------
+
+    def _decommits(self) -> bool:
+        return self._decommitter is not None and self.policy.decommit
+
+    def _untouched_pages(self, segment: Segment) -> int:
+        """A new segment's whole pages, counted decommitted until a block is allocated over
+        them: a fresh memfd (or mapping) has no page until touched, and the pool touches
+        only allocated blocks, so a 20 MiB segment reserved for a 6 MiB request commits
+        6 MiB, as PyTorch's expandable segments map only what blocks use."""
+        assert self._decommitter is not None
+        interior = page_interior(
+            segment.address, segment.address + segment.size, self._decommitter[1]
+        )
+        if interior is None:
+            return 0
+        self._decommitted[segment.address] = [interior]
+        return interior[1] - interior[0]
+
+    def _recommit(self, block: Block) -> None:
+        """A block allocated over decommitted pages: they count as committed again (the
+        pages themselves fault back in, as zeros, when touched)."""
+        segment = block.segment
+        spans = self._decommitted.get(segment.address)
+        if not spans:
+            return
+        assert self._decommitter is not None
+        page = self._decommitter[1]
+        # whole pages: the page a block's first or last bytes share with a free neighbour
+        # faults in when touched, so it leaves the neighbour's decommitted range too
+        start = block.address // page * page
+        end = -(-(block.address + block.size) // page) * page
+        kept, recommitted = remove_range(spans, start, end)
+        if kept:
+            self._decommitted[segment.address] = kept
+        else:
+            del self._decommitted[segment.address]
+        if recommitted:
+            assert block.pool is not None
+            decrease(self._stats.decommitted_bytes, block.pool.kind, recommitted)
+            increase(self._stats.reserved_bytes, block.pool.kind, recommitted)
+
+    def _decommit_free_block(self, block: Block) -> int:
+        """Give back the whole pages of a free block not given back yet, when the block has
+        at least the policy's decommit_min_bytes; the bytes decommitted now."""
+        assert self._decommitter is not None and block.pool is not None and not block.allocated
+        decommit, page = self._decommitter
+        interior = page_interior(block.address, block.address + block.size, page)
+        if interior is None or block.size < self.policy.decommit_min_bytes:
+            return 0
+        segment = block.segment
+        spans = self._decommitted.get(segment.address, [])
+        done: list[Span] = []
+        for start, end in uncovered(spans, *interior):
+            try:
+                decommit(segment.memory, start - segment.address, end - start)
+            except OSError:
+                break  # the pages stay committed, and counted so: nothing relies on them going
+            done.append((start, end))
+        if not done:
+            return 0
+        self._decommitted[segment.address] = add_spans(spans, done)
+        decommitted = span_bytes(done)
+        decrease(self._stats.reserved_bytes, block.pool.kind, decommitted)
+        increase(self._stats.decommitted_bytes, block.pool.kind, decommitted)
+        self._stats.num_decommits += len(done)
+        return decommitted
+
+    def _decommit_excess(self, threshold: float) -> None:
+        """While committed bytes exceed ``threshold`` x allocated, give back the pages of
+        free blocks of split segments, the largest first (no copy: cheaper than compaction,
+        and the only way to shrink a hole between blocks that may not move).  Wholly free
+        segments keep theirs (the next request like the last one reuses warm pages)."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        excess = self._committed() - int(threshold * allocated)
+        minimum = self.policy.decommit_min_bytes
+        if excess < minimum:
+            return
+        looked = 0
+        for pool in (self._large, self._small):
+            keys = pool.keys  # by (stream, size, address); a decommit changes no block
+            index = len(keys) - 1
+            while index >= 0:
+                if excess <= 0 or looked >= DECOMMIT_SCAN_LIMIT:
+                    return
+                stream, size, address = keys[index]
+                if size < minimum:  # the rest of this stream's are smaller: the next stream's
+                    index = bisect.bisect_left(keys, (stream, -1, -1)) - 1
+                    continue
+                index -= 1
+                looked += 1
+                block = pool.free_blocks[address]
+                if block.is_split():  # wholly free segments keep their pages
+                    excess -= self._decommit_free_block(block)
+
     # -- helpers ----------------------------------------------------------------
 
     def _reserved(self) -> int:
+        """Bytes of every segment, decommitted pages included: what capacity bounds."""
+        stats = self._stats
+        return stats.reserved_bytes[ALL].current + stats.decommitted_bytes[ALL].current
+
+    def _committed(self) -> int:
+        """Reserved bytes less decommitted ones (``reserved_bytes``): what the device
+        gave the pool and other programs cannot have, what the thresholds measure."""
         return self._stats.reserved_bytes[ALL].current
+
+    def _committed_in(self, segment: Segment) -> int:
+        return segment.size - span_bytes(self._decommitted.get(segment.address, []))
 
     def _oom_message(self, nbytes: int) -> str:
         """PyTorch's out-of-memory message, with tensord's names.
@@ -1037,6 +1181,7 @@ def check_pool_invariants(pool: CachingPool) -> None:
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0
     free_seen = {SMALL_POOL: 0, LARGE_POOL: 0}
+    decommitted = {SMALL_POOL: 0, LARGE_POOL: 0}
     previous_end = -1
     for address, segment in sorted(pool._segments.items()):
         assert address == segment.address, (address, segment)
@@ -1045,7 +1190,10 @@ def check_pool_invariants(pool: CachingPool) -> None:
         block_pool = pool._small if segment.is_small else pool._large
         kind = block_pool.kind
         expected["segment"][kind] += 1
-        expected["reserved_bytes"][kind] += segment.size
+        spans = pool._decommitted.get(segment.address, [])
+        check_decommitted_spans(pool, segment, spans)
+        expected["reserved_bytes"][kind] += segment.size - span_bytes(spans)
+        decommitted[kind] += span_bytes(spans)
         oversize_segments += segment.size >= pool.max_split_size
         head = segment.head
         assert head is not None and head.prev is None, f"{segment} head {head} has a prev"
@@ -1103,7 +1251,11 @@ def check_pool_invariants(pool: CachingPool) -> None:
     assert stats.oversize_segments.current == oversize_segments
     for stat in stats.all_stats():
         assert 0 <= stat.current <= stat.peak, (stat.current, stat.peak)
-    assert stats.reserved_bytes[ALL].current <= pool.capacity, "reserved beyond capacity"
+    for kind in (SMALL_POOL, LARGE_POOL):
+        assert stats.decommitted_bytes[kind].current == decommitted[kind], (kind, decommitted)
+    assert stats.decommitted_bytes[ALL].current == sum(decommitted.values()), "decommitted"
+    assert set(pool._decommitted) <= set(pool._segments), "decommitted pages of no segment"
+    assert pool._reserved() <= pool.capacity, "segments beyond capacity"
     for address in pool._idle_since:
         head = pool._segments[address].head if address in pool._segments else None
         assert head is not None and not head.allocated and not head.is_split(), (
@@ -1115,3 +1267,25 @@ def check_pool_invariants(pool: CachingPool) -> None:
         assert shape.usage == fresh.usage and shape.blocks == fresh.blocks, (
             f"the kept shape of the segment at {address:#x} is stale"
         )
+
+
+def check_decommitted_spans(pool: CachingPool, segment: Segment, spans: list[Span]) -> None:
+    """A segment's decommitted ranges: non-empty when kept, sorted, disjoint, whole pages
+    (of a backend that decommits), each inside one free block of the segment."""
+    if not spans:
+        assert segment.address not in pool._decommitted, f"an empty entry for {segment}"
+        return
+    assert pool._decommitter is not None, f"decommitted pages on a backend without: {segment}"
+    page = pool._decommitter[1]
+    free = [b for b in segment.blocks() if not b.allocated]
+    previous_end = segment.address
+    for start, end in spans:
+        assert previous_end <= start < end, f"decommitted {spans} of {segment} overlap"
+        assert start % page == 0 and end % page == 0, f"decommitted {spans} not whole pages"
+        assert any(b.address <= start and end <= b.address + b.size for b in free), (
+            f"decommitted [{start:#x}, {end:#x}) of {segment} is not inside a free block"
+        )
+        previous_end = end
+    assert spans_within(spans, segment.address, segment.address + segment.size) == span_bytes(
+        spans
+    ), f"decommitted {spans} outside {segment}"

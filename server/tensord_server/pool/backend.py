@@ -9,6 +9,7 @@ the implementations live in :mod:`tensord_server.devices`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,3 +68,22 @@ class Backend(Protocol):
     ) -> None:
         """Bytes from one segment to another (never overlapping): a compaction move."""
         ...
+
+
+#: a backend's ``decommit(memory, offset, nbytes)``: frees the pages of that range
+Decommit = Callable[[DeviceMemory, int, int], None]
+
+
+def decommitter(backend: object) -> tuple[Decommit, int] | None:
+    """The backend's optional decommit capability and its page size, or None.
+
+    A backend that can give the pages of a range inside a segment back to the device,
+    keeping the segment (host memory: ``madvise``), sets ``can_decommit`` and
+    ``page_size`` and has ``decommit(memory, offset, nbytes)`` for page-aligned ranges
+    of free bytes: their pages read as zeros when next touched.  Others (bookkeeping,
+    pinned host memory, CUDA) lack it, and the pool never asks them.
+    """
+    if not getattr(backend, "can_decommit", False):
+        return None
+    decommit: Decommit = backend.decommit  # type: ignore[attr-defined]
+    return decommit, int(backend.page_size)  # type: ignore[attr-defined]

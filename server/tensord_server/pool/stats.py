@@ -83,7 +83,8 @@ class DeviceStats:
         self.active = new_stat_array()  # blocks in use (== allocation: no cross-stream events)
         self.inactive_split = new_stat_array()  # free blocks inside split segments
         self.allocated_bytes = new_stat_array()  # sum of allocated block sizes
-        self.reserved_bytes = new_stat_array()  # sum of segment sizes
+        # sum of segment sizes, less decommitted_bytes (policy ``decommit``)
+        self.reserved_bytes = new_stat_array()
         self.active_bytes = new_stat_array()
         self.inactive_split_bytes = new_stat_array()  # non-releasable cached bytes
         self.requested_bytes = new_stat_array()  # sum of the sizes callers asked for
@@ -100,13 +101,24 @@ class DeviceStats:
         self.num_compactions = 0  # compactions that moved blocks and released segments
         self.compaction_moved_bytes = 0  # bytes copied to new blocks
         self.compaction_released_bytes = 0  # bytes of the segments they released
+        # beyond torch (policy decommit): pages of segments that hold none, free ranges given
+        # back to the device or never used since the segment was reserved (reserved_bytes
+        # counts the rest, as torch's expandable segments count mapped pages); allocated:
+        # bytes decommitted, freed: recommitted or released
+        self.decommitted_bytes = new_stat_array()
+        self.num_decommits = 0  # ranges decommitted (one backend call each)
 
     def arrays(self) -> dict[str, StatArray]:
         return {name: getattr(self, name) for name in STAT_ARRAY_NAMES}
 
     def all_stats(self) -> list[Stat]:
         stats = [stat for array in self.arrays().values() for stat in array]
-        return [*stats, self.oversize_allocations, self.oversize_segments]
+        return [
+            *stats,
+            self.oversize_allocations,
+            self.oversize_segments,
+            *self.decommitted_bytes,
+        ]
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""Decommitted free page ranges (issue 18, policy ``decommit``): holes give their pages back.
+
+Under ``adaptive`` a free range inside a split host segment gives its whole pages back to
+the device (the memfd's pages are freed: ``st_blocks`` drops) while the segment stays;
+``reserved_bytes`` then counts committed bytes, capacity stays on segment bytes, and a
+block allocated over the range faults its pages back in.  ``pytorch`` never does it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import mmap
+import os
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensord.errors import OutOfMemoryError
+from tensord_server.devices.memory import BookkeepingBackend, HostBackend
+from tensord_server.devices.shm import SharedHostBackend
+from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from test_fragmentation import HoldingRelocator, ops
+
+MiB = 1 << 20
+PAGE = mmap.PAGESIZE
+HOST_BYTES = 1 << 30
+
+ADAPTIVE = policy_named("adaptive")
+# every free range of 2 MiB or more at once, whatever reserved / allocated is
+DECOMMIT_ALL = dataclasses.replace(ADAPTIVE, name="decommit-all", decommit_threshold=None)
+# ... and of any size, on every free, with compaction acting at any slack (the property test)
+DECOMMIT_EAGER = dataclasses.replace(
+    DECOMMIT_ALL, name="decommit-eager", decommit_min_bytes=PAGE, min_slack=0, compact_every=1
+)
+
+BACKENDS: dict[str, Callable[[], HostBackend]] = {
+    "memfd": lambda: SharedHostBackend(total_bytes=HOST_BYTES),
+    "private": lambda: HostBackend(total_bytes=HOST_BYTES),
+}
+
+
+def pattern(seed: int, nbytes: int) -> bytes:
+    return np.random.default_rng(seed).integers(1, 256, nbytes, np.uint8).tobytes()
+
+
+def fill(pool: CachingPool, block: Block, seed: int) -> bytes:
+    data = pattern(seed, block.requested_size)
+    pool.backend.write(block.segment.memory, block.offset, data)
+    return data
+
+
+def contents(pool: CachingPool, block: Block) -> bytes:
+    return pool.backend.read(block.segment.memory, block.offset, block.requested_size)
+
+
+def backed_bytes(pool: CachingPool, block: Block) -> int:
+    """Bytes of pages backing the memfd of ``block``'s segment (shared backend only)."""
+    backend = pool.backend
+    assert isinstance(backend, SharedHostBackend)
+    segment = backend.segment(block.segment.memory)
+    assert segment is not None
+    return os.fstat(segment.fd).st_blocks * 512
+
+
+def stat(pool: CachingPool, key: str) -> int:
+    return int(pool.memory_stats()[key])
+
+
+def interior_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the whole pages inside [address, address + nbytes)."""
+    first = -(-address // PAGE) * PAGE
+    return max(0, (address + nbytes) // PAGE * PAGE - first)
+
+
+@pytest.mark.parametrize("kind", sorted(BACKENDS))
+def test_a_freed_hole_gives_its_pages_back_and_its_neighbours_keep_their_bytes(
+    kind: str,
+) -> None:
+    pool = CachingPool(BACKENDS[kind](), policy=DECOMMIT_ALL)
+    # one 20 MiB segment: [a][hole][c][free rest], sizes off the page grid on purpose
+    a, hole, c = (pool.malloc(n) for n in (3 * MiB + 512, 6 * MiB + 1024, 4 * MiB + 512))
+    assert a.segment is hole.segment is c.segment
+    kept = {id(a): fill(pool, a, 1), id(c): fill(pool, c, 3)}
+    fill(pool, hole, 2)
+    backed = backed_bytes(pool, a) if kind == "memfd" else 0
+    reserved = stat(pool, "reserved_bytes.all.current")
+    untouched = stat(pool, "decommitted_bytes.all.current")  # the segment's free rest
+    hole_address, hole_size = hole.address, hole.size
+
+    pool.free(hole)
+    pool.assert_invariants()
+    given_back = interior_bytes(hole_address, hole_size)
+    assert given_back > 5 * MiB
+    assert stat(pool, "decommitted_bytes.all.current") == untouched + given_back
+    assert stat(pool, "num_decommits") == 1
+    assert stat(pool, "reserved_bytes.all.current") == reserved - given_back
+    if kind == "memfd":
+        assert backed_bytes(pool, a) == backed - given_back
+    assert contents(pool, a) == kept[id(a)] and contents(pool, c) == kept[id(c)]
+
+    # a block allocated over the decommitted pages reads and writes, and counts again
+    d = pool.malloc(5 * MiB)
+    assert d.address == hole_address
+    written = fill(pool, d, 4)
+    assert contents(pool, d) == written
+    assert contents(pool, a) == kept[id(a)] and contents(pool, c) == kept[id(c)]
+    pool.assert_invariants()
+    left = interior_bytes(d.address + d.size, hole_size - d.size)
+    assert stat(pool, "decommitted_bytes.all.current") == untouched + left
+    assert stat(pool, "reserved_bytes.all.current") == reserved - left
+    if kind == "memfd":
+        # d's pages came back when written; the rest of the hole stays given back
+        assert backed_bytes(pool, a) <= backed - left
+
+    for block in (a, c, d):
+        pool.free(block)
+    pool.empty_cache()
+    pool.assert_invariants()
+    assert stat(pool, "reserved_bytes.all.current") == 0
+    assert stat(pool, "decommitted_bytes.all.current") == 0
+
+
+@pytest.mark.parametrize("policy", [ADAPTIVE, DECOMMIT_ALL], ids=lambda p: p.name)
+def test_a_new_segment_commits_only_the_pages_its_blocks_use(policy: PoolPolicy) -> None:
+    """A 20 MiB segment reserved for a 6 MiB request: the fresh memfd backs no page of the
+    other 14 MiB until a block is allocated there, and reserved_bytes says so."""
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
+    block = pool.malloc(6 * MiB)
+    fill(pool, block, 1)
+    assert stat(pool, "reserved_bytes.all.current") == 6 * MiB == backed_bytes(pool, block)
+    assert stat(pool, "decommitted_bytes.all.current") == 14 * MiB
+    assert stat(pool, "num_decommits") == 0  # nothing was given back: nothing was there
+    other = pool.malloc(4 * MiB)
+    assert other.segment is block.segment
+    assert stat(pool, "reserved_bytes.all.current") == 10 * MiB
+    pool.assert_invariants()
+
+
+def test_the_pytorch_policy_never_decommits() -> None:
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy_named("pytorch"))
+    a, hole, c = (pool.malloc(n) for n in (3 * MiB, 6 * MiB, 4 * MiB))
+    for seed, block in enumerate((a, hole, c)):
+        fill(pool, block, seed)
+    backed = backed_bytes(pool, a)
+    pool.free(hole)
+    assert backed_bytes(pool, a) == backed
+    stats = pool.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 20 * MiB
+    assert stats["decommitted_bytes.all.current"] == stats["num_decommits"] == 0
+    pool.assert_invariants()
+
+
+def test_a_wholly_free_segment_keeps_its_warm_pages() -> None:
+    """Idle segments keep their pages (the next upload like the last reuses them warm);
+    only holes between live blocks are decommitted."""
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=DECOMMIT_ALL)
+    own = pool.malloc(12 * MiB)  # a segment of its own
+    fill(pool, own, 1)
+    backed = backed_bytes(pool, own)
+    pool.free(own)
+    assert stat(pool, "decommitted_bytes.all.current") == 0
+    assert stat(pool, "reserved_bytes.all.current") == 12 * MiB
+    again = pool.malloc(12 * MiB)
+    assert backed_bytes(pool, again) == backed == 12 * MiB
+    pool.assert_invariants()
+
+
+def test_capacity_stays_on_segment_bytes() -> None:
+    """Decommitted pages lower reserved_bytes but not what the device's capacity bounds:
+    the segment's address range stays reserved (the pages come back on the next use)."""
+    pool = CachingPool(
+        SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB, policy=DECOMMIT_ALL
+    )
+    blocks = [pool.malloc(4 * MiB) for _ in range(3)]
+    pool.free(blocks[1])
+    # the 4 MiB hole given back, and the 8 MiB never used
+    assert stat(pool, "decommitted_bytes.all.current") == 12 * MiB
+    assert stat(pool, "reserved_bytes.all.current") == 8 * MiB
+    with pytest.raises(OutOfMemoryError, match="of which 0 bytes is free"):
+        pool.malloc(12 * MiB)  # its own segment: 20 + 12 MiB of segments > 20 MiB
+    pool.assert_invariants()
+
+
+def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> None:
+    """decommit_threshold 1.05: a free that leaves committed / allocated at or below the
+    threshold decommits nothing; above it, the largest holes go first, only until
+    committed is back under it."""
+    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=1.05)
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
+    # three 20 MiB segments of [6][6][6][2] MiB: 60 MiB allocated, nothing free
+    segments = [[pool.malloc(n * MiB) for n in (6, 6, 6, 2)] for _ in range(3)]
+    assert stat(pool, "reserved_bytes.all.current") == stat(pool, "allocated_bytes.all.current")
+    pool.free(segments[0][3])  # a 2 MiB hole: 60 / 58 = 1.034, under 1.05
+    assert stat(pool, "decommitted_bytes.all.current") == 0
+    pool.free(segments[1][1])  # a 6 MiB hole: 60 / 52 = 1.15, 5.4 MiB above 1.05 x 52
+    pool.assert_invariants()
+    assert stat(pool, "decommitted_bytes.all.current") == 6 * MiB  # the 6 MiB hole only
+    assert stat(pool, "reserved_bytes.all.current") == 54 * MiB  # 54 / 52 = 1.038
+    assert stat(pool, "num_decommits") == 1
+
+
+def test_only_host_backends_that_can_decommit_are_asked() -> None:
+    from tensord_server.devices.cuda import PinnedHostBackend
+    from tensord_server.pool.backend import decommitter
+
+    assert decommitter(BookkeepingBackend()) is None
+    assert decommitter(SharedHostBackend(total_bytes=HOST_BYTES)) is not None
+    # pinned pages stay the GPU's DMA targets: a punched hole would split CPU and GPU views
+    assert decommitter(PinnedHostBackend(total_bytes=HOST_BYTES)) is None
+    pool = CachingPool(BookkeepingBackend(), policy=DECOMMIT_ALL)
+    _, hole, _ = (pool.malloc(n) for n in (3 * MiB, 6 * MiB, 4 * MiB))
+    pool.free(hole)
+    assert stat(pool, "decommitted_bytes.all.current") == 0
+    assert stat(pool, "reserved_bytes.all.current") == 20 * MiB
+
+
+def check_pages_gone(pool: CachingPool) -> None:
+    """Each live segment's memfd holds no more pages than its committed bytes."""
+    backend = pool.backend
+    assert isinstance(backend, SharedHostBackend)
+    for address, segment in pool._segments.items():
+        host = backend.segment(segment.memory)
+        assert host is not None
+        spans = pool._decommitted.get(address, [])
+        committed = segment.size - sum(end - start for start, end in spans)
+        assert os.fstat(host.fd).st_blocks * 512 <= committed, segment
+
+
+@settings(
+    derandomize=True,
+    database=None,
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ALL, DECOMMIT_EAGER]))
+def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
+    steps: list[tuple[str, int]], policy: PoolPolicy
+) -> None:
+    """Random alloc/free/hold on a 40 MiB shared-memory device, with compaction moving
+    unheld blocks: invariants, every live block's bytes, and decommitted pages really gone."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=40 * MiB, relocator=owner, policy=policy)
+    names = itertools.count()
+    for action, value in steps:
+        live = sorted(owner.blocks)
+        if action == "alloc":
+            try:
+                block = pool.malloc(value)
+            except OutOfMemoryError:
+                continue
+            owner.add(f"b{next(names)}", block, seed=len(live) * 7919 + value)
+        elif action == "free" and live:
+            name = live[value % len(live)]
+            owner.held.discard(name)
+            owner.contents.pop(name)
+            pool.free(owner.blocks.pop(name))
+        elif action == "hold" and live:
+            owner.held ^= {live[value % len(live)]}
+        pool.assert_invariants()
+        owner.check_bytes()
+        check_pages_gone(pool)
+    for block in owner.blocks.values():
+        pool.free(block)
+    pool.empty_cache()
+    pool.assert_invariants()
+    assert stat(pool, "reserved_bytes.all.current") == 0
+    assert stat(pool, "decommitted_bytes.all.current") == 0
