@@ -56,7 +56,7 @@ LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
 # Empty + Export + a release for small tensors.
 MIN_FAST_BYTES = 256 << 10
-#: a same-host upload of at least this many bytes first sends the releases queued before it
+#: a same-host upload of at least this many bytes carries the releases queued before it
 RELEASE_BEFORE_UPLOAD_BYTES = 16 << 20
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
@@ -256,6 +256,28 @@ class LocalMapper:
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
+        return self._mapped(handle, response, reuse_key)
+
+    def empty_exported(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> tuple[pb.TensorMeta, Export | CudaExport | None] | None:
+        """A new empty tensor and its export, in one call (EmptyExport); None when the server
+        cannot share that memory (it released the new handle: use gRPC).  The export is None
+        when this client cannot map it (the caller drops the tensor and uses gRPC).
+        ``carry_releases``: the releases queued so far ride along, applied first."""
+        try:
+            response = self._conn.empty_export(empty, carry_releases)
+        except errors.FailedPreconditionError as exc:
+            self.last_refusal = str(exc)
+            return None
+        self.unmap_gone(list(response.released_exports.gone_segments))
+        exported = response.export
+        return exported.tensor, self._mapped(exported.tensor.handle, exported, None)
+
+    def _mapped(
+        self, handle: str, response: pb.ExportResponse, reuse_key: tuple[str, str] | None
+    ) -> Export | CudaExport | None:
+        """The export the server answered, mapped here (None: released, use gRPC)."""
         key = (response.server_instance, int(response.segment_id))
         end = response.storage_byte_offset + response.tensor.storage_nbytes
         if (
