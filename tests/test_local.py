@@ -4,6 +4,7 @@ transfers, holds and their lifetime, tenant isolation and the gRPC fallback (tor
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -485,6 +486,35 @@ def test_an_upload_falls_back_to_grpc_when_the_server_cannot_export(
         np.testing.assert_array_equal(x.numpy(), values)
         session = fresh_server.daemon.sessions.peek(client.session_id)
         assert fresh_server.daemon.sessions.handle_count(session) == 1  # the refused one went
+
+
+def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
+    make_server: Any, monkeypatch: Any
+) -> None:
+    from tensord_server.rpc.service import TensordService
+
+    def unknown(self: Any, request: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(TensordService, "EmptyExport", unknown)  # a server before it
+    running = make_server()
+    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    with tensord.connect(running.address) as client:
+        calls = record_rpcs(client, monkeypatch)
+        monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
+        gc.disable()  # a tensor kept alive by a garbage cycle would stay so: deterministic
+        try:
+            x = client.tensor(values)
+            del x
+            y = client.tensor(values * 3)
+        finally:
+            gc.enable()
+        assert calls.count("EmptyExport") == 1  # asked once, then Empty + Export
+        assert calls.count("Empty") == 2 and calls.count("Export") == 2
+        assert client._local.enabled
+        np.testing.assert_array_equal(y.numpy(), values * 3)
+        stats = client.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == values.nbytes  # the releases went first
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])

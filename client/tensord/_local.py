@@ -44,6 +44,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 
 from tensord import dtypes, errors
@@ -207,6 +208,7 @@ class LocalMapper:
         self.enabled = enabled
         self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
         self.last_refusal = ""  # why the server last refused an Export
+        self._empty_export = True  # false once the server turned EmptyExport down as unknown
         # guards _segments, _imports and their counters; reentrant: an export's finalizer may
         # run on a collection triggered while this thread holds it
         self._lock = threading.RLock()
@@ -272,14 +274,41 @@ class LocalMapper:
         cannot share that memory (it released the new handle: use gRPC).  The export is None
         when this client cannot map it (the caller drops the tensor and uses gRPC).
         ``carry_releases``: the releases queued so far ride along, applied first."""
+        if not self._empty_export:
+            return self._empty_then_export(empty, carry_releases)
+        unknown = False
         try:
             response = self._conn.empty_export(empty, carry_releases)
-        except errors.FailedPreconditionError as exc:
-            self.last_refusal = str(exc)
+        except errors.TensordError as exc:
+            refused = isinstance(exc, errors.FailedPreconditionError)
+            unknown = getattr(exc, "grpc_code", None) is grpc.StatusCode.UNIMPLEMENTED
+            if not (refused or unknown):
+                raise
+            self.last_refusal = str(exc) if refused else self.last_refusal
+            # the error and the failed call's frames form a cycle that holds this frame, and
+            # through it the caller's: what the caller makes next (the tensor, the upload's
+            # view of the array) would outlive its last reference until a garbage collection
+            exc.__traceback__ = exc.__context__ = None
+            if refused:
+                return None
+        if unknown:
+            self._empty_export = False  # a server older than EmptyExport: two calls
+            return self._empty_then_export(empty, carry_releases)
+        exported = response.export
+        if not exported.tensor.handle or not exported.export_id:
+            self.disable(f"the server's EmptyExport answered no tensor ({exported.tensor!r})")
             return None
         self.unmap_gone(list(response.released_exports.gone_segments))
-        exported = response.export
         return exported.tensor, self._mapped(exported.tensor.handle, exported, None)
+
+    def _empty_then_export(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> tuple[pb.TensorMeta, Export | CudaExport | None]:
+        """:meth:`empty_exported` in an Empty and an Export, after the releases if asked."""
+        if carry_releases:
+            self._conn.flush_releases()
+        meta: pb.TensorMeta = self._conn.call("Empty", empty)
+        return meta, self.export(meta.handle)
 
     def _mapped(
         self, handle: str, response: pb.ExportResponse, reuse_key: tuple[str, str] | None
