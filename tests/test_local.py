@@ -371,8 +371,9 @@ def test_a_large_upload_is_one_call_carrying_the_releases_before_it(
         del x, y
         calls = record_rpcs(client, monkeypatch)
         z = client.tensor(values * 2)
-        # Empty, Export, and before them the queued view and the releases, in one round trip
-        assert calls == ["Batch", "EmptyExport"]
+        # Empty, Export and the releases in one round trip, after the queued view's Batch
+        # (unless the client's flusher thread sent that one first)
+        assert calls in (["Batch", "EmptyExport"], ["EmptyExport"])
         calls.clear()
         del z
         w = client.tensor(values)
