@@ -215,6 +215,20 @@ def one_thread(transfer: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def no_numpy_cache(transfer: Callable[[], Any]) -> Callable[[], Any]:
+    """``transfer`` as it was before x.numpy() reused its destinations: a fresh array each."""
+
+    def run() -> Any:
+        saved = _local.numpy_cache
+        _local.numpy_cache = _local.HostBufferCache(0, 0)
+        try:
+            return transfer()
+        finally:
+            _local.numpy_cache = saved
+
+    return run
+
+
 def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, float]]) -> None:
     size = f"{nbytes // MiB} MiB"
     rows = [
@@ -255,15 +269,20 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
     sdk = [
         ("same-host upload `client.tensor(a)`", "up", best(lambda: local.tensor(src), repeats)),
         (
-            "same-host upload, one thread (before)",
+            "same-host upload, one thread",
             "up",
             best(one_thread(lambda: local.tensor(src)), repeats),
         ),
         ("same-host download `x.numpy()`", "down", best(x.numpy, repeats)),
         (
-            "same-host download, one thread (before)",
+            "same-host download, one thread",
             "down",
             best(one_thread(x.numpy), repeats),
+        ),
+        (
+            "same-host download, fresh array (before)",
+            "down",
+            best(no_numpy_cache(x.numpy), repeats),
         ),
         (
             "same-host download into an existing array",

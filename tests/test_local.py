@@ -4,6 +4,7 @@ transfers, holds and their lifetime, tenant isolation and the gRPC fallback (tor
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -23,8 +24,10 @@ import torch
 from conftest import SessionStub, open_channel, wait_until
 from tensord import _local
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.errors import FailedPreconditionError
 from tensord.tensor import assign_data
 from tensord_server.devices.shm import SharedHostBackend
+from tensord_server.domain.quotas import QuotaSpec
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,6 +328,195 @@ def test_a_large_upload_reuses_the_blocks_dropped_before_it(fresh_server: Any) -
         stats = client.memory_stats()
     # the releases and export releases of the tensor before went first: one block at a time
     assert stats["allocated_bytes.all.peak"] == values.nbytes
+
+
+class _RecordedStub:
+    """A stub method that records each call made from the recording thread (the client's
+    flusher thread may send a Batch of its own at any time)."""
+
+    def __init__(self, name: str, method: Any, calls: list[str], thread: int) -> None:
+        self._name, self._method, self._calls, self._thread = name, method, calls, thread
+
+    def _record(self) -> None:
+        if threading.get_ident() == self._thread:
+            self._calls.append(self._name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._record()
+        return self._method(*args, **kwargs)
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        self._record()
+        return self._method.future(*args, **kwargs)
+
+
+def record_rpcs(client: Any, monkeypatch: Any) -> list[str]:
+    """The unary RPCs this thread's client makes from now on, by name."""
+    calls: list[str] = []
+    stub = client._conn._stub
+    names = ("Empty", "Export", "EmptyExport", "Release", "ReleaseExports", "Batch")
+    for name in names:
+        method = getattr(stub, name)
+        monkeypatch.setattr(stub, name, _RecordedStub(name, method, calls, threading.get_ident()))
+    return calls
+
+
+def test_a_large_upload_is_one_call_carrying_the_releases_before_it(
+    fresh_server: Any, monkeypatch: Any
+) -> None:
+    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    with tensord.connect(fresh_server.address) as client:
+        x = client.tensor(values)
+        y = x[1:]  # pipelined: a queued view, applied before the releases are taken
+        assert y.handle  # used: it must be sent (a view dropped unused is never sent)
+        del x, y
+        calls = record_rpcs(client, monkeypatch)
+        z = client.tensor(values * 2)
+        # Empty, Export and the releases in one round trip, after the queued view's Batch
+        # (unless the client's flusher thread sent that one first)
+        assert calls in (["Batch", "EmptyExport"], ["EmptyExport"])
+        calls.clear()
+        del z
+        w = client.tensor(values)
+        assert calls == ["EmptyExport"]
+        session = fresh_server.daemon.sessions.peek(client.session_id)
+        assert fresh_server.daemon.sessions.handle_count(session) == 1  # only w's
+        np.testing.assert_array_equal(w.numpy(), values)
+        stats = client.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == values.nbytes  # one block, reused
+
+
+def test_a_small_upload_carries_no_releases(fresh_server: Any, monkeypatch: Any) -> None:
+    values = np.ones(_local.MIN_FAST_BYTES, dtype=np.uint8)
+    assert values.nbytes < _local.RELEASE_BEFORE_UPLOAD_BYTES
+    with tensord.connect(fresh_server.address) as client:
+        x = client.tensor(values)
+        del x
+        requests: list[Any] = []
+        empty_export = client._conn._unary
+
+        def recorded(method: str, request: Any, **kwargs: Any) -> Any:
+            requests.append(request)
+            return empty_export(method, request, **kwargs)
+
+        monkeypatch.setattr(client._conn, "_unary", recorded)
+        y = client.tensor(values)
+        [request] = [r for r in requests if isinstance(r, pb.EmptyExportRequest)]
+        assert not request.release_handles and not request.release_exports.export_ids
+        np.testing.assert_array_equal(y.numpy(), values)
+
+
+def test_empty_export_checks_the_handle_limit_and_releases_a_refused_handle(
+    make_server: Any,
+) -> None:
+    running = make_server(max_handles_per_session=8)
+    sessions = running.daemon.sessions
+    with tensord.connect(running.address) as client:
+        kept = [client.zeros(4) for _ in range(7)]
+        client.synchronize()
+        session = sessions.peek(client.session_id)
+        assert sessions.handle_count(session) == 7
+        request = pb.EmptyRequest(shape=[1000], dtype="float32", device="cpu")
+        # the new handle is the 8th; its export would be the 9th: refused
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+            client._conn.empty_export(request, False)
+        assert sessions.handle_count(session) == 7  # the new handle went with the refusal
+        assert running.daemon.exports.count(session.id) == 0
+        del kept
+
+
+def test_empty_export_charges_the_quota_after_the_releases_it_carries(make_server: Any) -> None:
+    running = make_server(quotas=[QuotaSpec("*", "cpu", 24 * MiB)])
+    values = np.ones(_local.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
+    with tensord.connect(running.address) as client:
+        x = client.tensor(values)
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match="quota exceeded"):
+            client.tensor(values)  # both would be over the quota
+        del x
+        y = client.tensor(values)  # x's release rides first: room again
+        np.testing.assert_array_equal(y.numpy(), values)
+        assert client.memory_stats()["allocated_bytes.all.current"] == values.nbytes
+
+
+def test_empty_export_releases_only_the_callers_handles_and_exports(server: Any) -> None:
+    with tensord.connect(server.address) as owner:
+        x = owner.tensor(np.ones(1 << 18, dtype=np.float32))
+        owner.flush()  # the upload's own export ended
+        alias = np.from_dlpack(x)
+        owner_session = server.daemon.sessions.peek(owner.session_id)
+        exports = server.daemon.exports._exports
+        [export_id] = [k for k, e in exports.items() if e.session_id == owner_session.id]
+        handles = server.daemon.sessions.handle_count(owner_session)
+        stranger = SessionStub(open_channel(server.address))
+        stranger.EmptyExport(
+            pb.EmptyExportRequest(
+                empty=pb.EmptyRequest(shape=[4], dtype="float32", device="cpu"),
+                release_handles=[x.handle],
+                release_exports=pb.ReleaseExportsRequest(export_ids=[export_id]),
+            ),
+            metadata=stranger.md,
+        )
+        assert server.daemon.sessions.handle_count(owner_session) == handles
+        assert export_id in server.daemon.exports._exports
+        alias[:] = 5
+        np.testing.assert_array_equal(x.numpy(), np.full(1 << 18, 5, dtype=np.float32))
+        stranger.channel.close()
+        del alias
+
+
+def test_an_upload_falls_back_to_grpc_when_the_server_cannot_export(
+    fresh_server: Any, monkeypatch: Any
+) -> None:
+    def refuse(*args: Any) -> Any:
+        raise FailedPreconditionError("the memory of cpu cannot be mapped by clients")
+
+    monkeypatch.setattr(fresh_server.daemon.exports, "export", refuse)
+    values = np.arange(1 << 18, dtype=np.float32)
+    with tensord.connect(fresh_server.address) as client:
+        calls = record_rpcs(client, monkeypatch)
+        upload = client._conn.upload
+        uploads: list[int] = []
+
+        def counted_upload(*args: Any) -> Any:
+            uploads.append(1)
+            return upload(*args)
+
+        monkeypatch.setattr(client._conn, "upload", counted_upload)
+        x = client.tensor(values)
+        assert calls == ["EmptyExport"] and len(uploads) == 1
+        assert "cannot be mapped" in client._local.last_refusal
+        np.testing.assert_array_equal(x.numpy(), values)
+        session = fresh_server.daemon.sessions.peek(client.session_id)
+        assert fresh_server.daemon.sessions.handle_count(session) == 1  # the refused one went
+
+
+def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
+    make_server: Any, monkeypatch: Any
+) -> None:
+    from tensord_server.rpc.service import TensordService
+
+    def unknown(self: Any, request: Any, context: Any) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(TensordService, "EmptyExport", unknown)  # a server before it
+    running = make_server()
+    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    with tensord.connect(running.address) as client:
+        calls = record_rpcs(client, monkeypatch)
+        monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
+        gc.disable()  # a tensor kept alive by a garbage cycle would stay so: deterministic
+        try:
+            x = client.tensor(values)
+            del x
+            y = client.tensor(values * 3)
+        finally:
+            gc.enable()
+        assert calls.count("EmptyExport") == 1  # asked once, then Empty + Export
+        assert calls.count("Empty") == 2 and calls.count("Export") == 2
+        assert client._local.enabled
+        np.testing.assert_array_equal(y.numpy(), values * 3)
+        stats = client.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == values.nbytes  # the releases went first
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])

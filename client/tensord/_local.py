@@ -34,14 +34,17 @@ import concurrent.futures
 import contextlib
 import hmac
 import itertools
+import math
 import mmap
 import os
 import socket
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 
 from tensord import dtypes, errors
@@ -56,7 +59,7 @@ LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
 # Empty + Export + a release for small tensors.
 MIN_FAST_BYTES = 256 << 10
-#: a same-host upload of at least this many bytes first sends the releases queued before it
+#: a same-host upload of at least this many bytes carries the releases queued before it
 RELEASE_BEFORE_UPLOAD_BYTES = 16 << 20
 # The fd socket answers within this many seconds or the client gives up (and falls back).
 FD_TIMEOUT_S = 2.0
@@ -73,6 +76,11 @@ READ_SLICE_BYTES = 8 << 20
 # a fresh destination, is far from the memory's bandwidth (bench_local: 1 GiB out of a memfd
 # mapping 4.2 GB/s on one thread, 8.4 on two).  Below it a thread's start-up is not repaid.
 PARALLEL_MIN_BYTES = 8 << 20
+# x.numpy()'s same-host destinations are kept for reuse (:class:`HostBufferCache`): at most
+# this many bytes (``$TENSORD_NUMPY_CACHE_BYTES``, 0 turns it off) in NUMPY_CACHE_COUNT arrays.
+NUMPY_CACHE_ENV = "TENSORD_NUMPY_CACHE_BYTES"
+NUMPY_CACHE_DEFAULT_BYTES = 256 << 20
+NUMPY_CACHE_COUNT = 4
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -200,6 +208,7 @@ class LocalMapper:
         self.enabled = enabled
         self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
         self.last_refusal = ""  # why the server last refused an Export
+        self._empty_export = True  # false once the server turned EmptyExport down as unknown
         # guards _segments, _imports and their counters; reentrant: an export's finalizer may
         # run on a collection triggered while this thread holds it
         self._lock = threading.RLock()
@@ -256,6 +265,55 @@ class LocalMapper:
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
+        return self._mapped(handle, response, reuse_key)
+
+    def empty_exported(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> tuple[pb.TensorMeta, Export | CudaExport | None] | None:
+        """A new empty tensor and its export, in one call (EmptyExport); None when the server
+        cannot share that memory (it released the new handle: use gRPC).  The export is None
+        when this client cannot map it (the caller drops the tensor and uses gRPC).
+        ``carry_releases``: the releases queued so far ride along, applied first."""
+        if not self._empty_export:
+            return self._empty_then_export(empty, carry_releases)
+        unknown = False
+        try:
+            response = self._conn.empty_export(empty, carry_releases)
+        except errors.TensordError as exc:
+            refused = isinstance(exc, errors.FailedPreconditionError)
+            unknown = getattr(exc, "grpc_code", None) is grpc.StatusCode.UNIMPLEMENTED
+            if not (refused or unknown):
+                raise
+            self.last_refusal = str(exc) if refused else self.last_refusal
+            # the error and the failed call's frames form a cycle that holds this frame, and
+            # through it the caller's: what the caller makes next (the tensor, the upload's
+            # view of the array) would outlive its last reference until a garbage collection
+            exc.__traceback__ = exc.__context__ = None
+            if refused:
+                return None
+        if unknown:
+            self._empty_export = False  # a server older than EmptyExport: two calls
+            return self._empty_then_export(empty, carry_releases)
+        exported = response.export
+        if not exported.tensor.handle or not exported.export_id:
+            self.disable(f"the server's EmptyExport answered no tensor ({exported.tensor!r})")
+            return None
+        self.unmap_gone(list(response.released_exports.gone_segments))
+        return exported.tensor, self._mapped(exported.tensor.handle, exported, None)
+
+    def _empty_then_export(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> tuple[pb.TensorMeta, Export | CudaExport | None]:
+        """:meth:`empty_exported` in an Empty and an Export, after the releases if asked."""
+        if carry_releases:
+            self._conn.flush_releases()
+        meta: pb.TensorMeta = self._conn.call("Empty", empty)
+        return meta, self.export(meta.handle)
+
+    def _mapped(
+        self, handle: str, response: pb.ExportResponse, reuse_key: tuple[str, str] | None
+    ) -> Export | CudaExport | None:
+        """The export the server answered, mapped here (None: released, use gRPC)."""
         key = (response.server_instance, int(response.segment_id))
         end = response.storage_byte_offset + response.tensor.storage_nbytes
         if (
@@ -529,10 +587,117 @@ def exported(mapper: LocalMapper | None, handle: str) -> Any:
             export.close()
 
 
+def numpy_cache_bytes() -> int:
+    """``$TENSORD_NUMPY_CACHE_BYTES`` (bytes; 0: no cache), else the default."""
+    value = os.environ.get(NUMPY_CACHE_ENV, "").strip()
+    try:
+        return max(0, int(value)) if value else NUMPY_CACHE_DEFAULT_BYTES
+    except ValueError:
+        return NUMPY_CACHE_DEFAULT_BYTES
+
+
+def _first_free(
+    buffers: collections.OrderedDict[int, np.ndarray],
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    free_refs: int,
+) -> int | None:
+    """The key of the oldest buffer of ``shape`` and ``dtype`` nothing but ``buffers``
+    references (sys.getrefcount at most ``free_refs`` here), still as it was made."""
+    for key, buffer in buffers.items():
+        if (
+            sys.getrefcount(buffer) <= free_refs
+            and buffer.shape == shape
+            and buffer.dtype == dtype
+            and buffer.flags.writeable
+            and buffer.flags.c_contiguous
+            and buffer.flags.owndata
+        ):
+            return key
+    return None
+
+
+def _free_refs() -> int:
+    """What sys.getrefcount says in :func:`_first_free` of a buffer only its dict holds
+    (the interpreter's own references differ between versions: measured, not assumed)."""
+    probe: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+    probe[0] = np.empty(1, dtype=np.uint8)
+    shape, dtype = probe[0].shape, probe[0].dtype
+    refs = next(r for r in range(1, 64) if _first_free(probe, shape, dtype, r) is not None)
+    held = probe[0]  # one reference more must show
+    assert _first_free(probe, shape, dtype, refs) is None, "sys.getrefcount misses references"
+    del held
+    return refs
+
+
+class HostBufferCache:
+    """x.numpy()'s destinations, reused (PyTorch's CachingHostAllocator idea): a large copy
+    into fresh pages costs their faults and zeroing (a 64 MiB download ran at 0.6x of a copy
+    into warm pages, bench_local), so each array x.numpy() makes here is kept, and handed
+    out again by a later x.numpy() of the same shape and dtype once nothing else references
+    it: every view, memoryview, torch.from_numpy or DLPack alias of it, or of a view of it,
+    holds a reference to it, which sys.getrefcount sees.  Bounded: at most ``max_bytes`` in
+    at most ``max_count`` arrays, the least recently handed out dropped first (one still in
+    use stays its holder's, uncached).  Thread-safe; a forked child starts empty.
+    """
+
+    def __init__(self, max_bytes: int, max_count: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_count = max_count
+        self._lock = threading.Lock()
+        # id(buffer) -> buffer, least recently handed out first; _lock
+        self._buffers: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._nbytes = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized C-contiguous array of ``shape`` that nothing else references."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.max_bytes or self.max_count < 1:
+            return np.empty(shape, dtype=dtype)
+        with self._lock:
+            key = _first_free(self._buffers, shape, dtype, _FREE_REFS)
+            if key is not None:
+                self._buffers.move_to_end(key)
+                return self._buffers[key]
+            buffer = np.empty(shape, dtype=dtype)
+            self._trim(self.max_bytes - nbytes, self.max_count - 1)
+            self._buffers[id(buffer)] = buffer
+            self._nbytes += nbytes
+            return buffer
+
+    def _trim(self, max_bytes: int, max_count: int) -> None:
+        """(_lock held) Drop the least recently handed out until within the bounds."""
+        while self._buffers and (self._nbytes > max_bytes or len(self._buffers) > max_count):
+            _key, dropped = self._buffers.popitem(last=False)
+            self._nbytes -= dropped.nbytes
+
+    def cached(self) -> tuple[int, int]:
+        """How many arrays and bytes the cache holds."""
+        with self._lock:
+            return len(self._buffers), self._nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._trim(-1, 0)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: start empty (the parent's lock may be held)."""
+        self._lock = threading.Lock()
+        self._buffers = collections.OrderedDict()
+        self._nbytes = 0
+
+
+_FREE_REFS = _free_refs()
+numpy_cache = HostBufferCache(numpy_cache_bytes(), NUMPY_CACHE_COUNT)
+os.register_at_fork(after_in_child=numpy_cache.forget_after_fork)
+
+
 def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray | None:
     """x.numpy() on the same host: one copy out of the mapping into a new array, a large one
     on several threads (:func:`parallel_copyto`); None: use gRPC.  The result never aliases
-    the pool: numpy() keeps copying (use np.from_dlpack for an alias)."""
+    the pool: numpy() keeps copying (use np.from_dlpack for an alias).  The array may be
+    one an earlier x.numpy() returned and nothing references any more (:data:`numpy_cache`)."""
     if tensor.device.type != "cpu" or tensor.nbytes < MIN_FAST_BYTES:
         return None
     with exported(mapper, tensor.handle) as export:
@@ -540,7 +705,7 @@ def read_array(tensor: Any, mapper: LocalMapper, layout: Layout) -> np.ndarray |
             return None
         np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
         view = export.array(np_dtype, layout)
-        out = np.empty(view.shape, dtype=np_dtype)
+        out = numpy_cache.empty(view.shape, np_dtype)
         parallel_copyto(out, view, READ_SLICE_BYTES)
         return out
 

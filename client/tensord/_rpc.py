@@ -237,6 +237,15 @@ def _call(fn: Callable[[], M]) -> M:
         raise error_from_rpc(err) from None
 
 
+def _take(pending: collections.deque[str], limit: int) -> list[str]:
+    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
+    batch: list[str] = []
+    with contextlib.suppress(IndexError):
+        while len(batch) < limit:
+            batch.append(pending.popleft())
+    return batch
+
+
 def _session_lost_message(session_id: str) -> str:
     return (
         f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
@@ -933,6 +942,47 @@ class Connection:
         if not self._closed.is_set():
             self._pending_exports.append(export_id)
 
+    def _export_releases(self, batch: list[str]) -> pb.ReleaseExportsRequest:
+        """ReleaseExports of ``batch``, with the segments mapped and the imports closed here."""
+        mapped = self.local.mapped_segments() if self.local is not None else []
+        closed = self.local.close_idle_imports() if self.local is not None else []
+        return pb.ReleaseExportsRequest(
+            export_ids=batch, mapped_segments=mapped, closed_imports=closed
+        )
+
+    def _carried_releases(self) -> list[str]:
+        """Handle releases a call may carry, applied before it (EmptyExport): only when every
+        op queued before is applied, so no carried handle is one a queued op has yet to issue."""
+        if self.inherited or self._closed.is_set():
+            return []
+        if not self.pipelining:
+            return _take(self._pending, RELEASE_BATCH)
+        with self._send_lock:
+            self._collect()  # the Batch in flight issued its handles
+            with self._queue_lock:
+                if any(op is not None for op in self._queue):
+                    return []  # queued since: the flusher sends them in order
+                return self._take_pending()
+
+    def empty_export(self, empty: pb.EmptyRequest, carry_releases: bool) -> pb.EmptyExportResponse:
+        """Empty then Export of the new tensor in one call (a same-host upload).
+
+        ``carry_releases``: the handles and exports dropped before it are released first,
+        in the same call, so the new tensor reuses the warm pages they free (fresh host pages
+        cost about ten times the copy: `del x; x = client.tensor(a)` in a loop) without the
+        round trips of a flush.  A failed call loses them like a failed flush: the session's
+        end frees them."""
+        if self.pipelining:
+            self.synchronize(releases=False)  # ops queued before it are applied first
+        request = pb.EmptyExportRequest(empty=empty)
+        if carry_releases and not self.inherited:
+            request.release_handles.extend(self._carried_releases())
+            exports = _take(self._pending_exports, RELEASE_BATCH)
+            if exports:
+                request.release_exports.CopyFrom(self._export_releases(exports))
+        response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
+        return response
+
     def flush_export_releases(self) -> None:
         while self._pending_exports and not self.inherited:
             batch: list[str] = []
@@ -940,11 +990,7 @@ class Connection:
                 while len(batch) < RELEASE_BATCH:
                     batch.append(self._pending_exports.popleft())
             if batch and not self._closed.is_set():
-                mapped = self.local.mapped_segments() if self.local is not None else []
-                closed = self.local.close_idle_imports() if self.local is not None else []
-                request = pb.ReleaseExportsRequest(
-                    export_ids=batch, mapped_segments=mapped, closed_imports=closed
-                )
+                request = self._export_releases(batch)
                 with contextlib.suppress(errors.TensordError):  # the session's end frees them
                     response = self._unary(
                         "ReleaseExports", request, timeout=CLOSE_TIMEOUT_S, sync=False

@@ -240,24 +240,32 @@ class Client:
     def _upload_local(
         self, array: np.ndarray, dtype: DType, device: str, requires_grad: bool
     ) -> Tensor | None:
-        """Same host: an empty tensor, then one memcpy through the mapping (None: use gRPC)."""
+        """Same host: an empty tensor and its export in one call (EmptyExport), then one
+        memcpy through the mapping (None: use gRPC)."""
         if device != "cpu" or array.nbytes < _local.MIN_FAST_BYTES or not self._local.enabled:
             return None
-        if array.nbytes >= _local.RELEASE_BEFORE_UPLOAD_BYTES:
-            # the tensors dropped before this upload (and the exports of earlier transfers)
-            # free their blocks first, so the upload reuses warm pages: fresh host pages
-            # cost about ten times the copy (`del x; x = client.tensor(a)` in a loop)
-            self._conn.flush_releases()
         request = pb.EmptyRequest(
             shape=array.shape, dtype=dtype.name, device=device, requires_grad=requires_grad
         )
-        tensor = self._wrap(self._call("Empty", request))
-        with _local.exported(self._local, tensor.handle) as export:
-            if export is None:
-                return None
+        # a large upload carries the releases queued before it (the tensors dropped, the
+        # exports of earlier transfers): the server frees their blocks first, so the upload
+        # reuses warm pages
+        carry = array.nbytes >= _local.RELEASE_BEFORE_UPLOAD_BYTES
+        made = self._local.empty_exported(request, carry)
+        if made is None:
+            return None
+        meta, export = made
+        tensor = self._wrap(meta)
+        if not isinstance(export, _local.Export):
+            if export is not None:
+                export.close()
+            return None  # the tensor is dropped (released) and gRPC takes over
+        try:
             flat = array.reshape(-1).view(np.uint8)  # C-contiguous (as_array): no copy
             _local.parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
-            return tensor
+        finally:
+            export.close()
+        return tensor
 
     # ---- factories ---------------------------------------------------------------------
 

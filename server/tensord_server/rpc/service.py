@@ -476,10 +476,12 @@ class TensordService:
 
     @_unary
     def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
-        session = self._session(context)
+        return self._export(self._session(context), request.handle)
+
+    def _export(self, session: Session, handle: str) -> pb.ExportResponse:
         table = self.store.exports
-        export, ticket = table.export(session, request.handle)
-        ref = self.store.sessions.lookup(session, request.handle)
+        export, ticket = table.export(session, handle)
+        ref = self.store.sessions.lookup(session, handle)
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
@@ -490,14 +492,41 @@ class TensordService:
             ticket=ticket,
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,
-            tensor=encode_meta(Issued(request.handle, ref)),
+            tensor=encode_meta(Issued(handle, ref)),
         )
 
     @_unary
     def ReleaseExports(
         self, request: pb.ReleaseExportsRequest, context: Any
     ) -> pb.ReleaseExportsResponse:
+        return self._release_exports(self._session(context), request)
+
+    @_unary
+    def EmptyExport(self, request: pb.EmptyExportRequest, context: Any) -> pb.EmptyExportResponse:
         session = self._session(context)
+        # releases first: the new tensor reuses the blocks they free (warm pages)
+        self.store.sessions.release(session, list(request.release_handles))
+        released = self._release_exports(session, request.release_exports)
+        empty = request.empty
+        issued = self.store.empty(
+            session,
+            tuple(empty.shape),
+            tuple(empty.stride.values) if empty.HasField("stride") else None,
+            empty.dtype,
+            empty.device,
+            empty.requires_grad,
+        )
+        try:
+            export = self._export(session, issued.handle)
+        except BaseException:
+            # the client never learns the handle: nothing else would release it
+            self.store.sessions.release(session, [issued.handle])
+            raise
+        return pb.EmptyExportResponse(export=export, released_exports=released)
+
+    def _release_exports(
+        self, session: Session, request: pb.ReleaseExportsRequest
+    ) -> pb.ReleaseExportsResponse:
         table = self.store.exports
         table.imports_closed(session, [(c.segment_id, c.exports) for c in request.closed_imports])
         released = table.release(session, list(request.export_ids))

@@ -696,6 +696,24 @@ class ReleaseExportsResponse(_message.Message):
     gone_segments: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, released: _Optional[int] = ..., gone_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class EmptyExportRequest(_message.Message):
+    __slots__ = ("empty", "release_handles", "release_exports")
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    empty: EmptyRequest
+    release_handles: _containers.RepeatedScalarFieldContainer[str]
+    release_exports: ReleaseExportsRequest
+    def __init__(self, empty: _Optional[_Union[EmptyRequest, _Mapping]] = ..., release_handles: _Optional[_Iterable[str]] = ..., release_exports: _Optional[_Union[ReleaseExportsRequest, _Mapping]] = ...) -> None: ...
+
+class EmptyExportResponse(_message.Message):
+    __slots__ = ("export", "released_exports")
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    export: ExportResponse
+    released_exports: ReleaseExportsResponse
+    def __init__(self, export: _Optional[_Union[ExportResponse, _Mapping]] = ..., released_exports: _Optional[_Union[ReleaseExportsResponse, _Mapping]] = ...) -> None: ...
+
 class BatchOp(_message.Message):
     __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "results")
     VIEW_FIELD_NUMBER: _ClassVar[int]

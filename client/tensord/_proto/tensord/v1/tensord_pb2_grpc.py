@@ -209,6 +209,11 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
                 _registered_method=True)
+        self.EmptyExport = channel.unary_unary(
+                '/tensord.v1.Tensord/EmptyExport',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.EmptyExportRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.EmptyExportResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/tensord.v1.Tensord/Batch',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.BatchRequest.SerializeToString,
@@ -487,6 +492,17 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmptyExport(self, request, context):
+        """issue 13: a same-host upload's one round trip. Applies the releases it carries (the
+        handles, then the exports: ReleaseExports' rules), then Empty, then Export of the new
+        tensor, with Empty's and Export's checks (quota, --max-handles-per-session counting
+        exports). If the export is refused the new handle is released (the carried releases
+        stay applied). Only a client that maps the server's memory asks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """issue 15 pipelining
         An ordered list of ops the client queued (views, detach, fills, copies, setitem,
@@ -707,6 +723,11 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.ReleaseExports,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.SerializeToString,
+            ),
+            'EmptyExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmptyExport,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.EmptyExportRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.EmptyExportResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -1679,6 +1700,33 @@ class Tensord:
             '/tensord.v1.Tensord/ReleaseExports',
             tensord_dot_v1_dot_tensord__pb2.ReleaseExportsRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ReleaseExportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmptyExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/EmptyExport',
+            tensord_dot_v1_dot_tensord__pb2.EmptyExportRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.EmptyExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,179 @@
+"""x.numpy()'s reused same-host destinations (tensord._local.HostBufferCache): never handed
+out while anything references them, bounded, thread-safe, empty in a forked child."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tensord import _local
+
+REPO = Path(__file__).resolve().parents[1]
+ELEMENTS = _local.MIN_FAST_BYTES // 4  # float32: the smallest same-host download
+
+
+@pytest.fixture
+def cache(monkeypatch: Any) -> _local.HostBufferCache:
+    """A cache of its own for the test (the process-wide one may hold other tests' arrays)."""
+    fresh = _local.HostBufferCache(64 * _local.MIN_FAST_BYTES, 3)
+    monkeypatch.setattr(_local, "numpy_cache", fresh)
+    return fresh
+
+
+def values(seed: int, n: int = ELEMENTS) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def test_an_unreferenced_array_is_reused_with_the_new_bytes(
+    client: Any, cache: _local.HostBufferCache
+) -> None:
+    first, second = values(0), values(1)
+    x, y = client.tensor(first), client.tensor(second)
+    a = x.numpy()
+    address = a.ctypes.data
+    np.testing.assert_array_equal(a, first)
+    del a
+    b = y.numpy()
+    assert b.ctypes.data == address  # the warm pages again
+    assert b.flags.owndata and b.flags.writeable
+    np.testing.assert_array_equal(b, second)
+    assert cache.cached() == (1, first.nbytes)
+
+
+@pytest.mark.parametrize(
+    "alias",
+    [
+        lambda a: a[10:],
+        lambda a: a[::2].reshape(-1, 8),
+        lambda a: a.view(np.int32),
+        memoryview,
+        torch.from_numpy,
+        lambda a: np.from_dlpack(a),
+        lambda a: [a],  # any container
+    ],
+    ids=["slice", "view of a view", "view(dtype)", "memoryview", "from_numpy", "dlpack", "list"],
+)
+def test_an_alias_of_a_returned_array_blocks_its_reuse(
+    client: Any, cache: _local.HostBufferCache, alias: Any
+) -> None:
+    first, second = values(0), values(1)
+    x, y = client.tensor(first), client.tensor(second)
+    a = x.numpy()
+    address = a.ctypes.data
+    kept = alias(a)
+    del a
+    b = y.numpy()
+    assert b.ctypes.data != address
+    np.testing.assert_array_equal(b, second)
+    # the alias still reads x's bytes: nothing wrote over them
+    np.testing.assert_array_equal(as_array(kept), as_array(alias(first.copy())))
+    addresses = {address, b.ctypes.data}
+    del kept, b
+    c = y.numpy()  # every alias died: one of the two cached arrays again
+    assert c.ctypes.data in addresses
+    np.testing.assert_array_equal(c, second)
+
+
+def as_array(value: Any) -> np.ndarray:
+    return np.asarray(value[0] if isinstance(value, list) else value)
+
+
+def test_the_cache_is_bounded_in_count_and_bytes(
+    client: Any, cache: _local.HostBufferCache
+) -> None:
+    x = client.tensor(values(0))
+    kept = [x.numpy() for _ in range(5)]  # all alive: five arrays, the cache keeps three
+    assert len({a.ctypes.data for a in kept}) == 5
+    assert cache.cached() == (3, 3 * x.nbytes)
+    del kept
+    big = client.tensor(values(1, ELEMENTS * 65))  # over max_bytes: never cached
+    b = big.numpy()
+    assert cache.cached() == (3, 3 * x.nbytes)
+    del b
+    cache.max_bytes = 2 * x.nbytes  # the next array made trims the oldest
+    y = client.tensor(values(2, ELEMENTS * 2))
+    c = y.numpy()
+    assert cache.cached() == (1, 2 * x.nbytes)
+    np.testing.assert_array_equal(c, values(2, ELEMENTS * 2))
+
+
+def test_a_cache_of_zero_bytes_keeps_nothing(client: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv(_local.NUMPY_CACHE_ENV, "0")
+    off = _local.HostBufferCache(_local.numpy_cache_bytes(), _local.NUMPY_CACHE_COUNT)
+    monkeypatch.setattr(_local, "numpy_cache", off)
+    x = client.tensor(values(0))
+    a = x.numpy()
+    del a
+    assert off.cached() == (0, 0)
+    monkeypatch.setenv(_local.NUMPY_CACHE_ENV, "")
+    assert _local.numpy_cache_bytes() == _local.NUMPY_CACHE_DEFAULT_BYTES
+
+
+def test_threads_never_share_an_array(client: Any, cache: _local.HostBufferCache) -> None:
+    tensors = [client.tensor(values(seed)) for seed in range(4)]
+    errors: list[BaseException] = []
+
+    def download(seed: int) -> None:
+        try:
+            for _ in range(10):
+                a = tensors[seed].numpy()
+                np.testing.assert_array_equal(a, values(seed))
+                del a
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=download, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert cache.cached()[0] <= 3
+
+
+def test_a_forked_child_starts_with_an_empty_cache(client: Any) -> None:
+    x = client.tensor(values(0))
+    a = x.numpy()
+    del a
+    assert _local.numpy_cache.cached()[0] >= 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what its cache holds, and nothing else
+        try:
+            os.write(write, str(_local.numpy_cache.cached()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert answer == "(0, 0)"
+
+
+def test_the_reference_count_probe_sees_one_more_reference() -> None:
+    """Run in a fresh interpreter: _FREE_REFS is measured at import, and a held array shows."""
+    script = (
+        "import collections, numpy as np\n"
+        "from tensord import _local\n"
+        "d = collections.OrderedDict(); d[0] = np.empty(4, np.uint8)\n"
+        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) == 0\n"
+        "held = d[0]\n"
+        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) is None\n"
+    )
+    path = os.pathsep.join([str(REPO / "client"), str(REPO / "server")])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
