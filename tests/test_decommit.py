@@ -8,6 +8,7 @@ block allocated over the range faults its pages back in.  ``pytorch`` never does
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import mmap
@@ -215,6 +216,42 @@ def test_only_host_backends_that_can_decommit_are_asked() -> None:
     pool.free(hole)
     assert stat(pool, "decommitted_bytes.all.current") == 0
     assert stat(pool, "reserved_bytes.all.current") == 20 * MiB
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the pages of [address, address + nbytes) this process has in memory
+    (``mincore``: private memory too, which ``st_blocks`` cannot tell)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    start = address // PAGE * PAGE
+    length = address + nbytes - start
+    vector = ctypes.create_string_buffer(-(-length // PAGE))
+    assert libc.mincore(start, length, vector) == 0, os.strerror(ctypes.get_errno())
+    return sum(byte & 1 for byte in vector.raw) * PAGE
+
+
+def test_a_private_segment_over_recycled_heap_memory_holds_none_of_its_untouched_pages() -> None:
+    """A new segment's pages count as decommitted until used, so they must hold no page:
+    np.empty may hand the private backend heap memory freed and written before (a 12 MiB
+    segment freed raises glibc's mmap threshold: the small pool's 2 MiB segments then come
+    from the heap, which recycles them), and pages counted decommitted are never
+    decommitted again, so they would stay resident, uncounted, for the segment's life."""
+    pool = CachingPool(HostBackend(total_bytes=HOST_BYTES), policy=DECOMMIT_ALL)
+    pool.free(pool.malloc(12 * MiB))
+    pool.empty_cache()
+    for _ in range(3):  # small segments written whole, then given back
+        blocks = [pool.malloc(MiB) for _ in range(2)]
+        for block in blocks:
+            pool.backend.view(block.segment.memory, block.offset, block.size)[:] = 7
+        for block in blocks:
+            pool.free(block)
+        pool.empty_cache()
+    block = pool.malloc(512)
+    assert stat(pool, "decommitted_bytes.all.current") > MiB  # the new segment's rest
+    for start, end in pool._decommitted[block.segment.address]:
+        assert resident_bytes(start, end - start) == 0, (start, end)
+    pool.free(block)
+    pool.assert_invariants()
 
 
 def check_pages_gone(pool: CachingPool) -> None:

@@ -97,6 +97,17 @@ def check_pages(memory: DeviceMemory, offset: int, nbytes: int, page: int) -> No
         raise ValueError(f"decommit of [{offset}, {offset + nbytes}) is not whole pages")
 
 
+def drop_recycled_pages(address: int, nbytes: int, page: int) -> None:
+    """Free the whole pages of a new segment: ``np.empty`` may hand back heap memory that
+    was written before, and a pool that decommits counts a new segment's pages as
+    decommitted until used (so it never gives them back).  Best effort: a failure only
+    leaves pages resident, as they were."""
+    first = -(-address // page) * page
+    last = (address + nbytes) // page * page
+    if last > first:
+        _MADVISE(first, last - first, mmap.MADV_DONTNEED)
+
+
 class HostBackend:
     """Host memory on NumPy: each segment is one 512-byte-aligned ``uint8`` array.
 
@@ -122,6 +133,8 @@ class HostBackend:
             raise BackendOutOfMemory(f"host allocation of {nbytes} bytes failed") from exc
         start = -raw.ctypes.data % SEGMENT_ALIGNMENT
         array = raw[start : start + nbytes]
+        if self.can_decommit:
+            drop_recycled_pages(int(array.ctypes.data), nbytes, self.page_size)
         return DeviceMemory(address=int(array.ctypes.data), nbytes=nbytes, payload=array)
 
     def release(self, memory: DeviceMemory) -> None:
