@@ -307,11 +307,12 @@ class CachingPool:
         background compactor paces and budgets copies), or None when there is nothing
         (more) to do."""
         with self._lock:
-            excess = self._compaction_excess()
+            kept = self._kept_idle_segments()
+            excess = self._compaction_excess(kept)
             if not excess or max_moved <= 0:
                 return None
             assert self.relocator is not None
-            moves = PoolMoves(self, max_moved=max_moved, hidden=set(self._kept_idle_segments()))
+            moves = PoolMoves(self, max_moved=max_moved, hidden=set(kept))
             result = compact_step(moves, self.relocator, self, excess, proceed)
             plan = result.plan
             if not plan.moves and not plan.evacuated:
@@ -338,7 +339,7 @@ class CachingPool:
                 for address in self._idle_since
                 if address not in kept and self._releasable_segment(self._segments[address])
             )
-            if any(decayed) and self._compaction_excess():
+            if any(decayed) and self._compaction_excess(kept):
                 return 0.0
             return max(0.0, min(kept.values()) - self.clock()) if kept else None
 
@@ -748,18 +749,27 @@ class CachingPool:
             return 0
         return max(0, reserved - int(threshold * allocated))
 
-    def _compaction_excess(self) -> int:
-        """What the background compactor should give back (its own threshold and slack)."""
+    def _compaction_excess(self, kept: Mapping[int, float] | None = None) -> int:
+        """What the background compactor should give back (its own threshold and slack);
+        ``kept``: the kept idle segments when the caller has them (else looked up)."""
         policy = self.policy
         if policy.compact_threshold is None or self.relocator is None:
             return 0
-        threshold = policy.background_threshold
-        if threshold is None:
-            threshold = policy.compact_threshold
-        kept = sum(
-            self._committed_in(self._segments[address]) for address in self._kept_idle_segments()
-        )
-        return self._excess(threshold, policy.background_min_slack, kept)
+        if kept is None:
+            kept = self._kept_idle_segments()
+        kept_bytes = sum(self._committed_in(self._segments[address]) for address in kept)
+        return self._excess(self._background_threshold(), policy.background_min_slack, kept_bytes)
+
+    def _background_threshold(self, waking: bool = False) -> float:
+        """The background compactor's reserved / allocated aim (``waking``: the threshold
+        above which a free wakes it), each falling back to the next: wake-up, background,
+        compact_threshold."""
+        policy = self.policy
+        chain: list[float | None] = [policy.background_wake_threshold] if waking else []
+        chain += [policy.background_threshold, policy.compact_threshold]
+        threshold = next((t for t in chain if t is not None), None)
+        assert threshold is not None, "a background compactor without compact_threshold"
+        return threshold
 
     def _keeps_idle_segments(self) -> bool:
         """Whether the policy's release_idle_s applies: only where a background compactor
@@ -789,15 +799,11 @@ class CachingPool:
     def _wake_excess(self) -> int:
         """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be),
         kept idle segments included (the compactor gives them back once they decay)."""
-        policy = self.policy
-        if policy.compact_threshold is None or self.relocator is None:
+        if self.policy.compact_threshold is None or self.relocator is None:
             return 0
-        threshold = policy.background_wake_threshold
-        if threshold is None:
-            threshold = policy.background_threshold
-        if threshold is None:
-            threshold = policy.compact_threshold
-        return self._excess(threshold, policy.background_min_slack)
+        return self._excess(
+            self._background_threshold(waking=True), self.policy.background_min_slack
+        )
 
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
