@@ -519,6 +519,34 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
     assert stats["allocated_bytes.all.peak"] == values.nbytes  # the releases went first
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE])
+def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again(
+    make_server: Any, monkeypatch: Any, code: grpc.StatusCode
+) -> None:
+    from tensord_server.rpc.service import TensordService
+
+    def refused(self: Any, request: Any, context: Any) -> Any:
+        context.abort(code, "not run")  # as a server before EmptyExport, or one going away
+
+    monkeypatch.setattr(TensordService, "EmptyExport", refused)
+    running = make_server()
+    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    with tensord.connect(running.address) as client:
+        monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
+        gc.disable()  # a tensor kept alive by a garbage cycle would stay so: deterministic
+        try:
+            dropped = client.zeros(values.shape)
+            dropped_handle = dropped.handle
+            del dropped  # its release is queued: the upload's EmptyExport carries it
+            with contextlib.suppress(tensord.errors.TensordError):  # UNAVAILABLE: raised
+                client.tensor(values)
+        finally:
+            gc.enable()
+        client._conn.flush_releases()
+        session = running.daemon.sessions.peek(client.session_id)
+        assert dropped_handle not in session.handles  # released, not lost with the call
+
+
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])
 def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     client: Any, monkeypatch: Any, slice_bytes: int
