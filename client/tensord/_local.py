@@ -603,10 +603,12 @@ def _first_free(
     free_refs: int,
 ) -> int | None:
     """The key of the oldest buffer of ``shape`` and ``dtype`` nothing but ``buffers``
-    references (sys.getrefcount at most ``free_refs`` here), still as it was made."""
+    references (sys.getrefcount at most ``free_refs`` here, and no weak reference: one
+    still reaches it, the cache keeping it alive), still as it was made."""
     for key, buffer in buffers.items():
         if (
             sys.getrefcount(buffer) <= free_refs
+            and weakref.getweakrefcount(buffer) == 0
             and buffer.shape == shape
             and buffer.dtype == dtype
             and buffer.flags.writeable
@@ -636,7 +638,8 @@ class HostBufferCache:
     into warm pages, bench_local), so each array x.numpy() makes here is kept, and handed
     out again by a later x.numpy() of the same shape and dtype once nothing else references
     it: every view, memoryview, torch.from_numpy or DLPack alias of it, or of a view of it,
-    holds a reference to it, which sys.getrefcount sees.  Bounded: at most ``max_bytes`` in
+    holds a reference to it, which sys.getrefcount sees (a weak reference, which it does not
+    see, blocks reuse too).  Bounded: at most ``max_bytes`` in
     at most ``max_count`` arrays, the least recently handed out dropped first (one still in
     use stays its holder's, uncached).  Thread-safe; a forked child starts empty.
     """
