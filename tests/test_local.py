@@ -3,6 +3,7 @@ transfers, holds and their lifetime, tenant isolation and the gRPC fallback (tor
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import os
@@ -519,6 +520,34 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
     assert stats["allocated_bytes.all.peak"] == values.nbytes  # the releases went first
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE])
+def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again(
+    make_server: Any, monkeypatch: Any, code: grpc.StatusCode
+) -> None:
+    from tensord_server.rpc.service import TensordService
+
+    def refused(self: Any, request: Any, context: Any) -> Any:
+        context.abort(code, "not run")  # as a server before EmptyExport, or one going away
+
+    monkeypatch.setattr(TensordService, "EmptyExport", refused)
+    running = make_server()
+    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    with tensord.connect(running.address) as client:
+        monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
+        gc.disable()  # a tensor kept alive by a garbage cycle would stay so: deterministic
+        try:
+            dropped = client.zeros(values.shape)
+            dropped_handle = dropped.handle
+            del dropped  # its release is queued: the upload's EmptyExport carries it
+            with contextlib.suppress(tensord.errors.TensordError):  # UNAVAILABLE: raised
+                client.tensor(values)
+        finally:
+            gc.enable()
+        client._conn.flush_releases()
+        session = running.daemon.sessions.peek(client.session_id)
+        assert dropped_handle not in session.handles  # released, not lost with the call
+
+
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])
 def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     client: Any, monkeypatch: Any, slice_bytes: int
@@ -561,13 +590,13 @@ def test_copy_in_slices_equals_one_copyto(shape: tuple[int, ...], slice_bytes: i
 def counting_submits(monkeypatch: Any) -> list[int]:
     """The bytes of each part a same-host copy hands to the copy pool, from now on."""
     submitted: list[int] = []
-    submit_part = _local.submit_part
+    queue_part = _local.queue_part
 
-    def counted(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> Any:
-        submitted.append(dst.nbytes)
-        return submit_part(dst, src, slice_bytes)
+    def counted(part: _local.CopyPart) -> bool:
+        submitted.append(part.dst.nbytes)
+        return queue_part(part)
 
-    monkeypatch.setattr(_local, "submit_part", counted)
+    monkeypatch.setattr(_local, "queue_part", counted)
     return submitted
 
 
@@ -689,6 +718,50 @@ def test_an_interrupt_while_parts_run_raises_only_once_every_part_is_done(
         pool_may_go.set()
         helper.join(10)
         signal.signal(signal.SIGINT, previous)
+
+
+class _QueuedThenRaises:
+    """A copy pool whose submit queues the part and then raises ``error``: a thread that
+    failed to start (ThreadPoolExecutor queues the work item first), or an interrupt arriving
+    just as submit returns.  Its one thread is busy until ``release`` is set."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.release = threading.Event()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.pool.submit(self.release.wait, 10)  # the queued part waits behind it
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        self.pool.submit(fn, *args)
+        raise self.error
+
+    def drain(self) -> None:
+        self.release.set()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("can't start new thread"), KeyboardInterrupt()],
+    ids=["thread start failed", "interrupt"],
+)
+def test_a_part_queued_by_a_submit_that_raised_never_writes_after_the_copy_returns(
+    monkeypatch: Any, error: BaseException
+) -> None:
+    """Once parallel_copyto returned (or raised), the caller ends the export and the server
+    may hand those bytes to another tensor: a part queued on the pool must not write then."""
+    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
+    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    pool = _QueuedThenRaises(error)
+    monkeypatch.setattr(_local._copy_pool, "executor", lambda: pool)
+    dst = np.zeros((2, 1000), np.float32)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _local.parallel_copyto(dst, np.ones((2, 1000), np.float32))
+        dst[...] = 7  # the memory is another tensor's now
+    finally:
+        pool.drain()  # the queued part runs now, if it still may
+    assert (dst == 7).all()
 
 
 def test_many_threads_copying_at_once_all_finish(monkeypatch: Any) -> None:

@@ -3,10 +3,13 @@ out while anything references them, bounded, thread-safe, empty in a forked chil
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,31 @@ def test_an_alias_of_a_returned_array_blocks_its_reuse(
 
 def as_array(value: Any) -> np.ndarray:
     return np.asarray(value[0] if isinstance(value, list) else value)
+
+
+@pytest.mark.parametrize("weak", ["ref", "WeakValueDictionary"])
+def test_an_array_still_weakly_referenced_is_not_reused(
+    client: Any, cache: _local.HostBufferCache, weak: str
+) -> None:
+    # a weak reference is not counted by sys.getrefcount, yet it still reaches the array
+    # (the cache keeps it alive): handing it out again would rewrite what it reads
+    first, second = values(0), values(1)
+    x, y = client.tensor(first), client.tensor(second)
+    a = x.numpy()
+    ref: Callable[[], np.ndarray | None]
+    if weak == "ref":
+        ref = weakref.ref(a)
+    else:
+        memo: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
+        memo["x"] = a
+        ref = functools.partial(memo.get, "x")
+    del a
+    b = y.numpy()
+    np.testing.assert_array_equal(b, second)
+    reached = ref()
+    if reached is not None:  # still reachable: it must still hold x's bytes
+        assert reached is not b
+        np.testing.assert_array_equal(reached, first)
 
 
 def test_the_cache_is_bounded_in_count_and_bytes(

@@ -603,10 +603,12 @@ def _first_free(
     free_refs: int,
 ) -> int | None:
     """The key of the oldest buffer of ``shape`` and ``dtype`` nothing but ``buffers``
-    references (sys.getrefcount at most ``free_refs`` here), still as it was made."""
+    references (sys.getrefcount at most ``free_refs`` here, and no weak reference: one
+    still reaches it, the cache keeping it alive), still as it was made."""
     for key, buffer in buffers.items():
         if (
             sys.getrefcount(buffer) <= free_refs
+            and weakref.getweakrefcount(buffer) == 0
             and buffer.shape == shape
             and buffer.dtype == dtype
             and buffer.flags.writeable
@@ -636,7 +638,8 @@ class HostBufferCache:
     into warm pages, bench_local), so each array x.numpy() makes here is kept, and handed
     out again by a later x.numpy() of the same shape and dtype once nothing else references
     it: every view, memoryview, torch.from_numpy or DLPack alias of it, or of a view of it,
-    holds a reference to it, which sys.getrefcount sees.  Bounded: at most ``max_bytes`` in
+    holds a reference to it, which sys.getrefcount sees (a weak reference, which it does not
+    see, blocks reuse too).  Bounded: at most ``max_bytes`` in
     at most ``max_count`` arrays, the least recently handed out dropped first (one still in
     use stays its holder's, uncached).  Thread-safe; a forked child starts empty.
     """
@@ -796,15 +799,44 @@ def _copy_part(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> Non
         copy_in_slices(dst, src, slice_bytes)
 
 
+class CopyPart:
+    """One part of a large copy, copied at most once, by a pool thread unless the caller
+    cancelled ``future`` first.  The future is the part's own, not the executor's:
+    ThreadPoolExecutor.submit queues the work before it starts a thread, so a submit that
+    raised may have queued it all the same, and that run must then copy nothing."""
+
+    def __init__(self, dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
+        self.dst, self.src, self.slice_bytes = dst, src, slice_bytes
+        self.future: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # cancelled: the caller copied it, or gave the copy up
+        try:
+            _copy_part(self.dst, self.src, self.slice_bytes)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(None)
+
+
+def queue_part(part: CopyPart) -> bool:
+    """Queue ``part`` on the copy pool; False: it never runs there (the caller copies it)."""
+    try:
+        _copy_pool.executor().submit(part.run)
+    except RuntimeError:  # after (interpreter) shutdown, or a thread that failed to start
+        # cancelled, a run queued all the same copies nothing; else a pool thread has it
+        return not part.future.cancel()
+    return True
+
+
 def submit_part(
     dst: np.ndarray, src: np.ndarray, slice_bytes: int | None
 ) -> concurrent.futures.Future[None] | None:
     """One part of a large copy queued on the copy pool (None: the pool takes no more work,
     at interpreter exit; the caller copies it)."""
-    try:
-        return _copy_pool.executor().submit(_copy_part, dst, src, slice_bytes)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        return None
+    part = CopyPart(dst, src, slice_bytes)
+    return part.future if queue_part(part) else None
 
 
 def parallel_copyto(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None = None) -> None:
@@ -828,21 +860,27 @@ def parallel_copyto(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None = 
         return
     futures: list[concurrent.futures.Future[None]] = []
     inline = [keys[0]]
+    copied = False
     try:
         for key in keys[1:]:
-            future = submit_part(dst[key], source[key], slice_bytes)
-            if future is None:
+            part = CopyPart(dst[key], source[key], slice_bytes)
+            # listed before it is queued: an interrupt from here on still waits for it
+            futures.append(part.future)
+            if not queue_part(part):
                 inline.append(key)
-            else:
-                futures.append(future)
         for key in inline:
             _copy_part(dst[key], source[key], slice_bytes)
+        copied = True
     finally:
+        if not copied:  # raising: the parts no pool thread started never will
+            for future in futures:
+                future.cancel()
         # never return (or raise) while a part may still be writing: the caller may end
         # the export, and the server may then hand those bytes to another tensor
         wait_for_every_part(futures)
     for future in futures:
-        future.result()  # the first part that failed raises
+        if not future.cancelled():  # cancelled: copied inline
+            future.result()  # the first part that failed raises
 
 
 def wait_for_every_part(futures: list[concurrent.futures.Future[None]]) -> None:

@@ -970,17 +970,27 @@ class Connection:
         ``carry_releases``: the handles and exports dropped before it are released first,
         in the same call, so the new tensor reuses the warm pages they free (fresh host pages
         cost about ten times the copy: `del x; x = client.tensor(a)` in a loop) without the
-        round trips of a flush.  A failed call loses them like a failed flush: the session's
-        end frees them."""
+        round trips of a flush.  A failed call queues them again: the server may never have
+        run it (UNIMPLEMENTED from an older server, UNAVAILABLE), and releasing an id twice
+        is harmless (ids are random and never reused; unknown ones are ignored)."""
         if self.pipelining:
             self.synchronize(releases=False)  # ops queued before it are applied first
         request = pb.EmptyExportRequest(empty=empty)
+        handles: list[str] = []
+        exports: list[str] = []
         if carry_releases and not self.inherited:
-            request.release_handles.extend(self._carried_releases())
+            handles = self._carried_releases()
+            request.release_handles.extend(handles)
             exports = _take(self._pending_exports, RELEASE_BATCH)
             if exports:
                 request.release_exports.CopyFrom(self._export_releases(exports))
-        response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
+        try:
+            response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
+        except BaseException:
+            if not self._closed.is_set():  # else the session's end frees them
+                self._pending.extendleft(reversed(handles))
+                self._pending_exports.extendleft(reversed(exports))
+            raise
         return response
 
     def flush_export_releases(self) -> None:
