@@ -239,6 +239,34 @@ def test_pool_compacts_and_keeps_every_byte() -> None:
     assert pool.memory_stats()["num_compactions"] == 0
 
 
+def test_a_move_without_room_to_commit_ends_the_plan_and_keeps_every_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A destination the device has no room to commit (a pool whose capacity bounds
+    committed bytes) refuses its move: the plan stops there, the moves made stand (counted),
+    the segment they did not empty stays, and the request is out of memory."""
+    allocate = PoolMoves.allocate_in_place
+    calls = itertools.count()
+
+    def refuse_the_third(self: PoolMoves, source: Block, destination: int, size: int) -> Any:
+        return None if next(calls) >= 2 else allocate(self, source, destination, size)
+
+    monkeypatch.setattr(PoolMoves, "allocate_in_place", refuse_the_third)
+    relocator = ToyRelocator()
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    pool, contents = fragmented_pool(backend, relocator)
+    with pytest.raises(OutOfMemoryError, match="Compaction could release 0 bytes"):
+        pool.malloc(12 * MiB)
+    pool.assert_invariants()
+    assert relocator.moves == 2
+    for name, data in contents.items():
+        b = relocator.blocks[name]
+        assert backend.read(b.segment.memory, b.offset, 2 * MiB) == data, name
+    stats = pool.memory_stats()
+    assert stats["num_compactions"] == 0 and stats["compaction_moved_bytes"] == 4 * MiB
+    assert stats["segment.all.current"] == 3
+
+
 def test_a_hopeless_request_does_not_stop_the_world() -> None:
     """More than all free space: no plan could help, so the relocator is never entered."""
 
@@ -819,11 +847,19 @@ def test_concurrent_clients_while_compacting(make_server: Any) -> None:
 
 
 def test_serve_no_compaction_flag(tmp_path: Path) -> None:
-    """`tensord serve --no-compaction` is torch's allocator: the fragmentation OOMs."""
+    """`tensord serve --no-compaction` under a policy that does not decommit is torch's
+    allocator: the fragmentation OOMs (under `adaptive` the holes' pages go back and the
+    capacity bounds committed bytes, so it would not)."""
     from conftest import start_serve_process
 
     process, address = start_serve_process(
-        "--address", "127.0.0.1:0", "--device", POOL, "--no-compaction"
+        "--address",
+        "127.0.0.1:0",
+        "--device",
+        POOL,
+        "--no-compaction",
+        "--policy",
+        "oom-compaction",
     )
     try:
         with open_channel(address) as channel:

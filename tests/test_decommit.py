@@ -2,8 +2,9 @@
 
 Under ``adaptive`` a free range inside a split host segment gives its whole pages back to
 the device (the memfd's pages are freed: ``st_blocks`` drops) while the segment stays;
-``reserved_bytes`` then counts committed bytes, capacity stays on segment bytes, and a
-block allocated over the range faults its pages back in.  ``pytorch`` never does it.
+``reserved_bytes`` then counts committed bytes, the device's capacity bounds committed
+bytes (segment bytes get ``virtual_capacity_factor`` x capacity), and a block allocated
+over the range faults its pages back in.  ``pytorch`` never does it.
 """
 
 from __future__ import annotations
@@ -169,20 +170,88 @@ def test_a_wholly_free_segment_keeps_its_warm_pages() -> None:
     pool.assert_invariants()
 
 
-def test_capacity_stays_on_segment_bytes() -> None:
-    """Decommitted pages lower reserved_bytes but not what the device's capacity bounds:
-    the segment's address range stays reserved (the pages come back on the next use)."""
-    pool = CachingPool(
-        SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB, policy=DECOMMIT_ALL
-    )
-    blocks = [pool.malloc(4 * MiB) for _ in range(3)]
-    pool.free(blocks[1])
+def memfd_bytes(pool: CachingPool) -> int:
+    """Bytes of pages backing every segment's memfd (shared backend only)."""
+    backend = pool.backend
+    assert isinstance(backend, SharedHostBackend)
+    hosts = [backend.segment(segment.memory) for segment in pool._segments.values()]
+    return sum(os.fstat(host.fd).st_blocks * 512 for host in hosts if host is not None)
+
+
+def test_capacity_bounds_committed_bytes_so_a_hole_costs_no_room() -> None:
+    """Segment bytes beyond capacity, committed bytes within it: a request that needs a new
+    segment while the device's segments already span it is served, with no move (before:
+    compaction moved a block, or out of memory without a relocator)."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=20 * MiB, relocator=owner, policy=DECOMMIT_ALL)
+    for index in range(3):
+        owner.add(f"b{index}", pool.malloc(4 * MiB), seed=index)
+    pool.free(owner.blocks.pop("b1"))
+    owner.contents.pop("b1")
     # the 4 MiB hole given back, and the 8 MiB never used
     assert stat(pool, "decommitted_bytes.all.current") == 12 * MiB
     assert stat(pool, "reserved_bytes.all.current") == 8 * MiB
+    owner.add("big", pool.malloc(12 * MiB), seed=9)  # 20 + 12 MiB of segments
+    assert stat(pool, "segment.all.current") == 2
+    assert stat(pool, "reserved_bytes.all.current") == 20 * MiB
+    assert stat(pool, "num_compactions") == stat(pool, "compaction_moved_bytes") == 0
+    owner.check_bytes()
+    assert memfd_bytes(pool) <= pool.capacity
     with pytest.raises(OutOfMemoryError, match="of which 0 bytes is free"):
-        pool.malloc(12 * MiB)  # its own segment: 20 + 12 MiB of segments > 20 MiB
+        pool.malloc(1 * MiB)  # 20 MiB committed: no page left to commit
     pool.assert_invariants()
+
+
+def test_room_to_commit_is_made_from_free_pages_before_anything_moves() -> None:
+    """A hole the free left committed (decommit_threshold not reached) gives its pages back
+    when a request needs the room, and a wholly free segment goes back, the largest first."""
+    # no decommit after a free; segments up to 8 x 24 MiB (neither torch's releases nor the
+    # consolidation before reserving near that bound take part)
+    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=100.0, virtual_capacity_factor=8.0)
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=24 * MiB, relocator=owner, policy=policy)
+    for index in range(3):
+        owner.add(f"b{index}", pool.malloc(4 * MiB), seed=index)
+    idle = pool.malloc(2 * MiB, stream=1)  # its own 20 MiB segment, 2 MiB committed
+    backend.write(idle.segment.memory, idle.offset, pattern(5, 2 * MiB))
+    pool.free(idle)  # wholly free: it keeps its pages
+    pool.free(owner.blocks.pop("b1"))
+    owner.contents.pop("b1")
+    assert stat(pool, "reserved_bytes.all.current") == 14 * MiB  # 12 + 2, nothing given back
+    owner.add("big", pool.malloc(12 * MiB), seed=9)  # 26 MiB committed without room made
+    assert stat(pool, "reserved_bytes.all.current") <= 24 * MiB
+    assert stat(pool, "num_decommits") >= 1  # the hole first (4 MiB is enough) ...
+    assert stat(pool, "segment.all.current") == 3  # ... so the idle segment stays
+    assert stat(pool, "num_compactions") == 0
+    owner.add("more", pool.malloc(4 * MiB, stream=2), seed=11)  # 26 MiB: the idle one goes
+    assert stat(pool, "num_device_free") == 1 and stat(pool, "num_compactions") == 0
+    owner.check_bytes()
+    assert memfd_bytes(pool) <= pool.capacity
+    pool.assert_invariants()
+
+
+def test_segment_bytes_are_bounded_by_the_virtual_capacity_factor() -> None:
+    """Segments may span virtual_capacity_factor x capacity (2 x 20 MiB): two 20 MiB
+    segments of 6 MiB each are served (before: the second was out of memory), a third is
+    refused; under ``pytorch`` capacity stays on segment bytes."""
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB)
+    pool.policy = ADAPTIVE
+    pool.malloc(6 * MiB, stream=0)
+    pool.malloc(6 * MiB, stream=1)
+    assert stat(pool, "segment.all.current") == 2
+    assert stat(pool, "reserved_bytes.all.current") == 12 * MiB
+    with pytest.raises(OutOfMemoryError, match=r"of which 8\.00 MiB is free"):
+        pool.malloc(6 * MiB, stream=2)  # 40 + 6 MiB (tight) of segments > 40 MiB
+    pool.assert_invariants()
+    exact = CachingPool(
+        SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB, policy=policy_named("pytorch")
+    )
+    exact.malloc(6 * MiB, stream=0)
+    with pytest.raises(OutOfMemoryError, match="of which 0 bytes is free"):
+        exact.malloc(6 * MiB, stream=1)  # PyTorch's rules: 40 MiB of segments > 20 MiB
+    exact.assert_invariants()
 
 
 def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> None:
@@ -301,9 +370,59 @@ def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
         pool.assert_invariants()
         owner.check_bytes()
         check_pages_gone(pool)
+        assert memfd_bytes(pool) <= pool.capacity
     for block in owner.blocks.values():
         pool.free(block)
     pool.empty_cache()
     pool.assert_invariants()
     assert stat(pool, "reserved_bytes.all.current") == 0
     assert stat(pool, "decommitted_bytes.all.current") == 0
+
+
+# holes keep their pages until a request needs the room; segments up to 1.5 x capacity
+DECOMMIT_ON_DEMAND = dataclasses.replace(
+    ADAPTIVE, name="decommit-on-demand", decommit_threshold=100.0, min_slack=0, compact_every=1
+)
+DECOMMIT_NARROW = dataclasses.replace(
+    DECOMMIT_ON_DEMAND, name="decommit-narrow", virtual_capacity_factor=1.5
+)
+
+
+@settings(
+    derandomize=True,
+    database=None,
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ON_DEMAND, DECOMMIT_NARROW]))
+def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
+    steps: list[tuple[str, int]], policy: PoolPolicy
+) -> None:
+    """Random alloc/free/hold on a 24 MiB shared-memory device whose segments may span more
+    (room made from free pages on demand, compaction moving unheld blocks, near the segment
+    bound too): the memfds never hold more than the capacity, every invariant (committed
+    <= capacity) and every live block's bytes kept."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=24 * MiB, relocator=owner, policy=policy)
+    names = itertools.count()
+    for action, value in steps:
+        live = sorted(owner.blocks)
+        if action == "alloc":
+            try:
+                block = pool.malloc(value)
+            except OutOfMemoryError:
+                continue
+            owner.add(f"b{next(names)}", block, seed=len(live) * 7919 + value)
+        elif action == "free" and live:
+            name = live[value % len(live)]
+            owner.held.discard(name)
+            owner.contents.pop(name)
+            pool.free(owner.blocks.pop(name))
+        elif action == "hold" and live:
+            owner.held ^= {live[value % len(live)]}
+        pool.assert_invariants()
+        owner.check_bytes()
+        check_pages_gone(pool)
+        assert memfd_bytes(pool) <= pool.capacity

@@ -47,6 +47,9 @@ TRACE = bundled_trace("resnet50_train")
 
 # adaptive, acting on every free and at any slack: the after-free paths on a small pool
 EAGER = dataclasses.replace(policy_named("adaptive"), name="eager", min_slack=0, compact_every=1)
+# adaptive where nothing decommits (pinned host or GPU memory, bookkeeping): capacity bounds
+# segment bytes, so holes cost room and repacking is what gives it back
+SEGMENT_BOUND = dataclasses.replace(policy_named("adaptive"), decommit=False)
 TEST_POLICIES: list[PoolPolicy] = [*POLICIES.values(), EAGER]
 
 
@@ -181,7 +184,7 @@ def test_compaction_alone_cannot_serve_a_request_among_small_holes() -> None:
 
 
 def test_adaptive_repacks_a_segment_into_a_tight_one_and_keeps_every_byte() -> None:
-    pool, owner = holey_pool("adaptive")
+    pool, owner = holey_pool(SEGMENT_BOUND)
     before = dict(owner.blocks)
     block = pool.malloc(14 * MiB)
     pool.assert_invariants()
@@ -197,13 +200,28 @@ def test_adaptive_repacks_a_segment_into_a_tight_one_and_keeps_every_byte() -> N
     assert segment_bytes == 20 * MiB + 6 * MiB + 14 * MiB
 
 
+def test_adaptive_on_host_memory_serves_a_request_among_small_holes_with_no_move() -> None:
+    """The holey layout under `adaptive` on host memory: the holes gave their pages back, the
+    capacity bounds committed bytes, so the 14 MiB request takes a new segment beside them."""
+    pool, owner = holey_pool("adaptive")
+    before = dict(owner.blocks)
+    block = pool.malloc(14 * MiB)
+    pool.assert_invariants()
+    owner.check_bytes()
+    assert block.size == 14 * MiB and owner.blocks == before
+    stats = pool.memory_stats()
+    assert stats["num_ooms"] == stats["num_compactions"] == stats["compaction_moved_bytes"] == 0
+    assert stats["reserved_bytes.all.current"] <= pool.capacity
+    assert stats["reserved_bytes.all.current"] + stats["decommitted_bytes.all.current"] > 52 * MiB
+
+
 def test_adaptive_gathers_free_blocks_before_the_device_is_too_full_to() -> None:
     """Two 18 MiB requests on 62 MiB after the holey layout (16 MiB free in holes and tails).
     Once the first is reserved, the device has 4 MiB left: too little for the 6 MiB segment
     a repack needs, so the second fails.  adaptive repacks before reserving the first, while
     the device still has room (consolidate), and serves both."""
     outcome = {}
-    adaptive = policy_named("adaptive")
+    adaptive = SEGMENT_BOUND
     for policy in (adaptive, dataclasses.replace(adaptive, consolidate=False)):
         pool, owner = holey_pool(policy, capacity=62 * MiB)
         try:

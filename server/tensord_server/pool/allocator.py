@@ -32,7 +32,9 @@ never; the default ``oom-compaction``: compaction on the OOM path only):
   (policy ``consolidate``);
 - free page ranges of split segments given back to the device, the segment kept
   (policy ``decommit``, on backends that can: :func:`~.backend.decommitter`): then
-  ``reserved_bytes`` counts committed bytes, and capacity stays on segment bytes.
+  ``reserved_bytes`` counts committed bytes, capacity bounds committed bytes (free pages
+  elsewhere are given back to make room before anything else) and segment bytes have
+  their own bound, ``virtual_capacity_factor`` x capacity.
 
 Without a relocator and under ``pytorch`` nothing differs from torch.
 
@@ -78,6 +80,7 @@ from tensord_server.pool.blocks import (
     should_split,
 )
 from tensord_server.pool.compaction import (
+    CompactionResult,
     MoveTarget,
     Relocator,
     SegmentShape,
@@ -201,23 +204,32 @@ class CachingPool:
             size = round_size(nbytes)
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
-            block = self._get_free_block(pool, size, stream)
+            # each block found must have room to commit its pages (_admit: always, unless
+            # the capacity bounds committed bytes), else it goes back and the next path runs
+            block = self._admit(self._get_free_block(pool, size, stream), size)
             if block is None and self._should_consolidate(alloc_size):
                 self._consolidate()
             if block is None:
-                block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+                block = self._admit(
+                    self._alloc_block(pool, alloc_size, stream, is_retry=False), size
+                )
             if block is None and self._release_available_cached_blocks(pool, size, stream):
-                block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+                block = self._admit(
+                    self._alloc_block(pool, alloc_size, stream, is_retry=False), size
+                )
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(pool, alloc_size, stream, is_retry=True)
+                block = self._admit(
+                    self._alloc_block(pool, alloc_size, stream, is_retry=True), size
+                )
             if block is None:
                 message = self._oom_message(nbytes)
                 block, note = self._beyond_torch_on_oom(pool, size, alloc_size, stream)
+                block = self._admit(block, size)
                 message += note
             if block is None:
                 self._stats.num_ooms += 1
-                self._record("oom", self.capacity - self._reserved(), size, stream)
+                self._record("oom", self.capacity - self._capacity_used(), size, stream)
                 raise OutOfMemoryError(message)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
             return self._alloc_found_block(block, size, nbytes, split)
@@ -280,7 +292,8 @@ class CachingPool:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes of the segments reserved now, decommitted pages included (no lock)."""
+        """Bytes of the segments reserved now, decommitted pages included (no lock): under a
+        commit cap up to the policy's virtual_capacity_factor x capacity."""
         return self._reserved()
 
     def reserved_ratio(self) -> float:
@@ -415,11 +428,14 @@ class CachingPool:
         """Mirrors alloc_block: reserve a new segment, one free block spanning it (not in the pool)."""
         if is_retry:
             self._stats.num_alloc_retries += 1
-        if self._reserved() + alloc_size > self.capacity:
+        if self._reserved() + alloc_size > self._segment_capacity():
             return None
         try:
             memory = self.backend.reserve(alloc_size)
         except BackendOutOfMemory:
+            return None
+        if self._caps_commit() and not self._commit_room(self._edge_pages(memory)):
+            self.backend.release(memory)  # its partial edge pages would not fit
             return None
         segment = Segment(memory, stream, pool.is_small)
         block = Block(memory.address, alloc_size, stream, pool, segment)
@@ -657,12 +673,11 @@ class CachingPool:
         """Compaction could not empty a segment: repack segments into tight new ones
         (:func:`~.compaction.repack`) and reserve ``alloc_size`` again."""
         assert self.relocator is not None
-        needed = self._reserved() + alloc_size - self.capacity
+        needed = self._reserved() + alloc_size - self._segment_capacity()
         if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
             return None, note
         result = repack(PoolMoves(self), self.relocator, self, needed)
-        if result.plan.evacuated:
-            self._count_compaction(result.moved, result.plan.released)
+        self._count_result(result)
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         if block is not None:
             return block, ""
@@ -675,7 +690,7 @@ class CachingPool:
         reserve ``alloc_size`` again: the new segment's block, or None and a note for the
         out-of-memory message when compaction cannot release enough."""
         assert self.relocator is not None
-        shortfall = self._reserved() + alloc_size - self.capacity
+        shortfall = self._reserved() + alloc_size - self._segment_capacity()
         # within capacity the device itself refused: give back at least a segment's worth
         needed = shortfall if shortfall > 0 else alloc_size
         # a released segment was all free space before (its own, or where its blocks went):
@@ -688,12 +703,12 @@ class CachingPool:
                 f"of the {format_size(needed)} needed."
             )
         result = compact(PoolMoves(self), self.relocator, self, needed)
+        self._count_result(result)
         if result.plan.empty:
             return None, (
                 f" Compaction could release {format_size(result.plan.released)} "
                 f"of the {format_size(needed)} needed."
             )
-        self._count_compaction(result.moved, result.plan.released)
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         note = f" Compaction released {format_size(result.plan.released)} and it was not enough."
         return block, "" if block is not None else note
@@ -708,8 +723,9 @@ class CachingPool:
         policy = self.policy
         if not policy.consolidate or self.relocator is None:
             return False
+        # under a commit cap this guards the segment bound (free pages cost no room there)
         slack = self._slack()
-        headroom = self.capacity - self._reserved() - alloc_size
+        headroom = self._segment_capacity() - self._reserved() - alloc_size
         return slack >= policy.min_slack and headroom < slack
 
     def _consolidate(self) -> None:
@@ -721,11 +737,9 @@ class CachingPool:
         assert self.relocator is not None
         budget = self.policy.max_moved_bytes
         result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
-        if not result.plan.empty:
-            self._count_compaction(result.moved, result.plan.released)
+        self._count_result(result)
         result = repack(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
-        if result.plan.evacuated:
-            self._count_compaction(result.moved, result.plan.released)
+        self._count_result(result)
 
     def _segment_shape(self, segment: Segment) -> SegmentShape:
         """Planning's view of ``segment``'s blocks: the kept one, or a fresh walk kept."""
@@ -733,6 +747,14 @@ class CachingPool:
         if shape is None:
             shape = self._shapes[segment.address] = segment_shape(segment)
         return shape
+
+    def _count_result(self, result: CompactionResult) -> None:
+        """A compaction counts once, when it gives segments back; bytes it moved count even
+        when it gave none back (a move that found no room to commit ended its plan)."""
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
+        else:
+            self._stats.compaction_moved_bytes += result.moved
 
     def _count_compaction(self, moved: int, released: int) -> None:
         stats = self._stats
@@ -790,7 +812,7 @@ class CachingPool:
         decay = policy.release_idle_s
         if decay is None or not self._idle_since or not self._keeps_idle_segments():
             return {}
-        if self._reserved() > policy.keep_idle_below * self.capacity:
+        if self._capacity_used() > policy.keep_idle_below * self.capacity:
             return {}  # near the device's edge: the room is worth more than warm pages
         now = self.clock()
         due = {address: since + decay for address, since in self._idle_since.items()}
@@ -842,8 +864,7 @@ class CachingPool:
         result = compact(
             PoolMoves(self, max_moved=policy.max_moved_bytes), self.relocator, self, excess
         )
-        if not result.plan.empty:
-            self._count_compaction(result.moved, result.plan.released)
+        self._count_result(result)
 
     def _release_idle_segments(self, target: int) -> None:
         """Give back whole free segments, the largest first, until ``target`` bytes went back."""
@@ -887,6 +908,87 @@ class CachingPool:
         self._decommitted[segment.address] = [interior]
         return interior[1] - interior[0]
 
+    def _caps_commit(self) -> bool:
+        """Whether the capacity bounds committed bytes (a pool that decommits), not segment
+        bytes: fragmentation of the address space then costs no device memory."""
+        return self._decommits()
+
+    def _segment_capacity(self) -> int:
+        """What segment bytes may reach: the capacity, or under a commit cap the policy's
+        virtual_capacity_factor x capacity (address space, memfds)."""
+        if not self._caps_commit():
+            return self.capacity
+        return int(self.capacity * self.policy.virtual_capacity_factor)
+
+    def _capacity_used(self) -> int:
+        """The bytes the capacity bounds: committed ones under a commit cap, else segments'."""
+        return self._committed() if self._caps_commit() else self._reserved()
+
+    def _edge_pages(self, memory: DeviceMemory) -> int:
+        """The bytes of a new segment's partial first and last pages (committed at once)."""
+        assert self._decommitter is not None
+        interior = page_interior(
+            memory.address, memory.address + memory.nbytes, self._decommitter[1]
+        )
+        return memory.nbytes - (0 if interior is None else interior[1] - interior[0])
+
+    def _pages_of(self, start: int, end: int) -> Span:
+        """[start, end) rounded out to whole pages, as _recommit counts a block."""
+        assert self._decommitter is not None
+        page = self._decommitter[1]
+        return start // page * page, -(-end // page) * page
+
+    def _admit(self, block: Block | None, size: int) -> Block | None:
+        """``block`` (taken out of its pool, or a new segment's) if the device has room to
+        commit the pages ``size`` bytes at its front would take (free pages elsewhere given
+        back first, whole free segments released); else None, the block back in its pool
+        (a new segment's released)."""
+        if block is None or not self._caps_commit():
+            return block
+        if self._commit_room(self._commit_cost(block, size), release_segments=True):
+            return block
+        assert block.pool is not None
+        block.pool.insert(block)
+        if not block.is_split() and self._releasable(block):  # as _commit_room did to others
+            self._release_block(block)
+        return None
+
+    def _admit_move(self, block: Block, size: int) -> bool:
+        """Whether a compaction move may take ``size`` bytes at the front of the free
+        ``block`` (out of its pool): room to commit its pages, made by decommitting free
+        pages elsewhere (no segment goes back: the plan may still use every free block)."""
+        return self._commit_room(self._commit_cost(block, size))
+
+    def _commit_cost(self, block: Block, size: int) -> int:
+        """The decommitted bytes that allocating ``size`` at the front of the free ``block``
+        commits again: the pages of the part allocated (split or not), rounded out."""
+        assert block.pool is not None
+        split = should_split(block.size, size, block.pool.is_small, self.max_split_size)
+        start, end = self._pages_of(block.address, block.address + (size if split else block.size))
+        return spans_within(self._decommitted.get(block.segment.address, []), start, end)
+
+    def _commit_room(self, nbytes: int, *, release_segments: bool = False) -> bool:
+        """Whether ``nbytes`` more committed bytes fit the capacity, giving back free pages
+        (the largest free blocks first: those of split segments, then wholly free segments,
+        released when ``release_segments``, else decommitted) until they do.  A free block
+        out of its pool (being allocated) is never touched."""
+        shortfall = self._committed() + nbytes - self.capacity
+        if shortfall <= 0:
+            return True
+        free = [
+            pool.free_blocks[key[2]] for pool in (self._large, self._small) for key in pool.keys
+        ]
+        free.sort(key=lambda b: (not b.is_split(), -b.size, b.address))
+        for block in free:
+            if shortfall <= 0:
+                break
+            if not block.is_split() and release_segments and self._releasable(block):
+                shortfall -= self._committed_in(block.segment)
+                self._release_block(block)
+            else:
+                shortfall -= self._decommit_free_block(block, minimum=0)
+        return shortfall <= 0
+
     def _recommit(self, block: Block) -> None:
         """A block allocated over decommitted pages: they count as committed again (the
         pages themselves fault back in, as zeros, when touched)."""
@@ -910,13 +1012,16 @@ class CachingPool:
             decrease(self._stats.decommitted_bytes, block.pool.kind, recommitted)
             increase(self._stats.reserved_bytes, block.pool.kind, recommitted)
 
-    def _decommit_free_block(self, block: Block) -> int:
+    def _decommit_free_block(self, block: Block, minimum: int | None = None) -> int:
         """Give back the whole pages of a free block not given back yet, when the block has
-        at least the policy's decommit_min_bytes; the bytes decommitted now."""
+        at least ``minimum`` bytes (default: the policy's decommit_min_bytes); the bytes
+        decommitted now."""
         assert self._decommitter is not None and block.pool is not None and not block.allocated
         decommit, page = self._decommitter
         interior = page_interior(block.address, block.address + block.size, page)
-        if interior is None or block.size < self.policy.decommit_min_bytes:
+        if minimum is None:
+            minimum = self.policy.decommit_min_bytes
+        if interior is None or block.size < minimum:
             return 0
         segment = block.segment
         spans = self._decommitted.get(segment.address, [])
@@ -985,7 +1090,7 @@ class CachingPool:
         asked for are what an operator can act on, so those are named here.
         """
         allocated = self._stats.allocated_bytes[ALL].current
-        reserved = self._reserved()
+        reserved = self._capacity_used()  # committed bytes where those are what capacity bounds
         return (
             f"{self.device} out of memory. Tried to allocate {format_size(nbytes)}. "
             f"Device {self.device} has a total capacity of {format_size(self.capacity)} "
@@ -1076,12 +1181,15 @@ class PoolMoves(MoveTarget):
             raise KeyError(f"no allocated block at {address:#x}")
         return block
 
-    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
+    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
         pool = self.pool
         block_pool = source.pool
         assert block_pool is not None and source.allocated, source
         target = block_pool.free_blocks[destination]
         block_pool.remove(target)
+        if pool._caps_commit() and not pool._admit_move(target, size):
+            block_pool.insert(target)
+            return None
         split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
         return pool._alloc_found_block(target, size, source.requested_size, split)
 
@@ -1261,7 +1369,8 @@ def check_pool_invariants(pool: CachingPool) -> None:
         assert stats.decommitted_bytes[kind].current == decommitted[kind], (kind, decommitted)
     assert stats.decommitted_bytes[ALL].current == sum(decommitted.values()), "decommitted"
     assert set(pool._decommitted) <= set(pool._segments), "decommitted pages of no segment"
-    assert pool._reserved() <= pool.capacity, "segments beyond capacity"
+    assert pool._reserved() <= pool._segment_capacity(), "segments beyond their bound"
+    assert pool._committed() <= pool.capacity, "committed bytes beyond capacity"
     for address in pool._idle_since:
         head = pool._segments[address].head if address in pool._segments else None
         assert head is not None and not head.allocated and not head.is_split(), (

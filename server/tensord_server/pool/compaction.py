@@ -332,9 +332,11 @@ class MoveTarget(Protocol):
         """The allocated block starting at ``address``."""
         ...
 
-    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block:
+    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
         """Allocate ``size`` at the front of the free block at ``destination``, as malloc would
-        have (split or not), for ``source``'s request: the new block, allocated."""
+        have (split or not), for ``source``'s request: the new block, allocated; None when
+        the device has no room to commit its pages (a pool whose capacity bounds committed
+        bytes): the move, and the rest of its plan, cannot run."""
         ...
 
     def move_bytes(self, source: Block, destination: Block) -> int:
@@ -393,11 +395,14 @@ class CompactionResult:
 
 def execute_move(
     target: MoveTarget, move: Move, movable: Mapping[Block, Callable[[Block], None]]
-) -> int:
+) -> int | None:
     """One planned move: allocate in place, copy, repoint the owner, free the old block.
-    A failed copy frees the new block (owned by nothing yet) and the owner stays put."""
+    A failed copy frees the new block (owned by nothing yet) and the owner stays put.
+    None: no room to commit the destination, nothing done."""
     old = target.allocated_block(move.source)
     new = target.allocate_in_place(old, move.destination, move.size)
+    if new is None:
+        return None
     assert new.size <= old.size and new.segment is not old.segment, (old, new)
     try:
         moved = target.move_bytes(old, new)
@@ -441,6 +446,32 @@ def execute_move_outside_locks(
     return moved, current
 
 
+def execute_moves(
+    target: MoveTarget, moves: Sequence[Move], movable: Mapping[Block, Callable[[Block], None]]
+) -> tuple[int, int]:
+    """A plan's moves in order: the bytes moved and how many moves ran (the first that
+    finds no room to commit its destination ends the plan: later destinations were
+    planned after it)."""
+    moved = 0
+    for index, move in enumerate(moves):
+        nbytes = execute_move(target, move, movable)
+        if nbytes is None:
+            return moved, index
+        moved += nbytes
+    return moved, len(moves)
+
+
+def release_emptied(target: MoveTarget, evacuated: Iterable[int]) -> tuple[tuple[int, ...], int]:
+    """The planned segments that are wholly free, released: their addresses and bytes."""
+    released: list[tuple[int, int]] = []
+    for address in evacuated:
+        size = target.free_segment_size(address)
+        if size is not None:
+            target.release_segment(address)
+            released.append((address, size))
+    return tuple(a for a, _ in released), sum(size for _, size in released)
+
+
 def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> CompactionResult:
     """Stop the world, plan the release of ``needed`` bytes, run the moves, release the
     emptied segments.  ``pool`` is what the relocator is told is asking (the CachingPool)."""
@@ -454,8 +485,11 @@ def compact(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) ->
         )
         if plan.empty:
             return CompactionResult(plan, 0)
-        moved = sum(execute_move(target, move, movable) for move in plan.moves)
+        moved, ran = execute_moves(target, plan.moves, movable)
     # the world runs again: the emptied segments are the pool's alone (its lock is held)
+    if ran < len(plan.moves):  # a move found no room to commit: what it emptied goes back
+        evacuated, released = release_emptied(target, plan.evacuated)
+        return CompactionResult(CompactionPlan(plan.moves[:ran], evacuated, released), moved)
     for address in plan.evacuated:
         target.release_segment(address)
     return CompactionResult(plan, moved)
@@ -660,9 +694,15 @@ def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> 
             if option.new_size:
                 plan = plan_repack(option.rest, address, option.new_size, target.max_split_size)
                 plan_moves.extend(plan.moves)
-            moved += sum(execute_move(target, move, movable) for move in plan_moves)
+            nbytes, ran = execute_moves(target, plan_moves, movable)
+            moved += nbytes
+            moves.extend(plan_moves[:ran])
+            if ran < len(plan_moves):  # no room to commit a destination: stop there
+                emptied, _ = release_emptied(target, (option.segment.address,))
+                evacuated.extend(emptied)
+                released += option.gain if emptied else 0
+                break
             target.release_segment(option.segment.address)
-            moves.extend(plan_moves)
             evacuated.append(option.segment.address)
             released += option.gain
     return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)

@@ -52,8 +52,12 @@ what the pool does *besides*:
   bookkeeping, pinned or CUDA memory): their pages are freed and fault back in as zeros
   when a block is allocated over them, so no bytes are copied.  ``reserved_bytes``
   then counts committed bytes (segment bytes less decommitted ones), as PyTorch's
-  expandable segments count mapped pages; capacity and out-of-memory checks stay on
-  segment bytes.  Only free ranges with at least ``decommit_min_bytes`` of whole pages
+  expandable segments count mapped pages, and the device's capacity bounds committed
+  bytes: a segment may be reserved, and a block allocated over decommitted pages, while
+  committed bytes after it stay within capacity (else free pages elsewhere are given
+  back first, and only then compaction or out of memory); segment bytes, the address
+  space and (on a shared host) memfds, are bounded by ``virtual_capacity_factor`` x
+  capacity, beyond which today's paths apply (consolidation, compaction, OOM).  Only free ranges with at least ``decommit_min_bytes`` of whole pages
   are decommitted, and, with ``decommit_threshold``, only while committed / allocated
   exceeds it, the largest free ranges first (None: every such range once freed).
   The pages of a new segment count as decommitted until a block is allocated over
@@ -90,6 +94,8 @@ class PoolPolicy:
     decommit: bool = False  # give free page ranges of split segments back (host backends)
     decommit_min_bytes: int = 2 * MiB  # the smallest free range worth a decommit
     decommit_threshold: float | None = None  # None: every such range at once
+    # with decommit: segment bytes may reach this x capacity (committed ones stay <= capacity)
+    virtual_capacity_factor: float = 2.0
 
     @property
     def acts_after_free(self) -> bool:
