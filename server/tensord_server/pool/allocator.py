@@ -975,9 +975,7 @@ class CachingPool:
         shortfall = self._committed() + nbytes - self.capacity
         if shortfall <= 0:
             return True
-        free = [
-            pool.free_blocks[key[2]] for pool in (self._large, self._small) for key in pool.keys
-        ]
+        free = self._room_candidates()
         free.sort(key=lambda b: (not b.is_split(), -b.size, b.address))
         for block in free:
             if shortfall <= 0:
@@ -988,6 +986,24 @@ class CachingPool:
             else:
                 shortfall -= self._decommit_free_block(block, minimum=0)
         return shortfall <= 0
+
+    def _room_candidates(self) -> list[Block]:
+        """The free blocks that may hold whole pages to give back: those of a page or more,
+        found by bisection in each stream's run of a pool's keys (sorted by stream, then
+        size), so the many small holes of a busy small pool cost no walk on each malloc
+        (or compaction move) that needs room."""
+        assert self._decommitter is not None
+        page = self._decommitter[1]
+        found: list[Block] = []
+        for pool in (self._large, self._small):
+            keys = pool.keys
+            index = 0
+            while index < len(keys):
+                stream = keys[index][0]
+                start = bisect.bisect_left(keys, (stream, page, -1), lo=index)
+                index = bisect.bisect_left(keys, (stream + 1, -1, -1), lo=start)
+                found.extend(pool.free_blocks[key[2]] for key in keys[start:index])
+        return found
 
     def _recommit(self, block: Block) -> None:
         """A block allocated over decommitted pages: they count as committed again (the
