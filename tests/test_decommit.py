@@ -15,6 +15,7 @@ import itertools
 import mmap
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -457,3 +458,28 @@ def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
         owner.check_bytes()
         check_pages_gone(pool)
         assert memfd_bytes(pool) <= pool.capacity
+
+
+def test_shared_segments_commit_in_huge_pages_where_shared_memory_may_use_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Segments ask for transparent huge pages: where shmem_enabled lets them have them,
+    one touched byte commits 2 MiB and a hole inside a huge page frees nothing, so the pool
+    decommits and counts in huge pages there (in 4 KiB pages it under-counted)."""
+    from tensord_server.devices import shm
+
+    (tmp_path / "hpage_pmd_size").write_text("2097152\n")
+    for mode, page in (("advise", 2 << 20), ("always", 2 << 20), ("never", mmap.PAGESIZE)):
+        modes = " ".join(
+            f"[{m}]" if m == mode else m
+            for m in ("always", "within_size", "advise", "never", "deny", "force")
+        )
+        (tmp_path / "shmem_enabled").write_text(modes + "\n")
+        assert shm.shared_page_size(str(tmp_path)) == page
+    (tmp_path / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
+    monkeypatch.setattr(shm, "THP_SYSFS", str(tmp_path))
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy_named("adaptive"))
+    block = pool.malloc(1 << 20)  # a 1 MiB block commits the whole 2 MiB pages it touches
+    assert stat(pool, "reserved_bytes.all.current") % (2 << 20) == 0
+    pool.free(block)
+    pool.assert_invariants()

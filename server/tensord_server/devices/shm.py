@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import pathlib
 import threading
 from dataclasses import dataclass, field
 
@@ -64,6 +65,35 @@ def advise_huge_pages(mapping: mmap.mmap) -> None:
         mapping.madvise(mmap.MADV_HUGEPAGE)
 
 
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
+# shmem_enabled values under which a shared mapping that asks (MADV_HUGEPAGE) may get huge pages
+SHMEM_HUGE_MODES = frozenset({"always", "within_size", "advise", "force"})
+
+
+def shmem_huge_mode(sysfs: str | None = None) -> str:
+    """The bracketed value of shmem_enabled ("never" where the file is absent)."""
+    try:
+        text = pathlib.Path(sysfs or THP_SYSFS, "shmem_enabled").read_text()
+    except OSError:
+        return "never"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "never"
+
+
+def shared_page_size(sysfs: str | None = None) -> int:
+    """The page a segment's memory is committed in: the huge page size where shared memory
+    may get transparent huge pages (segments ask for them), else the base page.  Decommits
+    and the committed-byte count use it: with huge pages, touching one byte commits 2 MiB
+    and a hole punched inside a huge page may free nothing."""
+    if shmem_huge_mode(sysfs) not in SHMEM_HUGE_MODES:
+        return mmap.PAGESIZE
+    try:
+        huge = int(pathlib.Path(sysfs or THP_SYSFS, "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        huge = 2 << 20
+    return max(huge, mmap.PAGESIZE)
+
+
 def create_segment(nbytes: int) -> HostSegment:
     """A new zero-filled memfd of ``nbytes`` mapped read-write and shared."""
     try:
@@ -100,6 +130,7 @@ class SharedHostBackend(HostBackend):
     def __init__(self, *, device: str = "cpu", total_bytes: int | None = None) -> None:
         super().__init__(device=device, total_bytes=total_bytes)
         self.description = "host memory (shared)"
+        self.page_size = shared_page_size()
         self._lock = threading.Lock()  # guards _segments
         self._segments: dict[int, HostSegment] = {}  # live segments by id
         self._by_address: dict[int, HostSegment] = {}
