@@ -367,22 +367,11 @@ def check_pages_gone(pool: CachingPool) -> None:
         assert os.fstat(host.fd).st_blocks * 512 <= committed, segment
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-@given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ALL, DECOMMIT_EAGER]))
-def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
-    steps: list[tuple[str, int]], policy: PoolPolicy
+def apply_checked_steps(
+    pool: CachingPool, owner: HoldingRelocator, steps: list[tuple[str, int]]
 ) -> None:
-    """Random alloc/free/hold on a 40 MiB shared-memory device, with compaction moving
-    unheld blocks: invariants, every live block's bytes, and decommitted pages really gone."""
-    backend = SharedHostBackend(total_bytes=HOST_BYTES)
-    owner = HoldingRelocator(backend)
-    pool = CachingPool(backend, capacity=40 * MiB, relocator=owner, policy=policy)
+    """Random alloc/free/hold steps, each followed by the checks: invariants, every live
+    block's bytes, decommitted pages really gone, the memfds within the capacity."""
     names = itertools.count()
     for action, value in steps:
         live = sorted(owner.blocks)
@@ -403,6 +392,25 @@ def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
         owner.check_bytes()
         check_pages_gone(pool)
         assert memfd_bytes(pool) <= pool.capacity
+
+
+@settings(
+    derandomize=True,
+    database=None,
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ALL, DECOMMIT_EAGER]))
+def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
+    steps: list[tuple[str, int]], policy: PoolPolicy
+) -> None:
+    """Random alloc/free/hold on a 40 MiB shared-memory device, with compaction moving
+    unheld blocks: invariants, every live block's bytes, and decommitted pages really gone."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=40 * MiB, relocator=owner, policy=policy)
+    apply_checked_steps(pool, owner, steps)
     for block in owner.blocks.values():
         pool.free(block)
     pool.empty_cache()
@@ -438,26 +446,7 @@ def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
     backend = SharedHostBackend(total_bytes=HOST_BYTES)
     owner = HoldingRelocator(backend)
     pool = CachingPool(backend, capacity=24 * MiB, relocator=owner, policy=policy)
-    names = itertools.count()
-    for action, value in steps:
-        live = sorted(owner.blocks)
-        if action == "alloc":
-            try:
-                block = pool.malloc(value)
-            except OutOfMemoryError:
-                continue
-            owner.add(f"b{next(names)}", block, seed=len(live) * 7919 + value)
-        elif action == "free" and live:
-            name = live[value % len(live)]
-            owner.held.discard(name)
-            owner.contents.pop(name)
-            pool.free(owner.blocks.pop(name))
-        elif action == "hold" and live:
-            owner.held ^= {live[value % len(live)]}
-        pool.assert_invariants()
-        owner.check_bytes()
-        check_pages_gone(pool)
-        assert memfd_bytes(pool) <= pool.capacity
+    apply_checked_steps(pool, owner, steps)
 
 
 def test_shared_segments_commit_in_huge_pages_where_shared_memory_may_use_them(
