@@ -291,6 +291,37 @@ def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
         assert storage.holds == holds + 1  # the inner export's hold only
 
 
+def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_id(
+    server: Any, stub: Any, monkeypatch: Any
+) -> None:
+    """A Release of the handle landing after the Export's lookup, before its answer: the
+    Export is ordered first (answered, so the client can end it), never failed with its
+    export added (a pin the client cannot end before its session does)."""
+    table, sessions = server.daemon.exports, server.daemon.sessions
+    session = sessions.peek(stub.session_id)
+    x = stub.upload(np.arange(1000, dtype=np.float32))
+    storage = sessions.lookup(session, x.handle).storage
+    export = table.export
+
+    def export_then_release(*args: Any) -> Any:
+        answer = export(*args)
+        sessions.release(session, [x.handle])  # the concurrent Release, in between
+        return answer
+
+    monkeypatch.setattr(table, "export", export_then_release)
+    answer = stub.Export(pb.ExportRequest(handle=x.handle), metadata=stub.md)
+    monkeypatch.undo()
+    assert answer.tensor.handle == x.handle and list(answer.tensor.shape) == [1000]
+    assert table.count(session.id) == 1 and storage.holds == 1  # the export's hold only
+    with pytest.raises(grpc.RpcError) as released:  # the Release did happen
+        stub.Export(pb.ExportRequest(handle=x.handle), metadata=stub.md)
+    assert released.value.code() == grpc.StatusCode.NOT_FOUND
+    ended = stub.ReleaseExports(
+        pb.ReleaseExportsRequest(export_ids=[answer.export_id]), metadata=stub.md
+    )
+    assert ended.released == 1 and table.count(session.id) == 0 and storage.holds == 0
+
+
 def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
     session = daemon.sessions.peek(client.session_id)
     return daemon.sessions.lookup(session, tensor.handle).storage
