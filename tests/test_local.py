@@ -957,7 +957,7 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
             assert not np.any(export._segment.base.view(np.int32) == 0x5EC12E7)
         # tickets: made-up or used twice, the fd socket refuses
         session = daemon.sessions.peek(bob.session_id)
-        _, ticket = daemon.exports.export(session, b.handle)
+        _, ticket, _ = daemon.exports.export(session, b.handle)
         path = daemon.exports.socket_path
         os.close(_local.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):
