@@ -327,6 +327,34 @@ def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
     return daemon.sessions.lookup(session, tensor.handle).storage
 
 
+@pytest.mark.parametrize("shift", [1, 1 << 16, -(1 << 16)], ids=["1", "64Ki", "-64Ki"])
+def test_a_copy_between_two_clients_mappings_of_one_segment_sees_the_overlap(
+    server: Any, shift: int
+) -> None:
+    """Two Clients of one process map the same segment at two addresses: NumPy cannot see
+    that an array over one mapping and a destination through the other alias, so the copy
+    (on several threads, or one memcpy) read bytes it had already written (before: most of
+    the destination came out wrong).  The values are the source's as they were, as on the
+    gRPC path, which uploads them first."""
+    n = 4 * (_local.PARALLEL_MIN_BYTES // 4)  # int32 elements: 4 x 8 MiB, a parallel copy
+    before = np.arange(n, dtype=np.int32)
+    with tensord.connect(server.address) as first, tensord.connect(server.address) as second:
+        x = first.tensor(before)
+        seen = np.from_dlpack(x)  # over the first client's mapping
+        y = second.attach(x.share())  # the same Storage, through the second's
+        k = abs(shift)
+        dst, src = (y[k:], seen[:-k]) if shift > 0 else (y[:-k], seen[k:])
+        dst.copy_(src)
+        expected = before.copy()
+        if shift > 0:
+            expected[k:] = before[:-k]
+        else:
+            expected[:-k] = before[k:]
+        np.testing.assert_array_equal(seen, expected)
+        np.testing.assert_array_equal(y.numpy(), expected)
+        del seen
+
+
 def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch: Any) -> None:
     def no_grpc(*args: Any) -> None:
         raise AssertionError("the gRPC transfer path was used")

@@ -121,10 +121,20 @@ def receive_segment_fd(path: str, ticket: str, nbytes: int) -> int:
     return fd
 
 
+# Where each live segment mapping of this process lies: token -> (first address, end,
+# (server instance, segment id)).  Two Clients (two LocalMappers) map one segment at two
+# addresses, and NumPy's overlap checks compare addresses: this maps an array back to the
+# segment and offsets it reaches (:func:`aliases_through_another_mapping`).  Plain dict
+# operations, atomic under the GIL, and no lock: a mapping's finalizer may run on a
+# collection triggered anywhere.
+_mapped_ranges: dict[int, tuple[int, int, tuple[str, int]]] = {}
+_mapping_tokens = itertools.count()
+
+
 class Segment:
     """One mapped pool segment; ``exports`` counts the live exports over it."""
 
-    __slots__ = ("base", "exports", "id", "key", "mapping")
+    __slots__ = ("__weakref__", "base", "exports", "id", "key", "mapping")
 
     def __init__(self, key: tuple[str, int], mapping: mmap.mmap) -> None:
         self.key = key
@@ -133,6 +143,54 @@ class Segment:
         self.exports = 0
         # a uint8 array over the whole mapping: every export's arrays are views of it
         self.base = np.frombuffer(mapping, dtype=np.uint8)
+        # every array over the mapping holds this Segment (through its export): the range
+        # is forgotten only once none is left
+        token = next(_mapping_tokens)
+        start = int(self.base.ctypes.data)
+        _mapped_ranges[token] = (start, start + self.base.size, key)
+        weakref.finalize(self, _mapped_ranges.pop, token, None).atexit = False
+
+
+def _mapped_place(array: np.ndarray) -> tuple[int, tuple[str, int], int, int] | None:
+    """(the mapping's first address, its segment's key, the first and past-the-last offset
+    ``array``'s bytes reach in it), or None for an array over no live segment mapping."""
+    if array.size == 0:
+        return None
+    low, high = _byte_bounds(array)
+    for start, end, key in list(_mapped_ranges.values()):
+        if start <= low and high <= end:
+            return start, key, low - start, high - start
+    return None
+
+
+def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
+    """The first address a non-empty ``array`` reaches and the one past its last byte
+    (NumPy's byte_bounds, which moved between NumPy 1 and 2)."""
+    low = high = int(array.ctypes.data)
+    for extent, stride in zip(array.shape, array.strides, strict=True):
+        reach = (extent - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high + array.itemsize
+
+
+def aliases_through_another_mapping(dst: np.ndarray, src: np.ndarray) -> bool:
+    """Whether ``src`` may hold bytes of ``dst``'s segment that ``dst`` reaches, seen
+    through another mapping of that segment (another Client's): an overlap
+    np.may_share_memory cannot see, the addresses differing."""
+    into, source = _mapped_place(dst), _mapped_place(src)
+    if into is None or source is None:
+        return False
+    (into_start, into_key, into_low, into_high) = into
+    (source_start, source_key, source_low, source_high) = source
+    return (
+        into_key == source_key
+        and into_start != source_start
+        and source_low < into_high
+        and into_low < source_high
+    )
 
 
 class Export:
@@ -980,5 +1038,10 @@ def write_array(
         if export is None:
             return False
         dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)
-        parallel_copyto(dst, src.reshape(shape))
+        source = src.reshape(shape)
+        if aliases_through_another_mapping(dst, source):
+            # its values as they are now, as the gRPC path's upload takes them: the copy
+            # would otherwise read bytes it already wrote through the other address
+            source = source.copy()
+        parallel_copyto(dst, source)
         return True
