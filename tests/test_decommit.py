@@ -25,6 +25,7 @@ from tensord.errors import OutOfMemoryError
 from tensord_server.devices.memory import BookkeepingBackend, HostBackend
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool.pages import span_bytes
 from test_fragmentation import HoldingRelocator, ops
 
 MiB = 1 << 20
@@ -399,8 +400,7 @@ def check_pages_gone(pool: CachingPool) -> None:
     for address, segment in pool._segments.items():
         host = backend.segment(segment.memory)
         assert host is not None
-        spans = pool._decommitted.get(address, [])
-        committed = segment.size - sum(end - start for start, end in spans)
+        committed = segment.size - span_bytes(pool._decommitted.get(address, []))
         assert os.fstat(host.fd).st_blocks * 512 <= committed, segment
 
 
