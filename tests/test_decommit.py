@@ -25,6 +25,7 @@ from tensord.errors import OutOfMemoryError
 from tensord_server.devices.memory import BookkeepingBackend, HostBackend
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool.pages import span_bytes
 from test_fragmentation import HoldingRelocator, ops
 
 MiB = 1 << 20
@@ -286,6 +287,43 @@ def test_segment_bytes_are_bounded_by_the_virtual_capacity_factor() -> None:
     exact.assert_invariants()
 
 
+def test_an_oom_at_the_segment_bound_names_it_and_pytorchs_message_stays_word_for_word() -> None:
+    """8 MiB "free" yet out of memory: the free bytes are given-back pages inside segments
+    that already span virtual_capacity_factor x capacity; the message says so (before: it
+    named only the free bytes).  PyTorch's policy keeps PyTorch's message."""
+    pool = CachingPool(
+        SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB, policy=ADAPTIVE
+    )
+    pool.malloc(6 * MiB, stream=0)
+    pool.malloc(6 * MiB, stream=1)
+    with pytest.raises(OutOfMemoryError) as bound:
+        pool.malloc(6 * MiB, stream=2)
+    assert str(bound.value).endswith(
+        "of which 8.00 MiB is free. Of the allocated memory 12.00 MiB is allocated by "
+        "tensord, and 0 bytes is reserved by tensord but unallocated. The free bytes are "
+        "pages given back inside tensord's segments, which span 40.00 MiB of the 40.00 MiB "
+        "they may reach (virtual_capacity_factor 2 x the total capacity): a new 6.00 MiB "
+        "segment would pass that bound."
+    )
+    full = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), capacity=4 * MiB, policy=ADAPTIVE)
+    full.malloc(4 * MiB)
+    with pytest.raises(OutOfMemoryError) as committed:  # committed bytes full, not the bound
+        full.malloc(4 * MiB, stream=1)
+    assert str(committed.value).endswith("reserved by tensord but unallocated.")
+    exact = CachingPool(
+        SharedHostBackend(total_bytes=HOST_BYTES), capacity=20 * MiB, policy=policy_named("pytorch")
+    )
+    exact.malloc(6 * MiB, stream=0)
+    with pytest.raises(OutOfMemoryError) as pytorch:
+        exact.malloc(6 * MiB, stream=1)
+    device = exact.device
+    assert str(pytorch.value) == (
+        f"{device} out of memory. Tried to allocate 6.00 MiB. Device {device} has a total "
+        "capacity of 20.00 MiB of which 0 bytes is free. Of the allocated memory 6.00 MiB "
+        "is allocated by tensord, and 14.00 MiB is reserved by tensord but unallocated."
+    )
+
+
 def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> None:
     """decommit_threshold 1.05: a free that leaves committed / allocated at or below the
     threshold decommits nothing; above it, the largest holes go first, only until
@@ -362,8 +400,7 @@ def check_pages_gone(pool: CachingPool) -> None:
     for address, segment in pool._segments.items():
         host = backend.segment(segment.memory)
         assert host is not None
-        spans = pool._decommitted.get(address, [])
-        committed = segment.size - sum(end - start for start, end in spans)
+        committed = segment.size - span_bytes(pool._decommitted.get(address, []))
         assert os.fstat(host.fd).st_blocks * 512 <= committed, segment
 
 

@@ -291,9 +291,68 @@ def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
         assert storage.holds == holds + 1  # the inner export's hold only
 
 
+def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_id(
+    server: Any, stub: Any, monkeypatch: Any
+) -> None:
+    """A Release of the handle landing after the Export's lookup, before its answer: the
+    Export is ordered first (answered, so the client can end it), never failed with its
+    export added (a pin the client cannot end before its session does)."""
+    table, sessions = server.daemon.exports, server.daemon.sessions
+    session = sessions.peek(stub.session_id)
+    x = stub.upload(np.arange(1000, dtype=np.float32))
+    storage = sessions.lookup(session, x.handle).storage
+    export = table.export
+
+    def export_then_release(*args: Any) -> Any:
+        answer = export(*args)
+        sessions.release(session, [x.handle])  # the concurrent Release, in between
+        return answer
+
+    monkeypatch.setattr(table, "export", export_then_release)
+    answer = stub.Export(pb.ExportRequest(handle=x.handle), metadata=stub.md)
+    monkeypatch.undo()
+    assert answer.tensor.handle == x.handle and list(answer.tensor.shape) == [1000]
+    assert table.count(session.id) == 1 and storage.holds == 1  # the export's hold only
+    with pytest.raises(grpc.RpcError) as released:  # the Release did happen
+        stub.Export(pb.ExportRequest(handle=x.handle), metadata=stub.md)
+    assert released.value.code() == grpc.StatusCode.NOT_FOUND
+    ended = stub.ReleaseExports(
+        pb.ReleaseExportsRequest(export_ids=[answer.export_id]), metadata=stub.md
+    )
+    assert ended.released == 1 and table.count(session.id) == 0 and storage.holds == 0
+
+
 def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
     session = daemon.sessions.peek(client.session_id)
     return daemon.sessions.lookup(session, tensor.handle).storage
+
+
+@pytest.mark.parametrize("shift", [1, 1 << 16, -(1 << 16)], ids=["1", "64Ki", "-64Ki"])
+def test_a_copy_between_two_clients_mappings_of_one_segment_sees_the_overlap(
+    server: Any, shift: int
+) -> None:
+    """Two Clients of one process map the same segment at two addresses: NumPy cannot see
+    that an array over one mapping and a destination through the other alias, so the copy
+    (on several threads, or one memcpy) read bytes it had already written (before: most of
+    the destination came out wrong).  The values are the source's as they were, as on the
+    gRPC path, which uploads them first."""
+    n = 4 * (_local.PARALLEL_MIN_BYTES // 4)  # int32 elements: 4 x 8 MiB, a parallel copy
+    before = np.arange(n, dtype=np.int32)
+    with tensord.connect(server.address) as first, tensord.connect(server.address) as second:
+        x = first.tensor(before)
+        seen = np.from_dlpack(x)  # over the first client's mapping
+        y = second.attach(x.share())  # the same Storage, through the second's
+        k = abs(shift)
+        dst, src = (y[k:], seen[:-k]) if shift > 0 else (y[:-k], seen[k:])
+        dst.copy_(src)
+        expected = before.copy()
+        if shift > 0:
+            expected[k:] = before[:-k]
+        else:
+            expected[:-k] = before[k:]
+        np.testing.assert_array_equal(seen, expected)
+        np.testing.assert_array_equal(y.numpy(), expected)
+        del seen
 
 
 def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch: Any) -> None:
@@ -926,7 +985,7 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
             assert not np.any(export._segment.base.view(np.int32) == 0x5EC12E7)
         # tickets: made-up or used twice, the fd socket refuses
         session = daemon.sessions.peek(bob.session_id)
-        _, ticket = daemon.exports.export(session, b.handle)
+        _, ticket, _ = daemon.exports.export(session, b.handle)
         path = daemon.exports.socket_path
         os.close(_local.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):

@@ -4,6 +4,7 @@ out while anything references them, bounded, thread-safe, empty in a forked chil
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -166,6 +167,62 @@ def test_threads_never_share_an_array(client: Any, cache: _local.HostBufferCache
     assert cache.cached()[0] <= 3
 
 
+def test_an_array_resized_in_place_leaves_the_cache(
+    client: Any, cache: _local.HostBufferCache
+) -> None:
+    # resize(refcheck=False) reallocates an array the cache holds: its size is no longer
+    # the one recorded, so the byte count (and the bound on it) would drift
+    x = client.tensor(values(0))
+    a = x.numpy()
+    a.resize((2 * ELEMENTS,), refcheck=False)
+    assert cache.cached() == (0, 0)
+    y = client.tensor(values(1, 2 * ELEMENTS))
+    del a
+    b = y.numpy()  # of the resized array's shape: a new one, recorded at its size
+    np.testing.assert_array_equal(b, values(1, 2 * ELEMENTS))
+    assert cache.cached() == (1, b.nbytes)
+    b.resize((ELEMENTS // 2,), refcheck=False)
+    del b
+    cache.clear()
+    assert cache.cached() == (0, 0)
+
+
+def test_a_finalizer_calling_numpy_inside_the_cache_does_not_deadlock(
+    client: Any, cache: _local.HostBufferCache, monkeypatch: Any
+) -> None:
+    x, y = client.tensor(values(0)), client.tensor(values(1))
+    outer: list[np.ndarray] = []
+    inner: list[np.ndarray] = []
+
+    class Cycle:
+        """Garbage only a collection frees; its finalizer downloads y."""
+
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            inner.append(y.numpy())
+
+    search = _local._first_free
+
+    def collecting_search(*args: Any) -> Any:
+        # as an automatic collection inside the cache's critical section would
+        if not inner and not outer:
+            Cycle()
+            gc.collect()
+        return search(*args)
+
+    monkeypatch.setattr(_local, "_first_free", collecting_search)
+    thread = threading.Thread(target=lambda: outer.append(x.numpy()), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "x.numpy() waited on its own thread's cache lock"
+    assert len(outer) == len(inner) == 1 and outer[0] is not inner[0]
+    np.testing.assert_array_equal(outer[0], values(0))
+    np.testing.assert_array_equal(inner[0], values(1))
+    assert cache.cached() == (1, x.nbytes)  # the nested one went uncached
+
+
 def test_a_forked_child_starts_with_an_empty_cache(client: Any) -> None:
     x = client.tensor(values(0))
     a = x.numpy()
@@ -191,9 +248,9 @@ def test_the_reference_count_probe_sees_one_more_reference() -> None:
     script = (
         "import collections, numpy as np\n"
         "from tensord import _local\n"
-        "d = collections.OrderedDict(); d[0] = np.empty(4, np.uint8)\n"
-        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) == 0\n"
-        "held = d[0]\n"
+        "d = collections.OrderedDict(); d[0] = (np.empty(4, np.uint8), 4)\n"
+        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) is d[0][0]\n"
+        "held = d[0][0]\n"
         "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) is None\n"
     )
     path = os.pathsep.join([str(REPO / "client"), str(REPO / "server")])

@@ -41,6 +41,7 @@ import socket
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -120,10 +121,20 @@ def receive_segment_fd(path: str, ticket: str, nbytes: int) -> int:
     return fd
 
 
+# Where each live segment mapping of this process lies: token -> (first address, end,
+# (server instance, segment id)).  Two Clients (two LocalMappers) map one segment at two
+# addresses, and NumPy's overlap checks compare addresses: this maps an array back to the
+# segment and offsets it reaches (:func:`aliases_through_another_mapping`).  Plain dict
+# operations, atomic under the GIL, and no lock: a mapping's finalizer may run on a
+# collection triggered anywhere.
+_mapped_ranges: dict[int, tuple[int, int, tuple[str, int]]] = {}
+_mapping_tokens = itertools.count()
+
+
 class Segment:
     """One mapped pool segment; ``exports`` counts the live exports over it."""
 
-    __slots__ = ("base", "exports", "id", "key", "mapping")
+    __slots__ = ("__weakref__", "base", "exports", "id", "key", "mapping")
 
     def __init__(self, key: tuple[str, int], mapping: mmap.mmap) -> None:
         self.key = key
@@ -132,6 +143,54 @@ class Segment:
         self.exports = 0
         # a uint8 array over the whole mapping: every export's arrays are views of it
         self.base = np.frombuffer(mapping, dtype=np.uint8)
+        # every array over the mapping holds this Segment (through its export): the range
+        # is forgotten only once none is left
+        token = next(_mapping_tokens)
+        start = int(self.base.ctypes.data)
+        _mapped_ranges[token] = (start, start + self.base.size, key)
+        weakref.finalize(self, _mapped_ranges.pop, token, None).atexit = False
+
+
+def _mapped_place(array: np.ndarray) -> tuple[int, tuple[str, int], int, int] | None:
+    """(the mapping's first address, its segment's key, the first and past-the-last offset
+    ``array``'s bytes reach in it), or None for an array over no live segment mapping."""
+    if array.size == 0:
+        return None
+    low, high = _byte_bounds(array)
+    for start, end, key in list(_mapped_ranges.values()):
+        if start <= low and high <= end:
+            return start, key, low - start, high - start
+    return None
+
+
+def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
+    """The first address a non-empty ``array`` reaches and the one past its last byte
+    (NumPy's byte_bounds, which moved between NumPy 1 and 2)."""
+    low = high = int(array.ctypes.data)
+    for extent, stride in zip(array.shape, array.strides, strict=True):
+        reach = (extent - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high + array.itemsize
+
+
+def aliases_through_another_mapping(dst: np.ndarray, src: np.ndarray) -> bool:
+    """Whether ``src`` may hold bytes of ``dst``'s segment that ``dst`` reaches, seen
+    through another mapping of that segment (another Client's): an overlap
+    np.may_share_memory cannot see, the addresses differing."""
+    into, source = _mapped_place(dst), _mapped_place(src)
+    if into is None or source is None:
+        return False
+    (into_start, into_key, into_low, into_high) = into
+    (source_start, source_key, source_low, source_high) = source
+    return (
+        into_key == source_key
+        and into_start != source_start
+        and source_low < into_high
+        and into_low < source_high
+    )
 
 
 class Export:
@@ -597,15 +656,16 @@ def numpy_cache_bytes() -> int:
 
 
 def _first_free(
-    buffers: collections.OrderedDict[int, np.ndarray],
+    buffers: collections.OrderedDict[int, tuple[np.ndarray, int]],
     shape: tuple[int, ...],
     dtype: np.dtype,
     free_refs: int,
-) -> int | None:
-    """The key of the oldest buffer of ``shape`` and ``dtype`` nothing but ``buffers``
-    references (sys.getrefcount at most ``free_refs`` here, and no weak reference: one
-    still reaches it, the cache keeping it alive), still as it was made."""
-    for key, buffer in buffers.items():
+) -> np.ndarray | None:
+    """The oldest buffer of ``shape`` and ``dtype`` nothing but ``buffers`` references
+    (sys.getrefcount at most ``free_refs`` here, and no weak reference: one still reaches
+    it, the cache keeping it alive), still as it was made.  The buffer itself, not its key:
+    the caller's reference keeps a nested search (a finalizer's x.numpy()) from taking it."""
+    for buffer, _nbytes in buffers.values():
         if (
             sys.getrefcount(buffer) <= free_refs
             and weakref.getweakrefcount(buffer) == 0
@@ -615,18 +675,18 @@ def _first_free(
             and buffer.flags.c_contiguous
             and buffer.flags.owndata
         ):
-            return key
+            return buffer
     return None
 
 
 def _free_refs() -> int:
     """What sys.getrefcount says in :func:`_first_free` of a buffer only its dict holds
     (the interpreter's own references differ between versions: measured, not assumed)."""
-    probe: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-    probe[0] = np.empty(1, dtype=np.uint8)
-    shape, dtype = probe[0].shape, probe[0].dtype
+    probe: collections.OrderedDict[int, tuple[np.ndarray, int]] = collections.OrderedDict()
+    probe[0] = (np.empty(1, dtype=np.uint8), 1)
+    shape, dtype = probe[0][0].shape, probe[0][0].dtype
     refs = next(r for r in range(1, 64) if _first_free(probe, shape, dtype, r) is not None)
-    held = probe[0]  # one reference more must show
+    held = probe[0][0]  # one reference more must show
     assert _first_free(probe, shape, dtype, refs) is None, "sys.getrefcount misses references"
     del held
     return refs
@@ -642,15 +702,26 @@ class HostBufferCache:
     see, blocks reuse too).  Bounded: at most ``max_bytes`` in
     at most ``max_count`` arrays, the least recently handed out dropped first (one still in
     use stays its holder's, uncached).  Thread-safe; a forked child starts empty.
+
+    An array's size is checked, never assumed: one its holder resized in place
+    (``a.resize(..., refcheck=False)``) is no longer the array recorded, and leaves the
+    cache (its bytes are counted as recorded, so the count stays exact).  Re-entrant: a
+    garbage collection inside the critical section may run a finalizer that calls
+    x.numpy(); that nested call finds the cache mid-change (``_busy``) and makes its array
+    uncached instead of waiting for a lock its own thread holds.
     """
 
     def __init__(self, max_bytes: int, max_count: int) -> None:
         self.max_bytes = max_bytes
         self.max_count = max_count
-        self._lock = threading.Lock()
-        # id(buffer) -> buffer, least recently handed out first; _lock
-        self._buffers: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-        self._nbytes = 0
+        self._lock = threading.RLock()
+        # id(buffer) -> (buffer, its nbytes when recorded), least recently handed out
+        # first; _lock
+        self._buffers: collections.OrderedDict[int, tuple[np.ndarray, int]] = (
+            collections.OrderedDict()
+        )
+        self._nbytes = 0  # the recorded nbytes, summed; _lock
+        self._busy = False  # a critical section is running on the lock's thread; _lock
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialized C-contiguous array of ``shape`` that nothing else references."""
@@ -658,37 +729,71 @@ class HostBufferCache:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.max_bytes or self.max_count < 1:
             return np.empty(shape, dtype=dtype)
+        with self._exclusive() as first:
+            if not first:  # called from inside ours (a finalizer): this one goes uncached
+                return np.empty(shape, dtype=dtype)
+            return self._take_or_make(shape, dtype, nbytes)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[bool]:
+        """Hold the lock; True unless this thread is already inside a critical section
+        (a finalizer run by a garbage collection there): then the state is mid-change and
+        the caller must leave it alone.  A collection before ``_busy`` is set or after it
+        is cleared runs its nested call to the end first, which is safe."""
         with self._lock:
-            key = _first_free(self._buffers, shape, dtype, _FREE_REFS)
-            if key is not None:
-                self._buffers.move_to_end(key)
-                return self._buffers[key]
-            buffer = np.empty(shape, dtype=dtype)
-            self._trim(self.max_bytes - nbytes, self.max_count - 1)
-            self._buffers[id(buffer)] = buffer
-            self._nbytes += nbytes
+            if self._busy:
+                yield False
+                return
+            self._busy = True
+            try:
+                yield True
+            finally:
+                self._busy = False
+
+    def _take_or_make(self, shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+        """(_lock held, _busy) A free cached buffer of ``shape``, else a new one, recorded."""
+        self._drop_resized()
+        buffer = _first_free(self._buffers, shape, dtype, _FREE_REFS)
+        if buffer is not None:
+            self._buffers.move_to_end(id(buffer))
             return buffer
+        buffer = np.empty(shape, dtype=dtype)
+        self._trim(self.max_bytes - nbytes, self.max_count - 1)
+        self._buffers[id(buffer)] = (buffer, buffer.nbytes)
+        self._nbytes += buffer.nbytes
+        return buffer
+
+    def _drop_resized(self) -> None:
+        """(_lock held) Drop every buffer whose size is no longer the one recorded."""
+        for key, (buffer, recorded) in list(self._buffers.items()):
+            if buffer.nbytes != recorded:
+                del self._buffers[key]
+                self._nbytes -= recorded
 
     def _trim(self, max_bytes: int, max_count: int) -> None:
         """(_lock held) Drop the least recently handed out until within the bounds."""
         while self._buffers and (self._nbytes > max_bytes or len(self._buffers) > max_count):
-            _key, dropped = self._buffers.popitem(last=False)
-            self._nbytes -= dropped.nbytes
+            _key, (_dropped, recorded) = self._buffers.popitem(last=False)
+            self._nbytes -= recorded
 
     def cached(self) -> tuple[int, int]:
         """How many arrays and bytes the cache holds."""
-        with self._lock:
+        with self._exclusive() as first:
+            if first:
+                self._drop_resized()
             return len(self._buffers), self._nbytes
 
     def clear(self) -> None:
-        with self._lock:
-            self._trim(-1, 0)
+        with self._exclusive() as first:
+            if first:  # else called from inside ours (a finalizer): the cache is mid-change
+                self._trim(-1, 0)
 
     def forget_after_fork(self) -> None:
         """In a forked child: start empty (the parent's lock may be held)."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._buffers = collections.OrderedDict()
         self._nbytes = 0
+        self._busy = False
 
 
 _FREE_REFS = _free_refs()
@@ -933,5 +1038,10 @@ def write_array(
         if export is None:
             return False
         dst = export.array(dtypes.to_numpy_dtype(tensor.dtype), layout)
-        parallel_copyto(dst, src.reshape(shape))
+        source = src.reshape(shape)
+        if aliases_through_another_mapping(dst, source):
+            # its values as they are now, as the gRPC path's upload takes them: the copy
+            # would otherwise read bytes it already wrote through the other address
+            source = source.copy()
+        parallel_copyto(dst, source)
         return True

@@ -48,7 +48,7 @@ from tensord_server.devices.cuda import CudaBackend
 from tensord_server.devices.memory import DeviceMemory
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.sessions import Session, SessionManager
-from tensord_server.domain.storage import Storage, StorageRegistry
+from tensord_server.domain.storage import Storage, StorageRegistry, TensorRef
 from tensord_server.pool import CachingPool
 
 log = logging.getLogger(__name__)
@@ -128,8 +128,12 @@ class ExportTable:
 
     # -- exports ------------------------------------------------------------------
 
-    def export(self, session: Session, handle: str) -> tuple[Export, str]:
-        """Hold the Storage of ``handle`` for the session; the export and a fd ticket."""
+    def export(self, session: Session, handle: str) -> tuple[Export, str, TensorRef]:
+        """Hold the Storage of ``handle`` for the session; the export, a fd ticket and the
+        tensor the handle named when it was looked up.  The answer describes that tensor,
+        never a second lookup: a Release of the handle landing in between would fail the
+        call after the export was added, and the client, never told its id, could not end
+        it (it would pin the Storage until the session ends)."""
         handles = self.sessions.handle_count(session)
         with self._lock:  # refused before any work; checked again where the export is added
             self._check_room(session.id, handles)
@@ -144,7 +148,7 @@ class ExportTable:
             self.storages.hold(storage)  # the export's own hold, kept past this block
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
-            return self._export_cuda(session, storage, backend, handles), ""
+            return self._export_cuda(session, storage, backend, handles), "", ref
         segment = backend.segment(block.segment.memory)
         export = Export(
             id=secrets.token_urlsafe(16),
@@ -159,7 +163,7 @@ class ExportTable:
             if segment is not None:
                 ticket = self._issue_ticket(segment.id, backend)
         self._refuse_if_ended(session)
-        return export, ticket
+        return export, ticket, ref
 
     def _export_cuda(
         self, session: Session, storage: Storage, backend: CudaBackend, handles: int

@@ -1107,12 +1107,29 @@ class CachingPool:
         """
         allocated = self._stats.allocated_bytes[ALL].current
         reserved = self._capacity_used()  # committed bytes where those are what capacity bounds
-        return (
+        message = (
             f"{self.device} out of memory. Tried to allocate {format_size(nbytes)}. "
             f"Device {self.device} has a total capacity of {format_size(self.capacity)} "
             f"of which {format_size(max(self.capacity - reserved, 0))} is free. "
             f"Of the allocated memory {format_size(allocated)} is allocated by tensord, "
             f"and {format_size(reserved - allocated)} is reserved by tensord but unallocated."
+        )
+        if not self._caps_commit():
+            return message  # PyTorch's, word for word: capacity bounds segment bytes
+        # under a commit cap "free" counts pages given back inside segments; a request
+        # that needs a new segment may still fail on the segments' own bound: say so
+        size = round_size(nbytes)
+        smallest = get_allocation_size(size)
+        if self.policy.tight_segments:
+            smallest = min(smallest, tight_allocation_size(size, is_small_size(size)))
+        spanned, bound = self._reserved(), self._segment_capacity()
+        if spanned + smallest <= bound:
+            return message
+        return message + (
+            f" The free bytes are pages given back inside tensord's segments, which span "
+            f"{format_size(spanned)} of the {format_size(bound)} they may reach "
+            f"(virtual_capacity_factor {self.policy.virtual_capacity_factor:g} x the total "
+            f"capacity): a new {format_size(smallest)} segment would pass that bound."
         )
 
     def _record(self, action: str, addr: int, size: int, stream: int) -> None:

@@ -480,8 +480,7 @@ class TensordService:
 
     def _export(self, session: Session, handle: str) -> pb.ExportResponse:
         table = self.store.exports
-        export, ticket = table.export(session, handle)
-        ref = self.store.sessions.lookup(session, handle)
+        export, ticket, ref = table.export(session, handle)  # ref: no second lookup
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
