@@ -472,3 +472,32 @@ def test_shared_segments_commit_in_huge_pages_where_shared_memory_may_use_them(
     assert stat(pool, "reserved_bytes.all.current") % (2 << 20) == 0
     pool.free(block)
     pool.assert_invariants()
+
+
+def test_a_free_looks_at_no_free_block_given_back_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above decommit_threshold a free gives back the pages of the block it freed without
+    looking again at the holes given back before (before: the 64 largest free blocks were
+    looked at on every free, 42 on average under a 50-user load test: 14 % of the server's
+    CPU, under the pool's lock, and the lock's waits with it)."""
+    policy = dataclasses.replace(ADAPTIVE, release_threshold=None)  # the free segment stays
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
+    segments = [[pool.malloc(n * MiB) for n in (6, 6, 6, 2)] for _ in range(24)]
+    pool.free(pool.malloc(64 * MiB))  # a wholly free segment keeps its pages: above 1.02x
+    for blocks in segments:
+        pool.free(blocks[1])  # 24 holes of 6 MiB, given back
+    assert stat(pool, "decommitted_bytes.all.current") == 24 * 6 * MiB
+    looked = 0
+    decommit_free_block = CachingPool._decommit_free_block
+
+    def counting(self: CachingPool, block: Block, minimum: int | None = None) -> int:
+        nonlocal looked
+        looked += 1
+        return decommit_free_block(self, block, minimum)
+
+    monkeypatch.setattr(CachingPool, "_decommit_free_block", counting)
+    for blocks in segments:
+        pool.free(blocks[3])  # a 2 MiB tail each: committed stays above 1.02x allocated
+    monkeypatch.undo()
+    assert stat(pool, "decommitted_bytes.all.current") == 24 * 8 * MiB  # each tail went
+    assert looked == len(segments), looked  # each tail, and nothing else
+    pool.assert_invariants()
