@@ -181,6 +181,8 @@ class CachingPool:
         # each segment that is one free block (the policy's release_idle_s keeps those
         # for a while); absent: allocated from, or never freed since it was reserved
         self._idle_since: dict[int, float] = {}
+        # ... and the committed bytes of those segments, summed (policy decommit)
+        self._idle_committed = 0
         # beyond torch: segments a background move copies from with this lock let go, each
         # with its copies in progress: none goes back to the device (its bytes are being
         # read) and none is emptied by another compaction meanwhile (not movable)
@@ -470,7 +472,8 @@ class CachingPool:
         kind = pool.kind
         stats = self._stats
         self._shapes.pop(block.segment.address, None)
-        self._idle_since.pop(block.segment.address, None)
+        if self._idle_since.pop(block.segment.address, None) is not None:
+            self._idle_committed -= self._committed_in(block.segment)
         already_split = block.is_split()
         if split:
             remaining = block
@@ -545,6 +548,8 @@ class CachingPool:
             net_blocks += 1
             net_bytes += block.size
         else:
+            if block.segment.address not in self._idle_since:
+                self._idle_committed += self._committed_in(block.segment)
             self._idle_since[block.segment.address] = self.clock()
         stats = self._stats
         kind = pool.kind
@@ -592,7 +597,8 @@ class CachingPool:
         segment = block.segment
         del self._segments[segment.address]
         self._shapes.pop(segment.address, None)
-        self._idle_since.pop(segment.address, None)
+        if self._idle_since.pop(segment.address, None) is not None:
+            self._idle_committed -= self._committed_in(segment)
         self.backend.release(segment.memory)
         # the segment and its head block point at each other: a cycle that only the cyclic
         # GC collects.  Host memory is freed with its last reference, so drop the payload
@@ -1067,19 +1073,28 @@ class CachingPool:
         decrease(self._stats.reserved_bytes, block.pool.kind, decommitted)
         increase(self._stats.decommitted_bytes, block.pool.kind, decommitted)
         self._stats.num_decommits += len(done)
+        if segment.address in self._idle_since:  # the block is the whole segment
+            self._idle_committed -= decommitted
         return decommitted
 
     def _decommit_excess(self, threshold: float) -> None:
         """While committed bytes exceed ``threshold`` x allocated, give back the pages of
         free blocks of split segments, the largest first (no copy: cheaper than compaction,
         and the only way to shrink a hole between blocks that may not move), at most
-        DECOMMIT_SCAN_LIMIT candidates looked at.  Wholly free segments keep theirs (the
-        next request like the last one reuses warm pages)."""
+        DECOMMIT_SCAN_LIMIT candidates looked at, and only once committed bytes exceed the
+        policy's decommit_wake_threshold x allocated (hysteresis: below it freed holes stay
+        warm).  Wholly free segments keep theirs (the next request like the last one
+        reuses warm pages)."""
         allocated = self._stats.allocated_bytes[ALL].current
-        excess = self._committed() - int(threshold * allocated)
+        # wholly free segments keep their pages: counted, they would keep committed above
+        # the threshold (a server keeps them warm for release_idle_s) and every hole freed
+        # meanwhile would go back at once, hysteresis or not
+        committed = self._committed() - self._idle_committed
         minimum = self.policy.decommit_min_bytes
-        if excess < minimum:
+        wake = self.policy.decommit_wake_threshold
+        if committed - int(max(threshold, wake or threshold) * allocated) < minimum:
             return
+        excess = committed - int(threshold * allocated)
         candidates = self._decommit_candidates
         kept: list[Block] = []  # pages a decommit could not give back: tried again later
         for _ in range(DECOMMIT_SCAN_LIMIT):
@@ -1441,6 +1456,9 @@ def check_pool_invariants(pool: CachingPool) -> None:
         assert head is not None and not head.allocated and not head.is_split(), (
             f"the segment at {address:#x} is counted idle but is not one free block"
         )
+    assert pool._idle_committed == sum(
+        pool._committed_in(pool._segments[address]) for address in pool._idle_since
+    ), "the idle segments' committed bytes"
     for address, shape in pool._shapes.items():
         assert address in pool._segments, f"a kept shape for no segment at {address:#x}"
         fresh = segment_shape(pool._segments[address])

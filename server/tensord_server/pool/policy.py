@@ -59,7 +59,11 @@ what the pool does *besides*:
   space and (on a shared host) memfds, are bounded by ``virtual_capacity_factor`` x
   capacity, beyond which today's paths apply (consolidation, compaction, OOM).  Only free ranges with at least ``decommit_min_bytes`` of whole pages
   are decommitted, and, with ``decommit_threshold``, only while committed / allocated
-  exceeds it, the largest free ranges first (None: every such range once freed).
+  exceeds it, the largest free ranges first (None: every such range once freed); with
+  ``decommit_wake_threshold`` too (hysteresis), a free starts giving pages back only
+  once committed / allocated exceeds that, and then down to ``decommit_threshold``: the
+  holes in between stay warm for the next requests (a given-back page faults in again,
+  zeroed, when a block is allocated over it: about 27x the cost of writing a warm one).
   The pages of a new segment count as decommitted until a block is allocated over
   them (a fresh memfd has none until touched).  Wholly free segments keep their pages
   (the kept idle ones are warm for the next upload); segments go back whole, as before;
@@ -94,6 +98,7 @@ class PoolPolicy:
     decommit: bool = False  # give free page ranges of split segments back (host backends)
     decommit_min_bytes: int = 2 * MiB  # the smallest free range worth a decommit
     decommit_threshold: float | None = None  # None: every such range at once
+    decommit_wake_threshold: float | None = None  # None: decommit_threshold
     # with decommit: segment bytes may reach this x capacity (committed ones stay <= capacity)
     virtual_capacity_factor: float = 2.0
 
@@ -122,6 +127,10 @@ ADAPTIVE = PoolPolicy(
     release_idle_s=2.0,
     decommit=True,
     decommit_threshold=1.02,  # under background_threshold: holes go back before any copy
+    # ... once above 1.04 (not beyond background_threshold either): below it a free leaves
+    # its hole warm (at 1.02, 50 users' frees gave back every byte they freed, 17 GiB a
+    # minute, and the next blocks allocated there faulted their pages in again)
+    decommit_wake_threshold=1.04,
     # small holes too (the small pool's and the 20 MiB segments' tails): with 2 MiB, a
     # load test's background compactor still copied them (264 MiB in 30 s; 11 MiB in 40 s
     # with 128 KiB)
