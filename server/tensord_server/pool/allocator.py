@@ -822,10 +822,11 @@ class CachingPool:
             and self.relocator is not None
         )
 
-    def _kept_idle_segments(self) -> dict[int, float]:
+    def _kept_idle_segments(self, budgeted: bool = True) -> dict[int, float]:
         """The wholly free segments kept now (policy ``release_idle_s``): address -> the
         clock() time from which they may go back.  Background compaction neither empties
-        nor fills them, nor counts them as excess; the out-of-memory paths ignore this."""
+        nor fills them, nor counts them as excess; the out-of-memory paths ignore this.
+        Not ``budgeted``: those the policy's keep_idle_fraction would not keep included."""
         policy = self.policy
         decay = policy.release_idle_s
         if decay is None or not self._idle_since or not self._keeps_idle_segments():
@@ -834,7 +835,20 @@ class CachingPool:
             return {}  # near the device's edge: the room is worth more than warm pages
         now = self.clock()
         due = {address: since + decay for address, since in self._idle_since.items()}
-        return {address: when for address, when in due.items() if now < when}
+        kept = {address: when for address, when in due.items() if now < when}
+        fraction = policy.keep_idle_fraction
+        if fraction is None or len(kept) <= 1 or not budgeted:
+            return kept
+        # the most recently freed first, within the budget (the first one whatever its size)
+        budget = fraction * self._stats.allocated_bytes[ALL].current
+        within: dict[int, float] = {}
+        total = 0
+        for address in sorted(kept, key=kept.__getitem__, reverse=True):
+            total += self._committed_in(self._segments[address])
+            if within and total > budget:
+                break
+            within[address] = kept[address]
+        return within
 
     def _wake_excess(self) -> int:
         """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be),
@@ -863,6 +877,8 @@ class CachingPool:
             if excess:
                 if not self._keeps_idle_segments():
                     self._release_idle_segments(excess)
+                elif self.policy.keep_idle_fraction is not None:
+                    self._release_unkept_idle_segments()
                 if self._wake_excess():
                     wanted()
             return
@@ -900,6 +916,17 @@ class CachingPool:
                 break
             released += self._committed_in(block.segment)
             self._release_block(block)
+
+    def _release_unkept_idle_segments(self) -> None:
+        """Give back the wholly free segments beyond the kept ones' budget (policy
+        keep_idle_fraction): no copy, so cheap on a freeing call (the compactor, woken,
+        would give them back later, after load-test samples that count them)."""
+        kept = self._kept_idle_segments()
+        for address in [a for a in self._kept_idle_segments(budgeted=False) if a not in kept]:
+            head = self._segments[address].head
+            assert head is not None
+            if self._releasable(head):
+                self._release_block(head)
 
     def _has_idle_segment(self) -> bool:
         """Whether some free block spans its whole segment: the free blocks of a pool less
