@@ -921,6 +921,8 @@ class CachingPool:
         """Give back the wholly free segments beyond the kept ones' budget (policy
         keep_idle_fraction): no copy, so cheap on a freeing call (the compactor, woken,
         would give them back later, after load-test samples that count them)."""
+        if len(self._idle_since) <= 1:
+            return  # the most recently freed one is kept whatever its size
         kept = self._kept_idle_segments()
         for address in [a for a in self._kept_idle_segments(budgeted=False) if a not in kept]:
             head = self._segments[address].head
