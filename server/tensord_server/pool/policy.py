@@ -47,6 +47,11 @@ what the pool does *besides*:
 - ``keep_idle_below``: segments are kept (``release_idle_s``) only while reserved is
   at most this fraction of the device's capacity: near the device's edge a kept
   segment is room other requests (and the load test's reserved / allocated) need;
+- ``keep_idle_fraction``: kept segments (``release_idle_s``), the most recently freed
+  first, hold at most this fraction of the allocated bytes; the most recently freed one
+  is kept whatever its size (a client's upload, drop, upload needs that one).  A free
+  that leaves reserved above the compactor's wake-up threshold gives the others back at
+  once (no copy).  None: every segment is kept for ``release_idle_s``;
 - ``decommit``: free page ranges inside split segments go back to the device while
   the segment stays (on backends that can: host memory, by ``madvise``; never on
   bookkeeping, pinned or CUDA memory): their pages are freed and fault back in as zeros
@@ -59,7 +64,11 @@ what the pool does *besides*:
   space and (on a shared host) memfds, are bounded by ``virtual_capacity_factor`` x
   capacity, beyond which today's paths apply (consolidation, compaction, OOM).  Only free ranges with at least ``decommit_min_bytes`` of whole pages
   are decommitted, and, with ``decommit_threshold``, only while committed / allocated
-  exceeds it, the largest free ranges first (None: every such range once freed).
+  exceeds it, the largest free ranges first (None: every such range once freed); with
+  ``decommit_wake_threshold`` too (hysteresis), a free starts giving pages back only
+  once committed / allocated exceeds that, and then down to ``decommit_threshold``: the
+  holes in between stay warm for the next requests (a given-back page faults in again,
+  zeroed, when a block is allocated over it: about 27x the cost of writing a warm one).
   The pages of a new segment count as decommitted until a block is allocated over
   them (a fresh memfd has none until touched).  Wholly free segments keep their pages
   (the kept idle ones are warm for the next upload); segments go back whole, as before;
@@ -91,9 +100,11 @@ class PoolPolicy:
     background_wake_threshold: float | None = None  # None: background_threshold
     release_idle_s: float | None = None  # None: idle segments go back without delay
     keep_idle_below: float = 0.75  # of capacity: above it no idle segment is kept
+    keep_idle_fraction: float | None = None  # of allocated: the kept segments' bytes at most
     decommit: bool = False  # give free page ranges of split segments back (host backends)
     decommit_min_bytes: int = 2 * MiB  # the smallest free range worth a decommit
     decommit_threshold: float | None = None  # None: every such range at once
+    decommit_wake_threshold: float | None = None  # None: decommit_threshold
     # with decommit: segment bytes may reach this x capacity (committed ones stay <= capacity)
     virtual_capacity_factor: float = 2.0
 
@@ -120,8 +131,15 @@ ADAPTIVE = PoolPolicy(
     background_min_slack=8 * MiB,
     background_wake_threshold=1.10,
     release_idle_s=2.0,
+    # under load 2-5 kept segments held 90-150 MiB (up to 0.3x allocated), the samples
+    # above the 1.25 target; holes add up to 0.04x (decommit_wake_threshold)
+    keep_idle_fraction=0.15,
     decommit=True,
     decommit_threshold=1.02,  # under background_threshold: holes go back before any copy
+    # ... once above 1.04 (not beyond background_threshold either): below it a free leaves
+    # its hole warm (at 1.02, 50 users' frees gave back every byte they freed, 17 GiB a
+    # minute, and the next blocks allocated there faulted their pages in again)
+    decommit_wake_threshold=1.04,
     # small holes too (the small pool's and the 20 MiB segments' tails): with 2 MiB, a
     # load test's background compactor still copied them (264 MiB in 30 s; 11 MiB in 40 s
     # with 128 KiB)
