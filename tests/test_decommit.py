@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import mmap
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -405,10 +407,16 @@ def check_pages_gone(pool: CachingPool) -> None:
 
 
 def apply_checked_steps(
-    pool: CachingPool, owner: HoldingRelocator, steps: list[tuple[str, int]]
+    pool: CachingPool,
+    owner: HoldingRelocator,
+    steps: list[tuple[str, int]],
+    clock: list[float] | None = None,
 ) -> None:
-    """Random alloc/free/hold steps, each followed by the checks: invariants, every live
-    block's bytes, decommitted pages really gone, the memfds within the capacity."""
+    """Random alloc/free/hold steps (and, for a pool run as a server runs it, on the fake
+    ``clock``: background compaction steps, time passing with idle segments given back,
+    empty_cache), each followed by the checks: invariants, every live block's bytes,
+    decommitted pages really gone, the memfds within the capacity, the decommit
+    candidates' heap within its bound."""
     names = itertools.count()
     for action, value in steps:
         live = sorted(owner.blocks)
@@ -425,10 +433,21 @@ def apply_checked_steps(
             pool.free(owner.blocks.pop(name))
         elif action == "hold" and live:
             owner.held ^= {live[value % len(live)]}
+        elif action == "compact":  # one background step: value picks its budget and length
+            budget = (MiB, 16 * MiB, 1 << 30)[value % 3]
+            more = iter([True] * (value % 4))
+            pool.compact_step(budget, proceed=functools.partial(next, more, False))
+        elif action == "tick" and clock is not None:
+            clock[0] += (0.1, 1.0, 3.0)[value % 3]
+            pool.idle_release_delay()  # the compactor's look: decayed segments go back
+        elif action == "empty":
+            pool.empty_cache()
         pool.assert_invariants()
         owner.check_bytes()
         check_pages_gone(pool)
         assert memfd_bytes(pool) <= pool.capacity
+        free_blocks = len(pool._small.keys) + len(pool._large.keys)
+        assert len(pool._decommit_candidates) <= 2 * free_blocks + 65
 
 
 @settings(
@@ -484,6 +503,90 @@ def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
     owner = HoldingRelocator(backend)
     pool = CachingPool(backend, capacity=24 * MiB, relocator=owner, policy=policy)
     apply_checked_steps(pool, owner, steps)
+
+
+# a server's pool: background steps and idle segments kept on a clock, with the kept
+# segments' cap (keep_idle_fraction) reached at once, and room made on demand
+KEEP_LITTLE = dataclasses.replace(
+    ADAPTIVE,
+    name="keep-little",
+    decommit_min_bytes=PAGE,
+    keep_idle_fraction=0.01,
+    keep_idle_below=10.0,
+    min_slack=0,
+    background_min_slack=0,
+)
+WAKE_AT_ONCE = dataclasses.replace(
+    ADAPTIVE,
+    name="wake-at-once",
+    decommit_threshold=1.0,
+    decommit_wake_threshold=1.0,
+    decommit_min_bytes=PAGE,
+)
+# holes keep their pages, so background steps find bytes to move at any slack
+MOVING_ON_DEMAND = dataclasses.replace(
+    DECOMMIT_ON_DEMAND, name="moving-on-demand", background_min_slack=0
+)
+SERVER_POLICIES = [ADAPTIVE, KEEP_LITTLE, WAKE_AT_ONCE, MOVING_ON_DEMAND]
+
+
+def server_steps(rng: random.Random, count: int) -> list[tuple[str, int]]:
+    """``count`` random steps: requests of three size classes, frees, holds, and the
+    server's own background steps (compaction, time passing, empty_cache)."""
+    actions = ["alloc", "alloc", "free", "free", "hold", "compact", "compact", "tick", "empty"]
+    steps = []
+    for _ in range(count):
+        action = rng.choice(actions)
+        if action == "alloc":
+            low, high = rng.choice([(1, MiB), (MiB, 8 * MiB), (10 * MiB, 14 * MiB)])
+            steps.append((action, rng.randint(low, high)))
+        else:
+            steps.append((action, rng.randint(0, 1000)))
+    return steps
+
+
+def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the random sequences above, on pools run as a server runs them (24 seeded runs):
+    frees ring the background compactor's doorbell (so idle segments are kept, within
+    keep_idle_fraction, the others given back), background compaction steps run between
+    requests, time passes and decayed segments go back, empty_cache: every invariant (the
+    decommit candidates, the kept segments' committed bytes), every live block's bytes,
+    pages given back really gone, committed within the capacity.  The runs must reach
+    the paths they are for: bytes moved in the background, kept segments given back."""
+    released_unkept = 0
+    original = CachingPool._release_unkept_idle_segments
+
+    def counting(self: CachingPool) -> None:
+        nonlocal released_unkept
+        before = len(self._segments)
+        original(self)
+        released_unkept += before - len(self._segments)
+
+    monkeypatch.setattr(CachingPool, "_release_unkept_idle_segments", counting)
+    runs_that_moved = 0
+    for seed in range(24):
+        rng = random.Random(seed)
+        backend = SharedHostBackend(total_bytes=HOST_BYTES)
+        owner = HoldingRelocator(backend)
+        clock = [1000.0]
+        pool = CachingPool(
+            backend,
+            capacity=rng.choice([24, 40]) * MiB,
+            relocator=owner,
+            policy=SERVER_POLICIES[seed % len(SERVER_POLICIES)],
+            clock=lambda clock=clock: clock[0],  # type: ignore[misc]
+        )
+        pool.compaction_wanted = lambda: None  # the doorbell: frees leave the work to steps
+        apply_checked_steps(pool, owner, server_steps(rng, 50), clock)
+        runs_that_moved += stat(pool, "compaction_moved_bytes") > 0
+        for block in owner.blocks.values():
+            pool.free(block)
+        pool.empty_cache()
+        pool.assert_invariants()
+        assert stat(pool, "reserved_bytes.all.current") == 0
+    assert runs_that_moved >= 2 and released_unkept >= 2, (runs_that_moved, released_unkept)
 
 
 def test_shared_segments_commit_in_huge_pages_where_shared_memory_may_use_them(
