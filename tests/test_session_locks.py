@@ -5,11 +5,13 @@ events, never timed: a bounded wait only turns a hang into a failure."""
 
 from __future__ import annotations
 
+import math
+import sys
 import threading
 from typing import Any
 
 import pytest
-from conftest import server_allocated
+from conftest import run_serve, server_allocated
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import NotFoundError
 
@@ -127,3 +129,30 @@ def test_a_run_settles_its_references_exactly(fresh_server: Any, open_session: A
     assert not response.failed
     assert storage.refs == 0 and storage.freed
     assert server_allocated(fresh_server) == before
+
+
+def test_serve_sets_the_gil_switch_interval_it_is_given() -> None:
+    # 8 clients' Batches in flight hand the GIL around every 5 ms (CPython's default):
+    # `tensord serve` runs its threads at 50 ms unless told otherwise
+    from tensord_server.tools.serve import (
+        DEFAULT_GIL_SWITCH_INTERVAL_S,
+        apply_gil_switch_interval,
+    )
+
+    before = sys.getswitchinterval()
+    try:
+        assert DEFAULT_GIL_SWITCH_INTERVAL_S == 0.05
+        assert apply_gil_switch_interval(DEFAULT_GIL_SWITCH_INTERVAL_S) is None
+        assert sys.getswitchinterval() == pytest.approx(0.05)
+        for wrong in (0.0, -1.0, math.nan, 2.0):
+            problem = apply_gil_switch_interval(wrong)
+            assert problem is not None and "--gil-switch-interval must be > 0" in problem
+            assert sys.getswitchinterval() == pytest.approx(0.05)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_serve_refuses_a_gil_switch_interval_out_of_range() -> None:
+    result = run_serve("--address", "127.0.0.1:0", "--gil-switch-interval", "0")
+    assert result.returncode == 2
+    assert "--gil-switch-interval must be > 0 and at most 1 seconds, got 0" in result.stderr
