@@ -7,10 +7,12 @@ the moment its last stream ends without CloseSession (unless a later call
 shows the client alive), or its lease lapses, whichever comes first; ``grace`` seconds later the reaper releases everything
 it held.  OpenSession(resume_session_id=...) before then brings it back whole.
 
-Locks: one lock guards the tables (handles, tokens, names); renewing a lease
-(every call's session lookup, Heartbeat) takes only a small lock of its own,
-never the tables' nor the registry's or a pool's, so no compaction or long
-table operation can make a heartbeat late.
+Locks: one lock guards the tables (sessions, tokens, names); each session's handle
+table has a lock of its own too, taken after the tables' lock, so a Batch's run of
+views and releases (``handle_run``) takes only its session's lock and one session's run
+never waits for another's (issue 15); renewing a lease (every call's session lookup,
+Heartbeat) takes only a small lock of its own, never the tables' nor the registry's or
+a pool's, so no compaction or long table operation can make a heartbeat late.
 
 Share tokens: ``share(uses=1, ttl=DEFAULT_SHARE_TTL_S)`` by default makes a token
 the first attach consumes; with ``uses=N`` (or None: unlimited) it lasts that many
@@ -119,7 +121,10 @@ def _check_not_live(session: Session, chosen: Sequence[str]) -> None:
 @dataclass(eq=False)
 class Session:
     """One client process's session.  ``last_seen``, ``streams`` and ``stream_ended_at``
-    are guarded by the SessionManager's lease lock, the rest by its table lock."""
+    are guarded by the SessionManager's lease lock; ``handles`` and ``ended`` by ``lock``
+    (taken after the table lock: every change holds both, except a Batch's run, which
+    holds ``lock`` only); ``tokens`` by the table lock (only this session's own calls add
+    one, under ``lock`` too, so a run that counts them sees at most the real number)."""
 
     id: str
     client_name: str
@@ -129,6 +134,9 @@ class Session:
     tokens: set[str] = field(default_factory=set)  # share tokens this session issued
     streams: int = 0  # open KeepAlive streams
     stream_ended_at: float | None = None  # when the last stream ended (None: none ended since)
+    # the handle table's lock (issue 15: one session's Batch never waits for another's)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    ended: bool = False  # closed, reaped or shut down: its handles are released
 
     def lost_since(self, lease: float) -> float | None:
         """When the session lost its client (None while connected)."""
@@ -142,9 +150,10 @@ class Session:
 
 class HandleRun:
     """A run of a Batch's view registrations and releases (issue 15) under one acquisition
-    of the table lock and the registry's (:meth:`SessionManager.handle_run`): the checks
-    of ``register_all`` and ``release``, without two lock acquisitions and a hold per op.
-    Only for ops that touch no bytes: a view reads its input's metadata, never its Storage."""
+    of its session's lock (:meth:`SessionManager.handle_run`), the references counted and
+    settled at its end: the checks of ``register_all`` and ``release``, without a lock
+    acquisition and a hold per op.  Only for ops that touch no bytes: a view reads its
+    input's metadata, never its Storage."""
 
     __slots__ = ("_counts", "_manager", "session")
 
@@ -278,13 +287,12 @@ class SessionManager:
 
     def close(self, session: Session) -> int:
         """End a session now; returns how many handles it released."""
-        with self._lock:
+        with self._lock, session.lock:
             with self._lease_lock:
                 if self._sessions.pop(session.id, None) is None:
                     raise NotFoundError("unknown session")
-            refs = self._detach_session(session)
             released = len(session.handles)
-            session.handles.clear()
+            refs = self._end_session(session)
         self._decref_all(refs)
         self._notify_ended([session])
         return released
@@ -299,7 +307,7 @@ class SessionManager:
             return list(self._sessions)
 
     def handle_count(self, session: Session) -> int:
-        with self._lock:
+        with session.lock:
             return len(session.handles)
 
     # -- liveness -----------------------------------------------------------------
@@ -342,8 +350,8 @@ class SessionManager:
                         del self._sessions[session.id]
                         lost_sessions.append(session)
             for session in lost_sessions:
-                refs.extend(self._detach_session(session))
-                session.handles.clear()
+                with session.lock:
+                    refs.extend(self._end_session(session))
                 reaped.append(session.id)
                 ended.append(session)
             for token, entry in list(self._tokens.items()):
@@ -384,8 +392,8 @@ class SessionManager:
         with self._lock:
             refs: list[TensorRef] = []
             for session in self._sessions.values():
-                refs.extend(self._detach_session(session))
-                session.handles.clear()
+                with session.lock:
+                    refs.extend(self._end_session(session))
             ended = list(self._sessions.values())
             with self._lease_lock:
                 self._sessions.clear()
@@ -419,15 +427,16 @@ class SessionManager:
     ) -> list[str]:
         if self._sessions.get(session.id) is not session:
             raise NotFoundError("unknown session")
-        self._check_room(session, len(refs))
-        if chosen is None:
-            handles = [new_capability() for _ in refs]
-        else:
-            _check_not_live(session, chosen)
-            handles = list(chosen)
-        for handle, ref in zip(handles, refs, strict=True):
-            self.storages.incref(ref.storage)
-            session.handles[handle] = ref
+        with session.lock:
+            self._check_room(session, len(refs))
+            if chosen is None:
+                handles = [new_capability() for _ in refs]
+            else:
+                _check_not_live(session, chosen)
+                handles = list(chosen)
+            for handle, ref in zip(handles, refs, strict=True):
+                self.storages.incref(ref.storage)
+                session.handles[handle] = ref
         return handles
 
     def rename(self, session: Session, issued: Sequence[str], chosen: Sequence[str]) -> None:
@@ -435,7 +444,7 @@ class SessionManager:
         issue 15).  All or none: every chosen id must be well formed (``check_chosen_id``) and
         not live in the session.  A client-chosen id is a name in this session's table only."""
         _check_chosen_ids(chosen, len(issued))
-        with self._lock:
+        with self._lock, session.lock:
             _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
@@ -444,7 +453,7 @@ class SessionManager:
         """The handle requires grad from now on (an in-place write of a value that did):
         whatever it names *now* is flagged under the lock, so a concurrent set_/resize_ of
         the same handle is never undone by a write that looked the handle up before it."""
-        with self._lock:
+        with self._lock, session.lock:
             ref = self._lookup(session, handle)
             if not ref.requires_grad:
                 ref = dataclasses.replace(ref, requires_grad=True)
@@ -456,7 +465,7 @@ class SessionManager:
         resize_, a write that made it require grad); other handles keep theirs.  Returns
         what it named before."""
         check_in_bounds(ref)
-        with self._lock:
+        with self._lock, session.lock:
             old = self._lookup(session, handle)
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
@@ -465,18 +474,18 @@ class SessionManager:
 
     def check_room(self, session: Session, wanted: int) -> None:
         """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""
-        with self._lock:
+        with self._lock, session.lock:
             self._check_room(session, wanted)
 
     def lookup(self, session: Session, handle: str) -> TensorRef:
-        with self._lock:
+        with self._lock, session.lock:
             return self._lookup(session, handle)
 
     @contextmanager
     def held(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
         """The tensors of ``handles``, their Storages kept alive and in place (compaction
         never moves a held Storage) until the block ends."""
-        with self._lock:
+        with self._lock, session.lock:
             refs = [self._lookup(session, h) for h in handles]
             for ref in refs:
                 self.storages.hold(ref.storage)
@@ -488,22 +497,26 @@ class SessionManager:
 
     @contextmanager
     def handle_run(self, session: Session) -> Iterator[HandleRun]:
-        """One acquisition of the table lock, then the registry's, for a run of a Batch's
-        views and releases (issue 15); blocks freed go back to their pools after both."""
+        """One acquisition of the session's lock (not the table lock: another session's run
+        never waits for it) for a run of a Batch's views and releases (issue 15); their
+        references are settled under one short acquisition of the registry's lock before
+        the session's lock goes, and blocks freed go back to their pools after both."""
         counts = self.storages.ref_counts()
         try:
-            with self._lock:
-                if self._sessions.get(session.id) is not session:
+            with session.lock:
+                if session.ended:
                     raise NotFoundError("unknown session")
-                with counts.locked():
+                try:
                     yield HandleRun(self, session, counts)
+                finally:  # the ops applied before a failed one keep their handles
+                    counts.settle()
         finally:
             counts.give_back()
 
     def release(self, session: Session, handles: Sequence[str]) -> int:
         """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""
         refs = []
-        with self._lock:
+        with self._lock, session.lock:
             for handle in handles:
                 ref = session.handles.pop(handle, None)
                 if ref is not None:
@@ -529,7 +542,7 @@ class SessionManager:
                 f"(--max-share-ttl), got {ttl:g}"
             )
         token = new_capability()
-        with self._lock:
+        with self._lock, session.lock:
             ref = self._lookup(session, handle)
             self._check_room(session)
             self.storages.incref(ref.storage)
@@ -571,7 +584,7 @@ class SessionManager:
     def put_name(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
         if not name:
             raise ValueError("a tensor name must not be empty")
-        with self._lock:
+        with self._lock, session.lock:
             ref = self._lookup(session, handle)
             key = (session.tenant, name)
             old = self._names.get(key)
@@ -615,7 +628,8 @@ class SessionManager:
         with self._lock:
             return sorted(name for owner, name in self._names if owner == tenant)
 
-    # -- internals (call with the lock held, except _decref_all) ------------------
+    # -- internals (call with the table lock held, and the session's lock for its handles,
+    #    except _decref_all) --------------------------------------------------------
 
     def _check_room(self, session: Session, wanted: int = 1) -> None:
         """Refuse new handles or share tokens beyond ``--max-handles-per-session``: both are
@@ -637,14 +651,17 @@ class SessionManager:
             raise NotFoundError(f"unknown handle {handle[:8]!r}..." if handle else "empty handle")
         return ref
 
-    def _detach_session(self, session: Session) -> list[TensorRef]:
-        """Unlink a session's handles and tokens; returns the references to drop."""
+    def _end_session(self, session: Session) -> list[TensorRef]:
+        """Unlink a session's handles and tokens and mark it ended (with its lock held too:
+        a Batch's run that waited for it then finds it ended); the references to drop."""
         refs = list(session.handles.values())
         for token in session.tokens:
             entry = self._tokens.pop(token, None)
             if entry is not None:
                 refs.append(entry.ref)
         session.tokens.clear()
+        session.handles.clear()
+        session.ended = True
         return refs
 
     def _drop_token(self, token: str) -> TensorRef:

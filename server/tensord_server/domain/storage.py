@@ -359,8 +359,8 @@ class StorageRegistry:
             storage.device.pool.free(block)
 
     def ref_counts(self) -> RefCounts:
-        """For references changed under one acquisition of the lock (a Batch's run of views
-        and releases, issue 15): ``with counts.locked(): ...``, then ``counts.give_back()``."""
+        """For references a Batch's run of views and releases changes (issue 15): counted,
+        then ``counts.settle()`` under one acquisition of the lock, then ``counts.give_back()``."""
         return RefCounts(self)
 
     def _decref_locked(self, storage: Storage) -> Any:
@@ -471,31 +471,48 @@ class StorageRegistry:
 
 
 class RefCounts:
-    """References taken and dropped while :meth:`StorageRegistry.counting` holds the lock:
-    ``incref`` and ``decref`` as the registry's own, the pools' frees deferred past it."""
+    """References taken and dropped by one session's run of views and releases (issue 15),
+    counted here and settled under one short acquisition of the registry's lock at its end
+    (:meth:`settle`), so no run holds that lock while it works; the pools' frees wait for
+    :meth:`give_back`.
 
-    __slots__ = ("_freed", "_registry")
+    Deferring is safe because every Storage a run touches is reached through a handle the
+    session held when the run began, whose reference is counted already and which only
+    this run could drop (its caller holds the session's lock until after ``settle``): no
+    other session's decref can take such a Storage to zero meanwhile."""
+
+    __slots__ = ("_deltas", "_freed", "_registry")
 
     def __init__(self, registry: StorageRegistry) -> None:
         self._registry = registry
+        self._deltas: dict[Storage, int] = {}
         self._freed: list[tuple[Storage, Block]] = []
 
-    @contextmanager
-    def locked(self) -> Iterator[RefCounts]:
-        with self._registry._lock:
-            yield self
-
     def incref(self, storage: Storage) -> None:
-        """(locked) One more reference, as :meth:`StorageRegistry.incref`."""
+        """One more reference, as :meth:`StorageRegistry.incref`, counted at :meth:`settle`."""
         if storage.freed:
             raise InternalError(f"reference to a freed {storage!r}")
-        storage.refs += 1
+        self._deltas[storage] = self._deltas.get(storage, 0) + 1
 
     def decref(self, storage: Storage) -> None:
-        """(locked) One reference fewer; a block freed waits for :meth:`give_back`."""
-        block = self._registry._decref_locked(storage)
-        if block is not None:
-            self._freed.append((storage, block))
+        """One reference fewer, counted at :meth:`settle`."""
+        self._deltas[storage] = self._deltas.get(storage, 0) - 1
+
+    def settle(self) -> None:
+        """Apply the counted references under the registry's lock (once per run); a block
+        whose last reference went waits for :meth:`give_back`."""
+        deltas, self._deltas = self._deltas, {}
+        registry = self._registry
+        with registry._lock:
+            for storage, delta in deltas.items():
+                if delta >= 0:
+                    storage.refs += delta
+                    continue
+                # all but the last one dropped here, the last by _decref_locked (frees at zero)
+                storage.refs += delta + 1
+                block = registry._decref_locked(storage)
+                if block is not None:
+                    self._freed.append((storage, block))
 
     def give_back(self) -> None:
         """Free the blocks whose last reference went: called with no lock held (a pool's

@@ -38,6 +38,15 @@ from tensord_server.tools import serve_observability  # observability hook
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
+# How long a server thread runs Python before another waiting for the GIL may take it
+# (CPython's default: 5 ms).  With 8 clients' Batches in flight, each thread's handoffs
+# cost the server's CPU per op: at 50 ms its Python threads' context switches per op
+# halve and 8 client processes no longer lose to 4 (issue 15; README, bench_rpc).  A call
+# that waits for the GIL meanwhile (a heartbeat) waits longer, far inside its lease.
+DEFAULT_GIL_SWITCH_INTERVAL_S = 0.05
+# The longest switch interval accepted: beyond it one busy thread could delay every other
+# call by more than a second.
+MAX_GIL_SWITCH_INTERVAL_S = 1.0
 
 log = logging.getLogger("tensord.serve")
 
@@ -77,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a client is lost this long after its last call or heartbeat (the SDK beats "
         "every lease/3) "
         f"(default: {DEFAULT_LEASE_S:g})",
+    )
+    parser.add_argument(
+        "--gil-switch-interval",
+        type=float,
+        default=DEFAULT_GIL_SWITCH_INTERVAL_S,
+        metavar="SECONDS",
+        help="how long a server thread runs Python before another may take the GIL "
+        f"(sys.setswitchinterval; at most {MAX_GIL_SWITCH_INTERVAL_S:g}) "
+        f"(default: {DEFAULT_GIL_SWITCH_INTERVAL_S:g})",
     )
     parser.add_argument(
         "--max-workers",
@@ -292,6 +310,17 @@ def shown_address(requested: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def apply_gil_switch_interval(seconds: float) -> str | None:
+    """Set this process's GIL switch interval; what is wrong with ``seconds`` (None: set)."""
+    if not 0 < seconds <= MAX_GIL_SWITCH_INTERVAL_S:  # NaN too
+        return (
+            f"--gil-switch-interval must be > 0 and at most {MAX_GIL_SWITCH_INTERVAL_S:g} "
+            f"seconds, got {seconds:g}"
+        )
+    sys.setswitchinterval(seconds)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
     try:
@@ -319,6 +348,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    problem = apply_gil_switch_interval(args.gil_switch_interval)
+    if problem is not None:
+        print(f"tensord serve: {problem}", file=sys.stderr)
+        return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2

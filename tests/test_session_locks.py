@@ -1,0 +1,158 @@
+"""Each session's handle table has its own lock (issue 15, many clients): a Batch's run of
+views and releases holds only its session's lock, so one session's run never waits for
+another's, and settles its references with the registry once, at its end.  Ordered with
+events, never timed: a bounded wait only turns a hang into a failure."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any
+
+import pytest
+from conftest import run_serve, server_allocated
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.errors import NotFoundError
+
+# A wait that only ever ends early: it bounds a test that would otherwise hang.
+BOUND_S = 10.0
+
+
+def _row_view(handle: str, row: int, result: str) -> pb.BatchOp:
+    index = pb.Index(items=[pb.IndexItem(integer=row)])
+    return pb.BatchOp(view=pb.ViewRequest(handle=handle, index=index), results=[result])
+
+
+def _empty(stub: Any, n: int = 12) -> pb.TensorMeta:
+    meta: pb.TensorMeta = stub.Empty(pb.EmptyRequest(shape=[n], dtype="float32"), metadata=stub.md)
+    return meta
+
+
+class _HeldRun:
+    """A thread inside ``handle_run(session)`` (one view registered) until ``leave`` is set."""
+
+    def __init__(self, daemon: Any, session: Any, base: str, result: str) -> None:
+        self.inside, self.leave = threading.Event(), threading.Event()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(daemon, session, base, result))
+        self._thread.start()
+        assert self.inside.wait(BOUND_S)
+
+    def _run(self, daemon: Any, session: Any, base: str, result: str) -> None:
+        from tensord_server.domain.views import ViewOp, view_in_run
+
+        try:
+            with daemon.sessions.handle_run(session) as run:
+                view_in_run(run, base, ViewOp("__getitem__", (0,)), [result])
+                self.inside.set()
+                self.leave.wait(BOUND_S)
+        except BaseException as exc:  # seen by the test
+            self.errors.append(exc)
+            self.inside.set()
+
+    def finish(self) -> None:
+        self.leave.set()
+        self._thread.join(BOUND_S)
+        assert not self._thread.is_alive() and not self.errors, self.errors
+
+
+def test_a_batch_runs_while_another_sessions_run_holds_its_lock(
+    fresh_server: Any, open_session: Any
+) -> None:
+    # the table lock was held across every session's run: 8 clients' Batches queued on it
+    daemon = fresh_server.daemon
+    a, b = open_session(fresh_server.address, "a"), open_session(fresh_server.address, "b")
+    x, y = _empty(a), _empty(b)
+    held = _HeldRun(daemon, daemon.sessions.get(b.session_id), y.handle, "B" * 22)
+    answered = threading.Event()
+    answers: list[Any] = []
+
+    def batch_of_a() -> None:
+        ops = [_row_view(x.handle, 1, "a" * 22), pb.BatchOp(release=pb.ReleaseRequest())]
+        answers.append(a.Batch(pb.BatchRequest(ops=ops), metadata=a.md))
+        answered.set()
+
+    caller = threading.Thread(target=batch_of_a)
+    caller.start()
+    try:
+        # answered while B's run still holds B's lock (it leaves only after this wait)
+        assert answered.wait(BOUND_S), "session A's Batch waited for session B's run"
+        assert not answers[0].failed and answers[0].applied == 2
+        assert not held.leave.is_set()
+    finally:
+        held.finish()
+        caller.join(BOUND_S)
+    assert "a" * 22 in daemon.sessions.get(a.session_id).handles
+    assert "B" * 22 in daemon.sessions.get(b.session_id).handles
+
+
+def test_a_session_closed_during_its_run_leaks_nothing(
+    fresh_server: Any, open_session: Any
+) -> None:
+    # close waits for the run (the session's lock), then releases what the run registered;
+    # a run that comes after the close finds the session ended
+    daemon = fresh_server.daemon
+    before = server_allocated(fresh_server)
+    a = open_session(fresh_server.address, "a")
+    x = _empty(a, 1 << 16)
+    session = daemon.sessions.get(a.session_id)
+    held = _HeldRun(daemon, session, x.handle, "v" * 22)
+    closer = threading.Thread(target=daemon.sessions.close, args=(session,))
+    closer.start()
+    held.finish()
+    closer.join(BOUND_S)
+    assert not closer.is_alive()
+    assert session.ended and not session.handles
+    assert server_allocated(fresh_server) == before  # the view's reference was dropped too
+    with pytest.raises(NotFoundError), daemon.sessions.handle_run(session):
+        pass
+
+
+def test_a_run_settles_its_references_exactly(fresh_server: Any, open_session: Any) -> None:
+    # references counted during a run and applied at its end: the Storage's count is its
+    # handles' after it, and it is freed when the run dropped its last handle
+    daemon = fresh_server.daemon
+    before = server_allocated(fresh_server)
+    a = open_session(fresh_server.address, "a")
+    x = _empty(a, 1 << 16)
+    storage = daemon.sessions.get(a.session_id).handles[x.handle].storage
+    views = [f"{i:022d}" for i in range(10)]
+    ops = [_row_view(x.handle, i, h) for i, h in enumerate(views)]
+    ops.append(pb.BatchOp(release=pb.ReleaseRequest(handles=views[:4])))
+    response = a.Batch(pb.BatchRequest(ops=ops), metadata=a.md)
+    assert not response.failed
+    assert storage.refs == 1 + 6 and storage.holds == 0
+    assert server_allocated(fresh_server) > before
+    ops = [pb.BatchOp(release=pb.ReleaseRequest(handles=[x.handle, *views]))]
+    response = a.Batch(pb.BatchRequest(ops=ops), metadata=a.md)
+    assert not response.failed
+    assert storage.refs == 0 and storage.freed
+    assert server_allocated(fresh_server) == before
+
+
+def test_serve_sets_the_gil_switch_interval_it_is_given() -> None:
+    # 8 clients' Batches in flight hand the GIL around every 5 ms (CPython's default):
+    # `tensord serve` runs its threads at 50 ms unless told otherwise
+    from tensord_server.tools.serve import (
+        DEFAULT_GIL_SWITCH_INTERVAL_S,
+        apply_gil_switch_interval,
+    )
+
+    before = sys.getswitchinterval()
+    try:
+        assert DEFAULT_GIL_SWITCH_INTERVAL_S == 0.05
+        assert apply_gil_switch_interval(DEFAULT_GIL_SWITCH_INTERVAL_S) is None
+        assert sys.getswitchinterval() == pytest.approx(0.05)
+        for wrong in (0.0, -1.0, math.nan, 2.0):
+            problem = apply_gil_switch_interval(wrong)
+            assert problem is not None and "--gil-switch-interval must be > 0" in problem
+            assert sys.getswitchinterval() == pytest.approx(0.05)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_serve_refuses_a_gil_switch_interval_out_of_range() -> None:
+    result = run_serve("--address", "127.0.0.1:0", "--gil-switch-interval", "0")
+    assert result.returncode == 2
+    assert "--gil-switch-interval must be > 0 and at most 1 seconds, got 0" in result.stderr
