@@ -34,6 +34,7 @@ class _HeldRun:
 
     def __init__(self, daemon: Any, session: Any, base: str, result: str) -> None:
         self.inside, self.leave = threading.Event(), threading.Event()
+        self.left = threading.Event()  # its lock let go (after leave, or its bound)
         self.errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(daemon, session, base, result))
         self._thread.start()
@@ -50,6 +51,8 @@ class _HeldRun:
         except BaseException as exc:  # seen by the test
             self.errors.append(exc)
             self.inside.set()
+        finally:
+            self.left.set()
 
     def finish(self) -> None:
         self.leave.set()
@@ -156,3 +159,61 @@ def test_serve_refuses_a_gil_switch_interval_out_of_range() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--gil-switch-interval", "0")
     assert result.returncode == 2
     assert "--gil-switch-interval must be > 0 and at most 1 seconds, got 0" in result.stderr
+
+
+class _SignallingLock:
+    """A session's lock that says when a thread has begun to wait for it."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock, self.waiting = lock, threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        self.waiting.set()
+        return bool(self._lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_call_waiting_for_its_own_sessions_run_holds_up_no_other_session(
+    fresh_server: Any, open_session: Any
+) -> None:
+    # review11: every handle op took the table lock, then its session's: A's call waiting
+    # for A's run held the table lock meanwhile, and every other session's calls (each
+    # op's lookup, hold, new handle) queued behind A's run
+    daemon = fresh_server.daemon
+    a, b = open_session(fresh_server.address, "a"), open_session(fresh_server.address, "b")
+    x, y = _empty(a), _empty(b)
+    session_a = daemon.sessions.get(a.session_id)
+    session_a.lock = signalling = _SignallingLock(session_a.lock)
+    held = _HeldRun(daemon, session_a, x.handle, "v" * 22)
+    waiter = threading.Thread(target=lambda: a.Empty(pb.EmptyRequest(shape=[2]), metadata=a.md))
+    waiter.start()
+    answered, run_still_held = threading.Event(), []
+
+    def calls_of_b() -> None:
+        _empty(b)
+        daemon.sessions.lookup(daemon.sessions.get(b.session_id), y.handle)
+        run_still_held.append(not held.left.is_set())
+        answered.set()
+
+    caller = threading.Thread(target=calls_of_b)
+    try:
+        assert signalling.waiting.wait(BOUND_S)  # A's Empty now waits for A's run
+        caller.start()
+        assert answered.wait(BOUND_S)
+        assert run_still_held == [True], "session B's calls waited for session A's run"
+    finally:
+        held.finish()
+        waiter.join(BOUND_S)
+        caller.join(BOUND_S)
+    assert not waiter.is_alive() and not caller.is_alive()
+    assert daemon.sessions.handle_count(session_a) == 3  # x, the run's view, A's Empty

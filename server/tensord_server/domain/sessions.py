@@ -9,8 +9,8 @@ it held.  OpenSession(resume_session_id=...) before then brings it back whole.
 
 Locks: one lock guards the tables (sessions, tokens, names); each session's handle
 table has a lock of its own too, taken after the tables' lock, so a Batch's run of
-views and releases (``handle_run``) takes only its session's lock and one session's run
-never waits for another's (issue 15); renewing a lease (every call's session lookup,
+views and releases (``handle_run``) and every op on handles alone take only their
+session's lock and one session's run never holds up another session (issue 15); renewing a lease (every call's session lookup,
 Heartbeat) takes only a small lock of its own, never the tables' nor the registry's or
 a pool's, so no compaction or long table operation can make a heartbeat late.
 
@@ -122,9 +122,10 @@ def _check_not_live(session: Session, chosen: Sequence[str]) -> None:
 class Session:
     """One client process's session.  ``last_seen``, ``streams`` and ``stream_ended_at``
     are guarded by the SessionManager's lease lock; ``handles`` and ``ended`` by ``lock``
-    (taken after the table lock: every change holds both, except a Batch's run, which
-    holds ``lock`` only); ``tokens`` by the table lock (only this session's own calls add
-    one, under ``lock`` too, so a run that counts them sees at most the real number)."""
+    (taken after the table lock when both are held; an op on handles alone, a Batch's run
+    included, holds ``lock`` only, so a call waiting for its session's run never holds
+    the table lock meanwhile); ``tokens`` by the table lock (only this session's own calls
+    add one, under ``lock`` too, so a run that counts them sees at most the real number)."""
 
     id: str
     client_name: str
@@ -419,15 +420,14 @@ class SessionManager:
             check_in_bounds(ref)
         if chosen is not None:
             _check_chosen_ids(chosen, len(refs))
-        with self._lock:
-            return self._register_locked(session, refs, chosen)
+        return self._register_locked(session, refs, chosen)
 
     def _register_locked(
         self, session: Session, refs: Sequence[TensorRef], chosen: Sequence[str] | None = None
     ) -> list[str]:
-        if self._sessions.get(session.id) is not session:
-            raise NotFoundError("unknown session")
         with session.lock:
+            if session.ended:  # its end released its handles: none may come after it
+                raise NotFoundError("unknown session")
             self._check_room(session, len(refs))
             if chosen is None:
                 handles = [new_capability() for _ in refs]
@@ -444,7 +444,7 @@ class SessionManager:
         issue 15).  All or none: every chosen id must be well formed (``check_chosen_id``) and
         not live in the session.  A client-chosen id is a name in this session's table only."""
         _check_chosen_ids(chosen, len(issued))
-        with self._lock, session.lock:
+        with session.lock:
             _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
@@ -453,7 +453,7 @@ class SessionManager:
         """The handle requires grad from now on (an in-place write of a value that did):
         whatever it names *now* is flagged under the lock, so a concurrent set_/resize_ of
         the same handle is never undone by a write that looked the handle up before it."""
-        with self._lock, session.lock:
+        with session.lock:
             ref = self._lookup(session, handle)
             if not ref.requires_grad:
                 ref = dataclasses.replace(ref, requires_grad=True)
@@ -465,7 +465,7 @@ class SessionManager:
         resize_, a write that made it require grad); other handles keep theirs.  Returns
         what it named before."""
         check_in_bounds(ref)
-        with self._lock, session.lock:
+        with session.lock:
             old = self._lookup(session, handle)
             self.storages.incref(ref.storage)
             session.handles[handle] = ref
@@ -474,18 +474,18 @@ class SessionManager:
 
     def check_room(self, session: Session, wanted: int) -> None:
         """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""
-        with self._lock, session.lock:
+        with session.lock:
             self._check_room(session, wanted)
 
     def lookup(self, session: Session, handle: str) -> TensorRef:
-        with self._lock, session.lock:
+        with session.lock:
             return self._lookup(session, handle)
 
     @contextmanager
     def held(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
         """The tensors of ``handles``, their Storages kept alive and in place (compaction
         never moves a held Storage) until the block ends."""
-        with self._lock, session.lock:
+        with session.lock:
             refs = [self._lookup(session, h) for h in handles]
             for ref in refs:
                 self.storages.hold(ref.storage)
@@ -516,7 +516,7 @@ class SessionManager:
     def release(self, session: Session, handles: Sequence[str]) -> int:
         """Drop handles; unknown ones are ignored (the SDK may release twice). Returns the count."""
         refs = []
-        with self._lock, session.lock:
+        with session.lock:
             for handle in handles:
                 ref = session.handles.pop(handle, None)
                 if ref is not None:
