@@ -155,6 +155,23 @@ def test_serve_sets_the_gil_switch_interval_it_is_given() -> None:
         sys.setswitchinterval(before)
 
 
+def test_serve_refuses_a_lease_a_busy_servers_heartbeats_could_miss() -> None:
+    # a heartbeat waits up to one switch interval per busy thread: a lease of 0.1 s with
+    # threads running 1 s each before a handoff would drop live sessions
+    result = run_serve("--address", "127.0.0.1:0", "--lease", "0.1", "--gil-switch-interval", "1")
+    assert result.returncode == 2
+    assert "--lease (0.1 s) must be at least 10 times --gil-switch-interval (1 s)" in result.stderr
+    from tensord_server.tools.serve import apply_gil_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        assert apply_gil_switch_interval(0.05, lease_s=0.49) is not None
+        assert sys.getswitchinterval() == before  # refused: nothing set
+        assert apply_gil_switch_interval(0.05, lease_s=0.5) is None
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_serve_refuses_a_gil_switch_interval_out_of_range() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--gil-switch-interval", "0")
     assert result.returncode == 2

@@ -47,6 +47,8 @@ DEFAULT_GIL_SWITCH_INTERVAL_S = 0.05
 # The longest switch interval accepted: beyond it one busy thread could delay every other
 # call by more than a second.
 MAX_GIL_SWITCH_INTERVAL_S = 1.0
+# The shortest lease per switch interval (0.5 s at the default): see apply_gil_switch_interval.
+LEASE_PER_GIL_SWITCH = 10
 
 log = logging.getLogger("tensord.serve")
 
@@ -310,12 +312,21 @@ def shown_address(requested: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def apply_gil_switch_interval(seconds: float) -> str | None:
-    """Set this process's GIL switch interval; what is wrong with ``seconds`` (None: set)."""
+def apply_gil_switch_interval(seconds: float, lease_s: float | None = None) -> str | None:
+    """Set this process's GIL switch interval; what is wrong with ``seconds`` (None: set).
+    A lease must be at least LEASE_PER_GIL_SWITCH intervals: a heartbeat (every lease/3)
+    waiting for the GIL behind busy threads waits up to one interval per thread, and must
+    still land inside the lease."""
     if not 0 < seconds <= MAX_GIL_SWITCH_INTERVAL_S:  # NaN too
         return (
             f"--gil-switch-interval must be > 0 and at most {MAX_GIL_SWITCH_INTERVAL_S:g} "
             f"seconds, got {seconds:g}"
+        )
+    if lease_s is not None and lease_s < LEASE_PER_GIL_SWITCH * seconds:
+        return (
+            f"--lease ({lease_s:g} s) must be at least {LEASE_PER_GIL_SWITCH} times "
+            f"--gil-switch-interval ({seconds:g} s): a heartbeat waiting for busy threads "
+            f"could miss it; lower --gil-switch-interval or raise --lease"
         )
     sys.setswitchinterval(seconds)
     return None
@@ -348,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    problem = apply_gil_switch_interval(args.gil_switch_interval)
+    problem = apply_gil_switch_interval(args.gil_switch_interval, args.lease)
     if problem is not None:
         print(f"tensord serve: {problem}", file=sys.stderr)
         return 2
