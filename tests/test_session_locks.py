@@ -112,6 +112,24 @@ def test_a_session_closed_during_its_run_leaks_nothing(
         pass
 
 
+def test_renaming_handles_of_a_session_that_ended_meanwhile_is_not_found(
+    fresh_server: Any, open_session: Any
+) -> None:
+    # a pipelined view's handle is issued, then renamed to the client's id: a close in
+    # between released the issued handle; the rename says the session is gone (it raised
+    # KeyError, an internal error, before)
+    daemon = fresh_server.daemon
+    a = open_session(fresh_server.address, "a")
+    x = _empty(a)
+    session = daemon.sessions.get(a.session_id)
+    ref = daemon.sessions.lookup(session, x.handle)
+    [issued] = daemon.sessions.register_all(session, [ref])
+    daemon.sessions.close(session)
+    with pytest.raises(NotFoundError, match="unknown session"):
+        daemon.sessions.rename(session, [issued], ["r" * 22])
+    assert not session.handles
+
+
 def test_a_run_settles_its_references_exactly(fresh_server: Any, open_session: Any) -> None:
     # references counted during a run and applied at its end: the Storage's count is its
     # handles' after it, and it is freed when the run dropped its last handle

@@ -445,6 +445,8 @@ class SessionManager:
         not live in the session.  A client-chosen id is a name in this session's table only."""
         _check_chosen_ids(chosen, len(issued))
         with session.lock:
+            if session.ended:  # its end released the issued handles: nothing to rename
+                raise NotFoundError("unknown session")
             _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
