@@ -50,7 +50,7 @@ import numpy as np
 
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord.layout import Layout
+from tensord.layout import Layout, reach_bounds
 from tensord.protocol import split_ticket
 
 if TYPE_CHECKING:
@@ -166,13 +166,7 @@ def _mapped_place(array: np.ndarray) -> tuple[int, tuple[str, int], int, int] | 
 def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
     """The first address a non-empty ``array`` reaches and the one past its last byte
     (NumPy's byte_bounds, which moved between NumPy 1 and 2)."""
-    low = high = int(array.ctypes.data)
-    for extent, stride in zip(array.shape, array.strides, strict=True):
-        reach = (extent - 1) * stride
-        if reach < 0:
-            low += reach
-        else:
-            high += reach
+    low, high = reach_bounds(int(array.ctypes.data), array.shape, array.strides)
     return low, high + array.itemsize
 
 

@@ -388,6 +388,20 @@ def broadcast_shapes(*shapes: IntOrSeq) -> Shape:
     return tuple(common)
 
 
+def reach_bounds(start: int, shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
+    """The lowest and highest offset a non-empty view of ``shape`` and ``strides`` from
+    ``start`` reaches (in the strides' unit: elements, or bytes for NumPy's strides);
+    exact whatever the strides' signs (a negative stride reaches below ``start``)."""
+    low = high = start
+    for extent, stride in zip(shape, strides, strict=True):
+        reach = (extent - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return low, high
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """A strided view of a storage: element ``i`` lives at ``offset + sum(i[k]*stride[k])``."""
@@ -470,14 +484,7 @@ class Layout:
         """
         if self.numel == 0:
             return None
-        low = high = self.offset
-        for n, s in zip(self.shape, self.stride, strict=True):
-            span = (n - 1) * s
-            if span < 0:
-                low += span
-            else:
-                high += span
-        return low, high
+        return reach_bounds(self.offset, self.shape, self.stride)
 
     def storage_extent(self) -> int:
         """Elements a storage must hold for this view (0 when it has no elements)."""
