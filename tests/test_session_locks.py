@@ -60,13 +60,18 @@ class _HeldRun:
         assert not self._thread.is_alive() and not self.errors, self.errors
 
 
+def _two_sessions(fresh_server: Any, open_session: Any) -> tuple[Any, Any, Any]:
+    """The server's daemon, and sessions "a" and "b", each with one new tensor: (daemon,
+    (a, its tensor), (b, its tensor))."""
+    a, b = open_session(fresh_server.address, "a"), open_session(fresh_server.address, "b")
+    return fresh_server.daemon, (a, _empty(a)), (b, _empty(b))
+
+
 def test_a_batch_runs_while_another_sessions_run_holds_its_lock(
     fresh_server: Any, open_session: Any
 ) -> None:
     # the table lock was held across every session's run: 8 clients' Batches queued on it
-    daemon = fresh_server.daemon
-    a, b = open_session(fresh_server.address, "a"), open_session(fresh_server.address, "b")
-    x, y = _empty(a), _empty(b)
+    daemon, (a, x), (b, y) = _two_sessions(fresh_server, open_session)
     held = _HeldRun(daemon, daemon.sessions.get(b.session_id), y.handle, "B" * 22)
     answered = threading.Event()
     answers: list[Any] = []
@@ -224,9 +229,7 @@ def test_a_call_waiting_for_its_own_sessions_run_holds_up_no_other_session(
     # review11: every handle op took the table lock, then its session's: A's call waiting
     # for A's run held the table lock meanwhile, and every other session's calls (each
     # op's lookup, hold, new handle) queued behind A's run
-    daemon = fresh_server.daemon
-    a, b = open_session(fresh_server.address, "a"), open_session(fresh_server.address, "b")
-    x, y = _empty(a), _empty(b)
+    daemon, (a, x), (b, y) = _two_sessions(fresh_server, open_session)
     session_a = daemon.sessions.get(a.session_id)
     session_a.lock = signalling = _SignallingLock(session_a.lock)
     held = _HeldRun(daemon, session_a, x.handle, "v" * 22)
