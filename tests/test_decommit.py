@@ -42,6 +42,15 @@ DECOMMIT_EAGER = dataclasses.replace(
     DECOMMIT_ALL, name="decommit-eager", decommit_min_bytes=PAGE, min_slack=0, compact_every=1
 )
 
+# the random-sequence property tests: reproducible, bounded, slow examples allowed
+HYPOTHESIS = settings(
+    derandomize=True,
+    database=None,
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
 BACKENDS: dict[str, Callable[[], HostBackend]] = {
     "memfd": lambda: SharedHostBackend(total_bytes=HOST_BYTES),
     "private": lambda: HostBackend(total_bytes=HOST_BYTES),
@@ -450,13 +459,7 @@ def apply_checked_steps(
         assert len(pool._decommit_candidates) <= 2 * free_blocks + 65
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@HYPOTHESIS
 @given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ALL, DECOMMIT_EAGER]))
 def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
     steps: list[tuple[str, int]], policy: PoolPolicy
@@ -484,13 +487,7 @@ DECOMMIT_NARROW = dataclasses.replace(
 )
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@HYPOTHESIS
 @given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ON_DEMAND, DECOMMIT_NARROW]))
 def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
     steps: list[tuple[str, int]], policy: PoolPolicy
