@@ -108,8 +108,15 @@ def _check_chosen_ids(chosen: Sequence[str], count: int) -> None:
         raise AlreadyExistsError("a pipelined op names the same result handle twice")
 
 
+def _check_not_ended(session: Session) -> None:
+    """(under the session's lock) NotFoundError once the session ended: its end released
+    its handles, and no change of its handles may come after it."""
+    if session.ended:
+        raise NotFoundError("unknown session")
+
+
 def _check_not_live(session: Session, chosen: Sequence[str]) -> None:
-    """No chosen id names a live handle of ``session`` (under the table lock)."""
+    """No chosen id names a live handle of ``session`` (under the session's lock)."""
     for handle_id in chosen:
         if handle_id in session.handles:
             raise AlreadyExistsError(
@@ -426,8 +433,7 @@ class SessionManager:
         self, session: Session, refs: Sequence[TensorRef], chosen: Sequence[str] | None = None
     ) -> list[str]:
         with session.lock:
-            if session.ended:  # its end released its handles: none may come after it
-                raise NotFoundError("unknown session")
+            _check_not_ended(session)  # its end released its handles: none may come after it
             self._check_room(session, len(refs))
             if chosen is None:
                 handles = [new_capability() for _ in refs]
@@ -445,8 +451,7 @@ class SessionManager:
         not live in the session.  A client-chosen id is a name in this session's table only."""
         _check_chosen_ids(chosen, len(issued))
         with session.lock:
-            if session.ended:  # its end released the issued handles: nothing to rename
-                raise NotFoundError("unknown session")
+            _check_not_ended(session)  # its end released the issued handles: nothing to rename
             _check_not_live(session, chosen)
             for old, new in zip(issued, chosen, strict=True):
                 session.handles[new] = session.handles.pop(old)
@@ -506,8 +511,7 @@ class SessionManager:
         counts = self.storages.ref_counts()
         try:
             with session.lock:
-                if session.ended:
-                    raise NotFoundError("unknown session")
+                _check_not_ended(session)
                 try:
                     yield HandleRun(self, session, counts)
                 finally:  # the ops applied before a failed one keep their handles
