@@ -250,7 +250,7 @@ def test_export_checks_the_handle_limit_without_walking_every_export(make_server
         try:
             exports = [table.export(session, x.handle)[0] for _ in range(room)]
             assert table.count(session.id) == room
-            with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+            with pytest.raises(tensord.errors.ResourceExhaustedError, match=r"\(8 in all\)"):
                 table.export(session, x.handle)
             assert table.release(session, [exports[0].id, "unknown"]) == 1
             assert table.count(session.id) == room - 1
@@ -258,6 +258,35 @@ def test_export_checks_the_handle_limit_without_walking_every_export(make_server
         finally:
             table._exports = dict(table._exports)
     assert table.count(session.id) == 0  # the session's end released the rest
+
+
+def test_the_handle_limit_counts_handles_share_tokens_and_exports_together(
+    make_server: Any,
+) -> None:
+    """--max-handles-per-session bounds all a session keeps: before, adding handles never
+    counted its exports (a session could hold the limit in exports and as many handles
+    again) and an Export never counted its share tokens."""
+    limit = 8
+    running = make_server(max_handles_per_session=limit)
+    table, sessions = running.daemon.exports, running.daemon.sessions
+    with tensord.connect(running.address) as client:
+        x = client.tensor(np.ones(1000, dtype=np.float32))
+        client.synchronize()
+        session = sessions.peek(client.session_id)
+        held = sessions.handle_count(session) + len(session.tokens) + table.count(session.id)
+        exports = [table.export(session, x.handle)[0] for _ in range(limit - held - 1)]
+        token = x.share()  # the last entry the limit allows
+        full = rf"\({limit} in all\)"
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match=full):
+            x.view(10, 100)
+            client.synchronize()
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match=full):
+            table.export(session, x.handle)
+        assert table.release(session, [exports[0].id]) == 1  # room for one entry again
+        y = x.view(10, 100)
+        client.synchronize()
+        np.testing.assert_array_equal(y.numpy(), np.ones((10, 100), dtype=np.float32))
+        client.revoke(token)
 
 
 def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
@@ -285,7 +314,7 @@ def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
                 yield refs
 
         monkeypatch.setattr(sessions, "held", held_while_another_exports)
-        with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match=r"\(8 in all\)"):
             table.export(session, x.handle)
         assert len(inner) == 1 and table.count(session.id) == room
         assert storage.holds == holds + 1  # the inner export's hold only
@@ -478,7 +507,7 @@ def test_empty_export_checks_the_handle_limit_and_releases_a_refused_handle(
         assert sessions.handle_count(session) == 7
         request = pb.EmptyRequest(shape=[1000], dtype="float32", device="cpu")
         # the new handle is the 8th; its export would be the 9th: refused
-        with pytest.raises(tensord.errors.ResourceExhaustedError, match="holds 8 handles"):
+        with pytest.raises(tensord.errors.ResourceExhaustedError, match=r"\(8 in all\)"):
             client._conn.empty_export(request, False)
         assert sessions.handle_count(session) == 7  # the new handle went with the refusal
         assert running.daemon.exports.count(session.id) == 0

@@ -125,6 +125,7 @@ class ExportTable:
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
+        sessions.exports_of = self._live_exports
 
     # -- exports ------------------------------------------------------------------
 
@@ -134,9 +135,8 @@ class ExportTable:
         never a second lookup: a Release of the handle landing in between would fail the
         call after the export was added, and the client, never told its id, could not end
         it (it would pin the Storage until the session ends)."""
-        handles = self.sessions.handle_count(session)
         with self._lock:  # refused before any work; checked again where the export is added
-            self._check_room(session.id, handles)
+            self.sessions.refuse_beyond_limit(session)
         with self.sessions.held(session, handle) as (ref,):
             storage = ref.storage
             backend = storage.device.backend
@@ -148,7 +148,7 @@ class ExportTable:
             self.storages.hold(storage)  # the export's own hold, kept past this block
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
-            return self._export_cuda(session, storage, backend, handles), "", ref
+            return self._export_cuda(session, storage, backend), "", ref
         segment = backend.segment(block.segment.memory)
         export = Export(
             id=secrets.token_urlsafe(16),
@@ -159,20 +159,18 @@ class ExportTable:
             byte_offset=block.offset if segment is not None else 0,
         )
         ticket = ""
-        with self._counted(export, handles):
+        with self._counted(export, session):
             if segment is not None:
                 ticket = self._issue_ticket(segment.id, backend)
         self._refuse_if_ended(session)
         return export, ticket, ref
 
-    def _export_cuda(
-        self, session: Session, storage: Storage, backend: CudaBackend, handles: int
-    ) -> Export:
+    def _export_cuda(self, session: Session, storage: Storage, backend: CudaBackend) -> Export:
         """(the Storage is held) Its segment's IPC handle, the import counted first."""
         memory = storage.block.segment.memory
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
             export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
-            with self._counted(export, handles):
+            with self._counted(export, session):
                 pass
             self._refuse_if_ended(session)
             return export
@@ -190,7 +188,7 @@ class ExportTable:
             byte_offset=storage.block.offset,
             ipc_handle=handle,
         )
-        with self._counted(export, handles):
+        with self._counted(export, session):
             importers = self._imports.setdefault(segment_id, {})
             importers[session.id] = importers.get(session.id, 0) + 1
             self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
@@ -271,26 +269,20 @@ class ExportTable:
         for export in ended:
             self.storages.release_hold(export.storage)
 
-    def _check_room(self, session_id: str, handles: int) -> None:
-        """(lock held) Refuse an export beyond --max-handles-per-session, counted with the
-        session's ``handles`` and its live exports."""
-        limit = self.sessions.max_handles
-        held = handles + self._per_session.get(session_id, 0)
-        if limit is not None and held + 1 > limit:
-            raise ResourceExhaustedError(
-                f"this session holds {held} handles and exports, the limit "
-                f"(--max-handles-per-session {limit}); release some first"
-            )
+    def _live_exports(self, session_id: str) -> int:
+        """A session's live exports, for the handle limit: read without the lock (one dict
+        lookup), held by callers that add an export."""
+        return self._per_session.get(session_id, 0)
 
     @contextlib.contextmanager
-    def _counted(self, export: Export, handles: int) -> Iterator[None]:
-        """Under the lock (the body too): the held ``export`` counted for its session (which
-        has ``handles`` handles), or refused beyond the limit and its hold dropped once the
+    def _counted(self, export: Export, session: Session) -> Iterator[None]:
+        """Under the lock (the body too): the held ``export`` counted for ``session`` (with
+        its handles and share tokens), or refused beyond the limit and its hold dropped once the
         lock is let go (a free takes the pool's lock, which may call back into ours).
         Concurrent Exports of one session each passed the first check before any was added."""
         self._lock.acquire()
         try:
-            self._check_room(export.session_id, handles)
+            self.sessions.refuse_beyond_limit(session)
         except ResourceExhaustedError:
             self._lock.release()
             self.storages.release_hold(export.storage)

@@ -125,6 +125,11 @@ def _check_not_live(session: Session, chosen: Sequence[str]) -> None:
             )
 
 
+def _no_exports(session_id: str) -> int:
+    """Live exports before any ExportTable exists: none."""
+    return 0
+
+
 @dataclass(eq=False)
 class Session:
     """One client process's session.  ``last_seen``, ``streams`` and ``stream_ended_at``
@@ -174,7 +179,7 @@ class HandleRun:
         return self._manager._lookup(self.session, handle)
 
     def check_room(self, wanted: int) -> None:
-        self._manager._check_room(self.session, wanted)
+        self._manager.refuse_beyond_limit(self.session, wanted)
 
     def register(self, refs: Sequence[TensorRef], chosen: Sequence[str]) -> None:
         """Handles ``chosen`` (the client's ids) on ``refs``: all or none, as register_all."""
@@ -182,7 +187,7 @@ class HandleRun:
             check_in_bounds(ref)
         _check_chosen_ids(chosen, len(refs))
         session = self.session
-        self._manager._check_room(session, len(refs))
+        self._manager.refuse_beyond_limit(session, len(refs))
         _check_not_live(session, chosen)
         for handle, ref in zip(chosen, refs, strict=True):
             self._counts.incref(ref.storage)
@@ -257,6 +262,9 @@ class SessionManager:
         self._reaper: threading.Thread | None = None
         # called (without the lock) with each session that ended: closed, reaped or shut down
         self.end_listeners: list[Callable[[Session], None]] = []
+        # a session's live exports (same-host zero copy), set by the ExportTable once made:
+        # they count against --max-handles-per-session with its handles and share tokens
+        self.exports_of: Callable[[str], int] = _no_exports
 
     # -- sessions -------------------------------------------------------------
 
@@ -434,7 +442,7 @@ class SessionManager:
     ) -> list[str]:
         with session.lock:
             _check_not_ended(session)  # its end released its handles: none may come after it
-            self._check_room(session, len(refs))
+            self.refuse_beyond_limit(session, len(refs))
             if chosen is None:
                 handles = [new_capability() for _ in refs]
             else:
@@ -482,7 +490,7 @@ class SessionManager:
     def check_room(self, session: Session, wanted: int) -> None:
         """Refuse now, before any work, what register_all would refuse for ``wanted`` handles."""
         with session.lock:
-            self._check_room(session, wanted)
+            self.refuse_beyond_limit(session, wanted)
 
     def lookup(self, session: Session, handle: str) -> TensorRef:
         with session.lock:
@@ -550,7 +558,7 @@ class SessionManager:
         token = new_capability()
         with self._lock, session.lock:
             ref = self._lookup(session, handle)
-            self._check_room(session)
+            self.refuse_beyond_limit(session)
             self.storages.incref(ref.storage)
             expires_at = self._clock() + ttl
             self._tokens[token] = ShareToken(session.id, session.tenant, ref, uses, expires_at)
@@ -637,14 +645,21 @@ class SessionManager:
     # -- internals (call with the table lock held, and the session's lock for its handles,
     #    except _decref_all) --------------------------------------------------------
 
-    def _check_room(self, session: Session, wanted: int = 1) -> None:
-        """Refuse new handles or share tokens beyond ``--max-handles-per-session``: both are
-        entries the session keeps (a token lives until its session ends)."""
-        held = len(session.handles) + len(session.tokens)
-        if self.max_handles is not None and held + wanted > self.max_handles:
+    def refuse_beyond_limit(self, session: Session, wanted: int = 1) -> None:
+        """Refuse ``wanted`` more entries beyond ``--max-handles-per-session``: handles, share
+        tokens (a token lives until its session ends) and exports are all entries the session
+        keeps, counted together wherever one is added.  Takes no lock: a caller adding handles
+        holds the session's lock, an Export the export table's (two such calls of one session
+        at once may pass the limit by the other's ``wanted``, never more)."""
+        if self.max_handles is None:
+            return
+        handles, tokens = len(session.handles), len(session.tokens)
+        exports = self.exports_of(session.id)
+        held = handles + tokens + exports
+        if held + wanted > self.max_handles:
             raise ResourceExhaustedError(
-                f"this session holds {len(session.handles)} handles and {len(session.tokens)} "
-                f"share tokens and asked for {wanted} more, over the limit "
+                f"this session holds {handles} handles, {tokens} share tokens and {exports} "
+                f"exports ({held} in all) and asked for {wanted} more, over the limit "
                 f"(--max-handles-per-session {self.max_handles}); release some first"
             )
 
