@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,21 @@ def test_heartbeats_keep_an_idle_session_past_many_leases(make_server: Any) -> N
         time.sleep(1.5)  # five leases, fifteen graces, no call but the heartbeats
         assert client.session_id == session_id
         assert x.tolist() == list(range(10))
+
+
+def test_a_lease_too_long_to_wait_for_keeps_the_heartbeat_alive(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the server's lease is the client's to trust only so far: lease/3 past what a
+    # thread can wait (threading.TIMEOUT_MAX) killed the heartbeat with an OverflowError
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    server = make_server(lease=1e300)
+    with tensord.connect(server.address) as client:
+        x = client.arange(3)
+        time.sleep(0.2)  # the heartbeat thread's first wait has begun
+        assert x.tolist() == [0, 1, 2]
+    assert died == []
 
 
 def test_more_clients_than_server_threads_all_work(make_server: Any) -> None:
