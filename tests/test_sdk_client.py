@@ -102,6 +102,20 @@ def test_factories_match_torch(client: tensord.Client) -> None:
     )
 
 
+@pytest.mark.parametrize("sizes", [(-1,), (2, -3), ((0, -2),)])
+def test_factories_refuse_a_negative_size_with_torchs_text(
+    client: tensord.Client, sizes: tuple[Any, ...]
+) -> None:
+    # torch's zeros checks its sizes itself, with its own text; ones, full and empty share
+    # empty's check ("Trying to create tensor with negative dimension")
+    for factory in ("zeros", "ones", "empty"):
+        with pytest.raises(RuntimeError) as theirs:
+            getattr(torch, factory)(*sizes)
+        with pytest.raises(RuntimeError) as ours:
+            getattr(client, factory)(*sizes)
+        assert str(ours.value) == str(theirs.value)
+
+
 def test_to_forms_and_conversions(client: tensord.Client) -> None:
     x = client.arange(6).view(2, 3)
     assert x.to(tensord.dtypes.int64) is x  # nothing to do: torch returns self

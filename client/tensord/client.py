@@ -317,7 +317,10 @@ class Client:
     def zeros(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
-        return self._filled(size, 0, dtype, device, requires_grad)
+        shape = shape_args(size)
+        if any(n < 0 for n in shape):  # torch's zeros checks its sizes itself, in its own words
+            raise errors.TensordRuntimeError("zeros: Dimension size must be non-negative.")
+        return self._filled(shape, 0, dtype, device, requires_grad)
 
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
