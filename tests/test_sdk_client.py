@@ -291,6 +291,26 @@ def test_names_put_get_delete(client: tensord.Client) -> None:
     assert "sdk-test-name" not in client.names()
 
 
+def test_a_name_or_token_that_is_not_a_str_is_a_type_error_naming_it(
+    client: tensord.Client,
+) -> None:
+    # before: protobuf's "bad argument type for built-in operation", naming nothing, and
+    # get(None) looked up the name ''
+    x = client.arange(2)
+    calls = [
+        ("name", lambda: client.put(3, x)),
+        ("name", lambda: client.put(b"n", x)),
+        ("name", lambda: client.get(None)),
+        ("name", lambda: client.delete(3)),
+        ("token", lambda: client.attach(None)),
+        ("token", lambda: client.revoke(1)),
+    ]
+    for what, call in calls:
+        with pytest.raises(TypeError, match=f"^{what} must be a str, got "):
+            call()
+    assert "3" not in client.names() and "n" not in client.names()
+
+
 # ---- introspection and CLI -------------------------------------------------------------------
 
 
