@@ -438,6 +438,25 @@ def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []  # no server was started, nothing written
 
 
+@pytest.mark.parametrize("module", ["locust", "matplotlib"])
+def test_a_missing_extra_is_named_before_anything_starts(tmp_path: Path, module: str) -> None:
+    # an install without '.[loadtest]': before, the server started, Locust's child failed
+    # and the plot ended the run in a ModuleNotFoundError traceback
+    hide = f"import sys; sys.modules[{module!r}] = None"  # as if it were not installed
+    run = f"from tensord_server.cli import main; sys.exit(main(['loadtest', '--out', {str(tmp_path)!r}]))"
+    result = subprocess.run(
+        [sys.executable, "-c", f"{hide}; {run}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert f"needs {module}" in result.stderr and "pip install 'tensord[loadtest]'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no server was started, nothing written
+
+
 def test_ratios_under_load_skip_the_samples_while_users_arrive_or_leave(tmp_path: Path) -> None:
     """At the stop, users leave and free at once while segments are still reserved: a
     sample then (fewer live sessions) says nothing about the pool under load."""

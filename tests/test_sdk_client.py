@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,20 @@ def test_factories_match_torch(client: tensord.Client) -> None:
     )
 
 
+@pytest.mark.parametrize("sizes", [(-1,), (2, -3), ((0, -2),)])
+def test_factories_refuse_a_negative_size_with_torchs_text(
+    client: tensord.Client, sizes: tuple[Any, ...]
+) -> None:
+    # torch's zeros checks its sizes itself, with its own text; ones, full and empty share
+    # empty's check ("Trying to create tensor with negative dimension")
+    for factory in ("zeros", "ones", "empty"):
+        with pytest.raises(RuntimeError) as theirs:
+            getattr(torch, factory)(*sizes)
+        with pytest.raises(RuntimeError) as ours:
+            getattr(client, factory)(*sizes)
+        assert str(ours.value) == str(theirs.value)
+
+
 def test_to_forms_and_conversions(client: tensord.Client) -> None:
     x = client.arange(6).view(2, 3)
     assert x.to(tensord.dtypes.int64) is x  # nothing to do: torch returns self
@@ -195,6 +210,21 @@ def test_heartbeats_keep_an_idle_session_past_many_leases(make_server: Any) -> N
         assert x.tolist() == list(range(10))
 
 
+def test_a_lease_too_long_to_wait_for_keeps_the_heartbeat_alive(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the server's lease is the client's to trust only so far: lease/3 past what a
+    # thread can wait (threading.TIMEOUT_MAX) killed the heartbeat with an OverflowError
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    server = make_server(lease=1e300)
+    with tensord.connect(server.address) as client:
+        x = client.arange(3)
+        time.sleep(0.2)  # the heartbeat thread's first wait has begun
+        assert x.tolist() == [0, 1, 2]
+    assert died == []
+
+
 def test_more_clients_than_server_threads_all_work(make_server: Any) -> None:
     # unary heartbeats hold no worker between beats: 4 workers serve 12 idle clients
     from tensord_server.rpc.server import create_server
@@ -259,6 +289,26 @@ def test_names_put_get_delete(client: tensord.Client) -> None:
     assert client.get("sdk-test-name").tolist() == [0, 1, 2, 3]
     client.delete("sdk-test-name")
     assert "sdk-test-name" not in client.names()
+
+
+def test_a_name_or_token_that_is_not_a_str_is_a_type_error_naming_it(
+    client: tensord.Client,
+) -> None:
+    # before: protobuf's "bad argument type for built-in operation", naming nothing, and
+    # get(None) looked up the name ''
+    x = client.arange(2)
+    calls = [
+        ("name", lambda: client.put(3, x)),
+        ("name", lambda: client.put(b"n", x)),
+        ("name", lambda: client.get(None)),
+        ("name", lambda: client.delete(3)),
+        ("token", lambda: client.attach(None)),
+        ("token", lambda: client.revoke(1)),
+    ]
+    for what, call in calls:
+        with pytest.raises(TypeError, match=f"^{what} must be a str, got "):
+            call()
+    assert "3" not in client.names() and "n" not in client.names()
 
 
 # ---- introspection and CLI -------------------------------------------------------------------

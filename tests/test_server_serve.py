@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -14,6 +15,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
 from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
+from tensord_server.domain.store import TensorStore
 from tensord_server.tools.serve import shown_address
 
 
@@ -78,6 +80,21 @@ def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
     result = run_serve("--device", device, env=env)
     assert result.returncode == 2
     assert needle in result.stderr
+
+
+def test_serve_refuses_fewer_than_one_worker_without_a_traceback() -> None:
+    result = run_serve("--address", "127.0.0.1:0", "--max-workers", "0")
+    assert result.returncode == 2
+    assert "tensord serve: --max-workers must be >= 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("grace", "lease"), [(math.nan, 10.0), (math.inf, 10.0), (30.0, math.inf)])
+def test_a_store_refuses_a_grace_or_lease_that_is_not_finite(grace, lease) -> None:
+    # a NaN grace never reaps a lost session; an infinite lease reaches clients, whose
+    # heartbeat cannot wait that long; `tensord serve` prints this ValueError and exits 2
+    with pytest.raises(ValueError, match="finite"):
+        TensorStore(("cpu=64MiB",), session_grace=grace, lease=lease)
 
 
 def test_parse_sizes_and_device_specs() -> None:

@@ -59,6 +59,8 @@ CHANNEL_OPTIONS = (
 # Dropped handles are sent in one Release per interval (or sooner once this many wait).
 RELEASE_INTERVAL_S = 0.05
 RELEASE_BATCH = 1024
+# the longest wait between heartbeats, whatever lease the server grants (one hour)
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
 # Pipelining (issue 15): queued ops go to the server in one Batch once this many wait (or
 # at the next call that waits for the server, or within RELEASE_INTERVAL_S).
 PIPELINE_BATCH = 256
@@ -1049,7 +1051,9 @@ class Connection:
         failed beat is retried on the next tick; a session the server no longer
         knows (reaped after its grace) is replaced by a new one, its handles gone.
         """
-        interval = max(self.lease_seconds / 3.0, 0.05)
+        # the lease is the server's word: a third of a huge one is past what a thread can
+        # wait (OverflowError), and beating more often than needed costs nothing
+        interval = min(max(self.lease_seconds / 3.0, 0.05), MAX_HEARTBEAT_INTERVAL_S)
         while not self._closed.wait(interval):
             with _FORK_GATE.busy():
                 self._beat(interval)

@@ -109,6 +109,14 @@ def _dtype_name(dtype: Any) -> str:
     return "" if dtype is None else as_dtype(dtype).name
 
 
+def _text(what: str, value: Any) -> str:
+    """A name or share token as the wire takes it: protobuf would take bytes as text, and
+    refuse anything else without saying which argument it was."""
+    if not isinstance(value, str):
+        raise errors.TensordTypeError(f"{what} must be a str, got {type(value).__name__}")
+    return value
+
+
 class Client:
     """One session on a tensord server.  Thread-safe; a context manager that closes the session."""
 
@@ -317,7 +325,10 @@ class Client:
     def zeros(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
-        return self._filled(size, 0, dtype, device, requires_grad)
+        shape = shape_args(size)
+        if any(n < 0 for n in shape):  # torch's zeros checks its sizes itself, in its own words
+            raise errors.TensordRuntimeError("zeros: Dimension size must be non-negative.")
+        return self._filled(shape, 0, dtype, device, requires_grad)
 
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
@@ -397,24 +408,25 @@ class Client:
 
     def attach(self, token: str) -> Tensor:
         """This session's own handle on the Storage behind another session's ``x.share()``."""
-        return self._wrap(self._call("Attach", pb.AttachRequest(token=token)))
+        return self._wrap(self._call("Attach", pb.AttachRequest(token=_text("token", token))))
 
     def revoke(self, token: str) -> bool:
         """End a share token this session issued now; False if it had already ended
         (used up, expired or revoked)."""
-        revoked: bool = self._call("Revoke", pb.RevokeRequest(token=token)).revoked
+        revoked: bool = self._call("Revoke", pb.RevokeRequest(token=_text("token", token))).revoked
         return revoked
 
     def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
         """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
+        name = _text("name", name)
         handle = own(self, tensor, 0)
         self._call("PutName", pb.PutNameRequest(name=name, handle=handle, overwrite=overwrite))
 
     def get(self, name: str) -> Tensor:
-        return self._wrap(self._call("GetName", pb.GetNameRequest(name=name)))
+        return self._wrap(self._call("GetName", pb.GetNameRequest(name=_text("name", name))))
 
     def delete(self, name: str) -> None:
-        self._call("DeleteName", pb.DeleteNameRequest(name=name))
+        self._call("DeleteName", pb.DeleteNameRequest(name=_text("name", name)))
 
     def names(self) -> list[str]:
         return list(self._call("ListNames", pb.ListNamesRequest()).names)

@@ -231,8 +231,12 @@ class SessionManager:
         max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if grace < 0 or lease <= 0:
-            raise ValueError(f"grace must be >= 0 and lease > 0, got grace={grace}, lease={lease}")
+        # NaN and inf too: a NaN grace never reaps a lost session, and the lease goes to
+        # every client, whose heartbeat waits a third of it
+        if not (0 <= grace < math.inf and 0 < lease < math.inf):
+            raise ValueError(
+                f"grace must be >= 0 and lease > 0, both finite, got grace={grace}, lease={lease}"
+            )
         if not share_ttl > 0:
             raise ValueError(f"the share token ttl must be > 0, got {share_ttl}")
         if not share_ttl <= max_share_ttl < math.inf:  # NaN and inf too

@@ -347,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     for flag in (
+        "max_workers",  # else the gRPC server's own ValueError escapes as a traceback
         "max_handles_per_session",
         "max_sessions_per_tenant",
         "max_names_per_tenant",

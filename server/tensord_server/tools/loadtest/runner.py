@@ -698,9 +698,28 @@ def workload_weights(locustfile: Path, spec: str) -> dict[str, int]:
     return weights
 
 
+def missing_extra() -> str | None:
+    """The first module of the 'loadtest' extra this interpreter cannot import, if any
+    (Locust runs as this interpreter's child; matplotlib draws report.png)."""
+    import importlib.util
+
+    for module in ("locust", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import tensord
 
+    module = missing_extra()
+    if module is not None:  # before a server starts and a run is written, not at its end
+        print(
+            f"tensord loadtest: needs {module}: pip install 'tensord[loadtest]' "
+            "(pip install -e '.[loadtest]' in a checkout)",
+            file=sys.stderr,
+        )
+        return 2
     parse_duration(args.run_time)
     try:
         weights = workload_weights(args.locustfile, args.workloads)
