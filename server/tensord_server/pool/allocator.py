@@ -260,7 +260,7 @@ class CachingPool:
         compaction can make the room.  At the device's edge every such request used to
         walk every path first (best fit, room-making, new segments reserved and given
         back, torch's release of cached segments, a compaction whose moves found no room
-        to commit): 8-12 ms of CPU per out-of-memory under the pool's lock in a 50-user
+        to commit): 3-12 ms of CPU per out-of-memory under the pool's lock in a 50-user
         load test, none of them served.  Under PyTorch's rules (capacity on segment
         bytes) the paths run as PyTorch's do, and ``num_alloc_retries`` counts as theirs."""
         if not self._caps_commit():
