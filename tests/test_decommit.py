@@ -661,3 +661,74 @@ def test_holes_stay_warm_until_committed_exceeds_the_wake_threshold() -> None:
     pool.free(segments[2][3])  # another 2 MiB: 194 / 190 = 1.021, under 1.04
     assert stat(pool, "decommitted_bytes.all.current") == 6 * MiB
     pool.assert_invariants()
+
+
+def test_a_request_beyond_capacity_less_allocated_fails_without_walking_any_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Committed bytes are never fewer than allocated ones, so under a commit cap a request
+    of more than capacity - allocated bytes is out of memory whatever the pool tries: it
+    fails at once, with PyTorch's message (before: best fit, room-making, three new
+    segments reserved and given back, torch's release of cached segments and a
+    compaction ran first, 8 ms of CPU per out-of-memory under the pool's lock in a
+    50-user load test at the device's edge); one that fits still gets every path."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=24 * MiB, relocator=owner, policy=ADAPTIVE)
+    for index in range(4):
+        owner.add(f"b{index}", pool.malloc(4 * MiB), seed=index)  # 16 MiB in a 20 MiB segment
+    owner.add("tail", pool.malloc(5 * MiB), seed=7)  # 21 MiB allocated
+    reserved: list[int] = []
+    reserve = backend.reserve
+
+    def counting(nbytes: int) -> Any:
+        reserved.append(nbytes)
+        return reserve(nbytes)
+
+    monkeypatch.setattr(backend, "reserve", counting)
+    retries = stat(pool, "num_alloc_retries")
+    with pytest.raises(OutOfMemoryError, match=r"Tried to allocate 4\.00 MiB"):
+        pool.malloc(4 * MiB)  # 21 + 4 > 24 MiB
+    assert reserved == []
+    assert stat(pool, "num_alloc_retries") == retries
+    assert stat(pool, "num_ooms") == 1
+    assert stat(pool, "num_compactions") == stat(pool, "compaction_moved_bytes") == 0
+    owner.add("fits", pool.malloc(2 * MiB), seed=8)  # 21 + 2 <= 24: served
+    owner.check_bytes()
+    pool.assert_invariants()
+
+
+def test_making_room_pops_the_decommit_candidates_instead_of_sorting_every_free_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Making room to commit gives back the pages of the free blocks the decommit
+    candidates' heap names (those that may still hold committed pages), then idle
+    segments: holes given back before are not looked at again (before: every free block
+    of a page or more was listed and sorted on each malloc that needed room)."""
+    # holes go back at once; segments may span 16 x 8 MiB
+    policy = dataclasses.replace(DECOMMIT_ALL, decommit_min_bytes=PAGE, virtual_capacity_factor=16)
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), capacity=8 * MiB, policy=policy)
+    small = [pool.malloc(8192) for _ in range(512)]  # two 2 MiB small segments
+    for block in small[::2]:
+        pool.free(block)  # 256 holes of two pages each, given back at once
+    assert stat(pool, "decommitted_bytes.all.current") == 256 * 8192
+    idle = [pool.malloc(2 * MiB, stream=s) for s in (1, 2, 3)]  # 2 MiB of pages each
+    for block in idle:
+        pool.free(block)  # wholly free: they keep their pages, the room to make
+    assert stat(pool, "reserved_bytes.all.current") == 8 * MiB  # and 2 MiB of small pages
+    pool.malloc(2 * MiB, stream=4)  # an idle segment goes back for it (the heap emptied)
+    assert stat(pool, "num_device_free") == 1
+    looked = 0
+    is_split = Block.is_split
+
+    def counting(block: Block) -> bool:
+        nonlocal looked
+        looked += 1
+        return is_split(block)
+
+    monkeypatch.setattr(Block, "is_split", counting)
+    pool.malloc(2 * MiB, stream=5)  # another goes back: the 256 holes are not looked at again
+    monkeypatch.undo()
+    assert stat(pool, "num_device_free") == 2
+    assert looked < 50, looked
+    pool.assert_invariants()

@@ -53,7 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
@@ -216,6 +216,8 @@ class CachingPool:
             size = round_size(nbytes)
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
+            if self._beyond_any_room(size):
+                self._out_of_memory(self._oom_message(nbytes), size, stream)
             # each block found must have room to commit its pages (_admit: always, unless
             # the capacity bounds committed bytes), else it goes back and the next path runs
             block = self._admit(self._get_free_block(pool, size, stream), size)
@@ -240,11 +242,30 @@ class CachingPool:
                 block = self._admit(block, size)
                 message += note
             if block is None:
-                self._stats.num_ooms += 1
-                self._record("oom", self.capacity - self._capacity_used(), size, stream)
-                raise OutOfMemoryError(message)
+                self._out_of_memory(message, size, stream)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
             return self._alloc_found_block(block, size, nbytes, split)
+
+    def _out_of_memory(self, message: str, size: int, stream: int) -> NoReturn:
+        """Count and record an out-of-memory, and raise it (the caller holds the lock)."""
+        self._stats.num_ooms += 1
+        self._record("oom", self.capacity - self._capacity_used(), size, stream)
+        raise OutOfMemoryError(message)
+
+    def _beyond_any_room(self, size: int) -> bool:
+        """Under a commit cap, whether no path can serve ``size`` bytes, so none is tried:
+        committed bytes are never fewer than allocated ones (decommitted pages lie inside
+        free blocks) and a block adds at least ``size`` to those, so with allocated +
+        ``size`` beyond capacity neither a free block, a new segment, pages given back nor
+        compaction can make the room.  At the device's edge every such request used to
+        walk every path first (best fit, room-making, new segments reserved and given
+        back, torch's release of cached segments, a compaction whose moves found no room
+        to commit): 3-12 ms of CPU per out-of-memory under the pool's lock in a 50-user
+        load test, none of them served.  Under PyTorch's rules (capacity on segment
+        bytes) the paths run as PyTorch's do, and ``num_alloc_retries`` counts as theirs."""
+        if not self._caps_commit():
+            return False
+        return self._stats.allocated_bytes[ALL].current + size > self.capacity
 
     def free(self, block: Block) -> None:
         """Mirrors DeviceCachingAllocator::free (no cross-stream uses: free completes at once)."""
@@ -996,6 +1017,7 @@ class CachingPool:
             return block
         assert block.pool is not None
         block.pool.insert(block)
+        self._note_decommit_candidate(block)  # making room may have popped its entry
         if not block.is_split() and self._releasable(block):  # as _commit_room did to others
             self._release_block(block)
         return None
@@ -1022,35 +1044,52 @@ class CachingPool:
         shortfall = self._committed() + nbytes - self.capacity
         if shortfall <= 0:
             return True
-        free = self._room_candidates()
-        free.sort(key=lambda b: (not b.is_split(), -b.size, b.address))
-        for block in free:
-            if shortfall <= 0:
-                break
+        shortfall -= self._decommit_candidate_pages(shortfall)
+        if shortfall <= 0:
+            return True
+        for block in self._idle_segment_heads():
             if not block.is_split() and release_segments and self._releasable(block):
                 shortfall -= self._committed_in(block.segment)
                 self._release_block(block)
             else:
                 shortfall -= self._decommit_free_block(block, minimum=0)
+            if shortfall <= 0:
+                break
         return shortfall <= 0
 
-    def _room_candidates(self) -> list[Block]:
-        """The free blocks that may hold whole pages to give back: those of a page or more,
-        found by bisection in each stream's run of a pool's keys (sorted by stream, then
-        size), so the many small holes of a busy small pool cost no walk on each malloc
-        (or compaction move) that needs room."""
-        assert self._decommitter is not None
-        page = self._decommitter[1]
-        found: list[Block] = []
-        for pool in (self._large, self._small):
-            keys = pool.keys
-            index = 0
-            while index < len(keys):
-                stream = keys[index][0]
-                start = bisect.bisect_left(keys, (stream, page, -1), lo=index)
-                index = bisect.bisect_left(keys, (stream + 1, -1, -1), lo=start)
-                found.extend(pool.free_blocks[key[2]] for key in keys[start:index])
-        return found
+    def _decommit_candidate_pages(self, target: int) -> int:
+        """Give back the committed pages of free blocks of split segments, the largest first,
+        until ``target`` bytes went back; the bytes given back.  The blocks come from the
+        decommit candidates' heap, which holds every such block that may still hold
+        committed pages (the pool's invariants check it): making room used to list every
+        free block of a page or more and sort them, on each malloc that needed room."""
+        candidates = self._decommit_candidates
+        kept: list[Block] = []  # pages a decommit could not give back: tried again later
+        done = 0
+        while done < target and candidates:
+            block = self._candidate_block(*heapq.heappop(candidates))
+            if block is None:
+                continue  # stale, or out of its pool being allocated (_admit pushes it back)
+            done += self._decommit_free_block(block, minimum=0)
+            if self._committed_pages_of(block):
+                kept.append(block)
+        for block in kept:
+            self._note_decommit_candidate(block)
+        return done
+
+    def _idle_segment_heads(self) -> list[Block]:
+        """The free blocks spanning a whole segment, the largest first: the idle segments
+        (every wholly free segment but a new one no block was allocated from yet, whose
+        pages are untouched, so it has no committed page beyond its edges to give back)."""
+        heads = [self._segments[address].head for address in self._idle_since]
+        cached = [
+            block
+            for block in heads
+            if block is not None
+            and block.pool is not None
+            and block.pool.free_blocks.get(block.address) is block
+        ]  # not one out of its pool being allocated
+        return sorted(cached, key=lambda block: (-block.size, block.address))
 
     def _recommit(self, block: Block) -> None:
         """A block allocated over decommitted pages: they count as committed again (the
@@ -1313,6 +1352,7 @@ class PoolMoves(MoveTarget):
         block_pool.remove(target)
         if pool._caps_commit() and not pool._admit_move(target, size):
             block_pool.insert(target)
+            pool._note_decommit_candidate(target)  # making room may have popped its entry
             return None
         split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
         return pool._alloc_found_block(target, size, source.requested_size, split)
