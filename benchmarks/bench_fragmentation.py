@@ -22,7 +22,8 @@ Per workload and policy:
 Paired load tests (issue 18's load-test targets): ``--loadtest-pairs N`` runs
 ``tensord loadtest -u USERS -t TIME --policy P`` for each policy of ``--policies``
 (default ``pytorch,adaptive``), alternating them N times so that the machine's load
-falls on both alike, and prints one row per run, then per policy the mean and spread
+falls on both alike (every other pair in reverse order, so that running second does too;
+a pause of SETTLE_S between runs), and prints one row per run, then per policy the mean and spread
 (min-max) of each figure and each pair's requests/s relative to the first policy:
 
     python benchmarks/bench_fragmentation.py --loadtest-pairs 3 -u 50 -t 60s
@@ -37,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -186,12 +188,25 @@ def loadtest_once(policy: str, users: int, run_time: str, out: Path) -> dict[str
     return summary
 
 
+# between two load tests: the last run's server and Locust processes give back their
+# memory (a 1 GiB pool) while the next one starts otherwise
+SETTLE_S = 5.0
+
+
+def run_order(policies: list[str], pair: int) -> list[str]:
+    """The policies in the order pair ``pair`` runs them: reversed every other pair, so
+    that running second (a slower start, seen here whatever the policy) falls on each alike."""
+    return list(policies) if pair % 2 == 0 else list(reversed(policies))
+
+
 def paired_loadtests(
     policies: list[str], pairs: int, users: int, run_time: str, out: Path
 ) -> list[dict[str, Any]]:
     runs = []
     for pair in range(pairs):
-        for policy in policies:
+        for index, policy in enumerate(run_order(policies, pair)):
+            if pair or index:
+                time.sleep(SETTLE_S)
             summary = loadtest_once(policy, users, run_time, out / f"{pair}-{policy}")
             summary["pair"] = pair
             runs.append(summary)
