@@ -350,6 +350,20 @@ def max_streams_problem(max_streams: int | None, max_workers: int) -> str | None
     )
 
 
+def read_auth_tokens(path: str) -> dict[str, str]:
+    """--auth-tokens' file; one that cannot be read says how to provide it (the Docker image's
+    default command names one, which a first `docker run` has not mounted yet)."""
+    try:
+        return load_tokens(path)
+    except OSError as exc:
+        raise OSError(
+            f"cannot read the --auth-tokens file {path} ({exc.strerror}): put the server's "
+            "tokens there, one 'TOKEN TENANT' per line (in a container, mount it: "
+            f"`docker run -v $PWD/tokens:{path}:ro ...`), or run docker-compose.yml, which "
+            "serves its private network without tokens (--insecure-allow-remote)"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
     try:
@@ -398,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             server_credentials(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
         )
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
-        tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
+        tokens = read_auth_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
         store = TensorStore(
             specs,
