@@ -12,4 +12,7 @@ RUN pip install --no-cache-dir ".[${EXTRAS}]"
 
 # 50051: the tensord server; 8089: Locust's web UI (when not headless)
 EXPOSE 50051 8089
-CMD ["tensord", "serve", "--address", "0.0.0.0:50051"]
+# Listening beyond the container needs tokens: mount a file of 'TOKEN TENANT' lines there
+# (docker run -v $PWD/tokens:/run/secrets/tensord_tokens:ro, or a compose secret); without
+# it the server exits saying so.  docker-compose.yml runs its own command instead.
+CMD ["tensord", "serve", "--address", "0.0.0.0:50051", "--auth-tokens", "/run/secrets/tensord_tokens"]

@@ -104,20 +104,20 @@ def test_a_tenant_over_its_quota_gets_resource_exhausted(quota_server) -> None:
         tensord.connect(quota_server.address, token="tok-alice") as alice,
         tensord.connect(quota_server.address, token="tok-bob") as bob,
     ):
-        first = alice.zeros(128 * KIB, dtype="uint8")
+        first = alice.zeros(128 * KIB, dtype=tensord.uint8)
         with pytest.raises(tensord.ResourceExhaustedError) as info:
-            alice.zeros(1000 * KIB, dtype="uint8")
+            alice.zeros(1000 * KIB, dtype=tensord.uint8)
         # the quota, not the pool: not an OutOfMemoryError, and the message names the flag
         assert type(info.value) is tensord.ResourceExhaustedError
         assert "--quota alice:cpu=1048576" in str(info.value)
         assert f"holds {128 * KIB} bytes on cpu" in str(info.value)
         # bob's quota is the '*' one, and alice's use does not count against it
-        big = bob.zeros(3 * MIB, dtype="uint8")
+        big = bob.zeros(3 * MIB, dtype=tensord.uint8)
         assert big.numel() == 3 * MIB
         # once alice frees, she fits again
         del first
         alice.flush()
-        again = alice.zeros(MIB, dtype="uint8")
+        again = alice.zeros(MIB, dtype=tensord.uint8)
         assert again.numel() == MIB
         stats = alice.memory_stats()
         assert stats["tenant.quota_bytes"] == MIB
@@ -139,7 +139,7 @@ def test_every_allocating_op_is_charged(quota_server) -> None:
             "cat": lambda: alice.cat([half, half]),
             "stack": lambda: alice.stack([half, half]),
             "full": lambda: alice.full((129 * KIB,), 1.0),
-            "arange": lambda: alice.arange(129 * KIB, dtype="float32"),
+            "arange": lambda: alice.arange(129 * KIB, dtype=tensord.float32),
             "upload": lambda: alice.tensor(np.ones(129 * KIB, dtype=np.float32)),
         }
         for name, op in ops.items():
@@ -169,11 +169,11 @@ def test_the_quota_error_travels_as_resource_exhausted(quota_server) -> None:
 def test_a_refused_request_leaves_the_pool_as_it_was(quota_server) -> None:
     pool = quota_server.daemon.device("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
-        kept = alice.zeros(256 * KIB, dtype="uint8")
+        kept = alice.zeros(256 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]
         for _ in range(5):
             with pytest.raises(tensord.ResourceExhaustedError):
-                alice.zeros(900 * KIB, dtype="uint8")
+                alice.zeros(900 * KIB, dtype=tensord.uint8)
         assert pool.memory_stats()["allocated_bytes.all.current"] == before
         pool.assert_invariants()
         del kept
@@ -185,7 +185,7 @@ def test_the_charge_is_the_request_not_the_block_that_serves_it(make_server) -> 
     charged 19.5 MiB: a quota of exactly that fits, whatever the pool's layout."""
     server = make_server(auth_tokens=TOKENS, quotas=[QuotaSpec("alice", "cpu", 39 * MIB // 2)])
     with tensord.connect(server.address, token="tok-alice") as alice:
-        t = alice.empty(39 * MIB // 2, dtype="uint8")
+        t = alice.empty(39 * MIB // 2, dtype=tensord.uint8)
         (storage,) = server.daemon.storages.live()
         assert storage.block.size == 20 * MIB  # the block is larger than what was asked
         assert alice.memory_stats()["tenant.allocated_bytes.current"] == 39 * MIB // 2
@@ -200,10 +200,10 @@ def test_a_race_lost_after_the_pool_frees_the_block(quota_server, monkeypatch) -
     monkeypatch.setattr(ledger, "precheck", lambda tenant, device, nbytes: None)
     pool = quota_server.daemon.device("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
-        kept = alice.zeros(512 * KIB, dtype="uint8")
+        kept = alice.zeros(512 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]
         with pytest.raises(tensord.ResourceExhaustedError, match="quota exceeded"):
-            alice.zeros(768 * KIB, dtype="uint8")
+            alice.zeros(768 * KIB, dtype=tensord.uint8)
         assert pool.memory_stats()["allocated_bytes.all.current"] == before
         assert ledger.usage("alice", "cpu").current == 512 * KIB
         pool.assert_invariants()
@@ -213,9 +213,9 @@ def test_a_race_lost_after_the_pool_frees_the_block(quota_server, monkeypatch) -
 def test_the_wildcard_quota_applies_without_auth(make_server) -> None:
     server = make_server(quotas=[QuotaSpec("*", "cpu", 64 * KIB)])
     with tensord.connect(server.address) as client:
-        client.zeros(16 * KIB, dtype="uint8")
+        client.zeros(16 * KIB, dtype=tensord.uint8)
         with pytest.raises(tensord.ResourceExhaustedError, match=r"unnamed\) tenant"):
-            client.zeros(60 * KIB, dtype="uint8")
+            client.zeros(60 * KIB, dtype=tensord.uint8)
         assert client.memory_stats()["tenant.quota_bytes"] == 64 * KIB
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import dtypes
+from tensord import dtypes, errors
 from tensord.dtypes import DType
 
 # NumPy's kind letter -> torch's default dtype for Python values of that kind.
@@ -187,10 +187,13 @@ def _category(item: Any) -> DType:
     for python_type, kind in ((bool, "b"), (int, "i"), (float, "f"), (complex, "c")):
         if isinstance(item, python_type):
             return _DEFAULT_BY_KIND[kind]
-    raise TypeError(
-        f"tensord cannot make a tensor from {type(item).__name__} data of mixed or "
-        "unsupported element types"
-    )
+    if isinstance(item, str):
+        raise TypeError(
+            f"tensord cannot make a tensor from {type(item).__name__} data of mixed or "
+            "unsupported element types"
+        )
+    # torch.tensor(None), torch.tensor([1, None]): its RuntimeError and text
+    raise errors.TensordRuntimeError(f"Could not infer dtype of {type(item).__name__}")
 
 
 _CATEGORY_ORDER = (dtypes.bool, dtypes.int64, dtypes.float32, dtypes.complex64)

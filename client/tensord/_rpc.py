@@ -217,10 +217,16 @@ def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[er
     return base
 
 
-def error_from_rpc(err: grpc.RpcError) -> errors.TensordError:
-    """Turn a failed call into the matching tensord exception, keeping the server's message."""
+def error_from_rpc(err: grpc.RpcError, address: str | None = None) -> errors.TensordError:
+    """Turn a failed call into the matching tensord exception, keeping the server's message;
+    UNAVAILABLE (no server at ``address`` any more) says so, gRPC's own text after it."""
     code = err.code() if isinstance(err, grpc.Call) else None
     details = (err.details() if isinstance(err, grpc.Call) else None) or str(err)
+    if code is grpc.StatusCode.UNAVAILABLE and address is not None:
+        details = (
+            f"cannot reach the tensord server at {address}: is the server running? "
+            f"(gRPC status UNAVAILABLE: {details})"
+        )
     error_type = None
     if isinstance(err, grpc.Call):
         for key, value in err.trailing_metadata() or ():
@@ -706,7 +712,7 @@ class Connection:
         try:
             return fn()
         except grpc.RpcError as err:
-            exc = error_from_rpc(err)
+            exc = error_from_rpc(err, self.address)
             if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
                 self._replace_session(session_id)
                 raise errors.SessionLostError(_session_lost_message(session_id)) from None
@@ -877,7 +883,7 @@ class Connection:
         try:
             response = future.result()
         except grpc.RpcError as err:
-            self._keep_error(error_from_rpc(err))
+            self._keep_error(error_from_rpc(err, self.address))
             return
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
             copied(meta)

@@ -8,6 +8,8 @@ connection's ``call``, which raises :mod:`tensord.errors` exceptions.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +33,7 @@ from tensord._rpc import (
 from tensord._session import ClientSession
 from tensord.dtypes import DType
 from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
-from tensord.memory_format import memory_format_name
+from tensord.memory_format import memory_format_name, python_type_name
 from tensord.tensor import (
     Tensor,
     as_dtype,
@@ -107,6 +109,58 @@ _COPY_CONSTRUCT_WARNING = (
 
 def _dtype_name(dtype: Any) -> str:
     return "" if dtype is None else as_dtype(dtype).name
+
+
+def _factory_dtype(function: str, dtype: Any) -> DType | None:
+    """A factory's ``dtype`` as torch's argument parser takes it: a torch.dtype (tensord's
+    dtypes stand for them) or a Python number type; anything else (a string, a NumPy
+    dtype) raises its TypeError, as ``torch.zeros(4, dtype="float32")`` does."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, DType) or _is_torch_dtype(dtype) or _is_number_type(dtype):
+        return as_dtype(dtype)
+    raise errors.TensordTypeError(
+        f"{function}(): argument 'dtype' must be torch.dtype, not {python_type_name(dtype)}"
+    )
+
+
+def _is_number_type(value: Any) -> bool:
+    # by identity: a NumPy dtype compares equal to the Python type it maps to
+    return any(value is number for number in (bool, int, float, complex))
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
+
+
+def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
+    """``f(2, 3)`` or ``f((2, 3))``'s sizes; one past int64 raises torch's TypeError (the
+    first line of its text: the rest is a C++ stack trace) rather than protobuf's."""
+    one = size[0] if len(size) == 1 else None
+    values = size if one is None or isinstance(one, (int, np.integer)) else one
+    if isinstance(values, Iterable):
+        for position, value in enumerate(values, 1):
+            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+                raise errors.TensordTypeError(
+                    f"{function}(): argument 'size' failed to unpack the object at pos "
+                    f'{position} with error "Overflow when unpacking long long"'
+                )
+    return shape_args(size)
+
+
+def _check_storage_size(shape: tuple[int, ...], dtype: DType) -> None:
+    """computeStorageNbytesContiguous's check, before torch's allocator is asked: bytes past
+    int64 raise its RuntimeError (a negative size is the server's error, torch's first)."""
+    if all(n >= 0 for n in shape) and math.prod(shape) * dtype.itemsize > _INT64_MAX:
+        raise errors.TensordRuntimeError(
+            f"Storage size calculation overflowed with sizes=[{', '.join(map(str, shape))}]"
+        )
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# full()'s dtype when none is given: torch's for its fill value (the default float32)
+_FULL_DTYPES = ((bool, dtypes.bool), (int, dtypes.int64), (float, dtypes.float32))
 
 
 def _text(what: str, value: Any) -> str:
@@ -211,6 +265,7 @@ class Client:
         self, data: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
         """torch.tensor: a new tensor holding a copy of ``data`` (array, nested list, scalar, tensor)."""
+        _factory_dtype("tensor", dtype)
         if isinstance(data, Tensor):
             warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
             if data.client is not self:  # another server or session: the bytes come across
@@ -221,7 +276,7 @@ class Client:
                 return result.requires_grad_(True) if requires_grad else result
             result = data.to(device, dtype, copy=True).detach()
             return result.requires_grad_(True) if requires_grad else result
-        array, dt = _convert.as_array(data, as_dtype(dtype) if dtype is not None else None)
+        array, dt = _convert.as_array(data, _factory_dtype("tensor", dtype))
         return self._upload(array, dt, device_name(device), requires_grad)
 
     def from_numpy(self, array: np.ndarray) -> Tensor:
@@ -286,7 +341,9 @@ class Client:
         memory_format: Any = None,
     ) -> Tensor:
         """torch.empty; a memory_format other than contiguous_format is sent as its strides."""
-        shape = shape_args(size)
+        shape = _factory_size("empty", size)
+        dt = _factory_dtype("empty", dtype) or dtypes.float32
+        _check_storage_size(shape, dt)
         stride = None
         if memory_format is not None:
             fmt = memory_format_name(memory_format, "empty")
@@ -297,7 +354,7 @@ class Client:
         request = pb.EmptyRequest(
             shape=shape,
             stride=stride,
-            dtype=_dtype_name(dtype) or dtypes.float32.name,
+            dtype=dt.name,
             device=device_name(device),
             requires_grad=requires_grad,
         )
@@ -313,9 +370,25 @@ class Client:
         requires_grad: bool = False,
     ) -> Tensor:
         """torch.full: with no dtype, the server infers it from the value as torch does."""
+        return self._full(
+            "full", _factory_size("full", (size,)), fill_value, dtype, device, requires_grad
+        )
+
+    def _full(
+        self,
+        function: str,
+        shape: tuple[int, ...],
+        fill_value: Any,
+        dtype: Any,
+        device: Any,
+        requires_grad: bool,
+    ) -> Tensor:
+        dt = _factory_dtype(function, dtype)
+        inferred = next((d for t, d in _FULL_DTYPES if isinstance(fill_value, t)), dtypes.complex64)
+        _check_storage_size(shape, dt or inferred)
         request = pb.FullRequest(
-            shape=shape_args((size,)),
-            dtype=_dtype_name(dtype),
+            shape=shape,
+            dtype="" if dt is None else dt.name,
             device=device_name(device),
             value=scalar_pb(fill_value),
             requires_grad=requires_grad,
@@ -325,27 +398,28 @@ class Client:
     def zeros(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
-        shape = shape_args(size)
+        shape = _factory_size("zeros", size)
         if any(n < 0 for n in shape):  # torch's zeros checks its sizes itself, in its own words
             raise errors.TensordRuntimeError("zeros: Dimension size must be non-negative.")
-        return self._filled(shape, 0, dtype, device, requires_grad)
+        return self._filled("zeros", shape, 0, dtype, device, requires_grad)
 
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
-        return self._filled(size, 1, dtype, device, requires_grad)
+        return self._filled("ones", _factory_size("ones", size), 1, dtype, device, requires_grad)
 
     def _filled(
-        self, size: tuple[Any, ...], value: int, dtype: Any, device: Any, requires_grad: bool
+        self,
+        function: str,
+        shape: tuple[int, ...],
+        value: int,
+        dtype: Any,
+        device: Any,
+        requires_grad: bool,
     ) -> Tensor:
         """zeros/ones: torch's default dtype (float32) unless one is given, unlike full()."""
-        return self.full(
-            shape_args(size),
-            value,
-            dtype=dtype or dtypes.float32,
-            device=device,
-            requires_grad=requires_grad,
-        )
+        dt = _factory_dtype(function, dtype) or dtypes.float32
+        return self._full(function, shape, value, dt, device, requires_grad)
 
     def arange(
         self,
@@ -359,11 +433,12 @@ class Client:
     ) -> Tensor:
         if end is None:
             start, end = 0, start
+        dt = _factory_dtype("arange", dtype)
         request = pb.ArangeRequest(
             start=scalar_pb(start),
             end=scalar_pb(end),
             step=scalar_pb(step),
-            dtype=_dtype_name(dtype),
+            dtype="" if dt is None else dt.name,
             device=device_name(device),
             requires_grad=requires_grad,
         )
@@ -373,26 +448,32 @@ class Client:
         self, other: Tensor, *, dtype: Any = None, device: Any = None, requires_grad: bool = False
     ) -> Tensor:
         """torch.empty_like with preserve_format: a dense tensor keeps its strides."""
+        return self._empty_like("empty_like", other, dtype, device, requires_grad)
+
+    def _empty_like(
+        self, function: str, other: Tensor, dtype: Any, device: Any, requires_grad: bool = False
+    ) -> Tensor:
+        dt = _factory_dtype(function, dtype) or other.dtype
         dense = layout_of(other).dense_like()
         request = pb.EmptyRequest(
             shape=dense.shape,
             stride=pb.IntList(values=dense.stride),
-            dtype=_dtype_name(dtype) or other.dtype.name,
+            dtype=dt.name,
             device=device_name(device) if device is not None else other.device,
             requires_grad=requires_grad,
         )
         return self._wrap(self._call("Empty", request))
 
     def zeros_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
-        return self.empty_like(other, dtype=dtype, device=device).zero_()
+        return self._empty_like("zeros_like", other, dtype, device).zero_()
 
     def ones_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
-        return self.empty_like(other, dtype=dtype, device=device).fill_(1)
+        return self._empty_like("ones_like", other, dtype, device).fill_(1)
 
     def full_like(
         self, other: Tensor, fill_value: Any, *, dtype: Any = None, device: Any = None
     ) -> Tensor:
-        return self.empty_like(other, dtype=dtype, device=device).fill_(fill_value)
+        return self._empty_like("full_like", other, dtype, device).fill_(fill_value)
 
     def cat(self, tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
         return self._join("Cat", tensors, dim)

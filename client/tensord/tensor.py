@@ -39,8 +39,10 @@ from tensord.layout import (
     LazyView,
     check_view_dtype_bits,
     complex_view,
+    copy_broadcast_check,
     memory_format_strides,
     normalize_dim,
+    strip_leading_ones,
 )
 from tensord.memory_format import (
     MemoryFormat,
@@ -1148,11 +1150,14 @@ class Tensor:
         return self.to(other.dtype)
 
     def copy_(self, src: Any) -> Tensor:
-        if isinstance(src, np.ndarray) and _local.write_array(
-            self, self._session.local, self._meta.layout, src
-        ):
-            return self
+        # torch checks the shapes before any work; the server would too, but a queued
+        # (pipelined) copy_ would raise only at the next wait, far from this line
+        if isinstance(src, np.ndarray):
+            self._check_copy_from(src.shape)
+            if _local.write_array(self, self._session.local, self._meta.layout, src):
+                return self
         source = src if isinstance(src, Tensor) else self._upload_source(src)
+        self._check_copy_from(source.shape)
         handle = own(self._client, source, 0)
         self._write("Copy", pb.CopyRequest(dst=self.handle, src=handle))
         return self._written_from(src)
@@ -1172,6 +1177,11 @@ class Tensor:
     def zero_(self) -> Tensor:
         return self.fill_(0)
 
+    def _check_copy_from(self, src_shape: Sequence[builtins.int]) -> None:
+        """copy_'s TensorIterator check, torch's text: src broadcasts to exactly our shape."""
+        with torch_errors():
+            copy_broadcast_check(tuple(self.shape), tuple(src_shape))
+
     def _upload_source(self, data: Any) -> Tensor:
         """``data`` on the server, to be copied in: Python floats go as float64, exactly."""
         source: Tensor = self._client.tensor(data, dtype=exact_dtype(data), device=self.device)
@@ -1190,9 +1200,10 @@ class Tensor:
             self._advanced_put(items, value)
             return
         with torch_errors():
-            self._meta.layout[key]
+            target = self._meta.layout[key]
         request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
         if isinstance(value, Tensor):
+            check_setitem_shape(target, value.shape, value.dtype)
             request.src_handle = own(self._client, value, 0)
         elif _is_number(value):
             request.scalar.CopyFrom(scalar_pb(value))
@@ -1202,6 +1213,7 @@ class Tensor:
             return  # written through the mapping, one memcpy
         else:  # an array or nested list: uploaded first, then copied in on the server
             source = self._upload_source(value)
+            check_setitem_shape(target, source.shape, source.dtype)
             request.src_handle = source.handle
         self._write("SetItem", request)
         self._written_from(value)
@@ -1978,6 +1990,15 @@ def check_setitem_value(value: Any, dtype: DType, device_type: str) -> None:
     raise errors.TensordTypeError(
         f"can't assign a {python_type_name(value)} to a torch.{place}{dtype.scalar_type}Tensor"
     )
+
+
+def check_setitem_shape(target: Layout, value_shape: Sequence[int], value_dtype: DType) -> None:
+    """x[key] = value's shape check, as torch's copy_to makes it before any work (and the
+    server again): value's leading 1s dropped, the rest must expand to the slice."""
+    with torch_errors():
+        Layout.contiguous(strip_leading_ones(tuple(value_shape))).expand(
+            target.shape, type_name=value_dtype.legacy_type
+        )
 
 
 def layout_of(tensor: Tensor) -> Layout:

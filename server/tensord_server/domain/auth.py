@@ -52,7 +52,11 @@ def load_tokens(path: str | Path) -> dict[str, str]:
 def tenant_of(tokens: Mapping[str, str], authorization: str | None) -> str:
     """The tenant of an ``authorization`` header; UnauthenticatedError when missing or wrong."""
     if not authorization:
-        raise UnauthenticatedError("missing authorization metadata (Bearer token)")
+        # what a first-time user needs: how the SDK (and the tensord commands) send a token
+        raise UnauthenticatedError(
+            "missing authorization metadata (Bearer token): this server requires a token; "
+            "pass it as tensord.connect(token=...) or set $TENSORD_TOKEN"
+        )
     if not authorization.startswith(BEARER):
         raise UnauthenticatedError("authorization must be 'Bearer <token>'")
     presented = authorization[len(BEARER) :].strip().encode()

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 from tensord import dtypes
 from tensord.dtypes import DType
-from tensord.layout import Layout, broadcast_shapes, normalize_dim
+from tensord.layout import Layout, normalize_dim
+from tensord.layout import copy_broadcast_check as copy_broadcast_check  # shared with the SDK
+from tensord.layout import strip_leading_ones as strip_leading_ones
 
 from tensord_server.devices import array_ops
 from tensord_server.devices.host_arrays import gather_plan, quiet
@@ -210,35 +212,6 @@ def assert_no_partial_overlap(
 
 def _fmt(values: Sequence[int]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
-
-
-def copy_broadcast_check(dst_shape: tuple[int, ...], src_shape: tuple[int, ...]) -> None:
-    """copy_'s TensorIterator check: src must broadcast to exactly dst's shape."""
-    try:
-        common = broadcast_shapes(dst_shape, src_shape)
-    except RuntimeError:
-        # TensorIterator's own wording (infer_size), naming the first mismatching dim
-        ndim = max(len(dst_shape), len(src_shape))
-        for i in range(ndim - 1, -1, -1):
-            offset = ndim - 1 - i
-            a = dst_shape[len(dst_shape) - 1 - offset] if offset < len(dst_shape) else 1
-            b = src_shape[len(src_shape) - 1 - offset] if offset < len(src_shape) else 1
-            if a != b and a != 1 and b != 1:
-                raise RuntimeError(
-                    f"The size of tensor a ({a}) must match the size of tensor b ({b}) at "
-                    f"non-singleton dimension {i}"
-                ) from None
-        raise
-    if tuple(common) != tuple(dst_shape):
-        raise RuntimeError(
-            f"output with shape {_fmt(dst_shape)} doesn't match the broadcast shape {_fmt(common)}"
-        )
-
-
-def strip_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """mirrors slicePrefix1sSize: x[i] = v ignores v's leading size-1 dims."""
-    first = next((i for i, n in enumerate(shape) if n != 1), len(shape))
-    return shape[first:]
 
 
 def repeat_shape(shape: tuple[int, ...], repeats: Sequence[int]) -> tuple[int, ...]:

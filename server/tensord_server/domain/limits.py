@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
-from tensord.errors import InvalidArgumentError, ResourceExhaustedError
+from tensord.errors import InvalidArgumentError, ResourceExhaustedError, TensordRuntimeError
 from tensord.layout import Layout, normalize_dim
 
 # Dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers).
@@ -82,9 +82,8 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
         for n in message.shape:
             numel *= max(int(n), 0)
         if numel > MAX_NUMEL:
-            raise InvalidArgumentError(
-                f"a tensor of {numel} elements exceeds the limit {MAX_NUMEL}"
-            )
+            # torch raises RuntimeError for a size it cannot allocate (still a ValueError here)
+            raise TensordRuntimeError(f"a tensor of {numel} elements exceeds the limit {MAX_NUMEL}")
 
 
 def check_batch_request(message: Message) -> None:
@@ -194,9 +193,9 @@ def _check_value(
                 f"{message.DESCRIPTOR.name}.{field.name} is longer than {MAX_STRING_BYTES} bytes"
             )
     elif abs(item) > MAX_EXTENT:  # type: ignore[arg-type]
-        raise InvalidArgumentError(
-            f"{message.DESCRIPTOR.name}.{field.name} = {item} is outside +-{MAX_EXTENT}"
-        )
+        # a size torch cannot allocate is its RuntimeError; other fields stay ValueErrors
+        error = TensordRuntimeError if field.name == "shape" else InvalidArgumentError
+        raise error(f"{message.DESCRIPTOR.name}.{field.name} = {item} is outside +-{MAX_EXTENT}")
 
 
 # -- what an op will produce, from the request and the input layout, before any work --------

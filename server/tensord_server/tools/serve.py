@@ -19,7 +19,11 @@ from tensord.errors import FailedPreconditionError
 from tensord.protocol import DEFAULT_ADDRESS
 
 from tensord_server.devices.table import resolve_specs
-from tensord_server.domain.admission import DEFAULT_MAX_WORKERS, DEFAULT_STREAM_IDLE_TIMEOUT_S
+from tensord_server.domain.admission import (
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    default_max_streams,
+)
 from tensord_server.domain.auth import load_tokens
 from tensord_server.domain.limits import DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.domain.quotas import parse_quota
@@ -332,6 +336,34 @@ def apply_gil_switch_interval(seconds: float, lease_s: float | None = None) -> s
     return None
 
 
+def max_streams_problem(max_streams: int | None, max_workers: int) -> str | None:
+    """What is wrong with --max-streams for --max-workers (None: nothing).  SECURITY.md's
+    rule: a quarter of the workers (at least one) always stays for unary calls such as
+    Heartbeat, so streams may hold at most the rest (the default)."""
+    most = default_max_streams(max_workers)
+    if max_streams is None or max_streams <= most:
+        return None
+    return (
+        f"--max-streams ({max_streams}) must be at most {most} with --max-workers "
+        f"{max_workers}: a quarter of the workers (at least one) stays for unary calls "
+        "such as Heartbeat; raise --max-workers or lower --max-streams"
+    )
+
+
+def read_auth_tokens(path: str) -> dict[str, str]:
+    """--auth-tokens' file; one that cannot be read says how to provide it (the Docker image's
+    default command names one, which a first `docker run` has not mounted yet)."""
+    try:
+        return load_tokens(path)
+    except OSError as exc:
+        raise OSError(
+            f"cannot read the --auth-tokens file {path} ({exc.strerror}): put the server's "
+            "tokens there, one 'TOKEN TENANT' per line (in a container, mount it: "
+            f"`docker run -v $PWD/tokens:{path}:ro ...`), or run docker-compose.yml, which "
+            "serves its private network without tokens (--insecure-allow-remote)"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
     try:
@@ -360,6 +392,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tensord serve: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    problem = max_streams_problem(args.max_streams, args.max_workers)
+    if problem is not None:
+        print(f"tensord serve: {problem}", file=sys.stderr)
+        return 2
     problem = apply_gil_switch_interval(args.gil_switch_interval, args.lease)
     if problem is not None:
         print(f"tensord serve: {problem}", file=sys.stderr)
@@ -376,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             server_credentials(args.tls_cert, args.tls_key) if args.tls_cert is not None else None
         )
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
-        tokens = load_tokens(args.auth_tokens) if args.auth_tokens is not None else None
+        tokens = read_auth_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
         store = TensorStore(
             specs,

@@ -1,0 +1,165 @@
+"""Errors a client can find itself, raised at the call as torch raises them (not at the
+next wait of a pipelined client), and the factories' argument rules: torch is the oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensord
+import torch
+
+COPY_SOURCES = [(4,), (2, 2), (5, 2, 3), (1, 2, 3)]
+
+
+def torch_error(call: Callable[[], Any]) -> BaseException:
+    with pytest.raises(Exception) as caught:
+        call()
+    return caught.value
+
+
+def assert_raises_like(expected: BaseException, call: Callable[[], Any]) -> None:
+    with pytest.raises(type(expected)) as caught:
+        call()
+    assert str(caught.value) == str(expected)
+
+
+@pytest.mark.parametrize("src_shape", COPY_SOURCES)
+def test_copy_of_a_shape_that_does_not_broadcast_raises_at_the_call(
+    client: Any, src_shape: tuple[int, ...]
+) -> None:
+    assert client.pipelining
+    expected = torch_error(lambda: torch.zeros(2, 3).copy_(torch.zeros(src_shape)))
+    x = client.zeros(2, 3)
+    assert_raises_like(expected, lambda: x.copy_(client.ones(src_shape)))
+    assert_raises_like(expected, lambda: x.copy_(np.ones(src_shape, dtype=np.float32)))
+    assert_raises_like(expected, lambda: x.copy_(np.ones(src_shape).tolist()))
+    client.synchronize()  # nothing was queued: no error waits for the next call
+    assert x.tolist() == [[0.0] * 3] * 2
+
+
+@pytest.mark.parametrize("key", [(...,), (0,), (slice(None), 1)])
+@pytest.mark.parametrize("src_shape", COPY_SOURCES)
+def test_setitem_of_a_shape_that_does_not_expand_raises_at_the_call(
+    client: Any, key: tuple[Any, ...], src_shape: tuple[int, ...]
+) -> None:
+    def assign(x: Any, value: Any) -> None:
+        x[key] = value
+
+    try:
+        assign(torch.zeros(2, 3), torch.zeros(src_shape))
+    except RuntimeError as error:
+        expected: BaseException | None = error
+    else:
+        expected = None
+    x = client.zeros(2, 3)
+    if expected is None:
+        assign(x, client.ones(src_shape))
+        assert x.numpy()[key].min() == 1.0
+        return
+    assert_raises_like(expected, lambda: assign(x, client.ones(src_shape)))
+    client.synchronize()
+    assert x.tolist() == [[0.0] * 3] * 2
+
+
+def test_a_copy_that_broadcasts_still_works(client: Any) -> None:
+    x = client.zeros(2, 3)
+    x.copy_(client.tensor([1.0, 2.0, 3.0]))
+    x[0] = client.tensor([[4.0, 5.0, 6.0]])
+    assert x.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, 3.0]]
+
+
+# ---- factories: sizes, data and dtypes as torch's argument parser takes them ---------------
+
+FACTORIES: dict[str, Callable[[Any, tuple[int, ...], Any], Any]] = {
+    "empty": lambda m, size, dtype: m.empty(*size, dtype=dtype),
+    "zeros": lambda m, size, dtype: m.zeros(*size, dtype=dtype),
+    "ones": lambda m, size, dtype: m.ones(size, dtype=dtype),
+    "full": lambda m, size, dtype: m.full(size, 1.5, dtype=dtype),
+}
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+@pytest.mark.parametrize("size", [(2**64,), (3, 2**63), (-(2**63) - 1, 2)])
+def test_a_size_past_int64_raises_torchs_type_error(
+    client: Any, name: str, size: tuple[int, ...]
+) -> None:
+    expected = torch_error(lambda: FACTORIES[name](torch, size, None))
+    with pytest.raises(TypeError) as caught:
+        FACTORIES[name](client, size, None)
+    # torch's text goes on with a C++ stack trace after its first line
+    assert isinstance(expected, TypeError)
+    assert str(expected).startswith(str(caught.value).removesuffix('"') + "\n")
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+@pytest.mark.parametrize("size", [(2**62,), (2**31, 2**31), (2**63 - 1,)])
+def test_a_storage_past_int64_bytes_raises_torchs_runtime_error(
+    client: Any, name: str, size: tuple[int, ...]
+) -> None:
+    expected = torch_error(lambda: FACTORIES[name](torch, size, None))
+    assert_raises_like(expected, lambda: FACTORIES[name](client, size, None))
+
+
+@pytest.mark.parametrize("size", [(2**49,), (2**30, 2**30)])
+def test_a_size_past_the_element_limit_is_a_runtime_error_as_torchs_allocation_failure(
+    client: Any, size: tuple[int, ...]
+) -> None:
+    assert isinstance(torch_error(lambda: torch.empty(*size, dtype=torch.uint8)), RuntimeError)
+    with pytest.raises(RuntimeError) as caught:
+        client.empty(*size, dtype=tensord.uint8)
+    assert isinstance(caught.value, ValueError)  # as before: the limit's InvalidArgumentError
+    assert "281474976710656" in str(caught.value)
+
+
+@pytest.mark.parametrize("data", [None, [1, None], [[1.0], [object()]], {}])
+def test_tensor_of_data_with_no_dtype_raises_torchs_runtime_error(client: Any, data: Any) -> None:
+    expected = torch_error(lambda: torch.tensor(data))
+    assert_raises_like(expected, lambda: client.tensor(data))
+
+
+DTYPE_TAKERS: dict[str, Callable[[Any, Any], Any]] = {
+    "empty": lambda m, dtype: m.empty(2, dtype=dtype),
+    "zeros": lambda m, dtype: m.zeros(2, dtype=dtype),
+    "ones": lambda m, dtype: m.ones(2, dtype=dtype),
+    "full": lambda m, dtype: m.full((2,), 1, dtype=dtype),
+    "tensor": lambda m, dtype: m.tensor([1, 2], dtype=dtype),
+    "empty_like": lambda m, dtype: m.empty_like(m.zeros(2), dtype=dtype),
+    "zeros_like": lambda m, dtype: m.zeros_like(m.zeros(2), dtype=dtype),
+    "ones_like": lambda m, dtype: m.ones_like(m.zeros(2), dtype=dtype),
+    "full_like": lambda m, dtype: m.full_like(m.zeros(2), 1, dtype=dtype),
+}
+
+
+@pytest.mark.parametrize("name", DTYPE_TAKERS)
+@pytest.mark.parametrize("dtype", ["float32", np.float32, np.dtype("float32"), 5])
+def test_a_factory_refuses_a_dtype_that_is_no_torch_dtype_as_torch(
+    client: Any, name: str, dtype: Any
+) -> None:
+    expected = torch_error(lambda: DTYPE_TAKERS[name](torch, dtype))
+    assert_raises_like(expected, lambda: DTYPE_TAKERS[name](client, dtype))
+
+
+def test_arange_refuses_a_string_dtype_with_a_type_error(client: Any) -> None:
+    # torch's text for arange lists its overloads; the type is torch's, the text the other factories'
+    name: Any = "float32"
+    assert isinstance(torch_error(lambda: torch.arange(2, dtype=name)), TypeError)
+    with pytest.raises(
+        TypeError, match=r"^arange\(\): argument 'dtype' must be torch.dtype, not str$"
+    ):
+        client.arange(2, dtype=name)
+
+
+@pytest.mark.parametrize("name", DTYPE_TAKERS)
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(tensord.float64, "float64"), (torch.int16, "int16"), (float, "float64"), (bool, "bool")],
+)
+def test_a_factory_takes_tensord_and_torch_dtypes_and_python_number_types(
+    client: Any, name: str, dtype: Any, expected: str
+) -> None:
+    assert DTYPE_TAKERS[name](client, dtype).dtype.name == expected
+    as_torch = getattr(torch, dtype.name) if isinstance(dtype, tensord.DType) else dtype
+    assert str(DTYPE_TAKERS[name](torch, as_torch).dtype) == f"torch.{expected}"
