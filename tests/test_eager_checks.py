@@ -163,3 +163,22 @@ def test_a_factory_takes_tensord_and_torch_dtypes_and_python_number_types(
     assert DTYPE_TAKERS[name](client, dtype).dtype.name == expected
     as_torch = getattr(torch, dtype.name) if isinstance(dtype, tensord.DType) else dtype
     assert str(DTYPE_TAKERS[name](torch, as_torch).dtype) == f"torch.{expected}"
+
+
+@pytest.mark.parametrize("value", [(4,), (2, 3), (), "scalar"])
+def test_setitem_with_the_key_false_writes_nothing_and_checks_no_shape(
+    client: Any, value: Any
+) -> None:
+    # torch's setitem returns before any indexing for a bare False: any tensor or number goes
+    def make(factory: Callable[..., Any]) -> Any:
+        return 7.0 if value == "scalar" else factory(value)
+
+    expected = torch.zeros(2, 3, requires_grad=True)
+    expected[False] = make(torch.ones)  # no leaf-in-place error either
+    x = client.zeros(2, 3, requires_grad=True)
+    x[False] = make(client.ones)
+    client.synchronize()
+    assert x.tolist() == expected.tolist() == [[0.0] * 3] * 2
+    assert_raises_like(
+        torch_error(lambda: expected.__setitem__(False, "a")), lambda: x.__setitem__(False, "a")
+    )

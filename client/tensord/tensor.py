@@ -1190,6 +1190,8 @@ class Tensor:
     def __setitem__(self, key: Any, value: Any) -> None:
         # torch's valueToTensor refuses anything but a tensor or a number, before the key
         check_setitem_value(value, self.dtype, self.device.type)
+        if key is False:  # THPVariable_setitem returns at once: no shape check, no write
+            return
         self._assign(key, value)
 
     def _assign(self, key: Any, value: Any) -> None:
