@@ -30,6 +30,7 @@ from tensord.protocol import (
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import auth, batch, limits
 from tensord_server.domain.admission import watched
+from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
@@ -481,12 +482,16 @@ class TensordService:
         # the client's mapped segments, if of this server (ids restart with a server)
         same_server = request.server_instance == table.instance
         mapped = request.mapped_segments if same_server else ()
-        return self._export(session, request.handle, mapped)
+        return self._export(session, request.handle, table, mapped)
 
     def _export(
-        self, session: Session, handle: str, mapped: Container[int] = ()
+        self,
+        session: Session,
+        handle: str,
+        table: ExportTable | None = None,
+        mapped: Container[int] = (),
     ) -> pb.ExportResponse:
-        table = self.store.exports
+        table = table or self.store.exports
         export, ticket, ref = table.export(session, handle, mapped)  # ref: no second lookup
         return pb.ExportResponse(
             export_id=export.id,
