@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -888,7 +889,10 @@ def test_a_zero_byte_gpu_export_for_a_session_that_ended_meanwhile_keeps_no_hold
     table = ExportTable.__new__(ExportTable)
     table._lock = __import__("threading").Lock()
     table._exports, table._per_session, table._imports, table._import_sizes = {}, {}, {}, {}
-    table.sessions = types.SimpleNamespace(max_handles=None, peek=lambda session_id: None)
+    table.instance, table._export_ids = "i", itertools.count(1)  # the export ids' parts
+    table.sessions = types.SimpleNamespace(
+        refuse_beyond_limit=lambda session, wanted=1: None, peek=lambda session_id: None
+    )
     released: list[Any] = []
     table.storages = types.SimpleNamespace(release_hold=released.append)
     memory = types.SimpleNamespace(nbytes=0)
@@ -897,7 +901,7 @@ def test_a_zero_byte_gpu_export_for_a_session_that_ended_meanwhile_keeps_no_hold
     )
     session = types.SimpleNamespace(id="s")
     with pytest.raises(tensord.errors.NotFoundError, match="unknown session"):
-        table._export_cuda(session, storage, None, 0)
+        table._export_cuda(session, storage, None)
     assert table.count("s") == 0 and table._exports == {} and released == [storage]
 
 

@@ -303,17 +303,16 @@ def test_concurrent_exports_of_one_session_never_pass_the_handle_limit(
         room = 8 - sessions.handle_count(session)
         for _ in range(room - 1):
             table.export(session, x.handle)
-        holds, held, inner = storage.holds, sessions.held, []
+        holds, hold, inner = storage.holds, sessions.hold, []
 
-        @contextlib.contextmanager
-        def held_while_another_exports(*args: Any) -> Any:
-            with held(*args) as refs:
-                if not inner:  # the other Export runs between this one's check and its add
-                    inner.append(None)
-                    inner[0] = table.export(session, x.handle)[0]
-                yield refs
+        def hold_while_another_exports(*args: Any) -> Any:
+            ref = hold(*args)
+            if not inner:  # the other Export runs between this one's check and its add
+                inner.append(None)
+                inner[0] = table.export(session, x.handle)[0]
+            return ref
 
-        monkeypatch.setattr(sessions, "held", held_while_another_exports)
+        monkeypatch.setattr(sessions, "hold", hold_while_another_exports)
         with pytest.raises(tensord.errors.ResourceExhaustedError, match=r"\(8 in all\)"):
             table.export(session, x.handle)
         assert len(inner) == 1 and table.count(session.id) == room
@@ -349,6 +348,75 @@ def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_i
         pb.ReleaseExportsRequest(export_ids=[answer.export_id]), metadata=stub.md
     )
     assert ended.released == 1 and table.count(session.id) == 0 and storage.holds == 0
+
+
+def test_an_export_in_a_segment_the_request_names_as_mapped_comes_without_a_ticket(
+    server: Any, stub: Any
+) -> None:
+    """Issue 13: a ticket only for a segment the client does not map yet (naming segments of
+    another server instance, or other segments, changes nothing); the pin is the same."""
+    table = server.daemon.exports
+    x = stub.upload(np.arange(1000, dtype=np.float32))
+    first = stub.Export(pb.ExportRequest(handle=x.handle), metadata=stub.md)
+    assert first.ticket and first.fd_socket
+    instance, segment = first.server_instance, first.segment_id
+
+    def export(server_instance: str, mapped: list[int]) -> Any:
+        request = pb.ExportRequest(
+            handle=x.handle, server_instance=server_instance, mapped_segments=mapped
+        )
+        return stub.Export(request, metadata=stub.md)
+
+    tickets = len(table._tickets)
+    mapped = export(instance, [segment + 1, segment])
+    assert not mapped.ticket and not mapped.fd_socket and len(table._tickets) == tickets
+    assert (mapped.segment_id, mapped.storage_byte_offset) == (segment, first.storage_byte_offset)
+    assert export("another server", [segment]).ticket  # ids restart with a server
+    assert export(instance, [segment + 1]).ticket
+    assert table.count(stub.session_id) == 4 and len({first.export_id, mapped.export_id}) == 2
+    ids = [first.export_id, mapped.export_id]
+    stub.ReleaseExports(pb.ReleaseExportsRequest(export_ids=ids), metadata=stub.md)
+    assert table.count(stub.session_id) == 2
+
+
+def test_fresh_dlpack_exports_of_a_mapped_segment_issue_no_tickets(
+    server: Any, client: Any
+) -> None:
+    """The SDK names the segments it maps: once mapped, a fresh Export (no capsule alive)
+    adds no ticket to the server's table (each one did, never redeemed)."""
+    table = server.daemon.exports
+    x = client.tensor(np.arange(1000, dtype=np.float32))
+    alias = torch.from_dlpack(x)  # maps the segment: a ticket, redeemed
+    del alias
+    client.flush()
+    tickets = len(table._tickets)
+    for _ in range(3):
+        alias = torch.from_dlpack(x)
+        assert int(alias[999]) == 999
+        del alias
+        client.flush()
+    assert len(table._tickets) == tickets and exported_storages(server.daemon) == 0
+
+
+def test_an_export_answered_without_a_ticket_for_a_forgotten_segment_is_made_again(
+    client: Any, server: Any
+) -> None:
+    """The request named a segment the client no longer maps by the answer (close() forgot
+    it): that export is released and one with a ticket replaces it; the alias works."""
+    x = client.tensor(np.arange(1000, dtype=np.float32))
+    alias = torch.from_dlpack(x)
+    del alias
+    client.flush()
+    mapper = client._session.local
+    instance, mapped = mapper._mapped_hint
+    assert instance == server.daemon.exports.instance and mapped  # named in the next Exports
+    with mapper._lock:
+        mapper._segments.clear()  # forgotten, while the hint still names it
+    alias = torch.from_dlpack(x)
+    assert int(alias[999]) == 999 and mapper.mapped_count() == 1
+    del alias
+    client.flush()
+    assert exported_storages(server.daemon) == 0  # both exports ended
 
 
 def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:

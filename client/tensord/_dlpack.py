@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tensord import dtypes
+from tensord import dtypes, errors
 
 if TYPE_CHECKING:
     from tensord._session import ClientSession
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 # ``tensor`` below is a tensord.Tensor (typed Any: tensor.py imports this module), used
 # through its public members only; what it keeps privately comes as the other arguments.
+
+_UINT16 = np.dtype(np.uint16)  # what a bfloat16 tensor is exported as
 
 # DLDeviceType
 KDL_CPU = 1
@@ -81,19 +83,18 @@ def to_dlpack(
     copy: bool | None = None,
 ) -> Any:
     """A DLPack capsule of ``tensor`` aliasing the pooled bytes (BufferError when it cannot)."""
-    from tensord import errors
-
     if tensor.requires_grad:  # torch's own refusal, word for word
         raise errors.TensordRuntimeError(
             "Can't export tensors that require gradient, use tensor.detach()"
         )
     if tensor.is_conj():  # torch's own refusal, word for word
         raise BufferError("Can't export tensors with the conjugate bit set")
-    if tensor.device.type == "cuda":
+    device_type = tensor.device.type
+    if device_type == "cuda":
         return _cuda_capsule(
             tensor, session, layout, max_version=max_version, dl_device=dl_device, copy=copy
         )
-    if tensor.device.type != "cpu":
+    if device_type != "cpu":
         raise BufferError(f"DLPack export of {tensor.device} tensors is not supported")
     if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
         raise BufferError(
@@ -101,8 +102,6 @@ def to_dlpack(
         )
     if stream is not None:
         raise BufferError("stream must be None for a cpu tensor")
-    kwargs: dict[str, Any] = {"max_version": max_version} if max_version is not None else {}
-    np_dtype = dtypes.to_numpy_dtype(tensor.dtype)
     bfloat16 = tensor.dtype is dtypes.bfloat16
     array: np.ndarray | None
     if copy:  # asked for a copy: the bytes downloaded, whatever the path
@@ -112,7 +111,7 @@ def to_dlpack(
         array = session.local_array(
             tensor.handle,
             layout,
-            np.dtype(np.uint16) if bfloat16 else np_dtype,
+            _UINT16 if bfloat16 else dtypes.to_numpy_dtype(tensor.dtype),
             tensor.untyped_storage().storage_id,
         )
         if array is None:
@@ -120,7 +119,9 @@ def to_dlpack(
                 f"zero-copy DLPack export is impossible: {session.local_reason()}; "
                 "pass copy=True for a copy"
             )
-    capsule = array.__dlpack__(**kwargs)
+    capsule = (
+        array.__dlpack__() if max_version is None else array.__dlpack__(max_version=max_version)
+    )
     if bfloat16:
         _retag_bfloat16(capsule)
     return capsule

@@ -82,6 +82,9 @@ PARALLEL_MIN_BYTES = 8 << 20
 NUMPY_CACHE_ENV = "TENSORD_NUMPY_CACHE_BYTES"
 NUMPY_CACHE_DEFAULT_BYTES = 256 << 20
 NUMPY_CACHE_COUNT = 4
+# An Export names at most this many of the segments the client maps (the latest mapped):
+# an export in one of them needs no ticket (issue 13).  Bounds the request's size.
+MAX_MAPPED_HINTS = 256
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -134,7 +137,7 @@ _mapping_tokens = itertools.count()
 class Segment:
     """One mapped pool segment; ``exports`` counts the live exports over it."""
 
-    __slots__ = ("__weakref__", "base", "exports", "id", "key", "mapping")
+    __slots__ = ("__weakref__", "address", "base", "exports", "id", "key", "mapping")
 
     def __init__(self, key: tuple[str, int], mapping: mmap.mmap) -> None:
         self.key = key
@@ -143,10 +146,12 @@ class Segment:
         self.exports = 0
         # a uint8 array over the whole mapping: every export's arrays are views of it
         self.base = np.frombuffer(mapping, dtype=np.uint8)
+        # its first byte's address, read once: ndarray.ctypes builds an object per read
+        self.address = int(self.base.ctypes.data)
         # every array over the mapping holds this Segment (through its export): the range
         # is forgotten only once none is left
         token = next(_mapping_tokens)
-        start = int(self.base.ctypes.data)
+        start = self.address
         _mapped_ranges[token] = (start, start + self.base.size, key)
         weakref.finalize(self, _mapped_ranges.pop, token, None).atexit = False
 
@@ -187,6 +192,11 @@ def aliases_through_another_mapping(dst: np.ndarray, src: np.ndarray) -> bool:
     )
 
 
+class SegmentForgotten(Exception):
+    """An Export answered without a ticket (the request named its segment as mapped here)
+    for a segment this client no longer maps."""
+
+
 class Export:
     """A pinned Storage mapped here: arrays over its bytes (any layout, any dtype).
 
@@ -201,35 +211,40 @@ class Export:
         segment: Segment,
         reuse_key: tuple[str, str] | None = None,
     ) -> None:
-        self.id = response.export_id
-        self.meta = response.tensor
+        self.id = export_id = response.export_id
+        self.meta = meta = response.tensor  # each read of a field builds its object anew
         self.storage_start = response.storage_byte_offset
-        self.storage_nbytes = response.tensor.storage_nbytes
+        self.storage_nbytes = meta.storage_nbytes
         self._segment = segment
-        self._finalizer = weakref.finalize(
-            self, mapper.ended, response.export_id, segment, reuse_key
-        )
+        self._finalizer = weakref.finalize(self, mapper.ended, export_id, segment, reuse_key)
         self._finalizer.atexit = False  # at exit the session's close ends every export
 
     def storage_bytes(self) -> np.ndarray:
         """The Storage's bytes, a uint8 array aliasing the pool (it keeps this export alive)."""
-        holder = _Holder(self, self._segment.base, self.storage_start, self.storage_nbytes)
-        return np.asarray(holder)
+        return np.asarray(
+            _Holder(self, self._segment, (self.storage_nbytes,), "|u1", self.storage_start, None)
+        )
 
     def array(self, dtype: np.dtype, layout: Layout) -> np.ndarray:
-        """The elements of ``layout`` (in elements of ``dtype``) over the Storage, aliasing it."""
+        """The elements of ``layout`` (in elements of ``dtype``) over the Storage, aliasing it.
+
+        One array straight over the layout's bytes (no array of the Storage's bytes to view
+        first: a DLPack export makes one per capsule), once the layout is seen to fit."""
         itemsize = dtype.itemsize
         if layout.storage_extent() * itemsize > self.storage_nbytes:
             raise ValueError(
                 f"a layout reaching {layout.storage_extent() * itemsize} bytes does not fit the "
                 f"{self.storage_nbytes}-byte Storage exported"
             )
-        return np.ndarray(
-            layout.shape,
-            dtype=dtype,
-            buffer=self.storage_bytes(),
-            offset=layout.offset * itemsize,
-            strides=tuple(s * itemsize for s in layout.stride),
+        return np.asarray(
+            _Holder(
+                self,
+                self._segment,
+                layout.shape,
+                dtype.str,
+                self.storage_start + layout.offset * itemsize,
+                tuple(s * itemsize for s in layout.stride),
+            )
         )
 
     def close(self) -> None:
@@ -238,18 +253,30 @@ class Export:
 
 class _Holder:
     """What arrays over an export are based on: NumPy keeps a reference to the object that
-    gave it ``__array_interface__``, so the export lives exactly as long as its arrays."""
+    gave it ``__array_interface__``, so the export lives exactly as long as its arrays.
+
+    The array is ``shape`` elements of ``typestr`` at ``start`` bytes into the segment,
+    ``strides`` apart (bytes; None: C-contiguous): the caller checked that they fit."""
 
     __slots__ = ("__array_interface__", "export", "source")
 
-    def __init__(self, export: Export, base: np.ndarray, start: int, nbytes: int) -> None:
+    def __init__(
+        self,
+        export: Export,
+        segment: Segment,
+        shape: tuple[int, ...],
+        typestr: str,
+        start: int,
+        strides: tuple[int, ...] | None,
+    ) -> None:
         self.export = export
-        self.source = base  # the segment's mapping stays mapped while this lives
+        self.source = segment.base  # the segment's mapping stays mapped while this lives
         self.__array_interface__ = {
             "version": 3,
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (int(base.ctypes.data) + start, False),
+            "shape": shape,
+            "typestr": typestr,
+            "data": (segment.address + start, False),
+            "strides": strides,
         }
 
 
@@ -272,6 +299,9 @@ class LocalMapper:
         # (session id, storage id) -> the live cpu export DLPack capsules of that Storage
         # hold: another __dlpack__ of any view of it reuses it (no Export RPC); _lock
         self._reusable: dict[tuple[str, str], weakref.ref[Export]] = {}
+        # what an Export says this client maps: (the server instance of the latest segment
+        # mapped, at most MAX_MAPPED_HINTS of its segment ids); replaced whole under _lock
+        self._mapped_hint: tuple[str, tuple[int, ...]] = ("", ())
 
     def disable(self, reason: str) -> None:
         self.enabled = False
@@ -313,12 +343,35 @@ class LocalMapper:
         this client cannot map the server's memory, or this device's memory is not mappable."""
         if not self.enabled:
             return None
+        instance, mapped = self._mapped_hint
+        request = pb.ExportRequest(handle=handle, server_instance=instance, mapped_segments=mapped)
         try:
-            response = self._conn.call("Export", pb.ExportRequest(handle=handle))
+            response = self._conn.call("Export", request)
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
+        try:
+            return self._mapped(handle, response, reuse_key)
+        except SegmentForgotten:
+            # answered without a ticket for a segment no longer mapped here (close() forgot
+            # it meanwhile): that export is released, and one with a ticket replaces it
+            return self._export_with_ticket(handle, reuse_key)
+
+    def _export_with_ticket(
+        self, handle: str, reuse_key: tuple[str, str] | None
+    ) -> Export | CudaExport | None:
+        """:meth:`export` naming no mapped segment: the answer carries a ticket."""
+        try:
+            response = self._conn.call("Export", pb.ExportRequest(handle=handle))
+        except errors.FailedPreconditionError as exc:
+            self.last_refusal = str(exc)
+            return None
         return self._mapped(handle, response, reuse_key)
+
+    def _update_mapped_hint(self, instance: str) -> None:
+        """(_lock held) What the next Exports say this client maps of ``instance``."""
+        ids = [k[1] for k in self._segments if k[0] == instance]
+        self._mapped_hint = (instance, tuple(ids[-MAX_MAPPED_HINTS:]))
 
     def empty_exported(
         self, empty: pb.EmptyRequest, carry_releases: bool
@@ -352,7 +405,10 @@ class LocalMapper:
             self.disable(f"the server's EmptyExport answered no tensor ({exported.tensor!r})")
             return None
         self.unmap_gone(list(response.released_exports.gone_segments))
-        return exported.tensor, self._mapped(exported.tensor.handle, exported, None)
+        try:
+            return exported.tensor, self._mapped(exported.tensor.handle, exported, None)
+        except SegmentForgotten:  # no ticket for an unmapped segment: not one to map
+            return exported.tensor, None
 
     def _empty_then_export(
         self, empty: pb.EmptyRequest, carry_releases: bool
@@ -387,6 +443,9 @@ class LocalMapper:
             return self._export_cuda(key, response)
         try:
             segment = self._segment(key, response)
+        except SegmentForgotten:
+            self._conn.queue_export_release(response.export_id)
+            raise
         except (OSError, ValueError) as exc:
             self._conn.queue_export_release(response.export_id)
             self.disable(f"this client cannot map the server's memory ({exc})")
@@ -410,6 +469,8 @@ class LocalMapper:
                 return segment
         if response.segment_nbytes == 0:  # a zero-byte Storage: nothing to map
             mapping = mmap.mmap(-1, 1)
+        elif not response.ticket:  # the Export was told it is mapped here: no longer
+            raise SegmentForgotten(key)
         else:
             fd = receive_segment_fd(response.fd_socket, response.ticket, response.segment_nbytes)
             try:
@@ -423,6 +484,7 @@ class LocalMapper:
         with self._lock:
             segment = self._segments.setdefault(key, Segment(key, mapping))
             segment.exports += 1
+            self._update_mapped_hint(key[0])
         return segment
 
     def _export_cuda(self, key: tuple[str, int], response: pb.ExportResponse) -> CudaExport | None:
@@ -505,9 +567,15 @@ class LocalMapper:
         """Drop the cache's mappings of segments the server released (and no export uses)."""
         gone_ids = set(gone)
         with self._lock:
-            for key, segment in list(self._segments.items()):
-                if segment.id in gone_ids and segment.exports == 0:
-                    del self._segments[key]
+            unmapped = [
+                key
+                for key, segment in self._segments.items()
+                if segment.id in gone_ids and segment.exports == 0
+            ]
+            for key in unmapped:
+                del self._segments[key]
+            if unmapped:
+                self._update_mapped_hint(self._mapped_hint[0])
         # the mmap itself closes when the last array over it (if any) is collected
 
     def mapped_count(self) -> int:
@@ -520,6 +588,7 @@ class LocalMapper:
         with self._lock:
             self._segments.clear()
             self._reusable.clear()
+            self._mapped_hint = ("", ())
         with contextlib.suppress(Exception):
             self.close_idle_imports()
 

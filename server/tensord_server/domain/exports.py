@@ -28,6 +28,7 @@ allocation to outlive every process that opened it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -38,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
@@ -71,7 +72,9 @@ ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
 
 
-@dataclass(frozen=True, slots=True)
+# not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, a
+# cost every Export pays (issue 13); nothing changes an Export once it is made
+@dataclass(slots=True)
 class Export:
     id: str
     session_id: str
@@ -100,6 +103,10 @@ class ExportTable:
         self.sessions = sessions
         self.tenants = tenants
         self.instance = secrets.token_hex(8)  # a client's mapping cache is per server instance
+        # export ids: the instance and a counter, never reused by this server or another (a
+        # release queued for a restarted server's session never ends a new export), and need
+        # no secrecy: only the session that made an export ends it by its id (release)
+        self._export_ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the two dicts below
         self._exports: dict[str, Export] = {}
         # session id -> its live exports: the handle limit's check is O(1) per Export, not
@@ -129,29 +136,36 @@ class ExportTable:
 
     # -- exports ------------------------------------------------------------------
 
-    def export(self, session: Session, handle: str) -> tuple[Export, str, TensorRef]:
+    def export(
+        self, session: Session, handle: str, mapped: Container[int] = ()
+    ) -> tuple[Export, str, TensorRef]:
         """Hold the Storage of ``handle`` for the session; the export, a fd ticket and the
         tensor the handle named when it was looked up.  The answer describes that tensor,
         never a second lookup: a Release of the handle landing in between would fail the
         call after the export was added, and the client, never told its id, could not end
-        it (it would pin the Storage until the session ends)."""
+        it (it would pin the Storage until the session ends).
+
+        ``mapped``: segment ids the client says it maps already; an export in one of them
+        gets no ticket ("": the client has the descriptor's mapping, and an unredeemed
+        ticket would only crowd the table).  Trusting it grants nothing: a ticket is the
+        only thing withheld."""
         with self._lock:  # refused before any work; checked again where the export is added
             self.sessions.refuse_beyond_limit(session)
-        with self.sessions.held(session, handle) as (ref,):
-            storage = ref.storage
-            backend = storage.device.backend
-            if not isinstance(backend, SharedHostBackend | CudaBackend):
-                raise FailedPreconditionError(
-                    f"the memory of {storage.device.name} ({storage.device.description}) cannot "
-                    "be mapped by clients; use the gRPC transfers"
-                )
-            self.storages.hold(storage)  # the export's own hold, kept past this block
+        ref = self.sessions.hold(session, handle)  # the export's own hold, kept past this call
+        storage = ref.storage
+        backend = storage.device.backend
+        if not isinstance(backend, SharedHostBackend | CudaBackend):
+            self.storages.release_hold(storage)
+            raise FailedPreconditionError(
+                f"the memory of {storage.device.name} ({storage.device.description}) cannot "
+                "be mapped by clients; use the gRPC transfers"
+            )
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
             return self._export_cuda(session, storage, backend), "", ref
         segment = backend.segment(block.segment.memory)
         export = Export(
-            id=secrets.token_urlsafe(16),
+            id=self._new_id(),
             session_id=session.id,
             storage=storage,
             segment_id=segment.id if segment is not None else 0,
@@ -160,7 +174,7 @@ class ExportTable:
         )
         ticket = ""
         with self._counted(export, session):
-            if segment is not None:
+            if segment is not None and segment.id not in mapped:
                 ticket = self._issue_ticket(segment.id, backend)
         self._refuse_if_ended(session)
         return export, ticket, ref
@@ -169,7 +183,7 @@ class ExportTable:
         """(the Storage is held) Its segment's IPC handle, the import counted first."""
         memory = storage.block.segment.memory
         if memory.nbytes == 0:  # a zero-byte Storage: no segment, nothing to open
-            export = Export(secrets.token_urlsafe(16), session.id, storage, 0, 0, 0)
+            export = Export(self._new_id(), session.id, storage, 0, 0, 0)
             with self._counted(export, session):
                 pass
             self._refuse_if_ended(session)
@@ -180,7 +194,7 @@ class ExportTable:
             self.storages.release_hold(storage)
             raise
         export = Export(
-            id=secrets.token_urlsafe(16),
+            id=self._new_id(),
             session_id=session.id,
             storage=storage,
             segment_id=segment_id,
@@ -194,6 +208,9 @@ class ExportTable:
             self._import_sizes[segment_id] = (storage.device.name, memory.nbytes)
         self._refuse_if_ended(session)
         return export
+
+    def _new_id(self) -> str:
+        return f"{self.instance}.{next(self._export_ids):x}"
 
     def _refuse_if_ended(self, session: Session) -> None:
         """(after an export was added) NotFoundError if the session ended meanwhile: its end

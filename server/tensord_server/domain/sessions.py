@@ -514,6 +514,15 @@ class SessionManager:
             for ref in refs:
                 self.storages.release_hold(ref.storage)
 
+    def hold(self, session: Session, handle: str) -> TensorRef:
+        """The tensor of ``handle``, its Storage held (kept alive and in place) from the
+        lookup on, under the session's lock as :meth:`held`, until the caller's
+        ``storages.release_hold``: a hold that outlives the call (an export's)."""
+        with session.lock:
+            ref = self._lookup(session, handle)
+            self.storages.hold(ref.storage)
+        return ref
+
     @contextmanager
     def handle_run(self, session: Session) -> Iterator[HandleRun]:
         """One acquisition of the session's lock (not the table lock: another session's run

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from tensord.protocol import (
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import auth, batch, limits
 from tensord_server.domain.admission import watched
+from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
@@ -476,18 +477,29 @@ class TensordService:
 
     @_unary
     def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
-        return self._export(self._session(context), request.handle)
-
-    def _export(self, session: Session, handle: str) -> pb.ExportResponse:
+        session = self._session(context)
         table = self.store.exports
-        export, ticket, ref = table.export(session, handle)  # ref: no second lookup
+        # the client's mapped segments, if of this server (ids restart with a server)
+        same_server = request.server_instance == table.instance
+        mapped = request.mapped_segments if same_server else ()
+        return self._export(session, request.handle, table, mapped)
+
+    def _export(
+        self,
+        session: Session,
+        handle: str,
+        table: ExportTable | None = None,
+        mapped: Container[int] = (),
+    ) -> pb.ExportResponse:
+        table = table or self.store.exports
+        export, ticket, ref = table.export(session, handle, mapped)  # ref: no second lookup
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
             segment_nbytes=export.segment_nbytes,
             storage_byte_offset=export.byte_offset,
             device=export.storage.device.name,
-            fd_socket=table.socket_path,
+            fd_socket=table.socket_path if ticket else "",
             ticket=ticket,
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,

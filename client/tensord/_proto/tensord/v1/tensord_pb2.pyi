@@ -641,10 +641,14 @@ class EmptyCacheResponse(_message.Message):
     def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
 
 class ExportRequest(_message.Message):
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "server_instance", "mapped_segments")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     handle: str
-    def __init__(self, handle: _Optional[str] = ...) -> None: ...
+    server_instance: str
+    mapped_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[str] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
     __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor")
