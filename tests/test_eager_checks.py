@@ -253,3 +253,14 @@ def test_a_numpy_integer_past_int64_is_refused_as_torchs_parser_refuses_it(
     expected = torch_error(lambda: torch.full((2,), value))
     assert_raises_like(expected, lambda: eager.full((2,), value))
     assert_raises_like(expected, lambda: eager.zeros(2).fill_(value))
+
+
+@pytest.mark.parametrize("dtype", ["bool", "complex64", "complex128", "uint16"])
+@pytest.mark.parametrize("bounds", [(5,), (0, 5, 0), (5, 0), (0.0, float("inf"))])
+def test_arange_of_a_dtype_with_no_kernel_raises_torchs_not_implemented_error(
+    client: Any, dtype: str, bounds: tuple[Any, ...]
+) -> None:
+    # the dtype's kernel is looked for before any bound is checked
+    expected = torch_error(lambda: torch.arange(*bounds, dtype=getattr(torch, dtype)))
+    assert isinstance(expected, NotImplementedError)
+    assert_raises_like(expected, lambda: client.arange(*bounds, dtype=getattr(tensord, dtype)))
