@@ -264,3 +264,58 @@ def test_arange_of_a_dtype_with_no_kernel_raises_torchs_not_implemented_error(
     expected = torch_error(lambda: torch.arange(*bounds, dtype=getattr(torch, dtype)))
     assert isinstance(expected, NotImplementedError)
     assert_raises_like(expected, lambda: client.arange(*bounds, dtype=getattr(tensord, dtype)))
+
+
+TO_ARGUMENTS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (("float32",), {}),
+    ((np.float32,), {}),
+    ((np.dtype("float32"),), {}),
+    (([1],), {}),
+    ((object(),), {}),
+    (("cud",), {}),
+    (("CPU",), {}),
+    (("cuda:x",), {}),
+    (("cuda:01",), {}),
+    (("cuda:1:2",), {}),
+    ((" cpu",), {}),
+    (("",), {}),
+    (("cuda:99999999999",), {}),
+    ((-1,), {}),
+    (("cpu", "float32"), {}),
+    (("cpu", np.float32), {}),
+    (("cpu", 1), {}),
+    ((None, None, "x"), {}),
+    (("cpu", None, True, False, 5), {}),
+    ((), {"dtype": "float32"}),
+    ((), {"dtype": np.float32}),
+    ((), {"device": "float32"}),
+    ((), {"device": 1.5}),
+    (("float64",), {"copy": "x"}),
+    (("float64",), {"foo": 1}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), TO_ARGUMENTS, ids=repr)
+def test_to_refuses_a_bad_argument_as_torch(
+    client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    def torch_form(value: Any) -> Any:
+        return torch.float64 if value == "float64" else value
+
+    expected = torch_error(lambda: torch.zeros(2).to(*map(torch_form, args), **kwargs))
+    dtype_form = [tensord.float64 if a == "float64" else a for a in args]
+    assert_raises_like(expected, lambda: client.zeros(2).to(*dtype_form, **kwargs))
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "cuda:7", 7])
+def test_to_a_well_formed_device_the_server_lacks_stays_a_failed_precondition(
+    client: Any, device: Any
+) -> None:
+    with pytest.raises(tensord.FailedPreconditionError):
+        client.zeros(2).to(device)
+
+
+@pytest.mark.parametrize("device", ["float32", "cuda:x", "", -1])
+def test_a_factory_refuses_a_malformed_device_as_torch(client: Any, device: Any) -> None:
+    expected = torch_error(lambda: torch.zeros(2, device=device))
+    assert_raises_like(expected, lambda: client.zeros(2, device=device))
