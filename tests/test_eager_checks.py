@@ -3,7 +3,8 @@ next wait of a pipelined client), and the factories' argument rules: torch is th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -182,3 +183,139 @@ def test_setitem_with_the_key_false_writes_nothing_and_checks_no_shape(
     assert_raises_like(
         torch_error(lambda: expected.__setitem__(False, "a")), lambda: x.__setitem__(False, "a")
     )
+
+
+@pytest.fixture
+def eager(server: Any) -> Iterator[Any]:
+    """A client without pipelining: a server-side error is raised at its call, in torch's words."""
+    with tensord.connect(server.address, pipelining=False) as connected:
+        yield connected
+
+
+NUMPY_AND_PYTHON_SCALARS = [
+    np.True_,
+    np.int64(3),
+    np.int8(-3),
+    np.uint8(3),
+    np.float16(1.5),
+    np.float32(1.5),
+    np.float64(1.5),
+    np.complex64(1 + 2j),
+    np.complex128(1 + 2j),
+    True,
+    3,
+    1.5,
+    1 + 2j,
+]
+
+
+def dtype_and_values(make: Callable[[], Any]) -> tuple[str, Any] | str:
+    """A result's dtype name and values, or the error's built-in type and text."""
+    try:
+        result = make()
+        values = result.tolist()  # a pipelined write's error surfaces here
+    except Exception as error:
+        builtin = next(c for c in type(error).__mro__ if c.__module__ == "builtins")
+        kind = "RuntimeError" if isinstance(error, RuntimeError) else builtin.__name__
+        return f"{kind}: {error}"
+    return str(result.dtype).rpartition(".")[2], values
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real")
+@pytest.mark.parametrize("value", NUMPY_AND_PYTHON_SCALARS, ids=repr)
+@pytest.mark.parametrize("into", ["int32", "bool", "float16", "complex64"])
+def test_a_scalar_argument_is_read_as_torchs_parser_reads_it(
+    eager: Any, value: Any, into: str
+) -> None:
+    # np.True_ and np.float32/np.complex64 are no Python numbers: torch reads them through
+    # __float__ (full's dtype float32, an np.complex64's imaginary part dropped)
+    def full(m: Any, dt: Any) -> Any:
+        return m.full((2,), value)
+
+    def full_like(m: Any, dt: Any) -> Any:
+        return m.full_like(m.zeros(2, dtype=getattr(dt, into)), value)
+
+    def fill(m: Any, dt: Any) -> Any:
+        return m.zeros(2, dtype=getattr(dt, into)).fill_(value)
+
+    def tensor(m: Any, dt: Any) -> Any:
+        return m.tensor(value)
+
+    for make in (full, full_like, fill, tensor):
+        expected = dtype_and_values(functools.partial(make, torch, torch))
+        assert dtype_and_values(functools.partial(make, eager, tensord)) == expected, make.__name__
+
+
+@pytest.mark.parametrize("value", [np.uint64(2**63), np.uint64(2**64 - 1)])
+def test_a_numpy_integer_past_int64_is_refused_as_torchs_parser_refuses_it(
+    eager: Any, value: Any
+) -> None:
+    expected = torch_error(lambda: torch.full((2,), value))
+    assert_raises_like(expected, lambda: eager.full((2,), value))
+    assert_raises_like(expected, lambda: eager.zeros(2).fill_(value))
+
+
+@pytest.mark.parametrize("dtype", ["bool", "complex64", "complex128", "uint16"])
+@pytest.mark.parametrize("bounds", [(5,), (0, 5, 0), (5, 0), (0.0, float("inf"))])
+def test_arange_of_a_dtype_with_no_kernel_raises_torchs_not_implemented_error(
+    client: Any, dtype: str, bounds: tuple[Any, ...]
+) -> None:
+    # the dtype's kernel is looked for before any bound is checked
+    expected = torch_error(lambda: torch.arange(*bounds, dtype=getattr(torch, dtype)))
+    assert isinstance(expected, NotImplementedError)
+    assert_raises_like(expected, lambda: client.arange(*bounds, dtype=getattr(tensord, dtype)))
+
+
+TO_ARGUMENTS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (("float32",), {}),
+    ((np.float32,), {}),
+    ((np.dtype("float32"),), {}),
+    (([1],), {}),
+    ((object(),), {}),
+    (("cud",), {}),
+    (("CPU",), {}),
+    (("cuda:x",), {}),
+    (("cuda:01",), {}),
+    (("cuda:1:2",), {}),
+    ((" cpu",), {}),
+    (("",), {}),
+    (("cuda:99999999999",), {}),
+    ((-1,), {}),
+    (("cpu", "float32"), {}),
+    (("cpu", np.float32), {}),
+    (("cpu", 1), {}),
+    ((None, None, "x"), {}),
+    (("cpu", None, True, False, 5), {}),
+    ((), {"dtype": "float32"}),
+    ((), {"dtype": np.float32}),
+    ((), {"device": "float32"}),
+    ((), {"device": 1.5}),
+    (("float64",), {"copy": "x"}),
+    (("float64",), {"foo": 1}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), TO_ARGUMENTS, ids=repr)
+def test_to_refuses_a_bad_argument_as_torch(
+    client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    def torch_form(value: Any) -> Any:
+        return torch.float64 if value == "float64" else value
+
+    expected = torch_error(lambda: torch.zeros(2).to(*map(torch_form, args), **kwargs))
+    dtype_form = [tensord.float64 if a == "float64" else a for a in args]
+    assert_raises_like(expected, lambda: client.zeros(2).to(*dtype_form, **kwargs))
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "cuda:7", 7])
+def test_to_a_well_formed_device_the_server_lacks_stays_a_failed_precondition(
+    client: Any, device: Any
+) -> None:
+    with pytest.raises(tensord.FailedPreconditionError):
+        client.zeros(2).to(device)
+
+
+@pytest.mark.parametrize("device", ["float32", "cuda:x", "", -1])
+def test_a_factory_refuses_a_malformed_device_as_torch(client: Any, device: Any) -> None:
+    expected = torch_error(lambda: torch.zeros(2, device=device))
+    assert_raises_like(expected, lambda: client.zeros(2, device=device))

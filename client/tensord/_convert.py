@@ -267,9 +267,30 @@ def exact_dtype(data: Any) -> DType | None:
 
 
 def as_scalar(value: Any) -> bool | int | float | complex:
-    """A Python number from a Python, NumPy or one-element torch scalar."""
-    if isinstance(value, (bool, int, float, complex)):
+    """A Python number from a Python, NumPy or one-element torch scalar, as torch's argument
+    parser reads a Scalar argument (PythonArgs::scalar_slow): NumPy integers are ints, and
+    the other NumPy scalars that are no Python number (np.bool_, np.float32, np.complex64)
+    are read through ``__float__``: ``torch.full((2,), np.True_)`` is float32 ones, and an
+    np.complex64 loses its imaginary part, with NumPy's ComplexWarning."""
+    if isinstance(value, np.integer):
+        return _numpy_int_scalar(value)
+    if isinstance(value, bool):
         return value
-    if isinstance(value, np.generic) or _is_torch_tensor(value):
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, complex):  # np.complex128 too: a Python complex
+        return complex(value)
+    if isinstance(value, (float, np.generic)):  # np.float64 is a Python float
+        return float(value)
+    if _is_torch_tensor(value):
         return value.item()  # type: ignore[no-any-return]
     raise TypeError(f"expected a number, got {type(value).__name__}")
+
+
+def _numpy_int_scalar(value: np.integer[Any]) -> int:
+    """A NumPy integer as a Scalar: an int64, else PyLong_AsUnsignedLongLong's TypeError (it
+    takes Python ints only, so a NumPy uint64 past int64 is refused, unlike the same int)."""
+    result = int(value)
+    if not _INT64_MIN <= result <= _INT64_MAX:
+        raise TypeError("an integer is required")
+    return result

@@ -19,6 +19,7 @@ from typing import Any, cast
 import numpy as np
 
 from tensord import _convert, _local, dtypes, errors
+from tensord._convert import as_scalar
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._rpc import (
     CALL_TIMEOUT_FROM_ENV,
@@ -384,13 +385,15 @@ class Client:
         requires_grad: bool,
     ) -> Tensor:
         dt = _factory_dtype(function, dtype)
-        inferred = next((d for t, d in _FULL_DTYPES if isinstance(fill_value, t)), dtypes.complex64)
+        # the value as torch's parser reads it (np.True_ is 1.0): the server infers from it
+        value = as_scalar(fill_value)
+        inferred = next((d for t, d in _FULL_DTYPES if isinstance(value, t)), dtypes.complex64)
         _check_storage_size(shape, dt or inferred)
         request = pb.FullRequest(
             shape=shape,
             dtype="" if dt is None else dt.name,
             device=device_name(device),
-            value=scalar_pb(fill_value),
+            value=scalar_pb(value),
             requires_grad=requires_grad,
         )
         return self._wrap(self._call("Full", request))

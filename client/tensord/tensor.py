@@ -19,10 +19,11 @@ import contextlib
 import math
 import operator
 import os
+import re
 import secrets
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,15 +87,52 @@ class Device(str):
 
 
 def device_name(device: Any) -> str:
-    """torch's device arguments (``"cuda"``, ``"cuda:1"``, ``1``, torch.device) -> ``"cuda:1"``."""
+    """torch's device arguments (``"cuda"``, ``"cuda:1"``, ``1``, torch.device) -> ``"cuda:1"``.
+
+    A malformed one raises torch's RuntimeError (c10::Device's parse); a well-formed one
+    the server does not have is the server's to refuse (FailedPreconditionError)."""
     if isinstance(device, builtins.int) and not isinstance(device, builtins.bool):
+        if device < 0:
+            raise errors.TensordRuntimeError("Device index must not be negative")
         return f"cuda:{device}"
     name = str(device)
+    if isinstance(device, str) and not isinstance(device, Device):
+        check_device_string(name)
     if name == "cuda":
         return "cuda:0"  # torch resolves a bare "cuda" to the current device, 0 here
     if name == "cpu:0":
         return "cpu"
     return name
+
+
+# c10::Device's device types, in its error text's order
+_DEVICE_TYPES = (
+    "cpu, cuda, ipu, xpu, mkldnn, opengl, opencl, ideep, hip, ve, fpga, maia, xla, lazy, "
+    "vulkan, mps, meta, hpu, mtia, privateuseone"
+)
+_DEVICE_STRING = re.compile(r"([A-Za-z_]+)(?::(0|[1-9][0-9]*))?")
+
+
+def check_device_string(name: str) -> None:
+    """c10::Device(string)'s checks and texts: a type of letters and underscores, then an
+    optional ``:index`` of digits with no leading zero, the type one torch knows."""
+    if not name:
+        raise errors.TensordRuntimeError("Device string must not be empty")
+    parsed = _DEVICE_STRING.fullmatch(name)
+    if parsed is None:
+        raise errors.TensordRuntimeError(f"Invalid device string: '{name}'")
+    index = parsed.group(2)
+    if index is not None and builtins.int(index) > _STOI_MAX:
+        raise errors.TensordRuntimeError(
+            f"Could not parse device index '{index}' in device string '{name}'"
+        )
+    if parsed.group(1) not in _DEVICE_TYPES.split(", "):
+        raise errors.TensordRuntimeError(
+            f"Expected one of {_DEVICE_TYPES} device type at start of device string: {name}"
+        )
+
+
+_STOI_MAX = 2**31 - 1  # std::stoi's int
 
 
 # Python's number types as dtypes, as torch's argument parser reads them (dtype=float)
@@ -1765,36 +1803,84 @@ def _to_memory_format(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 def _parse_to(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, DType | None, builtins.bool]:
-    """torch.Tensor.to's overloads -> (device or None, dtype or None, copy)."""
-    device = kwargs.pop("device", None)
-    dtype = kwargs.pop("dtype", None)
-    copy = builtins.bool(kwargs.pop("copy", False))
-    kwargs.pop("non_blocking", None)  # transfers run on the server; nothing to overlap here
-    if kwargs:
+    """torch.Tensor.to's overloads -> (device or None, dtype or None, copy): the first
+    overload whose parameters take the arguments' types, else torch's TypeError."""
+    if len(args) > 4:
         raise errors.TensordTypeError(
-            f"to() got an unexpected keyword argument '{next(iter(kwargs))}'"
+            f"to() takes from 0 to 4 positional arguments but {len(args)} were given"
         )
-    rest = list(args)
-    if rest and isinstance(rest[0], Tensor):
-        other = rest.pop(0)
-        device, dtype = other.device, other.dtype
-    elif rest and _is_dtype(rest[0]):
-        dtype = rest.pop(0)
-    elif rest and rest[0] is not None and not isinstance(rest[0], builtins.bool):
-        device = rest.pop(0)
-        if rest and _is_dtype(rest[0]):
-            dtype = rest.pop(0)
-    elif rest and rest[0] is None:
-        rest.pop(0)
-        if rest and _is_dtype(rest[0]):
-            dtype = rest.pop(0)
-    if rest:  # trailing positionals: non_blocking, copy
-        rest.pop(0)
-    if rest:
-        copy = builtins.bool(rest.pop(0))
-    if rest:
-        raise errors.TensordTypeError(f"to() received too many positional arguments: {args!r}")
+    for _, names in _TO_OVERLOADS:
+        bound = _bind_to(names[:-1], args, kwargs)  # memory_format is read before
+        if bound is not None:
+            break
+    else:
+        raise _to_invalid_combination(args, kwargs)
+    other = bound.get("tensor")
+    if other is not None:
+        return other.device, other.dtype, builtins.bool(bound.get("copy", False))
+    device, dtype = bound.get("device"), bound.get("dtype")
+    if device is not None:
+        device_name(device)  # a malformed device string: torch's RuntimeError, here
+    copy = builtins.bool(bound.get("copy", False))
     return device, (as_dtype(dtype) if dtype is not None else None), copy
+
+
+def _bind_to(
+    names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The arguments bound to one of to()'s overloads, None where it does not take them:
+    a parameter's type checked as torch's argument parser checks it (None for the optional
+    device and dtype)."""
+    if len(args) > len(names) or any(k not in names[len(args) :] for k in kwargs):
+        return None
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if names[0] != "device" and names[0] not in bound:  # the 2nd and 3rd overloads' first
+        return None
+    for name, value in bound.items():
+        if not _TO_PARAMETER_TAKES[name](value):
+            return None
+    return bound
+
+
+def _takes_device(value: Any) -> builtins.bool:
+    torch = sys.modules.get("torch")
+    return (
+        value is None
+        or isinstance(value, (str, np.integer))
+        or (isinstance(value, builtins.int) and not isinstance(value, builtins.bool))
+        or (torch is not None and isinstance(value, torch.device))
+    )
+
+
+_TO_PARAMETER_TAKES: dict[str, Callable[[Any], builtins.bool]] = {
+    "device": _takes_device,
+    "dtype": lambda value: value is None or _is_dtype(value),
+    "tensor": lambda value: isinstance(value, Tensor),
+    "non_blocking": lambda value: isinstance(value, (builtins.bool, np.bool_)),
+    "copy": lambda value: isinstance(value, (builtins.bool, np.bool_)),
+}
+
+
+def _parser_type_name(value: Any) -> str:
+    """A value's type as torch's parser names it; tensord's dtypes and devices stand for torch's."""
+    if isinstance(value, DType):
+        return "torch.dtype"
+    if isinstance(value, Device):
+        return "torch.device"
+    return "Tensor" if isinstance(value, Tensor) else python_type_name(value)
+
+
+def _to_invalid_combination(args: tuple[Any, ...], kwargs: dict[str, Any]) -> TypeError:
+    """torch's text for to() arguments no overload takes (its _argDesc: a trailing ", "
+    is cut only after positional arguments)."""
+    given = "".join(f"{_parser_type_name(a)}, " for a in args)
+    given += "".join(f"{k}={_parser_type_name(v)}, " for k, v in kwargs.items())
+    if args:
+        given = given[:-2]
+    return errors.TensordTypeError(
+        f"to() received an invalid combination of arguments - got ({given}), but "
+        f"expected one of:\n{_TO_SIGNATURES}"
+    )
 
 
 # ---- what the client and the same-host paths need of tensors ------------------------------

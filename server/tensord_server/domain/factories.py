@@ -85,7 +85,9 @@ class Factories:
     ) -> Issued:
         dt = dtypes.dtype_from_name(dtype) if dtype else kernels.arange_dtype(start, end, step)
         dev = self.ops.device(device)
-        kernels.check_kernel("arange_cuda" if dev.name.startswith("cuda") else "arange_cpu", dt)
+        kernels.check_arange_kernel(
+            "arange_cuda" if dev.name.startswith("cuda") else "arange_cpu", dt
+        )
         try:
             plan = kernels.arange_plan(start, end, step, dt)
         except OverflowError:

@@ -64,6 +64,14 @@ def check_kernel(op: str, dtype: DType) -> None:
         raise NotImplementedError(f"\"{op}\" not implemented for '{dtype.scalar_type}'")
 
 
+def check_arange_kernel(op: str, dtype: DType) -> None:
+    """torch's arange kernels take the real dtypes only: bool and the complex dtypes raise
+    its dispatch macro's NotImplementedError too, before any bound is looked at."""
+    if dtype is dtypes.bool or dtype.is_complex:
+        raise NotImplementedError(f"\"{op}\" not implemented for '{dtype.scalar_type}'")
+    check_kernel(op, dtype)
+
+
 # ---------------------------------------------------------------------------
 # arrays over Storage bytes
 
@@ -429,8 +437,7 @@ _ARANGE_VECTOR_WIDTH = {"float64": 4, "float32": 8, "float16": 16, "bfloat16": 1
 def arange_plan(start: Scalar, end: Scalar, step: Scalar, dtype: DType) -> ArangePlan:
     """torch.arange's checks and size (as torch computes them), no element made yet."""
     start, end, step = _real(start), _real(end), _real(step)
-    if dtype is dtypes.bool or dtype.is_complex:
-        raise RuntimeError(f"\"arange_cpu\" not implemented for '{dtype.scalar_type}'")
+    check_arange_kernel("arange_cpu", dtype)
     if not dtype.is_floating_point and any(
         isinstance(v, int) and not -(1 << 63) <= v < 1 << 63 for v in (start, end, step)
     ):
