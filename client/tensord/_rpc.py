@@ -483,6 +483,10 @@ os.register_at_fork(
 # kept for the next wait, as if it had been queued).
 
 
+# the name of the threads that run the main thread's calls
+WORKER_THREAD_NAME = "tensord-call"
+
+
 class _Job:
     """One piece of the main thread's gRPC work, run by a worker thread."""
 
@@ -535,7 +539,7 @@ class _Worker:
         self.job: _Job | None = None
         self._go = threading.Lock()
         self._go.acquire()
-        threading.Thread(target=self._serve, name="tensord-call", daemon=True).start()
+        threading.Thread(target=self._serve, name=WORKER_THREAD_NAME, daemon=True).start()
 
     def hand(self, job: _Job) -> None:
         self.job = job
