@@ -29,7 +29,7 @@ HANG_S = 40.0
 
 CHILD = textwrap.dedent(
     """
-    import asyncio, faulthandler, os, random, signal, sys, time
+    import asyncio, faulthandler, os, random, signal, sys, threading, time
     import numpy as np
     import tensord
     import tensord.aio
@@ -40,6 +40,7 @@ CHILD = textwrap.dedent(
     signal.signal(signal.SIGALRM, signal.default_int_handler)
     random.seed(f"{mode}-interrupts")
     NBYTES = 16 << 20
+    MAX_WORKERS = 8  # 2-3 seen: the abandoned call's, a cancel's, the next call's
 
     def interrupt_soon(limit):
         signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, limit))
@@ -109,6 +110,11 @@ CHILD = textwrap.dedent(
             hits += interrupted(work)
             answers_at_once(client, x, 4.0)
     assert hits >= rounds // 2, f"only {hits} of {rounds} calls were interrupted"
+    # an interrupted transfer is cancelled, so its worker is soon idle again: no thread
+    # piles up per interrupt
+    workers = [t for t in threading.enumerate() if t.name == "tensord-call"]
+    print("workers", len(workers))
+    assert len(workers) <= MAX_WORKERS, f"{len(workers)} worker threads after {hits} interrupts"
     session = client.session_id
     time.sleep(3 * lease)  # past the lease: only heartbeats keep the session
     answers_at_once(client, x, 4.0)
@@ -131,4 +137,4 @@ def test_an_interrupted_call_leaves_the_client_working(make_server: Any, mode: s
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-6000:]
-    assert run.stdout.startswith("ok "), run.stdout + run.stderr[-6000:]
+    assert "ok " in run.stdout, run.stdout + run.stderr[-6000:]
