@@ -23,7 +23,7 @@ import pytest
 import tensord
 import torch
 from conftest import SessionStub, open_channel, wait_until
-from tensord import _local
+from tensord import _local, _rpc
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import FailedPreconditionError
 from tensord.tensor import assign_data
@@ -488,14 +488,16 @@ def test_a_large_upload_reuses_the_blocks_dropped_before_it(fresh_server: Any) -
 
 
 class _RecordedStub:
-    """A stub method that records each call made from the recording thread (the client's
-    flusher thread may send a Batch of its own at any time)."""
+    """A stub method that records each call made for the recording thread, by it or by the
+    SDK's worker that runs the main thread's calls (the client's flusher thread may send a
+    Batch of its own at any time)."""
 
     def __init__(self, name: str, method: Any, calls: list[str], thread: int) -> None:
         self._name, self._method, self._calls, self._thread = name, method, calls, thread
 
     def _record(self) -> None:
-        if threading.get_ident() == self._thread:
+        calling = threading.current_thread()
+        if calling.ident == self._thread or calling.name == _rpc.WORKER_THREAD_NAME:
             self._calls.append(self._name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

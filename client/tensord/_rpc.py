@@ -11,10 +11,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import math
 import numbers
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -440,10 +442,11 @@ def _resume_after_fork_in_parent() -> None:
 
 
 def _reset_after_fork_in_child() -> None:
-    global _FORK_GATE, _PROCESS_ID
+    global _FORK_GATE, _PROCESS_ID, _IDLE_WORKERS
     _PROCESS_ID = os.getpid()
     # the parent's gate is locked (by the forking thread) and counts the parent's threads
     _FORK_GATE = _ForkGate()
+    _IDLE_WORKERS = collections.deque()  # the parent's workers: no thread here runs them
     _keep_inherited_channels()
 
 
@@ -470,6 +473,141 @@ os.register_at_fork(
     after_in_parent=_resume_after_fork_in_parent,
     after_in_child=_reset_after_fork_in_child,
 )
+
+
+# ---- interrupts --------------------------------------------------------------------------
+# A signal handler's exception (KeyboardInterrupt from Ctrl-C, or whatever a handler of
+# the user's raises) is raised in the main thread between any two bytecodes, also inside
+# the `with condition:` blocks of gRPC's Python and Cython code: Condition.__enter__ and
+# __exit__ are Python functions, so an exception raised just after the lock was taken (or
+# just before it is released) leaves the channel's lock held for ever, and every later
+# call on that channel, the heartbeat's and the Batch flusher's included, waits for it for
+# ever.  So the main thread never runs gRPC code: it hands each call to a worker thread
+# and waits on a plain lock, whose acquire a signal interrupts cleanly.  The exception
+# then reaches the caller at once; a transfer in flight is cancelled (by another worker),
+# and any other call goes on to its end on its worker (a Batch is applied and its errors
+# kept for the next wait, as if it had been queued).
+
+
+# the name of the threads that run the main thread's calls
+WORKER_THREAD_NAME = "tensord-call"
+
+
+class _Job:
+    """One piece of the main thread's gRPC work, run by a worker thread."""
+
+    __slots__ = ("abandoned", "calls", "done", "error", "result", "work")
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self.work = work
+        self.done = threading.Lock()  # held until the work ended: the main thread waits on it
+        self.done.acquire()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.calls: list[grpc.Future] = []  # streams to cancel if the main thread walks away
+        self.abandoned = False
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            self.error = exc
+        finally:
+            self.work = None  # type: ignore[assignment]  # nothing kept alive by an idle job
+            self.done.release()
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            error, self.error = self.error, None  # no cycle through the traceback
+            raise error
+        return self.result
+
+    def abandon(self) -> None:
+        """The waiting thread was interrupted: cancel the streams started so far (a worker
+        does it: cancelling takes gRPC's locks); :func:`_track` cancels any started later."""
+        self.abandoned = True
+        calls = list(self.calls)
+        if calls:
+            _start_job(_Job(functools.partial(_cancel_calls, calls)))
+
+
+def _cancel_calls(calls: list[grpc.Future]) -> None:
+    with _FORK_GATE.busy():  # like the watchdog's: a fork waits for a cancel under way
+        for call in calls:
+            call.cancel()  # a no-op on a finished call
+
+
+class _Worker:
+    """A thread that runs the main thread's gRPC work, one job at a time; idle between
+    jobs (long-lived: a thread that starts or ends while the process forks is a hazard)."""
+
+    def __init__(self) -> None:
+        self.job: _Job | None = None
+        self._go = threading.Lock()
+        self._go.acquire()
+        threading.Thread(target=self._serve, name=WORKER_THREAD_NAME, daemon=True).start()
+
+    def hand(self, job: _Job) -> None:
+        self.job = job
+        self._go.release()
+
+    def _serve(self) -> None:
+        while True:
+            self._go.acquire()
+            job, self.job = self.job, None
+            if job is not None:
+                _CURRENT.job = job
+                job.run()
+                _CURRENT.job = None
+            _IDLE_WORKERS.append(self)
+
+
+_IDLE_WORKERS: collections.deque[_Worker] = collections.deque()
+# the job a worker runs now, for _track (a thread's own attribute: no lock)
+_CURRENT = threading.local()
+
+
+def _start_job(job: _Job) -> bool:
+    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start."""
+    try:
+        worker = _IDLE_WORKERS.pop()
+    except IndexError:
+        try:
+            worker = _Worker()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            return False
+    worker.hand(job)
+    return True
+
+
+def _off_main_thread(work: Callable[[], M]) -> M:
+    """Run ``work`` (which may enter gRPC); from the main thread, on a worker while it waits.
+
+    Other threads run it themselves: signal handlers run only in the main thread.  So do
+    nested calls (a worker is not the main thread) and calls during the interpreter's
+    finalization (its daemon threads are stopped then).
+    """
+    if threading.current_thread() is not threading.main_thread() or sys.is_finalizing():
+        return work()
+    job = _Job(work)
+    try:
+        if not _start_job(job):
+            return work()
+        job.done.acquire()  # a signal interrupts this wait, and nothing else
+    except BaseException:
+        job.abandon()
+        raise
+    result: M = job.outcome()
+    return result
+
+
+def _track(call: grpc.Future) -> None:
+    """A stream the main thread's job started: cancelled if the main thread is interrupted."""
+    job: _Job | None = getattr(_CURRENT, "job", None)
+    if job is not None:
+        job.calls.append(call)
+        if job.abandoned:  # it walked away before this call was started
+            call.cancel()
 
 
 def _batch_request(queued: list[QueuedOp], released: list[str]) -> pb.BatchRequest:
@@ -540,9 +678,11 @@ class Connection:
         else:
             self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            _off_main_thread(
+                lambda: grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            )
         except grpc.FutureTimeoutError:
-            self._channel.close()
+            _off_main_thread(self._channel.close)
             # a failed TLS handshake looks the same as no server: say what to check
             hint = (
                 "if it serves TLS, check that root_certificates sign its certificate and that "
@@ -581,6 +721,8 @@ class Connection:
             None
         )
         self._async_error: errors.TensordError | None = None
+        # the last Batch answered (set by gRPC's callback): _busy() compares it with _inflight's
+        self._answered_batch: grpc.Future | None = None
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
         self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
@@ -596,7 +738,7 @@ class Connection:
                 "OpenSession", pb.OpenSessionRequest(client_name=name), connect_deadline, timeout
             )
         except BaseException:
-            self._channel.close()
+            _off_main_thread(self._channel.close)
             raise
         self.session_id: str = session.session_id
         self.lease_seconds: float = session.lease_seconds or 10.0
@@ -672,6 +814,13 @@ class Connection:
     ) -> Any:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline)."""
         self._check_open()
+        return _off_main_thread(
+            functools.partial(self._unary_now, method, request, session, timeout, sync)
+        )
+
+    def _unary_now(
+        self, method: str, request: Any, session: bool, timeout: float | None, sync: bool
+    ) -> Any:
         stub_method = getattr(self._stub, method)
         deadline = self.call_timeout if timeout is None else timeout
         grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
@@ -741,7 +890,7 @@ class Connection:
                     raise
             return meta
 
-        return self._in_session(metadata[0][1], send)
+        return _off_main_thread(lambda: self._in_session(metadata[0][1], send))
 
     def download_into(self, handle: str, out: memoryview) -> None:
         """Fill ``out`` (a writable byte buffer of the tensor's nbytes) with its elements."""
@@ -771,7 +920,7 @@ class Connection:
                     raise
             return pos
 
-        received = self._in_session(metadata[0][1], receive)
+        received = _off_main_thread(lambda: self._in_session(metadata[0][1], receive))
         if received != len(out):
             raise errors.InternalError(
                 f"download of {handle} ended after {received} of {len(out)} bytes"
@@ -781,6 +930,7 @@ class Connection:
     def _watched(self, stream: _WatchedStream, call: grpc.Future) -> Iterator[None]:
         """Run a transfer under the idle watchdog; an unfinished call is cancelled after it
         (an error or an interrupt mid-stream must not leave the server sending)."""
+        _track(call)
         try:
             if self._watchdog is None:
                 yield
@@ -836,7 +986,12 @@ class Connection:
     def _busy(self) -> bool:
         """Whether a Batch is in flight and not answered yet (the server still works on it)."""
         inflight = self._inflight
-        return inflight is not None and not inflight[0].done()
+        return inflight is not None and self._answered_batch is not inflight[0]
+
+    def _batch_answered(self, future: grpc.Future) -> None:
+        # gRPC's done() takes the call's Condition, which a view (enqueue, on the main
+        # thread) must not: a signal there could leave it held; one store is atomic
+        self._answered_batch = future
 
     def synchronize(self, releases: bool = True) -> None:
         """Send what is queued and wait until the server applied it; raise the first error
@@ -847,6 +1002,11 @@ class Connection:
             raise error
 
     def _flush(self, wait: bool, releases: bool = True) -> None:
+        # all of it off the main thread, its lock included: an interrupted caller leaves
+        # the Batch to be sent and answered on the worker, in order with the next ones
+        _off_main_thread(functools.partial(self._flush_now, wait, releases))
+
+    def _flush_now(self, wait: bool, releases: bool) -> None:
         with self._send_lock:
             self._collect()  # at most one Batch in flight: the server applies them in order
             with self._queue_lock:
@@ -864,6 +1024,7 @@ class Connection:
             timeout = None if self.call_timeout is None else self.call_timeout
             future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
             self._inflight = (future, queued, released, answered)
+            future.add_done_callback(self._batch_answered)
             if wait:
                 self._collect()
 
@@ -981,6 +1142,12 @@ class Connection:
         round trips of a flush.  A failed call queues them again: the server may never have
         run it (UNIMPLEMENTED from an older server, UNAVAILABLE), and releasing an id twice
         is harmless (ids are random and never reused; unknown ones are ignored)."""
+        # on a worker as a whole: an interrupt must not drop the releases it took
+        return _off_main_thread(functools.partial(self._empty_export_now, empty, carry_releases))
+
+    def _empty_export_now(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> pb.EmptyExportResponse:
         if self.pipelining:
             self.synchronize(releases=False)  # ops queued before it are applied first
         request = pb.EmptyExportRequest(empty=empty)
@@ -1086,6 +1253,9 @@ class Connection:
         Once per lost session: whoever comes second (the heartbeat or a call) finds it
         replaced already.  Tensors of the lost one then raise SessionLostError.
         """
+        _off_main_thread(functools.partial(self._replace_session_now, lost_id))
+
+    def _replace_session_now(self, lost_id: str) -> None:
         request = pb.OpenSessionRequest(
             client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
         )
@@ -1109,6 +1279,11 @@ class Connection:
         # open and its channel untouched; the Event's lock may have been held by a parent
         # thread at the fork, so not even that is set.
         if self._closed.is_set() or self.inherited:
+            return
+        _off_main_thread(self._close_now)
+
+    def _close_now(self) -> None:
+        if self._closed.is_set():  # closed by another thread meanwhile
             return
         # One short deadline for all of it, so exit never hangs on a hung server.  No Release
         # first: closing the session frees its handles, the pending ones included.
