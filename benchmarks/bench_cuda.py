@@ -41,7 +41,10 @@ def best(fn: Callable[[], object], repeats: int) -> float:
 
 
 def start_server(mib: int) -> tuple[subprocess.Popen[str], str]:
-    pool_gib = max(4, 4 * mib // 1024 + 2)
+    # room for what the timed calls make before their releases land (best of N + a warm-up
+    # per op, each result dropped at once; releases ride the next call): 6 GiB ran out of
+    # memory on an H200 at 1 GiB, --repeats 3
+    pool_gib = max(16, 12 * mib // 1024 + 4)
     command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
     command += ["--device", f"cpu={pool_gib}GiB", "--device", f"cuda:0={pool_gib}GiB"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -96,6 +99,11 @@ def server_copies(address: str, nbytes: int, repeats: int) -> dict[str, float]:
         square = c.ones(side, side, device="cuda:0")
         data = np.ones(nbytes, dtype=np.uint8)
 
+        def contiguous() -> None:
+            # the server queues the copy on its stream and answers: reading one element back
+            # (ordered after the copy on that stream) waits for it, as the bare side's sync
+            square.t().contiguous()[-1, -1].item()
+
         def upload() -> None:
             c.tensor(data, device="cuda:0")
             c.flush()
@@ -103,7 +111,7 @@ def server_copies(address: str, nbytes: int, repeats: int) -> dict[str, float]:
         result = {
             "to(cuda:0)": best(lambda: host.to("cuda:0"), repeats),
             "to(cpu)": best(lambda: on_gpu.to("cpu"), repeats),
-            "contiguous()": best(lambda: square.t().contiguous(), repeats),
+            "contiguous()": best(contiguous, repeats),
             "upload": best(upload, repeats),
         }
         c.flush()

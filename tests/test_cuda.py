@@ -275,7 +275,14 @@ def test_compaction_moves_gpu_storages_and_keeps_their_bytes(gpu_server: Running
             rng = np.random.default_rng(5)
             values = [rng.standard_normal((2 * MiB) // 4).astype(np.float32) for _ in range(30)]
             tensors = [c.tensor(v, device=GPU) for v in values]
+            c.synchronize()
+            session = running.daemon.sessions.peek(c.session_id)
+
+            def block_address(t: Any) -> int:
+                return int(running.daemon.sessions.lookup(session, t.handle).storage.block.address)
+
             ptrs = [t.data_ptr() for t in tensors]
+            addresses = [block_address(t) for t in tensors]
             for i in range(0, 30, 2):
                 tensors[i] = None
             c.flush()
@@ -285,8 +292,10 @@ def test_compaction_moves_gpu_storages_and_keeps_their_bytes(gpu_server: Running
             assert stats["num_compactions"] == 1 and stats["num_ooms"] == 0
             assert stats["compaction_moved_bytes"] == 10 * MiB
             kept = range(1, 30, 2)
-            moved = [i for i in kept if tensors[i].data_ptr() != ptrs[i]]
+            moved = [i for i in kept if block_address(tensors[i]) != addresses[i]]
             assert len(moved) == 5
+            # data_ptr is the Storage's, not its block's: no handle sees a move
+            assert [tensors[i].data_ptr() for i in kept] == [ptrs[i] for i in kept]
             for i in kept:
                 np.testing.assert_array_equal(host(tensors[i]), values[i])
                 # a kernel reading a moved Storage runs after the move's copy (same stream);
@@ -311,7 +320,8 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
 
     repo = Path(__file__).resolve().parents[1]
     values = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    x = c.tensor(values, device=GPU) + 1  # an op queued on the server stream
+    x = c.zeros(64, 48, device=GPU)
+    x.copy_(c.tensor(values + 1, device=GPU))  # a copy queued on the server's stream
     c.put("ipc-shared", x, overwrite=True)
     body = f"""
         import torch, tensord
@@ -322,7 +332,7 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
         assert t.stride() == (1, 48), t.stride()
         assert float(t[0, 0]) == 3.0, float(t[0, 0])  # values[0, 2] + 1
         t.mul_(3)  # on torch's stream; the next call waits for it
-        client.get("ipc-shared").add_(0)
+        client.get("ipc-shared")
         stats = client.memory_stats("cuda:0")
         assert stats["exports.imported_segments.current"] == 1, stats
         del t
@@ -331,7 +341,10 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
         """
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(repo / "client"), str(repo / "server")]),
+        # this checkout first, then whatever the environment adds (carried packages)
+        "PYTHONPATH": os.pathsep.join(
+            [str(repo / "client"), str(repo / "server"), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(body)],

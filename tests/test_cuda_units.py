@@ -304,6 +304,9 @@ def fake_cupy(count: int = 1, free: int = 2 * GiB, physical: int = 2 * GiB) -> A
         "uint32",
         "where",
         "isnan",
+        "abs",
+        "rint",
+        "signbit",
         "may_share_memory",
         "nextafter",
     ):
@@ -639,6 +642,32 @@ def test_bfloat16_rounding_matches_ml_dtypes(cupy: Any, dtype: Any) -> None:
     got = cuda_backend.float32_to_bfloat16_bits(on_gpu(values))
     assert got.dtype == np.uint16
     np.testing.assert_array_equal(got, expected)
+
+
+def test_bfloat16_from_float64_keeps_float32_subnormals_where_the_gpu_flushes_them(
+    cupy: Any, monkeypatch: Any
+) -> None:
+    """On an H200, CuPy's float64 -> float32 astype flushed float32 subnormals to zero
+    (1e-40 became bfloat16 0; torch on the CPU gives 9.18e-41): the fake GPU flushes
+    them too here, and the bits must still be the CPU's (float64 -> float32 -> bfloat16)."""
+
+    def flushing_astype(self: Any, dtype: Any, *args: Any, **kwargs: Any) -> Any:
+        out = np.ndarray.astype(self, dtype, *args, **kwargs)
+        if self.dtype == np.float64 and np.dtype(dtype) == np.float32:
+            out[np.abs(out) < np.float32(2.0**-126)] *= 0  # keeps the sign, as a GPU's FTZ
+        return out
+
+    monkeypatch.setattr(FakeGpuArray, "astype", flushing_astype)
+    subnormals = [1e-40, -1e-40, 1e-45, 7e-46, 1.5 * 2.0**-149, 2.5 * 2.0**-149]
+    edges = [2.0**-126 * (1 - 2.0**-25), 2.0**-126, 5e-324, -0.0, 0.0]
+    values = np.concatenate([subnormals, edges, _interesting_floats()])
+    with np.errstate(all="ignore"):
+        narrow = values.astype(np.float32)
+    np.testing.assert_array_equal(
+        np.asarray(cuda_backend.float64_to_float32_bits(on_gpu(values))), narrow.view(np.uint32)
+    )
+    got = cuda_backend.float32_to_bfloat16_bits(on_gpu(values))
+    np.testing.assert_array_equal(got, narrow.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_bfloat16_array_conversions(cupy: Any) -> None:

@@ -585,11 +585,36 @@ def float32_to_bfloat16_bits(values: Any) -> Any:
     cupy = _cupy()
     if values.dtype.kind == "c":
         values = values.real  # torch: a complex -> real copy drops the imaginary part
-    wide = values.astype(cupy.float32).view(cupy.uint32)
+    if values.dtype == cupy.float64:
+        wide, nan = float64_to_float32_bits(values), cupy.isnan(values)
+    else:
+        narrow = values.astype(cupy.float32)
+        wide, nan = narrow.view(cupy.uint32), cupy.isnan(narrow)
     rounded = (wide + (((wide >> 16) & 1) + 0x7FFF)) >> 16
     quiet_nan = (wide >> 16) | 0x0040
-    bits = cupy.where(cupy.isnan(values.astype(cupy.float32)), quiet_nan, rounded)
+    bits = cupy.where(nan, quiet_nan, rounded)
     return bits.astype(cupy.uint16)
+
+
+# float32's smallest normal, and the scale that makes a float32 subnormal's bits an integer
+_FLOAT32_TINY = 2.0**-126
+_FLOAT32_SUBNORMAL_SCALE = 2.0**149
+
+
+def float64_to_float32_bits(values: Any) -> Any:
+    """float64 -> float32 bits (uint32), rounded to nearest even as a CPU rounds, float32
+    subnormals included: on an H200, CuPy's float64 -> float32 ``astype`` flushed them to
+    zero (1e-40 -> 0; torch on the CPU: 9.18e-41), so a bfloat16 made from it differed.
+    A value below the smallest normal is scaled exactly (a power of two, in float64) so
+    that its subnormal's mantissa bits are an integer, rounded half to even by ``rint``
+    (rounding up to 2**23 is the smallest normal's bits, as it should be)."""
+    cupy = _cupy()
+    bits = values.astype(cupy.float32).view(cupy.uint32)
+    magnitude = cupy.abs(values)
+    tiny = magnitude < _FLOAT32_TINY  # False for NaN
+    scaled = cupy.where(tiny, magnitude, 0.0) * _FLOAT32_SUBNORMAL_SCALE  # < 2**23: no overflow
+    sign = cupy.signbit(values).astype(cupy.uint32) << 31
+    return cupy.where(tiny, sign | cupy.rint(scaled).astype(cupy.uint32), bits)
 
 
 # ---------------------------------------------------------------------------

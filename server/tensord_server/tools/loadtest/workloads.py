@@ -426,7 +426,9 @@ class ViewHeavy(Workload):
         out = self.call(f"views.{finish}", getattr(cur, finish))
         if out is None or self.rng.random() >= self.verify_probability:
             return
-        got = self.call("views.numpy", out.numpy)
+        # force: a GPU tensor copies to the host, as torch numpy(force=True); plain numpy()
+        # refuses a tensor off the CPU (TypeError, as torch)
+        got = self.call("views.numpy", out.numpy, force=True)
         ok = got.shape == ref.shape and bool(np.array_equal(got, ref))
         self.verify("views.verify", ok, f"chain {[op for op, _, _ in chain]} read back wrong data")
 
@@ -466,9 +468,9 @@ class Sharing(Workload):
         )
 
     def _check(self, op: str, t: Any) -> None:
-        head = self.call(f"{op}.numpy", t.numpy) if t.shape[0] <= 4096 else None
+        head = self.call(f"{op}.numpy", t.numpy, force=True) if t.shape[0] <= 4096 else None
         if head is None:
-            head = self.call(f"{op}.numpy", t.narrow(0, 0, 4096).numpy)
+            head = self.call(f"{op}.numpy", t.narrow(0, 0, 4096).numpy, force=True)
         self.verify(f"{op}.verify", bool((head == head[0]).all()), f"{op}: mixed values")
 
     def step(self) -> None:
