@@ -379,6 +379,27 @@ def test_an_export_in_a_segment_the_request_names_as_mapped_comes_without_a_tick
     assert table.count(stub.session_id) == 2
 
 
+def test_the_mapped_segments_a_request_names_are_searched_outside_the_export_tables_lock(
+    server: Any, client: Any
+) -> None:
+    """A request may name up to 65,536 mapped segments (limits.MAX_LIST_LEN; ~3 ms to search
+    a protobuf list): searched under the table's lock, which every session's Exports, the fd
+    socket and the GPU pools' release veto share, a few clients stalled all of them."""
+    table = server.daemon.exports
+    x = client.tensor(np.ones(1000, dtype=np.float32))
+    session = server.daemon.sessions.peek(client.session_id)
+    searched_under_lock: list[bool] = []
+
+    class Watched(list):  # type: ignore[type-arg]
+        def __contains__(self, item: object) -> bool:
+            searched_under_lock.append(table._lock.locked())
+            return super().__contains__(item)
+
+    export, ticket, _ = table.export(session, x.handle, Watched([-1]))
+    assert ticket and searched_under_lock == [False]
+    table.release(session, [export.id])
+
+
 def test_fresh_dlpack_exports_of_a_mapped_segment_issue_no_tickets(
     server: Any, client: Any
 ) -> None:
