@@ -157,10 +157,10 @@ def count_calls(client: Any, monkeypatch: Any, method: str) -> list[str]:
     made: list[str] = []
     call = client._conn.call
 
-    def counting(name: str, request: Any) -> Any:
+    def counting(name: str, request: Any, *args: Any) -> Any:
         if name == method:
             made.append(name)
-        return call(name, request)
+        return call(name, request, *args)
 
     monkeypatch.setattr(client._conn, "call", counting)
     return made
@@ -377,6 +377,27 @@ def test_an_export_in_a_segment_the_request_names_as_mapped_comes_without_a_tick
     ids = [first.export_id, mapped.export_id]
     stub.ReleaseExports(pb.ReleaseExportsRequest(export_ids=ids), metadata=stub.md)
     assert table.count(stub.session_id) == 2
+
+
+def test_the_mapped_segments_a_request_names_are_searched_outside_the_export_tables_lock(
+    server: Any, client: Any
+) -> None:
+    """A request may name up to 65,536 mapped segments (limits.MAX_LIST_LEN; ~3 ms to search
+    a protobuf list): searched under the table's lock, which every session's Exports, the fd
+    socket and the GPU pools' release veto share, a few clients stalled all of them."""
+    table = server.daemon.exports
+    x = client.tensor(np.ones(1000, dtype=np.float32))
+    session = server.daemon.sessions.peek(client.session_id)
+    searched_under_lock: list[bool] = []
+
+    class Watched(list):  # type: ignore[type-arg]
+        def __contains__(self, item: object) -> bool:
+            searched_under_lock.append(table._lock.locked())
+            return super().__contains__(item)
+
+    export, ticket, _ = table.export(session, x.handle, Watched([-1]))
+    assert ticket and searched_under_lock == [False]
+    table.release(session, [export.id])
 
 
 def test_fresh_dlpack_exports_of_a_mapped_segment_issue_no_tickets(
@@ -1219,3 +1240,60 @@ def test_an_export_reaching_past_its_segment_falls_back_to_grpc(
     assert not client._local.enabled and "of a" in client._local.reason
     with pytest.raises(BufferError):
         x.__dlpack__()
+
+
+@pytest.mark.parametrize("answered_first", [False, True], ids=["mid-call", "just-answered"])
+@pytest.mark.parametrize("call", ["dlpack", "upload"])
+def test_an_export_whose_caller_was_interrupted_is_released(
+    server: Any, client: Any, monkeypatch: Any, answered_first: bool, call: str
+) -> None:
+    """Ctrl-C while an Export (or an upload's EmptyExport) is in flight: the caller walks
+    away (KeyboardInterrupt) and the call runs on to its end on the SDK's worker; the export
+    (and the new tensor) it made, which nobody will ever see, are released (before: pinned,
+    and counted against the handle limit, until the session ended)."""
+    x = client.tensor(np.ones(1000, dtype=np.float32))
+    session = server.daemon.sessions.peek(client.session_id)
+    handles = len(session.handles)
+    table = server.daemon.exports
+    big = np.ones(1 << 20, dtype=np.float32)  # an upload large enough to take the mapping
+    export = table.export
+    answered = threading.Event()
+
+    def slow_export(*args: Any, **kwargs: Any) -> Any:
+        made = export(*args, **kwargs)
+        if not answered_first:
+            time.sleep(0.3)  # the interrupt lands while the answer is on its way
+        answered.set()
+        return made
+
+    monkeypatch.setattr(table, "export", slow_export)
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        if answered_first:  # the interrupt comes once the worker holds the answer
+            monkeypatch.setattr(_rpc._Job, "outcome", _interrupt_first(_rpc._Job.outcome))
+        else:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    monkeypatch.undo()
+    assert answered.wait(5)
+    session_id = client.session_id
+    assert wait_until(lambda: client.flush() or table.count(session_id) == 0, timeout=5)
+    assert len(session.handles) == handles  # an upload's new tensor released too
+    assert int(torch.from_dlpack(x)[999]) == 1  # the client still exports
+
+
+def _interrupt_first(outcome: Any) -> Any:
+    """_Job.outcome raising KeyboardInterrupt once, as a signal landing just before it."""
+    fired: list[bool] = []
+
+    def interrupted(job: Any) -> Any:
+        if not fired and job.result is not None:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return outcome(job)
+
+    return interrupted

@@ -346,7 +346,7 @@ class LocalMapper:
         instance, mapped = self._mapped_hint
         request = pb.ExportRequest(handle=handle, server_instance=instance, mapped_segments=mapped)
         try:
-            response = self._conn.call("Export", request)
+            response = self._conn.call("Export", request, self._release_orphan)
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
@@ -362,11 +362,17 @@ class LocalMapper:
     ) -> Export | CudaExport | None:
         """:meth:`export` naming no mapped segment: the answer carries a ticket."""
         try:
-            response = self._conn.call("Export", pb.ExportRequest(handle=handle))
+            response = self._conn.call(
+                "Export", pb.ExportRequest(handle=handle), self._release_orphan
+            )
         except errors.FailedPreconditionError as exc:
             self.last_refusal = str(exc)
             return None
         return self._mapped(handle, response, reuse_key)
+
+    def _release_orphan(self, response: pb.ExportResponse) -> None:
+        """An Export answer its caller never saw (an interrupt took it away): released."""
+        self._conn.queue_export_release(response.export_id)
 
     def _update_mapped_hint(self, instance: str) -> None:
         """(_lock held) What the next Exports say this client maps of ``instance``."""

@@ -496,9 +496,21 @@ WORKER_THREAD_NAME = "tensord-call"
 class _Job:
     """One piece of the main thread's gRPC work, run by a worker thread."""
 
-    __slots__ = ("abandoned", "calls", "done", "error", "result", "work")
+    __slots__ = (
+        "_finished",
+        "_state",
+        "abandoned",
+        "calls",
+        "done",
+        "error",
+        "orphaned",
+        "result",
+        "work",
+    )
 
-    def __init__(self, work: Callable[[], Any]) -> None:
+    def __init__(
+        self, work: Callable[[], Any], orphaned: Callable[[Any], None] | None = None
+    ) -> None:
         self.work = work
         self.done = threading.Lock()  # held until the work ended: the main thread waits on it
         self.done.acquire()
@@ -506,6 +518,12 @@ class _Job:
         self.error: BaseException | None = None
         self.calls: list[grpc.Future] = []  # streams to cancel if the main thread walks away
         self.abandoned = False
+        # what to do with a result its caller never takes (it was interrupted): what the
+        # call made on the server (an export, a handle) is released, else it stays pinned
+        # until the session ends
+        self.orphaned = orphaned
+        self._state = threading.Lock()  # orders the work's end with the caller's walking away
+        self._finished = False
 
     def run(self) -> None:
         try:
@@ -514,9 +532,15 @@ class _Job:
             self.error = exc
         finally:
             self.work = None  # type: ignore[assignment]  # nothing kept alive by an idle job
+            with self._state:
+                self._finished = True
+                walked_away = self.abandoned
             self.done.release()
+        if walked_away:
+            self._drop_result()
 
     def outcome(self) -> Any:
+        self.orphaned = None  # the caller takes it (or the error)
         if self.error is not None:
             error, self.error = self.error, None  # no cycle through the traceback
             raise error
@@ -524,11 +548,26 @@ class _Job:
 
     def abandon(self) -> None:
         """The waiting thread was interrupted: cancel the streams started so far (a worker
-        does it: cancelling takes gRPC's locks); :func:`_track` cancels any started later."""
-        self.abandoned = True
+        does it: cancelling takes gRPC's locks); :func:`_track` cancels any started later.
+        Work that ended already has its result dropped instead (nothing left to cancel)."""
+        with self._state:
+            self.abandoned = True
+            finished = self._finished
+        if finished:
+            self._drop_result()
+            return
         calls = list(self.calls)
         if calls:
             _start_job(_Job(functools.partial(_cancel_calls, calls)))
+
+    def _drop_result(self) -> None:
+        """(once the work ended and its caller walked away) Hand a result to ``orphaned``."""
+        orphaned, self.orphaned = self.orphaned, None
+        result, self.result = self.result, None
+        if orphaned is not None and self.error is None:
+            # only appends to a release queue; never let it end a worker thread
+            with contextlib.suppress(Exception):
+                orphaned(result)
 
 
 def _cancel_calls(calls: list[grpc.Future]) -> None:
@@ -580,24 +619,27 @@ def _start_job(job: _Job) -> bool:
     return True
 
 
-def _off_main_thread(work: Callable[[], M]) -> M:
+def _off_main_thread(work: Callable[[], M], orphaned: Callable[[M], None] | None = None) -> M:
     """Run ``work`` (which may enter gRPC); from the main thread, on a worker while it waits.
 
     Other threads run it themselves: signal handlers run only in the main thread.  So do
     nested calls (a worker is not the main thread) and calls during the interpreter's
     finalization (its daemon threads are stopped then).
+
+    ``orphaned``: called with the result when the main thread was interrupted before it
+    took it (to release what the call made on the server).
     """
     if threading.current_thread() is not threading.main_thread() or sys.is_finalizing():
         return work()
-    job = _Job(work)
+    job = _Job(work, orphaned)
     try:
         if not _start_job(job):
             return work()
         job.done.acquire()  # a signal interrupts this wait, and nothing else
+        result: M = job.outcome()  # (an interrupt just before it leaves the result orphaned)
     except BaseException:
         job.abandon()
         raise
-    result: M = job.outcome()
     return result
 
 
@@ -811,11 +853,13 @@ class Connection:
         session: bool = True,
         timeout: float | None = None,
         sync: bool = True,
+        orphaned: Callable[[Any], None] | None = None,
     ) -> Any:
-        """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline)."""
+        """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
+        ``orphaned``: see :func:`_off_main_thread`."""
         self._check_open()
         return _off_main_thread(
-            functools.partial(self._unary_now, method, request, session, timeout, sync)
+            functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
         )
 
     def _unary_now(
@@ -867,9 +911,10 @@ class Connection:
                 raise errors.SessionLostError(_session_lost_message(session_id)) from None
             raise exc from None
 
-    def call(self, method: str, request: Any) -> Any:
-        """One unary call in this session (``method`` as named in the proto)."""
-        return self._unary(method, request)
+    def call(self, method: str, request: Any, orphaned: Callable[[Any], None] | None = None) -> Any:
+        """One unary call in this session (``method`` as named in the proto); ``orphaned``
+        gets its answer if an interrupt took the caller away first (see _off_main_thread)."""
+        return self._unary(method, request, orphaned=orphaned)
 
     def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
         """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
@@ -1143,7 +1188,17 @@ class Connection:
         run it (UNIMPLEMENTED from an older server, UNAVAILABLE), and releasing an id twice
         is harmless (ids are random and never reused; unknown ones are ignored)."""
         # on a worker as a whole: an interrupt must not drop the releases it took
-        return _off_main_thread(functools.partial(self._empty_export_now, empty, carry_releases))
+        return _off_main_thread(
+            functools.partial(self._empty_export_now, empty, carry_releases),
+            self._release_empty_export,
+        )
+
+    def _release_empty_export(self, response: pb.EmptyExportResponse) -> None:
+        """An EmptyExport answer its interrupted caller never saw: its tensor and export."""
+        if response.export.export_id:
+            self.queue_export_release(response.export.export_id)
+        if response.export.tensor.handle:
+            self.queue_release(response.export.tensor.handle)
 
     def _empty_export_now(
         self, empty: pb.EmptyRequest, carry_releases: bool

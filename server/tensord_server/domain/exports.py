@@ -172,9 +172,12 @@ class ExportTable:
             segment_nbytes=segment.nbytes if segment is not None else 0,
             byte_offset=block.offset if segment is not None else 0,
         )
+        # searched before the lock: the list may be long (limits.MAX_LIST_LEN), and the lock
+        # is every session's Exports', the fd socket's and the GPU pools' release veto's
+        wants_ticket = segment is not None and segment.id not in mapped
         ticket = ""
         with self._counted(export, session):
-            if segment is not None and segment.id not in mapped:
+            if segment is not None and wants_ticket:
                 ticket = self._issue_ticket(segment.id, backend)
         self._refuse_if_ended(session)
         return export, ticket, ref
