@@ -216,6 +216,25 @@ def test_capacity_bounds_committed_bytes_so_a_hole_costs_no_room() -> None:
     pool.assert_invariants()
 
 
+def blocks_looked_at(monkeypatch: Any, call: Callable[[], object]) -> int:
+    """How many blocks ``call`` asked ``is_split`` of (a walk over the free blocks asks
+    every one)."""
+    looked = 0
+    is_split = Block.is_split
+
+    def counting(block: Block) -> bool:
+        nonlocal looked
+        looked += 1
+        return is_split(block)
+
+    monkeypatch.setattr(Block, "is_split", counting)
+    try:
+        call()
+    finally:
+        monkeypatch.undo()
+    return looked
+
+
 def test_room_to_commit_is_made_from_free_pages_before_anything_moves() -> None:
     """A hole the free left committed (decommit_threshold not reached) gives its pages back
     when a request needs the room, and a wholly free segment goes back, the largest first."""
@@ -260,17 +279,8 @@ def test_making_room_looks_at_no_free_block_smaller_than_a_page(
         pool.free(block)  # 4096 holes of 512 bytes, each on a page that stays in use
     pool.free(hole)  # a wholly free 2 MiB segment: the room to make
     assert stat(pool, "reserved_bytes.all.current") == 8 * MiB  # committed == capacity
-    looked = 0
-    is_split = Block.is_split
-
-    def counting(block: Block) -> bool:
-        nonlocal looked
-        looked += 1
-        return is_split(block)
-
-    monkeypatch.setattr(Block, "is_split", counting)
-    pool.malloc(1024)  # a new small segment's page: the free segment goes back for it
-    monkeypatch.undo()
+    # a new small segment's page: the free segment goes back for it
+    looked = blocks_looked_at(monkeypatch, lambda: pool.malloc(1024))
     assert stat(pool, "num_device_free") == 1
     assert looked < 100, looked
     pool.assert_invariants()
@@ -718,17 +728,8 @@ def test_making_room_pops_the_decommit_candidates_instead_of_sorting_every_free_
     assert stat(pool, "reserved_bytes.all.current") == 8 * MiB  # and 2 MiB of small pages
     pool.malloc(2 * MiB, stream=4)  # an idle segment goes back for it (the heap emptied)
     assert stat(pool, "num_device_free") == 1
-    looked = 0
-    is_split = Block.is_split
-
-    def counting(block: Block) -> bool:
-        nonlocal looked
-        looked += 1
-        return is_split(block)
-
-    monkeypatch.setattr(Block, "is_split", counting)
-    pool.malloc(2 * MiB, stream=5)  # another goes back: the 256 holes are not looked at again
-    monkeypatch.undo()
+    # another goes back: the 256 holes are not looked at again
+    looked = blocks_looked_at(monkeypatch, lambda: pool.malloc(2 * MiB, stream=5))
     assert stat(pool, "num_device_free") == 2
     assert looked < 50, looked
     pool.assert_invariants()
