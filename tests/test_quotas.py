@@ -131,7 +131,7 @@ def test_every_allocating_op_is_charged(quota_server) -> None:
         half = alice.tensor(np.ones(136 * KIB, dtype=np.float32))  # 544 KiB: a copy is over
         ops = {
             "clone": lambda: half.clone(),
-            "to(dtype)": lambda: half.to(dtype="float64"),
+            "to(dtype)": lambda: half.to(dtype=tensord.float64),
             "contiguous": lambda: half.view(2, -1).t().contiguous(),
             # queued by pipelining (issue 15): the quota's error surfaces at the next wait
             "reshape copy": lambda: (half.view(2, -1).t().reshape(-1), alice.synchronize()),
