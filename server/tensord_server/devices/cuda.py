@@ -329,6 +329,11 @@ def _enable_peer_access(dst: Gpu, src: Gpu) -> None:
 class CudaBackend:
     """One CUDA device: raw ``cudaMalloc`` segments, the GPU's server stream, pinned staging."""
 
+    # a cudaFree waits for the whole device and a cudaMalloc maps the segment afresh: the
+    # pool keeps wholly free segments for its policy's release_idle_s instead of giving
+    # back at once those over keep_idle_fraction (pool.backend.costly_segment_churn)
+    costly_segment_churn = True
+
     def __init__(self, *, device: str = "cuda:0", total_bytes: int | None = None) -> None:
         cupy = _cupy()
         self.device = device

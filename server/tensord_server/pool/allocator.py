@@ -57,7 +57,13 @@ from typing import Any, NoReturn
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError
 
-from tensord_server.pool.backend import Backend, BackendOutOfMemory, DeviceMemory, decommitter
+from tensord_server.pool.backend import (
+    Backend,
+    BackendOutOfMemory,
+    DeviceMemory,
+    costly_segment_churn,
+    decommitter,
+)
 from tensord_server.pool.blocks import (
     ALL,
     LARGE_BUFFER,
@@ -165,6 +171,8 @@ class CachingPool:
         self.clock: Callable[[], float] = clock
         # beyond torch: the backend's decommit and page size (policy decommit); None: it has none
         self._decommitter = decommitter(backend)
+        # beyond torch: whether wholly free segments are all kept for release_idle_s (CUDA)
+        self._costly_churn = costly_segment_churn(backend)
         # counts its waiters: the background compactor moves only while nobody waits
         self._lock = CountingLock()  # guards every field below
         self._small = BlockPool(is_small=True)
@@ -857,7 +865,7 @@ class CachingPool:
         now = self.clock()
         due = {address: since + decay for address, since in self._idle_since.items()}
         kept = {address: when for address, when in due.items() if now < when}
-        fraction = policy.keep_idle_fraction
+        fraction = self._keep_idle_fraction()
         if fraction is None or len(kept) <= 1 or not budgeted:
             return kept
         # the most recently freed first, within the budget (the first one whatever its size)
@@ -870,6 +878,12 @@ class CachingPool:
                 break
             within[address] = kept[address]
         return within
+
+    def _keep_idle_fraction(self) -> float | None:
+        """The policy's keep_idle_fraction, except on a backend whose segments cost too
+        much to give back and reserve again (:func:`~.backend.costly_segment_churn`):
+        there every wholly free segment is kept for release_idle_s."""
+        return None if self._costly_churn else self.policy.keep_idle_fraction
 
     def _wake_excess(self) -> int:
         """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be),
@@ -898,7 +912,7 @@ class CachingPool:
             if excess:
                 if not self._keeps_idle_segments():
                     self._release_idle_segments(excess)
-                elif self.policy.keep_idle_fraction is not None:
+                elif self._keep_idle_fraction() is not None:
                     self._release_unkept_idle_segments()
                 if self._wake_excess():
                     wanted()

@@ -87,3 +87,15 @@ def decommitter(backend: object) -> tuple[Decommit, int] | None:
         return None
     decommit: Decommit = backend.decommit  # type: ignore[attr-defined]
     return decommit, int(backend.page_size)  # type: ignore[attr-defined]
+
+
+def costly_segment_churn(backend: object) -> bool:
+    """Whether giving a wholly free segment back to this backend, to reserve another soon
+    after, costs more than keeping it: set (``costly_segment_churn``) on CUDA, where a
+    cudaFree waits for the whole device and a cudaMalloc of a large segment maps it afresh
+    (on an H200, a loop of 1 GiB copies whose results' releases lag a call paid about 4 ms
+    per call for the pair, beside a 1.9 ms copy).  The pool then keeps every wholly free
+    segment for the policy's ``release_idle_s`` (its ``keep_idle_fraction`` does not
+    apply): the compactor gives them back once idle that long, and the out-of-memory and
+    ``consolidate`` paths at once, when the device needs the room."""
+    return bool(getattr(backend, "costly_segment_churn", False))
