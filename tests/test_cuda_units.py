@@ -961,6 +961,100 @@ def test_a_sessions_imports_end_with_it(cupy: Any, gpu_server: Any) -> None:
     cupy.cuda.runtime.ipcCloseMemHandle(next(iter(cupy.cuda.runtime.handles.values())))
 
 
+@pytest.mark.parametrize("open_import", [False, True], ids=["none-open", "segment-open"])
+def test_an_interrupted_gpu_export_leaves_no_import_counted(
+    cupy: Any, gpu_server: Any, open_import: bool
+) -> None:
+    """Ctrl-C while a GPU Export is in flight: the server counted an import of the segment
+    for the session, which the client never opened (it never saw the answer).  The client
+    reports it closed (with its open import of the segment when it has one, whose count
+    must then match), so the segment can be freed (before: vetoed until the session ended)."""
+    import signal
+    import threading
+    import time
+
+    from conftest import wait_until
+
+    runtime = cupy.cuda.runtime
+    pool = gpu_server.daemon.device("cuda:0").pool
+    table = gpu_server.daemon.exports
+    export = table.export
+    answered = threading.Event()
+
+    def slow_export(*args: Any, **kwargs: Any) -> Any:
+        made = export(*args, **kwargs)
+        time.sleep(0.3)  # the interrupt lands while the answer is on its way
+        answered.set()
+        return made
+
+    with tensord.connect(gpu_server.address) as client:
+        x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB
+        alias = np.from_dlpack(x) if open_import else None
+        assert _imported(gpu_server)[0] == (1 if open_import else 0)
+        table.export = slow_export
+        previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(KeyboardInterrupt):
+                np.from_dlpack(x)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            del table.export
+        assert answered.wait(5)
+        session_id = client.session_id
+        assert wait_until(lambda: client.flush() or table.count(session_id) == int(open_import))
+        assert sum(runtime.open_imports.values()) == int(open_import)
+        assert _imported(gpu_server) == ((1, 40 * MiB) if open_import else (0, 0))
+        del alias, x  # the open import (if any) closes: its report covers both Exports
+        client._conn.flush_releases()
+        assert sum(runtime.open_imports.values()) == 0
+        assert _imported(gpu_server) == (0, 0)
+        gpu_server.daemon.empty_cache("cuda:0")
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
+    cupy: Any, gpu_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client without CuPy falls back to gRPC; the import the server counted for the
+    Export it could not open is reported closed, so the segment can be freed."""
+    from tensord import _local
+
+    def no_cupy() -> Any:
+        raise ImportError("No module named 'cupy'")
+
+    pool = gpu_server.daemon.device("cuda:0").pool
+    with tensord.connect(gpu_server.address) as client:
+        x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB
+        monkeypatch.setattr(_local, "_cupy", no_cupy)
+        assert client._local.export(x.handle) is None
+        assert "needs CuPy" in client._local.last_refusal
+        del x
+        client._conn.flush_releases()
+        assert _imported(gpu_server) == (0, 0)
+        gpu_server.daemon.empty_cache("cuda:0")
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_an_unopened_import_is_reported_only_in_its_own_session() -> None:
+    """A session replaced meanwhile (its end dropped its counts): reported in the new one,
+    the close would lower the count of an import the new session may hold open."""
+    from tensord import _local
+    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+
+    conn = types.SimpleNamespace(session_id="old")
+    mapper = _local.LocalMapper(conn, enabled=True)  # type: ignore[arg-type]
+    answer = pb.ExportResponse(device="cuda:0", ipc_handle=b"h", segment_id=7)
+    mapper._never_opened("old", answer)
+    mapper._never_opened("old", answer)
+    mapper._never_opened("old", pb.ExportResponse(device="cpu", segment_id=8))  # no import
+    conn.session_id = "new"
+    mapper._never_opened("new", pb.ExportResponse(device="cuda:0", ipc_handle=b"h", segment_id=9))
+    assert [(c.segment_id, c.exports) for c in mapper.close_idle_imports()] == [(9, 1)]
+    assert mapper.close_idle_imports() == []  # reported once
+
+
 def test_an_export_answered_while_its_import_closes_keeps_the_count(cupy: Any) -> None:
     from tensord_server.domain.exports import ExportTable
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import hmac
 import itertools
 import math
@@ -295,6 +296,9 @@ class LocalMapper:
         self._segments: dict[tuple[str, int], Segment] = {}
         self._open_lock = threading.Lock()  # one CUDA IPC open or close at a time
         self._imports: dict[tuple[str, int], CudaImport] = {}
+        # (session id, segment id) -> GPU Exports answered in that session whose import
+        # this client never opened (no array was made): reported closed like a closed import
+        self._unopened: collections.Counter[tuple[str, int]] = collections.Counter()
         self._pending: collections.deque[str] = collections.deque()
         # (session id, storage id) -> the live cpu export DLPack capsules of that Storage
         # hold: another __dlpack__ of any view of it reuses it (no Export RPC); _lock
@@ -345,8 +349,9 @@ class LocalMapper:
             return None
         instance, mapped = self._mapped_hint
         request = pb.ExportRequest(handle=handle, server_instance=instance, mapped_segments=mapped)
+        orphaned = functools.partial(self._release_orphan, self._conn.session_id)
         try:
-            response = self._conn.call("Export", request, self._release_orphan)
+            response = self._conn.call("Export", request, orphaned)
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
@@ -361,18 +366,34 @@ class LocalMapper:
         self, handle: str, reuse_key: tuple[str, str] | None
     ) -> Export | CudaExport | None:
         """:meth:`export` naming no mapped segment: the answer carries a ticket."""
+        orphaned = functools.partial(self._release_orphan, self._conn.session_id)
         try:
-            response = self._conn.call(
-                "Export", pb.ExportRequest(handle=handle), self._release_orphan
-            )
+            response = self._conn.call("Export", pb.ExportRequest(handle=handle), orphaned)
         except errors.FailedPreconditionError as exc:
             self.last_refusal = str(exc)
             return None
         return self._mapped(handle, response, reuse_key)
 
-    def _release_orphan(self, response: pb.ExportResponse) -> None:
-        """An Export answer its caller never saw (an interrupt took it away): released."""
+    def _release_orphan(self, session_id: str, response: pb.ExportResponse) -> None:
+        """An Export answer its caller never saw (an interrupt took it away): released, and
+        a GPU one's import, which the server counted for ``session_id``, reported closed."""
+        self._never_opened(session_id, response)  # first: the release's batch carries it
         self._conn.queue_export_release(response.export_id)
+
+    def _never_opened(self, session_id: str, response: pb.ExportResponse) -> None:
+        """(any thread) A GPU Export answered in ``session_id`` that this client drops
+        without opening its segment: the server counted an import of the segment for the
+        session, which vetoes the segment's release until the session ends unless reported
+        closed.  When this client has the segment open, that import counts it (its close
+        reports it, see :meth:`close_idle_imports`); else the next ReleaseExports does."""
+        if not (response.device.startswith("cuda") and response.ipc_handle):
+            return  # a cpu export, or a zero-byte Storage's: no import was counted
+        with self._lock:
+            imported = self._imports.get((response.server_instance, int(response.segment_id)))
+            if imported is not None:
+                imported.opened_for += 1
+            else:
+                self._unopened[(session_id, int(response.segment_id))] += 1
 
     def _update_mapped_hint(self, instance: str) -> None:
         """(_lock held) What the next Exports say this client maps of ``instance``."""
@@ -499,9 +520,12 @@ class LocalMapper:
             imported = self._import(key, response)
         except ImportError:
             self.last_refusal = "zero copy of GPU memory needs CuPy in the client"
+            # nothing was opened (answered just now, in this session): not an import
+            self._never_opened(self._conn.session_id, response)
             self._conn.queue_export_release(response.export_id)
             return None
         except Exception as exc:  # CuPy's CUDARuntimeError (no GPU, another host)
+            # (the handle may have opened before the error: the import keeps counting)
             self.last_refusal = f"this client cannot open the server's GPU memory ({exc})"
             self._conn.queue_export_release(response.export_id)
             return None
@@ -527,8 +551,9 @@ class LocalMapper:
         self._conn.queue_export_release(export_id)
 
     def close_idle_imports(self) -> list[pb.ClosedImport]:
-        """Close the imports no array uses any more; what to report to the server."""
-        if not self._imports:
+        """Close the imports no array uses any more; what to report to the server (with
+        the imports it counted that were never opened here)."""
+        if not self._imports and not self._unopened:
             return []
         with self._open_lock:
             with self._lock:
@@ -536,7 +561,21 @@ class LocalMapper:
                 closing = [self._imports.pop(k) for k in idle]
             for imported in closing:
                 imported.close()
-        return [pb.ClosedImport(segment_id=i.id, exports=i.opened_for) for i in closing]
+        closed = [pb.ClosedImport(segment_id=i.id, exports=i.opened_for) for i in closing]
+        return closed + self._take_unopened()
+
+    def _take_unopened(self) -> list[pb.ClosedImport]:
+        """The never-opened imports to report in this session.  Those of another session
+        are dropped: its end dropped their counts, and reported here they would lower this
+        session's count of an import it may hold open."""
+        session_id = self._conn.session_id
+        with self._lock:
+            taken, self._unopened = self._unopened, collections.Counter()
+        return [
+            pb.ClosedImport(segment_id=segment_id, exports=exports)
+            for (owner, segment_id), exports in taken.items()
+            if owner == session_id
+        ]
 
     def before_call(self) -> None:
         """Make the consumer's GPU work on imported memory complete before the next call."""
