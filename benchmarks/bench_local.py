@@ -349,10 +349,10 @@ def from_dlpack(address: str, local: Any, bare_address: str) -> None:
         exports: list[float] = []
         call = consumer._conn.call
 
-        def timed_call(method: str, request: Any) -> Any:
+        def timed_call(method: str, request: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return call(method, request)
+                return call(method, request, *args, **kwargs)
             finally:
                 if method == "Export":
                     exports.append(time.perf_counter() - start)
