@@ -1071,20 +1071,27 @@ class CachingPool:
                 break
         return shortfall <= 0
 
-    def _decommit_candidate_pages(self, target: int) -> int:
+    def _decommit_candidate_pages(
+        self, target: int, minimum: int = 0, limit: int | None = None
+    ) -> int:
         """Give back the committed pages of free blocks of split segments, the largest first,
-        until ``target`` bytes went back; the bytes given back.  The blocks come from the
-        decommit candidates' heap, which holds every such block that may still hold
-        committed pages (the pool's invariants check it): making room used to list every
-        free block of a page or more and sort them, on each malloc that needed room."""
+        until ``target`` bytes went back; the bytes given back.  No block smaller than
+        ``minimum`` bytes, and at most ``limit`` candidates looked at (None: no limit).  The
+        blocks come from the decommit candidates' heap, which holds every such block that
+        may still hold committed pages (the pool's invariants check it): making room used
+        to list every free block of a page or more and sort them, on each malloc that
+        needed room."""
         candidates = self._decommit_candidates
         kept: list[Block] = []  # pages a decommit could not give back: tried again later
-        done = 0
-        while done < target and candidates:
+        done = looked = 0
+        while done < target and candidates and (limit is None or looked < limit):
+            if -candidates[0][0] < minimum:
+                break  # the rest are smaller than worth a decommit
+            looked += 1
             block = self._candidate_block(*heapq.heappop(candidates))
             if block is None:
                 continue  # stale, or out of its pool being allocated (_admit pushes it back)
-            done += self._decommit_free_block(block, minimum=0)
+            done += self._decommit_free_block(block, minimum=minimum)
             if self._committed_pages_of(block):
                 kept.append(block)
         for block in kept:
@@ -1177,19 +1184,7 @@ class CachingPool:
         if committed - int(max(threshold, wake or threshold) * allocated) < minimum:
             return
         excess = committed - int(threshold * allocated)
-        candidates = self._decommit_candidates
-        kept: list[Block] = []  # pages a decommit could not give back: tried again later
-        for _ in range(DECOMMIT_SCAN_LIMIT):
-            if excess <= 0 or not candidates or -candidates[0][0] < minimum:
-                break  # the rest are smaller than worth a decommit
-            block = self._candidate_block(*heapq.heappop(candidates))
-            if block is None:
-                continue
-            excess -= self._decommit_free_block(block)
-            if self._committed_pages_of(block):
-                kept.append(block)
-        for block in kept:
-            self._note_decommit_candidate(block)
+        self._decommit_candidate_pages(excess, minimum, DECOMMIT_SCAN_LIMIT)
 
     def _note_decommit_candidate(self, block: Block) -> None:
         """A free block that may hold committed whole pages (a freed or split-off one):
