@@ -46,7 +46,7 @@ def _from_torch(data: Any) -> tuple[np.ndarray, DType]:
 
 
 # The int64 range: torch.tensor unpacks a Python int into a C long long first.
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this magnitude a float64 holds every Python int exactly: a float array that
 # NumPy made from ints and floats converts to an integer dtype as torch converts each item.
 _EXACT_INT_IN_DOUBLE = 2.0**53
@@ -109,7 +109,7 @@ def _python_item(item: Any, dtype: DType) -> bool | int | float | complex:
             raise TypeError("'complex' object cannot be interpreted as an integer")
         if isinstance(item, float):
             return _float_to_int(item, dtype)
-        if not _INT64_MIN <= item <= _INT64_MAX:
+        if not INT64_MIN <= item <= INT64_MAX:
             raise ValueError("Overflow when unpacking long long")
         low, high = _int_range(dtype)
         if not low <= item <= high:
@@ -291,6 +291,6 @@ def _numpy_int_scalar(value: np.integer[Any]) -> int:
     """A NumPy integer as a Scalar: an int64, else PyLong_AsUnsignedLongLong's TypeError (it
     takes Python ints only, so a NumPy uint64 past int64 is refused, unlike the same int)."""
     result = int(value)
-    if not _INT64_MIN <= result <= _INT64_MAX:
+    if not INT64_MIN <= result <= INT64_MAX:
         raise TypeError("an integer is required")
     return result

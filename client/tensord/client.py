@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 
 from tensord import _convert, _local, dtypes, errors
-from tensord._convert import as_scalar
+from tensord._convert import INT64_MAX, INT64_MIN, as_scalar
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._rpc import (
     CALL_TIMEOUT_FROM_ENV,
@@ -108,10 +108,6 @@ _COPY_CONSTRUCT_WARNING = (
 )
 
 
-def _dtype_name(dtype: Any) -> str:
-    return "" if dtype is None else as_dtype(dtype).name
-
-
 def _factory_dtype(function: str, dtype: Any) -> DType | None:
     """A factory's ``dtype`` as torch's argument parser takes it: a torch.dtype (tensord's
     dtypes stand for them) or a Python number type; anything else (a string, a NumPy
@@ -142,7 +138,7 @@ def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
     values = size if one is None or isinstance(one, (int, np.integer)) else one
     if isinstance(values, Iterable):
         for position, value in enumerate(values, 1):
-            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
                 raise errors.TensordTypeError(
                     f"{function}(): argument 'size' failed to unpack the object at pos "
                     f'{position} with error "Overflow when unpacking long long"'
@@ -153,13 +149,12 @@ def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
 def _check_storage_size(shape: tuple[int, ...], dtype: DType) -> None:
     """computeStorageNbytesContiguous's check, before torch's allocator is asked: bytes past
     int64 raise its RuntimeError (a negative size is the server's error, torch's first)."""
-    if all(n >= 0 for n in shape) and math.prod(shape) * dtype.itemsize > _INT64_MAX:
+    if all(n >= 0 for n in shape) and math.prod(shape) * dtype.itemsize > INT64_MAX:
         raise errors.TensordRuntimeError(
             f"Storage size calculation overflowed with sizes=[{', '.join(map(str, shape))}]"
         )
 
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # full()'s dtype when none is given: torch's for its fill value (the default float32)
 _FULL_DTYPES = ((bool, dtypes.bool), (int, dtypes.int64), (float, dtypes.float32))
 
@@ -266,7 +261,7 @@ class Client:
         self, data: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
         """torch.tensor: a new tensor holding a copy of ``data`` (array, nested list, scalar, tensor)."""
-        _factory_dtype("tensor", dtype)
+        dt = _factory_dtype("tensor", dtype)
         if isinstance(data, Tensor):
             warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
             if data.client is not self:  # another server or session: the bytes come across
@@ -277,7 +272,7 @@ class Client:
                 return result.requires_grad_(True) if requires_grad else result
             result = data.to(device, dtype, copy=True).detach()
             return result.requires_grad_(True) if requires_grad else result
-        array, dt = _convert.as_array(data, _factory_dtype("tensor", dtype))
+        array, dt = _convert.as_array(data, dt)
         return self._upload(array, dt, device_name(device), requires_grad)
 
     def from_numpy(self, array: np.ndarray) -> Tensor:
