@@ -349,30 +349,28 @@ class LocalMapper:
             return None
         instance, mapped = self._mapped_hint
         request = pb.ExportRequest(handle=handle, server_instance=instance, mapped_segments=mapped)
-        orphaned = functools.partial(self._release_orphan, self._conn.session_id)
-        try:
-            response = self._conn.call("Export", request, orphaned)
-        except errors.FailedPreconditionError as exc:  # memory this server cannot share
-            self.last_refusal = str(exc)
+        response = self._call_export(request)
+        if response is None:
             return None
         try:
             return self._mapped(handle, response, reuse_key)
         except SegmentForgotten:
             # answered without a ticket for a segment no longer mapped here (close() forgot
-            # it meanwhile): that export is released, and one with a ticket replaces it
-            return self._export_with_ticket(handle, reuse_key)
+            # it meanwhile): that export is released, and one naming no mapped segment, so
+            # answered with a ticket, replaces it
+            response = self._call_export(pb.ExportRequest(handle=handle))
+            return None if response is None else self._mapped(handle, response, reuse_key)
 
-    def _export_with_ticket(
-        self, handle: str, reuse_key: tuple[str, str] | None
-    ) -> Export | CudaExport | None:
-        """:meth:`export` naming no mapped segment: the answer carries a ticket."""
+    def _call_export(self, request: pb.ExportRequest) -> pb.ExportResponse | None:
+        """One Export (released if an interrupt takes its caller away); None when the server
+        cannot share this memory (the reason kept in ``last_refusal``)."""
         orphaned = functools.partial(self._release_orphan, self._conn.session_id)
         try:
-            response = self._conn.call("Export", pb.ExportRequest(handle=handle), orphaned)
-        except errors.FailedPreconditionError as exc:
+            response: pb.ExportResponse = self._conn.call("Export", request, orphaned)
+        except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
-        return self._mapped(handle, response, reuse_key)
+        return response
 
     def _release_orphan(self, session_id: str, response: pb.ExportResponse) -> None:
         """An Export answer its caller never saw (an interrupt took it away): released, and
