@@ -19,6 +19,8 @@ server's empty unary calls/s from as many processes, side by side (targets: the
 aggregate never falls as clients are added; >= 1.0x bare gRPC).
 
     python benchmarks/bench_rpc.py --clients-only   # just the many-clients table
+    python benchmarks/bench_rpc.py --clients-only --rounds 5 --seconds 4
+        # each count measured in 5 interleaved rounds of 4 s windows: medians and ranges
 """
 
 from __future__ import annotations
@@ -145,6 +147,18 @@ def main() -> int:
     parser.add_argument(
         "--clients-only", action="store_true", help="only the many-client-processes table"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="many-clients table: rounds over every client count, median reported (default 1)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=MANY_CLIENTS_SECONDS,
+        help=f"many-clients table: each window's length (default {MANY_CLIENTS_SECONDS:g})",
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     # one client process of the many-clients table: KIND ADDRESS START_AT SECONDS
     parser.add_argument("--client-process", nargs=4, help=argparse.SUPPRESS)
@@ -187,7 +201,7 @@ def main() -> int:
                 print()
                 run_pipelining(client, address)
                 print()
-            run_many_clients(address, bare_address)
+            run_many_clients(address, bare_address, max(args.rounds, 1), args.seconds)
             if not args.clients_only:
                 print()
                 run_transfers(client, channel, sizes)
@@ -351,12 +365,12 @@ def _count_until(
     return f"{done} {time.perf_counter() - t0}"
 
 
-def aggregate_rate(kind: str, target: str, processes: int) -> float:
+def aggregate_rate(kind: str, target: str, processes: int, seconds: float) -> float:
     """Ops/s of ``processes`` client processes started together: all ops over the longest
     process's elapsed time (a process's time includes waiting for its last batch)."""
     start_at = time.time() + MANY_CLIENTS_LEAD_S
     command = [sys.executable, __file__, "--client-process", kind, target, f"{start_at}"]
-    command.append(f"{MANY_CLIENTS_SECONDS}")
+    command.append(f"{seconds}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     children = [
         subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
@@ -364,22 +378,61 @@ def aggregate_rate(kind: str, target: str, processes: int) -> float:
     ]
     results = []
     for child in children:
-        out, _ = child.communicate(timeout=60)
+        out, _ = child.communicate(timeout=60 + seconds)
         ops, elapsed = out.split()[-2:]
         results.append((int(ops), float(elapsed)))
     return sum(ops for ops, _ in results) / max(elapsed for _, elapsed in results)
 
 
-def run_many_clients(address: str, bare_address: str) -> None:
-    print(
-        f"{'many clients (issue 15), ' + f'{MANY_CLIENTS_SECONDS:g} s each':<34}"
-        f"{'tensord views/s':>16}{'bare empty/s':>14}{'vs bare':>9}"
-    )
+def many_clients_order(round_index: int) -> tuple[int, ...]:
+    """The client counts in the order round ``round_index`` measures them: reversed every
+    other round, so that a drift of the machine's load over a run falls on each count alike."""
+    return CLIENT_COUNTS if round_index % 2 == 0 else tuple(reversed(CLIENT_COUNTS))
+
+
+def spread(rates: list[float]) -> str:
+    """``median (min-max)`` of a count's rates over the rounds."""
+    if len(rates) == 1:
+        return f"{rates[0]:,.0f}"
+    return f"{statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f})"
+
+
+def run_many_clients(address: str, bare_address: str, rounds: int, seconds: float) -> None:
+    """The many-clients table: ``rounds`` rounds over every client count (tensord's and the
+    bare server's rate of a count measured back to back), then per count the median over
+    the rounds with its range.  One 2 s window per count moved by more than the effect
+    looked for (8 against 4 clients) on this shared machine: medians of rounds do not."""
+    ours: dict[int, list[float]] = {n: [] for n in CLIENT_COUNTS}
+    bare: dict[int, list[float]] = {n: [] for n in CLIENT_COUNTS}
+    for round_index in range(rounds):
+        for processes in many_clients_order(round_index):
+            ours[processes].append(aggregate_rate("tensord", address, processes, seconds))
+            bare[processes].append(aggregate_rate("bare", bare_address, processes, seconds))
+        if rounds > 1:
+            rates = " / ".join(f"{ours[n][-1]:,.0f}" for n in CLIENT_COUNTS)
+            bares = " / ".join(f"{bare[n][-1]:,.0f}" for n in CLIENT_COUNTS)
+            load = os.getloadavg()[0]
+            print(f"round {round_index + 1}: views/s {rates}; bare {bares} (load {load:.1f})")
+    title = f"many clients (issue 15), {seconds:g} s each"
+    if rounds > 1:
+        title += f", median of {rounds} rounds (range)"
+    print(f"{title:<34}{'tensord views/s':>28}{'bare empty/s':>24}{'vs bare':>9}")
     for processes in CLIENT_COUNTS:
-        ours = aggregate_rate("tensord", address, processes)
-        bare = aggregate_rate("bare", bare_address, processes)
         label = f"{processes} client process{'es' if processes > 1 else ''}"
-        print(f"{label:<34}{ours:>16,.0f}{bare:>14,.0f}{ours / bare:>8.2f}x")
+        ratio = statistics.median(ours[processes]) / statistics.median(bare[processes])
+        line = f"{label:<34}{spread(ours[processes]):>28}{spread(bare[processes]):>24}"
+        print(f"{line}{ratio:>8.2f}x")
+    medians = [statistics.median(ours[n]) for n in CLIENT_COUNTS]
+    falls = [
+        f"{a} -> {b}"
+        for (a, x), (b, y) in zip(
+            zip(CLIENT_COUNTS, medians, strict=True),
+            zip(CLIENT_COUNTS[1:], medians[1:], strict=True),
+            strict=False,
+        )
+        if y < x
+    ]
+    print(f"medians fall from {', '.join(falls)} clients" if falls else "medians never fall")
 
 
 def run_transfers(client: tensord.Client, channel: grpc.Channel, sizes: list[int]) -> None:
