@@ -8,6 +8,7 @@ for the bytes)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import struct
@@ -37,18 +38,28 @@ def learn_key(client: Any) -> pb.ExportResponse:
     return response
 
 
-def bind(path: str, key: str) -> tuple[socket.socket, bytes]:
-    """A raw connection to the fd socket that sent ``chan KEY``, and the server's line."""
+def bind_raw(path: str, sent: str) -> tuple[socket.socket, bytes]:
+    """A raw connection to the fd socket that sent ``chan SENT``, and the server's line."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
     sock.connect(path)
-    sock.sendall(b"chan " + key.encode() + b"\n")
+    sock.sendall(b"chan " + sent.encode() + b"\n")
     line = b""
     while not line.endswith(b"\n"):
         piece = sock.recv(1)
         if not piece:
             break
         line += piece
+    return sock, line
+
+
+def bind(path: str, key: str) -> tuple[socket.socket, bytes]:
+    """:func:`bind_raw` with a channel key as the SDK sends it (all but its proof), the
+    answer's proof checked."""
+    sent, _, proof = key.rpartition(".")
+    sock, line = bind_raw(path, sent)
+    if line.startswith(b"ok "):
+        assert line.split() == [b"ok", line.split()[1], proof.encode()]
     return sock, line
 
 
@@ -120,17 +131,17 @@ def test_a_wrong_key_is_refused_and_the_client_falls_back_and_learns_it_again(
     response = learn_key(client)
     key = response.channel_key
     assert key and response.channel_socket == server.daemon.exports.socket_path
-    locator, _, secret = key.partition(".")
+    locator, secret, proof = key.split(".")
     wrong = f"{locator}.{'A' * len(secret)}"  # the right locator, the wrong secret
-    for made_up in (wrong, "made-up", "", "x" * 60):
-        sock, line = bind(response.channel_socket, made_up)
-        assert line == b"no: unknown channel key\n"
+    for made_up in (wrong, key, f"{locator}.{secret}.", "made-up", "", "x" * 60):
+        sock, line = bind_raw(response.channel_socket, made_up)
+        assert line == b"no: unknown channel key\n"  # (the whole key, proof sent too: refused)
         sock.close()
     x = client.tensor(np.ones(100, dtype=np.float32))
     export_fresh(client, x)  # the client's channel, bound
     path = client._local._channel.path
     client._local.close_channel()
-    client._local._channel = ExportChannel(client.session_id, wrong, path)
+    client._local._channel = ExportChannel(client.session_id, f"{wrong}.{proof}", path)
     exports = count_calls(client, monkeypatch, "Export")
     alias = fresh_dlpack(client, x)  # refused bind: gRPC, whose answer brings the right key
     assert len(exports) == 1 and alias.sum().item() == 100.0
@@ -138,6 +149,50 @@ def test_a_wrong_key_is_refused_and_the_client_falls_back_and_learns_it_again(
     again = fresh_dlpack(client, x)
     assert len(exports) == 1  # the channel again
     del again
+
+
+def test_a_socket_that_cannot_prove_the_key_is_never_used(
+    server: Any, client: Any, monkeypatch: Any, tmp_path: Any
+) -> None:
+    """A socket squatted at the channel's path (on another host, say) learns what the client
+    sends, never the proof: the client refuses it and takes gRPC."""
+    x = client.arange(6.0)
+    export_fresh(client, x)  # the key learnt
+    key = client._local._channel.key
+    path = str(tmp_path / "fd.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(10)
+    heard: list[bytes] = []
+    forged = pb.ExportResponse(export_id="forged", tensor=pb.TensorMeta(handle="forged"))
+    forged = forged.SerializeToString()
+
+    def squat() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                heard.append(conn.recv(256))
+                conn.sendall(b"ok 30 not-the-proof\n")
+                with contextlib.suppress(OSError):  # an Export, answered falsely if sent
+                    conn.recv(256)
+                    conn.sendall(ANSWER.pack(0, len(forged)) + forged)
+
+    thread = threading.Thread(target=squat, daemon=True)
+    thread.start()
+    client._local.close_channel()
+    client._local._channel = ExportChannel(client.session_id, key, path)
+    exports = count_calls(client, monkeypatch, "Export")
+    alias = fresh_dlpack(client, x)
+    assert len(exports) == 1 and torch.equal(alias, torch.arange(6.0))  # gRPC's answer
+    assert client._local.enabled  # the forged answer was never read
+    assert heard and key.rpartition(".")[2].encode() not in heard[0]  # the proof never sent
+    # gRPC's answer named the real socket: the channel is the server's again
+    assert client._local._channel.path == server.daemon.exports.socket_path
+    del alias
+    thread.join(5)
+    again = fresh_dlpack(client, x)
+    assert len(exports) == 1 and again[5].item() == 5.0
 
 
 def test_a_key_reaches_only_its_own_session(server: Any, monkeypatch: Any) -> None:

@@ -155,7 +155,7 @@ def _receive_exactly(sock: socket.socket, nbytes: int, deadline: float) -> bytes
 
 class ExportChannel:
     """A session's export channel (issue 13): one connection to the server's fd socket,
-    bound to the session by its key (``chan KEY``), carrying Exports without a gRPC round
+    bound to the session by its key (``chan LOCATOR.SECRET``, answered with its proof), carrying Exports without a gRPC round
     trip.  One request at a time (another thread meanwhile takes gRPC).  Whatever fails
     (connect, bind, timeout, a closed socket, a bad frame, the server's "use gRPC") answers
     None and the caller asks through gRPC, which raises the proper errors.  Connected
@@ -203,17 +203,23 @@ class ExportChannel:
         if now < self._retry_at:
             return None
         self._retry_at = now + CHANNEL_RETRY_S  # cleared once bound
+        # the proof is never sent: the server answers with it (as a ticket's), so a socket
+        # squatted at the path (another host's) cannot pose as the server
+        sent, _, proof = self.key.rpartition(".")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - now, 0.001))
             sock.connect(self.path)
-            sock.sendall(b"chan " + self.key.encode("ascii") + b"\n")
+            sock.sendall(b"chan " + sent.encode("ascii") + b"\n")
             line = b""
             while not line.endswith(b"\n") and len(line) < 256:
                 line += _receive_exactly(sock, 1, deadline)
             if not line.startswith(b"ok "):
                 raise ConnectionRefusedError(line.decode("ascii", "replace").strip())
-            self._idle_s = float(line[3:])
+            idle, _, answered = line[3:].strip().partition(b" ")
+            if not proof or not hmac.compare_digest(answered, proof.encode("ascii")):
+                raise ConnectionRefusedError("the socket is not the server's: no proof of the key")
+            self._idle_s = float(idle)
         except BaseException:
             sock.close()
             raise
@@ -242,12 +248,13 @@ class ExportChannel:
 
     def close(self) -> None:
         """Close the connection (in the process that made it: a forked child's copy of the
-        descriptor is only forgotten, so nothing reaches the parent's channel)."""
+        descriptor is only forgotten, so nothing reaches the parent's channel; nor is the
+        lock taken there: a parent thread may have held it at the fork)."""
+        if os.getpid() != self.pid:
+            self._sock = None
+            return
         with self._lock:
-            if os.getpid() == self.pid:
-                self._drop()
-            else:
-                self._sock = None
+            self._drop()
 
 
 # Where each live segment mapping of this process lies: token -> (first address, end,
@@ -537,6 +544,7 @@ class LocalMapper:
         if (
             current is not None
             and current.key == response.channel_key
+            and current.path == response.channel_socket
             and current.session_id == session_id
             and current.pid == os.getpid()
         ):

@@ -17,9 +17,9 @@ user (0666 in a 0711 directory): the ticket, known only to its session, is the k
 A client on another host never gets a descriptor: the socket is local.
 
 The same socket carries each session's *export channel* (issue 13): a gRPC Export answers
-the session's channel key (a locator and 192 secret bits, one per session, kept here beside
-the session), and a connection that sends ``chan KEY`` (the peer rule above applies) is bound
-to that session.  It then carries Exports as frames: a 4-byte length and an ExportRequest's
+the session's channel key (a locator, 192 secret bits and a proof, one per session, kept
+here beside the session), and a connection that sends ``chan LOCATOR.SECRET`` (the peer rule
+above applies) is bound to that session; the answer carries the proof.  It then carries Exports as frames: a 4-byte length and an ExportRequest's
 bytes in, a status byte, a 4-byte length and an ExportResponse's bytes (or, with status
 "use gRPC", a short reason) out.  The socket code only moves bytes: the rpc layer's
 :attr:`ExportTable.channel_handler` parses, exports and encodes, as its Export handler does.
@@ -127,16 +127,19 @@ class Ticket:
 
 @dataclass(frozen=True, slots=True)
 class ChannelKey:
-    """A session's channel key: looked up by its locator, its secret compared in constant time."""
+    """A session's channel key: looked up by its locator, its secret compared in constant
+    time; the proof, which the client never sends, answers its bind (a socket squatted at
+    the path on another host, which learns locator and secret, cannot pose as the server)."""
 
     locator: str
     secret: str
+    proof: str
     session_id: str
     tenant: str
 
     @property
     def text(self) -> str:
-        return f"{self.locator}.{self.secret}"
+        return f"{self.locator}.{self.secret}.{self.proof}"
 
 
 class ExportTable:
@@ -527,7 +530,11 @@ class ExportTable:
             key = self._session_keys.get(session.id)
             if key is None:
                 key = ChannelKey(
-                    secrets.token_urlsafe(12), secrets.token_urlsafe(24), session.id, session.tenant
+                    locator=secrets.token_urlsafe(12),
+                    secret=secrets.token_urlsafe(24),
+                    proof=secrets.token_urlsafe(12),
+                    session_id=session.id,
+                    tenant=session.tenant,
                 )
                 self._session_keys[session.id] = key
                 self._channel_keys[key.locator] = key
@@ -537,8 +544,9 @@ class ExportTable:
         return key.text
 
     def _bind(self, conn: socket.socket, text: str) -> ChannelKey | None:
-        """Bind ``conn`` to the session of key ``text`` (a live session's, one channel per
-        session: a second bind replaces the first), answering ``ok IDLE_S`` or ``no: why``."""
+        """Bind ``conn`` to the session of key ``text`` (locator.secret: a live session's, one
+        channel per session: a second bind replaces the first), answering ``ok IDLE_S PROOF``
+        or ``no: why``."""
         locator, _, secret = text.partition(".")
         replaced = None
         with self._lock:
@@ -558,7 +566,7 @@ class ExportTable:
         if replaced is not None:
             _wake(replaced)  # its thread ends; its client falls back once, then reconnects
         try:
-            conn.sendall(f"ok {CHANNEL_IDLE_S:g}\n".encode())
+            conn.sendall(f"ok {CHANNEL_IDLE_S:g} {key.proof}\n".encode())
         except OSError:
             self._unbind(key.session_id, conn)
             raise
