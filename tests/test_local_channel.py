@@ -225,6 +225,24 @@ def test_a_key_reaches_only_its_own_session(server: Any, monkeypatch: Any) -> No
         del alias
 
 
+def test_a_second_bind_of_a_session_replaces_its_first(server: Any, client: Any) -> None:
+    key = learn_key(client).channel_key
+    x = client.zeros(5)
+    request = pb.ExportRequest(handle=x.handle).SerializeToString()
+    first, line = bind(server.daemon.exports.socket_path, key)
+    second = None
+    try:
+        assert line.startswith(b"ok ") and ask(first, request)[0] == server_exports.CHANNEL_OK
+        second, line = bind(server.daemon.exports.socket_path, key)
+        assert line.startswith(b"ok ")
+        assert first.recv(1) == b""  # the first was closed by the server
+        assert ask(second, request)[0] == server_exports.CHANNEL_OK
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
 @pytest.mark.parametrize("frame", ["garbage", "oversized"])
 def test_a_garbage_or_oversized_frame_is_refused(server: Any, client: Any, frame: str) -> None:
     key = learn_key(client).channel_key
