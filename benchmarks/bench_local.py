@@ -1,6 +1,7 @@
 """Same-host zero copy (issue 13): SDK transfers through the mapping against np.copyto and gRPC.
 
     python benchmarks/bench_local.py          # 64 MiB and 1 GiB (needs ~8 GiB of free memory)
+    python benchmarks/bench_local.py --dlpack-only   # only the torch.from_dlpack part
 
 Starts ``tensord serve`` in its own process; one client maps its memory (the default
 on the same host), another is told ``local=False`` (the gRPC path).  Prints, for each
@@ -25,7 +26,8 @@ baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
 first (maps the segment), warm (a capsule alive: the export is reused) and again once no
 capsule lives (a new Export, the segment still mapped), with the Export RPC's share,
 the bytes the pool allocated and the growth of this process's RSS; then a fresh-Export
-from_dlpack, a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC,
+from_dlpack (over the session's export channel once its key is known), one Export on the
+channel alone, a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC,
 taking turns, median and best.  Targets: same-host transfers >= 0.7x
 np.copyto; from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
 """
@@ -323,8 +325,27 @@ def fresh_export_against_empty_unaries(
     bare_empty = channel.unary_unary("/bench.Raw/Empty")
     bare_empty(b"")
     conn = consumer._conn
+    mapper = consumer._local
+    channel = mapper._channel  # the session's export channel (issue 13), bound by now
+    instance, mapped = mapper._mapped_hint
+    request = pb.ExportRequest(
+        handle=big.handle, server_instance=instance, mapped_segments=mapped
+    ).SerializeToString()
+
+    def channel_round_trip() -> object:
+        """One Export request and answer on the channel alone (no array, no call scaffolding);
+        the export is released by the next flush."""
+        answer = channel.request(request, 5.0) if channel is not None else None
+        if answer is None:
+            raise SystemExit(
+                f"the export channel did not answer ({channel and channel.last_reason})"
+            )
+        conn.queue_export_release(pb.ExportResponse.FromString(answer).export_id)
+        return answer
+
     rows: dict[str, Callable[[], object]] = {
         "torch.from_dlpack, fresh Export": lambda: torch.from_dlpack(big),
+        "export channel round trip (ExportChannel.request)": channel_round_trip,
         "bare gRPC empty unary (bench_rpc's server)": lambda: bare_empty(b""),
         "tensord empty RPC Release([]) in the session": lambda: conn.call(
             "Release", pb.ReleaseRequest()
@@ -398,6 +419,10 @@ def from_dlpack(address: str, local: Any, bare_address: str) -> None:
         print(f"side by side, {FRESH_EXPORT_CALLS} calls each, taking turns (median / best ms):")
         for name, seconds in side_by_side.items():
             print(f"  {name}: {statistics.median(seconds) * 1e3:.3f} / {min(seconds) * 1e3:.3f}")
+        print(
+            f"  (Exports the export channel answered: {consumer._local.channel_exports}; "
+            "the rest took gRPC)"
+        )
     local.delete("bench-1g")
 
 
@@ -413,16 +438,18 @@ def main() -> int:
         f"THP enabled: {sysfs('enabled')}; shmem_enabled: {shmem} -> shared-memory huge pages "
         f"{'available' if shmem_huge_pages_available(shmem) else 'NOT available (4 KiB pages)'}"
     )
+    dlpack_only = "--dlpack-only" in sys.argv[1:]  # skip the transfers
     server, address = start_server()
     bare, bare_address = start_bare_server()
     try:
         with tensord.connect(address) as local, tensord.connect(address, local=False) as remote:
-            print(
-                "\n| size | path | seconds | GB/s | x (a) | x (b) | x (c) |\n"
-                "| --- | --- | --- | --- | --- | --- | --- |"
-            )
-            for nbytes in SIZES:
-                transfers(local, remote, nbytes)
+            if not dlpack_only:
+                print(
+                    "\n| size | path | seconds | GB/s | x (a) | x (b) | x (c) |\n"
+                    "| --- | --- | --- | --- | --- | --- | --- |"
+                )
+                for nbytes in SIZES:
+                    transfers(local, remote, nbytes)
             from_dlpack(address, local, bare_address)
     finally:
         server.terminate()

@@ -166,13 +166,26 @@ def count_calls(client: Any, monkeypatch: Any, method: str) -> list[str]:
     return made
 
 
+def count_exports(client: Any, monkeypatch: Any) -> list[str]:
+    """The Exports the client asks from now on, through gRPC or its export channel."""
+    made: list[str] = []
+    call_export = client._local._call_export
+
+    def counting(request: Any) -> Any:
+        made.append(request.handle)
+        return call_export(request)
+
+    monkeypatch.setattr(client._local, "_call_export", counting)
+    return made
+
+
 def test_dlpack_of_any_view_reuses_a_live_export_without_an_rpc(
     server: Any, client: Any, monkeypatch: Any
 ) -> None:
     values = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     x = client.tensor(values)
     storage = storage_of_handle(server.daemon, client, x)
-    exports = count_calls(client, monkeypatch, "Export")
+    exports = count_exports(client, monkeypatch)
     first = torch.from_dlpack(x)
     aliases = [
         torch.from_dlpack(x),
@@ -205,7 +218,7 @@ def test_dlpack_of_any_view_reuses_a_live_export_without_an_rpc(
 def test_a_reused_export_sees_the_writes_queued_before_it(client: Any, monkeypatch: Any) -> None:
     x = client.zeros(4096)
     alias = torch.from_dlpack(x)
-    exports = count_calls(client, monkeypatch, "Export")
+    exports = count_exports(client, monkeypatch)
     x.fill_(7.0)  # pipelined: queued, not yet sent
     x[:10] = 3.0
     again = torch.from_dlpack(x)
@@ -692,7 +705,8 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
         finally:
             gc.enable()
         assert calls.count("EmptyExport") == 1  # asked once, then Empty + Export
-        assert calls.count("Empty") == 2 and calls.count("Export") == 2
+        assert calls.count("Empty") == 2
+        assert calls.count("Export") + client._local.channel_exports == 2
         assert client._local.enabled
         np.testing.assert_array_equal(y.numpy(), values * 3)
         stats = client.memory_stats()
@@ -1227,15 +1241,15 @@ def test_an_export_reaching_past_its_segment_falls_back_to_grpc(
     client: Any, monkeypatch: Any
 ) -> None:
     x = client.tensor(np.arange(1 << 17, dtype=np.float32))
-    real_call = client._conn.call
+    real_export = client._local._call_export
 
-    def lying(method: str, request: Any, *args: Any, **kwargs: Any) -> Any:
-        response = real_call(method, request, *args, **kwargs)
-        if method == "Export":
+    def lying(request: Any) -> Any:  # through gRPC or the export channel
+        response = real_export(request)
+        if response is not None:
             response.storage_byte_offset = response.segment_nbytes  # past the segment
         return response
 
-    monkeypatch.setattr(client._conn, "call", lying)
+    monkeypatch.setattr(client._local, "_call_export", lying)
     np.testing.assert_array_equal(x.numpy(), np.arange(1 << 17, dtype=np.float32))
     assert not client._local.enabled and "of a" in client._local.reason
     with pytest.raises(BufferError):

@@ -39,8 +39,10 @@ import math
 import mmap
 import os
 import socket
+import struct
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
@@ -86,6 +89,16 @@ NUMPY_CACHE_COUNT = 4
 # An Export names at most this many of the segments the client maps (the latest mapped):
 # an export in one of them needs no ticket (issue 13).  Bounds the request's size.
 MAX_MAPPED_HINTS = 256
+# The session's export channel (issue 13, :class:`ExportChannel`): an answer comes within
+# this many seconds (or call_timeout, if shorter), else the Export is asked through gRPC.
+CHANNEL_TIMEOUT_S = 5.0
+# After a failed connect or a refused bind, Exports take gRPC this long before a new try.
+CHANNEL_RETRY_S = 5.0
+# The longest answer taken from the channel (an ExportResponse is well under 16 KiB).
+MAX_CHANNEL_ANSWER_BYTES = 1 << 20
+CHANNEL_OK = 0
+_FRAME_HEADER = struct.Struct("!I")
+_ANSWER_HEADER = struct.Struct("!BI")
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -123,6 +136,125 @@ def receive_segment_fd(path: str, ticket: str, nbytes: int) -> int:
         os.close(fd)
         raise OSError(f"the segment's file holds {size} bytes, not the {nbytes} announced")
     return fd
+
+
+def _receive_exactly(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+    """``nbytes`` from ``sock`` before ``deadline``; OSError otherwise (TimeoutError past it)."""
+    data = bytearray()
+    while len(data) < nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the export channel did not answer in time")
+        sock.settimeout(left)
+        piece = sock.recv(nbytes - len(data))
+        if not piece:
+            raise ConnectionResetError("the server closed the export channel")
+        data += piece
+    return bytes(data)
+
+
+class ExportChannel:
+    """A session's export channel (issue 13): one connection to the server's fd socket,
+    bound to the session by its key (``chan LOCATOR.SECRET``, answered with its proof), carrying Exports without a gRPC round
+    trip.  One request at a time (another thread meanwhile takes gRPC).  Whatever fails
+    (connect, bind, timeout, a closed socket, a bad frame, the server's "use gRPC") answers
+    None and the caller asks through gRPC, which raises the proper errors.  Connected
+    lazily; reconnected after the server's idle timeout; never used in a forked child."""
+
+    def __init__(self, session_id: str, key: str, path: str) -> None:
+        self.session_id = session_id
+        self.key = key
+        self.path = path
+        self.pid = os.getpid()
+        self.last_reason = ""  # why the last request was not answered here
+        self._lock = threading.Lock()  # one request at a time; guards the fields below
+        self._sock: socket.socket | None = None
+        self._idle_s = 0.0  # the server closes the channel after this long unused
+        self._used = 0.0
+        self._retry_at = 0.0
+
+    def request(self, payload: bytes, timeout: float) -> bytes | None:
+        """An answer's bytes, or None (use gRPC; ``last_reason`` says why)."""
+        if os.getpid() != self.pid or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            deadline = time.monotonic() + timeout
+            try:
+                sock = self._connected(deadline)
+                if sock is None:
+                    return None
+                answer = self._exchange(sock, payload, deadline)
+            except (OSError, ValueError) as exc:
+                self.last_reason = f"the export channel failed ({exc})"
+                self._drop()
+                return None
+            self._used = time.monotonic()
+            return answer
+        finally:
+            self._lock.release()
+
+    def _connected(self, deadline: float) -> socket.socket | None:
+        """(lock held) The bound connection, made now if there is none or it was idle long
+        enough for the server to have closed it; None while a failed bind's pause lasts."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._used < self._idle_s / 2:
+            return self._sock
+        self._drop()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + CHANNEL_RETRY_S  # cleared once bound
+        # the proof is never sent: the server answers with it (as a ticket's), so a socket
+        # squatted at the path (another host's) cannot pose as the server
+        sent, _, proof = self.key.rpartition(".")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline - now, 0.001))
+            sock.connect(self.path)
+            sock.sendall(b"chan " + sent.encode("ascii") + b"\n")
+            line = b""
+            while not line.endswith(b"\n") and len(line) < 256:
+                line += _receive_exactly(sock, 1, deadline)
+            if not line.startswith(b"ok "):
+                raise ConnectionRefusedError(line.decode("ascii", "replace").strip())
+            idle, _, answered = line[3:].strip().partition(b" ")
+            if not proof or not hmac.compare_digest(answered, proof.encode("ascii")):
+                raise ConnectionRefusedError("the socket is not the server's: no proof of the key")
+            self._idle_s = float(idle)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._used, self._retry_at = sock, now, 0.0
+        return sock
+
+    def _exchange(self, sock: socket.socket, payload: bytes, deadline: float) -> bytes | None:
+        """(lock held) One request and its answer; None for "use gRPC" (the channel stays)."""
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(_FRAME_HEADER.pack(len(payload)) + payload)
+        status, length = _ANSWER_HEADER.unpack(
+            _receive_exactly(sock, _ANSWER_HEADER.size, deadline)
+        )
+        if length > MAX_CHANNEL_ANSWER_BYTES:
+            raise ValueError(f"an answer of {length} bytes")
+        body = _receive_exactly(sock, length, deadline)
+        if status != CHANNEL_OK:
+            self.last_reason = body.decode("utf-8", "replace")
+            return None
+        return body
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        """Close the connection (in the process that made it: a forked child's copy of the
+        descriptor is only forgotten, so nothing reaches the parent's channel; nor is the
+        lock taken there: a parent thread may have held it at the fork)."""
+        if os.getpid() != self.pid:
+            self._sock = None
+            return
+        with self._lock:
+            self._drop()
 
 
 # Where each live segment mapping of this process lies: token -> (first address, end,
@@ -306,6 +438,9 @@ class LocalMapper:
         # what an Export says this client maps: (the server instance of the latest segment
         # mapped, at most MAX_MAPPED_HINTS of its segment ids); replaced whole under _lock
         self._mapped_hint: tuple[str, tuple[int, ...]] = ("", ())
+        # the session's export channel (issue 13), learnt from a gRPC Export's answer
+        self._channel: ExportChannel | None = None
+        self.channel_exports = 0  # Exports the channel answered (the rest took gRPC)
 
     def disable(self, reason: str) -> None:
         self.enabled = False
@@ -362,15 +497,61 @@ class LocalMapper:
             return None if response is None else self._mapped(handle, response, reuse_key)
 
     def _call_export(self, request: pb.ExportRequest) -> pb.ExportResponse | None:
-        """One Export (released if an interrupt takes its caller away); None when the server
-        cannot share this memory (the reason kept in ``last_refusal``)."""
-        orphaned = functools.partial(self._release_orphan, self._conn.session_id)
+        """One Export (released if an interrupt takes its caller away): on the session's
+        export channel if it answers, else through gRPC; None when the server cannot share
+        this memory (the reason kept in ``last_refusal``)."""
+        session_id = self._conn.session_id
+        orphaned = functools.partial(self._release_orphan, session_id)
+        channel = self._channel
+        if channel is not None:
+            exported = functools.partial(self._export_on_channel, channel, request)
+            answered: pb.ExportResponse | None = self._conn.call_local(exported, orphaned)
+            if answered is not None:
+                self.channel_exports += 1
+                return answered
         try:
             response: pb.ExportResponse = self._conn.call("Export", request, orphaned)
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
+        self._learn_channel(session_id, response)
         return response
+
+    def _export_on_channel(
+        self, channel: ExportChannel, request: pb.ExportRequest, session_id: str
+    ) -> pb.ExportResponse | None:
+        """(after what a call does first) The Export on ``channel`` if it is this session's
+        (a replaced session's key names the lost one) and it answers; None: use gRPC."""
+        if channel.session_id != session_id:
+            return None
+        timeout = min(CHANNEL_TIMEOUT_S, self._conn.call_timeout or CHANNEL_TIMEOUT_S)
+        answer = channel.request(request.SerializeToString(), timeout)
+        if answer is None:
+            return None
+        try:
+            response: pb.ExportResponse = pb.ExportResponse.FromString(answer)
+        except DecodeError:
+            channel.close()
+            return None
+        return response
+
+    def _learn_channel(self, session_id: str, response: pb.ExportResponse) -> None:
+        """Keep the export channel a gRPC Export in ``session_id`` answered (a new key: a new
+        session or server replaces the channel of the old one)."""
+        if not response.channel_key or not response.channel_socket:
+            return
+        current = self._channel
+        if (
+            current is not None
+            and current.key == response.channel_key
+            and current.path == response.channel_socket
+            and current.session_id == session_id
+            and current.pid == os.getpid()
+        ):
+            return
+        self._channel = ExportChannel(session_id, response.channel_key, response.channel_socket)
+        if current is not None:
+            current.close()
 
     def _release_orphan(self, session_id: str, response: pb.ExportResponse) -> None:
         """An Export answer its caller never saw (an interrupt took it away): released, and
@@ -408,6 +589,7 @@ class LocalMapper:
         if not self._empty_export:
             return self._empty_then_export(empty, carry_releases)
         unknown = False
+        session_id = self._conn.session_id
         try:
             response = self._conn.empty_export(empty, carry_releases)
         except errors.TensordError as exc:
@@ -426,6 +608,7 @@ class LocalMapper:
             self._empty_export = False  # a server older than EmptyExport: two calls
             return self._empty_then_export(empty, carry_releases)
         exported = response.export
+        self._learn_channel(session_id, exported)
         if not exported.tensor.handle or not exported.export_id:
             self.disable(f"the server's EmptyExport answered no tensor ({exported.tensor!r})")
             return None
@@ -632,8 +815,15 @@ class LocalMapper:
             self._segments.clear()
             self._reusable.clear()
             self._mapped_hint = ("", ())
+        self.close_channel()
         with contextlib.suppress(Exception):
             self.close_idle_imports()
+
+    def close_channel(self) -> None:
+        """Close the export channel (the client closes: its session, and so its key, ends)."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
 
 def _cupy() -> Any:

@@ -916,6 +916,30 @@ class Connection:
         gets its answer if an interrupt took the caller away first (see _off_main_thread)."""
         return self._unary(method, request, orphaned=orphaned)
 
+    def call_local(
+        self, work: Callable[[str], M | None], orphaned: Callable[[M], None] | None = None
+    ) -> M | None:
+        """``work(session_id)``: a request to this server that is no gRPC call (the same-host
+        export channel), with every guarantee a call gives: a closed or inherited client
+        raises, imported GPU memory is synchronized and the ops queued before it are applied
+        first (their error raised), off the main thread; ``orphaned`` gets a result an
+        interrupt took the caller away from.  ``work`` answers None to have the caller use
+        gRPC instead."""
+        self._check_open()
+
+        def run() -> M | None:
+            if self.local is not None:
+                self.local.before_call()
+            if self.pipelining:
+                self.synchronize(releases=False)
+            return work(self.session_id)
+
+        def drop(result: M | None) -> None:
+            if result is not None and orphaned is not None:
+                orphaned(result)
+
+        return _off_main_thread(run, drop)
+
     def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
         """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
         self._check_open()
@@ -1360,4 +1384,6 @@ class Connection:
         self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
         self._pending_exports.clear()
+        if self.local is not None:  # its socket: the session's end made its key useless
+            self.local.close_channel()
         self._channel.close()

@@ -16,6 +16,18 @@ Without ``--auth-tokens`` the socket is 0600 in a 0700 directory and the peer's 
 user (0666 in a 0711 directory): the ticket, known only to its session, is the key.
 A client on another host never gets a descriptor: the socket is local.
 
+The same socket carries each session's *export channel* (issue 13): a gRPC Export answers
+the session's channel key (a locator, 192 secret bits and a proof, one per session, kept
+here beside the session), and a connection that sends ``chan LOCATOR.SECRET`` (the peer rule
+above applies) is bound to that session; the answer carries the proof.  It then carries Exports as frames: a 4-byte length and an ExportRequest's
+bytes in, a status byte, a 4-byte length and an ExportResponse's bytes (or, with status
+"use gRPC", a short reason) out.  The socket code only moves bytes: the rpc layer's
+:attr:`ExportTable.channel_handler` parses, exports and encodes, as its Export handler does.
+At most :data:`MAX_CHANNELS` channels live at once and one per session (a second bind of a
+session replaces its first); an idle one closes after :data:`CHANNEL_IDLE_S`; the session's
+end drops its key and closes its channel.  Whatever the channel refuses, the client asks
+again through gRPC, which raises the proper errors.
+
 GPU segments (raw ``cudaMalloc``) are exported by their CUDA IPC handle instead
 (:meth:`CudaBackend.ipc_export`, after the server stream is synchronized).  An
 Export of a GPU Storage counts as an *import* of its segment by the session until
@@ -28,6 +40,7 @@ allocation to outlive every process that opened it.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import logging
 import os
@@ -70,6 +83,25 @@ MAX_FD_HANDLERS_PER_PEER = 4
 # How often the accept loop checks for shutdown.
 ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
+# Export channels (issue 13): bound connections at once (a thread each), the whole server;
+# a bind beyond it is refused ("no: ...") and its client keeps using gRPC.
+MAX_CHANNELS = 64
+# A channel that carries no request for this long is closed (its client reconnects lazily;
+# the bind's answer tells it this number).
+CHANNEL_IDLE_S = 30.0
+# One request frame: an ExportRequest (a handle, a server instance and at most the SDK's 256
+# mapped segment ids: about 3 KiB); a longer frame is refused and its channel closed.
+MAX_CHANNEL_REQUEST_BYTES = 16 << 10
+# Longest "use gRPC" reason sent back (the client only logs it).
+MAX_CHANNEL_REASON_BYTES = 256
+CHANNEL_OK = 0
+CHANNEL_USE_GRPC = 1
+CHANNEL_BIND = b"chan "
+FRAME_HEADER = struct.Struct("!I")  # a request: its length
+ANSWER_HEADER = struct.Struct("!BI")  # an answer: its status and length
+# What the rpc layer does with one channel request: (answer bytes, the id of the export it
+# made, released when the answer cannot be delivered).  Raises to say "use gRPC".
+ChannelHandler = Callable[[Session, bytes], tuple[bytes, str]]
 
 
 # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, a
@@ -91,6 +123,23 @@ class Ticket:
     backend: SharedHostBackend
     expires: float
     proof: str  # the ticket's second half, answered with the descriptor
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelKey:
+    """A session's channel key: looked up by its locator, its secret compared in constant
+    time; the proof, which the client never sends, answers its bind (a socket squatted at
+    the path on another host, which learns locator and secret, cannot pose as the server)."""
+
+    locator: str
+    secret: str
+    proof: str
+    session_id: str
+    tenant: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.locator}.{self.secret}.{self.proof}"
 
 
 class ExportTable:
@@ -129,6 +178,11 @@ class ExportTable:
         self._listener.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
         self._handlers: dict[int, int] = {}  # peer uid -> requests being answered; _lock
+        # export channels (issue 13), all under _lock: set by the rpc layer (None: no channel)
+        self.channel_handler: ChannelHandler | None = None
+        self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
+        self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
+        self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -137,7 +191,7 @@ class ExportTable:
     # -- exports ------------------------------------------------------------------
 
     def export(
-        self, session: Session, handle: str, mapped: Container[int] = ()
+        self, session: Session, handle: str, mapped: Container[int] = (), *, host_only: bool = False
     ) -> tuple[Export, str, TensorRef]:
         """Hold the Storage of ``handle`` for the session; the export, a fd ticket and the
         tensor the handle named when it was looked up.  The answer describes that tensor,
@@ -148,7 +202,8 @@ class ExportTable:
         ``mapped``: segment ids the client says it maps already; an export in one of them
         gets no ticket ("": the client has the descriptor's mapping, and an unredeemed
         ticket would only crowd the table).  Trusting it grants nothing: a ticket is the
-        only thing withheld."""
+        only thing withheld.  ``host_only``: a GPU Storage is refused (FailedPreconditionError)
+        before anything is exported (the channel leaves CUDA IPC to gRPC)."""
         with self._lock:  # refused before any work; checked again where the export is added
             self.sessions.refuse_beyond_limit(session)
         ref = self.sessions.hold(session, handle)  # the export's own hold, kept past this call
@@ -160,6 +215,9 @@ class ExportTable:
                 f"the memory of {storage.device.name} ({storage.device.description}) cannot "
                 "be mapped by clients; use the gRPC transfers"
             )
+        if host_only and isinstance(backend, CudaBackend):
+            self.storages.release_hold(storage)
+            raise FailedPreconditionError("GPU exports take gRPC")
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
             return self._export_cuda(session, storage, backend), "", ref
@@ -219,7 +277,7 @@ class ExportTable:
         """(after an export was added) NotFoundError if the session ended meanwhile: its end
         released the exports it had then, so this one's (and any other added since) go now."""
         if self.sessions.peek(session.id) is not session:
-            self.session_ended(session)
+            self._end_exports(session)  # (its end listener dropped its channel already)
             raise NotFoundError("unknown session")
 
     def imports_closed(self, session: Session, closed: list[tuple[int, int]]) -> None:
@@ -276,7 +334,12 @@ class ExportTable:
         return len(ended)
 
     def session_ended(self, session: Session) -> None:
-        """A closed or reaped session's exports end with it (a crashed client's holds drop)."""
+        """A closed or reaped session's exports end with it (a crashed client's holds drop),
+        and its channel key and channel."""
+        self._forget_channel(session.id)
+        self._end_exports(session)
+
+    def _end_exports(self, session: Session) -> None:
         with self._lock:
             ended = [e for e in self._exports.values() if e.session_id == session.id]
             for export in ended:
@@ -413,44 +476,217 @@ class ExportTable:
             return True
 
     def _handle(self, conn: socket.socket, uid: int) -> None:
+        key: ChannelKey | None = None
         try:
-            with conn, contextlib.suppress(OSError):
-                self._answer(conn, uid)
+            with contextlib.suppress(OSError):
+                key = self._answer(conn, uid)
         finally:
             with self._lock:
                 self._handlers[uid] -= 1
                 if not self._handlers[uid]:
                     del self._handlers[uid]
+            if key is None:
+                conn.close()
+        if key is not None:  # a bound channel: this thread serves it (counted in _channels)
+            self._serve_channel(conn, key)
 
-    def _answer(self, conn: socket.socket, uid: int) -> None:
-        """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out."""
+    def _answer(self, conn: socket.socket, uid: int) -> ChannelKey | None:
+        """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out; or
+        a channel bind (``chan KEY``): its key once the channel is counted and bound."""
         conn.settimeout(FD_REQUEST_TIMEOUT_S)
         if not self.tenants and uid != os.getuid():
             conn.sendall(b"no: only the server's user may map its memory\n")
-            return
+            return None
         line = b""
         deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
         while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
             if time.monotonic() > deadline:
-                return
+                return None
             piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
             if not piece:
-                return
+                return None
             line += piece
+        if line.startswith(CHANNEL_BIND):
+            return self._bind(conn, line[len(CHANNEL_BIND) :].strip().decode("ascii", "replace"))
         try:
             fd, proof = self.redeem(line.strip().decode("ascii", "replace"))
         except KeyError as exc:
             conn.sendall(f"no: {exc.args[0]}\n".encode())
-            return
+            return None
         try:
             socket.send_fds(conn, [f"ok {proof}\n".encode("ascii")], [fd])
         finally:
             os.close(fd)
+        return None
+
+    # -- export channels (issue 13) -----------------------------------------------
+
+    def channel_key(self, session: Session) -> str:
+        """The session's channel key ("" when this server has no channel), made on first use.
+        Called after the session's Export succeeded: a session that ended meanwhile keeps none."""
+        if self.channel_handler is None:
+            return ""
+        with self._lock:
+            key = self._session_keys.get(session.id)
+            if key is None:
+                key = ChannelKey(
+                    locator=secrets.token_urlsafe(12),
+                    secret=secrets.token_urlsafe(24),
+                    proof=secrets.token_urlsafe(12),
+                    session_id=session.id,
+                    tenant=session.tenant,
+                )
+                self._session_keys[session.id] = key
+                self._channel_keys[key.locator] = key
+        if self.sessions.peek(session.id) is not session:  # its end listener ran already
+            self._forget_channel(session.id)
+            return ""
+        return key.text
+
+    def _bind(self, conn: socket.socket, text: str) -> ChannelKey | None:
+        """Bind ``conn`` to the session of key ``text`` (locator.secret: a live session's, one
+        channel per session: a second bind replaces the first), answering ``ok IDLE_S PROOF``
+        or ``no: why``."""
+        locator, _, secret = text.partition(".")
+        replaced = None
+        with self._lock:
+            key = self._channel_keys.get(locator)
+            if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
+                refusal = "unknown channel key"
+            elif key.session_id not in self._channels and len(self._channels) >= MAX_CHANNELS:
+                refusal = f"too many channels ({MAX_CHANNELS})"
+            else:
+                refusal = ""
+                replaced = self._channels.get(key.session_id)
+                self._channels[key.session_id] = conn
+        if refusal:
+            conn.sendall(f"no: {refusal}\n".encode())
+            return None
+        assert key is not None
+        if replaced is not None:
+            _wake(replaced)  # its thread ends; its client falls back once, then reconnects
+        try:
+            conn.sendall(f"ok {CHANNEL_IDLE_S:g} {key.proof}\n".encode())
+        except OSError:
+            self._unbind(key.session_id, conn)
+            raise
+        return key
+
+    def _serve_channel(self, conn: socket.socket, key: ChannelKey) -> None:
+        """Answer the channel's requests, one at a time, until it is idle, closed or broken."""
+        try:
+            with conn, contextlib.suppress(OSError):
+                while not self._stop.is_set() and self._channels.get(key.session_id) is conn:
+                    request = _read_frame(conn)
+                    if request is None or not self._answer_frame(conn, key, request):
+                        return
+        finally:
+            self._unbind(key.session_id, conn)
+
+    def _answer_frame(self, conn: socket.socket, key: ChannelKey, request: bytes) -> bool:
+        """One Export on the channel; False when the channel must close."""
+        try:  # what every call does first: the session's lookup, which renews its lease
+            session = self.sessions.get(key.session_id, key.tenant)
+        except NotFoundError:
+            _send_answer(conn, CHANNEL_USE_GRPC, b"unknown session")
+            return False
+        handler = self.channel_handler
+        if handler is None:
+            _send_answer(conn, CHANNEL_USE_GRPC, b"no channel")
+            return False
+        try:
+            answer, export_id = handler(session, request)
+        except Exception as exc:  # the client asks again through gRPC, which raises it
+            reason = f"{type(exc).__name__}: {exc}".encode()[:MAX_CHANNEL_REASON_BYTES]
+            _send_answer(conn, CHANNEL_USE_GRPC, reason)
+            return True
+        try:
+            _send_answer(conn, CHANNEL_OK, answer)
+        except OSError:
+            self.release(session, [export_id])  # never delivered: nobody else would end it
+            raise
+        return True
+
+    def _unbind(self, session_id: str, conn: socket.socket) -> None:
+        with self._lock:
+            if self._channels.get(session_id) is conn:
+                del self._channels[session_id]
+
+    def _forget_channel(self, session_id: str) -> None:
+        """Drop a session's key and wake its channel's thread (which then closes it)."""
+        with self._lock:
+            key = self._session_keys.pop(session_id, None)
+            if key is not None:
+                self._channel_keys.pop(key.locator, None)
+            conn = self._channels.pop(session_id, None)
+        if conn is not None:
+            _wake(conn)
+
+    def channel_count(self) -> int:
+        with self._lock:
+            return len(self._channels)
 
     def close(self) -> None:
-        """Stop the fd socket and remove its directory (after every session ended)."""
+        """Stop the fd socket and every channel, and remove its directory (after every
+        session ended)."""
         self._stop.set()
         with contextlib.suppress(OSError):
             self._listener.close()
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._channel_keys.clear()
+            self._session_keys.clear()
+        for conn in channels:
+            _wake(conn)
         self._thread.join(timeout=ACCEPT_POLL_S * 5)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _wake(conn: socket.socket) -> None:
+    """Make the thread blocked in ``conn``'s recv return (close() alone would not wake it);
+    that thread closes it."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+
+
+def _receive_exactly(conn: socket.socket, nbytes: int, deadline: float) -> bytes | None:
+    """``nbytes`` from ``conn`` before ``deadline``; None at its end or past the deadline."""
+    data = bytearray()
+    while len(data) < nbytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(left)
+        piece = conn.recv(nbytes - len(data))
+        if not piece:
+            return None
+        data += piece
+    return bytes(data)
+
+
+def _read_frame(conn: socket.socket) -> bytes | None:
+    """The next request of a channel: waits CHANNEL_IDLE_S for it to begin, then
+    FD_REQUEST_TIMEOUT_S for the rest; None when idle, closed, late or too long (the
+    last answered "use gRPC" first)."""
+    try:
+        header = _receive_exactly(conn, FRAME_HEADER.size, time.monotonic() + CHANNEL_IDLE_S)
+    except TimeoutError:
+        return None
+    if header is None:
+        return None
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > MAX_CHANNEL_REQUEST_BYTES:
+        _send_answer(
+            conn, CHANNEL_USE_GRPC, f"frame over {MAX_CHANNEL_REQUEST_BYTES} bytes".encode()
+        )
+        return None
+    try:
+        return _receive_exactly(conn, length, time.monotonic() + FD_REQUEST_TIMEOUT_S)
+    except TimeoutError:
+        return None
+
+
+def _send_answer(conn: socket.socket, status: int, payload: bytes) -> None:
+    conn.settimeout(FD_REQUEST_TIMEOUT_S)
+    conn.sendall(ANSWER_HEADER.pack(status, len(payload)) + payload)

@@ -36,7 +36,7 @@ from tensord_server.domain.admission import (
 )
 from tensord_server.domain.compactor import BackgroundCompactor
 from tensord_server.domain.copies import Copies
-from tensord_server.domain.exports import ExportTable
+from tensord_server.domain.exports import ChannelHandler, ExportTable
 from tensord_server.domain.factories import Factories
 from tensord_server.domain.indexing import Indexing
 from tensord_server.domain.kernels import Scalar
@@ -143,6 +143,9 @@ class TensorStore:
         # same-host zero copy: made on the first Export (its fd socket is a thread and a dir)
         self._exports: ExportTable | None = None
         self._exports_lock = threading.Lock()
+        # what a session's export channel runs per request (issue 13): set by the rpc layer,
+        # which parses and encodes the messages (None: the export table offers no channel)
+        self.export_channel_handler: ChannelHandler | None = None
         # the op families, one module each, all over the state above
         self.ops = OpContext(self.devices, self.storages, self.sessions, max_op_elements)
         # elements the ops of one pipelined Batch may touch together (None: no budget)
@@ -169,6 +172,7 @@ class TensorStore:
                     self.storages, self.sessions, tenants=self.auth_tokens is not None
                 )
                 self._exports.watch_pools([d.pool for d in self.devices])
+                self._exports.channel_handler = self.export_channel_handler
             return self._exports
 
     def _contended(self) -> bool:

@@ -109,6 +109,7 @@ class TensordService:
 
     def __init__(self, store: TensorStore) -> None:
         self.store = store
+        store.export_channel_handler = self._channel_export
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
         return tenant_of_context(self.store, context)
@@ -484,15 +485,35 @@ class TensordService:
         mapped = request.mapped_segments if same_server else ()
         return self._export(session, request.handle, table, mapped)
 
+    def _channel_export(self, session: Session, data: bytes) -> tuple[bytes, str]:
+        """An Export that came on the session's export channel (issue 13; the channel found
+        the session by its key and renewed its lease): what Export does, with a worker counted
+        as for any call; its answer's bytes and the export's id.  Any error: the client asks
+        again through gRPC (GPU exports always do)."""
+        with self.store.gate.call():
+            request = decode_message(pb.ExportRequest, data)  # bounded as a gRPC request is
+            table = self.store.exports
+            same_server = request.server_instance == table.instance
+            mapped = request.mapped_segments if same_server else ()
+            response = self._export(session, request.handle, table, mapped, on_channel=True)
+            return response.SerializeToString(), response.export_id
+
     def _export(
         self,
         session: Session,
         handle: str,
         table: ExportTable | None = None,
         mapped: Container[int] = (),
+        on_channel: bool = False,
     ) -> pb.ExportResponse:
+        """``on_channel``: host memory only, and no channel key (the client has it)."""
         table = table or self.store.exports
-        export, ticket, ref = table.export(session, handle, mapped)  # ref: no second lookup
+        # ref: no second lookup
+        if on_channel:
+            export, ticket, ref = table.export(session, handle, mapped, host_only=True)
+        else:
+            export, ticket, ref = table.export(session, handle, mapped)
+        key = "" if on_channel else table.channel_key(session)
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
@@ -504,6 +525,8 @@ class TensordService:
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,
             tensor=encode_meta(Issued(handle, ref)),
+            channel_key=key,
+            channel_socket=table.socket_path if key else "",
         )
 
     @_unary

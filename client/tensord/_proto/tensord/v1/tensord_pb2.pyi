@@ -651,7 +651,7 @@ class ExportRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
-    __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor")
+    __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor", "channel_key", "channel_socket")
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -662,6 +662,8 @@ class ExportResponse(_message.Message):
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     export_id: str
     segment_id: int
     segment_nbytes: int
@@ -672,7 +674,9 @@ class ExportResponse(_message.Message):
     ipc_handle: bytes
     server_instance: str
     tensor: TensorMeta
-    def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
+    channel_key: str
+    channel_socket: str
+    def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., channel_key: _Optional[str] = ..., channel_socket: _Optional[str] = ...) -> None: ...
 
 class ReleaseExportsRequest(_message.Message):
     __slots__ = ("export_ids", "mapped_segments", "closed_imports")
