@@ -21,6 +21,8 @@ aggregate never falls as clients are added; >= 1.0x bare gRPC).
     python benchmarks/bench_rpc.py --clients-only   # just the many-clients table
     python benchmarks/bench_rpc.py --clients-only --rounds 5 --seconds 4
         # each count measured in 5 interleaved rounds of 4 s windows: medians and ranges
+    python benchmarks/bench_rpc.py --clients-only --rounds 5 --seconds 4 --pin
+        # the same with both servers on the first CPU and the clients on the others
 """
 
 from __future__ import annotations
@@ -90,8 +92,33 @@ def serve_bare() -> None:
     server.wait_for_termination()
 
 
+def pinned(command: list[str], cpus: set[int] | None) -> list[str]:
+    """``command`` run on ``cpus`` (every thread it will start): through this script, which
+    pins itself and execs it (a ``preexec_fn`` is not safe in this process, which has
+    threads once a client is connected).  None: unchanged."""
+    if cpus is None:
+        return command
+    listed = ",".join(str(cpu) for cpu in sorted(cpus))
+    return [sys.executable, __file__, "--exec-on-cpus", listed, *command]
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """``--pin``: the first CPU this process may use for the servers, the others for the
+    clients (a server with a core of its own, as a deployed one has: on a small machine,
+    client processes otherwise take the server's CPU as they are added)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 CPUs")
+    return {cpus[0]}, set(cpus[1:])
+
+
+# where the servers and the client processes run (None: anywhere); set by --pin
+SERVER_CPUS: set[int] | None = None
+CLIENT_CPUS: set[int] | None = None
+
+
 def start(command: list[str], pattern: str) -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(pinned(command, SERVER_CPUS), stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()
     match = re.search(pattern, line)
@@ -159,10 +186,21 @@ def main() -> int:
         default=MANY_CLIENTS_SECONDS,
         help=f"many-clients table: each window's length (default {MANY_CLIENTS_SECONDS:g})",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="run both servers on the first CPU and every client on the others",
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    # CPUS COMMAND...: run COMMAND pinned to CPUS (comma-separated), see pinned()
+    parser.add_argument("--exec-on-cpus", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     # one client process of the many-clients table: KIND ADDRESS START_AT SECONDS
     parser.add_argument("--client-process", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.exec_on_cpus:
+        cpus, *command = args.exec_on_cpus
+        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
+        os.execv(command[0], command)
     if args.bare_server:
         serve_bare()
         return 0
@@ -171,6 +209,11 @@ def main() -> int:
         print(client_process(kind, target, float(start_at), float(seconds)), flush=True)
         return 0
 
+    if args.pin:
+        global SERVER_CPUS, CLIENT_CPUS
+        SERVER_CPUS, CLIENT_CPUS = split_cpus()
+        os.sched_setaffinity(0, CLIENT_CPUS)  # this process's own client too
+        print(f"pinned: servers on CPU {sorted(SERVER_CPUS)}, clients on {sorted(CLIENT_CPUS)}")
     sizes = [1 * MiB, 64 * MiB] + ([1024 * MiB] if args.big else [])
     pool = "cpu=8GiB" if args.big else "cpu=2GiB"
     tensord_proc, address = start(
@@ -373,7 +416,7 @@ def aggregate_rate(kind: str, target: str, processes: int, seconds: float) -> fl
     command.append(f"{seconds}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     children = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(pinned(command, CLIENT_CPUS), stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(processes)
     ]
     results = []
