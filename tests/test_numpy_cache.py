@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tensord
 import torch
 from tensord import _local
 
@@ -143,6 +144,34 @@ def test_a_cache_of_zero_bytes_keeps_nothing(client: Any, monkeypatch: Any) -> N
     assert off.cached() == (0, 0)
     monkeypatch.setenv(_local.NUMPY_CACHE_ENV, "")
     assert _local.numpy_cache_bytes() == _local.NUMPY_CACHE_DEFAULT_BYTES
+
+
+def test_the_default_bound_is_an_eighth_of_memory_within_its_limits() -> None:
+    GiB = 1 << 30
+    assert _local.default_numpy_cache_bytes(24 * GiB) == 2 * GiB  # capped
+    assert _local.default_numpy_cache_bytes(8 * GiB) == GiB
+    assert _local.default_numpy_cache_bytes(1 * GiB) == 256 << 20  # the floor
+    assert _local.default_numpy_cache_bytes(0) == 256 << 20  # unknown memory
+    assert _local.default_numpy_cache_bytes() == _local.NUMPY_CACHE_DEFAULT_BYTES
+
+
+def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
+    client: Any, monkeypatch: Any
+) -> None:
+    """A download too large for the old 256 MiB bound (issue 13's 1 GiB download paid a fresh
+    array's page faults every time): under a bound that takes it, the next x.numpy() of the
+    same shape gets the same, dropped array back."""
+    big = _local.HostBufferCache(
+        _local.default_numpy_cache_bytes(8 << 30), _local.NUMPY_CACHE_COUNT
+    )
+    monkeypatch.setattr(_local, "numpy_cache", big)
+    x = client.zeros(300 << 18, dtype=tensord.float32)  # 300 MiB: over the old bound
+    a = x.numpy()
+    address = a.ctypes.data
+    del a
+    b = x.numpy()
+    assert b.ctypes.data == address
+    assert big.cached()[1] == 300 << 20
 
 
 def test_threads_never_share_an_array(client: Any, cache: _local.HostBufferCache) -> None:
