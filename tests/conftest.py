@@ -121,6 +121,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 STARTUP_TIMEOUT_S = 30
 
 
+def slowed_exports(table: Any, seconds: float = 0.3) -> tuple[Callable[..., Any], threading.Event]:
+    """A stand-in for ``table.export`` that exports, then sleeps ``seconds`` (an interrupt
+    lands while the answer is on its way), then sets the event it returns with it."""
+    export = table.export
+    answered = threading.Event()
+
+    def slow_export(*args: Any, **kwargs: Any) -> Any:
+        made = export(*args, **kwargs)
+        time.sleep(seconds)
+        answered.set()
+        return made
+
+    return slow_export, answered
+
+
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`tensord serve ARGS` to its end (for arguments it refuses at start), output captured."""
     return subprocess.run(

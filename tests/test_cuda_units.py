@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensord
-from conftest import run_serve, start_server
+from conftest import run_serve, slowed_exports, start_server
 from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
 from tensord.layout import Layout
@@ -970,22 +970,13 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
     reports it closed (with its open import of the segment when it has one, whose count
     must then match), so the segment can be freed (before: vetoed until the session ended)."""
     import signal
-    import threading
-    import time
 
     from conftest import wait_until
 
     runtime = cupy.cuda.runtime
     pool = gpu_server.daemon.device("cuda:0").pool
     table = gpu_server.daemon.exports
-    export = table.export
-    answered = threading.Event()
-
-    def slow_export(*args: Any, **kwargs: Any) -> Any:
-        made = export(*args, **kwargs)
-        time.sleep(0.3)  # the interrupt lands while the answer is on its way
-        answered.set()
-        return made
+    slow_export, answered = slowed_exports(table)  # the interrupt lands meanwhile
 
     with tensord.connect(gpu_server.address) as client:
         x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB

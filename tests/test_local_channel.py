@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from conftest import wait_until
+from conftest import slowed_exports, wait_until
 from tensord._local import ExportChannel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.domain import exports as server_exports
@@ -411,15 +411,7 @@ def test_a_channel_export_whose_caller_was_interrupted_is_released(
     export_fresh(client, x)  # the key learnt: the next Export takes the channel
     client.flush()
     table = server.daemon.exports
-    export = table.export
-    answered = threading.Event()
-
-    def slow_export(*args: Any, **kwargs: Any) -> Any:
-        made = export(*args, **kwargs)
-        time.sleep(0.3)  # the interrupt lands while the answer is on its way
-        answered.set()
-        return made
-
+    slow_export, answered = slowed_exports(table)  # the interrupt lands meanwhile
     monkeypatch.setattr(table, "export", slow_export)
     exports = count_calls(client, monkeypatch, "Export")
     previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
