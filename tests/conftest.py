@@ -10,6 +10,7 @@ open session (``stub.md`` is the metadata to pass with each call).
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -134,6 +135,22 @@ def slowed_exports(table: Any, seconds: float = 0.3) -> tuple[Callable[..., Any]
         return made
 
     return slow_export, answered
+
+
+@contextlib.contextmanager
+def interrupted_after(seconds: float | None = 0.05) -> Iterator[None]:
+    """The block must raise KeyboardInterrupt: a SIGALRM ``seconds`` in delivers it as
+    Ctrl-C would (None: no timer, the block interrupts itself); the handler and timer are
+    restored after."""
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        if seconds is not None:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

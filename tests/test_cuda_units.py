@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensord
-from conftest import run_serve, slowed_exports, start_server
+from conftest import interrupted_after, run_serve, slowed_exports, start_server
 from tensord import dtypes
 from tensord.errors import FailedPreconditionError, OutOfMemoryError
 from tensord.layout import Layout
@@ -969,7 +969,6 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
     for the session, which the client never opened (it never saw the answer).  The client
     reports it closed (with its open import of the segment when it has one, whose count
     must then match), so the segment can be freed (before: vetoed until the session ended)."""
-    import signal
 
     from conftest import wait_until
 
@@ -983,14 +982,10 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
         alias = np.from_dlpack(x) if open_import else None
         assert _imported(gpu_server)[0] == (1 if open_import else 0)
         table.export = slow_export
-        previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
-            with pytest.raises(KeyboardInterrupt):
+            with interrupted_after(0.05):
                 np.from_dlpack(x)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
             del table.export
         assert answered.wait(5)
         session_id = client.session_id

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from conftest import SessionStub, open_channel, wait_until
+from conftest import SessionStub, interrupted_after, open_channel, slowed_exports, wait_until
 from tensord import _local, _rpc
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import FailedPreconditionError
@@ -1270,28 +1270,13 @@ def test_an_export_whose_caller_was_interrupted_is_released(
     handles = len(session.handles)
     table = server.daemon.exports
     big = np.ones(1 << 20, dtype=np.float32)  # an upload large enough to take the mapping
-    export = table.export
-    answered = threading.Event()
-
-    def slow_export(*args: Any, **kwargs: Any) -> Any:
-        made = export(*args, **kwargs)
-        if not answered_first:
-            time.sleep(0.3)  # the interrupt lands while the answer is on its way
-        answered.set()
-        return made
-
+    # the interrupt lands while the answer is on its way
+    slow_export, answered = slowed_exports(table, 0.0 if answered_first else 0.3)
     monkeypatch.setattr(table, "export", slow_export)
-    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    try:
-        if answered_first:  # the interrupt comes once the worker holds the answer
-            monkeypatch.setattr(_rpc._Job, "outcome", _interrupt_first(_rpc._Job.outcome))
-        else:
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
-        with pytest.raises(KeyboardInterrupt):
-            torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    if answered_first:  # the interrupt comes once the worker holds the answer
+        monkeypatch.setattr(_rpc._Job, "outcome", _interrupt_first(_rpc._Job.outcome))
+    with interrupted_after(None if answered_first else 0.05):
+        torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
     monkeypatch.undo()
     assert answered.wait(5)
     session_id = client.session_id

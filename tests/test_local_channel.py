@@ -9,7 +9,6 @@ for the bytes)."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import struct
 import threading
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from conftest import slowed_exports, wait_until
+from conftest import interrupted_after, slowed_exports, wait_until
 from tensord._local import ExportChannel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.domain import exports as server_exports
@@ -414,14 +413,8 @@ def test_a_channel_export_whose_caller_was_interrupted_is_released(
     slow_export, answered = slowed_exports(table)  # the interrupt lands meanwhile
     monkeypatch.setattr(table, "export", slow_export)
     exports = count_calls(client, monkeypatch, "Export")
-    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        with pytest.raises(KeyboardInterrupt):
-            torch.from_dlpack(x)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with interrupted_after(0.05):
+        torch.from_dlpack(x)
     assert not exports  # it was the channel's
     monkeypatch.undo()
     assert answered.wait(5)
