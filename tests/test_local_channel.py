@@ -456,3 +456,46 @@ def test_closing_the_client_or_the_server_closes_their_channels(make_server: Any
     sock.settimeout(5)
     assert sock.recv(1) == b""  # the server's side closed
     other.close()
+
+
+def channel_threads() -> int:
+    """The server's threads serving a channel or an fd request now (in-process server)."""
+    return sum(1 for t in threading.enumerate() if t.name == "tensord-fd-request")
+
+
+def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound(
+    fresh_server: Any, monkeypatch: Any
+) -> None:
+    # A key's holder rebinds over and over, each channel left waiting in a request (here on
+    # its session's lock, as behind a long Batch of that session): a replaced channel's
+    # thread is still busy, so it must count against MAX_CHANNELS until it ends, else
+    # each rebind is one more thread of the server.
+    monkeypatch.setattr(server_exports, "MAX_CHANNELS", 2)
+    table = fresh_server.daemon.exports
+    with tensord.connect(fresh_server.address) as client:
+        key = learn_key(client).channel_key
+        x = client.zeros(8)
+        client.flush()
+        before = table.count(client.session_id)
+        baseline = channel_threads()
+        payload = pb.ExportRequest(handle=x.handle).SerializeToString()
+        session = fresh_server.daemon.sessions.peek(client.session_id)
+        socks, lines = [], []
+        session.lock.acquire()
+        try:
+            for _ in range(5):
+                sock, line = bind(table.socket_path, key)
+                socks.append(sock)
+                lines.append(line)
+                if line.startswith(b"ok "):
+                    sock.sendall(struct.pack("!I", len(payload)) + payload)
+                    time.sleep(0.1)  # its thread takes the frame, waits for the session's lock
+            assert channel_threads() - baseline <= server_exports.MAX_CHANNELS + 1
+            assert lines[-1] == b"no: too many channels (2)\n"
+        finally:
+            for sock in socks:  # gone before any answer: each export made is released
+                sock.close()
+            session.lock.release()
+        # once the lock is free every waiting request ends, its export released
+        assert wait_until(lambda: channel_threads() == baseline, timeout=5)
+        assert wait_until(lambda: table.count(client.session_id) == before, timeout=5)

@@ -83,8 +83,11 @@ MAX_FD_HANDLERS_PER_PEER = 4
 # How often the accept loop checks for shutdown.
 ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
-# Export channels (issue 13): bound connections at once (a thread each), the whole server;
-# a bind beyond it is refused ("no: ...") and its client keeps using gRPC.
+# Export channels (issue 13): threads serving a channel at once, the whole server (a bound
+# connection each, and a replaced one whose thread is still finishing a request: it counts
+# until that thread ends, else rebinding a session whose requests wait, on its session's lock
+# say, would start a thread per bind); a bind beyond it is refused ("no: ...") and its client
+# keeps using gRPC.  A session replacing its own channel may pass it by one meanwhile.
 MAX_CHANNELS = 64
 # A channel that carries no request for this long is closed (its client reconnects lazily;
 # the bind's answer tells it this number).
@@ -183,6 +186,7 @@ class ExportTable:
         self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
         self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
+        self._channel_threads = 0  # bound or replaced, until their thread ends: MAX_CHANNELS
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -553,12 +557,13 @@ class ExportTable:
             key = self._channel_keys.get(locator)
             if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
                 refusal = "unknown channel key"
-            elif key.session_id not in self._channels and len(self._channels) >= MAX_CHANNELS:
+            elif self._channel_threads - (key.session_id in self._channels) >= MAX_CHANNELS:
                 refusal = f"too many channels ({MAX_CHANNELS})"
             else:
                 refusal = ""
                 replaced = self._channels.get(key.session_id)
                 self._channels[key.session_id] = conn
+                self._channel_threads += 1  # until _unbind
         if refusal:
             conn.sendall(f"no: {refusal}\n".encode())
             return None
@@ -608,7 +613,9 @@ class ExportTable:
         return True
 
     def _unbind(self, session_id: str, conn: socket.socket) -> None:
+        """Once per bound ``conn``, when its thread stops serving it."""
         with self._lock:
+            self._channel_threads -= 1
             if self._channels.get(session_id) is conn:
                 del self._channels[session_id]
 
