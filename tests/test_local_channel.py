@@ -499,3 +499,35 @@ def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound
         # once the lock is free every waiting request ends, its export released
         assert wait_until(lambda: channel_threads() == baseline, timeout=5)
         assert wait_until(lambda: table.count(client.session_id) == before, timeout=5)
+
+
+def test_an_interrupt_inside_a_channel_exchange_never_leaves_its_answer_for_the_next(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    # An interrupt that lands in the thread running the exchange (the main thread, when a
+    # call runs there) after its frame was sent: the connection must go, else the next
+    # request reads this one's answer (another handle's export, or a stale one's).
+    from tensord import _local
+
+    x = client.zeros(8)
+    y = client.ones(8)
+    export_fresh(client, x, 2)  # the second bound the channel
+    channel = client._local._channel
+    receive_exactly = _local._receive_exactly
+    interrupted: list[bool] = []
+
+    def interrupted_once(*args: Any) -> bytes:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return receive_exactly(*args)
+
+    monkeypatch.setattr(_local, "_receive_exactly", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        channel.request(pb.ExportRequest(handle=x.handle).SerializeToString(), 5.0)
+    monkeypatch.undo()
+    answer = channel.request(pb.ExportRequest(handle=y.handle).SerializeToString(), 5.0)
+    assert answer is not None, channel.last_reason
+    made = pb.ExportResponse.FromString(answer)
+    assert made.tensor.handle == y.handle
+    client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(export_ids=[made.export_id]))
