@@ -531,3 +531,27 @@ def test_an_interrupt_inside_a_channel_exchange_never_leaves_its_answer_for_the_
     made = pb.ExportResponse.FromString(answer)
     assert made.tensor.handle == y.handle
     client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(export_ids=[made.export_id]))
+
+
+def test_channel_exports_count_against_the_handle_limit(make_server: Any) -> None:
+    running = make_server(max_handles_per_session=8)
+    table = running.daemon.exports
+    with tensord.connect(running.address) as client:
+        key = learn_key(client).channel_key
+        x = client.zeros(8)
+        client.flush()
+        session = running.daemon.sessions.peek(client.session_id)
+        request = pb.ExportRequest(handle=x.handle).SerializeToString()
+        sock, line = bind(table.socket_path, key)
+        try:
+            assert line.startswith(b"ok ")
+            answers = [ask(sock, request) for _ in range(8)]
+        finally:
+            sock.close()
+        statuses = [status for status, _ in answers]
+        made = statuses.count(server_exports.CHANNEL_OK)
+        assert statuses == [server_exports.CHANNEL_OK] * made + [
+            server_exports.CHANNEL_USE_GRPC
+        ] * (8 - made)
+        assert made and b"ResourceExhaustedError" in answers[-1][1]
+        assert len(session.handles) + table.count(client.session_id) == 8
