@@ -555,3 +555,14 @@ def test_channel_exports_count_against_the_handle_limit(make_server: Any) -> Non
         ] * (8 - made)
         assert made and b"ResourceExhaustedError" in answers[-1][1]
         assert len(session.handles) + table.count(client.session_id) == 8
+
+
+def test_a_channel_key_never_shows_its_secret_or_proof_in_its_repr(
+    server: Any, client: Any
+) -> None:
+    learn_key(client)
+    table = server.daemon.exports
+    key = table._session_keys[client.session_id]
+    assert key.secret not in repr(key) and key.proof not in repr(key)
+    assert client.session_id not in repr(key)  # a capability too
+    assert key.locator in repr(key)  # enough to tell keys apart in a log

@@ -53,7 +53,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from tensord.protocol import split_ticket
@@ -135,9 +135,10 @@ class ChannelKey:
     the path on another host, which learns locator and secret, cannot pose as the server)."""
 
     locator: str
-    secret: str
-    proof: str
-    session_id: str
+    # never in a repr (a log line, a traceback's message): they bind or name the session
+    secret: str = field(repr=False)
+    proof: str = field(repr=False)
+    session_id: str = field(repr=False)
     tenant: str
 
     @property
