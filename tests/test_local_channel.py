@@ -566,3 +566,25 @@ def test_a_channel_key_never_shows_its_secret_or_proof_in_its_repr(
     assert key.secret not in repr(key) and key.proof not in repr(key)
     assert client.session_id not in repr(key)  # a capability too
     assert key.locator in repr(key)  # enough to tell keys apart in a log
+
+
+def test_a_trickled_bind_line_is_cut_off_at_the_request_timeout(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    # one byte just inside each wait: the line's whole time is bounded, not each wait's
+    monkeypatch.setattr(server_exports, "FD_REQUEST_TIMEOUT_S", 0.6)
+    learn_key(client)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(server.daemon.exports.socket_path)
+    sent = 0
+    try:
+        for _ in range(6):
+            time.sleep(0.45)
+            try:
+                sock.send(b"c")
+            except OSError:  # the server closed it
+                break
+            sent += 1
+    finally:
+        sock.close()
+    assert sent == 1  # the server gave up at 0.6 s, before the second byte (0.9 s)

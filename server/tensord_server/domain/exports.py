@@ -505,8 +505,12 @@ class ExportTable:
         line = b""
         deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
         while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
+            # each wait gets only the time left: a byte trickled just inside each full wait
+            # would hold this handler (a bind slot) for twice the bound
+            conn.settimeout(left)
             piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
             if not piece:
                 return None
