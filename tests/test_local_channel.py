@@ -480,6 +480,14 @@ def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound
         baseline = channel_threads()
         payload = pb.ExportRequest(handle=x.handle).SerializeToString()
         session = fresh_server.daemon.sessions.peek(client.session_id)
+        entered = threading.Semaphore(0)
+        handler = table.channel_handler
+
+        def counted(*args: Any) -> Any:
+            entered.release()
+            return handler(*args)
+
+        monkeypatch.setattr(table, "channel_handler", counted)
         socks, lines = [], []
         session.lock.acquire()
         try:
@@ -489,8 +497,10 @@ def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound
                 lines.append(line)
                 if line.startswith(b"ok "):
                     sock.sendall(struct.pack("!I", len(payload)) + payload)
-                    time.sleep(0.1)  # its thread takes the frame, waits for the session's lock
-            assert channel_threads() - baseline <= server_exports.MAX_CHANNELS + 1
+                    assert entered.acquire(timeout=5)  # its thread waits for the session's lock
+            # (a refused bind's thread ends just after its answer)
+            bound = server_exports.MAX_CHANNELS + 1
+            assert wait_until(lambda: channel_threads() - baseline <= bound, timeout=2)
             assert lines[-1] == b"no: too many channels (2)\n"
         finally:
             for sock in socks:  # gone before any answer: each export made is released
