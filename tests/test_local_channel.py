@@ -598,3 +598,30 @@ def test_a_trickled_bind_line_is_cut_off_at_the_request_timeout(
     finally:
         sock.close()
     assert sent == 1  # the server gave up at 0.6 s, before the second byte (0.9 s)
+
+
+def test_threads_exporting_at_once_each_get_their_own_tensor(server: Any, client: Any) -> None:
+    # one request at a time on the channel, the others through gRPC: never another's answer
+    tensors = [client.full((16,), float(i)) for i in range(4)]
+    export_fresh(client, tensors[0], 2)  # the channel bound
+    client.flush()
+    before = client._local.channel_exports
+    wrong: list[tuple[int, float]] = []
+
+    def export_many(i: int) -> None:
+        for _ in range(10):
+            alias = torch.from_dlpack(tensors[i])
+            if not bool((alias == float(i)).all()):
+                wrong.append((i, float(alias[0])))
+            del alias
+
+    threads = [threading.Thread(target=export_many, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not wrong and not any(thread.is_alive() for thread in threads)
+    assert client._local.channel_exports > before
+    session_id = client.session_id
+    table = server.daemon.exports
+    assert wait_until(lambda: client.flush() or table.count(session_id) == 0, timeout=5)
