@@ -441,3 +441,172 @@ def test_closing_the_client_or_the_server_closes_their_channels(make_server: Any
     sock.settimeout(5)
     assert sock.recv(1) == b""  # the server's side closed
     other.close()
+
+
+def channel_threads() -> int:
+    """The server's threads serving a channel or an fd request now (in-process server)."""
+    return sum(1 for t in threading.enumerate() if t.name == "tensord-fd-request")
+
+
+def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound(
+    fresh_server: Any, monkeypatch: Any
+) -> None:
+    # A key's holder rebinds over and over, each channel left waiting in a request (here on
+    # its session's lock, as behind a long Batch of that session): a replaced channel's
+    # thread is still busy, so it must count against MAX_CHANNELS until it ends, else
+    # each rebind is one more thread of the server.
+    monkeypatch.setattr(server_exports, "MAX_CHANNELS", 2)
+    table = fresh_server.daemon.exports
+    with tensord.connect(fresh_server.address) as client:
+        key = learn_key(client).channel_key
+        x = client.zeros(8)
+        client.flush()
+        before = table.count(client.session_id)
+        baseline = channel_threads()
+        payload = pb.ExportRequest(handle=x.handle).SerializeToString()
+        session = fresh_server.daemon.sessions.peek(client.session_id)
+        entered = threading.Semaphore(0)
+        handler = table.channel_handler
+
+        def counted(*args: Any) -> Any:
+            entered.release()
+            return handler(*args)
+
+        monkeypatch.setattr(table, "channel_handler", counted)
+        socks, lines = [], []
+        session.lock.acquire()
+        try:
+            for _ in range(5):
+                sock, line = bind(table.socket_path, key)
+                socks.append(sock)
+                lines.append(line)
+                if line.startswith(b"ok "):
+                    sock.sendall(struct.pack("!I", len(payload)) + payload)
+                    assert entered.acquire(timeout=5)  # its thread waits for the session's lock
+            # (a refused bind's thread ends just after its answer)
+            bound = server_exports.MAX_CHANNELS + 1
+            assert wait_until(lambda: channel_threads() - baseline <= bound, timeout=2)
+            assert lines[-1] == b"no: too many channels (2)\n"
+        finally:
+            for sock in socks:  # gone before any answer: each export made is released
+                sock.close()
+            session.lock.release()
+        # once the lock is free every waiting request ends, its export released
+        assert wait_until(lambda: channel_threads() == baseline, timeout=5)
+        assert wait_until(lambda: table.count(client.session_id) == before, timeout=5)
+
+
+def test_an_interrupt_inside_a_channel_exchange_never_leaves_its_answer_for_the_next(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    # An interrupt that lands in the thread running the exchange (the main thread, when a
+    # call runs there) after its frame was sent: the connection must go, else the next
+    # request reads this one's answer (another handle's export, or a stale one's).
+    from tensord import _local
+
+    x = client.zeros(8)
+    y = client.ones(8)
+    export_fresh(client, x, 2)  # the second bound the channel
+    channel = client._local._channel
+    receive_exactly = _local._receive_exactly
+    interrupted: list[bool] = []
+
+    def interrupted_once(*args: Any) -> bytes:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return receive_exactly(*args)
+
+    monkeypatch.setattr(_local, "_receive_exactly", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        channel.request(pb.ExportRequest(handle=x.handle).SerializeToString(), 5.0)
+    monkeypatch.undo()
+    answer = channel.request(pb.ExportRequest(handle=y.handle).SerializeToString(), 5.0)
+    assert answer is not None, channel.last_reason
+    made = pb.ExportResponse.FromString(answer)
+    assert made.tensor.handle == y.handle
+    client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(export_ids=[made.export_id]))
+
+
+def test_channel_exports_count_against_the_handle_limit(make_server: Any) -> None:
+    running = make_server(max_handles_per_session=8)
+    table = running.daemon.exports
+    with tensord.connect(running.address) as client:
+        key = learn_key(client).channel_key
+        x = client.zeros(8)
+        client.flush()
+        session = running.daemon.sessions.peek(client.session_id)
+        request = pb.ExportRequest(handle=x.handle).SerializeToString()
+        sock, line = bind(table.socket_path, key)
+        try:
+            assert line.startswith(b"ok ")
+            answers = [ask(sock, request) for _ in range(8)]
+        finally:
+            sock.close()
+        statuses = [status for status, _ in answers]
+        made = statuses.count(server_exports.CHANNEL_OK)
+        assert statuses == [server_exports.CHANNEL_OK] * made + [
+            server_exports.CHANNEL_USE_GRPC
+        ] * (8 - made)
+        assert made and b"ResourceExhaustedError" in answers[-1][1]
+        assert len(session.handles) + table.count(client.session_id) == 8
+
+
+def test_a_channel_key_never_shows_its_secret_or_proof_in_its_repr(
+    server: Any, client: Any
+) -> None:
+    learn_key(client)
+    table = server.daemon.exports
+    key = table._session_keys[client.session_id]
+    assert key.secret not in repr(key) and key.proof not in repr(key)
+    assert client.session_id not in repr(key)  # a capability too
+    assert key.locator in repr(key)  # enough to tell keys apart in a log
+
+
+def test_a_trickled_bind_line_is_cut_off_at_the_request_timeout(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    # one byte just inside each wait: the line's whole time is bounded, not each wait's
+    monkeypatch.setattr(server_exports, "FD_REQUEST_TIMEOUT_S", 0.6)
+    learn_key(client)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(server.daemon.exports.socket_path)
+    sent = 0
+    try:
+        for _ in range(6):
+            time.sleep(0.45)
+            try:
+                sock.send(b"c")
+            except OSError:  # the server closed it
+                break
+            sent += 1
+    finally:
+        sock.close()
+    assert sent == 1  # the server gave up at 0.6 s, before the second byte (0.9 s)
+
+
+def test_threads_exporting_at_once_each_get_their_own_tensor(server: Any, client: Any) -> None:
+    # one request at a time on the channel, the others through gRPC: never another's answer
+    tensors = [client.full((16,), float(i)) for i in range(4)]
+    export_fresh(client, tensors[0], 2)  # the channel bound
+    client.flush()
+    before = client._local.channel_exports
+    wrong: list[tuple[int, float]] = []
+
+    def export_many(i: int) -> None:
+        for _ in range(10):
+            alias = torch.from_dlpack(tensors[i])
+            if not bool((alias == float(i)).all()):
+                wrong.append((i, float(alias[0])))
+            del alias
+
+    threads = [threading.Thread(target=export_many, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not wrong and not any(thread.is_alive() for thread in threads)
+    assert client._local.channel_exports > before
+    session_id = client.session_id
+    table = server.daemon.exports
+    assert wait_until(lambda: client.flush() or table.count(session_id) == 0, timeout=5)

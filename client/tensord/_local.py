@@ -211,6 +211,9 @@ class ExportChannel:
                 self.last_reason = f"the export channel failed ({exc})"
                 self._drop()
                 return None
+            except BaseException:  # an interrupt mid-exchange: its answer may be on its way,
+                self._drop()  # and must never be read as the next request's
+                raise
             self._used = time.monotonic()
             return answer
         finally:

@@ -53,7 +53,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from tensord.protocol import split_ticket
@@ -83,8 +83,11 @@ MAX_FD_HANDLERS_PER_PEER = 4
 # How often the accept loop checks for shutdown.
 ACCEPT_POLL_S = 0.2
 _SOCKET_NAME = "fd.sock"
-# Export channels (issue 13): bound connections at once (a thread each), the whole server;
-# a bind beyond it is refused ("no: ...") and its client keeps using gRPC.
+# Export channels (issue 13): threads serving a channel at once, the whole server (a bound
+# connection each, and a replaced one whose thread is still finishing a request: it counts
+# until that thread ends, else rebinding a session whose requests wait, on its session's lock
+# say, would start a thread per bind); a bind beyond it is refused ("no: ...") and its client
+# keeps using gRPC.  A session replacing its own channel may pass it by one meanwhile.
 MAX_CHANNELS = 64
 # A channel that carries no request for this long is closed (its client reconnects lazily;
 # the bind's answer tells it this number).
@@ -132,9 +135,10 @@ class ChannelKey:
     the path on another host, which learns locator and secret, cannot pose as the server)."""
 
     locator: str
-    secret: str
-    proof: str
-    session_id: str
+    # never in a repr (a log line, a traceback's message): they bind or name the session
+    secret: str = field(repr=False)
+    proof: str = field(repr=False)
+    session_id: str = field(repr=False)
     tenant: str
 
     @property
@@ -183,6 +187,7 @@ class ExportTable:
         self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
         self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
+        self._channel_threads = 0  # bound or replaced, until their thread ends: MAX_CHANNELS
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -500,8 +505,12 @@ class ExportTable:
         line = b""
         deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
         while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
+            # each wait gets only the time left: a byte trickled just inside each full wait
+            # would hold this handler (a bind slot) for twice the bound
+            conn.settimeout(left)
             piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
             if not piece:
                 return None
@@ -553,12 +562,13 @@ class ExportTable:
             key = self._channel_keys.get(locator)
             if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
                 refusal = "unknown channel key"
-            elif key.session_id not in self._channels and len(self._channels) >= MAX_CHANNELS:
+            elif self._channel_threads - (key.session_id in self._channels) >= MAX_CHANNELS:
                 refusal = f"too many channels ({MAX_CHANNELS})"
             else:
                 refusal = ""
                 replaced = self._channels.get(key.session_id)
                 self._channels[key.session_id] = conn
+                self._channel_threads += 1  # until _unbind
         if refusal:
             conn.sendall(f"no: {refusal}\n".encode())
             return None
@@ -608,7 +618,9 @@ class ExportTable:
         return True
 
     def _unbind(self, session_id: str, conn: socket.socket) -> None:
+        """Once per bound ``conn``, when its thread stops serving it."""
         with self._lock:
+            self._channel_threads -= 1
             if self._channels.get(session_id) is conn:
                 del self._channels[session_id]
 
