@@ -377,6 +377,32 @@ def test_tenant_b_cannot_export_tenant_as_handle_through_its_channel(
             bob._local.export(secret.handle)
 
 
+def test_one_tenant_cannot_take_every_channel(make_server: Any, monkeypatch: Any) -> None:
+    """With tenants, a tenant's sessions bind at most MAX_CHANNELS_PER_TENANT channels: past
+    it that tenant's next session takes gRPC, and another tenant still binds (before: the
+    first tenant's sessions could hold all MAX_CHANNELS)."""
+    monkeypatch.setattr(server_exports, "MAX_CHANNELS", 3)
+    monkeypatch.setattr(server_exports, "MAX_CHANNELS_PER_TENANT", 1)
+    running = make_server(auth_tokens={"token-a": "alice", "token-b": "bob"})
+    path = running.daemon.exports.socket_path
+    with (
+        tensord.connect(running.address, token="token-a") as alice1,
+        tensord.connect(running.address, token="token-a") as alice2,
+        tensord.connect(running.address, token="token-b") as bob,
+    ):
+        first, line = bind(path, learn_key(alice1).channel_key)
+        assert line.startswith(b"ok ")
+        second, line = bind(path, learn_key(alice2).channel_key)
+        second.close()
+        assert line == b"no: too many channels for this tenant (1)\n"
+        again, line = bind(path, learn_key(alice1).channel_key)  # replacing its own: allowed
+        assert line.startswith(b"ok ")
+        other, line = bind(path, learn_key(bob).channel_key)
+        assert line.startswith(b"ok ")
+        for sock in (first, again, other):
+            sock.close()
+
+
 def test_an_answer_the_client_never_reads_releases_its_export(
     server: Any, client: Any, monkeypatch: Any
 ) -> None:

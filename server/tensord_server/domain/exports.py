@@ -23,7 +23,8 @@ above applies) is bound to that session; the answer carries the proof.  It then 
 bytes in, a status byte, a 4-byte length and an ExportResponse's bytes (or, with status
 "use gRPC", a short reason) out.  The socket code only moves bytes: the rpc layer's
 :attr:`ExportTable.channel_handler` parses, exports and encodes, as its Export handler does.
-At most :data:`MAX_CHANNELS` channels live at once and one per session (a second bind of a
+At most :data:`MAX_CHANNELS` channels live at once (with tenants, at most
+:data:`MAX_CHANNELS_PER_TENANT` of them one tenant's) and one per session (a second bind of a
 session replaces its first); an idle one closes after :data:`CHANNEL_IDLE_S`; the session's
 end drops its key and closes its channel.  Whatever the channel refuses, the client asks
 again through gRPC, which raises the proper errors.
@@ -39,6 +40,7 @@ allocation to outlive every process that opened it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import itertools
@@ -89,6 +91,10 @@ _SOCKET_NAME = "fd.sock"
 # say, would start a thread per bind); a bind beyond it is refused ("no: ...") and its client
 # keeps using gRPC.  A session replacing its own channel may pass it by one meanwhile.
 MAX_CHANNELS = 64
+# With tenants (``--auth-tokens``): channel threads one tenant may hold at once (counted as
+# MAX_CHANNELS counts them), so that one tenant's sessions cannot take every channel and
+# leave the others only gRPC.
+MAX_CHANNELS_PER_TENANT = 16
 # A channel that carries no request for this long is closed (its client reconnects lazily;
 # the bind's answer tells it this number).
 CHANNEL_IDLE_S = 30.0
@@ -188,6 +194,8 @@ class ExportTable:
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
         self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
         self._channel_threads = 0  # bound or replaced, until their thread ends: MAX_CHANNELS
+        # the same per tenant (with tenants): MAX_CHANNELS_PER_TENANT
+        self._tenant_channel_threads: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -564,11 +572,17 @@ class ExportTable:
                 refusal = "unknown channel key"
             elif self._channel_threads - (key.session_id in self._channels) >= MAX_CHANNELS:
                 refusal = f"too many channels ({MAX_CHANNELS})"
+            elif self.tenants and (
+                self._tenant_channel_threads[key.tenant] - (key.session_id in self._channels)
+                >= MAX_CHANNELS_PER_TENANT
+            ):
+                refusal = f"too many channels for this tenant ({MAX_CHANNELS_PER_TENANT})"
             else:
                 refusal = ""
                 replaced = self._channels.get(key.session_id)
                 self._channels[key.session_id] = conn
                 self._channel_threads += 1  # until _unbind
+                self._tenant_channel_threads[key.tenant] += 1
         if refusal:
             conn.sendall(f"no: {refusal}\n".encode())
             return None
@@ -578,7 +592,7 @@ class ExportTable:
         try:
             conn.sendall(f"ok {CHANNEL_IDLE_S:g} {key.proof}\n".encode())
         except OSError:
-            self._unbind(key.session_id, conn)
+            self._unbind(key, conn)
             raise
         return key
 
@@ -591,7 +605,7 @@ class ExportTable:
                     if request is None or not self._answer_frame(conn, key, request):
                         return
         finally:
-            self._unbind(key.session_id, conn)
+            self._unbind(key, conn)
 
     def _answer_frame(self, conn: socket.socket, key: ChannelKey, request: bytes) -> bool:
         """One Export on the channel; False when the channel must close."""
@@ -617,12 +631,15 @@ class ExportTable:
             raise
         return True
 
-    def _unbind(self, session_id: str, conn: socket.socket) -> None:
+    def _unbind(self, key: ChannelKey, conn: socket.socket) -> None:
         """Once per bound ``conn``, when its thread stops serving it."""
         with self._lock:
             self._channel_threads -= 1
-            if self._channels.get(session_id) is conn:
-                del self._channels[session_id]
+            self._tenant_channel_threads[key.tenant] -= 1
+            if not self._tenant_channel_threads[key.tenant]:
+                del self._tenant_channel_threads[key.tenant]
+            if self._channels.get(key.session_id) is conn:
+                del self._channels[key.session_id]
 
     def _forget_channel(self, session_id: str) -> None:
         """Drop a session's key and wake its channel's thread (which then closes it)."""
