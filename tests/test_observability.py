@@ -152,6 +152,29 @@ def test_sessions_closed_and_lost_are_counted(
     assert samples[("tensord_sessions", (("state", "live"),))] == 0
 
 
+def test_export_channel_requests_are_counted(
+    observed: tuple[RunningServer, HttpEndpoints],
+) -> None:
+    """Exports on a session's export channel pass no gRPC interceptor: the metrics count
+    them apart (issue 13), so an operator still sees every export."""
+    import tensord
+    import torch
+
+    running, endpoints = observed
+    url = f"http://127.0.0.1:{endpoints.port}/metrics"
+    with tensord.connect(running.address) as client:  # same host: mapping and channel
+        x = client.tensor(np.arange(1 << 16, dtype=np.float32))
+        for _ in range(3):  # each a fresh export: the first over gRPC, the others on the channel
+            alias = torch.from_dlpack(x)
+            assert float(alias[5]) == 5.0
+            del alias
+            client.flush()
+        samples = scrape(url)
+        answered = samples[("tensord_export_channel_requests_total", (("outcome", "answered"),))]
+        assert answered == client._local.channel_exports >= 1
+        assert samples[("tensord_export_channels", ())] == 1
+
+
 def test_every_grafana_query_names_a_metric_the_server_exports(
     observed: tuple[RunningServer, HttpEndpoints],
 ) -> None:

@@ -196,6 +196,9 @@ class ExportTable:
         self._channel_threads = 0  # bound or replaced, until their thread ends: MAX_CHANNELS
         # the same per tenant (with tenants): MAX_CHANNELS_PER_TENANT
         self._tenant_channel_threads: collections.Counter[str] = collections.Counter()
+        # channel requests so far, by outcome ("answered", "use_grpc"): the metrics' count of
+        # the Exports no gRPC interceptor sees
+        self._channel_requests: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
         self._thread.start()
         sessions.end_listeners.append(self.session_ended)
@@ -612,24 +615,37 @@ class ExportTable:
         try:  # what every call does first: the session's lookup, which renews its lease
             session = self.sessions.get(key.session_id, key.tenant)
         except NotFoundError:
+            self._count_request("use_grpc")
             _send_answer(conn, CHANNEL_USE_GRPC, b"unknown session")
             return False
         handler = self.channel_handler
         if handler is None:
+            self._count_request("use_grpc")
             _send_answer(conn, CHANNEL_USE_GRPC, b"no channel")
             return False
         try:
             answer, export_id = handler(session, request)
         except Exception as exc:  # the client asks again through gRPC, which raises it
             reason = f"{type(exc).__name__}: {exc}".encode()[:MAX_CHANNEL_REASON_BYTES]
+            self._count_request("use_grpc")
             _send_answer(conn, CHANNEL_USE_GRPC, reason)
             return True
         try:
+            self._count_request("answered")
             _send_answer(conn, CHANNEL_OK, answer)
         except OSError:
             self.release(session, [export_id])  # never delivered: nobody else would end it
             raise
         return True
+
+    def _count_request(self, outcome: str) -> None:
+        with self._lock:
+            self._channel_requests[outcome] += 1
+
+    def channel_stats(self) -> tuple[int, dict[str, int]]:
+        """Channels served now, and the channel's requests so far by outcome."""
+        with self._lock:
+            return self._channel_threads, dict(self._channel_requests)
 
     def _unbind(self, key: ChannelKey, conn: socket.socket) -> None:
         """Once per bound ``conn``, when its thread stops serving it."""

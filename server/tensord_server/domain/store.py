@@ -175,6 +175,12 @@ class TensorStore:
                 self._exports.channel_handler = self.export_channel_handler
             return self._exports
 
+    def export_channel_stats(self) -> tuple[int, dict[str, int]]:
+        """Export channels served now and their requests by outcome (none before the first
+        Export made the export table)."""
+        table = self._exports
+        return (0, {}) if table is None else table.channel_stats()
+
     def _contended(self) -> bool:
         """Whether a request waits for a lock a background compaction step takes."""
         return bool(

@@ -185,6 +185,23 @@ class StoreCollector(Collector):
             yield counter
         yield from self._tenant_metrics(devices)
         yield from self._session_metrics()
+        yield from self._channel_metrics()
+
+    def _channel_metrics(self) -> Iterator[Metric]:
+        """Same-host export channels (issue 13): their Exports pass no gRPC interceptor."""
+        channels, requests = self.store.export_channel_stats()
+        yield GaugeMetricFamily(
+            "tensord_export_channels", "Same-host export channels served now", value=channels
+        )
+        counted = CounterMetricFamily(
+            "tensord_export_channel_requests",
+            "Exports asked on a session's export channel, by outcome (use_grpc: the client "
+            "asked again through the Export RPC)",
+            labels=["outcome"],
+        )
+        for outcome in ("answered", "use_grpc"):
+            counted.add_metric([outcome], float(requests.get(outcome, 0)))
+        yield counted
 
     def _tenant_metrics(self, devices: list[str]) -> Iterator[Metric]:
         ledger = self.store.storages.ledger
