@@ -344,8 +344,8 @@ def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_i
     storage = sessions.lookup(session, x.handle).storage
     export = table.export
 
-    def export_then_release(*args: Any) -> Any:
-        answer = export(*args)
+    def export_then_release(*args: Any, **kwargs: Any) -> Any:
+        answer = export(*args, **kwargs)
         sessions.release(session, [x.handle])  # the concurrent Release, in between
         return answer
 
@@ -660,7 +660,7 @@ def test_empty_export_releases_only_the_callers_handles_and_exports(server: Any)
 def test_an_upload_falls_back_to_grpc_when_the_server_cannot_export(
     fresh_server: Any, monkeypatch: Any
 ) -> None:
-    def refuse(*args: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
         raise FailedPreconditionError("the memory of cpu cannot be mapped by clients")
 
     monkeypatch.setattr(fresh_server.daemon.exports, "export", refuse)

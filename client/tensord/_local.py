@@ -39,7 +39,6 @@ import math
 import mmap
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -55,7 +54,13 @@ from google.protobuf.message import DecodeError
 from tensord import dtypes, errors
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.layout import Layout, reach_bounds
-from tensord.protocol import split_ticket
+from tensord.protocol import (
+    CHANNEL_ANSWER_HEADER,
+    CHANNEL_BIND,
+    CHANNEL_FRAME_HEADER,
+    CHANNEL_OK,
+    split_ticket,
+)
 
 if TYPE_CHECKING:
     from tensord._rpc import Connection
@@ -119,9 +124,6 @@ CHANNEL_TIMEOUT_S = 5.0
 CHANNEL_RETRY_S = 5.0
 # The longest answer taken from the channel (an ExportResponse is well under 16 KiB).
 MAX_CHANNEL_ANSWER_BYTES = 1 << 20
-CHANNEL_OK = 0
-_FRAME_HEADER = struct.Struct("!I")
-_ANSWER_HEADER = struct.Struct("!BI")
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -236,7 +238,7 @@ class ExportChannel:
         try:
             sock.settimeout(max(deadline - now, 0.001))
             sock.connect(self.path)
-            sock.sendall(b"chan " + sent.encode("ascii") + b"\n")
+            sock.sendall(CHANNEL_BIND + sent.encode("ascii") + b"\n")
             line = b""
             while not line.endswith(b"\n") and len(line) < 256:
                 line += _receive_exactly(sock, 1, deadline)
@@ -255,9 +257,9 @@ class ExportChannel:
     def _exchange(self, sock: socket.socket, payload: bytes, deadline: float) -> bytes | None:
         """(lock held) One request and its answer; None for "use gRPC" (the channel stays)."""
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        sock.sendall(_FRAME_HEADER.pack(len(payload)) + payload)
-        status, length = _ANSWER_HEADER.unpack(
-            _receive_exactly(sock, _ANSWER_HEADER.size, deadline)
+        sock.sendall(CHANNEL_FRAME_HEADER.pack(len(payload)) + payload)
+        status, length = CHANNEL_ANSWER_HEADER.unpack(
+            _receive_exactly(sock, CHANNEL_ANSWER_HEADER.size, deadline)
         )
         if length > MAX_CHANNEL_ANSWER_BYTES:
             raise ValueError(f"an answer of {length} bytes")

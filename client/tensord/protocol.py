@@ -2,11 +2,13 @@
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
 sides configure their channels for, the address a client dials by default, and how the
-fd socket's ticket splits.  Pure: this module imports nothing, so both sides (and every
-layer) may use it.
+fd socket's ticket splits, and the export channel's framing.  Pure: this module imports
+only the standard library's ``struct``, so both sides (and every layer) may use it.
 """
 
 from __future__ import annotations
+
+import struct
 
 #: the version both sides report (``tensord.__version__``, ServerInfo.version)
 VERSION = "0.1.0"
@@ -36,3 +38,15 @@ TICKET_KEY_CHARS = 16
 def split_ticket(ticket: str) -> tuple[str, str]:
     """(key, proof): what the client sends, and what only the issuing server can answer."""
     return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
+
+
+# The export channel (issue 13) on the same fd socket: a connection binds with a line
+# ``CHANNEL_BIND`` + the session's key less its proof; then each request is a frame
+# (CHANNEL_FRAME_HEADER: its length, then an ExportRequest's bytes) and each answer a status
+# and a length (CHANNEL_ANSWER_HEADER) then an ExportResponse's bytes (CHANNEL_OK) or a short
+# reason (CHANNEL_USE_GRPC: the client asks through the Export RPC instead).
+CHANNEL_BIND = b"chan "
+CHANNEL_OK = 0
+CHANNEL_USE_GRPC = 1
+CHANNEL_FRAME_HEADER = struct.Struct("!I")
+CHANNEL_ANSWER_HEADER = struct.Struct("!BI")

@@ -58,7 +58,14 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from tensord.protocol import split_ticket
+from tensord.protocol import (
+    CHANNEL_ANSWER_HEADER,
+    CHANNEL_BIND,
+    CHANNEL_FRAME_HEADER,
+    CHANNEL_OK,
+    CHANNEL_USE_GRPC,
+    split_ticket,
+)
 
 from tensord_server.devices.cuda import CudaBackend
 from tensord_server.devices.memory import DeviceMemory
@@ -103,11 +110,6 @@ CHANNEL_IDLE_S = 30.0
 MAX_CHANNEL_REQUEST_BYTES = 16 << 10
 # Longest "use gRPC" reason sent back (the client only logs it).
 MAX_CHANNEL_REASON_BYTES = 256
-CHANNEL_OK = 0
-CHANNEL_USE_GRPC = 1
-CHANNEL_BIND = b"chan "
-FRAME_HEADER = struct.Struct("!I")  # a request: its length
-ANSWER_HEADER = struct.Struct("!BI")  # an answer: its status and length
 # What the rpc layer does with one channel request: (answer bytes, the id of the export it
 # made, released when the answer cannot be delivered).  Raises to say "use gRPC".
 ChannelHandler = Callable[[Session, bytes], tuple[bytes, str]]
@@ -193,9 +195,9 @@ class ExportTable:
         self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
         self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
-        self._channel_threads = 0  # bound or replaced, until their thread ends: MAX_CHANNELS
-        # the same per tenant (with tenants): MAX_CHANNELS_PER_TENANT
-        self._tenant_channel_threads: collections.Counter[str] = collections.Counter()
+        # threads serving a channel (bound, or replaced and still finishing a request) per
+        # tenant, until they end: MAX_CHANNELS_PER_TENANT each, MAX_CHANNELS in all
+        self._channel_threads: collections.Counter[str] = collections.Counter()
         # channel requests so far, by outcome ("answered", "use_grpc"): the metrics' count of
         # the Exports no gRPC interceptor sees
         self._channel_requests: collections.Counter[str] = collections.Counter()
@@ -573,19 +575,20 @@ class ExportTable:
             key = self._channel_keys.get(locator)
             if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
                 refusal = "unknown channel key"
-            elif self._channel_threads - (key.session_id in self._channels) >= MAX_CHANNELS:
-                refusal = f"too many channels ({MAX_CHANNELS})"
-            elif self.tenants and (
-                self._tenant_channel_threads[key.tenant] - (key.session_id in self._channels)
-                >= MAX_CHANNELS_PER_TENANT
-            ):
-                refusal = f"too many channels for this tenant ({MAX_CHANNELS_PER_TENANT})"
             else:
-                refusal = ""
-                replaced = self._channels.get(key.session_id)
-                self._channels[key.session_id] = conn
-                self._channel_threads += 1  # until _unbind
-                self._tenant_channel_threads[key.tenant] += 1
+                replacing = key.session_id in self._channels  # may pass a bound by one
+                if self._channel_threads.total() - replacing >= MAX_CHANNELS:
+                    refusal = f"too many channels ({MAX_CHANNELS})"
+                elif (
+                    self.tenants
+                    and self._channel_threads[key.tenant] - replacing >= MAX_CHANNELS_PER_TENANT
+                ):
+                    refusal = f"too many channels for this tenant ({MAX_CHANNELS_PER_TENANT})"
+                else:
+                    refusal = ""
+                    replaced = self._channels.get(key.session_id)
+                    self._channels[key.session_id] = conn
+                    self._channel_threads[key.tenant] += 1  # until _unbind
         if refusal:
             conn.sendall(f"no: {refusal}\n".encode())
             return None
@@ -615,45 +618,42 @@ class ExportTable:
         try:  # what every call does first: the session's lookup, which renews its lease
             session = self.sessions.get(key.session_id, key.tenant)
         except NotFoundError:
-            self._count_request("use_grpc")
-            _send_answer(conn, CHANNEL_USE_GRPC, b"unknown session")
+            self._send_counted(conn, CHANNEL_USE_GRPC, b"unknown session")
             return False
         handler = self.channel_handler
         if handler is None:
-            self._count_request("use_grpc")
-            _send_answer(conn, CHANNEL_USE_GRPC, b"no channel")
+            self._send_counted(conn, CHANNEL_USE_GRPC, b"no channel")
             return False
         try:
             answer, export_id = handler(session, request)
         except Exception as exc:  # the client asks again through gRPC, which raises it
             reason = f"{type(exc).__name__}: {exc}".encode()[:MAX_CHANNEL_REASON_BYTES]
-            self._count_request("use_grpc")
-            _send_answer(conn, CHANNEL_USE_GRPC, reason)
+            self._send_counted(conn, CHANNEL_USE_GRPC, reason)
             return True
         try:
-            self._count_request("answered")
-            _send_answer(conn, CHANNEL_OK, answer)
+            self._send_counted(conn, CHANNEL_OK, answer)
         except OSError:
             self.release(session, [export_id])  # never delivered: nobody else would end it
             raise
         return True
 
-    def _count_request(self, outcome: str) -> None:
+    def _send_counted(self, conn: socket.socket, status: int, payload: bytes) -> None:
+        """Answer one channel request, counted by its outcome for the metrics."""
         with self._lock:
-            self._channel_requests[outcome] += 1
+            self._channel_requests["answered" if status == CHANNEL_OK else "use_grpc"] += 1
+        _send_answer(conn, status, payload)
 
     def channel_stats(self) -> tuple[int, dict[str, int]]:
         """Channels served now, and the channel's requests so far by outcome."""
         with self._lock:
-            return self._channel_threads, dict(self._channel_requests)
+            return self._channel_threads.total(), dict(self._channel_requests)
 
     def _unbind(self, key: ChannelKey, conn: socket.socket) -> None:
         """Once per bound ``conn``, when its thread stops serving it."""
         with self._lock:
-            self._channel_threads -= 1
-            self._tenant_channel_threads[key.tenant] -= 1
-            if not self._tenant_channel_threads[key.tenant]:
-                del self._tenant_channel_threads[key.tenant]
+            self._channel_threads[key.tenant] -= 1
+            if not self._channel_threads[key.tenant]:
+                del self._channel_threads[key.tenant]
             if self._channels.get(key.session_id) is conn:
                 del self._channels[key.session_id]
 
@@ -715,12 +715,14 @@ def _read_frame(conn: socket.socket) -> bytes | None:
     FD_REQUEST_TIMEOUT_S for the rest; None when idle, closed, late or too long (the
     last answered "use gRPC" first)."""
     try:
-        header = _receive_exactly(conn, FRAME_HEADER.size, time.monotonic() + CHANNEL_IDLE_S)
+        header = _receive_exactly(
+            conn, CHANNEL_FRAME_HEADER.size, time.monotonic() + CHANNEL_IDLE_S
+        )
     except TimeoutError:
         return None
     if header is None:
         return None
-    (length,) = FRAME_HEADER.unpack(header)
+    (length,) = CHANNEL_FRAME_HEADER.unpack(header)
     if length > MAX_CHANNEL_REQUEST_BYTES:
         _send_answer(
             conn, CHANNEL_USE_GRPC, f"frame over {MAX_CHANNEL_REQUEST_BYTES} bytes".encode()
@@ -734,4 +736,4 @@ def _read_frame(conn: socket.socket) -> bytes | None:
 
 def _send_answer(conn: socket.socket, status: int, payload: bytes) -> None:
     conn.settimeout(FD_REQUEST_TIMEOUT_S)
-    conn.sendall(ANSWER_HEADER.pack(status, len(payload)) + payload)
+    conn.sendall(CHANNEL_ANSWER_HEADER.pack(status, len(payload)) + payload)

@@ -509,10 +509,7 @@ class TensordService:
         """``on_channel``: host memory only, and no channel key (the client has it)."""
         table = table or self.store.exports
         # ref: no second lookup
-        if on_channel:
-            export, ticket, ref = table.export(session, handle, mapped, host_only=True)
-        else:
-            export, ticket, ref = table.export(session, handle, mapped)
+        export, ticket, ref = table.export(session, handle, mapped, host_only=on_channel)
         key = "" if on_channel else table.channel_key(session)
         return pb.ExportResponse(
             export_id=export.id,
