@@ -28,7 +28,9 @@ capsule lives (a new Export, the segment still mapped), with the Export RPC's sh
 the bytes the pool allocated and the growth of this process's RSS; then a fresh-Export
 from_dlpack (over the session's export channel once its key is known), one Export on the
 channel alone, a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC,
-taking turns, median and best.  Targets: same-host transfers >= 0.7x
+taking turns, median and best.  After the table, for each size, (a) and the SDK's
+upload and download taking turns ``--rounds N`` times (default 9): the median and range
+of each round's ratio.  Targets: same-host transfers >= 0.7x
 np.copyto; from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
 """
 
@@ -57,6 +59,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 1024 * MiB)
+ROUNDS = 9  # side-by-side rounds per size (--rounds N)
 FRESH_EXPORT_CALLS = 200
 THP = "/sys/kernel/mm/transparent_hugepage"
 # madvise(2) advice, by number: Python's mmap module lacks MADV_POPULATE_WRITE (Linux 5.14)
@@ -260,7 +263,8 @@ def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, fl
         print(f"| {size} | {name} | {seconds:.4f} | {nbytes / seconds / 1e9:.2f} | {ratios} |")
 
 
-def transfers(local: Any, remote: Any, nbytes: int) -> None:
+def transfers(local: Any, remote: Any, nbytes: int) -> list[str]:
+    """The table's rows for ``nbytes`` (printed); the side-by-side rounds' lines (returned)."""
     repeats = 5 if nbytes <= 64 * MiB else 3
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     base = baselines(src, repeats)
@@ -297,9 +301,58 @@ def transfers(local: Any, remote: Any, nbytes: int) -> None:
     sdk.append(("gRPC download `x.numpy()`", "down", best(y.numpy, 1)))
     np.testing.assert_array_equal(x.numpy(), src)
     print_size(nbytes, base, sdk)
-    del x, y
+    del y
+    lines = side_by_side_rounds(local, x, src)
+    del x
     local.flush()
     remote.flush()
+    return lines
+
+
+def one_run(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    del result
+    return seconds
+
+
+def side_by_side_rounds(local: Any, x: Any, src: np.ndarray, rounds: int = 0) -> list[str]:
+    """(a) and the SDK's same-host upload and download taking turns, ``rounds`` times
+    (``--rounds``; default ROUNDS), every other round in reverse order: each round's
+    ratios compare runs seconds apart, so a neighbour's load on this shared machine falls
+    on both sides of a ratio, which the table's best-of-few, minutes apart, does not
+    promise.  Each ratio's median and range over the rounds, a line each."""
+    rounds = rounds or arg_int("--rounds", ROUNDS)
+    warm = np.empty_like(src)
+    warm[:] = 1
+    paths: dict[str, Callable[[], object]] = {
+        "a": lambda: np.copyto(warm, src),
+        "upload": lambda: local.tensor(src),
+        "download": x.numpy,
+    }
+    x.numpy()  # the destination cache holds a dropped array of this size from here on
+    ratios: dict[str, list[float]] = {"upload": [], "download": []}
+    for round_index in range(rounds):
+        order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
+        seconds = {name: one_run(paths[name]) for name in order}
+        for name in ratios:
+            ratios[name].append(seconds["a"] / seconds[name])
+    size = f"{src.nbytes // MiB} MiB"
+    return [
+        f"  {size} same-host {name}, {rounds} rounds taking turns with (a): x (a) median "
+        f"{statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}, "
+        f">= 0.7 in {sum(v >= 0.7 for v in values)} of {rounds}"
+        for name, values in ratios.items()
+    ]
+
+
+def arg_int(flag: str, default: int) -> int:
+    """``flag N`` from the command line, else ``default``."""
+    argv = sys.argv[1:]
+    if flag in argv[:-1]:
+        return int(argv[argv.index(flag) + 1])
+    return default
 
 
 def start_bare_server() -> tuple[subprocess.Popen[str], str]:
@@ -448,8 +501,9 @@ def main() -> int:
                     "\n| size | path | seconds | GB/s | x (a) | x (b) | x (c) |\n"
                     "| --- | --- | --- | --- | --- | --- | --- |"
                 )
-                for nbytes in SIZES:
-                    transfers(local, remote, nbytes)
+                rounds = [line for nbytes in SIZES for line in transfers(local, remote, nbytes)]
+                print("\nside by side (the ratio of each round's runs, seconds apart):")
+                print("\n".join(rounds))
             from_dlpack(address, local, bare_address)
     finally:
         server.terminate()
