@@ -24,27 +24,46 @@ Paired load tests (issue 18's load-test targets): ``--loadtest-pairs N`` runs
 (default ``pytorch,adaptive``), alternating them N times so that the machine's load
 falls on both alike (every other pair in reverse order, so that running second does too;
 a pause of SETTLE_S between runs), and prints one row per run, then per policy the mean and spread
-(min-max) of each figure and each pair's requests/s relative to the first policy:
+(min-max) of each figure and each pair's requests/s relative to the first policy.  The
+runs of a pair are seeded alike (``tensord loadtest --seed``, ``--seed`` + the pair's
+number): their users make the same choices, so the pair compares the policies on the same
+work (unseeded, the share of cheap client-side ops alone moved requests/s by several percent):
 
     python benchmarks/bench_fragmentation.py --loadtest-pairs 3 -u 50 -t 60s
+
+Paired same-work runs: ``--same-work-pairs N`` starts ``tensord serve --policy P``
+(a 1 GiB cpu pool) for each policy, alternating as above, and drives the load test's
+workloads (its default mix, one user per weight in turn) from ``-u`` threads of this
+process with fixed seeds, ``--steps`` steps each, no waits: every run serves the same
+requests (up to the few that meet a full pool), so a difference is the policy's cost,
+not a different mix of work, as a closed-loop Locust run may have.  Per run: wall time,
+requests/s, the server's CPU seconds (user + system, from /proc) per request, its minor
+page faults; then each pair's ratios against the first policy:
+
+    python benchmarks/bench_fragmentation.py --same-work-pairs 5 -u 26 --steps 60
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import tensord
 from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.pool import POLICIES
+from tensord_server.tools.loadtest.workloads import WORKLOADS, OpFailed, parse_weights
 from tensord_server.tools.replay import (
     TraceEvent,
     load_pytorch_stats,
@@ -173,17 +192,23 @@ RATIOS = (
 )
 
 
-def loadtest_once(policy: str, users: int, run_time: str, out: Path) -> dict[str, Any]:
-    """One ``tensord loadtest`` against a fresh server under ``policy``: its summary.json,
-    with the machine's load average when it started."""
+def loadtest_once(
+    policy: str, users: int, run_time: str, out: Path, seed: int | None = None
+) -> dict[str, Any]:
+    """One ``tensord loadtest`` against a fresh server under ``policy`` (its users seeded
+    with ``seed``: ``tensord loadtest --seed``): its summary.json, with the machine's load
+    average when it started."""
     load = os.getloadavg()[0]
     command = [sys.executable, "-m", "tensord_server", "loadtest", "-u", str(users)]
     command += ["-t", run_time, "--policy", policy, "--out", str(out), "--no-plot"]
+    if seed is not None:
+        command += ["--seed", str(seed)]
     subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["policy"] = policy
     summary["allocated_mib_per_s"] = summary.get("allocated_bytes_per_s", math.nan) / MiB
     summary["load_average"] = load
+    summary["seed"] = seed
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
@@ -200,18 +225,175 @@ def run_order(policies: list[str], pair: int) -> list[str]:
 
 
 def paired_loadtests(
-    policies: list[str], pairs: int, users: int, run_time: str, out: Path
+    policies: list[str], pairs: int, users: int, run_time: str, out: Path, seed: int = 0
 ) -> list[dict[str, Any]]:
+    """Each pair's runs seeded alike (``seed`` + the pair's number): the policies of a pair
+    serve users making the same choices; the pairs differ."""
     runs = []
     for pair in range(pairs):
         for index, policy in enumerate(run_order(policies, pair)):
             if pair or index:
                 time.sleep(SETTLE_S)
-            summary = loadtest_once(policy, users, run_time, out / f"{pair}-{policy}")
+            folder = out / f"{pair}-{policy}"
+            summary = loadtest_once(policy, users, run_time, folder, seed + pair)
             summary["pair"] = pair
             runs.append(summary)
             print(f"pair {pair} {policy}: {summary['requests_per_s']:.1f}/s", file=sys.stderr)
     return runs
+
+
+@dataclass(frozen=True)
+class SameWorkRun:
+    pair: int
+    policy: str
+    wall_s: float
+    requests: int
+    expected_errors: int
+    server_cpu_s: float
+    server_faults: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return self.server_cpu_s / self.requests * 1e3
+
+
+def server_cpu(pid: int) -> tuple[float, int]:
+    """A process's CPU seconds (user + system) and minor page faults, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[7])
+
+
+SERVE = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
+SERVE += ["--device", "cpu=1GiB"]
+BARRIER_TIMEOUT_S = 600.0  # a same-work run's users wait this long for each other at most
+
+
+def same_work_once(policy: str, pair: int, users: int, steps: int) -> SameWorkRun:
+    """One server with ``policy``; ``users`` threads, user i running the load test's
+    i-th workload of the default mix with random.Random(i), ``steps`` steps each; the
+    server's CPU measured between a barrier after every user's start() and one after its
+    last step."""
+    kinds = [name for name, weight in parse_weights(None).items() for _ in range(weight)]
+    kinds = [kinds[i % len(kinds)] for i in range(users)]
+    server = subprocess.Popen(
+        [*SERVE, "--policy", policy],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        address = line.split("tensord listening on ", 1)[1].split()[0]
+        counts = {"ok": 0, "expected": 0, "failed": 0}
+        lock = threading.Lock()
+
+        def record(op: str, seconds: float, nbytes: int, exc: object, expected: bool) -> None:
+            with lock:
+                counts["expected" if expected else "failed" if exc else "ok"] += 1
+
+        marks: dict[str, Any] = {}
+
+        def at_start() -> None:  # every user started; run by the last to arrive, alone
+            marks["cpu"], marks["faults"] = server_cpu(server.pid)
+            marks["begin"] = time.perf_counter()
+            counts.update(ok=0, expected=0, failed=0)  # start()'s requests are not counted
+
+        def at_finish() -> None:  # every user took its last step
+            marks["wall"] = time.perf_counter() - marks["begin"]
+            cpu, faults = server_cpu(server.pid)
+            marks["cpu"], marks["faults"] = cpu - marks["cpu"], faults - marks["faults"]
+            marks["done"] = dict(counts)
+
+        started = threading.Barrier(users, at_start)
+        finished = threading.Barrier(users, at_finish)
+
+        def user(index: int) -> None:
+            try:
+                with tensord.connect(address) as client:
+                    workload = WORKLOADS[kinds[index]](
+                        client, record, rng=random.Random(index), run_id=f"same-work-{pair}"
+                    )
+                    with contextlib.suppress(OpFailed):  # recorded; it carries on
+                        workload.start()
+                    started.wait(BARRIER_TIMEOUT_S)
+                    for _ in range(steps):
+                        with contextlib.suppress(OpFailed):
+                            workload.step()
+                    finished.wait(BARRIER_TIMEOUT_S)
+                    with contextlib.suppress(OpFailed):
+                        workload.stop()
+            except BaseException:
+                started.abort()  # the other users stop waiting for this one
+                finished.abort()
+                raise
+
+        threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    if "done" not in marks:
+        raise SystemExit(f"{policy}: a user failed before its last step (see above)")
+    done = marks["done"]
+    if done["failed"]:
+        print(f"{policy}: {done['failed']} unexpected failures", file=sys.stderr)
+    return SameWorkRun(
+        pair, policy, marks["wall"], done["ok"], done["expected"], marks["cpu"], marks["faults"]
+    )
+
+
+def paired_same_work(policies: list[str], pairs: int, users: int, steps: int) -> list[SameWorkRun]:
+    runs = []
+    for pair in range(pairs):
+        for policy in run_order(policies, pair):
+            run = same_work_once(policy, pair, users, steps)
+            runs.append(run)
+            print(
+                f"pair {pair} {policy}: {run.requests_per_s:.0f}/s, "
+                f"{run.cpu_ms_per_request:.3f} ms CPU/request",
+                file=sys.stderr,
+            )
+    return runs
+
+
+def same_work_markdown(runs: list[SameWorkRun], policies: list[str]) -> str:
+    lines = [
+        "| pair | policy | wall s | requests | expected errors | requests/s "
+        "| server CPU s | CPU ms/request | minor faults |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.pair} | {r.policy} | {r.wall_s:.2f} | {r.requests} | {r.expected_errors} "
+            f"| {r.requests_per_s:.0f} | {r.server_cpu_s:.2f} | {r.cpu_ms_per_request:.3f} "
+            f"| {r.server_faults} |"
+        )
+    first = {r.pair: r for r in runs if r.policy == policies[0]}
+    lines += [
+        "",
+        f"| policy | requests/s vs {policies[0]}, per pair | mean | "
+        f"CPU per request vs {policies[0]}, per pair | mean |",
+        "|---|---|---|---|---|",
+    ]
+    for policy in policies[1:]:
+        mine = [r for r in runs if r.policy == policy]
+        speed = [r.requests_per_s / first[r.pair].requests_per_s for r in mine]
+        cost = [r.cpu_ms_per_request / first[r.pair].cpu_ms_per_request for r in mine]
+        lines.append(
+            f"| {policy} | {', '.join(f'{v:.2f}' for v in speed)} | {sum(speed) / len(speed):.2f} "
+            f"| {', '.join(f'{v:.2f}' for v in cost)} | {sum(cost) / len(cost):.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def loadtest_markdown(runs: list[dict[str, Any]], policies: list[str]) -> str:
@@ -248,15 +430,30 @@ def main() -> int:
     parser.add_argument(
         "--loadtest-pairs", type=int, default=0, help="paired load tests instead of replays"
     )
+    parser.add_argument(
+        "--same-work-pairs", type=int, default=0, help="paired same-work runs instead of replays"
+    )
+    parser.add_argument("--steps", type=int, default=60, help="steps per user (--same-work-pairs)")
     parser.add_argument("--policies", default="pytorch,adaptive")
     parser.add_argument("-u", "--users", type=int, default=50)
     parser.add_argument("-t", "--run-time", default="60s")
     parser.add_argument("--out", type=Path, default=None, help="the load tests' folders")
     args = parser.parse_args()
+    if args.same_work_pairs > 0:
+        policies = args.policies.split(",")
+        same = paired_same_work(policies, args.same_work_pairs, args.users, args.steps)
+        print(
+            json.dumps([asdict(r) for r in same])
+            if args.json
+            else same_work_markdown(same, policies)
+        )
+        return 0
     if args.loadtest_pairs > 0:
         policies = args.policies.split(",")
         out = args.out or Path(tempfile.mkdtemp(prefix="bench-fragmentation-"))
-        runs = paired_loadtests(policies, args.loadtest_pairs, args.users, args.run_time, out)
+        runs = paired_loadtests(
+            policies, args.loadtest_pairs, args.users, args.run_time, out, args.seed
+        )
         print(json.dumps(runs, default=str) if args.json else loadtest_markdown(runs, policies))
         return 0
     rows: list[Row] = []

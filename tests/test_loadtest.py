@@ -110,6 +110,72 @@ def test_each_workload_runs_clean_and_gives_everything_back(gib_server: Running,
         assert [n for n in monitor.names() if n.startswith("loadtest/")] == []
 
 
+class Sequence:
+    """A recorder keeping every op in order, with its bytes and outcome."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, str]] = []
+
+    def __call__(self, op: str, seconds: float, nbytes: int, exc: Any, expected: bool) -> None:
+        self.calls.append((op, nbytes, "expected" if expected else type(exc).__name__))
+
+
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+def test_a_seed_makes_a_workload_choose_alike_run_after_run(gib_server: Running, name: str) -> None:
+    """tensord loadtest --seed: a user seeded alike (workload_rng) makes the same calls with
+    the same sizes in every run, so paired runs of two policies serve the same work; a
+    workload drawing from any other random source (the random module, numpy's) fails this."""
+    runs = []
+    for _ in range(2):
+        sequence = Sequence()
+        with tensord.connect(gib_server.address) as client:
+            rng = workloads.workload_rng("7", name, 0)
+            workload = workloads.WORKLOADS[name](client, sequence, rng=rng, run_id="seeded")
+            workload.start()
+            for _ in range(12):
+                workload.step()
+            workload.stop()
+        runs.append(sequence.calls)
+    assert len(runs[0]) >= 12  # at least a call a step
+    assert runs[0] == runs[1]
+
+
+def test_workload_rng_streams() -> None:
+    first = [workloads.workload_rng("7", "kv", 0).random() for _ in range(2)]
+    assert first[0] == first[1]  # same (seed, worker, workload, number): the same stream
+    others = [
+        workloads.workload_rng("8", "kv", 0),
+        workloads.workload_rng("7", "churn", 0),
+        workloads.workload_rng("7", "kv", 1),
+        workloads.workload_rng("7", "kv", 0, worker=1),
+    ]
+    assert len({first[0], *(rng.random() for rng in others)}) == 5
+    unseeded = [workloads.workload_rng(None, "kv", 0).random() for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_loadtest_seed_reaches_every_locust_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensord loadtest --seed N: Locust (master and workers) runs with TENSORD_SEED=N; without
+    it, with none (an inherited one removed would be a surprise too: it is passed through)."""
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    envs: list[dict[str, str]] = []
+
+    def popen(command: list[str], **kwargs: Any) -> None:
+        envs.append(kwargs["env"])
+        raise OSError("not started")
+
+    monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    monkeypatch.delenv("TENSORD_SEED", raising=False)
+    for argv in (["--seed", "11"], []):
+        with pytest.raises(OSError):
+            loadtest.run_locust(parser.parse_args(argv), "127.0.0.1:1", tmp_path, "run")
+    assert envs[0]["TENSORD_SEED"] == "11"
+    assert "TENSORD_SEED" not in envs[1]
+
+
 def test_views_workload_checks_data_it_reads_back(gib_server: Running) -> None:
     log = Log()
     with tensord.connect(gib_server.address) as client:

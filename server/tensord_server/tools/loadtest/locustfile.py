@@ -23,6 +23,8 @@ Configuration, by environment variable (read by master and workers alike):
   replay, a file or a bundled trace's name (default the bundled ``resnet50_train``),
   and how much to divide its sizes by (default 256);
 - ``TENSORD_WAIT``: ``min,max`` seconds each user waits between steps;
+- ``TENSORD_SEED``: seeds each user's random source (:func:`workload_rng`: the n-th
+  user of a workload makes the same choices in every run with this seed); unset: unseeded;
 - ``TENSORD_RUN_ID``: names shared tensors ``loadtest/<run id>/...``;
 - ``TENSORD_SAMPLER``: ``on`` (default when ``--csv`` is given) samples the
   server's memory statistics into ``<csv prefix>_timeseries.csv`` from the
@@ -45,8 +47,9 @@ grpc_gevent.init_gevent()
 gevent.get_hub().threadpool.maxsize = int(os.environ.get("TENSORD_GEVENT_THREADS", "1024"))
 
 import contextlib  # noqa: E402
-import random  # noqa: E402
+import itertools  # noqa: E402
 import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
 from typing import Any  # noqa: E402
 
 import tensord  # noqa: E402
@@ -59,12 +62,16 @@ from tensord_server.tools.loadtest.workloads import (  # noqa: E402
     TraceReplay,
     Workload,
     parse_weights,
+    workload_rng,
 )
 
 WEIGHTS = parse_weights(os.environ.get("TENSORD_WORKLOADS"))
 SCALE = float(os.environ.get("TENSORD_SCALE", "1.0"))
 RUN_ID = os.environ.get("TENSORD_RUN_ID", "run")
 WAIT_MIN, WAIT_MAX = (float(v) for v in os.environ.get("TENSORD_WAIT", "0,0.05").split(","))
+SEED = os.environ.get("TENSORD_SEED") or None
+# each workload's users numbered in the order they start (this process's), for workload_rng
+USER_NUMBERS: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
 
 
 class TensordUser(User):
@@ -75,6 +82,10 @@ class TensordUser(User):
     wait_time = between(WAIT_MIN, WAIT_MAX)
 
     def on_start(self) -> None:
+        # numbered before the first call that yields to another user's greenlet: in the
+        # order Locust starts the users, which its dispatcher keeps from run to run
+        number = next(USER_NUMBERS[self.workload_class.name])
+        worker = getattr(self.environment.runner, "worker_index", 0)
         address = self.host or os.environ.get("TENSORD_ADDRESS")
         start = time.perf_counter()
         try:
@@ -83,7 +94,8 @@ class TensordUser(User):
             self._record("session.connect", time.perf_counter() - start, 0, exc, False)
             raise
         self._record("session.connect", time.perf_counter() - start, 0, None, False)
-        kwargs: dict[str, Any] = {"rng": random.Random(), "scale": SCALE, "run_id": RUN_ID}
+        rng = workload_rng(SEED, self.workload_class.name, number, worker)
+        kwargs: dict[str, Any] = {"rng": rng, "scale": SCALE, "run_id": RUN_ID}
         kwargs["device"] = os.environ.get("TENSORD_DEVICE", "cpu").split("=")[0]
         if self.workload_class is TraceReplay:
             kwargs["divisor"] = int(os.environ.get("TENSORD_TRACE_DIVISOR", "256"))

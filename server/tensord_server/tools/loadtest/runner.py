@@ -240,6 +240,8 @@ def run_locust(args: argparse.Namespace, address: str, out: Path, run_id: str) -
         env["TENSORD_TRACE"] = str(args.trace)
     if args.wait:
         env["TENSORD_WAIT"] = args.wait
+    if args.seed is not None:
+        env["TENSORD_SEED"] = str(args.seed)
     locust = [sys.executable, "-m", "locust", "-f", str(args.locustfile)]
     master = [*locust, "--headless", "-u", str(args.users), "-r", str(args.spawn_rate)]
     master += ["-t", args.run_time, "--host", address, "--stop-timeout", str(args.stop_timeout)]
@@ -664,6 +666,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--wait", default="", help="min,max seconds a user waits between steps")
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed every user's choices (sizes, lengths, ...): two runs with one seed make the "
+        "same choices user by user, as paired runs of two policies should (default: unseeded)",
+    )
+    parser.add_argument(
         "--interval", type=float, default=0.5, help="seconds between memory samples"
     )
     parser.add_argument(
@@ -802,6 +811,7 @@ def run(args: argparse.Namespace) -> int:
             + (f" --policy {args.policy}" if args.policy else ""),
             "workloads": ",".join(f"{k}={w}" for k, w in weights.items() if w) or args.workloads,
             "size scale": args.scale,
+            "seed": "unseeded" if args.seed is None else args.seed,
             "sample interval": f"{args.interval} s",
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -602,6 +602,20 @@ WORKLOADS: dict[str, type[Workload]] = {
 }
 
 
+def workload_rng(seed: str | None, workload: str, number: int, worker: int = 0) -> random.Random:
+    """The random source of the ``number``-th user (from 0, in start order) of ``workload``
+    in Locust worker ``worker``: unseeded without a ``seed`` (``tensord loadtest --seed``);
+    with one, the same sequence for the same (seed, worker, workload, number), so two runs
+    with one seed make the same choices (sizes, which KV sequences grow by ``cat`` and which
+    by ``narrow().copy_()``, lengths, ...) user by user.  Paired runs compare policies on the
+    same work that way: unseeded, the share of cheap client-side ops alone moved a 30-second
+    run's requests/s by several percent (``kv.copy`` + ``kv.narrow`` 3,116 in one run,
+    1,606 in the next)."""
+    if seed is None:
+        return random.Random()
+    return random.Random(f"{seed}/{worker}/{workload}/{number}")
+
+
 def parse_weights(spec: str | None) -> dict[str, int]:
     """``"kv=3,train=2"`` (or ``"kv,train"``, weight 1) -> weights; empty: every default.
 
