@@ -41,6 +41,14 @@ requests/s, the server's CPU seconds (user + system, from /proc) per request, it
 page faults; then each pair's ratios against the first policy:
 
     python benchmarks/bench_fragmentation.py --same-work-pairs 5 -u 26 --steps 60
+
+The allocator's own CPU per malloc or free under each policy (``--allocator-cost``): a
+``CachingPool`` over the server's shared host backend (1 GiB, a doorbell set as
+``tensord serve`` sets one, no bytes touched) takes a seeded random walk of mallocs
+(64 KiB-24 MiB) and frees up to each of ``ALLOCATOR_COST_TARGETS`` MiB allocated and
+around it; process CPU time per operation, best of 3:
+
+    python benchmarks/bench_fragmentation.py --allocator-cost
 """
 
 from __future__ import annotations
@@ -56,11 +64,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import tensord
+from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.pool import POLICIES
 from tensord_server.tools.loadtest.workloads import WORKLOADS, OpFailed, parse_weights
@@ -240,6 +250,84 @@ def paired_loadtests(
             runs.append(summary)
             print(f"pair {pair} {policy}: {summary['requests_per_s']:.1f}/s", file=sys.stderr)
     return runs
+
+
+ALLOCATOR_COST_TARGETS = (700, 960)  # MiB allocated the walk hovers at (of 1,024)
+ALLOCATOR_COST_STEPS = 30_000
+
+
+def walk_size(rng: random.Random) -> int:
+    """A request of the walk: half small (1-256 KiB), a third 0.25-4 MiB, the rest 4-24 MiB."""
+    r = rng.random()
+    if r < 0.5:
+        return rng.randint(1, 256) * 1024
+    if r < 0.85:
+        return rng.randint(256, 4096) * 1024
+    return rng.randint(4, 24) * MiB
+
+
+class NothingMoves:
+    """A relocator under which every block is held (compaction plans, moves nothing)."""
+
+    @contextlib.contextmanager
+    def relocation(self, pool: Any) -> Iterator[dict[Any, Any]]:
+        yield {}
+
+    def claim(self, block: Any) -> object:
+        return None
+
+
+def allocator_cost(
+    policy: str, target_mib: int, steps: int, seed: int = 1
+) -> tuple[float, int, int]:
+    """CPU seconds per malloc or free of the walk, the decommits it made, its OOMs."""
+    from tensord_server.devices.shm import SharedHostBackend
+    from tensord_server.pool import CachingPool, policy_named
+
+    pool = CachingPool(
+        SharedHostBackend(total_bytes=1 << 30),
+        capacity=1 << 30,
+        policy=policy_named(policy),
+        relocator=NothingMoves(),
+    )
+    pool.compaction_wanted = lambda: None  # as under tensord serve: a free only rings it
+    rng = random.Random(seed)
+    live: list[Any] = []
+    allocated = ooms = 0
+    start = time.process_time()
+    for _ in range(steps):
+        if live and (allocated > target_mib * MiB or rng.random() < 0.45):
+            block = live.pop(rng.randrange(len(live)))
+            allocated -= block.size
+            pool.free(block)
+        else:
+            try:
+                block = pool.malloc(walk_size(rng))
+            except OutOfMemoryError:
+                ooms += 1
+                continue
+            live.append(block)
+            allocated += block.size
+    seconds = time.process_time() - start
+    decommits = int(pool.memory_stats().get("num_decommits", 0))
+    for block in live:
+        pool.free(block)
+    return seconds / steps, decommits, ooms
+
+
+def allocator_cost_markdown(policies: list[str]) -> str:
+    lines = [
+        "| MiB allocated (of 1,024) | policy | us per malloc or free, best of 3 | decommits | OOMs |"
+    ]
+    lines.append("|---|---|---|---|---|")
+    for target in ALLOCATOR_COST_TARGETS:
+        for policy in policies:
+            runs = [allocator_cost(policy, target, ALLOCATOR_COST_STEPS) for _ in range(3)]
+            best = min(run[0] for run in runs)
+            lines.append(
+                f"| {target} | {policy} | {best * 1e6:.1f} | {runs[0][1]:,} | {runs[0][2]:,} |"
+            )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -434,11 +522,17 @@ def main() -> int:
         "--same-work-pairs", type=int, default=0, help="paired same-work runs instead of replays"
     )
     parser.add_argument("--steps", type=int, default=60, help="steps per user (--same-work-pairs)")
+    parser.add_argument(
+        "--allocator-cost", action="store_true", help="CPU per malloc/free under each policy"
+    )
     parser.add_argument("--policies", default="pytorch,adaptive")
     parser.add_argument("-u", "--users", type=int, default=50)
     parser.add_argument("-t", "--run-time", default="60s")
     parser.add_argument("--out", type=Path, default=None, help="the load tests' folders")
     args = parser.parse_args()
+    if args.allocator_cost:
+        print(allocator_cost_markdown(args.policies.split(",")))
+        return 0
     if args.same_work_pairs > 0:
         policies = args.policies.split(",")
         same = paired_same_work(policies, args.same_work_pairs, args.users, args.steps)

@@ -834,11 +834,15 @@ class CachingPool:
         above which a free wakes it), each falling back to the next: wake-up, background,
         compact_threshold."""
         policy = self.policy
-        chain: list[float | None] = [policy.background_wake_threshold] if waking else []
-        chain += [policy.background_threshold, policy.compact_threshold]
-        threshold = next((t for t in chain if t is not None), None)
-        assert threshold is not None, "a background compactor without compact_threshold"
-        return threshold
+        # (on every free: no list of candidates built per call)
+        if waking and policy.background_wake_threshold is not None:
+            return policy.background_wake_threshold
+        if policy.background_threshold is not None:
+            return policy.background_threshold
+        assert policy.compact_threshold is not None, (
+            "a background compactor without compact_threshold"
+        )
+        return policy.compact_threshold
 
     def _keeps_idle_segments(self) -> bool:
         """Whether the policy's release_idle_s applies: only where a background compactor
@@ -856,6 +860,11 @@ class CachingPool:
         clock() time from which they may go back.  Background compaction neither empties
         nor fills them, nor counts them as excess; the out-of-memory paths ignore this.
         Not ``budgeted``: those the policy's keep_idle_fraction would not keep included."""
+        kept = self._kept_idle_unbudgeted()
+        return self._within_keep_budget(kept) if budgeted else kept
+
+    def _kept_idle_unbudgeted(self) -> dict[int, float]:
+        """_kept_idle_segments(budgeted=False)."""
         policy = self.policy
         decay = policy.release_idle_s
         if decay is None or not self._idle_since or not self._keeps_idle_segments():
@@ -863,10 +872,17 @@ class CachingPool:
         if self._capacity_used() > policy.keep_idle_below * self.capacity:
             return {}  # near the device's edge: the room is worth more than warm pages
         now = self.clock()
-        due = {address: since + decay for address, since in self._idle_since.items()}
-        kept = {address: when for address, when in due.items() if now < when}
+        return {
+            address: since + decay
+            for address, since in self._idle_since.items()
+            if now < since + decay
+        }
+
+    def _within_keep_budget(self, kept: dict[int, float]) -> dict[int, float]:
+        """Of the ``kept`` idle segments (unbudgeted), those the policy's keep_idle_fraction
+        keeps."""
         fraction = self._keep_idle_fraction()
-        if fraction is None or len(kept) <= 1 or not budgeted:
+        if fraction is None or len(kept) <= 1:
             return kept
         # the most recently freed first, within the budget (the first one whatever its size)
         budget = fraction * self._stats.allocated_bytes[ALL].current
@@ -910,11 +926,12 @@ class CachingPool:
             # (kept segments count here: the compactor must wake to give them back later)
             excess = self._wake_excess()
             if excess:
+                released = False
                 if not self._keeps_idle_segments():
-                    self._release_idle_segments(excess)
+                    released = self._release_idle_segments(excess)
                 elif self._keep_idle_fraction() is not None:
-                    self._release_unkept_idle_segments()
-                if self._wake_excess():
+                    released = self._release_unkept_idle_segments()
+                if not released or self._wake_excess():
                     wanted()
             return
         if policy.release_threshold is not None:
@@ -935,10 +952,11 @@ class CachingPool:
         )
         self._count_result(result)
 
-    def _release_idle_segments(self, target: int) -> None:
-        """Give back whole free segments, the largest first, until ``target`` bytes went back."""
+    def _release_idle_segments(self, target: int) -> bool:
+        """Give back whole free segments, the largest first, until ``target`` bytes went
+        back; whether any went back."""
         if not self._has_idle_segment():
-            return  # most calls: looking costs a walk of every free block
+            return False  # most calls: looking costs a walk of every free block
         idle = [
             block
             for pool in (self._large, self._small)
@@ -951,19 +969,27 @@ class CachingPool:
                 break
             released += self._committed_in(block.segment)
             self._release_block(block)
+        return bool(idle)
 
-    def _release_unkept_idle_segments(self) -> None:
+    def _release_unkept_idle_segments(self) -> bool:
         """Give back the wholly free segments beyond the kept ones' budget (policy
         keep_idle_fraction): no copy, so cheap on a freeing call (the compactor, woken,
-        would give them back later, after load-test samples that count them)."""
+        would give them back later, after load-test samples that count them).  Whether
+        any went back."""
         if len(self._idle_since) <= 1:
-            return  # the most recently freed one is kept whatever its size
-        kept = self._kept_idle_segments()
-        for address in [a for a in self._kept_idle_segments(budgeted=False) if a not in kept]:
+            return False  # the most recently freed one is kept whatever its size
+        unbudgeted = self._kept_idle_unbudgeted()
+        if len(unbudgeted) <= 1:
+            return False  # within any budget
+        kept = self._within_keep_budget(unbudgeted)
+        released = False
+        for address in [a for a in unbudgeted if a not in kept]:
             head = self._segments[address].head
             assert head is not None
             if self._releasable(head):
                 self._release_block(head)
+                released = True
+        return released
 
     def _has_idle_segment(self) -> bool:
         """Whether some free block spans its whole segment: the free blocks of a pool less
@@ -1027,6 +1053,9 @@ class CachingPool:
         (a new segment's released)."""
         if block is None or not self._caps_commit():
             return block
+        assert self._decommitter is not None
+        if self._committed() + block.size + 2 * self._decommitter[1] <= self.capacity:
+            return block  # whatever it commits fits: its pages rounded out, < 2 pages more
         if self._commit_room(self._commit_cost(block, size), release_segments=True):
             return block
         assert block.pool is not None
