@@ -35,18 +35,23 @@ Paired same-work runs: ``--same-work-pairs N`` starts ``tensord serve --policy P
 (a 1 GiB cpu pool) for each policy, alternating as above, and drives the load test's
 workloads (its default mix, one user per weight in turn) from ``-u`` threads of this
 process with fixed seeds, ``--steps`` steps each, no waits: every run serves the same
-requests (up to the few that meet a full pool), so a difference is the policy's cost,
-not a different mix of work, as a closed-loop Locust run may have.  Per run: wall time,
-requests/s, the server's CPU seconds (user + system, from /proc) per request, its minor
-page faults; then each pair's ratios against the first policy:
+requests (each step drawing from its own seeded generator, so a call that fails under
+one policy changes only that step), so a difference is the policy's cost, not a
+different mix of work, as a closed-loop Locust run may have.  Each user's queued ops and
+releases reach the server before the measured window opens and before it closes.  Per
+run: wall time, requests/s, the server's CPU seconds (user + system, from /proc) per
+request, its minor page faults; then each pair's ratios against the first policy.
+"Requests" are the ops the workloads record, as the load test counts them (client-side
+view ops and data checks included, expected errors apart):
 
     python benchmarks/bench_fragmentation.py --same-work-pairs 5 -u 26 --steps 60
 
 The allocator's own CPU per malloc or free under each policy (``--allocator-cost``): a
 ``CachingPool`` over the server's shared host backend (1 GiB, a doorbell set as
 ``tensord serve`` sets one, no bytes touched) takes a seeded random walk of mallocs
-(64 KiB-24 MiB) and frees up to each of ``ALLOCATOR_COST_TARGETS`` MiB allocated and
-around it; process CPU time per operation, best of 3:
+(1 KiB-24 MiB) and frees up to each of ``ALLOCATOR_COST_TARGETS`` MiB allocated and
+around it, on a clock of its own (a millisecond per operation, so every run is the same
+walk); process CPU time per operation, best of 3, and each run's decommits and OOMs:
 
     python benchmarks/bench_fragmentation.py --allocator-cost
 """
@@ -73,7 +78,13 @@ import tensord
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace, bundled_traces
 from tensord_server.pool import POLICIES
-from tensord_server.tools.loadtest.workloads import WORKLOADS, OpFailed, parse_weights
+from tensord_server.tools.loadtest.workloads import (
+    WORKLOADS,
+    OpFailed,
+    parse_weights,
+    seeded_step,
+    workload_rng,
+)
 from tensord_server.tools.replay import (
     TraceEvent,
     load_pytorch_stats,
@@ -284,11 +295,14 @@ def allocator_cost(
     from tensord_server.devices.shm import SharedHostBackend
     from tensord_server.pool import CachingPool, policy_named
 
+    clock = [0.0]  # the walk's own clock, a millisecond per operation: the same walk
+    # (which idle segments have decayed, release_idle_s) however fast this machine runs it
     pool = CachingPool(
         SharedHostBackend(total_bytes=1 << 30),
         capacity=1 << 30,
         policy=policy_named(policy),
         relocator=NothingMoves(),
+        clock=lambda: clock[0],
     )
     pool.compaction_wanted = lambda: None  # as under tensord serve: a free only rings it
     rng = random.Random(seed)
@@ -296,6 +310,7 @@ def allocator_cost(
     allocated = ooms = 0
     start = time.process_time()
     for _ in range(steps):
+        clock[0] += 0.001
         if live and (allocated > target_mib * MiB or rng.random() < 0.45):
             block = live.pop(rng.randrange(len(live)))
             allocated -= block.size
@@ -312,6 +327,7 @@ def allocator_cost(
     decommits = int(pool.memory_stats().get("num_decommits", 0))
     for block in live:
         pool.free(block)
+    pool.empty_cache()  # its memfds go now, not when the pool is collected
     return seconds / steps, decommits, ooms
 
 
@@ -324,9 +340,9 @@ def allocator_cost_markdown(policies: list[str]) -> str:
         for policy in policies:
             runs = [allocator_cost(policy, target, ALLOCATOR_COST_STEPS) for _ in range(3)]
             best = min(run[0] for run in runs)
-            lines.append(
-                f"| {target} | {policy} | {best * 1e6:.1f} | {runs[0][1]:,} | {runs[0][2]:,} |"
-            )
+            decommits = "/".join(f"{run[1]:,}" for run in runs)
+            ooms = "/".join(f"{run[2]:,}" for run in runs)
+            lines.append(f"| {target} | {policy} | {best * 1e6:.1f} | {decommits} | {ooms} |")
     return "\n".join(lines)
 
 
@@ -363,10 +379,10 @@ BARRIER_TIMEOUT_S = 600.0  # a same-work run's users wait this long for each oth
 
 
 def same_work_once(policy: str, pair: int, users: int, steps: int) -> SameWorkRun:
-    """One server with ``policy``; ``users`` threads, user i running the load test's
-    i-th workload of the default mix with random.Random(i), ``steps`` steps each; the
-    server's CPU measured between a barrier after every user's start() and one after its
-    last step."""
+    """One server with ``policy``; ``users`` threads, user i running the load test's i-th
+    workload of the default mix (seeded: workload_rng, seeded_step), ``steps`` steps each;
+    the server's CPU measured between a barrier after every user's start() and one after
+    its last step."""
     kinds = [name for name, weight in parse_weights(None).items() for _ in range(weight)]
     kinds = [kinds[i % len(kinds)] for i in range(users)]
     server = subprocess.Popen(
@@ -405,15 +421,25 @@ def same_work_once(policy: str, pair: int, users: int, steps: int) -> SameWorkRu
         def user(index: int) -> None:
             try:
                 with tensord.connect(address) as client:
-                    workload = WORKLOADS[kinds[index]](
-                        client, record, rng=random.Random(index), run_id=f"same-work-{pair}"
+                    name = kinds[index]
+                    seed = f"same-work-{pair}"
+                    workload = WORKLOADS[name](
+                        client,
+                        record,
+                        rng=workload_rng(seed, name, index),
+                        run_id=f"same-work-{pair}",
                     )
                     with contextlib.suppress(OpFailed):  # recorded; it carries on
                         workload.start()
+                    # start()'s queued ops and releases reach the server before the window
+                    client.synchronize()
+                    client.flush()
                     started.wait(BARRIER_TIMEOUT_S)
-                    for _ in range(steps):
+                    for step in range(steps):
                         with contextlib.suppress(OpFailed):
-                            workload.step()
+                            seeded_step(workload, seed, index, 0, step)
+                    client.synchronize()  # ... and the last steps' inside it
+                    client.flush()
                     finished.wait(BARRIER_TIMEOUT_S)
                     with contextlib.suppress(OpFailed):
                         workload.stop()

@@ -127,13 +127,15 @@ def test_a_seed_makes_a_workload_choose_alike_run_after_run(gib_server: Running,
     workload drawing from any other random source (the random module, numpy's) fails this."""
     runs = []
     for _ in range(2):
+        # a run is a fresh process: no share tokens left over from another run's users
+        workloads._TOKENS.clear()
         sequence = Sequence()
         with tensord.connect(gib_server.address) as client:
             rng = workloads.workload_rng("7", name, 0)
             workload = workloads.WORKLOADS[name](client, sequence, rng=rng, run_id="seeded")
             workload.start()
-            for _ in range(12):
-                workload.step()
+            for step in range(12):
+                workloads.seeded_step(workload, "7", 0, 0, step)
             workload.stop()
         runs.append(sequence.calls)
     assert len(runs[0]) >= 12  # at least a call a step
@@ -152,6 +154,53 @@ def test_workload_rng_streams() -> None:
     assert len({first[0], *(rng.random() for rng in others)}) == 5
     unseeded = [workloads.workload_rng(None, "kv", 0).random() for _ in range(2)]
     assert unseeded[0] != unseeded[1]
+
+
+def test_a_seeded_step_draws_from_its_own_generator() -> None:
+    """seeded_step: each step has its own generator, so a step that draws more in one run
+    (a call that failed under one policy and not under the other) leaves the later steps'
+    choices alike; unseeded, the workload keeps its own generator."""
+
+    class Draws(workloads.Workload):
+        name = "draws"
+
+        def __init__(self, extra_at: int | None) -> None:
+            super().__init__(client=None, record=lambda *args: None)
+            self.extra_at, self.steps_taken, self.drawn = extra_at, 0, []
+
+        def step(self) -> None:
+            if self.steps_taken == self.extra_at:
+                self.rng.random()  # the path only one run takes
+            self.drawn.append(self.rng.random())
+            self.steps_taken += 1
+
+    runs = []
+    for extra_at in (None, 2):
+        workload = Draws(extra_at)
+        for step in range(5):
+            workloads.seeded_step(workload, "7", 0, 0, step)
+        runs.append(workload.drawn)
+    assert runs[0][:2] == runs[1][:2] and runs[0][3:] == runs[1][3:]
+    assert runs[0][2] != runs[1][2]
+    assert len(set(runs[0])) == 5  # every step its own stream
+    unseeded = Draws(None)
+    kept = unseeded.rng
+    workloads.seeded_step(unseeded, None, 0, 0, 0)
+    assert unseeded.rng is kept
+
+
+def test_seed_with_locust_workers_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With worker processes Locust's master assigns users to workers in an order that
+    changes between runs: a seeded run would not be paired, so it is refused."""
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--seed", "3", "--workers", "2", "--out", str(out)])
+    assert loadtest.run(args) == 2
+    assert "--seed needs --workers 0" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_loadtest_seed_reaches_every_locust_process(

@@ -62,6 +62,7 @@ from tensord_server.tools.loadtest.workloads import (  # noqa: E402
     TraceReplay,
     Workload,
     parse_weights,
+    seeded_step,
     workload_rng,
 )
 
@@ -86,6 +87,8 @@ class TensordUser(User):
         # order Locust starts the users, which its dispatcher keeps from run to run
         number = next(USER_NUMBERS[self.workload_class.name])
         worker = getattr(self.environment.runner, "worker_index", 0)
+        self.seed_key = (number, worker)
+        self.steps = 0
         address = self.host or os.environ.get("TENSORD_ADDRESS")
         start = time.perf_counter()
         try:
@@ -105,8 +108,9 @@ class TensordUser(User):
 
     @task
     def step(self) -> None:
+        step, self.steps = self.steps, self.steps + 1
         with contextlib.suppress(OpFailed):  # recorded as a failure already
-            self.workload.step()
+            seeded_step(self.workload, SEED, *self.seed_key, step)
 
     def on_stop(self) -> None:
         client = getattr(self, "client", None)

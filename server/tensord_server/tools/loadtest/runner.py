@@ -730,6 +730,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     parse_duration(args.run_time)
+    if args.seed is not None and args.workers > 0:
+        # Locust's master numbers its workers in the order they connect and hands out users
+        # in another order: which worker runs which users changes from run to run
+        print(
+            "tensord loadtest: --seed needs --workers 0 (with worker processes, which "
+            "worker runs which users changes from run to run, so two seeded runs would "
+            "not make the same choices)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         weights = workload_weights(args.locustfile, args.workloads)
     except ValueError as exc:

@@ -602,18 +602,32 @@ WORKLOADS: dict[str, type[Workload]] = {
 }
 
 
-def workload_rng(seed: str | None, workload: str, number: int, worker: int = 0) -> random.Random:
+def workload_rng(
+    seed: str | None, workload: str, number: int, worker: int = 0, step: int | None = None
+) -> random.Random:
     """The random source of the ``number``-th user (from 0, in start order) of ``workload``
-    in Locust worker ``worker``: unseeded without a ``seed`` (``tensord loadtest --seed``);
-    with one, the same sequence for the same (seed, worker, workload, number), so two runs
-    with one seed make the same choices (sizes, which KV sequences grow by ``cat`` and which
-    by ``narrow().copy_()``, lengths, ...) user by user.  Paired runs compare policies on the
-    same work that way: unseeded, the share of cheap client-side ops alone moved a 30-second
-    run's requests/s by several percent (``kv.copy`` + ``kv.narrow`` 3,116 in one run,
-    1,606 in the next)."""
+    in Locust worker ``worker``, for its ``step``-th step (None: its start()): unseeded
+    without a ``seed`` (``tensord loadtest --seed``); with one, the same sequence for the
+    same (seed, worker, workload, number, step), so two runs with one seed make the same
+    choices (sizes, which KV sequences grow by ``cat`` and which by ``narrow().copy_()``,
+    lengths, ...) user by user and step by step.  A generator per step: a call that fails
+    in one run and not in the other (an OOM under one policy) changes what that step draws
+    after it, not every later step.  Paired runs compare policies on the same work that
+    way: unseeded, the share of cheap client-side ops alone moved a 30-second run's
+    requests/s by several percent (``kv.copy`` + ``kv.narrow`` 3,116 in one run, 1,606 in
+    the next)."""
     if seed is None:
         return random.Random()
-    return random.Random(f"{seed}/{worker}/{workload}/{number}")
+    key = f"{seed}/{worker}/{workload}/{number}"
+    return random.Random(key if step is None else f"{key}/{step}")
+
+
+def seeded_step(workload: Workload, seed: str | None, number: int, worker: int, step: int) -> None:
+    """``workload.step()``, the ``step``-th of the ``number``-th user, from its own seeded
+    generator (:func:`workload_rng`) when there is a ``seed``."""
+    if seed is not None:
+        workload.rng = workload_rng(seed, workload.name, number, worker, step)
+    workload.step()
 
 
 def parse_weights(spec: str | None) -> dict[str, int]:
