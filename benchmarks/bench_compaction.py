@@ -208,6 +208,11 @@ def start_serve(device: str, users: int, compaction: bool) -> tuple[subprocess.P
     command += ["--device", device, "--session-grace", "2", "--max-workers", str(2 * users + 16)]
     if not compaction:
         command.append("--no-compaction")
+    return launch_serve(command)
+
+
+def launch_serve(command: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """``command`` (a ``tensord serve``) started, and the address it listens on."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )

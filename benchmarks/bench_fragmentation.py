@@ -94,7 +94,7 @@ from tensord_server.tools.replay import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compaction import bimodal_steps
+from bench_compaction import bimodal_steps, launch_serve
 
 # capacity factors tried, as multiples of the workload's peak allocated
 FACTORS = (1.00, 1.01, 1.02, 1.03, 1.05, 1.10, 1.25, 1.50, 2.00)
@@ -385,16 +385,8 @@ def same_work_once(policy: str, pair: int, users: int, steps: int) -> SameWorkRu
     its last step."""
     kinds = [name for name, weight in parse_weights(None).items() for _ in range(weight)]
     kinds = [kinds[i % len(kinds)] for i in range(users)]
-    server = subprocess.Popen(
-        [*SERVE, "--policy", policy],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    server, address = launch_serve([*SERVE, "--policy", policy])
     try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        address = line.split("tensord listening on ", 1)[1].split()[0]
         counts = {"ok": 0, "expected": 0, "failed": 0}
         lock = threading.Lock()
 

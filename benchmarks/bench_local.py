@@ -309,14 +309,6 @@ def transfers(local: Any, remote: Any, nbytes: int) -> list[str]:
     return lines
 
 
-def one_run(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    result = fn()
-    seconds = time.perf_counter() - start
-    del result
-    return seconds
-
-
 def side_by_side_rounds(local: Any, x: Any, src: np.ndarray, rounds: int = 0) -> list[str]:
     """(a) and the SDK's same-host upload and download taking turns, ``rounds`` times
     (``--rounds``; default ROUNDS), every other round in reverse order: each round's
@@ -335,7 +327,7 @@ def side_by_side_rounds(local: Any, x: Any, src: np.ndarray, rounds: int = 0) ->
     ratios: dict[str, list[float]] = {"upload": [], "download": []}
     for round_index in range(rounds):
         order = list(paths) if round_index % 2 == 0 else list(reversed(paths))
-        seconds = {name: one_run(paths[name]) for name in order}
+        seconds = {name: best(paths[name], 1) for name in order}  # one run each
         for name in ratios:
             ratios[name].append(seconds["a"] / seconds[name])
     size = f"{src.nbytes // MiB} MiB"

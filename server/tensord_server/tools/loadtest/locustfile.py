@@ -23,7 +23,7 @@ Configuration, by environment variable (read by master and workers alike):
   replay, a file or a bundled trace's name (default the bundled ``resnet50_train``),
   and how much to divide its sizes by (default 256);
 - ``TENSORD_WAIT``: ``min,max`` seconds each user waits between steps;
-- ``TENSORD_SEED``: seeds each user's random source (:func:`workload_rng`: the n-th
+- ``TENSORD_SEED``: seeds each user's choices step by step (:func:`seeded_step`: the n-th
   user of a workload makes the same choices in every run with this seed); unset: unseeded;
 - ``TENSORD_RUN_ID``: names shared tensors ``loadtest/<run id>/...``;
 - ``TENSORD_SAMPLER``: ``on`` (default when ``--csv`` is given) samples the

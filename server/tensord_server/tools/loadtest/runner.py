@@ -669,8 +669,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=None,
-        help="seed every user's choices (sizes, lengths, ...): two runs with one seed make the "
-        "same choices user by user, as paired runs of two policies should (default: unseeded)",
+        help="seed every user's choices (sizes, lengths, ...), step by step: two runs with one "
+        "seed make the same choices user by user, as paired runs of two policies should "
+        "(default: unseeded; not with --workers)",
     )
     parser.add_argument(
         "--interval", type=float, default=0.5, help="seconds between memory samples"
