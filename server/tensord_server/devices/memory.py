@@ -90,6 +90,22 @@ def _libc_madvise() -> Any:
 _MADVISE = _libc_madvise()
 
 
+def can_advise() -> bool:
+    """Whether :func:`advise` may be called (Linux, with libc reachable through ctypes)."""
+    return _MADVISE is not None
+
+
+def advise(address: int, nbytes: int, advice: int, name: str) -> None:
+    """madvise(2) of [address, address + nbytes) through libc, which releases the GIL for
+    the call: freeing pages takes about a microsecond each (0.1 s for 512 MiB on this
+    project's VM), and ``mmap.madvise`` holds the GIL throughout, stalling every other
+    thread of the server.  OSError naming ``name`` when it fails."""
+    assert _MADVISE is not None, "advise() off Linux"
+    if _MADVISE(address, nbytes, advice) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"madvise({name}): {os.strerror(error)}")
+
+
 def check_pages(memory: DeviceMemory, offset: int, nbytes: int, page: int) -> None:
     """Refuse a decommit of anything but whole pages inside the segment (a server bug)."""
     check_range(memory, offset, nbytes)
@@ -168,9 +184,7 @@ class HostBackend:
     def decommit(self, memory: DeviceMemory, offset: int, nbytes: int) -> None:
         """Free the pages of [offset, offset + nbytes): whole pages of free bytes only."""
         check_pages(memory, offset, nbytes, self.page_size)
-        if _MADVISE(memory.address + offset, nbytes, mmap.MADV_DONTNEED) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"madvise(MADV_DONTNEED): {os.strerror(error)}")
+        advise(memory.address + offset, nbytes, mmap.MADV_DONTNEED, "MADV_DONTNEED")
 
 
 class BookkeepingBackend:

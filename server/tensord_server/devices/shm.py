@@ -27,6 +27,8 @@ from tensord_server.devices.memory import (
     BackendOutOfMemory,
     DeviceMemory,
     HostBackend,
+    advise,
+    can_advise,
     check_pages,
 )
 
@@ -161,8 +163,13 @@ class SharedHostBackend(HostBackend):
         if segment is None:
             raise ValueError(f"no live segment at {memory.address:#x}")
         # MADV_REMOVE frees the backing pages (fallocate's PUNCH_HOLE): MADV_DONTNEED on a
-        # shared mapping would only drop this process's page-table entries
-        segment.mapping.madvise(mmap.MADV_REMOVE, offset, nbytes)
+        # shared mapping would only drop this process's page-table entries.  Through libc,
+        # without the GIL (other requests run meanwhile); ``segment`` stays mapped during
+        # the call: its array holds the mapping, whatever close() does to its descriptor
+        if can_advise():
+            advise(memory.address + offset, nbytes, mmap.MADV_REMOVE, "MADV_REMOVE")
+        else:
+            segment.mapping.madvise(mmap.MADV_REMOVE, offset, nbytes)
 
     def segment(self, memory: DeviceMemory) -> HostSegment | None:
         with self._lock:

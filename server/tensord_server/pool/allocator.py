@@ -978,6 +978,11 @@ class CachingPool:
         any went back."""
         if len(self._idle_since) <= 1:
             return False  # the most recently freed one is kept whatever its size
+        fraction = self._keep_idle_fraction()
+        if fraction is not None and (
+            self._idle_committed <= fraction * self._stats.allocated_bytes[ALL].current
+        ):
+            return False  # every idle segment together fits the budget (most frees)
         unbudgeted = self._kept_idle_unbudgeted()
         if len(unbudgeted) <= 1:
             return False  # within any budget
