@@ -606,11 +606,12 @@ def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
     released_unkept = 0
     original = CachingPool._release_unkept_idle_segments
 
-    def counting(self: CachingPool) -> None:
+    def counting(self: CachingPool) -> bool:
         nonlocal released_unkept
         before = len(self._segments)
-        original(self)
+        released = original(self)
         released_unkept += before - len(self._segments)
+        return released
 
     monkeypatch.setattr(CachingPool, "_release_unkept_idle_segments", counting)
     runs_that_moved = 0

@@ -192,15 +192,19 @@ def test_the_out_of_memory_path_gives_kept_segments_back() -> None:
 
 def test_near_the_devices_edge_no_segment_is_kept() -> None:
     """Above keep_idle_below x capacity (0.75) a free segment is room, not a cache: the
-    compactor gives it back at its next look, decayed or not."""
-    pool, _, _ = background_pool(capacity=256 * MiB)
-    live = pool.malloc(150 * MiB)
-    pool.free(pool.malloc(48 * MiB))  # 198 MiB reserved of 256: above 0.75 x 256 = 192
-    assert segments(pool) == 2
-    BackgroundCompactor([pool], lambda: False).drain(pool)
-    assert segments(pool) == 1
-    pool.free(live)
-    pool.assert_invariants()
+    free that leaves reserved above the compactor's wake-up threshold gives it back
+    itself (no copy; left to the compactor, under load, ~180 MiB of such segments were
+    still reserved 0.6 s after a mass free: reserved / allocated 1.30).  Further from the
+    edge the same free keeps it."""
+    for capacity, kept in ((256 * MiB, False), (512 * MiB, True)):
+        pool, _, _ = background_pool(capacity=capacity)
+        live = pool.malloc(150 * MiB)
+        pool.free(pool.malloc(48 * MiB))  # 198 MiB reserved: above 0.75 x 256, not x 512
+        assert segments(pool) == (2 if kept else 1), capacity
+        BackgroundCompactor([pool], lambda: False).drain(pool)
+        assert segments(pool) == (2 if kept else 1), capacity  # not decayed yet
+        pool.free(live)
+        pool.assert_invariants()
 
 
 def test_without_a_background_compactor_idle_segments_go_back_at_once() -> None:

@@ -46,7 +46,9 @@ what the pool does *besides*:
   no clock) a release is immediate, so a replay stays deterministic;
 - ``keep_idle_below``: segments are kept (``release_idle_s``) only while reserved is
   at most this fraction of the device's capacity: near the device's edge a kept
-  segment is room other requests (and the load test's reserved / allocated) need;
+  segment is room other requests (and the load test's reserved / allocated) need, so
+  there a free that leaves reserved above the compactor's wake-up threshold gives idle
+  segments back itself, as without ``release_idle_s``;
 - ``keep_idle_fraction``: kept segments (``release_idle_s``), the most recently freed
   first, hold at most this fraction of the allocated bytes; the most recently freed one
   is kept whatever its size (a client's upload, drop, upload needs that one).  A free
