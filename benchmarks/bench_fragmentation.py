@@ -31,6 +31,14 @@ work (unseeded, the share of cheap client-side ops alone moved requests/s by sev
 
     python benchmarks/bench_fragmentation.py --loadtest-pairs 3 -u 50 -t 60s
 
+With ``--concurrent`` the runs of a pair run at the same time (each its own server and
+Locust, the same seed): the machine's speed, which drifts by tens of percent within
+minutes on a shared VM, is then the same for both, and the CPU they share goes to the
+policy that needs less of it per request, so the ratio measures each policy's cost per
+request under the same conditions (each run serves about half its throughput alone):
+
+    python benchmarks/bench_fragmentation.py --loadtest-pairs 6 --concurrent -u 50 -t 60s
+
 Paired same-work runs: ``--same-work-pairs N`` starts ``tensord serve --policy P``
 (a 1 GiB cpu pool) for each policy, alternating as above, and drives the load test's
 workloads (its default mix, one user per weight in turn) from ``-u`` threads of this
@@ -70,6 +78,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -260,6 +269,32 @@ def paired_loadtests(
             summary["pair"] = pair
             runs.append(summary)
             print(f"pair {pair} {policy}: {summary['requests_per_s']:.1f}/s", file=sys.stderr)
+    return runs
+
+
+def concurrent_loadtests(
+    policies: list[str], pairs: int, users: int, run_time: str, out: Path, seed: int = 0
+) -> list[dict[str, Any]]:
+    """As :func:`paired_loadtests`, each pair's runs at the same time (``--concurrent``)."""
+    runs = []
+    for pair in range(pairs):
+        if pair:
+            time.sleep(SETTLE_S)
+        with ThreadPoolExecutor(len(policies)) as executor:
+            started = [
+                executor.submit(
+                    loadtest_once, policy, users, run_time, out / f"{pair}-{policy}", seed + pair
+                )
+                for policy in policies
+            ]
+            summaries = [future.result() for future in started]
+        for summary in summaries:
+            summary["pair"] = pair
+            runs.append(summary)
+            print(
+                f"pair {pair} {summary['policy']}: {summary['requests_per_s']:.1f}/s (concurrent)",
+                file=sys.stderr,
+            )
     return runs
 
 
@@ -537,6 +572,11 @@ def main() -> int:
         "--loadtest-pairs", type=int, default=0, help="paired load tests instead of replays"
     )
     parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run each load-test pair's policies at the same time (--loadtest-pairs)",
+    )
+    parser.add_argument(
         "--same-work-pairs", type=int, default=0, help="paired same-work runs instead of replays"
     )
     parser.add_argument("--steps", type=int, default=60, help="steps per user (--same-work-pairs)")
@@ -563,9 +603,8 @@ def main() -> int:
     if args.loadtest_pairs > 0:
         policies = args.policies.split(",")
         out = args.out or Path(tempfile.mkdtemp(prefix="bench-fragmentation-"))
-        runs = paired_loadtests(
-            policies, args.loadtest_pairs, args.users, args.run_time, out, args.seed
-        )
+        pairing = concurrent_loadtests if args.concurrent else paired_loadtests
+        runs = pairing(policies, args.loadtest_pairs, args.users, args.run_time, out, args.seed)
         print(json.dumps(runs, default=str) if args.json else loadtest_markdown(runs, policies))
         return 0
     rows: list[Row] = []
