@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
-from tensord_server.devices.memory import BookkeepingBackend, HostBackend
+from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory, HostBackend
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
 from tensord_server.pool.pages import span_bytes
@@ -417,6 +417,43 @@ def test_a_decommit_lets_the_servers_other_threads_run() -> None:
     # holding the GIL the spinner counts 0 (1 if a switch fell just before the call); here
     # it counted 200-330 a call
     assert min(counted) >= 10, counted
+
+
+def test_a_decommit_never_reaches_past_its_segments_mapping() -> None:
+    """A stale or oversized handle is refused: libc's madvise checks nothing, and would
+    punch a hole in whatever is mapped next (here another live segment)."""
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    victim = backend.reserve(4 * MiB)
+    below = backend.reserve(4 * MiB)
+    if below.address + 4 * MiB != victim.address:
+        pytest.skip("the kernel did not place the two mappings side by side")
+    backend.write(victim, 0, b"\x07" * (4 * MiB))
+    oversized = DeviceMemory(address=below.address, nbytes=8 * MiB, payload=below.payload)
+    with pytest.raises(ValueError, match="not within the segment"):
+        backend.decommit(oversized, 4 * MiB, 4 * MiB)
+    assert backend.read(victim, 0, 4 * MiB) == b"\x07" * (4 * MiB)  # the neighbour's bytes
+    backend.release(below)
+    backend.release(victim)
+
+
+def test_without_libcs_madvise_the_mapping_frees_the_pages(monkeypatch: Any) -> None:
+    """Where ctypes cannot reach libc the decommit falls back to ``mmap.madvise`` (holding
+    the GIL, but the pages still go back and the neighbours keep their bytes)."""
+    import tensord_server.devices.shm as shm
+
+    monkeypatch.setattr(shm, "can_advise", lambda: False)
+    backend = SharedHostBackend(total_bytes=HOST_BYTES)
+    memory = backend.reserve(8 * MiB)
+    backend.write(memory, 0, b"\x05" * (8 * MiB))
+    segment = backend.segment(memory)
+    assert segment is not None
+    assert os.fstat(segment.fd).st_blocks * 512 >= 8 * MiB
+    backend.decommit(memory, 2 * MiB, 4 * MiB)
+    assert os.fstat(segment.fd).st_blocks * 512 <= 4 * MiB + 64 * 1024
+    assert backend.read(memory, 0, 2 * MiB) == b"\x05" * (2 * MiB)
+    assert backend.read(memory, 6 * MiB, 2 * MiB) == b"\x05" * (2 * MiB)
+    assert backend.read(memory, 2 * MiB, 4 * MiB) == bytes(4 * MiB)  # a hole reads zeros
+    backend.release(memory)
 
 
 def resident_bytes(address: int, nbytes: int) -> int:

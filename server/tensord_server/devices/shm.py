@@ -162,6 +162,13 @@ class SharedHostBackend(HostBackend):
             segment = self._by_address.get(memory.address)
         if segment is None:
             raise ValueError(f"no live segment at {memory.address:#x}")
+        if memory.payload is not segment.array or offset + nbytes > segment.nbytes:
+            # libc checks nothing (mmap.madvise refused a range past its mapping): a stale or
+            # oversized handle would punch a hole in whatever is mapped next, another segment
+            raise ValueError(
+                f"decommit of [{offset}, {offset + nbytes}) is not within the segment at "
+                f"{memory.address:#x} ({segment.nbytes} bytes)"
+            )
         # MADV_REMOVE frees the backing pages (fallocate's PUNCH_HOLE): MADV_DONTNEED on a
         # shared mapping would only drop this process's page-table entries.  Through libc,
         # without the GIL (other requests run meanwhile); ``segment`` stays mapped during

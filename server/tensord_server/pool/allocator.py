@@ -932,10 +932,13 @@ class CachingPool:
             excess = self._wake_excess()
             if excess:
                 released = False
-                if not self._keeps_idle_segments() or self._near_the_edge():
-                    # none kept: idle segments go back now (near the edge, leaving them to
-                    # the compactor under load left ~180 MiB of them reserved 0.6 s after
-                    # a mass free, a max reserved / allocated of 1.30)
+                if not self._keeps_idle_segments() or (
+                    self._near_the_edge() and not self._costly_churn
+                ):
+                    # none kept: idle segments go back now, near the edge too (left to the
+                    # compactor, which comes late under load, they held reserved / allocated
+                    # up; but not where giving one back waits for the whole device, CUDA:
+                    # there the compactor does it, off the request)
                     released = self._release_idle_segments(excess)
                 elif self._keep_idle_fraction() is not None:
                     released = self._release_unkept_idle_segments()
