@@ -32,10 +32,13 @@ work (unseeded, the share of cheap client-side ops alone moved requests/s by sev
     python benchmarks/bench_fragmentation.py --loadtest-pairs 3 -u 50 -t 60s
 
 With ``--concurrent`` the runs of a pair run at the same time (each its own server and
-Locust, the same seed): the machine's speed, which drifts by tens of percent within
-minutes on a shared VM, is then the same for both, and the CPU they share goes to the
-policy that needs less of it per request, so the ratio measures each policy's cost per
-request under the same conditions (each run serves about half its throughput alone):
+Locust, the same seed; which starts first alternates as above): the machine's speed, which
+drifts by tens of percent within minutes on a shared VM, is then the same for both.  The
+scheduler shares the CPU between them about evenly, and a policy cheaper per request turns
+its share into more requests; the Locust clients share that CPU too, so the ratio
+understates the servers' difference rather than overstating it.  Two pools on one machine
+reach their device's edge more often than one alone (many more OOMs under both policies),
+so the memory figures of concurrent runs are not comparable with those of runs alone:
 
     python benchmarks/bench_fragmentation.py --loadtest-pairs 6 --concurrent -u 50 -t 60s
 
@@ -285,7 +288,7 @@ def concurrent_loadtests(
                 executor.submit(
                     loadtest_once, policy, users, run_time, out / f"{pair}-{policy}", seed + pair
                 )
-                for policy in policies
+                for policy in run_order(policies, pair)
             ]
             summaries = [future.result() for future in started]
         for summary in summaries:
@@ -588,11 +591,15 @@ def main() -> int:
     parser.add_argument("-t", "--run-time", default="60s")
     parser.add_argument("--out", type=Path, default=None, help="the load tests' folders")
     args = parser.parse_args()
+    policies = args.policies.split(",")
+    if len(set(policies)) != len(policies):
+        parser.error(f"--policies names a policy twice: {args.policies}")
+    if args.concurrent and args.loadtest_pairs <= 0:
+        parser.error("--concurrent runs load-test pairs: give --loadtest-pairs N")
     if args.allocator_cost:
-        print(allocator_cost_markdown(args.policies.split(",")))
+        print(allocator_cost_markdown(policies))
         return 0
     if args.same_work_pairs > 0:
-        policies = args.policies.split(",")
         same = paired_same_work(policies, args.same_work_pairs, args.users, args.steps)
         print(
             json.dumps([asdict(r) for r in same])
@@ -601,7 +608,6 @@ def main() -> int:
         )
         return 0
     if args.loadtest_pairs > 0:
-        policies = args.policies.split(",")
         out = args.out or Path(tempfile.mkdtemp(prefix="bench-fragmentation-"))
         pairing = concurrent_loadtests if args.concurrent else paired_loadtests
         runs = pairing(policies, args.loadtest_pairs, args.users, args.run_time, out, args.seed)
