@@ -9,6 +9,7 @@ over the range faults its pages back in.  ``pytorch`` never does it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -423,17 +424,65 @@ def test_a_decommit_never_reaches_past_its_segments_mapping() -> None:
     """A stale or oversized handle is refused: libc's madvise checks nothing, and would
     punch a hole in whatever is mapped next (here another live segment)."""
     backend = SharedHostBackend(total_bytes=HOST_BYTES)
-    victim = backend.reserve(4 * MiB)
-    below = backend.reserve(4 * MiB)
-    if below.address + 4 * MiB != victim.address:
-        pytest.skip("the kernel did not place the two mappings side by side")
-    backend.write(victim, 0, b"\x07" * (4 * MiB))
+    segments = [backend.reserve(4 * MiB) for _ in range(8)]
+    by_address = {memory.address: memory for memory in segments}
+    # a segment with another mapped right after it, where the kernel placed one so (the
+    # refusal is checked either way: without it, madvise past a mapping's end hits the
+    # neighbour or, unmapped, fails with OSError)
+    below = next((m for m in segments if m.address + 4 * MiB in by_address), segments[0])
+    victim = by_address.get(below.address + 4 * MiB)
+    if victim is not None:
+        backend.write(victim, 0, b"\x07" * (4 * MiB))
     oversized = DeviceMemory(address=below.address, nbytes=8 * MiB, payload=below.payload)
     with pytest.raises(ValueError, match="not within the segment"):
         backend.decommit(oversized, 4 * MiB, 4 * MiB)
-    assert backend.read(victim, 0, 4 * MiB) == b"\x07" * (4 * MiB)  # the neighbour's bytes
-    backend.release(below)
-    backend.release(victim)
+    if victim is not None:
+        assert backend.read(victim, 0, 4 * MiB) == b"\x07" * (4 * MiB)  # the neighbour's
+    for memory in segments:
+        backend.release(memory)
+
+
+def test_a_private_decommit_needs_the_array_that_owns_the_pages() -> None:
+    """libc checks nothing: a handle without its array (as a released segment's is), or
+    one claiming more bytes than its array has, is refused before madvise runs."""
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    memory = backend.reserve(8 * MiB)
+    backend.write(memory, 0, b"\x09" * (8 * MiB))
+    bare = DeviceMemory(address=memory.address, nbytes=memory.nbytes, payload=None)
+    oversized = DeviceMemory(address=memory.address, nbytes=16 * MiB, payload=memory.payload)
+    first_page = -memory.address % PAGE
+    for handle, offset in ((bare, first_page), (oversized, first_page + 6 * MiB)):
+        with pytest.raises(ValueError, match="not within the array"):
+            backend.decommit(handle, offset, 4 * MiB)
+    assert backend.read(memory, 0, 8 * MiB) == b"\x09" * (8 * MiB)
+
+
+class RefusingBackend(SharedHostBackend):
+    """A backend whose every decommit is refused, as a server bug's range would be."""
+
+    def decommit(self, memory: DeviceMemory, offset: int, nbytes: int) -> None:
+        raise ValueError("decommit refused (test)")
+
+
+def test_a_refused_decommit_is_logged_and_leaves_the_pool_whole(caplog: Any) -> None:
+    """Raised out of the pool, a refusal would leave the free block a malloc took to make
+    room out of its free pool; it is logged instead, and the pages stay counted."""
+    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=100.0, virtual_capacity_factor=8.0)
+    pool = CachingPool(RefusingBackend(total_bytes=HOST_BYTES), capacity=24 * MiB, policy=policy)
+    kept = [pool.malloc(4 * MiB) for _ in range(3)]
+    pool.free(kept.pop(1))  # a 4 MiB hole, committed
+    reserved = stat(pool, "reserved_bytes.all.current")
+    # making room asks for the hole's pages, refused: then the other paths, or OOM
+    logged = caplog.at_level("ERROR", logger="tensord_server.pool.allocator")
+    with logged, contextlib.suppress(OutOfMemoryError):
+        kept.append(pool.malloc(14 * MiB))  # 12 + 14 MiB committed: over 24
+    assert "decommit of a free block refused" in caplog.text
+    assert stat(pool, "num_decommits") == 0
+    assert stat(pool, "reserved_bytes.all.current") >= reserved  # nothing counted as gone
+    pool.assert_invariants()
+    for block in kept:
+        pool.free(block)
+    pool.assert_invariants()
 
 
 def test_without_libcs_madvise_the_mapping_frees_the_pages(monkeypatch: Any) -> None:

@@ -184,6 +184,18 @@ class HostBackend:
     def decommit(self, memory: DeviceMemory, offset: int, nbytes: int) -> None:
         """Free the pages of [offset, offset + nbytes): whole pages of free bytes only."""
         check_pages(memory, offset, nbytes, self.page_size)
+        payload = memory.payload
+        if (
+            payload is None
+            or int(payload.ctypes.data) != memory.address
+            or payload.nbytes < offset + nbytes
+        ):
+            # libc checks nothing: only the array that owns the pages (and keeps them
+            # allocated while it lives) vouches that the range is this segment's
+            raise ValueError(
+                f"decommit of [{offset}, {offset + nbytes}) is not within the array of the "
+                f"segment at {memory.address:#x}"
+            )
         advise(memory.address + offset, nbytes, mmap.MADV_DONTNEED, "MADV_DONTNEED")
 
 

@@ -171,8 +171,9 @@ class SharedHostBackend(HostBackend):
             )
         # MADV_REMOVE frees the backing pages (fallocate's PUNCH_HOLE): MADV_DONTNEED on a
         # shared mapping would only drop this process's page-table entries.  Through libc,
-        # without the GIL (other requests run meanwhile); ``segment`` stays mapped during
-        # the call: its array holds the mapping, whatever close() does to its descriptor
+        # without the GIL (threads not waiting for the pool's lock run meanwhile);
+        # ``segment`` stays mapped during the call: its array holds the mapping, whatever
+        # close() does to its descriptor
         if can_advise():
             advise(memory.address + offset, nbytes, mmap.MADV_REMOVE, "MADV_REMOVE")
         else:
