@@ -688,18 +688,31 @@ def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
     requests, time passes and decayed segments go back, empty_cache: every invariant (the
     decommit candidates, the kept segments' committed bytes), every live block's bytes,
     pages given back really gone, committed within the capacity.  The runs must reach
-    the paths they are for: bytes moved in the background, kept segments given back."""
-    released_unkept = 0
-    original = CachingPool._release_unkept_idle_segments
+    the paths they are for: bytes moved in the background, kept segments given back
+    beyond the budget, and by a free near the device's edge."""
+    released_unkept = released_at_the_edge = 0
+    unkept = CachingPool._release_unkept_idle_segments
+    idle = CachingPool._release_idle_segments
 
     def counting(self: CachingPool) -> bool:
         nonlocal released_unkept
         before = len(self._segments)
-        released = original(self)
+        released = unkept(self)
         released_unkept += before - len(self._segments)
         return released
 
+    def counting_at_the_edge(self: CachingPool, target: int) -> bool:
+        # with a doorbell only a free calls it, and in a pool that keeps segments only
+        # near the edge
+        nonlocal released_at_the_edge
+        before = len(self._segments)
+        released = idle(self, target)
+        if self._keeps_idle_segments():
+            released_at_the_edge += before - len(self._segments)
+        return released
+
     monkeypatch.setattr(CachingPool, "_release_unkept_idle_segments", counting)
+    monkeypatch.setattr(CachingPool, "_release_idle_segments", counting_at_the_edge)
     runs_that_moved = 0
     for seed in range(24):
         rng = random.Random(seed)
@@ -721,7 +734,8 @@ def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
         pool.empty_cache()
         pool.assert_invariants()
         assert stat(pool, "reserved_bytes.all.current") == 0
-    assert runs_that_moved >= 2 and released_unkept >= 2, (runs_that_moved, released_unkept)
+    reached = (runs_that_moved, released_unkept, released_at_the_edge)
+    assert runs_that_moved >= 2 and released_unkept >= 2 and released_at_the_edge >= 2, reached
 
 
 def test_shared_segments_commit_in_huge_pages_where_shared_memory_may_use_them(
