@@ -9,10 +9,12 @@ open session (``stub.md`` is the metadata to pass with each call).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -166,11 +168,16 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def start_serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
-    """`tensord serve ARGS` in a subprocess; waits (bounded) for its listening line, returns its address."""
+    """`tensord serve ARGS` in a subprocess; waits (bounded) for its listening line, returns its address.
+
+    Its log (stderr) goes to a temporary file: a pipe nobody reads fills after 64 KiB and
+    then blocks the server's next log line, and with it the request that logs (a cost
+    fuzz's thousands of refusals hung the suite so)."""
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the child writes it; closed here)
     process = subprocess.Popen(
         [sys.executable, "-m", "tensord_server", "serve", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
     line: list[str] = []
@@ -179,8 +186,10 @@ def start_serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
     reader.join(STARTUP_TIMEOUT_S)
     if not line or not line[0].startswith("tensord listening on "):
         process.kill()
-        _, err = process.communicate(timeout=10)
-        pytest.fail(f"no listening line: {line!r} {err}")
+        process.communicate(timeout=10)
+        log.seek(0)
+        pytest.fail(f"no listening line: {line!r} {log.read()[-4000:]}")
+    log.close()  # the child keeps its own descriptor
     return process, line[0].removeprefix("tensord listening on ").strip()
 
 
@@ -275,8 +284,60 @@ class SessionStub:
             self.raw.CloseSession(pb.CloseSessionRequest(), metadata=self.md, timeout=10)
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, deadline_s: float | None = None) -> grpc.Channel:
+    """A channel to ``address``; with ``deadline_s``, every call made without a timeout
+    gets that one, so a server that stops answering fails the test instead of hanging
+    the suite."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if deadline_s is None:
+        return channel
+    return grpc.intercept_channel(channel, DefaultDeadline(deadline_s))
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class DefaultDeadline(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Gives every call without a timeout ``seconds`` of one."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def _details(self, details: Any) -> Any:
+        if details.timeout is not None:
+            return details
+        return _CallDetails(
+            details.method,
+            self.seconds,
+            details.metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 @pytest.fixture

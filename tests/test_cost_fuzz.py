@@ -516,7 +516,10 @@ WARMUP_S = 2.0
 def test_small_requests_cannot_ask_for_unbounded_work() -> None:
     process, address = start_serve_process(*SERVE_ARGS)
     try:
-        with open_channel(address) as channel, open_channel(address) as monitor_channel:
+        with (
+            open_channel(address, CALL_TIMEOUT_S) as channel,
+            open_channel(address, CALL_TIMEOUT_S) as monitor_channel,
+        ):
             stub = SessionStub(channel, "cost-fuzz")
             sampler = Sampler(process.pid, SessionStub(monitor_channel, "monitor"))
             rng = random.Random(SEED)

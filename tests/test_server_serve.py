@@ -10,7 +10,7 @@ import signal
 import grpc
 import numpy as np
 import pytest
-from conftest import run_serve, start_serve_process
+from conftest import SessionStub, run_serve, start_serve_process
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
@@ -46,6 +46,26 @@ def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=10)
+
+
+def test_a_server_that_logs_a_lot_keeps_answering() -> None:
+    """Every refusal is a log line (~500 bytes for an OOM): a thousand of them outgrow a
+    pipe's 64 KiB, and a test harness whose pipe nobody read blocked the server's logging
+    thread, and the request with it (the cost fuzz hung the suite on a fast machine)."""
+    process, address = start_serve_process("--address", "127.0.0.1:0", "--device", "cpu=64MiB")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = SessionStub(channel)
+            huge = pb.EmptyRequest(shape=[1 << 40], dtype="float32", device="cpu")
+            for _ in range(1000):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Empty(huge, metadata=stub.md, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
+            stub.close()
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
 
 
 def test_serve_on_a_unix_socket(tmp_path) -> None:
