@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from tensord.protocol import AUTHORIZATION_KEY, SESSION_KEY
 
 from tensord_server.domain import auth
+from tensord_server.observability.log_budget import LogBudget
 
 if TYPE_CHECKING:
     from tensord_server.domain.sessions import Session
@@ -286,6 +287,8 @@ class Observer:
         self.interceptor = ObservingInterceptor(self)
         self._compactions_lock = threading.Lock()
         self._compactions_seen = {d.name: 0 for d in store.devices}
+        # refusal lines per tenant: no client sets the log's volume (log_budget.py)
+        self._refusal_lines = LogBudget()
         store.sessions.end_listeners.append(self._session_ended)
 
     def _session_ended(self, session: Session) -> None:
@@ -339,25 +342,19 @@ class Observer:
     def _log_refusal(
         self, method: str, context: grpc.ServicerContext, code: grpc.StatusCode
     ) -> None:
+        tenant = self._tenant(context)
+        left_out = self._refusal_lines.take(tenant)
+        if left_out is None:
+            return  # over the tenant's budget: counted, said with its next line
         details = context.details()
         text = details.decode(errors="replace") if isinstance(details, bytes) else details or ""
         event = "oom" if OOM_MARK in text else "refused"
-        events.info(
-            "%s: %s %s: %s",
-            event,
-            method,
-            code.name,
-            text,
-            extra={
-                "fields": {
-                    "event": event,
-                    "method": method,
-                    "code": code.name,
-                    "tenant": self._tenant(context),
-                    "details": text,
-                }
-            },
-        )
+        fields = {"event": event, "method": method, "code": code.name, "tenant": tenant}
+        fields["details"] = text
+        if left_out:
+            fields["left_out"] = left_out
+            text += f" ({left_out} more refusals of this tenant not logged before this one)"
+        events.info("%s: %s %s: %s", event, method, code.name, text, extra={"fields": fields})
 
     def _log_session(self, method: str, context: grpc.ServicerContext, response: Any) -> None:
         if method == "OpenSession":
