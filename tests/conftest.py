@@ -230,7 +230,9 @@ class SessionStub:
         self.auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        opened = self.raw.OpenSession(pb.OpenSessionRequest(client_name=name), metadata=self.auth)
+        opened = self.raw.OpenSession(
+            pb.OpenSessionRequest(client_name=name), metadata=self.auth, timeout=30
+        )
         self.session_id = opened.session_id
         self.md: tuple[tuple[str, str], ...] = (
             ("tensord-session", self.session_id),

@@ -49,10 +49,12 @@ def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
 
 
 def test_a_server_that_logs_a_lot_keeps_answering() -> None:
-    """Every refusal is a log line (~500 bytes for an OOM): a thousand of them outgrow a
-    pipe's 64 KiB, and a test harness whose pipe nobody read blocked the server's logging
-    thread, and the request with it (the cost fuzz hung the suite on a fast machine)."""
-    process, address = start_serve_process("--address", "127.0.0.1:0", "--device", "cpu=64MiB")
+    """At debug every call is a log line (a refusal's with its ~500-byte message): a thousand
+    of them outgrow a pipe's 64 KiB, and a test harness whose pipe nobody read blocked the
+    server's logging thread, and the request with it (the cost fuzz hung the suite so)."""
+    process, address = start_serve_process(
+        "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--log-level", "debug"
+    )
     try:
         with grpc.insecure_channel(address) as channel:
             stub = SessionStub(channel)

@@ -1,11 +1,11 @@
-"""A budget of log lines per key (a token bucket), so that no client sets the log's volume.
+"""A budget of log lines per key (a token bucket): refused requests do not set the log's volume.
 
 Every refused request is worth a line to an operator, but a client that sends refused
 requests as fast as it can (an OOM's line is about 500 bytes; thousands a second on one
-connection) would otherwise make the server write megabytes of log a minute, and a slow
-log reader would slow every request down with it.  Each key (a tenant) gets ``burst``
-lines at once and ``per_s`` a second after that; the lines beyond are counted, and the
-next line that goes out says how many were left out.  The metrics count every request.
+connection) would otherwise make the server write megabytes of log a minute.  Each key
+(a tenant) gets ``burst`` lines at once and ``per_s`` a second after that; the lines
+beyond are counted (``tensord_refusal_log_lines_left_out_total``), and the key's next
+line that goes out says how many were left out.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ class LogBudget:
     def take(self, key: Hashable) -> int | None:
         """None: leave this line out (counted); else the line goes out, and the number
         of ``key``'s lines left out since its last line is returned (0 most often)."""
-        now = self._clock()
-        with self._lock:
+        with self._lock:  # the clock read inside: no interval is credited twice
+            now = self._clock()
             bucket = self._buckets.get(key)
             if bucket is None:
                 bucket = self._buckets[key] = _Bucket(tokens=float(self.burst), updated=now)
-            elapsed = max(0.0, now - bucket.updated)
+            elapsed = max(0.0, now - bucket.updated)  # a clock that steps back credits nothing
             bucket.tokens = min(float(self.burst), bucket.tokens + elapsed * self.per_s)
-            bucket.updated = now
+            bucket.updated = max(bucket.updated, now)
             if bucket.tokens < 1.0:
                 bucket.left_out += 1
                 return None

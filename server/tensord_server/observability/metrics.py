@@ -287,8 +287,15 @@ class Observer:
         self.interceptor = ObservingInterceptor(self)
         self._compactions_lock = threading.Lock()
         self._compactions_seen = {d.name: 0 for d in store.devices}
-        # refusal lines per tenant: no client sets the log's volume (log_budget.py)
+        # refusal lines per tenant: refused requests do not set the log's volume (log_budget.py)
         self._refusal_lines = LogBudget()
+        self.refusal_lines_left_out = Counter(
+            "tensord_refusal_log_lines_left_out",
+            "Refused requests not logged, over their tenant's log budget (each is in "
+            "tensord_rpc_requests_total too)",
+            ["tenant"],
+            registry=self.registry,
+        )
         store.sessions.end_listeners.append(self._session_ended)
 
     def _session_ended(self, session: Session) -> None:
@@ -344,8 +351,9 @@ class Observer:
     ) -> None:
         tenant = self._tenant(context)
         left_out = self._refusal_lines.take(tenant)
-        if left_out is None:
-            return  # over the tenant's budget: counted, said with its next line
+        if left_out is None:  # over the tenant's budget: counted, said with its next line
+            self.refusal_lines_left_out.labels(tenant or "").inc()
+            return
         details = context.details()
         text = details.decode(errors="replace") if isinstance(details, bytes) else details or ""
         event = "oom" if OOM_MARK in text else "refused"
