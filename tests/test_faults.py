@@ -101,19 +101,23 @@ def test_a_cut_connection_keeps_handles_through_the_grace_and_loses_them_after(
 
 
 def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:
+    """SIGTERM while an upload is half sent: the upload finishes within the grace.  The
+    signal goes only once the server has the call (its tensor allocated: before that a
+    stopping server refuses the call, CANCELLED, which this test once hit on a busy
+    machine), and the rest of the chunks only once the signal was sent."""
     proc, address = start_serve_process("--address", "127.0.0.1:0")
+    signalled = threading.Event()
     try:
-        with open_channel(address) as channel:
+        with open_channel(address) as channel, open_channel(address) as monitor_channel:
             session = SessionStub(channel, "inflight")
-            started = threading.Event()
+            monitor = SessionStub(monitor_channel, "monitor")
             nbytes = 8 << 20
 
             def chunks():
                 for i in range(8):
                     yield bytes(1 << 20)
                     if i == 0:
-                        started.set()
-                        time.sleep(0.5)  # SIGTERM arrives now
+                        signalled.wait(WAIT_S)  # the rest after SIGTERM
                     time.sleep(0.05)
 
             header = pb.UploadHeader(shape=[nbytes], dtype="uint8", device="cpu", nbytes=nbytes)
@@ -124,12 +128,22 @@ def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:
                 chunks(),
                 metadata=(*session.md, ("tensord-upload-bin", header.SerializeToString())),
             )
-            assert started.wait(WAIT_S)
+
+            def allocated() -> int:
+                stats = monitor.MemoryStats(
+                    pb.DeviceRequest(device="cpu"), metadata=monitor.md, timeout=WAIT_S
+                )
+                return int(stats.counters["allocated_bytes.all.current"])
+
+            assert wait_until(lambda: allocated() >= nbytes, WAIT_S)  # the server has the call
             proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # the server is stopping when the next chunks come
+            signalled.set()
             meta = future.result(timeout=WAIT_S)  # finished, not cancelled
             assert list(meta.shape) == [nbytes]
         assert proc.wait(timeout=WAIT_S) == 0
     finally:
+        signalled.set()
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=WAIT_S)
