@@ -167,17 +167,17 @@ def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
-def start_serve_process(*args: str) -> tuple[subprocess.Popen[str], str]:
+def start_serve_process(*args: str, stderr: Any = None) -> tuple[subprocess.Popen[str], str]:
     """`tensord serve ARGS` in a subprocess; waits (bounded) for its listening line, returns its address.
 
-    Its log (stderr) goes to a temporary file: a pipe nobody reads fills after 64 KiB and
-    then blocks the server's next log line, and with it the request that logs (a cost
-    fuzz's thousands of refusals hung the suite so)."""
+    Its log (stderr) goes to a temporary file unless ``stderr`` says otherwise: a pipe
+    nobody reads fills after 64 KiB, and then only the server's log writer thread waits
+    (lines are dropped), but a test reading it at the end would miss them."""
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the child writes it; closed here)
     process = subprocess.Popen(
         [sys.executable, "-m", "tensord_server", "serve", *args],
         stdout=subprocess.PIPE,
-        stderr=log,
+        stderr=log if stderr is None else stderr,
         text=True,
     )
     line: list[str] = []
