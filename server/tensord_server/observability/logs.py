@@ -21,7 +21,8 @@ import logging
 import queue
 import sys
 import threading
-from typing import Any
+import time
+from typing import Any, TextIO
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -49,60 +50,95 @@ class JsonFormatter(logging.Formatter):
             entry.update({k: v for k, v in fields.items() if k not in entry})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # formatted already (LogWriter queues text, not frames)
+            entry["exception"] = record.exc_text
         return json.dumps(entry, default=str)
 
 
 class LogWriter(logging.Handler):
-    """A handler that queues records (at most ``capacity``) for a thread that passes them
-    to ``target``; a record that finds the queue full is dropped and counted, and the
-    next record written is preceded by a line saying how many were."""
+    """A handler that queues records (at most ``capacity``) for a thread that formats and
+    writes them to ``stream``; a record that finds the queue full is dropped and counted,
+    and a line saying how many goes out before the next one written (or at close).
 
-    def __init__(self, target: logging.Handler, capacity: int = LOG_QUEUE_RECORDS) -> None:
+    The thread writes to the stream itself, through no other handler: logging's own exit
+    (``logging.shutdown``) takes every registered handler's lock, and a handler stuck in
+    a write to a stalled reader would hold its lock, and the exit, for good."""
+
+    def __init__(
+        self, stream: TextIO, formatter: logging.Formatter, capacity: int = LOG_QUEUE_RECORDS
+    ) -> None:
         super().__init__()
-        self.target = target
+        self.stream = stream
+        self.setFormatter(formatter)
         self._queue: queue.Queue[logging.LogRecord | None] = queue.Queue(capacity)
         self._dropped = 0
         self._dropped_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._write, name="tensord-log", daemon=True)
         self._thread.start()
 
     def emit(self, record: logging.LogRecord) -> None:
-        # the message is made now (its arguments may change later); exc_info stays, the
-        # queue is in this process
+        # the message is made now (its arguments may change later), and an exception's
+        # text too: a queued traceback would keep its frames, and what they hold, alive
+        record = copy.copy(record)
         try:
-            record = copy.copy(record)
-            record.msg, record.args = record.getMessage(), None
-        except Exception:
-            self.handleError(record)  # a message whose arguments do not fit it, as logging does
-            return
+            record.msg = record.getMessage()
+        except Exception:  # arguments that do not fit the message: both said, as they are
+            record.msg = (
+                f"{record.msg!r} % {record.args!r} (a log call's arguments that do not fit)"
+            )
+        record.args = None
+        if record.exc_info:
+            if not record.exc_text:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
         try:
             self._queue.put_nowait(record)
         except queue.Full:
             with self._dropped_lock:
                 self._dropped += 1
 
+    def pending(self) -> int:
+        """Records waiting for the writer (about: the writer may be taking one)."""
+        return self._queue.qsize()
+
     def _write(self) -> None:
         while (record := self._queue.get()) is not None:
-            with self._dropped_lock:
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                self.target.handle(dropped_record(dropped, record.created))
-            self.target.handle(record)
+            self._say_dropped(record.created)
+            self._write_line(record)
+        self._say_dropped(None)  # drops after the last record written
+
+    def _say_dropped(self, created: float | None) -> None:
+        with self._dropped_lock:
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            self._write_line(dropped_record(dropped, created))
+
+    def _write_line(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + "\n")
+            self.stream.flush()
+        except Exception:
+            pass  # a closed or broken stream: the line is lost, as the reader is gone
 
     def close(self) -> None:
-        """Write what is queued (waiting at most LOG_FLUSH_S), then stop the thread."""
-        if self._thread.is_alive():
+        """Write what is queued (waiting at most LOG_FLUSH_S in all for a stalled reader),
+        then stop the thread; a second call does nothing."""
+        if not self._closed:
+            self._closed = True
+            deadline = time.monotonic() + LOG_FLUSH_S
             try:
                 self._queue.put(None, timeout=LOG_FLUSH_S)
             except queue.Full:
                 pass  # the reader is stalled: what is queued is lost with the process
             else:
-                self._thread.join(LOG_FLUSH_S)
+                self._thread.join(max(0.0, deadline - time.monotonic()))
         super().close()
 
 
-def dropped_record(count: int, created: float) -> logging.LogRecord:
-    """The line that says ``count`` log lines were dropped before a record of ``created``."""
+def dropped_record(count: int, created: float | None) -> logging.LogRecord:
+    """The line that says ``count`` log lines were dropped before a record of ``created``
+    (None: now)."""
     record = logging.LogRecord(
         "tensord.log",
         logging.WARNING,
@@ -112,23 +148,34 @@ def dropped_record(count: int, created: float) -> logging.LogRecord:
         (count,),
         None,
     )
-    record.created = created
+    if created is not None:
+        record.created = created
     record.fields = {"event": "log_lines_dropped", "dropped": count}
     return record
 
 
 def configure_logging(log_format: str = "text", level: str = "info") -> None:
     """The root logger writes to stderr in ``log_format`` at ``level`` (replacing handlers),
-    through a :class:`LogWriter` (flushed at exit)."""
+    through a :class:`LogWriter` (written out at exit)."""
+    global _writer
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
-    stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    writer = LogWriter(stream)
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    writer = LogWriter(sys.stderr, formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
         old.close()
     root.addHandler(writer)
     root.setLevel(level.upper())
-    atexit.register(writer.close)
+    if _writer is None:
+        atexit.register(_close_writer)
+    _writer = writer
+
+
+_writer: LogWriter | None = None  # configure_logging's, written out at exit
+
+
+def _close_writer() -> None:
+    if _writer is not None:
+        _writer.close()
