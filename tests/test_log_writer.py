@@ -157,3 +157,22 @@ def test_the_process_exits_with_a_stalled_reader() -> None:
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=10)
+
+
+def test_every_queued_line_is_written_at_exit(tmp_path) -> None:
+    """The writer thread is a daemon: at exit logging.shutdown closes the writer, which
+    writes out what is queued before the process goes."""
+    script = textwrap.dedent(
+        """
+        import logging
+        from tensord_server.observability.logs import configure_logging
+        configure_logging("text", "info")
+        for index in range(5000):
+            logging.getLogger("tensord.test").info("line %d", index)
+        """
+    )
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        subprocess.run([sys.executable, "-c", script], stderr=stderr, check=True, timeout=60)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 5000 and lines[-1].endswith("tensord.test: line 4999")

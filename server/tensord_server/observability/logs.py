@@ -13,7 +13,6 @@ request, a heartbeat or the session reaper (they all log).
 
 from __future__ import annotations
 
-import atexit
 import copy
 import datetime
 import json
@@ -156,8 +155,7 @@ def dropped_record(count: int, created: float | None) -> logging.LogRecord:
 
 def configure_logging(log_format: str = "text", level: str = "info") -> None:
     """The root logger writes to stderr in ``log_format`` at ``level`` (replacing handlers),
-    through a :class:`LogWriter` (written out at exit)."""
-    global _writer
+    through a :class:`LogWriter` (written out at exit: ``logging.shutdown`` closes it)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
@@ -168,14 +166,3 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
         old.close()
     root.addHandler(writer)
     root.setLevel(level.upper())
-    if _writer is None:
-        atexit.register(_close_writer)
-    _writer = writer
-
-
-_writer: LogWriter | None = None  # configure_logging's, written out at exit
-
-
-def _close_writer() -> None:
-    if _writer is not None:
-        _writer.close()

@@ -357,8 +357,13 @@ class Observer:
         details = context.details()
         text = details.decode(errors="replace") if isinstance(details, bytes) else details or ""
         event = "oom" if OOM_MARK in text else "refused"
-        fields = {"event": event, "method": method, "code": code.name, "tenant": tenant}
-        fields["details"] = text
+        fields = {
+            "event": event,
+            "method": method,
+            "code": code.name,
+            "tenant": tenant,
+            "details": text,
+        }
         if left_out:
             fields["left_out"] = left_out
             text += f" ({left_out} more refusals of this tenant not logged before this one)"
