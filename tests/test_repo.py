@@ -157,3 +157,25 @@ def test_the_outside_path_check_finds_each_kind_of_escape() -> None:
     }
     for name, text in fine.items():
         assert climbs_out(name, text) == [], (name, text)
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_every_test_requirement_is_pinned_by_the_constraints() -> None:
+    """What the tests compare against cannot drift: the constraints the README's test command
+    installs with pin every runtime and test requirement to one version."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {_requirement_name(r) for r in project["dependencies"]}
+    wanted |= {_requirement_name(r) for r in project["optional-dependencies"]["test"]}
+    pinned = {}
+    for line in (REPO / "tests" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version.strip(), f"not pinned to one version: {line!r}"
+            pinned[_requirement_name(name)] = version.strip()
+    assert wanted - pinned.keys() == set(), "pin these in tests/constraints.txt"
+    assert "-c tests/constraints.txt" in next(c for c in readme_commands() if "pytest" in c)
