@@ -786,6 +786,7 @@ class Connection:
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
         _LIVE_CONNECTIONS.add(self)
+        self._keepalive_call: Any = None  # the KeepAlive stream in progress
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
@@ -1296,19 +1297,45 @@ class Connection:
     # ---- the session's liveness ------------------------------------------------------
 
     def _heartbeat_forever(self) -> None:
-        """Renew the lease with a unary Heartbeat every lease/3 (two may be lost before it lapses).
+        """Keep the session connected through a KeepAlive stream open as long as the client.
 
-        Unary calls hold no server thread between beats, unlike a KeepAlive stream,
-        so a server's worker pool does not bound how many clients it can keep. A
-        failed beat is retried on the next tick; a session the server no longer
-        knows (reaped after its grace) is replaced by a new one, its handles gone.
+        The server counts the session alive while the stream is open, however busy it is:
+        gRPC ends the stream when this process exits or its connection breaks or stops
+        answering the transport's pings, so no beat has to win the server's CPU in time.
+        A stream that breaks (the server restarting, a network blip) is reopened at the
+        next tick, after a unary Heartbeat that renews the lease meanwhile and finds a
+        session the server no longer knows (reaped after its grace), which is replaced by
+        a new one, its handles gone.
         """
         # the lease is the server's word: a third of a huge one is past what a thread can
         # wait (OverflowError), and beating more often than needed costs nothing
         interval = min(max(self.lease_seconds / 3.0, 0.05), MAX_HEARTBEAT_INTERVAL_S)
-        while not self._closed.wait(interval):
+        while not self._closed.is_set():
+            with contextlib.suppress(Exception):  # never let a background thread die loudly
+                self._keep_stream_open(self.session_id, interval)
+            if self._closed.wait(interval):
+                return
             with _FORK_GATE.busy():
                 self._beat(interval)
+
+    def _keep_stream_open(self, session_id: str, interval: float) -> None:
+        """Hold a KeepAlive stream of ``session_id`` until it ends or the client closes."""
+
+        def beats() -> Iterator[pb.Heartbeat]:
+            yield pb.Heartbeat(sent_at=time.time())
+            while not self._closed.wait(interval) and self.session_id == session_id:
+                with _FORK_GATE.busy():  # spans the send of the beat yielded
+                    yield pb.Heartbeat(sent_at=time.time())
+
+        with _FORK_GATE.busy():
+            if self._closed.is_set():
+                return
+            answers = self._stub.KeepAlive(
+                beats(), metadata=((SESSION_KEY, session_id), *self._auth)
+            )
+            self._keepalive_call = answers
+        for _ in answers:
+            pass
 
     def _beat(self, interval: float) -> None:
         if self._closed.is_set():
@@ -1380,6 +1407,9 @@ class Connection:
             self._watchdog.stop()
         # a beat or a release in flight has its own deadline, and closing the channel
         # cancels it: the threads are daemons, so no need to wait them out
+        if self._keepalive_call is not None:  # its beats end with _closed; end it now
+            with contextlib.suppress(Exception):
+                self._keepalive_call.cancel()
         self._keepalive.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._pending.clear()

@@ -62,6 +62,8 @@ REAPER_MIN_INTERVAL_S = 0.02
 REAPER_MAX_INTERVAL_S = 1.0
 
 DEFAULT_GRACE_S = 30.0
+# KeepAlive streams one session may hold open (the SDK holds one; a reconnect overlaps it).
+MAX_STREAMS_PER_SESSION = 4
 # Clients heartbeat every lease/3 (a unary Heartbeat), so two beats may be lost before it lapses.
 DEFAULT_LEASE_S = 10.0
 # A share token expires this long after share() unless it asks for another lifetime.
@@ -333,7 +335,14 @@ class SessionManager:
     # -- liveness -----------------------------------------------------------------
 
     def stream_opened(self, session: Session) -> None:
+        """A KeepAlive stream of ``session`` opened: connected until its last one ends.
+        ResourceExhaustedError beyond MAX_STREAMS_PER_SESSION (one is all a client needs)."""
         with self._lease_lock:
+            if session.streams >= MAX_STREAMS_PER_SESSION:
+                raise ResourceExhaustedError(
+                    f"session {session.id[:8]} has {session.streams} KeepAlive streams open, "
+                    f"the limit ({MAX_STREAMS_PER_SESSION})"
+                )
             session.streams += 1
             session.last_seen = self._clock()
 

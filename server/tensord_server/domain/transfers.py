@@ -12,10 +12,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from tensord import dtypes
 from tensord.layout import Layout
 
-from tensord_server.devices.table import activate
+from tensord_server.devices.table import Device, activate
 from tensord_server.domain import kernels
 from tensord_server.domain.ops import Issued, OpContext
 from tensord_server.domain.sessions import Session
+from tensord_server.domain.storage import TensorRef
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -42,6 +43,25 @@ class Transfers:
         requires_grad: bool = False,
     ) -> Issued:
         """A new tensor from raw bytes, written as they arrive; nothing is left on any failure."""
+        sink = self.upload_sink(session, shape, dtype, device, nbytes, requires_grad)
+        try:
+            for chunk in chunks:
+                sink.write(chunk)
+            return sink.finish()
+        finally:
+            sink.abort()  # after finish: nothing left to undo
+
+    def upload_sink(
+        self,
+        session: Session,
+        shape: Sequence[int],
+        dtype: str,
+        device: str,
+        nbytes: int,
+        requires_grad: bool = False,
+    ) -> UploadSink:
+        """An upload whose chunks come one call at a time (the asyncio server writes each
+        chunk on whichever worker is free, holding none while the client is sending)."""
         shape = kernels.check_shape(shape)
         dt = dtypes.dtype_from_name(dtype)
         layout = Layout.contiguous(shape)
@@ -51,16 +71,7 @@ class Transfers:
                 f"upload header declares {nbytes} bytes, but shape {list(shape)} of {dt.name} "
                 f"holds {expected}"
             )
-        with self.ops.allocated(session, self.ops.device(device), layout, dt, requires_grad) as out:
-            received = 0
-            for chunk in chunks:
-                if received + len(chunk) > nbytes:
-                    raise ValueError(f"upload carried more than the declared {nbytes} bytes")
-                out.storage.write(received, chunk)
-                received += len(chunk)
-            if received != nbytes:
-                raise ValueError(f"upload ended after {received} of {nbytes} bytes")
-            return self.ops.issue(session, out)
+        return UploadSink(self.ops, session, self.ops.device(device), layout, dt, requires_grad)
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
         """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
@@ -96,3 +107,57 @@ class Transfers:
                 if lazy
                 else None,
             )
+
+
+class UploadSink:
+    """An upload in progress: its Storage allocated and held (never moved by compaction),
+    written chunk by chunk, issued by :meth:`finish`; :meth:`abort` frees it if it was not.
+
+    Each method may run on a different thread, one at a time (the caller's order)."""
+
+    def __init__(
+        self,
+        ops: OpContext,
+        session: Session,
+        device: Device,
+        layout: Layout,
+        dtype: dtypes.DType,
+        requires_grad: bool,
+    ) -> None:
+        kernels.check_requires_grad(dtype, requires_grad)
+        self._ops = ops
+        self._session = session
+        self.nbytes = layout.numel * dtype.itemsize
+        storage = ops.storages.allocate(
+            device, layout.storage_extent() * dtype.itemsize, session.tenant
+        )
+        self._out: TensorRef | None = TensorRef(storage, layout, dtype, requires_grad)
+        self.received = 0
+
+    def write(self, chunk: bytes) -> None:
+        out = self._live()
+        if self.received + len(chunk) > self.nbytes:
+            raise ValueError(f"upload carried more than the declared {self.nbytes} bytes")
+        with activate(out.device):
+            out.storage.write(self.received, chunk)
+        self.received += len(chunk)
+
+    def finish(self) -> Issued:
+        out = self._live()
+        if self.received != self.nbytes:
+            raise ValueError(f"upload ended after {self.received} of {self.nbytes} bytes")
+        with activate(out.device):
+            issued = self._ops.issue(self._session, out)
+        self.abort()  # the handle holds the Storage now: only the hold goes
+        return issued
+
+    def abort(self) -> None:
+        """Give up the hold (idempotent): an unissued Storage returns to the pool."""
+        out, self._out = self._out, None
+        if out is not None:
+            self._ops.storages.release_hold(out.storage)
+
+    def _live(self) -> TensorRef:
+        if self._out is None:
+            raise ValueError("upload already finished or aborted")
+        return self._out

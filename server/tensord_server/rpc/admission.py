@@ -1,63 +1,28 @@
-"""The gRPC side of admission: cancelling calls, the liveness threads, gating other services.
+"""The other services (gRPC health and reflection) under the rules of Tensord's own calls.
 
-The counting and the limits are the domain's (:mod:`tensord_server.domain.admission`,
-:class:`CallGate`); this module holds what needs gRPC itself:
-
-* :func:`cancel_idle_stream`, the canceller the server installs on the gate: an
-  idle stream's call ends with DEADLINE_EXCEEDED, which its client receives.
-* Liveness never queues: Heartbeat and OpenSession run on a small pool of
-  their own (:func:`liveness_pool`), so a server whose workers are all busy
-  still renews leases, and the lease clock never has to stop (a stopped clock
-  let one tenant keep everyone's lost sessions and expired tokens alive).
-* :class:`GateInterceptor` puts every other service's calls (gRPC health and
-  reflection) under the same rules as Tensord's own: counted, streams admitted
-  and watched, and, with ``--auth-tokens``, a valid token required (except the
-  unary health Check, which load balancers probe without credentials).
+:class:`OtherServicesInterceptor` wraps every call of a service other than Tensord:
+with ``--auth-tokens`` a valid token is required before the call's request is read
+(except the unary health Check, which load balancers probe without credentials); its
+streams are admitted within the stream limits (the domain's
+:class:`~tensord_server.domain.admission.CallGate`) and a stream whose client sends
+nothing for ``--stream-idle-timeout`` ends with DEADLINE_EXCEEDED.  Tensord's own calls
+take the same steps in :mod:`tensord_server.rpc.calls`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable, Iterator
-from concurrent import futures
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from tensord.protocol import ERROR_TYPE_KEY
 
-from tensord_server.domain.admission import CallGate, watched
-
-log = logging.getLogger(__name__)
-
-# Threads running Heartbeat and OpenSession apart from --max-workers: each such call only
-# authenticates and takes the session table's lock, so a few serve any number of clients.
-LIVENESS_WORKERS = 4
-
-
-def cancel_rpc(context: Any, code: grpc.StatusCode, details: str) -> None:
-    """Cancel a call from another thread, telling its client why.
-
-    The sync server's public ``context.cancel()`` reports a bare CANCELLED; its
-    call object can cancel with a status, which the client then receives.
-    """
-    call = getattr(getattr(context, "_rpc_event", None), "call", None)
-    try:
-        if call is not None:
-            call.cancel(code.value[0], details)
-            return
-    except Exception:  # an older/newer grpc without the status form: plain cancel below
-        log.debug("cancel with status failed", exc_info=True)
-    context.cancel()
-
-
-def cancel_idle_stream(context: Any, details: str) -> None:
-    """The gate's canceller: an idle stream's call ends with DEADLINE_EXCEEDED and ``details``."""
-    cancel_rpc(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
-
-
-def liveness_pool() -> futures.ThreadPoolExecutor:
-    """The threads Heartbeat and OpenSession run on, never queued behind other calls."""
-    return futures.ThreadPoolExecutor(LIVENESS_WORKERS, thread_name_prefix="tensord-liveness")
+from tensord_server.domain.admission import CallGate
+from tensord_server.rpc import status
 
 
 def _service_of(method: str) -> str:
@@ -69,50 +34,89 @@ def _service_of(method: str) -> str:
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 
-class GateInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status of ``exc`` and its error-type trailer."""
+    await context.abort(
+        status.status_for(exc),
+        status.details_for(exc),
+        ((ERROR_TYPE_KEY, status.error_type_for(exc)),),
+    )
+
+
+async def idle_bounded(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str, timeout: float
+) -> AsyncIterator[Any]:
+    """``requests``, ending the call with DEADLINE_EXCEEDED when one takes over ``timeout``."""
+    iterator = aiter(requests)
+    while True:
+        try:
+            item = await asyncio.wait_for(anext(iterator), timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{method} idle for {timeout:g}s (the client neither sent nor read anything; "
+                f"--stream-idle-timeout {timeout:g})",
+            )
+        yield item
+
+
+class OtherServicesInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Every call of a service other than ``own_service`` under the gate's rules.
 
-    Tensord's own handlers do this themselves (service.py); the interceptor
-    covers what the server registers beside them (health, reflection), whose
-    streams would otherwise hold workers without admission, idle timeout or token.
-    ``tenant_of(context)`` authenticates (raises UnauthenticatedError) and
-    ``abort(context, exc)`` ends a call with the status of ``exc``.
-    """
+    ``tenant_of(metadata)`` authenticates (raises UnauthenticatedError); ``observe`` records
+    every call in the metrics and logs, refused ones included."""
 
     def __init__(
         self,
         gate: CallGate,
         own_service: str,
         tenant_of: Callable[[Any], str],
-        abort: Callable[[Any, BaseException], None],
+        observe: Callable[[str, grpc.aio.ServicerContext, float, BaseException | None], None],
     ) -> None:
         self._gate = gate
         self._own_service = own_service
         self._tenant_of = tenant_of
-        self._abort = abort
+        self._observe = observe  # (method, context, started, the error or None): metrics, logs
 
-    def intercept_service(
-        self, continuation: Callable[[Any], Any], handler_call_details: Any
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or _service_of(method) == self._own_service:
             return handler
-        if handler.request_streaming or handler.response_streaming:
-            return self._gated_stream(handler, method)
-        return self._gated_unary(handler, method)
+        if not (handler.request_streaming or handler.response_streaming):
+            return self._gated_unary(handler, method)
+        return self._gated_stream(handler, method)
+
+    @contextlib.asynccontextmanager
+    async def _observed(
+        self, method: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        started = time.perf_counter()
+        name = method.rpartition("/")[2]
+        try:
+            yield
+        except BaseException as exc:
+            self._observe(name, context, started, exc)
+            raise
+        self._observe(name, context, started, None)
 
     def _gated_unary(self, handler: Any, method: str) -> Any:
         behavior = handler.unary_unary
 
-        def unary(request: Any, context: Any) -> Any:
-            with self._gate.call():
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with self._observed(method, context):
                 if method not in UNAUTHENTICATED_METHODS:
                     try:
-                        self._tenant_of(context)
+                        self._tenant_of(context.invocation_metadata())
                     except Exception as exc:
-                        self._abort(context, exc)
-                return behavior(request, context)
+                        await abort(context, exc)
+                return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
             unary, handler.request_deserializer, handler.response_serializer
@@ -127,34 +131,37 @@ class GateInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             (True, True): handler.stream_stream,
         }[(requests_stream, responses_stream)]
 
-        def admitted(context: Any) -> int:
+        async def admitted(context: grpc.aio.ServicerContext) -> int:
             try:
-                stream_id = gate.open_stream(context, method, self._tenant_of(context))
+                tenant = self._tenant_of(context.invocation_metadata())
+                return gate.open_stream(context, method, tenant)
             except Exception as exc:
-                self._abort(context, exc)
-            context.add_callback(functools.partial(gate.close_stream, stream_id))
-            return stream_id
+                await abort(context, exc)
+                raise  # unreachable: abort raises
 
-        def unary_response(requests: Any, context: Any) -> Any:
-            with gate.call():
-                stream_id = admitted(context)
+        def bounded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if requests_stream:
+                return idle_bounded(request, context, method, gate.idle_timeout)
+            return request
+
+        async def unary_response(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with self._observed(method, context):
+                stream_id = await admitted(context)
                 try:
-                    return behavior(watched(gate, stream_id, requests), context)
+                    return await behavior(bounded(requests, context), context)
                 finally:
                     gate.close_stream(stream_id)
 
-        def stream_response(request: Any, context: Any) -> Iterator[Any]:
-            with gate.call():
-                stream_id = admitted(context)
+        async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with self._observed(method, context):
+                stream_id = await admitted(context)
                 try:
-                    if requests_stream:
-                        request = watched(gate, stream_id, request)
-                    for response in behavior(request, context):
-                        gate.waiting(stream_id, True)  # its consumer reading it
-                        try:
+                    result = behavior(bounded(request, context), context)
+                    if inspect.isasyncgen(result):
+                        async for response in result:
                             yield response
-                        finally:
-                            gate.waiting(stream_id, False)
+                    else:
+                        await result
                 finally:
                     gate.close_stream(stream_id)
 

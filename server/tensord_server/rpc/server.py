@@ -1,46 +1,92 @@
-"""The gRPC server factory: a started server with the service, health, reflection and TLS.
+"""The gRPC server factory: a started asyncio server with the service, health, reflection and TLS.
 
-Builds a :class:`grpc.Server` around one :class:`~tensord_server.domain.store.TensorStore`:
-the message limits of the wire protocol, the worker pool the admission gate follows, the
-standard health and reflection services, and the listening port (TCP, TLS or a private
-unix socket).
+Builds a :class:`grpc.aio.Server` around one :class:`~tensord_server.domain.store.TensorStore`
+on an event loop of its own thread, and returns an :class:`AsyncServer` that threads use
+as they used the synchronous server (``stop(grace).wait()``, ``wait_for_termination()``).
+A call waiting for its request, for a worker or for its reader holds no thread
+(:mod:`tensord_server.rpc.calls` says how each call travels); the transport's limits below
+bound what a peer can hold without making any call at all.
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import os
+import resource
+import threading
 from collections.abc import Iterable
-from concurrent import futures
+from typing import Any
 
 import grpc
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
+from tensord.protocol import AUTHORIZATION_KEY, DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.table import DeviceSpec
+from tensord_server.domain import auth
 from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
-from tensord_server.observability import interceptor_for  # observability hook
-from tensord_server.rpc import status
-from tensord_server.rpc.admission import GateInterceptor, cancel_idle_stream, liveness_pool
-from tensord_server.rpc.service import SERVICE_NAME, add_to_server, tenant_of_context
+from tensord_server.rpc.admission import OtherServicesInterceptor
+from tensord_server.rpc.calls import MAX_RECEIVE_BYTES, Calls
+from tensord_server.rpc.service import SERVICE_NAME
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_MAX_WORKERS", "MAX_MESSAGE_BYTES", "create_server"]
 
 # A unix: socket is readable and writable by the server's user only.
 UNIX_SOCKET_MODE = 0o600
+# Streams one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+MAX_CONCURRENT_STREAMS = 128
+# A connection with no call in progress for this long is closed (a connection that never
+# makes a call included); clients reconnect when they next call.
+CONNECTION_IDLE_MS = 30_000
+# The transport pings every connection this often and closes one that does not answer
+# within the timeout: how a session's KeepAlive stream ends when its client vanished
+# without closing its socket.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+# A connection has this long to finish its (TLS) handshake.
+HANDSHAKE_TIMEOUT_MS = 10_000
+# Descriptors kept for what is not a connection: segments, the fd socket, files, logs.
+DESCRIPTOR_RESERVE = 256
+# Connections in all, at most (fewer where the descriptor limit is lower).
+MAX_CONNECTIONS = 4096
 
 
-def _add_health_and_reflection(server: grpc.Server) -> None:
+def connection_limit() -> int:
+    """Connections the server accepts at once: what the descriptor limit leaves beyond the
+    reserve (a connection is one descriptor), at most MAX_CONNECTIONS."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, min(MAX_CONNECTIONS, soft - DESCRIPTOR_RESERVE))
+
+
+def server_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.max_connection_idle_ms", CONNECTION_IDLE_MS),
+        ("grpc.max_allowed_incoming_connections", connection_limit()),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+    ]
+
+
+def _add_health_and_reflection(server: grpc.aio.Server) -> None:
     """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
-    servicer = health.HealthServicer()
+    servicer = health.aio.HealthServicer()
     for name in ("", service_name):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # the aio servicer's set() is a coroutine only for its watchers; none exist yet
+        servicer._server_status[name] = health_pb2.HealthCheckResponse.SERVING
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -53,6 +99,51 @@ def unix_socket_path(address: str) -> str:
     return path[2:] if path.startswith("//") else path
 
 
+class AsyncServer:
+    """A started asyncio server, driven from any thread."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        server: grpc.aio.Server,
+        calls: Calls,
+    ) -> None:
+        self._loop = loop
+        self._thread = thread
+        self._server = server
+        self.calls = calls
+        self._stopped = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop taking calls; those in flight get ``grace`` seconds (None: none).  The event
+        is set once every call ended and the workers are gone.  Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return self._stopped
+            self._stopping = True
+        stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+
+        def finish() -> None:
+            try:
+                stopping.result()
+            finally:
+                self.calls.shutdown()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
+                self._stopped.set()
+
+        threading.Thread(target=finish, name="tensord-stop", daemon=True).start()
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """True once stopped; False if ``timeout`` passed first."""
+        return self._stopped.wait(timeout)
+
+
 def create_server(
     address: str = "127.0.0.1:0",
     devices: Iterable[DeviceSpec | str] = ("cpu",),
@@ -62,46 +153,75 @@ def create_server(
     max_workers: int = DEFAULT_MAX_WORKERS,
     store: TensorStore | None = None,
     credentials: grpc.ServerCredentials | None = None,
-) -> tuple[grpc.Server, int]:
-    """A started gRPC server on ``address`` and its port (port 0: any free one).
+) -> tuple[AsyncServer, int]:
+    """A started server on ``address`` and its port (port 0: any free one).
 
     Pass ``store`` to keep a reference for inspection (tests) and for
     ``store.close()`` after ``server.stop()``; otherwise one is made from
     ``devices``, ``session_grace`` and ``lease``.  ``credentials``
     (:func:`tensord_server.rpc.tls.server_credentials`) make the port TLS-only.
+    ``max_workers`` threads run the calls' work, shared fairly between tenants.
     """
     if store is None:
         store = TensorStore(devices, session_grace=session_grace, lease=lease)
     store.gate.resize(max_workers)  # admission and saturation follow the real thread pool
-    store.gate.cancel_stream = cancel_idle_stream  # an idle stream ends with DEADLINE_EXCEEDED
-    # health and reflection calls counted, their streams admitted and watched, tokens checked
-    gate_all = GateInterceptor(
-        store.gate, SERVICE_NAME, functools.partial(tenant_of_context, store), status.abort
-    )
-    # No maximum_concurrent_rpcs: grpc counts every call against it, heartbeats too, so a
-    # flood of other calls would get heartbeats refused; admission bounds the streams instead.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tensord"),
-        # observability hook: per-RPC metrics and logs (tensord_server.observability), outside
-        # the gate so that its refusals (UNAUTHENTICATED, RESOURCE_EXHAUSTED) are counted too
-        interceptors=(interceptor_for(store), gate_all),
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    add_to_server(store, server, liveness_pool())  # liveness never queues behind other calls
-    _add_health_and_reflection(server)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    calls = Calls(store, max_workers)
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def tenant_of(metadata: Any) -> str:
+        tokens = store.auth_tokens
+        if tokens is None:
+            return ""
+        value = next((v for k, v in metadata or () if k == AUTHORIZATION_KEY), None)
+        return auth.tenant_of(tokens, value)
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
+            interceptors=(
+                OtherServicesInterceptor(store.gate, SERVICE_NAME, tenant_of, calls.observe_other),
+            ),
+            options=server_options(),
+        )
+        server.add_generic_rpc_handlers((calls.handlers(),))
+        _add_health_and_reflection(server)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+        await server.start()
+        return server, port
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            started["result"] = loop.run_until_complete(start())
+        except BaseException as exc:
+            started["error"] = exc
+            ready.set()
+            return
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, name="tensord-rpc", daemon=True)
+    thread.start()
+    ready.wait()
+    if "error" in started:
+        thread.join()
+        loop.close()
+        calls.shutdown()
+        error = started["error"]
+        if isinstance(error, RuntimeError):  # grpc's "Failed to bind to address ..."
+            raise OSError(f"cannot listen on {address}: {error}") from error
+        raise error
+    server, port = started["result"]
+    handle = AsyncServer(loop, thread, server, calls)
     if port == 0 and not address.startswith("unix:"):
+        handle.stop(None).wait()
         raise OSError(f"cannot listen on {address}")
     if address.startswith("unix:"):
         # only the server's own user may connect (filesystem permissions are the access control)
         os.chmod(unix_socket_path(address), UNIX_SOCKET_MODE)
     store.start()
-    server.start()
-    return server, port
+    return handle, port

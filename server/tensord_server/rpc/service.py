@@ -1,18 +1,18 @@
-"""The gRPC face of the tensor store: thin handlers (decode -> TensorStore call -> encode).
+"""The gRPC face of the tensor store: thin handlers (decoded request -> TensorStore call -> reply).
 
-The method table is built from the schema's service descriptor, so every RPC
-the proto declares is registered with the right streaming kind; Upload and
-Download carry raw bytes (identity (de)serializers), every other method uses
-the generated protobuf ones.  Any exception a handler lets escape becomes a
-status code in :mod:`tensord_server.rpc.status`, the one place that decides.
+Each method of :class:`TensordService` is synchronous and runs on a worker thread of the
+asyncio server (:mod:`tensord_server.rpc.calls` authenticates the call, reads and decodes
+its request, and queues it fairly before a worker runs it).  The three streaming RPCs are
+split into the steps a worker runs between the stream's messages (:meth:`upload_sink`,
+:meth:`download_chunks`, :meth:`keepalive_session`), so no worker waits on a client.  Any
+exception a handler lets escape becomes a status code in :mod:`tensord_server.rpc.status`,
+the one place that decides.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Container, Iterator
-from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
@@ -29,12 +29,11 @@ from tensord.protocol import (
 
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import auth, batch, limits
-from tensord_server.domain.admission import watched
 from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES
+from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
     decode_advanced_index,
@@ -70,36 +69,11 @@ def tenant_of_context(store: TensorStore, context: grpc.ServicerContext) -> str:
     return auth.tenant_of(tokens, _metadata(context, AUTHORIZATION_KEY))
 
 
-# ---------------------------------------------------------------------------
-# error handling: the one way out of a handler
-
-
 def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(handler)
-    def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: TensordService, request: Any, context: Any) -> Any:
         with self.store.gate.call():  # this call holds a worker (the saturation clock)
-            try:
-                self._tenant(context)  # every call authenticates first
-                return handler(self, request, context)
-            except grpc.RpcError:
-                raise  # the request stream was cancelled (idle timeout, client gone): no status
-            except Exception as exc:
-                status.abort(context, exc)
-
-    return wrapper
-
-
-def _streaming(handler: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-    @functools.wraps(handler)
-    def wrapper(self: TensordService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        with self.store.gate.call():
-            try:
-                self._tenant(context)
-                yield from handler(self, request, context)
-            except grpc.RpcError:
-                raise
-            except Exception as exc:
-                status.abort(context, exc)
+            return handler(self, request, context)
 
     return wrapper
 
@@ -111,32 +85,8 @@ class TensordService:
         self.store = store
         store.export_channel_handler = self._channel_export
 
-    def _tenant(self, context: grpc.ServicerContext) -> str:
-        return tenant_of_context(self.store, context)
-
-    @contextlib.contextmanager
-    def _admitted(
-        self, context: grpc.ServicerContext, method: str, idle_timeout: float | None = None
-    ) -> Iterator[int]:
-        """A long-lived call's admission (refused at once over the limits) for the block."""
-        gate = self.store.gate
-        stream_id = gate.open_stream(context, method, self._tenant(context), idle_timeout)
-        # the RPC's end frees the slot even if grpc never resumes a suspended handler
-        context.add_callback(functools.partial(gate.close_stream, stream_id))
-        try:
-            yield stream_id
-        finally:
-            gate.close_stream(stream_id)
-
-    def _watched_responses(self, stream_id: int, responses: Iterator[M]) -> Iterator[M]:
-        """``responses`` with the time their consumer takes to read each one watched."""
-        gate = self.store.gate
-        for response in responses:
-            gate.waiting(stream_id, True)
-            try:
-                yield response
-            finally:
-                gate.waiting(stream_id, False)
+    def _tenant(self, context: Any) -> str:
+        return str(context.tenant)  # authenticated before the call was read (rpc.calls)
 
     def _replies(self, session: Session, issued: list[Issued], *inputs: str) -> list[pb.TensorMeta]:
         """The replies for handles an op issued (``inputs``: the request's own handles, which
@@ -197,24 +147,14 @@ class TensordService:
         self._session(context)  # looking the session up renews its lease
         return pb.Heartbeat(sent_at=request.sent_at)
 
-    @_streaming
-    def KeepAlive(self, requests: Iterator[pb.Heartbeat], context: Any) -> Iterator[pb.Heartbeat]:
+    def keepalive_session(self, context: Any) -> Session:
+        """The session a KeepAlive stream keeps alive: counted as connected while the stream
+        is open, whatever its beats do (the rpc layer calls ``sessions.stream_closed`` when
+        gRPC ends the stream: the client closed it, its connection broke or stopped
+        answering the transport's keepalive pings)."""
         session = self._session(context)
-        sessions = self.store.sessions
-        # beats come every lease/3: a stream is idle only after missing them for a lease
-        with self._admitted(context, "KeepAlive", sessions.lease) as stream_id:
-            sessions.stream_opened(session)
-            try:
-                for beat in watched(self.store.gate, stream_id, requests):
-                    sessions.heartbeat(session)
-                    yield pb.Heartbeat(sent_at=beat.sent_at)
-            except Exception:
-                # A client that vanished (killed, connection cut) ends its stream by
-                # cancellation: that is this RPC's normal end, not a server error.
-                if context.is_active():
-                    raise
-            finally:
-                sessions.stream_closed(session)
+        self.store.sessions.stream_opened(session)
+        return session
 
     @_unary
     def CloseSession(self, request: Any, context: Any) -> pb.CloseSessionResponse:
@@ -376,33 +316,32 @@ class TensordService:
 
     # -- transfers ------------------------------------------------------------------
 
-    @_unary
-    def Upload(self, chunks: Iterator[bytes], context: Any) -> pb.TensorMeta:
+    def upload_sink(self, context: Any) -> tuple[Session, UploadSink]:
+        """An Upload's session and its allocated target (the header comes as metadata, the
+        chunks as the stream's messages: the rpc layer writes each into the sink)."""
         session = self._session(context)
         raw_header = _metadata(context, UPLOAD_HEADER_KEY)
         if raw_header is None:
             raise ValueError(f"Upload needs the {UPLOAD_HEADER_KEY} metadata (an UploadHeader)")
         header = decode_message(pb.UploadHeader, raw_header)
-        with self._admitted(context, "Upload") as stream_id:
-            return self._reply(
-                session,
-                self.store.upload(
-                    session,
-                    tuple(header.shape),
-                    header.dtype,
-                    header.device,
-                    header.nbytes,
-                    watched(self.store.gate, stream_id, chunks),
-                    header.requires_grad,
-                ),
-            )
+        sink = self.store.transfers.upload_sink(
+            session,
+            tuple(header.shape),
+            header.dtype,
+            header.device,
+            header.nbytes,
+            header.requires_grad,
+        )
+        return session, sink
 
-    @_streaming
-    def Download(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
+    def upload_finished(self, session: Session, sink: UploadSink) -> pb.TensorMeta:
+        with self.store.gate.call():
+            return self._reply(session, sink.finish())
+
+    def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
+        """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
         session = self._session(context)
-        with self._admitted(context, "Download") as stream_id:
-            chunks = self.store.download(session, request.handle, request.chunk_bytes)
-            yield from self._watched_responses(stream_id, chunks)
+        return self.store.download(session, request.handle, request.chunk_bytes)
 
     # -- sharing --------------------------------------------------------------------
 
@@ -618,75 +557,3 @@ class TensordService:
                 list(request.stride.values) if request.HasField("stride") else None,
             )
         )
-
-
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def _decoding(behavior: Callable[..., Any], cls: type[Message], streaming: bool) -> Any:
-    """Parse requests inside the handler, not in gRPC's deserializer.
-
-    gRPC answers a deserializer's exception with INTERNAL ("Exception
-    deserializing request!"), which would blame the server for a client's garbage.
-    """
-    if streaming:
-
-        def each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-            return behavior((decode_message(cls, r) for r in requests), context)
-
-        return each
-
-    def one(request: bytes, context: grpc.ServicerContext) -> Any:
-        try:
-            message = decode_message(cls, request)
-        except InvalidArgumentError as exc:
-            status.abort(context, exc)
-        return behavior(message, context)
-
-    return one
-
-
-# Calls that keep a client alive: run on their own small pool, never behind other work
-# (each only authenticates and takes the session table's lock: its cost is bounded).
-LIVENESS_METHODS = frozenset({"Heartbeat", "OpenSession"})
-
-
-def method_handlers(
-    service: TensordService, liveness: futures.ThreadPoolExecutor | None = None
-) -> dict[str, grpc.RpcMethodHandler]:
-    """One handler per RPC the schema declares, with its streaming kind and (de)serializers;
-    ``liveness`` runs the LIVENESS_METHODS (grpc reads a behavior's experimental_thread_pool)."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
-        behavior = getattr(service, method.name)
-        if method.name not in RAW_REQUEST_METHODS:
-            behavior = _decoding(behavior, request_cls, method.client_streaming)
-        if liveness is not None and method.name in LIVENESS_METHODS:
-            behavior = functools.partial(behavior)  # an object of its own to carry the pool
-            behavior.experimental_thread_pool = liveness  # type: ignore[attr-defined]
-        handlers[method.name] = factory(
-            behavior,
-            request_deserializer=None,  # raw bytes: _decoding parses them
-            response_serializer=None
-            if method.name in RAW_RESPONSE_METHODS
-            else response_cls.SerializeToString,
-        )
-    return handlers
-
-
-def add_to_server(
-    store: TensorStore, server: grpc.Server, liveness: futures.ThreadPoolExecutor | None = None
-) -> TensordService:
-    service = TensordService(store)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service, liveness)),)
-    )
-    return service

@@ -30,6 +30,7 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.InternalError, grpc.StatusCode.INTERNAL),
     # What the layout engine and dtype helpers raise, as torch does, for bad input.
@@ -45,6 +46,9 @@ _GENERIC_BASES = frozenset({BaseException, Exception, object})
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The status code of an exception; INTERNAL for anything unexpected (a server bug)."""
+    own = getattr(exc, "code", None)
+    if isinstance(own, grpc.StatusCode):  # a handler's own abort(code, details)
+        return own
     for cls, code in STATUS_TABLE:
         if isinstance(exc, cls):
             return code
@@ -87,6 +91,8 @@ def error_type_for(exc: BaseException) -> str:
 def details_for(exc: BaseException) -> str:
     """The message the client sees: the exception's text, word for word."""
     text = str(exc)
+    if isinstance(getattr(exc, "code", None), grpc.StatusCode):
+        return text
     if status_for(exc) is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.InternalError):
         return f"{type(exc).__name__}: {text}"  # an unexpected error: say what it was
     return text

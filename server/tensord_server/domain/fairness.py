@@ -1,0 +1,141 @@
+"""Fair shares of the server's workers: which waiting call runs next, and who may queue more.
+
+Calls wait in one first-in, first-out queue per *key* (the caller's tenant; without
+``--auth-tokens``, its connection) and keys take turns: a free worker goes to the next key
+in round-robin order that has a call waiting, so a key with a thousand calls queued delays
+another key's next call by at most one call of each other busy key, never by its whole
+queue.  The scheduler is work-conserving: a key alone may use every worker, and gives them
+up one call at a time as others arrive.  A key holds at most ``max_running_per_key``
+workers while another key waits (its fair share), and queues at most
+``max_queued_per_key`` calls; beyond that a call is refused at once (RESOURCE_EXHAUSTED),
+so what a flood holds in memory is bounded by the queue, not by how fast it sends.
+
+Pure bookkeeping, no threads or event loop: the rpc layer calls it from one thread
+(its event loop) and runs what :meth:`FairQueue.next` hands out.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from tensord.errors import ResourceExhaustedError
+
+Job = TypeVar("Job")
+
+# Calls one key may have waiting for a worker (each holds its request's bytes meanwhile).
+DEFAULT_MAX_QUEUED_PER_KEY = 256
+# Calls waiting for a worker in all.
+DEFAULT_MAX_QUEUED = 4096
+
+
+@dataclass(slots=True)
+class _KeyState(Generic[Job]):
+    waiting: collections.deque[Job] = field(default_factory=collections.deque)
+    running: int = 0  # workers this key holds now
+
+
+class FairQueue(Generic[Job]):
+    """Round-robin over keys with waiting calls; ``workers`` run at once.
+
+    Invariants (checked by :meth:`assert_invariants`): ``running`` is the sum of the keys'
+    running counts and never exceeds ``workers``; a key is in ``_turns`` exactly when it
+    has calls waiting; a key with nothing waiting or running is forgotten.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        max_running_per_key: int | None = None,
+        max_queued_per_key: int = DEFAULT_MAX_QUEUED_PER_KEY,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        # a fair share: half the workers (at least one) while another key waits
+        self.max_running_per_key = max_running_per_key or max(1, workers // 2)
+        self.max_queued_per_key = max_queued_per_key
+        self.max_queued = max_queued
+        self.running = 0
+        self.queued = 0
+        self._keys: dict[Hashable, _KeyState[Job]] = {}
+        self._turns: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+
+    def submit(self, key: Hashable, job: Job, describe: str = "this caller") -> None:
+        """Queue ``job`` for ``key``, or refuse it now (ResourceExhaustedError)."""
+        state = self._keys.get(key)
+        waiting = len(state.waiting) if state is not None else 0
+        if waiting >= self.max_queued_per_key:
+            raise ResourceExhaustedError(
+                f"{describe} has {waiting} calls waiting for a worker, the limit "
+                f"({self.max_queued_per_key}); wait for answers before sending more"
+            )
+        if self.queued >= self.max_queued:
+            raise ResourceExhaustedError(
+                f"the server has {self.queued} calls waiting for a worker, the limit "
+                f"({self.max_queued}); retry later"
+            )
+        if state is None:
+            state = self._keys[key] = _KeyState()
+        state.waiting.append(job)
+        self.queued += 1
+        self._turns[key] = None
+
+    def next(self) -> tuple[Hashable, Job] | None:
+        """The call a free worker runs now (its key's running count taken), or None."""
+        if self.running >= self.workers or not self._turns:
+            return None
+        others_wait = len(self._turns) > 1
+        for key in list(self._turns):
+            state = self._keys[key]
+            if others_wait and state.running >= self.max_running_per_key:
+                self._turns.move_to_end(key)  # over its share while others wait: skip a turn
+                continue
+            job = state.waiting.popleft()
+            self.queued -= 1
+            state.running += 1
+            self.running += 1
+            if state.waiting:
+                self._turns.move_to_end(key)  # its next call waits for the others' turns
+            else:
+                del self._turns[key]
+            return key, job
+        return None  # every waiting key is over its share: the running calls finish first
+
+    def finished(self, key: Hashable) -> None:
+        """A call of ``key`` handed out by :meth:`next` is done: its worker is free."""
+        state = self._keys[key]
+        assert state.running > 0, f"finished() for {key!r}, which runs nothing"
+        state.running -= 1
+        self.running -= 1
+        if not state.running and not state.waiting:
+            del self._keys[key]
+
+    def drop_waiting(self, key: Hashable, job: Job) -> bool:
+        """Take back a call that has not started (its caller went away); False if it had."""
+        state = self._keys.get(key)
+        if state is None or job not in state.waiting:
+            return False
+        state.waiting.remove(job)
+        self.queued -= 1
+        if not state.waiting:
+            self._turns.pop(key, None)
+            if not state.running:
+                del self._keys[key]
+        return True
+
+    def running_of(self, key: Hashable) -> int:
+        state = self._keys.get(key)
+        return state.running if state is not None else 0
+
+    def assert_invariants(self) -> None:
+        running = sum(s.running for s in self._keys.values())
+        queued = sum(len(s.waiting) for s in self._keys.values())
+        assert running == self.running <= self.workers, (running, self.running, self.workers)
+        assert queued == self.queued, (queued, self.queued)
+        assert set(self._turns) == {k for k, s in self._keys.items() if s.waiting}, self._turns
+        assert all(s.running or s.waiting for s in self._keys.values()), self._keys

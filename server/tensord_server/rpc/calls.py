@@ -1,0 +1,529 @@
+"""How a call travels through the asyncio server, in order, before and after its work.
+
+1. **Authenticate** from the call's metadata, before anything of its body is read (with
+   ``--auth-tokens``, a caller without a valid token gets UNAUTHENTICATED and the server
+   never asks gRPC for its request: at most one HTTP/2 flow-control window of it ever
+   arrives).  Every method is registered as request-*streaming* so that the handler runs
+   before the request is read; unary clients send the same bytes either way.
+2. **Read** the request with a deadline (``--stream-idle-timeout``), at most
+   ``READS_PER_KEY`` reads in progress per key; refuse it if it is longer than its
+   method's receive limit (:data:`RECEIVE_LIMITS`: control calls a few MiB, a Batch or an
+   index by their item limits, an upload chunk by the largest chunk), then reserve its bytes
+   in the :class:`~tensord_server.rpc.executor.RequestBudget` until the call ends.
+3. **Queue** its work on the :class:`~tensord_server.rpc.executor.FairExecutor`: calls of
+   one key (the tenant; without tenants, the connection) take turns with every other key's.
+   Liveness calls (OpenSession, Heartbeat, CloseSession) have a pool of their own.
+4. **Work** on a worker thread: decode and bound the message
+   (:func:`~tensord_server.rpc.codec.decode_message`), call the synchronous
+   :class:`~tensord_server.rpc.service.TensordService` method, encode the reply.
+5. **Answer**: the reply's bytes count against the key's undelivered-answer budget
+   (``MAX_UNDELIVERED_ANSWER_BYTES``) until gRPC has delivered them, so a caller that does
+   not read its answers is refused new calls instead of pinning their bytes in the server.
+
+Streams are steps of the same shape: an Upload writes each chunk on a worker as it
+arrives, a Download computes each chunk on a worker and awaits its reader holding no
+thread (each wait bounded by the idle timeout), and a KeepAlive stream keeps its session
+connected for as long as gRPC keeps the stream open (its end is detected by gRPC itself:
+the client closing it, the connection breaking, or the transport's keepalive pings going
+unanswered), so no amount of load on the server can make a live client's session lapse.
+
+Errors from any step leave through :func:`abort`, with the status of
+:mod:`tensord_server.rpc.status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
+
+from tensord_server.domain import auth
+from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.store import TensorStore
+from tensord_server.domain.transfers import MAX_CHUNK_BYTES
+from tensord_server.observability import observer_for  # observability hook
+from tensord_server.rpc import status
+from tensord_server.rpc.codec import decode_message
+from tensord_server.rpc.executor import FairExecutor, RequestBudget
+from tensord_server.rpc.service import SERVICE_NAME, TensordService
+
+log = logging.getLogger(__name__)
+
+# A control call's request: a few MiB hold any shape, index or list the limits allow.
+CONTROL_REQUEST_BYTES = 4 << 20
+# A liveness call's request (a beat, a client name and a session id).
+LIVENESS_REQUEST_BYTES = 64 << 10
+# Requests whose lists may reach limits.MAX_REQUEST_ITEMS items (10 bytes a varint at most).
+LIST_REQUEST_BYTES = 16 << 20
+RECEIVE_LIMITS: dict[str, int] = collections.defaultdict(
+    lambda: CONTROL_REQUEST_BYTES,
+    {
+        "Batch": LIST_REQUEST_BYTES,
+        "AdvancedIndex": LIST_REQUEST_BYTES,
+        "AdvancedSetItem": LIST_REQUEST_BYTES,
+        "Upload": MAX_CHUNK_BYTES,
+        "Heartbeat": LIVENESS_REQUEST_BYTES,
+        "KeepAlive": LIVENESS_REQUEST_BYTES,
+        "OpenSession": LIVENESS_REQUEST_BYTES,
+        "CloseSession": LIVENESS_REQUEST_BYTES,
+        "ServerInfo": LIVENESS_REQUEST_BYTES,
+    },
+)
+# gRPC's own per-message limit on the server: the largest of the above (anything longer is
+# refused by gRPC core before Python sees a byte of it).
+MAX_RECEIVE_BYTES = max(CONTROL_REQUEST_BYTES, LIST_REQUEST_BYTES, MAX_CHUNK_BYTES)
+# Calls that keep a client alive run on a pool of their own, never behind other work
+# (each only authenticates and takes the session table's lock: its cost is bounded).
+LIVENESS_METHODS = frozenset({"OpenSession", "Heartbeat", "CloseSession", "ServerInfo"})
+LIVENESS_WORKERS = 2
+# Requests of one key being read at once (each may be at most its receive limit).
+READS_PER_KEY = 16
+# Answer bytes of one key gRPC has not delivered yet (a reader that does not read).
+MAX_UNDELIVERED_ANSWER_BYTES = 256 << 20
+
+Metadatum = collections.namedtuple("Metadatum", "key value")
+
+
+class CallAborted(Exception):
+    """A handler's own status for its call (``Call.abort``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class Call:
+    """What a synchronous handler and the observer see of a call: the few methods of gRPC's
+    ServicerContext they use, answered from values taken on the event loop."""
+
+    __slots__ = ("_callbacks", "_code", "_details", "_done", "_metadata", "_peer", "key", "tenant")
+
+    def __init__(self, context: grpc.aio.ServicerContext, tenant: str | None, key: Hashable):
+        self._metadata = tuple(Metadatum(k, v) for k, v in context.invocation_metadata() or ())
+        self._peer = context.peer()
+        self.tenant = tenant
+        self.key = key
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    def invocation_metadata(self) -> tuple[Metadatum, ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return str(self._peer)
+
+    def is_active(self) -> bool:
+        return not self._done
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        """End the call with ``code`` (as gRPC's ServicerContext.abort: raises)."""
+        raise CallAborted(code, details)
+
+    def details(self) -> str:
+        return self._details
+
+    def ended(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def terminated(self) -> None:
+        """gRPC ended the call (delivered, cancelled or broken): run its callbacks."""
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("a call's end callback failed")
+
+
+def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> Any:
+    for item_key, value in context.invocation_metadata() or ():
+        if item_key == key:
+            return value
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    name: str
+    request_cls: type[Message]
+    receive_limit: int
+    liveness: bool
+
+
+class Calls:
+    """The asyncio handlers of every Tensord method, over one :class:`TensordService`."""
+
+    def __init__(self, store: TensorStore, workers: int) -> None:
+        self.store = store
+        self.service = TensordService(store)
+        self.observer = observer_for(store)
+        self.work = FairExecutor(workers, "tensord")
+        self.liveness = FairExecutor(LIVENESS_WORKERS, "tensord-liveness")
+        self.budget = RequestBudget()
+        self._reads: dict[Hashable, _Readers] = {}
+        self._answers: dict[Hashable, int] = {}
+
+    def shutdown(self) -> None:
+        self.work.shutdown()
+        self.liveness.shutdown()
+
+    # -- the steps every call takes ------------------------------------------------------
+
+    def authenticate(self, context: grpc.aio.ServicerContext) -> tuple[str, Hashable]:
+        """(tenant, fairness key); UnauthenticatedError before anything else is done."""
+        tokens = self.store.auth_tokens
+        if tokens is None:
+            return "", ("peer", context.peer())  # one trust domain: each connection its share
+        tenant = auth.tenant_of(tokens, _metadata_value(context, AUTHORIZATION_KEY))
+        return tenant, ("tenant", tenant)
+
+    def describe(self, call: Call) -> str:
+        if self.store.auth_tokens is None:
+            return f"the connection {call.peer()}"
+        return describe_tenant(call.tenant or "")
+
+    async def read(self, context: grpc.aio.ServicerContext, call: Call, method: Method) -> Any:
+        """The next request message's bytes (EOF at the end of a stream), or an error."""
+        reads = self._reads.get(call.key)
+        if reads is None:
+            reads = self._reads[call.key] = _Readers(READS_PER_KEY)
+        timeout = self.store.gate.idle_timeout
+        reads.users += 1
+        try:
+            async with reads.slots:
+                raw = await asyncio.wait_for(context.read(), timeout)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"{method.name}: no request message for {timeout:g}s "
+                f"(--stream-idle-timeout {timeout:g})"
+            ) from None
+        finally:
+            reads.users -= 1
+            if not reads.users:
+                del self._reads[call.key]
+        if raw is not grpc.aio.EOF and len(raw) > method.receive_limit:
+            raise InvalidArgumentError(
+                f"a {method.name} request of {len(raw)} bytes; the limit is {method.receive_limit}"
+            )
+        return raw
+
+    def check_answers(self, call: Call) -> None:
+        held = self._answers.get(call.key, 0)
+        if held >= MAX_UNDELIVERED_ANSWER_BYTES:
+            raise ResourceExhaustedError(
+                f"{self.describe(call)} has {held} bytes of answers it has not read, the limit "
+                f"({MAX_UNDELIVERED_ANSWER_BYTES}); read them before making more calls"
+            )
+
+    def hold_answer(self, call: Call, nbytes: int) -> None:
+        """Count ``nbytes`` of answer until the call ends (gRPC delivered it, or gave up)."""
+        if not nbytes:
+            return
+        key = call.key
+        self._answers[key] = self._answers.get(key, 0) + nbytes
+
+        def delivered() -> None:
+            left = self._answers[key] - nbytes
+            if left:
+                self._answers[key] = left
+            else:
+                del self._answers[key]
+
+        call.add_callback(delivered)
+
+    def start(self, context: grpc.aio.ServicerContext) -> Call:
+        """Authenticate and make the call's record; its end runs the record's callbacks."""
+        tenant, key = self.authenticate(context)
+        call = Call(context, tenant, key)
+        context.add_done_callback(lambda _: call.terminated())
+        return call
+
+    async def abort(
+        self, context: grpc.aio.ServicerContext, call: Call | None, method: str, exc: BaseException
+    ) -> None:
+        code = status.status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("internal error in a tensord handler", exc_info=exc)
+        details = status.details_for(exc)
+        if call is not None:
+            call.ended(code, details)
+        await context.abort(code, details, ((ERROR_TYPE_KEY, status.error_type_for(exc)),))
+
+    def observe_other(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        started: float,
+        error: BaseException | None,
+    ) -> None:
+        """The observer's record of another service's call (health, reflection)."""
+        call = Call(context, None, None)
+        if error is None:
+            call.ended(grpc.StatusCode.OK)
+        elif isinstance(error, asyncio.CancelledError):
+            call.ended(grpc.StatusCode.CANCELLED)
+        else:  # an abort: gRPC holds the code it sent
+            code = context.code()
+            if not isinstance(code, grpc.StatusCode):
+                code = status.status_for(error)
+            details = context.details()
+            call.ended(code, details.decode() if isinstance(details, bytes) else details or "")
+        self.observed(method, call, started)
+
+    def observed(self, method: str, call: Call, started: float, response: Any = None) -> None:
+        """The observer's record of a finished call (metrics, access and event logs)."""
+        try:
+            self.observer.finished(
+                method, call, started, call.code() or grpc.StatusCode.OK, response
+            )
+        except Exception:
+            log.exception("observing %s failed", method)
+
+    # -- unary-response calls --------------------------------------------------------------
+
+    async def unary(self, method: Method, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        call: Call | None = None
+        try:
+            call = self.start(context)
+            self.check_answers(call)
+            raw = await self.read(context, call, method)
+            if raw is grpc.aio.EOF:
+                raise InvalidArgumentError(f"a {method.name} call without its request message")
+            executor = self.liveness if method.liveness else self.work
+            describe = self.describe(call)
+            with self.budget.reserve(call.key, len(raw), describe):
+                response, data = await executor.run(
+                    call.key, functools.partial(self._work, method, raw, call), describe
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, call, method.name, exc, started)
+            raise AssertionError("unreachable: abort raises") from None
+        self.hold_answer(call, len(data))
+        call.ended(grpc.StatusCode.OK)
+        self.observed(method.name, call, started, response)
+        return data
+
+    def _work(self, method: Method, raw: bytes, call: Call) -> tuple[Message, bytes]:
+        request = decode_message(method.request_cls, raw)
+        response = getattr(self.service, method.name)(request, call)
+        return response, response.SerializeToString()
+
+    async def _abort_observed(
+        self,
+        context: grpc.aio.ServicerContext,
+        call: Call | None,
+        method: str,
+        exc: BaseException,
+        started: float,
+    ) -> None:
+        if call is None:  # refused before it was authenticated
+            call = Call(context, None, None)
+        code = status.status_for(exc)
+        call.ended(code, status.details_for(exc))
+        self.observed(method, call, started)
+        await self.abort(context, call, method, exc)
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def upload(self, method: Method, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        call: Call | None = None
+        sink = None
+        try:
+            call = self.start(context)
+            self.check_answers(call)
+            describe = self.describe(call)
+            with self._admitted(call, method.name):
+                session, sink = await self.work.run(
+                    call.key, functools.partial(self.service.upload_sink, call), describe
+                )
+                while True:
+                    chunk = await self.read(context, call, method)
+                    if chunk is grpc.aio.EOF:
+                        break
+                    self.observer.uploaded.inc(len(chunk))
+                    with self.budget.reserve(call.key, len(chunk), describe):
+                        await self.work.run(
+                            call.key, functools.partial(sink.write, chunk), describe
+                        )
+                reply = await self.work.run(
+                    call.key,
+                    functools.partial(self.service.upload_finished, session, sink),
+                    describe,
+                )
+            data = reply.SerializeToString()
+            self.hold_answer(call, len(data))
+            call.ended(grpc.StatusCode.OK)
+            self.observed(method.name, call, started, reply)
+            return data
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, call, method.name, exc, started)
+        finally:
+            if sink is not None:
+                sink.abort()  # not issued: its Storage goes back (a no-op after finish)
+
+    async def download(
+        self, method: Method, requests: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        started = time.perf_counter()
+        call: Call | None = None
+        chunks: Iterator[bytes] | None = None
+        try:
+            call = self.start(context)
+            raw = await self.read(context, call, method)
+            if raw is grpc.aio.EOF:
+                raise InvalidArgumentError("a Download call without its request message")
+            describe = self.describe(call)
+            timeout = self.store.gate.idle_timeout
+            with self._admitted(call, method.name):
+                request = decode_message(pb.DownloadRequest, raw)
+                chunks = await self.work.run(
+                    call.key,
+                    functools.partial(self.service.download_chunks, request, call),
+                    describe,
+                )
+                while True:
+                    chunk = await self.work.run(
+                        call.key, functools.partial(next, chunks, None), describe
+                    )
+                    if chunk is None:
+                        break
+                    self.observer.downloaded.inc(len(chunk))
+                    try:
+                        await asyncio.wait_for(context.write(chunk), timeout)
+                    except TimeoutError:
+                        raise DeadlineExceededError(
+                            f"Download idle for {timeout:g}s (the client neither sent nor read "
+                            f"anything; --stream-idle-timeout {timeout:g})"
+                        ) from None
+            call.ended(grpc.StatusCode.OK)
+            self.observed(method.name, call, started)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, call, method.name, exc, started)
+        finally:
+            if chunks is not None:
+                close = getattr(chunks, "close", None)
+                if close is not None:  # its held handle goes back, on a worker
+                    await asyncio.get_running_loop().run_in_executor(None, close)
+
+    async def keepalive(
+        self, method: Method, requests: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        started = time.perf_counter()
+        call: Call | None = None
+        session = None
+        sessions = self.store.sessions
+        try:
+            call = self.start(context)
+            describe = self.describe(call)
+            # no stream admission: a session holds at most a few (sessions.stream_opened)
+            session = await self.liveness.run(
+                call.key, functools.partial(self.service.keepalive_session, call), describe
+            )
+            # beats are answered for the client's round-trip time; the session is alive
+            # while the stream is, so a beat that waits costs the client nothing
+            while True:
+                beat = await context.read()
+                if beat is grpc.aio.EOF:
+                    break
+                if len(beat) > method.receive_limit:
+                    raise InvalidArgumentError(
+                        f"a KeepAlive beat of {len(beat)} bytes; the limit is "
+                        f"{method.receive_limit}"
+                    )
+                message = decode_message(pb.Heartbeat, beat)
+                sessions.heartbeat(session)
+                await context.write(pb.Heartbeat(sent_at=message.sent_at).SerializeToString())
+            call.ended(grpc.StatusCode.OK)
+            self.observed(method.name, call, started)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, call, method.name, exc, started)
+        finally:
+            if session is not None:
+                sessions.stream_closed(session)
+
+    def _admitted(self, call: Call, method: str, idle_timeout: float | None = 0.0) -> Any:
+        """A stream's admission (refused at once over --max-streams or a tenant's share)."""
+        gate = self.store.gate
+        stream_id = gate.open_stream(call, method, call.tenant or "", idle_timeout)
+        call.add_callback(functools.partial(gate.close_stream, stream_id))
+        return _ClosingStream(gate, stream_id)
+
+    # -- registration --------------------------------------------------------------------------
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """Every method the schema declares, each registered with a streaming request (the
+        handler runs before its request is read) and raw bytes both ways."""
+        behaviors = {"Upload": self.upload, "Download": self.download, "KeepAlive": self.keepalive}
+        table = {}
+        for descriptor in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
+            name = descriptor.name
+            method = Method(
+                name,
+                getattr(pb, descriptor.input_type.name),
+                RECEIVE_LIMITS[name],
+                name in LIVENESS_METHODS,
+            )
+            behavior = functools.partial(behaviors.get(name, self.unary), method)
+            factory = (
+                grpc.stream_stream_rpc_method_handler
+                if descriptor.server_streaming
+                else grpc.stream_unary_rpc_method_handler
+            )
+            table[name] = factory(behavior, request_deserializer=None, response_serializer=None)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
+
+
+class _ClosingStream:
+    def __init__(self, gate: Any, stream_id: int) -> None:
+        self._gate, self._stream_id = gate, stream_id
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate.close_stream(self._stream_id)
+
+
+class _Readers:
+    """The reads of one key in progress, and how many coroutines wait for or hold a slot."""
+
+    __slots__ = ("slots", "users")
+
+    def __init__(self, slots: int) -> None:
+        self.slots = asyncio.Semaphore(slots)
+        self.users = 0

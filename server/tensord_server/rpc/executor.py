@@ -1,0 +1,137 @@
+"""Where a call's work runs: a bounded thread pool shared fairly, and a budget of request bytes.
+
+The asyncio server (:mod:`tensord_server.rpc.server`) runs no handler body on its event loop:
+each call's synchronous work (decode, domain call, encode) goes to a :class:`FairExecutor`,
+whose threads are handed out by :class:`~tensord_server.domain.fairness.FairQueue` (a key's
+calls take turns with every other key's).  A call that waits for a worker, for its request
+or for its reader holds no thread, only a coroutine.
+
+:class:`RequestBudget` bounds the request bytes the server holds: a call reserves its
+method's receive limit before its request is read and gives it back when it ends, per key
+and in all, so a flood of large requests is refused (RESOURCE_EXHAUSTED) before gRPC is
+even asked to read them.
+
+Both are used from the event loop's thread only (no locks); the pool's threads only run
+the functions handed to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+from tensord.errors import ResourceExhaustedError
+
+from tensord_server.domain.fairness import FairQueue
+
+T = TypeVar("T")
+
+# Request bytes one key (tenant or connection) may have reserved at once: sixteen of the
+# largest requests (a Batch or an upload chunk) or a few hundred control calls.
+DEFAULT_KEY_REQUEST_BYTES = 256 << 20
+# Request bytes all callers together may have reserved at once.
+DEFAULT_TOTAL_REQUEST_BYTES = 1 << 30
+
+
+class FairExecutor:
+    """Run synchronous functions on ``workers`` threads, keys taking turns (FairQueue)."""
+
+    def __init__(self, workers: int, thread_name_prefix: str, **queue_limits: Any) -> None:
+        self.queue: FairQueue[tuple[Callable[[], Any], asyncio.Future[Any]]] = FairQueue(
+            workers, **queue_limits
+        )
+        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self, key: Hashable, fn: Callable[[], T], describe: str = "this caller") -> T:
+        """``fn()`` on a worker when ``key``'s turn comes; refused at once over the queue's
+        limits.  A caller cancelled while waiting gives its turn back; one cancelled while
+        running lets ``fn`` finish (its work is bounded) and drops the result."""
+        loop = self._loop = asyncio.get_running_loop()
+        job = (fn, loop.create_future())
+        self.queue.submit(key, job, describe)
+        self._dispatch()
+        try:
+            return await asyncio.shield(job[1])
+        except asyncio.CancelledError:
+            if self.queue.drop_waiting(key, job):
+                job[1].cancel()
+            raise
+
+    def _dispatch(self) -> None:
+        while (picked := self.queue.next()) is not None:
+            key, (fn, result) = picked
+            done = self._pool.submit(fn)
+            done.add_done_callback(self._finished_callback(key, result))
+
+    def _finished_callback(
+        self, key: Hashable, result: asyncio.Future[Any]
+    ) -> Callable[[futures.Future[Any]], None]:
+        loop = self._loop
+        assert loop is not None
+
+        def finished(done: futures.Future[Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(self._settle, key, result, done)
+
+        return finished
+
+    def _settle(
+        self, key: Hashable, result: asyncio.Future[Any], done: futures.Future[Any]
+    ) -> None:
+        self.queue.finished(key)
+        if not result.done():
+            error = done.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(done.result())
+        self._dispatch()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RequestBudget:
+    """Request bytes reserved per key and in all, from before a read to the call's end."""
+
+    def __init__(
+        self,
+        per_key: int = DEFAULT_KEY_REQUEST_BYTES,
+        total: int = DEFAULT_TOTAL_REQUEST_BYTES,
+    ) -> None:
+        self.per_key = per_key
+        self.total = total
+        self.reserved = 0
+        self._by_key: dict[Hashable, int] = {}
+
+    @contextlib.contextmanager
+    def reserve(self, key: Hashable, nbytes: int, describe: str = "this caller") -> Iterator[None]:
+        held = self._by_key.get(key, 0)
+        if held + nbytes > self.per_key:
+            raise ResourceExhaustedError(
+                f"{describe} has {held} bytes of requests in progress; another of up to "
+                f"{nbytes} would pass the limit ({self.per_key}): wait for answers first"
+            )
+        if self.reserved + nbytes > self.total:
+            raise ResourceExhaustedError(
+                f"the server holds {self.reserved} bytes of requests in progress; another of "
+                f"up to {nbytes} would pass the limit ({self.total}): retry later"
+            )
+        self._by_key[key] = held + nbytes
+        self.reserved += nbytes
+        try:
+            yield
+        finally:
+            self.reserved -= nbytes
+            left = self._by_key[key] - nbytes
+            if left:
+                self._by_key[key] = left
+            else:
+                del self._by_key[key]
+
+    def reserved_by(self, key: Hashable) -> int:
+        return self._by_key.get(key, 0)
