@@ -23,6 +23,7 @@ from tensord_server.pool.backend import (
     NULL_MEMORY,
     SEGMENT_ALIGNMENT,
     Backend,
+    BackendOutOfDescriptors,
     BackendOutOfMemory,
     DeviceMemory,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "NULL_MEMORY",
     "SEGMENT_ALIGNMENT",
     "Backend",
+    "BackendOutOfDescriptors",
     "BackendOutOfMemory",
     "BookkeepingBackend",
     "DeviceMemory",

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tensord_server.devices.descriptors import is_descriptor_error, out_of_descriptors
 from tensord_server.devices.memory import (
+    BackendOutOfDescriptors,
     BackendOutOfMemory,
     DeviceMemory,
     HostBackend,
@@ -96,12 +98,24 @@ def shared_page_size(sysfs: str | None = None) -> int:
     return max(huge, mmap.PAGESIZE)
 
 
+def segment_error(what: str, exc: Exception) -> BackendOutOfDescriptors | BackendOutOfMemory:
+    """The backend's error for a segment that could not be made: out of descriptors, said
+    so, where the OS ran out of those; else out of memory."""
+    if isinstance(exc, OSError) and is_descriptor_error(exc):
+        return BackendOutOfDescriptors(f"{out_of_descriptors(exc)}: {what}")
+    return BackendOutOfMemory(f"{what}: {exc}")
+
+
 def create_segment(nbytes: int) -> HostSegment:
-    """A new zero-filled memfd of ``nbytes`` mapped read-write and shared."""
+    """A new zero-filled memfd of ``nbytes`` mapped read-write and shared.
+
+    BackendOutOfDescriptors where the process (or the host) has no descriptor left for
+    the memfd or the mapping's copy of it (``mmap`` dups the descriptor);
+    BackendOutOfMemory where the memory itself is refused.  Nothing is left open either way."""
     try:
         fd = os.memfd_create(f"tensord-segment-{nbytes}", os.MFD_CLOEXEC)
     except OSError as exc:
-        raise BackendOutOfMemory(f"memfd_create for {nbytes} bytes failed: {exc}") from exc
+        raise segment_error(f"memfd_create for {nbytes} bytes failed", exc) from exc
     try:
         os.ftruncate(fd, nbytes)
         mapping = mmap.mmap(
@@ -109,7 +123,7 @@ def create_segment(nbytes: int) -> HostSegment:
         )
     except (OSError, ValueError) as exc:
         os.close(fd)
-        raise BackendOutOfMemory(f"shared host allocation of {nbytes} bytes failed: {exc}") from exc
+        raise segment_error(f"shared host allocation of {nbytes} bytes failed", exc) from exc
     advise_huge_pages(mapping)
     array = np.frombuffer(mapping, dtype=np.uint8)
     return HostSegment(next_segment_id(), fd, nbytes, mapping, array)

@@ -68,6 +68,7 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.cuda import CudaBackend
+from tensord_server.devices.descriptors import is_descriptor_error, out_of_descriptors
 from tensord_server.devices.memory import DeviceMemory
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.sessions import Session, SessionManager
@@ -189,6 +190,7 @@ class ExportTable:
         self._listener.listen(64)
         self._listener.settimeout(ACCEPT_POLL_S)
         self._stop = threading.Event()
+        self._short_of_descriptors = False  # the accept loop's only: a shortage is logged once
         self._handlers: dict[int, int] = {}  # peer uid -> requests being answered; _lock
         # export channels (issue 13), all under _lock: set by the rpc layer (None: no channel)
         self.channel_handler: ChannelHandler | None = None
@@ -464,10 +466,15 @@ class ExportTable:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
+                if is_descriptor_error(exc):
+                    # the connection stays queued and the listener readable: retrying at
+                    # once would spin until a descriptor is freed
+                    self._refuse_for_descriptors(exc)
                 continue
+            self._short_of_descriptors = False
             try:
                 creds = conn.getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
@@ -482,6 +489,14 @@ class ExportTable:
             threading.Thread(
                 target=self._handle, args=(conn, uid), name="tensord-fd-request", daemon=True
             ).start()
+
+    def _refuse_for_descriptors(self, exc: OSError) -> None:
+        """The fd socket cannot accept for want of descriptors: say so (once until it
+        accepts again) and wait before the next try."""
+        if not self._short_of_descriptors:
+            self._short_of_descriptors = True
+            log.warning("the fd socket cannot accept requests: %s", out_of_descriptors(exc))
+        self._stop.wait(ACCEPT_POLL_S)
 
     def _take_handler(self, uid: int) -> bool:
         with self._lock:
@@ -534,6 +549,11 @@ class ExportTable:
             fd, proof = self.redeem(line.strip().decode("ascii", "replace"))
         except KeyError as exc:
             conn.sendall(f"no: {exc.args[0]}\n".encode())
+            return None
+        except OSError as exc:  # the segment's descriptor could not be duplicated
+            if not is_descriptor_error(exc):
+                raise
+            conn.sendall(f"no: {out_of_descriptors(exc)}\n".encode())
             return None
         try:
             socket.send_fds(conn, [f"ok {proof}\n".encode("ascii")], [fd])

@@ -21,6 +21,7 @@ from tensord_server.pool.backend import (
     NULL_MEMORY,
     SEGMENT_ALIGNMENT,
     Backend,
+    BackendOutOfDescriptors,
     BackendOutOfMemory,
     DeviceMemory,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "SMALL_SIZE",
     "TRACE_MAX_ENTRIES",
     "Backend",
+    "BackendOutOfDescriptors",
     "BackendOutOfMemory",
     "Block",
     "BlockPool",

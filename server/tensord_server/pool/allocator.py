@@ -56,10 +56,11 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, NoReturn
 
-from tensord.errors import InvalidArgumentError, OutOfMemoryError
+from tensord.errors import InvalidArgumentError, OutOfMemoryError, ResourceExhaustedError
 
 from tensord_server.pool.backend import (
     Backend,
+    BackendOutOfDescriptors,
     BackendOutOfMemory,
     DeviceMemory,
     costly_segment_churn,
@@ -198,6 +199,10 @@ class CachingPool:
         # with its copies in progress: none goes back to the device (its bytes are being
         # read) and none is emptied by another compaction meanwhile (not movable)
         self._copying_from: dict[Segment, int] = {}
+        # beyond torch: why the backend last refused a segment for want of descriptors
+        # (BackendOutOfDescriptors' message) during the malloc under way, None if it did
+        # not: a malloc that fails then says descriptors ran out, not memory
+        self._descriptor_refusal: str | None = None
         # beyond torch (policy decommit): segment address -> its decommitted page ranges,
         # sorted, disjoint, page-aligned, each inside one free block; absent: none
         self._decommitted: dict[int, list[Span]] = {}
@@ -218,12 +223,14 @@ class CachingPool:
     # -- public API ---------------------------------------------------------
 
     def malloc(self, nbytes: int, stream: int = 0) -> Block:
-        """Mirrors DeviceCachingAllocator::malloc.  Raises OutOfMemoryError."""
+        """Mirrors DeviceCachingAllocator::malloc.  Raises OutOfMemoryError (or, beyond torch,
+        ResourceExhaustedError where a new segment found no file descriptor)."""
         if nbytes < 0:
             raise InvalidArgumentError(f"cannot allocate a negative number of bytes: {nbytes}")
         if nbytes == 0:
             return Block(0, 0, stream, None, NULL_SEGMENT)
         with self._lock:
+            self._descriptor_refusal = None
             size = round_size(nbytes)
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
@@ -252,6 +259,8 @@ class CachingPool:
                 block, note = self._beyond_torch_on_oom(pool, size, alloc_size, stream)
                 block = self._admit(block, size)
                 message += note
+            if block is None and self._descriptor_refusal is not None:
+                self._out_of_descriptors(nbytes, self._descriptor_refusal)
             if block is None:
                 self._out_of_memory(message, size, stream)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
@@ -262,6 +271,18 @@ class CachingPool:
         self._stats.num_ooms += 1
         self._record("oom", self.capacity - self._capacity_used(), size, stream)
         raise OutOfMemoryError(message)
+
+    def _out_of_descriptors(self, nbytes: int, refusal: str) -> NoReturn:
+        """Raise the failure of a malloc whose new segment found no descriptor: the pool
+        may have all the memory asked for, and an out-of-memory would send the operator
+        after the wrong limit (the caller holds the lock)."""
+        free = max(self.capacity - self._capacity_used(), 0)
+        raise ResourceExhaustedError(
+            f"{self.device} cannot allocate {format_size(nbytes)}: {refusal}. A new segment "
+            f"needs file descriptors; the pool is not out of memory ({format_size(free)} of "
+            f"{format_size(self.capacity)} free), and allocations succeed again once the "
+            "server's descriptors are freed."
+        )
 
     def _beyond_any_room(self, size: int) -> bool:
         """Under a commit cap, whether no path can serve ``size`` bytes, so none is tried:
@@ -476,6 +497,9 @@ class CachingPool:
             return None
         try:
             memory = self.backend.reserve(alloc_size)
+        except BackendOutOfDescriptors as exc:
+            self._descriptor_refusal = str(exc)
+            return None
         except BackendOutOfMemory:
             return None
         if self._caps_commit() and not self._commit_room(self._edge_pages(memory)):

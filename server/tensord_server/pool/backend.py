@@ -22,6 +22,12 @@ class BackendOutOfMemory(MemoryError):
     """The device itself cannot provide another segment (cudaErrorMemoryAllocation)."""
 
 
+class BackendOutOfDescriptors(Exception):
+    """The process cannot open the descriptor a new segment needs (EMFILE, ENFILE): the
+    segment fails for want of descriptors, not memory.  The message says so, with the
+    process's count and limit."""
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
     """One upstream allocation (one pool segment).

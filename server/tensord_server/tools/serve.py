@@ -18,6 +18,7 @@ from types import FrameType
 from tensord.errors import FailedPreconditionError
 from tensord.protocol import DEFAULT_ADDRESS
 
+from tensord_server.devices.descriptors import raise_descriptor_limit
 from tensord_server.devices.table import resolve_specs
 from tensord_server.domain.admission import (
     DEFAULT_MAX_WORKERS,
@@ -366,6 +367,9 @@ def read_auth_tokens(path: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
+    # at the usual soft limit (1024) a few hundred idle connections leave no descriptor for
+    # a new pool segment
+    raise_descriptor_limit()
     try:
         loopback = is_loopback(args.address)
     except UnresolvableHostError as exc:
