@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -21,6 +20,7 @@ import grpc
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.protocol import AUTHORIZATION_KEY, DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
+from tensord_server.devices.descriptors import DescriptorBudget, raise_descriptor_limit
 from tensord_server.devices.table import DeviceSpec
 from tensord_server.domain import auth
 from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
@@ -46,19 +46,15 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 # A connection has this long to finish its (TLS) handshake.
 HANDSHAKE_TIMEOUT_MS = 10_000
-# Descriptors kept for what is not a connection: segments, the fd socket, files, logs.
-DESCRIPTOR_RESERVE = 256
 # Connections in all, at most (fewer where the descriptor limit is lower).
 MAX_CONNECTIONS = 4096
 
 
 def connection_limit() -> int:
-    """Connections the server accepts at once: what the descriptor limit leaves beyond the
-    reserve (a connection is one descriptor), at most MAX_CONNECTIONS."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(16, min(MAX_CONNECTIONS, soft - DESCRIPTOR_RESERVE))
+    """Connections the server accepts at once: the descriptors left beyond those open now
+    and the reserve kept for segments and the fd socket (a connection is one descriptor),
+    at most MAX_CONNECTIONS, at least a few so the server stays reachable."""
+    return max(16, min(MAX_CONNECTIONS, DescriptorBudget().connections_left()))
 
 
 def server_options() -> list[tuple[str, Any]]:
@@ -162,6 +158,7 @@ def create_server(
     (:func:`tensord_server.rpc.tls.server_credentials`) make the port TLS-only.
     ``max_workers`` threads run the calls' work, shared fairly between tenants.
     """
+    raise_descriptor_limit()  # the hard limit: idle connections must not starve segments
     if store is None:
         store = TensorStore(devices, session_grace=session_grace, lease=lease)
     store.gate.resize(max_workers)  # admission and saturation follow the real thread pool
