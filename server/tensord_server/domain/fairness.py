@@ -1,10 +1,10 @@
 """Fair shares of the server's workers: which waiting call runs next, and who may queue more.
 
 Calls wait in one first-in, first-out queue per *key* (the caller's tenant; without
-``--auth-tokens``, its connection) and keys take turns: a free worker goes to the next key
-in round-robin order that has a call waiting, so a key with a thousand calls queued delays
-another key's next call by at most one call of each other busy key, never by its whole
-queue.  The scheduler is work-conserving: a key alone may use every worker, and gives them
+``--auth-tokens``, its connection) and keys take turns: a free worker goes to the waiting
+key that holds the fewest workers (round-robin among equals), so a key with a thousand
+calls queued delays another key's next call by at most the calls already running, never
+by its whole queue.  The scheduler is work-conserving: a key alone may use every worker, and gives them
 up one call at a time as others arrive.  A key holds at most ``max_running_per_key``
 workers while another key waits (its fair share), and queues at most
 ``max_queued_per_key`` calls; beyond that a call is refused at once (RESOURCE_EXHAUSTED),
@@ -35,6 +35,7 @@ DEFAULT_MAX_QUEUED = 4096
 class _KeyState(Generic[Job]):
     waiting: collections.deque[Job] = field(default_factory=collections.deque)
     running: int = 0  # workers this key holds now
+    last_turn: int = -1  # when its last call started (FairQueue's turn counter); -1: never
 
 
 class FairQueue(Generic[Job]):
@@ -63,7 +64,8 @@ class FairQueue(Generic[Job]):
         self.running = 0
         self.queued = 0
         self._keys: dict[Hashable, _KeyState[Job]] = {}
-        self._turns: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._turns: dict[Hashable, None] = {}  # the keys with calls waiting
+        self._turn = 0  # counts the calls started: a key's last_turn orders equals
 
     def submit(self, key: Hashable, job: Job, describe: str = "this caller") -> None:
         """Queue ``job`` for ``key``, or refuse it now (ResourceExhaustedError)."""
@@ -86,25 +88,34 @@ class FairQueue(Generic[Job]):
         self._turns[key] = None
 
     def next(self) -> tuple[Hashable, Job] | None:
-        """The call a free worker runs now (its key's running count taken), or None."""
+        """The call a free worker runs now (its key's running count taken), or None.
+
+        The waiting key holding the fewest workers goes first (ties: the one whose last
+        call started longest ago), so a key that just arrived never waits behind a busy key's
+        queue; a key over its share waits while any other key waits."""
         if self.running >= self.workers or not self._turns:
             return None
         others_wait = len(self._turns) > 1
-        for key in list(self._turns):
+        chosen, best = None, (0, 0)
+        for key in self._turns:
             state = self._keys[key]
             if others_wait and state.running >= self.max_running_per_key:
-                self._turns.move_to_end(key)  # over its share while others wait: skip a turn
                 continue
-            job = state.waiting.popleft()
-            self.queued -= 1
-            state.running += 1
-            self.running += 1
-            if state.waiting:
-                self._turns.move_to_end(key)  # its next call waits for the others' turns
-            else:
-                del self._turns[key]
-            return key, job
-        return None  # every waiting key is over its share: the running calls finish first
+            rank = (state.running, state.last_turn)
+            if chosen is None or rank < best:
+                chosen, best = key, rank
+        if chosen is None:
+            return None  # every waiting key is over its share: the running calls finish first
+        state = self._keys[chosen]
+        job = state.waiting.popleft()
+        self.queued -= 1
+        state.running += 1
+        self.running += 1
+        state.last_turn = self._turn
+        self._turn += 1
+        if not state.waiting:
+            del self._turns[chosen]
+        return chosen, job
 
     def finished(self, key: Hashable) -> None:
         """A call of ``key`` handed out by :meth:`next` is done: its worker is free."""

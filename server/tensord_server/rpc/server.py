@@ -73,7 +73,7 @@ def server_options() -> list[tuple[str, Any]]:
     ]
 
 
-def _add_health_and_reflection(server: grpc.aio.Server) -> None:
+async def _add_health_and_reflection(server: grpc.aio.Server) -> None:
     """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -81,8 +81,7 @@ def _add_health_and_reflection(server: grpc.aio.Server) -> None:
     service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
     servicer = health.aio.HealthServicer()
     for name in ("", service_name):
-        # the aio servicer's set() is a coroutine only for its watchers; none exist yet
-        servicer._server_status[name] = health_pb2.HealthCheckResponse.SERVING
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -182,7 +181,7 @@ def create_server(
             options=server_options(),
         )
         server.add_generic_rpc_handlers((calls.handlers(),))
-        _add_health_and_reflection(server)
+        await _add_health_and_reflection(server)
         if credentials is None:
             port = server.add_insecure_port(address)
         else:

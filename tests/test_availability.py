@@ -1,0 +1,348 @@
+"""No caller can take the server down: the hostile callers of SECURITY.md's availability
+guarantee, at reduced scale, each beside a well-behaved client that must keep its session
+and its bytes.
+
+Covered here: calls whose request never comes (no token) hold no thread and starve no
+liveness; requests are authenticated before a byte of their body is read, and bounded by
+their method's receive limit before they are parsed; one tenant's heaviest calls, however
+many, cannot make another tenant's idle session lapse; the fair queue's turns; the
+undelivered-answer budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tensord
+from conftest import SessionStub, open_channel, start_server, wait_until
+from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord_server.domain.fairness import FairQueue
+from tensord_server.rpc import calls as rpc_calls
+
+TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
+ALICE = (("authorization", "Bearer tok-alice"),)
+# Short, so a starved liveness path would reap within the test.
+LEASE_S = 1.5
+GRACE_S = 0.5
+
+
+@pytest.fixture
+def auth_server() -> Iterator[Any]:
+    running = start_server(
+        devices=("cpu=256MiB",), auth_tokens=TOKENS, lease=LEASE_S, session_grace=GRACE_S
+    )
+    yield running
+    running.stop()
+
+
+def _stalled_calls(
+    channel: grpc.Channel, methods: tuple[str, ...], count: int, hold: threading.Event
+) -> list[Any]:
+    """``count`` calls of each method whose request message never comes (bounded by hold)."""
+
+    def never() -> Iterator[bytes]:
+        hold.wait(30)
+        yield from ()
+
+    calls = []
+    for method in methods:
+        callable_ = channel.stream_unary(f"/tensord.v1.Tensord/{method}")
+        calls += [callable_.future(never(), timeout=30) for _ in range(count)]
+    return calls
+
+
+def test_stalled_calls_without_a_token_are_refused_before_their_request(auth_server) -> None:
+    """The sync server gave each of these a worker: four stalled Heartbeats and two stalled
+    OpenSessions took the liveness threads, and every idle session was reaped."""
+    hold = threading.Event()
+    with open_channel(auth_server.address) as channel:
+        try:
+            stalled = _stalled_calls(channel, ("Heartbeat", "OpenSession", "View"), 20, hold)
+            for call in stalled:
+                with pytest.raises(grpc.RpcError) as info:
+                    call.result(timeout=10)  # at once: the request was never waited for
+                assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            hold.set()
+
+
+def test_stalled_calls_hold_no_thread_and_starve_no_session(auth_server) -> None:
+    """A tenant's calls whose request never comes wait as coroutines: no worker, no
+    liveness thread; other tenants connect, and their idle sessions live on."""
+    hold = threading.Event()
+    with tensord.connect(auth_server.address, token="tok-bob") as victim:
+        kept = victim.arange(1000, dtype=tensord.int32)
+        # a connection of its own each (grpc shares one between alike channels otherwise,
+        # and queues streams past its 128 in the client)
+        channels = [
+            grpc.insecure_channel(
+                auth_server.address, options=(("grpc.use_local_subchannel_pool", 1),)
+            )
+            for _ in range(4)
+        ]
+        try:
+            stalled = []
+            for channel in channels:
+                callables = [
+                    channel.stream_unary(f"/tensord.v1.Tensord/{m}")
+                    for m in ("Heartbeat", "OpenSession", "View")
+                ]
+                stalled += [
+                    c.future(_never(hold), metadata=ALICE, timeout=30)
+                    for c in callables
+                    for _ in range(30)
+                ]
+            time.sleep(0.5)  # they reach the server
+            assert not any(c.done() for c in stalled)
+            # more stalls than the server has workers (64): none holds one
+            with tensord.connect(auth_server.address, token="tok-bob") as newcomer:
+                assert newcomer.arange(3).tolist() == [0, 1, 2]
+            time.sleep(3 * LEASE_S + GRACE_S)
+            assert victim.session_id in auth_server.daemon.sessions.session_ids()
+            assert kept.tolist() == list(range(1000))
+        finally:
+            hold.set()
+            for channel in channels:
+                channel.close()
+
+
+def _never(hold: threading.Event) -> Iterator[bytes]:
+    hold.wait(30)
+    yield from ()
+
+
+def test_an_unauthenticated_request_is_refused_before_its_body_is_read(auth_server) -> None:
+    """A 64 MiB Empty with no token was parsed (+1.1 GB) and answered INVALID_ARGUMENT."""
+    body = b"\x0a" + b"\xff\xff\xff\x07" + bytes(8 << 20)  # a packed shape, then garbage
+    with open_channel(auth_server.address) as channel:
+        empty = channel.unary_unary("/tensord.v1.Tensord/Empty")
+        with pytest.raises(grpc.RpcError) as info:
+            empty(body, timeout=10)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        # an authenticated one over the control limit is refused by its length, unparsed
+        session = SessionStub(channel, "alice", token="tok-alice")
+        with pytest.raises(grpc.RpcError) as info:
+            empty(body, metadata=session.md, timeout=10)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the limit is {rpc_calls.CONTROL_REQUEST_BYTES}" in info.value.details()
+        # past gRPC's own limit, core refuses it before Python sees a byte
+        huge = bytes(rpc_calls.MAX_RECEIVE_BYTES + 1)
+        with pytest.raises(grpc.RpcError) as info:
+            empty(huge, metadata=session.md, timeout=10)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        session.close()
+
+
+def test_every_method_has_a_receive_limit_within_grpcs() -> None:
+    methods = pb.DESCRIPTOR.services_by_name["Tensord"].methods
+    limits = {m.name: rpc_calls.RECEIVE_LIMITS[m.name] for m in methods}
+    assert max(limits.values()) == rpc_calls.MAX_RECEIVE_BYTES
+    assert limits["Heartbeat"] < limits["View"] < limits["Batch"]
+
+
+def test_one_tenants_heavy_calls_cannot_reap_another_tenants_idle_session(auth_server) -> None:
+    """8 threads of 65,536-input Cats starved another tenant's heartbeats through the GIL
+    (reaped at --lease 3); the session now lives while its KeepAlive stream does."""
+    stop = threading.Event()
+    with tensord.connect(auth_server.address, token="tok-bob") as victim:
+        kept = victim.arange(100)
+        flooder = tensord.connect(auth_server.address, token="tok-alice")
+        parts = [flooder.zeros(1) for _ in range(64)]
+        inputs = (parts * 1024)[: _cat_inputs()]
+        done = [0]
+
+        def flood() -> None:
+            while not stop.is_set():
+                try:
+                    tensord.cat(inputs)
+                    done[0] += 1
+                except tensord.TensordError:
+                    pass
+
+        threads = [threading.Thread(target=flood) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(4 * LEASE_S + GRACE_S)
+            assert victim.session_id in auth_server.daemon.sessions.session_ids()
+            assert not auth_server.daemon.sessions.is_lost(
+                auth_server.daemon.sessions.peek(victim.session_id)
+            )
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+            flooder.close()
+        assert done[0] > 0  # the flood ran
+        assert kept.tolist() == list(range(100))
+
+
+def _cat_inputs() -> int:
+    """The most inputs the server takes in one Cat (the old limit: any list's, 65,536)."""
+    try:
+        from tensord.protocol import MAX_CAT_INPUTS
+    except ImportError:
+        return 65536
+    return int(MAX_CAT_INPUTS)
+
+
+def test_a_session_whose_client_vanishes_is_still_reaped(auth_server) -> None:
+    """The KeepAlive stream keeps only a live client: its end makes the session lost."""
+    with open_channel(auth_server.address) as channel:
+        session = SessionStub(channel, "gone", token="tok-alice")
+        beats = threading.Event()
+
+        def one_beat() -> Iterator[pb.Heartbeat]:
+            yield pb.Heartbeat(sent_at=1.0)
+            beats.wait(30)
+
+        stream = session.raw.KeepAlive(one_beat(), metadata=session.md, timeout=30)
+        next(stream)
+        sessions = auth_server.daemon.sessions
+        time.sleep(2 * LEASE_S)  # no call at all: the open stream keeps it
+        assert session.session_id in sessions.session_ids()
+        stream.cancel()  # as a killed client's connection ends it
+        beats.set()
+        assert wait_until(lambda: session.session_id not in sessions.session_ids(), 10)
+
+
+def test_a_session_holds_a_bounded_number_of_keepalive_streams(auth_server) -> None:
+    with open_channel(auth_server.address) as channel:
+        session = SessionStub(channel, "greedy", token="tok-alice")
+        release = threading.Event()
+
+        def beats() -> Iterator[pb.Heartbeat]:
+            yield pb.Heartbeat(sent_at=1.0)
+            release.wait(30)
+
+        streams = [
+            session.raw.KeepAlive(beats(), metadata=session.md, timeout=30) for _ in range(6)
+        ]
+        codes = []
+        for stream in streams:
+            try:
+                next(stream)
+                codes.append("OK")
+            except grpc.RpcError as err:
+                codes.append(err.code().name)
+        release.set()
+        assert codes.count("RESOURCE_EXHAUSTED") == 2, codes
+
+
+# -- the fair queue (pure) -------------------------------------------------------------
+
+
+def test_keys_take_turns_whatever_one_has_queued() -> None:
+    queue: FairQueue[str] = FairQueue(2, max_queued_per_key=1000)
+    for i in range(100):
+        queue.submit("flood", f"f{i}")
+    queue.submit("victim", "v0")
+    started = [queue.next(), queue.next()]
+    queue.assert_invariants()
+    assert queue.next() is None  # both workers busy
+    assert started == [("flood", "f0"), ("victim", "v0")]
+    queue.finished("flood")
+    assert queue.next() == ("flood", "f1")
+    queue.assert_invariants()
+
+
+def test_a_key_over_its_share_waits_while_another_key_waits() -> None:
+    queue: FairQueue[str] = FairQueue(4, max_running_per_key=2)
+    for i in range(4):
+        queue.submit("a", f"a{i}")
+    assert [queue.next() for _ in range(4)] == [("a", "a0"), ("a", "a1"), ("a", "a2"), ("a", "a3")]
+    queue.submit("a", "a4")
+    queue.submit("b", "b0")
+    queue.finished("a")  # a holds 3 > its share: b goes first
+    assert queue.next() == ("b", "b0")
+    queue.finished("a")
+    queue.finished("a")  # a holds 1 now
+    assert queue.next() == ("a", "a4")
+    queue.assert_invariants()
+
+
+def test_the_queue_refuses_beyond_its_bounds() -> None:
+    queue: FairQueue[int] = FairQueue(1, max_queued_per_key=3, max_queued=5)
+    for i in range(3):
+        queue.submit("a", i)
+    with pytest.raises(tensord.ResourceExhaustedError, match="3 calls waiting"):
+        queue.submit("a", 3, "tenant 'a'")
+    queue.submit("b", 0)
+    queue.submit("c", 0)
+    with pytest.raises(tensord.ResourceExhaustedError, match="the server has 5 calls waiting"):
+        queue.submit("d", 0)
+    assert queue.drop_waiting("a", 1) and not queue.drop_waiting("a", 1)
+    queue.assert_invariants()
+
+
+def test_a_flood_of_calls_does_not_delay_another_tenants_call_behind_it(auth_server) -> None:
+    """With one worker, a tenant's hundred queued calls let another tenant's call through
+    after at most one of them, not after all."""
+    import asyncio
+
+    from tensord_server.rpc.executor import FairExecutor
+
+    order: list[str] = []
+
+    async def scenario() -> None:
+        executor = FairExecutor(1, "test-fair")
+        gate = threading.Event()
+
+        def slow(tag: str) -> None:
+            gate.wait(5)
+            order.append(tag)
+
+        flood = [
+            asyncio.ensure_future(executor.run("a", lambda i=i: slow(f"a{i}"))) for i in range(100)
+        ]
+        await asyncio.sleep(0.05)
+        victim = asyncio.ensure_future(executor.run("b", lambda: slow("b")))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(victim, *flood)
+        executor.shutdown()
+
+    asyncio.run(scenario())
+    assert order.index("b") <= 1, order[:5]
+
+
+def test_answers_a_caller_does_not_read_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unread answers pinned their bytes in the server for the connection's life (64 unread
+    8 MB ListNames held 1 GB); over the budget a caller's new calls are refused."""
+    monkeypatch.setattr(rpc_calls, "MAX_UNDELIVERED_ANSWER_BYTES", 1000)
+    running = start_server(devices=("cpu=16MiB",))
+    try:
+        calls = rpc_calls.Calls(running.daemon, 1)
+        call = rpc_calls.Call(_FakeContext(), "", "conn")
+        calls.check_answers(call)
+        calls.hold_answer(call, 600)
+        calls.check_answers(call)
+        calls.hold_answer(call, 600)
+        with pytest.raises(tensord.ResourceExhaustedError, match="1200 bytes of answers"):
+            calls.check_answers(call)
+        call.terminated()  # gRPC delivered them (or gave up): the budget comes back
+        calls.check_answers(call)
+        calls.shutdown()
+    finally:
+        running.stop()
+
+
+class _FakeContext:
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+def test_uploaded_bytes_arrive_whole_through_the_chunked_sink(auth_server) -> None:
+    """Each chunk is written on a worker as it arrives: the bytes are the same."""
+    with tensord.connect(auth_server.address, token="tok-alice") as client:
+        data = np.random.default_rng(0).standard_normal((3 << 20) // 8)
+        assert np.array_equal(client.from_numpy(data).numpy(), data)
