@@ -58,7 +58,7 @@ def start_server(tokens_file: Path, log: Any) -> tuple[subprocess.Popen[bytes], 
             "serve",
             "--address",
             address,
-            "--devices",
+            "--device",
             "cpu=4GiB",
             "--auth-tokens",
             str(tokens_file),
@@ -80,7 +80,8 @@ def start_server(tokens_file: Path, log: Any) -> tuple[subprocess.Popen[bytes], 
         if not line and process.poll() is not None:
             break
     process.kill()
-    raise RuntimeError("tensord serve did not start")
+    log.flush()
+    raise RuntimeError(f"tensord serve did not start: {Path(log.name).read_text()[-2000:]}")
 
 
 def rss_bytes(pid: int) -> int:

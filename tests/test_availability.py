@@ -346,3 +346,35 @@ def test_uploaded_bytes_arrive_whole_through_the_chunked_sink(auth_server) -> No
     with tensord.connect(auth_server.address, token="tok-alice") as client:
         data = np.random.default_rng(0).standard_normal((3 << 20) // 8)
         assert np.array_equal(client.from_numpy(data).numpy(), data)
+
+
+def test_the_request_budget_takes_empty_and_overlapping_reservations() -> None:
+    """Two empty requests of one key in flight at once (ListNames, CloseSession) left a
+    zero entry the second one's end could not find (KeyError -> INTERNAL)."""
+    from tensord_server.rpc.executor import RequestBudget
+
+    budget = RequestBudget(per_key=100, total=150)
+    with budget.reserve("k", 0), budget.reserve("k", 0):
+        pass
+    with budget.reserve("k", 60):
+        with budget.reserve("k", 0), budget.reserve("j", 80):
+            with (
+                pytest.raises(tensord.ResourceExhaustedError, match="60 bytes of requests"),
+                budget.reserve("k", 50),
+            ):
+                pass
+            with (
+                pytest.raises(tensord.ResourceExhaustedError, match="the server holds 140"),
+                budget.reserve("i", 20),
+            ):
+                pass
+        assert budget.reserved_by("k") == 60 and budget.reserved_by("j") == 0
+    assert budget.reserved == 0 and budget.reserved_by("k") == 0
+
+
+def test_an_answer_held_after_its_call_ended_is_released_at_once() -> None:
+    call = rpc_calls.Call(_FakeContext(), "", "conn")
+    call.terminated()
+    ran: list[int] = []
+    call.add_callback(lambda: ran.append(1))
+    assert ran == [1]

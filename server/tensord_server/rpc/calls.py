@@ -133,7 +133,11 @@ class Call:
         return not self._done
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
-        self._callbacks.append(callback)
+        """Run ``callback`` when the call ends (now, if it has ended already)."""
+        if self._done:
+            callback()
+        else:
+            self._callbacks.append(callback)
         return True
 
     def code(self) -> grpc.StatusCode | None:
@@ -387,6 +391,8 @@ class Calls:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if sink is not None:  # before the status: the client may look at once
+                sink.abort()
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
             if sink is not None:
@@ -431,12 +437,18 @@ class Calls:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            await self._close_chunks(chunks)  # before the status: the client may look at once
+            chunks = None
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
-            if chunks is not None:
-                close = getattr(chunks, "close", None)
-                if close is not None:  # its held handle goes back, on a worker
-                    await asyncio.get_running_loop().run_in_executor(None, close)
+            await self._close_chunks(chunks)
+
+    @staticmethod
+    async def _close_chunks(chunks: Iterator[bytes] | None) -> None:
+        """End a Download's generator on a thread: its held handle goes back."""
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            await asyncio.get_running_loop().run_in_executor(None, close)
 
     async def keepalive(
         self, method: Method, requests: Any, context: grpc.aio.ServicerContext

@@ -121,6 +121,9 @@ class RequestBudget:
                 f"the server holds {self.reserved} bytes of requests in progress; another of "
                 f"up to {nbytes} would pass the limit ({self.total}): retry later"
             )
+        if not nbytes:  # an empty request holds nothing (and leaves no zero entry behind)
+            yield
+            return
         self._by_key[key] = held + nbytes
         self.reserved += nbytes
         try:
