@@ -38,9 +38,9 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -63,6 +63,8 @@ from tensord_server.rpc.executor import FairExecutor, RequestBudget
 from tensord_server.rpc.service import SERVICE_NAME, TensordService
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A control call's request: a few MiB hold any shape, index or list the limits allow.
 CONTROL_REQUEST_BYTES = 4 << 20
@@ -164,6 +166,31 @@ class Call:
                 log.exception("a call's end callback failed")
 
 
+async def within(awaitable: Awaitable[T], timeout: float, expired: str) -> T:
+    """``await awaitable``, or DeadlineExceededError(``expired``) after ``timeout`` seconds.
+
+    One timer on the loop (asyncio.wait_for makes a task per wait: this is every call's
+    read); at the deadline it cancels the waiting task, which turns into the error."""
+    task = asyncio.current_task()
+    assert task is not None
+    fired = []
+
+    def expire() -> None:
+        fired.append(True)
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        task.uncancel()
+        raise DeadlineExceededError(expired) from None
+    finally:
+        timer.cancel()
+
+
 def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> Any:
     for item_key, value in context.invocation_metadata() or ():
         if item_key == key:
@@ -220,12 +247,12 @@ class Calls:
         reads.users += 1
         try:
             async with reads.slots:
-                raw = await asyncio.wait_for(context.read(), timeout)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"{method.name}: no request message for {timeout:g}s "
-                f"(--stream-idle-timeout {timeout:g})"
-            ) from None
+                raw = await within(
+                    context.read(),
+                    timeout,
+                    f"{method.name}: no request message for {timeout:g}s "
+                    f"(--stream-idle-timeout {timeout:g})",
+                )
         finally:
             reads.users -= 1
             if not reads.users:
@@ -425,13 +452,12 @@ class Calls:
                     if chunk is None:
                         break
                     self.observer.downloaded.inc(len(chunk))
-                    try:
-                        await asyncio.wait_for(context.write(chunk), timeout)
-                    except TimeoutError:
-                        raise DeadlineExceededError(
-                            f"Download idle for {timeout:g}s (the client neither sent nor read "
-                            f"anything; --stream-idle-timeout {timeout:g})"
-                        ) from None
+                    await within(
+                        context.write(chunk),
+                        timeout,
+                        f"Download idle for {timeout:g}s (the client neither sent nor read "
+                        f"anything; --stream-idle-timeout {timeout:g})",
+                    )
             call.ended(grpc.StatusCode.OK)
             self.observed(method.name, call, started)
         except asyncio.CancelledError:

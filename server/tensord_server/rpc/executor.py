@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Hashable, Iterator
-from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tensord.errors import ResourceExhaustedError
@@ -40,59 +42,66 @@ class FairExecutor:
     """Run synchronous functions on ``workers`` threads, keys taking turns (FairQueue)."""
 
     def __init__(self, workers: int, thread_name_prefix: str, **queue_limits: Any) -> None:
-        self.queue: FairQueue[tuple[Callable[[], Any], asyncio.Future[Any]]] = FairQueue(
-            workers, **queue_limits
-        )
-        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=thread_name_prefix)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.queue: FairQueue[_Job] = FairQueue(workers, **queue_limits)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{thread_name_prefix}_{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     async def run(self, key: Hashable, fn: Callable[[], T], describe: str = "this caller") -> T:
         """``fn()`` on a worker when ``key``'s turn comes; refused at once over the queue's
         limits.  A caller cancelled while waiting gives its turn back; one cancelled while
         running lets ``fn`` finish (its work is bounded) and drops the result."""
-        loop = self._loop = asyncio.get_running_loop()
-        job = (fn, loop.create_future())
+        loop = asyncio.get_running_loop()
+        job = _Job(key, fn, loop.create_future(), loop)
         self.queue.submit(key, job, describe)
         self._dispatch()
         try:
-            return await asyncio.shield(job[1])
+            return await job.result  # type: ignore[no-any-return]
         except asyncio.CancelledError:
-            if self.queue.drop_waiting(key, job):
-                job[1].cancel()
+            self.queue.drop_waiting(key, job)  # not started: its turn goes back
             raise
 
     def _dispatch(self) -> None:
         while (picked := self.queue.next()) is not None:
-            key, (fn, result) = picked
-            done = self._pool.submit(fn)
-            done.add_done_callback(self._finished_callback(key, result))
+            self._jobs.put(picked[1])
 
-    def _finished_callback(
-        self, key: Hashable, result: asyncio.Future[Any]
-    ) -> Callable[[futures.Future[Any]], None]:
-        loop = self._loop
-        assert loop is not None
-
-        def finished(done: futures.Future[Any]) -> None:
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                outcome: tuple[Any, BaseException | None] = (job.fn(), None)
+            except BaseException as exc:
+                outcome = (None, exc)
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(self._settle, key, result, done)
+                job.loop.call_soon_threadsafe(self._settle, job, *outcome)
+            del job, outcome  # hold no request's objects while idle
 
-        return finished
-
-    def _settle(
-        self, key: Hashable, result: asyncio.Future[Any], done: futures.Future[Any]
-    ) -> None:
-        self.queue.finished(key)
-        if not result.done():
-            error = done.exception()
+    def _settle(self, job: _Job, value: Any, error: BaseException | None) -> None:
+        self.queue.finished(job.key)
+        if not job.result.done():  # its caller may have gone (cancelled)
             if error is not None:
-                result.set_exception(error)
+                job.result.set_exception(error)
             else:
-                result.set_result(done.result())
+                job.result.set_result(value)
         self._dispatch()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Let the running calls finish, then end the threads (waiting calls never start)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    key: Hashable
+    fn: Callable[[], Any]
+    result: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
 
 
 class RequestBudget:
