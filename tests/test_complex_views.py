@@ -9,9 +9,10 @@ requires_grad, values and view-or-copy; each error on type and text.
 
 from __future__ import annotations
 
+import tracemalloc
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord import dtypes
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord_server.domain import indexing, kernels
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -499,3 +501,200 @@ def test_integer_and_bool_sources_written_into_a_negative_view_match_torch(
             op(x.conj().imag, src_x)
             np.testing.assert_array_equal(x.numpy(), t.numpy())  # the stored values
             assert_same(x.conj().imag, t.conj().imag)
+
+
+# ---- 5. a view naming the same elements many times: its bits are applied per location ---
+
+OVERLAPPING_READS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("clone", lambda v: v.clone()),
+    ("contiguous", lambda v: v.contiguous()),
+    ("to bool", lambda v: v.to(torch.bool)),
+    ("to wider", lambda v: v.to(torch.complex128 if v.dtype.is_complex else torch.float64)),
+    ("to half", lambda v: v.to(torch.float16)),
+    ("reshape copy", lambda v: v.reshape(-1)),
+    ("repeat", lambda v: v.repeat(2, 1)),
+    ("cat", lambda v: (tensord if isinstance(v, tensord.Tensor) else torch).cat([v, v])),
+    ("stack", lambda v: (tensord if isinstance(v, tensord.Tensor) else torch).stack([v, v], 1)),
+    ("copy_", lambda v: zeros(v).copy_(v)),
+    ("copy_ into a conjugate", lambda v: zeros(v).conj().copy_(v)),
+    ("setitem", lambda v: written(zeros(v), v)),
+]
+
+
+def zeros(v: Any) -> Any:
+    if isinstance(v, tensord.Tensor):
+        # made by the server (a client-side array would count in the server's measurements)
+        return cast(tensord.Client, v.client).zeros(tuple(v.shape), dtype=v.dtype)
+    return torch.zeros(v.shape, dtype=v.dtype)
+
+
+def written(dst: Any, v: Any) -> Any:
+    dst[...] = v
+    return dst
+
+
+def overlapping(v: Any, bit: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+    """An as_strided view of complex ``v`` naming elements more than once, with the bit."""
+    view = v.as_strided(shape, stride)
+    return view.conj() if bit == "conj" else view.conj().imag
+
+
+@pytest.mark.parametrize("name", [n for n, _ in OVERLAPPING_READS])
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+@settings(HYPOTHESIS, max_examples=10)
+@given(data=st.data())
+def test_reads_of_an_overlapping_view_with_a_bit_match_torch(
+    client: tensord.Client, name: str, bit: str, data: st.DataObject
+) -> None:
+    rows, cols = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    stride = (data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3)))
+    t = complex_base(1 + (rows - 1) * stride[0] + (cols - 1) * stride[1] + 2)
+    x = client.tensor(t)
+    op = dict(OVERLAPPING_READS)[name]
+    tv, xv = (overlapping(v, bit, (rows, cols), stride) for v in (t, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex -> real casts warn in torch
+        theirs, ours = op(tv), op(xv)
+    assert_same(ours, theirs)
+    np.testing.assert_array_equal(x.numpy(), t.numpy())  # the source's Storage is unchanged
+
+
+# A 256 KiB Storage and views of 32 MiB of logical bytes over it: each op's memory outside
+# the pool is bounded by the Storage, never the view (the pool's own segments are made by
+# a first call, before the measured one).
+STORAGE_ELEMENTS = 1 << 15
+LOGICAL_SHAPE = (2048, 2048)
+BOUNDED_TEMPORARY_BYTES = 2 << 20  # the Storage's 256 KiB (a span of it) and gRPC's own
+
+
+@pytest.mark.parametrize("stride", [(1, 1), (1, 15)], ids=["a few elements", "the whole Storage"])
+@pytest.mark.parametrize("name", [n for n, _ in OVERLAPPING_READS])
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_an_overlapping_view_with_a_bit_is_copied_within_its_storage(
+    client: tensord.Client, name: str, bit: str, stride: tuple[int, int]
+) -> None:
+    t = complex_base(STORAGE_ELEMENTS, torch.complex64)
+    view = overlapping(client.tensor(t), bit, LOGICAL_SHAPE, stride)
+    assert view.numel() * view.element_size() >= 64 * t.nbytes
+    op = dict(OVERLAPPING_READS)[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex -> real casts warn in torch
+        op(view)  # makes the pool's segments for the result, dropped at once
+        client.synchronize()
+        tracemalloc.start()
+        try:
+            result = op(view)
+            client.synchronize()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        expected = op(overlapping(t, bit, LOGICAL_SHAPE, stride))
+    # unbounded, it was a temporary of the view's logical size (16 or 32 MiB)
+    assert peak < BOUNDED_TEMPORARY_BYTES, peak
+    assert (result.is_conj(), result.is_neg()) == (expected.is_conj(), expected.is_neg())
+    sample = (slice(None, None, 97),) * expected.ndim  # a sample of the result's elements
+    np.testing.assert_array_equal(result[sample].numpy(force=True), values(expected[sample]))
+
+
+def test_a_complex_overlapping_view_to_bool_is_computed_into_the_result(
+    client: tensord.Client,
+) -> None:
+    """complex -> bool is "nonzero": computed straight into the result, not into a
+    temporary of the view's logical size first (with or without a bit)."""
+    t = complex_base(STORAGE_ELEMENTS, torch.complex64)
+    view = client.tensor(t).as_strided(LOGICAL_SHAPE, (1, 15))
+    view.to(torch.bool)  # makes the pool's segment for the result, dropped at once
+    client.synchronize()
+    tracemalloc.start()
+    try:
+        result = view.to(torch.bool)
+        client.synchronize()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < BOUNDED_TEMPORARY_BYTES, peak  # unbounded: 4 MiB of bools
+    expected = t.as_strided(LOGICAL_SHAPE, (1, 15)).to(torch.bool)
+    np.testing.assert_array_equal(result[::97, ::89].numpy(), expected[::97, ::89].numpy())
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_gather_from_a_view_with_a_bit_resolves_its_result_in_place(
+    client: tensord.Client, bit: str
+) -> None:
+    """The gather itself holds a chunk of index positions at a time; its result's bits are
+    then resolved over the result itself, not through a temporary of its size."""
+    t = complex_base(STORAGE_ELEMENTS, torch.complex64)
+    view = overlapping(client.tensor(t), bit, LOGICAL_SHAPE, (1, 15))
+    rows = list(range(LOGICAL_SHAPE[0] - 1, -1, -1))
+    view[index_of(view, rows)]  # makes the pool's segment for the result, dropped at once
+    client.synchronize()
+    tracemalloc.start()
+    try:
+        result = view[index_of(view, rows)]
+        client.synchronize()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    chunk_bytes = indexing.INDEX_CHUNK_ELEMENTS * view.element_size()
+    assert peak < chunk_bytes + BOUNDED_TEMPORARY_BYTES, peak  # the result: 16 or 32 MiB more
+    expected = overlapping(t, bit, LOGICAL_SHAPE, (1, 15))[rows]
+    assert (result.is_conj(), result.is_neg()) == (False, False)
+    np.testing.assert_array_equal(result[::97, ::89].numpy(), values(expected[::97, ::89]))
+
+
+@st.composite
+def host_views(draw: st.DrawFn) -> np.ndarray:
+    """A NumPy view of random shape and strides (zero, negative, overlapping) over a
+    small buffer, of a dtype a tensor with a bit (or a value written into one) has."""
+    dtype = np.dtype(draw(st.sampled_from(["complex64", "complex128", "float32", "int8"])))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    strides = tuple(draw(st.integers(-3, 3)) for _ in shape)
+    low = sum(s * (n - 1) for s, n in zip(strides, shape, strict=True) if s < 0 and n)
+    high = sum(s * (n - 1) for s, n in zip(strides, shape, strict=True) if s > 0 and n)
+    values = np.arange(high - low + 1) % 100 * (1 - 2j) + 3
+    buffer = (values if dtype.kind == "c" else values.real).astype(dtype)
+    return np.lib.stride_tricks.as_strided(
+        buffer[-low:], shape, tuple(s * dtype.itemsize for s in strides)
+    )
+
+
+@settings(HYPOTHESIS, max_examples=300)
+@given(
+    array=host_views(),
+    conj=st.booleans(),
+    neg=st.booleans(),
+    written_as=st.sampled_from([None, np.float32, np.complex128]),
+)
+def test_lazy_bits_over_any_host_view_are_computed_per_element(
+    array: np.ndarray, conj: bool, neg: bool, written_as: Any
+) -> None:
+    """Whatever the strides, each element as if computed on its own (a view over the span
+    of memory it reaches reads the same values as a copy of each element)."""
+    before = array.copy()
+    expected = np.ascontiguousarray(array)
+    if neg and written_as is not None and expected.dtype.kind in "biu":
+        expected = expected.astype(written_as)
+    if conj:
+        expected = np.conj(expected)
+    if neg:
+        expected = np.negative(expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = kernels.apply_lazy_bits(array, conj, neg, written_as)
+    assert result.shape == array.shape and result.dtype == expected.dtype
+    np.testing.assert_array_equal(result, expected)
+    np.testing.assert_array_equal(array, before)  # read, never written
+
+
+def test_lazy_bits_of_a_view_naming_its_memory_many_times_are_bounded_by_it() -> None:
+    buffer = np.arange(1 << 12, dtype=np.complex128)  # 64 KiB
+    # 2**22 elements (64 MiB) over it, one dim running backwards
+    view = np.lib.stride_tricks.as_strided(buffer[2047:], (2048, 2048), (-16, 16))
+    tracemalloc.start()
+    try:
+        result = kernels.apply_lazy_bits(view, True, True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < buffer.nbytes + (16 << 10), peak  # a span of the buffer, and Python's own
+    np.testing.assert_array_equal(result[::131, ::127], -np.conj(view[::131, ::127]))

@@ -28,6 +28,10 @@ class ArrayOps(Protocol):
         """A (small) array's elements in logical order, as bytes on the host."""
         ...
 
+    def module(self) -> Any:
+        """The array module of these arrays (numpy, cupy)."""
+        ...
+
 
 class HostArrayOps:
     """NumPy arrays in host memory."""
@@ -37,6 +41,9 @@ class HostArrayOps:
 
     def to_bytes(self, piece: Any) -> bytes:
         return np.ascontiguousarray(piece).tobytes()
+
+    def module(self) -> Any:
+        return np
 
 
 class CudaArrayOps:
@@ -59,6 +66,11 @@ class CudaArrayOps:
     def to_bytes(self, piece: Any) -> bytes:
         bits = getattr(piece, "bits", piece)  # a BFloat16Array's bytes are its bits'
         return bytes(self._cuda().array_to_host(bits).reshape(-1).view(np.uint8).data)
+
+    def module(self) -> Any:
+        import cupy  # deferred: only GPU arrays need it
+
+        return cupy
 
     def bfloat16_array(self, bits: Any) -> Any:
         """A bfloat16 array over a CuPy uint16 array of its bits."""

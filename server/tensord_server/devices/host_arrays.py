@@ -39,6 +39,12 @@ def assign_host(xp: Any, dst: Any, src: Any) -> None:
     """``dst[...] = src`` between arrays of the host module ``xp``, with torch's conversions
     (complex to real drops the imaginary part; NaN/inf/out-of-range casts do not warn)."""
     if xp.iscomplexobj(src) and not xp.iscomplexobj(dst):
+        if dst.dtype == np.bool_:
+            # "nonzero" computed straight into dst: src may name far more elements than its
+            # Storage holds (overlapping strides), and a temporary of them is not bounded
+            src = src.reshape(src.shape[max(0, src.ndim - dst.ndim) :])  # leading 1s off
+            xp.not_equal(src, 0, out=dst)
+            return
         src = complex_to_real(src, dst.dtype)
     with quiet(xp):
         if src.dtype == np.float64 and dst.dtype in _HALF_TYPES:

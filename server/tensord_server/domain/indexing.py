@@ -809,9 +809,11 @@ class Indexing:
                 out_array = self.ops.array(out)
                 xp, source = ref.device.xp, self.ops.array(target)
                 gather(xp, self.ops.array, source, out_array, plan)
-                # the gathered stored values -> values: only out's elements, never target's
+                # the gathered stored values -> values: only out's elements, never target's,
+                # in place (a gather's result, as torch's, names each location once)
                 if target.conj or target.neg:
-                    out_array[...] = kernels.apply_lazy_bits(xp, out_array, target.conj, target.neg)
+                    assert out.layout.is_non_overlapping_and_dense(), out.layout
+                    kernels.apply_lazy_bits_in_place(out_array, target.conj, target.neg)
                 return self.ops.issue(session, out)
 
     def advanced_setitem(
@@ -879,7 +881,7 @@ class Indexing:
                 ),
             )
             # into a tensor with lazy bits: their stored form (conj / neg are involutions)
-            source = kernels.apply_lazy_bits(xp, source, target.conj, target.neg)
+            source = kernels.apply_lazy_bits(source, target.conj, target.neg)
             scatter(xp, self.ops.array, dst, source, plan, accumulate)
             return self._written(session, handle, ref, src, value_requires_grad)
 

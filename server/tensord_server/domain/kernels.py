@@ -592,36 +592,79 @@ def _trunc_div(a: int, b: int) -> int:
 # complex views (issue 14): torch's lazy conjugate and negative bits
 
 
-def apply_lazy_bits(
-    xp: Any, array: Any, conj: bool, neg: bool, written_as: np.dtype | None = None
-) -> Any:
+def apply_lazy_bits(array: Any, conj: bool, neg: bool, written_as: np.dtype | None = None) -> Any:
     """``array`` conjugated and/or negated: a tensor's values from its stored ones, and (each
-    an involution) the stored form of values written into it.  Computed once per distinct
-    element (an expanded dim is broadcast again after), so the temporary is bounded by the
-    Storage, never by an expanded view's logical size.
+    an involution) the stored form of values written into it.
+
+    Computed once per distinct memory location: a view that names locations more than once
+    (an expanded dim, overlapping strides) has its values computed over the span of memory
+    it reaches, then read with its own strides over that temporary.  The temporary is thus
+    at most ``min(logical size, span)`` elements, bounded by the Storage, never by a view's
+    logical size (an as_strided view of a 256 KiB Storage may name 64 GiB).
 
     ``written_as``: the dtype of the tensor ``array``'s values are written into.  A bool or
     integer source is converted to it before it is negated: NumPy's negative of a bool array
     raises, of a uint8 5 is 251 and of an int8 -128 is -128, where torch negates the value
     it wrote (a tensor with a bit is always floating or complex)."""
+    conj = conj and np.dtype(array.dtype).kind == "c"  # a real value is its own conjugate
     if not (conj or neg):
         return array
-    if xp is not np and isinstance(array, np.ndarray):
-        # a host source written into a GPU tensor (to_module leaves it on the host, for one
-        # DMA): CuPy refuses NumPy arrays, so its stored form is computed on the host
-        xp = np
-    once = tuple(
-        slice(0, 1) if step == 0 and size > 1 else slice(None)
-        for size, step in zip(array.shape, array.strides, strict=True)
-    )
-    result = array[once]
-    if neg and written_as is not None and np.dtype(result.dtype).kind in "biu":
-        result = result.astype(written_as)
-    if conj:
-        result = xp.conj(result)
-    if neg:
-        result = xp.negative(result)
-    return xp.broadcast_to(result, array.shape)
+    # the array's own module: a source on another device than the tensor it is written
+    # into is left where it is (to_module, for one DMA), and computed there
+    xp = array_ops.for_arrays(array).module()
+    if neg and written_as is not None and np.dtype(array.dtype).kind in "biu":
+        dtype = np.dtype(written_as)
+    else:
+        dtype = np.dtype(array.dtype)
+    span = memory_span(xp, array)
+    if span is None:  # each location named at most once: its elements are the fewer
+        return _lazy_values(xp, array, dtype, conj, neg)
+    flat, forward, flips = span
+    values = _lazy_values(xp, flat, dtype, conj, neg)
+    itemsize = np.dtype(array.dtype).itemsize
+    strides = tuple(s // itemsize * values.itemsize for s in forward.strides)
+    return xp.lib.stride_tricks.as_strided(values, shape=forward.shape, strides=strides)[flips]
+
+
+def apply_lazy_bits_in_place(array: Any, conj: bool, neg: bool) -> None:
+    """``array``'s stored values made its values, over themselves: for a new tensor's
+    array, which names each location once (no temporary at all)."""
+    conj = conj and np.dtype(array.dtype).kind == "c"
+    xp = array_ops.for_arrays(array).module()
+    with quiet(xp):
+        if conj:
+            xp.conj(array, out=array)
+        if neg:
+            xp.negative(array, out=array)
+
+
+def memory_span(xp: Any, array: Any) -> tuple[Any, Any, tuple[slice, ...]] | None:
+    """The memory ``array`` reaches, when it holds fewer elements than ``array`` names:
+    ``(flat, forward, flips)``, ``flat`` a 1-D contiguous view from ``array``'s lowest
+    address to its highest, ``forward`` ``array`` with each negative stride flipped (its
+    first element at ``flat[0]``) and ``flips`` the key that flips it back.  None when the
+    span holds as many elements as ``array`` or more (a dense, sparse or empty view), or
+    when ``array`` has no strides in whole elements to read a span with."""
+    strides = getattr(array, "strides", None)  # a GPU BFloat16Array has none
+    itemsize = np.dtype(array.dtype).itemsize
+    if strides is None or array.size == 0 or any(s % itemsize for s in strides):
+        return None
+    flips = tuple(slice(None, None, -1) if s < 0 else slice(None) for s in strides)
+    forward = array[flips]
+    extent = sum((n - 1) * s for n, s in zip(forward.shape, forward.strides, strict=True))
+    elements = extent // itemsize + 1
+    if elements >= array.size:
+        return None
+    flat = xp.lib.stride_tricks.as_strided(forward, shape=(elements,), strides=(itemsize,))
+    return flat, forward, flips
+
+
+def _lazy_values(xp: Any, values: Any, dtype: np.dtype, conj: bool, neg: bool) -> Any:
+    """A new array of ``values`` as ``dtype``, conjugated and/or negated in place (one
+    temporary the size of ``values``; a span's gaps are any bytes, quiet in the ops)."""
+    result = xp.array(values, dtype=dtype)  # a copy (also of a 0-dim piece, a NumPy scalar)
+    apply_lazy_bits_in_place(result, conj, neg)
+    return result
 
 
 def lazy_scalar(value: Scalar, conj: bool, neg: bool) -> Scalar:

@@ -77,8 +77,9 @@ class OpContext:
     @classmethod
     def values(cls, ref: TensorRef) -> Any:
         """The tensor's values, for reading: :meth:`array` with its lazy conjugate and
-        negative bits applied (issue 14; then a temporary, else the array itself)."""
-        return kernels.apply_lazy_bits(ref.device.xp, cls.array(ref), ref.conj, ref.neg)
+        negative bits applied (issue 14; then a temporary of at most the memory it reaches
+        in its Storage, whatever its logical size; else the array itself)."""
+        return kernels.apply_lazy_bits(cls.array(ref), ref.conj, ref.neg)
 
     def fill(self, dst: TensorRef, value: Any) -> None:
         """dst.fill_(value) (after check_scalar_fits): its stored form, if dst has lazy bits."""
@@ -111,6 +112,6 @@ class OpContext:
         with lazy bits, their stored form (conjugated / negated back)."""
         xp = dst.device.xp
         source = kernels.apply_lazy_bits(
-            xp, kernels.to_module(xp, src_array), dst.conj, dst.neg, dst.dtype.numpy_dtype
+            kernels.to_module(xp, src_array), dst.conj, dst.neg, dst.dtype.numpy_dtype
         )
         kernels.assign(xp, self.array(dst), source)

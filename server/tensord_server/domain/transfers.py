@@ -97,15 +97,12 @@ class Transfers:
             # at a time, never whole (a 2**27-element expand grew the server by 528 MB)
             # a tensor with lazy bits (issue 14): its values, a gathered piece at a time
             lazy = ref.conj or ref.neg
-            xp = ref.device.xp
             yield from kernels.logical_chunks(
                 self.ops.array(ref),
                 itemsize,
                 chunk,
                 lambda: activate(ref.device),
-                (lambda piece: kernels.apply_lazy_bits(xp, piece, ref.conj, ref.neg))
-                if lazy
-                else None,
+                (lambda piece: kernels.apply_lazy_bits(piece, ref.conj, ref.neg)) if lazy else None,
             )
 
 
