@@ -35,6 +35,7 @@ from tensord._session import ClientSession
 from tensord.dtypes import DType
 from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
 from tensord.memory_format import memory_format_name, python_type_name
+from tensord.protocol import MAX_PAGE_SIZE
 from tensord.tensor import (
     Tensor,
     as_dtype,
@@ -508,7 +509,16 @@ class Client:
         self._call("DeleteName", pb.DeleteNameRequest(name=_text("name", name)))
 
     def names(self) -> list[str]:
-        return list(self._call("ListNames", pb.ListNamesRequest()).names)
+        """The names of this tenant's tensors, sorted (fetched a page at a time)."""
+        names: list[str] = []
+        token = ""
+        while True:
+            request = pb.ListNamesRequest(page_size=MAX_PAGE_SIZE, page_token=token)
+            page = self._call("ListNames", request)
+            names.extend(page.names)
+            token = page.next_page_token
+            if not token:
+                return names
 
     # ---- the pool --------------------------------------------------------------------------
 
@@ -530,9 +540,22 @@ class Client:
 
     def memory_snapshot(self, device: Any = "cpu") -> dict[str, Any]:
         """torch.cuda.memory._snapshot()'s structure; pickle it for PyTorch's memory_viz."""
-        response = self._call("MemorySnapshot", pb.DeviceRequest(device=device_name(device)))
-        snapshot: dict[str, Any] = json.loads(response.snapshot_json)
-        return snapshot
+        device = device_name(device)
+        snapshot: dict[str, Any] | None = None
+        token = ""
+        while True:
+            request = pb.MemorySnapshotRequest(
+                device=device, page_size=MAX_PAGE_SIZE, page_token=token
+            )
+            response = self._call("MemorySnapshot", request)
+            page: dict[str, Any] = json.loads(response.snapshot_json)
+            if snapshot is None:
+                snapshot = page
+            else:
+                _join_snapshot_page(snapshot, page)
+            token = response.next_page_token
+            if not token:
+                return snapshot
 
     def empty_cache(self, device: Any = "cpu") -> int:
         """Return cached, unused segments to the device; the bytes released."""
@@ -554,6 +577,20 @@ class Client:
             "max_message_bytes": info.max_message_bytes,
             "chunk_bytes": info.chunk_bytes,
         }
+
+
+def _join_snapshot_page(snapshot: dict[str, Any], page: dict[str, Any]) -> None:
+    """Add a later page of a paged MemorySnapshot to the pages before it (the proto's
+    rules): a first segment with the last one's address holds more of that segment's blocks;
+    the trace entries follow those before them."""
+    segments = page.get("segments", [])
+    if segments and snapshot["segments"]:
+        last = snapshot["segments"][-1]
+        if segments[0]["address"] == last["address"]:
+            last["blocks"].extend(segments.pop(0)["blocks"])
+    snapshot["segments"].extend(segments)
+    for trace, entries in zip(snapshot["device_traces"], page["device_traces"], strict=False):
+        trace.extend(entries)
 
 
 def _client_of(tensors: Sequence[Any]) -> Client:

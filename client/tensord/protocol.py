@@ -26,6 +26,9 @@ ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
 MAX_MESSAGE_BYTES = 256 << 20
+#: the most items a listing's page holds (ListNames, MemorySnapshot): the server gives no
+#: more whatever page_size says, and the SDK asks for this many (bytes cap a page too)
+MAX_PAGE_SIZE = 10_000
 
 # A same-host fd socket's ticket is two halves: the client sends the first (the key), the
 # server answers with the second (the proof) beside the descriptor. Whoever listens on a

@@ -34,6 +34,9 @@ MAX_REQUEST_ITEMS = 1 << 20
 MAX_BATCH_OPS = 4096
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
+# A listing's page_token (domain/paging.py): one holds a name of MAX_STRING_BYTES, in base64.
+PAGE_TOKEN_FIELD = "page_token"
+MAX_PAGE_TOKEN_BYTES = 8192
 # Every integer in a shape, stride or offset: |n| <= 2**48, so a product or sum of up
 # to 64 of them, times an itemsize, is checked by the pool long before int64 overflows.
 MAX_EXTENT = 1 << 48
@@ -140,6 +143,7 @@ def _check_short_string(message: Message, name: str, value: str) -> None:
 # What check_request bounds in a field's values, decided once per field of the schema
 # (the walk runs over every op of every Batch: no per-value type tests on the hot path).
 _MESSAGE, _STRING, _EXTENT, _UNBOUNDED = "message", "string", "extent", "unbounded"
+_PAGE_TOKEN = "page token"
 _INT_TYPES = frozenset(
     {d.FieldDescriptor.CPPTYPE_INT32, d.FieldDescriptor.CPPTYPE_INT64}
     | {d.FieldDescriptor.CPPTYPE_UINT32, d.FieldDescriptor.CPPTYPE_UINT64}
@@ -158,7 +162,7 @@ def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
         if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
             kind = _MESSAGE
         elif field.type == d.FieldDescriptor.TYPE_STRING:
-            kind = _STRING
+            kind = _PAGE_TOKEN if field.name == PAGE_TOKEN_FIELD else _STRING
         elif field.cpp_type in _INT_TYPES and field.name in EXTENT_FIELDS:
             kind = _EXTENT
         else:
@@ -191,6 +195,13 @@ def _check_value(
         if len(item) > _SHORT_STRING and len(item.encode()) > MAX_STRING_BYTES:
             raise InvalidArgumentError(
                 f"{message.DESCRIPTOR.name}.{field.name} is longer than {MAX_STRING_BYTES} bytes"
+            )
+    elif kind is _PAGE_TOKEN:
+        assert isinstance(item, str)
+        if len(item.encode()) > MAX_PAGE_TOKEN_BYTES:
+            raise InvalidArgumentError(
+                f"{message.DESCRIPTOR.name}.{field.name} is longer than "
+                f"{MAX_PAGE_TOKEN_BYTES} bytes"
             )
     elif abs(item) > MAX_EXTENT:  # type: ignore[arg-type]
         # a size torch cannot allocate is its RuntimeError; other fields stay ValueErrors
