@@ -38,6 +38,7 @@ from tensord.memory_format import memory_format_name, python_type_name
 from tensord.tensor import (
     Tensor,
     as_dtype,
+    check_limit,
     device_name,
     download,
     layout_of,
@@ -143,7 +144,9 @@ def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
                     f"{function}(): argument 'size' failed to unpack the object at pos "
                     f'{position} with error "Overflow when unpacking long long"'
                 )
-    return shape_args(size)
+    shape = shape_args(size)
+    check_limit(len(shape), "MAX_DIMS", f"{function}() would make a tensor of {{}} dimensions")
+    return shape
 
 
 def _check_storage_size(shape: tuple[int, ...], dtype: DType) -> None:
@@ -480,7 +483,10 @@ class Client:
         return self._join("Stack", tensors, dim)
 
     def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
-        handles = [own(self, t, i) for i, t in enumerate(tensors)]
+        inputs = list(tensors)
+        what = f"{method.lower()}() got {{}} tensors"
+        check_limit(len(inputs), "MAX_CAT_INPUTS", what)
+        handles = [own(self, t, i) for i, t in enumerate(inputs)]
         return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
 
     # ---- sharing -------------------------------------------------------------------------
