@@ -1352,6 +1352,8 @@ class Connection:
         with self._lock:
             if self.session_id != lost_id or self._closed.is_set():
                 return
+            if self.local is not None:  # the server freed what the lost session mapped
+                self.local.make_private()
             with contextlib.suppress(grpc.RpcError):
                 response = self._stub.OpenSession(
                     request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
@@ -1382,6 +1384,8 @@ class Connection:
             with contextlib.suppress(errors.TensordError, grpc.RpcError):
                 self._flush(wait=True)
             self._async_error = None  # the session ends: nothing waits for its ops any more
+        if self.local is not None:  # while the pool's memory there is still this session's
+            self.local.make_private()
         with contextlib.suppress(errors.TensordError):
             self._unary(
                 "CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout, sync=False

@@ -216,7 +216,13 @@ class Client:
         return self._conn.closed
 
     def close(self) -> None:
-        """Send pending releases, close the session (the server frees its handles) and the channel."""
+        """Send pending releases, close the session (the server frees its handles) and the channel.
+
+        Same host: before the session ends, each pool segment this client mapped becomes
+        private memory at the same addresses (also when the server is found to have lost
+        the session).  A ``torch.from_dlpack`` or NumPy alias taken earlier keeps working
+        on its own copy of the bytes it last saw, and never reaches pool memory the server
+        may give to another session: writes through it stay in this process."""
         self._closer()
 
     def flush(self) -> None:
