@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rpc_errors import rpc_error, torch_error
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord.layout import Layout
+from tensord.layout import Layout, view_result_count
 from tensord_server.domain import limits
 
 # Each refusal answers this fast: nothing was built before it.
@@ -171,7 +171,7 @@ def test_view_result_count_is_what_the_op_returns(
         op, args = "split", ((1,) * max(amount, 0), dim)
     else:
         op, args = name, (amount, dim)
-    count = limits.view_result_count(layout, op, args)
+    count = view_result_count(layout, op, args)
     try:
         built = getattr(layout, op)(*args)
     except (RuntimeError, IndexError):

@@ -34,6 +34,7 @@ from tensord.protocol import (
     BEARER,
     DEFAULT_ADDRESS,
     ERROR_TYPE_KEY,
+    MAX_BATCH_OPS,
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
@@ -1087,16 +1088,26 @@ class Connection:
             released = self._take_pending() if releases else []
             if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
-            answered = [op[5] for op in queued if op[5] is not None]
-            request = _batch_request(queued, released)
-            if self.local is not None:
-                self.local.before_call()
-            timeout = None if self.call_timeout is None else self.call_timeout
-            future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
-            self._inflight = (future, queued, released, answered)
-            future.add_done_callback(self._batch_answered)
+            # a Batch holds at most MAX_BATCH_OPS ops, the releases' one included: a queue
+            # that grew past it (a flush_scheduler that ran late) goes in several, in order
+            while len(queued) >= MAX_BATCH_OPS:
+                self._send_batch(queued[: MAX_BATCH_OPS - 1], [])
+                queued = queued[MAX_BATCH_OPS - 1 :]
+                self._collect()
+            self._send_batch(queued, released)
             if wait:
                 self._collect()
+
+    def _send_batch(self, queued: list[QueuedOp], released: list[str]) -> None:
+        """(_send_lock held, nothing in flight) Send one Batch; :meth:`_collect` takes its answer."""
+        answered = [op[5] for op in queued if op[5] is not None]
+        request = _batch_request(queued, released)
+        if self.local is not None:
+            self.local.before_call()
+        timeout = None if self.call_timeout is None else self.call_timeout
+        future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
+        self._inflight = (future, queued, released, answered)
+        future.add_done_callback(self._batch_answered)
 
     def _take_pending(self) -> list[str]:
         batch: list[str] = []
@@ -1368,6 +1379,8 @@ class Connection:
         with self._lock:
             if self.session_id != lost_id or self._closed.is_set():
                 return
+            if self.local is not None:  # the server freed what the lost session mapped
+                self.local.make_private()
             with contextlib.suppress(grpc.RpcError):
                 response = self._stub.OpenSession(
                     request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
@@ -1398,6 +1411,8 @@ class Connection:
             with contextlib.suppress(errors.TensordError, grpc.RpcError):
                 self._flush(wait=True)
             self._async_error = None  # the session ends: nothing waits for its ops any more
+        if self.local is not None:  # while the pool's memory there is still this session's
+            self.local.make_private()
         with contextlib.suppress(errors.TensordError):
             self._unary(
                 "CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout, sync=False

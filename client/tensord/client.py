@@ -39,6 +39,7 @@ from tensord.protocol import MAX_PAGE_SIZE
 from tensord.tensor import (
     Tensor,
     as_dtype,
+    check_limit,
     device_name,
     download,
     layout_of,
@@ -144,7 +145,9 @@ def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
                     f"{function}(): argument 'size' failed to unpack the object at pos "
                     f'{position} with error "Overflow when unpacking long long"'
                 )
-    return shape_args(size)
+    shape = shape_args(size)
+    check_limit(len(shape), "MAX_DIMS", f"{function}() would make a tensor of {{}} dimensions")
+    return shape
 
 
 def _check_storage_size(shape: tuple[int, ...], dtype: DType) -> None:
@@ -214,7 +217,13 @@ class Client:
         return self._conn.closed
 
     def close(self) -> None:
-        """Send pending releases, close the session (the server frees its handles) and the channel."""
+        """Send pending releases, close the session (the server frees its handles) and the channel.
+
+        Same host: before the session ends, each pool segment this client mapped becomes
+        private memory at the same addresses (also when the server is found to have lost
+        the session).  A ``torch.from_dlpack`` or NumPy alias taken earlier keeps working
+        on its own copy of the bytes it last saw, and never reaches pool memory the server
+        may give to another session: writes through it stay in this process."""
         self._closer()
 
     def flush(self) -> None:
@@ -481,7 +490,10 @@ class Client:
         return self._join("Stack", tensors, dim)
 
     def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
-        handles = [own(self, t, i) for i, t in enumerate(tensors)]
+        inputs = list(tensors)
+        what = f"{method.lower()}() got {{}} tensors"
+        check_limit(len(inputs), "MAX_CAT_INPUTS", what)
+        handles = [own(self, t, i) for i, t in enumerate(inputs)]
         return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
 
     # ---- sharing -------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
 sides configure their channels for, the address a client dials by default, and how the
-fd socket's ticket splits, and the export channel's framing.  Pure: this module imports
-only the standard library's ``struct``, so both sides (and every layer) may use it.
+fd socket's ticket splits, the export channel's framing, and the limits on a request's
+lists.  Pure: this module imports only the standard library's ``struct``, so both sides
+(and every layer) may use it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,39 @@ MAX_MESSAGE_BYTES = 256 << 20
 #: the most items a listing's page holds (ListNames, MemorySnapshot): the server gives no
 #: more whatever page_size says, and the SDK asks for this many (bytes cap a page too)
 MAX_PAGE_SIZE = 10_000
+
+# The limits on a request's lists (SECURITY.md).  The server refuses a request past one
+# before any work (tensord_server.domain.limits); the SDK refuses the call that would send
+# one, naming the limit, before anything is queued: a pipelined op the server refuses
+# fails at a later, unrelated call.
+
+#: dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers)
+MAX_DIMS = 64
+#: the fields that are a list of per-dimension numbers: at most MAX_DIMS items each
+DIM_FIELDS = frozenset(
+    {"shape", "stride", "size", "sizes", "dims", "repeats", "source", "destination", "values"}
+)
+#: items of any other repeated field (handles to release, index items)
+MAX_LIST_LEN = 65536
+#: tensors one cat or stack takes (CatRequest.handles)
+MAX_CAT_INPUTS = MAX_LIST_LEN
+#: tensors one view op (split, chunk, unbind) may return (BatchOp.results)
+MAX_VIEW_RESULTS = 65536
+#: items of all the lists of one request together (a Batch nests one list per op)
+MAX_REQUEST_ITEMS = 1 << 20
+#: ops in one pipelined Batch
+MAX_BATCH_OPS = 4096
+# the repeated fields whose limit is their own, by "Message.field"
+_FIELD_LIMITS = {"CatRequest.handles": MAX_CAT_INPUTS, "BatchOp.results": MAX_VIEW_RESULTS}
+
+
+def list_limit(message: str, field: str) -> int:
+    """The most items repeated field ``field`` of message type ``message`` may hold."""
+    limit = _FIELD_LIMITS.get(f"{message}.{field}")
+    if limit is not None:
+        return limit
+    return MAX_DIMS if field in DIM_FIELDS else MAX_LIST_LEN
+
 
 # A same-host fd socket's ticket is two halves: the client sends the first (the key), the
 # server answers with the second (the proof) beside the descriptor. Whoever listens on a

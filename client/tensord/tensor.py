@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import _dlpack, _format, _indexing, _local, dtypes, errors
+from tensord import _dlpack, _format, _indexing, _local, dtypes, errors, protocol
 from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._session import ClientSession, SessionClient
@@ -44,6 +44,7 @@ from tensord.layout import (
     memory_format_strides,
     normalize_dim,
     strip_leading_ones,
+    view_result_count,
 )
 from tensord.memory_format import (
     MemoryFormat,
@@ -211,6 +212,17 @@ def require_args(method: str, parameter: str, args: tuple[Any, ...]) -> None:
     if not args:
         raise errors.TensordTypeError(
             f'{method}() missing 1 required positional arguments: "{parameter}"'
+        )
+
+
+def check_limit(count: builtins.int, limit: str, what: str) -> None:
+    """Refuse a call whose request would hold more than ``protocol.<limit>`` items (``what``
+    tells them: "unbind() would return {} tensors"), before anything is sent or queued: the
+    server refuses such a request, and a pipelined op it refuses fails at a later call."""
+    bound = getattr(protocol, limit)  # read at each call: the protocol's value, not a copy
+    if count > bound:
+        raise errors.TensordRuntimeError(
+            f"{what.format(count)}; the limit is {bound} (tensord.protocol.{limit})"
         )
 
 
@@ -615,6 +627,11 @@ class Tensor:
         once, under handle ids this client chose (issue 15)."""
         conn = self._session.conn
         handle = self.handle
+        if layouts:
+            check_limit(
+                len(layouts), "MAX_VIEW_RESULTS", f"{next(iter(op))}() would return {{}} tensors"
+            )
+            check_limit(layouts[0].ndim, "MAX_DIMS", "the result would have {} dimensions")
         if layouts is not None and conn.pipelining:
             metas = [self._view_meta(lay, op) for lay in layouts]
             results = tuple(m.handle for m in metas)
@@ -713,6 +730,7 @@ class Tensor:
     def _queued_copy(self, request: pb.ReshapeRequest, layout: Layout) -> Tensor:
         """A reshape that must copy, queued (issue 15): the result's layout is contiguous and
         its id ours; its Storage's facts come with the Batch's answer (StorageInfo)."""
+        check_limit(layout.ndim, "MAX_DIMS", "the result would have {} dimensions")
         conn = self._session.conn
         storage = StorageInfo.pending(conn.synchronize)
         meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
@@ -929,18 +947,23 @@ class Tensor:
         return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        self._check_result_count("split", (split_size_or_sections, dim))
         with torch_errors():
             parts = self._meta.layout.split(split_size_or_sections, dim)
         if isinstance(split_size_or_sections, builtins.int):
             op = pb.Split(split_size=split_size_or_sections, dim=dim)
-        else:
-            op = pb.Split(sections=pb.IntList(values=list(split_size_or_sections)), dim=dim)
+            return tuple(self._views(parts, split=op))
+        sections = list(split_size_or_sections)
+        if len(sections) > _MAX_SECTIONS:  # more than a Split may list: a view per part
+            return tuple(self._strided_view(p) for p in parts)
+        op = pb.Split(sections=pb.IntList(values=sections), dim=dim)
         return tuple(self._views(parts, split=op))
 
     def tensor_split(self, indices_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         """mirrors torch.Tensor.tensor_split: an int (sections), a sequence of split
         indices, or a long tensor of either (0-dim: sections; 1-dim: indices)."""
         arg = _split_arg(indices_or_sections, self.ndim)
+        _check_tensor_split_count("tensor_split", arg)
         with torch_errors():
             parts = self._meta.layout.tensor_split(arg, dim)
         return self._split_views(parts, dim)
@@ -949,6 +972,7 @@ class Tensor:
         arg = indices_or_sections
         if not isinstance(arg, (builtins.int, np.integer)):
             arg = _ints(arg)
+        _check_tensor_split_count(name, arg)
         with torch_errors():
             parts = getattr(self._meta.layout, name)(
                 operator.index(arg) if isinstance(arg, np.integer) else arg
@@ -968,11 +992,13 @@ class Tensor:
 
     def _split_views(self, parts: tuple[Layout, ...], dim: builtins.int) -> tuple[Tensor, ...]:
         """Handles on parts the layout engine computed along ``dim``: one Split RPC when they
-        are exactly a split_with_sizes (parts that tile the dim in order), else one
-        as_strided per part (the server bounds-checks each against the Storage)."""
+        are exactly a split_with_sizes (parts that tile the dim in order) of at most the
+        sections a Split may list, else one as_strided per part (the server bounds-checks
+        each against the Storage)."""
+        check_limit(len(parts), "MAX_VIEW_RESULTS", "split() would return {} tensors")
         sizes = [p.shape[dim] for p in parts]
         with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
-            if self._meta.layout.split(sizes, dim) == parts:
+            if len(sizes) <= _MAX_SECTIONS and self._meta.layout.split(sizes, dim) == parts:
                 op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
                 return tuple(self._views(parts, split=op))
         return tuple(self._strided_view(p) for p in parts)
@@ -992,14 +1018,23 @@ class Tensor:
         return self.contiguous().view(-1)
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        self._check_result_count("chunk", (chunks, dim))
         with torch_errors():
             parts = self._meta.layout.chunk(chunks, dim)
         return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        self._check_result_count("unbind", (dim,))
         with torch_errors():
             parts = self._meta.layout.unbind(dim)
         return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
+
+    def _check_result_count(self, name: builtins.str, args: tuple[Any, ...]) -> None:
+        """Refuse a split/chunk/unbind past the results a view may return, counted before
+        the layout engine builds one (``c.zeros(1).expand(10**9).unbind(0)`` builds none)."""
+        count = view_result_count(self._meta.layout, name, args)
+        if count is not None:
+            check_limit(count, "MAX_VIEW_RESULTS", f"{name}() would return {{}} tensors")
 
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
@@ -1137,6 +1172,7 @@ class Tensor:
     def repeat(self, *sizes: Any) -> Tensor:
         require_args("repeat", "repeats", sizes)
         repeats = shape_args(sizes)
+        check_limit(len(repeats), "MAX_DIMS", "repeat() would make a tensor of {} dimensions")
         return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -1618,6 +1654,7 @@ class Tensor:
         """torch's resize_: contiguous at the same offset (the layout kept when the size is);
         a Storage too small grows, seen by every handle on it."""
         size = _resize_size(sizes)
+        check_limit(len(size), "MAX_DIMS", "resize_() would make a tensor of {} dimensions")
         fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
         request = pb.ResizeRequest(handle=self.handle, size=size, memory_format=fmt)
         self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
@@ -1705,6 +1742,17 @@ def _narrow_start(start: Any) -> builtins.int:
     if start.ndim != 0 or not _is_integral(_dtype_of(start)):
         raise errors.TensordRuntimeError("start must be an 0-dim integral Tensor.")
     return builtins.int(start.item())
+
+
+# The sections one Split may list (Split.sections is an IntList, each at most this long).
+_MAX_SECTIONS = protocol.list_limit("IntList", "values")
+
+
+def _check_tensor_split_count(name: builtins.str, arg: Any) -> None:
+    """tensor_split/hsplit/vsplit/dsplit return ``sections`` tensors, or one more than
+    the indices: refused past the limit before the layout engine builds one."""
+    count = operator.index(arg) if isinstance(arg, (builtins.int, np.integer)) else len(arg) + 1
+    check_limit(count, "MAX_VIEW_RESULTS", f"{name}() would return {{}} tensors")
 
 
 def _split_arg(value: Any, ndim: builtins.int) -> Any:

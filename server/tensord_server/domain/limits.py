@@ -9,29 +9,23 @@ bounds make sure the numbers they compute with stay far from int64 overflow.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord.errors import InvalidArgumentError, ResourceExhaustedError, TensordRuntimeError
-from tensord.layout import Layout, normalize_dim
+from tensord.protocol import DIM_FIELDS as DIM_FIELDS
+from tensord.protocol import MAX_BATCH_OPS as MAX_BATCH_OPS
+from tensord.protocol import MAX_DIMS as MAX_DIMS
+from tensord.protocol import MAX_LIST_LEN as MAX_LIST_LEN
+from tensord.protocol import MAX_REQUEST_ITEMS as MAX_REQUEST_ITEMS
+from tensord.protocol import MAX_VIEW_RESULTS as MAX_VIEW_RESULTS
+from tensord.protocol import list_limit
 
-# Dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers).
-MAX_DIMS = 64
-# Fields that are a list of per-dimension numbers.
-DIM_FIELDS = frozenset(
-    {"shape", "stride", "size", "sizes", "dims", "repeats", "source", "destination", "values"}
-)
-# Any other repeated field (handles to release or cat, index items, split sections).
-MAX_LIST_LEN = 65536
-# Items of all the lists of one request together (a Batch nests one list per op: 4,096 ops of
-# 65,536 index items each were 268M items to walk, then to apply, in one message).
-MAX_REQUEST_ITEMS = 1 << 20
-# Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
-# checked as its unary RPC's is.
-MAX_BATCH_OPS = 4096
+# The limits on lists (MAX_DIMS, MAX_LIST_LEN, MAX_VIEW_RESULTS, MAX_REQUEST_ITEMS,
+# MAX_BATCH_OPS and list_limit's per-field ones) are the protocol's: the SDK checks them too.
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
 # A listing's page_token (domain/paging.py): one holds a name of MAX_STRING_BYTES, in base64.
@@ -44,8 +38,6 @@ MAX_EXTENT = 1 << 48
 MAX_NUMEL = 1 << 48
 # Index/shape-like integer fields bounded by MAX_EXTENT.
 EXTENT_FIELDS = DIM_FIELDS | frozenset({"storage_offset", "start", "length", "index", "offset"})
-# Tensors one view op (split, chunk, unbind) may return: counted before any is built.
-MAX_VIEW_RESULTS = 65536
 # Elements one op may read or write (fill_, copy_, setitem, clone, contiguous, to, cat,
 # stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
@@ -118,9 +110,9 @@ def _checked_int_index_view(op: Message, seen: list[int]) -> bool:
         return False
     _check_short_string(view, "handle", view.handle)
     results = op.results
-    if len(results) > MAX_LIST_LEN:
+    if len(results) > _BATCH_RESULTS:
         raise InvalidArgumentError(
-            f"BatchOp.results has {len(results)} items; the limit is {MAX_LIST_LEN}"
+            f"BatchOp.results has {len(results)} items; the limit is {_BATCH_RESULTS}"
         )
     seen[0] += 1 + len(results)
     if seen[0] > MAX_REQUEST_ITEMS:
@@ -153,12 +145,13 @@ _FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int]] = {}
 _SHAPED: dict[d.Descriptor, bool] = {}
 # A str of at most this many characters is at most MAX_STRING_BYTES in UTF-8.
 _SHORT_STRING = MAX_STRING_BYTES // 4
+_BATCH_RESULTS = list_limit("BatchOp", "results")
 
 
 def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
     plan = _FIELD_PLANS.get(field)
     if plan is None:
-        limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
+        limit = list_limit(field.containing_type.name, field.name)
         if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
             kind = _MESSAGE
         elif field.type == d.FieldDescriptor.TYPE_STRING:
@@ -210,35 +203,6 @@ def _check_value(
 
 
 # -- what an op will produce, from the request and the input layout, before any work --------
-
-
-def view_result_count(layout: Layout, name: str, args: Sequence[object]) -> int | None:
-    """How many tensors ``split``/``chunk``/``unbind`` will return (mirrors their ATen
-    arithmetic); None for any other op, or for arguments the layout engine refuses
-    with torch's own error (it runs next and raises it)."""
-    if name not in ("split", "chunk", "unbind") or layout.ndim == 0:
-        return None
-    dim = args[-1] if len(args) == (1 if name == "unbind" else 2) else 0
-    try:
-        size = layout.shape[normalize_dim(dim, layout.ndim)]  # type: ignore[arg-type]
-    except (IndexError, TypeError):
-        return None
-    if name == "unbind":
-        return size
-    amount = args[0]
-    if name == "split" and not isinstance(amount, int):
-        return len(amount)  # type: ignore[arg-type]
-    if not isinstance(amount, int) or isinstance(amount, bool):
-        return None
-    if name == "chunk":
-        if amount <= 0:
-            return None
-        if size == 0:
-            return amount  # torch returns `chunks` empty tensors
-        amount = -(-size // amount)  # chunk is split by this size
-    if amount < 0 or (amount == 0 and size != 0):
-        return None
-    return max(-(-size // amount), 1) if amount else 1
 
 
 def index_result_ndim(ndim: int, index: object) -> int:
