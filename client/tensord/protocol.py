@@ -1,8 +1,9 @@
 """The wire protocol's constants, shared by the SDK and the server (one definition each).
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
-sides configure their channels for, the address a client dials by default, and how the
-fd socket's ticket splits, and the export channel's framing.  Pure: this module imports
+sides configure their channels for, the address a client dials by default, how the
+fd socket's ticket splits, the export channel's framing, and the counts one request may
+name (the server refuses more before any work; the SDK splits what it can, refuses the rest).  Pure: this module imports
 only the standard library's ``struct``, so both sides (and every layer) may use it.
 """
 
@@ -26,6 +27,24 @@ ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
 MAX_MESSAGE_BYTES = 256 << 20
+
+# The counts one request may name, each so that one call's Python work on the server stays
+# within tensord_server.domain.limits.CALL_BUDGET_MS (limits.py states the cost per item).
+#: tensors one Cat or Stack joins
+MAX_CAT_INPUTS = 2048
+#: handles one Release names (also an EmptyExport's releases, a ReleaseExports' export ids,
+#: and all the release ops of one Batch together)
+MAX_RELEASE_HANDLES = 16384
+#: tensors one view op (split, chunk, unbind) returns
+MAX_VIEW_RESULTS = 2048
+#: ops in one pipelined Batch
+MAX_BATCH_OPS = 1024
+#: tensors the view ops of one Batch return together
+MAX_BATCH_RESULTS = 2048
+#: items of one index (basic or advanced): each int, slice or tensor takes one of at most
+#: 64 dims and each None or bool adds one of at most 64, beside one Ellipsis, so a longer
+#: index is one torch refuses too
+MAX_INDEX_ITEMS = 2 * 64 + 1
 
 # A same-host fd socket's ticket is two halves: the client sends the first (the key), the
 # server answers with the second (the proof) beside the descriptor. Whoever listens on a

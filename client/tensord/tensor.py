@@ -52,6 +52,7 @@ from tensord.memory_format import (
     no_positional_or_unknown,
     python_type_name,
 )
+from tensord.protocol import MAX_VIEW_RESULTS
 
 Number = builtins.bool | builtins.int | builtins.float | builtins.complex
 
@@ -931,6 +932,9 @@ class Tensor:
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
             parts = self._meta.layout.split(split_size_or_sections, dim)
+        if len(parts) > MAX_VIEW_RESULTS:  # an int split size: sections are at most 64
+            size = split_size_or_sections
+            return self._in_groups(len(parts), size, dim, lambda t, n: t.split(size, dim))
         if isinstance(split_size_or_sections, builtins.int):
             op = pb.Split(split_size=split_size_or_sections, dim=dim)
         else:
@@ -994,12 +998,39 @@ class Tensor:
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
             parts = self._meta.layout.chunk(chunks, dim)
+        if len(parts) > MAX_VIEW_RESULTS:
+            # torch's chunk is a split by ceil(size / chunks); of an empty dim, `chunks` empties
+            piece = parts[0].shape[normalize_dim(dim, self.ndim)]
+            if piece == 0:
+                return self._in_groups(len(parts), 0, dim, lambda t, n: t.chunk(n, dim))
+            return self._in_groups(len(parts), piece, dim, lambda t, n: t.split(piece, dim))
         return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         with torch_errors():
             parts = self._meta.layout.unbind(dim)
+        if len(parts) > MAX_VIEW_RESULTS:
+            return self._in_groups(len(parts), 1, dim, lambda t, n: t.unbind(dim))
         return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
+
+    def _in_groups(
+        self,
+        count: builtins.int,
+        piece: builtins.int,
+        dim: builtins.int,
+        split: Callable[[Tensor, builtins.int], tuple[Tensor, ...]],
+    ) -> tuple[Tensor, ...]:
+        """The ``count`` pieces of ``piece`` elements along ``dim`` (the last one may be
+        shorter) of a split, chunk or unbind that returns more tensors than one call may
+        (protocol.MAX_VIEW_RESULTS): each run of that many is ``split(narrowed, n)`` of this
+        tensor narrowed to the run's span, which gives the same layouts as one op would."""
+        size = self.shape[normalize_dim(dim, self.ndim)]
+        pieces: list[Tensor] = []
+        for first in range(0, count, MAX_VIEW_RESULTS):
+            n = min(MAX_VIEW_RESULTS, count - first)
+            start = min(first * piece, size)
+            pieces.extend(split(self.narrow(dim, start, min(n * piece, size - start)), n))
+        return tuple(pieces)
 
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1

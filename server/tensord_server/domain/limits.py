@@ -4,6 +4,32 @@ One pure walk over a decoded request message: list lengths, string lengths and
 the integers of shapes, strides and offsets.  The layout engine and the pool do
 the semantic checks (views inside their Storage, sizes against capacity); these
 bounds make sure the numbers they compute with stay far from int64 overflow.
+
+Every count a request names is bounded so that one call's Python work (decode, this
+walk, the store's work, the reply) stays within CALL_BUDGET_MS: a call holds the GIL
+for its work, so a heavier one delays every other tenant's calls and heartbeats, which
+must land well within the session lease (10 s by default, 2-3 s in tests).  Each limit
+is the budget over the cost per item of the heaviest call that names it, measured by
+``benchmarks/bench_call_costs.py`` on one core of the reference 2-core machine:
+
+======================  ==============================  ===========  ======  ==========
+limit                   counts                          us per item  limit   ms at most
+======================  ==============================  ===========  ======  ==========
+MAX_CAT_INPUTS          inputs of a Cat or Stack        16-25        2,048   33-50
+MAX_RELEASE_HANDLES     handles of a Release (and of    1.0-1.7      16,384  16-28
+                        EmptyExport, ReleaseExports,
+                        a Batch's release ops)
+MAX_VIEW_RESULTS        tensors of a split/chunk/unbind 13-19        2,048   27-39
+MAX_BATCH_RESULTS       tensors of a Batch's views      13-19        2,048   27-39
+MAX_BATCH_OPS           ops of a Batch: x[i] / writes   17 / 35-69   1,024   18 / 36-70
+MAX_INDEX_ITEMS         items of an index               3-5          129     < 1
+MAX_REQUEST_ITEMS       list items of one request       0.5-1.6      32,768  16-52
+======================  ==============================  ===========  ======  ==========
+
+The limits the SDK must know live in :mod:`tensord.protocol`: it splits releases and
+Batches and the results of a long split, chunk or unbind into several calls, and
+refuses the rest at the call.  Element counts (a kernel's cost, not Python's) are
+``--max-op-elements`` and ``--max-batch-elements``.
 """
 
 from __future__ import annotations
@@ -17,21 +43,58 @@ from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord.errors import InvalidArgumentError, ResourceExhaustedError, TensordRuntimeError
 from tensord.layout import Layout, normalize_dim
+from tensord.protocol import (
+    MAX_BATCH_OPS,
+    MAX_BATCH_RESULTS,
+    MAX_CAT_INPUTS,
+    MAX_INDEX_ITEMS,
+    MAX_RELEASE_HANDLES,
+    MAX_VIEW_RESULTS,
+)
 
+__all__ = [
+    "MAX_BATCH_OPS",
+    "MAX_BATCH_RESULTS",
+    "MAX_CAT_INPUTS",
+    "MAX_INDEX_ITEMS",
+    "MAX_RELEASE_HANDLES",
+    "MAX_VIEW_RESULTS",
+]
+
+# The Python work one call may do, in milliseconds (the limits above are this budget
+# over the measured cost per item).
+CALL_BUDGET_MS = 50
 # Dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers).
 MAX_DIMS = 64
 # Fields that are a list of per-dimension numbers.
 DIM_FIELDS = frozenset(
     {"shape", "stride", "size", "sizes", "dims", "repeats", "source", "destination", "values"}
 )
-# Any other repeated field (handles to release or cat, index items, split sections).
+# Segment ids a client names as mapped (ints searched in C, never walked here).
+MAX_MAPPED_SEGMENTS = 65536
+# Every other repeated field of a request, by "Message.field": its limit and that
+# limit's name (the refusal names it).  A field the schema adds is bounded by
+# MAX_LIST_LEN until it has a row here (a test asserts every request list has one).
+LIST_LIMITS: dict[str, tuple[int, str]] = {
+    "CatRequest.handles": (MAX_CAT_INPUTS, "MAX_CAT_INPUTS"),
+    "ReleaseRequest.handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "EmptyExportRequest.release_handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.export_ids": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.closed_imports": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
+    "ExportRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
+    "Index.items": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "SetItemRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "AdvancedIndexRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "AdvancedSetItemRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "BatchOp.results": (MAX_VIEW_RESULTS, "MAX_VIEW_RESULTS"),
+    "BatchRequest.ops": (MAX_BATCH_OPS, "MAX_BATCH_OPS"),
+}
+# The longest list any request field may hold.
 MAX_LIST_LEN = 65536
-# Items of all the lists of one request together (a Batch nests one list per op: 4,096 ops of
-# 65,536 index items each were 268M items to walk, then to apply, in one message).
-MAX_REQUEST_ITEMS = 1 << 20
-# Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
-# checked as its unary RPC's is.
-MAX_BATCH_OPS = 4096
+# Items of all the lists of one request together (a Batch nests one list per op): the
+# walk alone costs up to ~1.3 us an item, and releasing one ~1 us more.
+MAX_REQUEST_ITEMS = 32768
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
 # Every integer in a shape, stride or offset: |n| <= 2**48, so a product or sum of up
@@ -41,8 +104,6 @@ MAX_EXTENT = 1 << 48
 MAX_NUMEL = 1 << 48
 # Index/shape-like integer fields bounded by MAX_EXTENT.
 EXTENT_FIELDS = DIM_FIELDS | frozenset({"storage_offset", "start", "length", "index", "offset"})
-# Tensors one view op (split, chunk, unbind) may return: counted before any is built.
-MAX_VIEW_RESULTS = 65536
 # Elements one op may read or write (fill_, copy_, setitem, clone, contiguous, to, cat,
 # stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
@@ -59,12 +120,12 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
     if seen is None:
         seen = [0]
     for field, value in message.ListFields():
-        kind, list_limit = _field_plan(field)
+        kind, list_limit, limit_name = _field_plan(field)
         if field.is_repeated:
             if len(value) > list_limit:
                 raise InvalidArgumentError(
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
-                    f"the limit is {list_limit}"
+                    f"the limit is {list_limit} (limits.{limit_name})"
                 )
             seen[0] += len(value)
             if seen[0] > MAX_REQUEST_ITEMS:
@@ -91,10 +152,7 @@ def check_batch_request(message: Message) -> None:
     ``x[i]`` (a view indexing one int, what clients queue most) bounded field by field, not
     walked: its handle and result ids (strings) and its two lists (an int item is unbounded)."""
     ops = message.ops
-    if len(ops) > MAX_LIST_LEN:
-        raise InvalidArgumentError(
-            f"BatchRequest.ops has {len(ops)} items; the limit is {MAX_LIST_LEN}"
-        )
+    check_batch_ops(len(ops))
     seen = [len(ops)]
     for op in ops:
         if not _checked_int_index_view(op, seen):
@@ -115,9 +173,10 @@ def _checked_int_index_view(op: Message, seen: list[int]) -> bool:
         return False
     _check_short_string(view, "handle", view.handle)
     results = op.results
-    if len(results) > MAX_LIST_LEN:
+    if len(results) > MAX_VIEW_RESULTS:
         raise InvalidArgumentError(
-            f"BatchOp.results has {len(results)} items; the limit is {MAX_LIST_LEN}"
+            f"BatchOp.results has {len(results)} items; the limit is {MAX_VIEW_RESULTS} "
+            "(limits.MAX_VIEW_RESULTS)"
         )
     seen[0] += 1 + len(results)
     if seen[0] > MAX_REQUEST_ITEMS:
@@ -145,16 +204,26 @@ _INT_TYPES = frozenset(
     | {d.FieldDescriptor.CPPTYPE_UINT32, d.FieldDescriptor.CPPTYPE_UINT64}
     | {d.FieldDescriptor.CPPTYPE_ENUM}
 )
-_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int]] = {}
+_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int, str]] = {}
 _SHAPED: dict[d.Descriptor, bool] = {}
 # A str of at most this many characters is at most MAX_STRING_BYTES in UTF-8.
 _SHORT_STRING = MAX_STRING_BYTES // 4
 
 
-def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
+def list_limit(field: d.FieldDescriptor) -> tuple[int, str]:
+    """The most items a request's repeated ``field`` may hold, and that limit's name."""
+    if field.name in DIM_FIELDS:
+        return MAX_DIMS, "MAX_DIMS"
+    return LIST_LIMITS.get(f"{field.containing_type.name}.{field.name}", _WIRE_LIMIT)
+
+
+_WIRE_LIMIT = (MAX_LIST_LEN, "MAX_LIST_LEN")
+
+
+def _field_plan(field: d.FieldDescriptor) -> tuple[str, int, str]:
     plan = _FIELD_PLANS.get(field)
     if plan is None:
-        limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
+        limit, name = list_limit(field)
         if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
             kind = _MESSAGE
         elif field.type == d.FieldDescriptor.TYPE_STRING:
@@ -163,7 +232,7 @@ def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
             kind = _EXTENT
         else:
             kind = _UNBOUNDED
-        plan = _FIELD_PLANS[field] = (kind, limit)
+        plan = _FIELD_PLANS[field] = (kind, limit, name)
     return plan
 
 
@@ -243,6 +312,30 @@ def check_view_results(count: int) -> None:
         raise InvalidArgumentError(
             f"this view op would return {count} tensors; the limit is {MAX_VIEW_RESULTS} "
             "(limits.MAX_VIEW_RESULTS)"
+        )
+
+
+def check_join_inputs(op: str, count: int) -> None:
+    """Refuse a cat or stack of more tensors than MAX_CAT_INPUTS, before any is looked up."""
+    if count > MAX_CAT_INPUTS:
+        raise InvalidArgumentError(
+            f"{op}(): expected at most {MAX_CAT_INPUTS} tensors, got {count} "
+            f"(limits.MAX_CAT_INPUTS); {op} them in groups"
+        )
+
+
+def check_batch_counts(results: int, released: int) -> None:
+    """Refuse a Batch whose views return more than MAX_BATCH_RESULTS tensors together, or
+    whose release ops name more than MAX_RELEASE_HANDLES handles together."""
+    if results > MAX_BATCH_RESULTS:
+        raise InvalidArgumentError(
+            f"a Batch whose views return {results} tensors exceeds the limit "
+            f"{MAX_BATCH_RESULTS} (limits.MAX_BATCH_RESULTS)"
+        )
+    if released > MAX_RELEASE_HANDLES:
+        raise InvalidArgumentError(
+            f"a Batch that releases {released} handles exceeds the limit "
+            f"{MAX_RELEASE_HANDLES} (limits.MAX_RELEASE_HANDLES)"
         )
 
 
