@@ -1,6 +1,7 @@
-"""The SDK refuses a call whose request would exceed the protocol's limits (tensord.protocol),
-at the call, naming the limit, with nothing sent or queued: the server would refuse the
-request, and a pipelined op it refuses fails at a later, unrelated call."""
+"""The SDK keeps each request within the protocol's limits (tensord.protocol): what can be
+split (a view op's many results) goes as several requests; the rest is refused at the
+call, naming the limit, with nothing sent or queued: the server would refuse the request,
+and a pipelined op it refuses fails at a later, unrelated call."""
 
 from __future__ import annotations
 
@@ -26,20 +27,52 @@ def _refused_at_the_call(client: tensord.Client, call: Callable[[], Any], limit:
 @pytest.mark.parametrize(
     "op",
     [
-        lambda x: x.unbind(0),
-        lambda x: x.split(1),
-        lambda x: x.chunk(400000),
-        lambda x: x.tensor_split(400000),
-        lambda x: x.hsplit(400000),
+        lambda x, n: x.unbind(0),
+        lambda x, n: x.split(1),
+        lambda x, n: x.split(2),
+        lambda x, n: x.chunk(n),
+        lambda x, n: x.tensor_split(n),
+        lambda x, n: x.tensor_split(n + 7),
+        lambda x, n: x.tensor_split(n // 2 - 70),
+        lambda x, n: x.hsplit(n),
     ],
-    ids=["unbind", "split", "chunk", "tensor_split", "hsplit"],
+    ids=["unbind", "split", "split2", "chunk", "tensor_split", "empties", "uneven", "hsplit"],
 )
-def test_a_view_op_returning_too_many_tensors_is_refused_at_the_call(
-    client: tensord.Client, op: Callable[[Any], Any]
+def test_a_view_op_returning_more_tensors_than_one_request_may_matches_torch(
+    client: tensord.Client, op: Callable[[Any, int], Any]
 ) -> None:
-    wide = client.zeros(1).expand(400000)
-    _refused_at_the_call(client, lambda: op(wide), "MAX_VIEW_RESULTS")
-    assert len(torch.zeros(1).expand(400000).unbind(0)) == 400000  # torch itself allows it
+    """Past protocol.MAX_VIEW_RESULTS the call goes as several requests: any count works,
+    with torch's layouts."""
+    n = 3 * protocol.MAX_VIEW_RESULTS + 5
+    data = np.arange(n, dtype=np.float32)
+    ours, theirs = op(client.tensor(data), n), op(torch.from_numpy(data), n)
+    assert len(ours) == len(theirs) > protocol.MAX_VIEW_RESULTS
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.shape, a.stride(), a.storage_offset()) == (
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+        )
+    for a, b in zip(ours[-3:], theirs[-3:], strict=True):
+        assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize(
+    "op",
+    [lambda x: x.unbind(0), lambda x: x.split(1), lambda x: x.chunk(400000)],
+    ids=["unbind", "split", "chunk"],
+)
+def test_a_view_op_past_the_sessions_handle_limit_fails_at_the_call(
+    make_server: Any, op: Callable[[Any], Any]
+) -> None:
+    """Its requests are waited for: the refusal is the call's, never a later call's."""
+    server = make_server(max_handles_per_session=5000)
+    with tensord.connect(server.address) as client:
+        wide = client.zeros(1).expand(400000)
+        with pytest.raises(tensord.TensordError, match="--max-handles-per-session 5000"):
+            op(wide)
+        client.synchronize()
+        assert client.zeros(3).fill_(2).tolist() == [2.0, 2.0, 2.0]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import base64
 import builtins
 import collections
 import contextlib
+import itertools
 import math
 import operator
 import os
@@ -947,7 +948,10 @@ class Tensor:
         return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
-        self._check_result_count("split", (split_size_or_sections, dim))
+        count = self._result_count("split", (split_size_or_sections, dim))
+        if count > protocol.MAX_VIEW_RESULTS and isinstance(split_size_or_sections, builtins.int):
+            size = split_size_or_sections  # (a list of sections is split below, as views)
+            return self._in_groups(count, size, dim, lambda t, n: t.split(size, dim))
         with torch_errors():
             parts = self._meta.layout.split(split_size_or_sections, dim)
         if isinstance(split_size_or_sections, builtins.int):
@@ -955,7 +959,7 @@ class Tensor:
             return tuple(self._views(parts, split=op))
         sections = list(split_size_or_sections)
         if len(sections) > _MAX_SECTIONS:  # more than a Split may list: a view per part
-            return tuple(self._strided_view(p) for p in parts)
+            return self._strided_views(parts)
         op = pb.Split(sections=pb.IntList(values=sections), dim=dim)
         return tuple(self._views(parts, split=op))
 
@@ -963,7 +967,6 @@ class Tensor:
         """mirrors torch.Tensor.tensor_split: an int (sections), a sequence of split
         indices, or a long tensor of either (0-dim: sections; 1-dim: indices)."""
         arg = _split_arg(indices_or_sections, self.ndim)
-        _check_tensor_split_count("tensor_split", arg)
         with torch_errors():
             parts = self._meta.layout.tensor_split(arg, dim)
         return self._split_views(parts, dim)
@@ -972,7 +975,6 @@ class Tensor:
         arg = indices_or_sections
         if not isinstance(arg, (builtins.int, np.integer)):
             arg = _ints(arg)
-        _check_tensor_split_count(name, arg)
         with torch_errors():
             parts = getattr(self._meta.layout, name)(
                 operator.index(arg) if isinstance(arg, np.integer) else arg
@@ -995,13 +997,52 @@ class Tensor:
         are exactly a split_with_sizes (parts that tile the dim in order) of at most the
         sections a Split may list, else one as_strided per part (the server bounds-checks
         each against the Storage)."""
-        check_limit(len(parts), "MAX_VIEW_RESULTS", "split() would return {} tensors")
         sizes = [p.shape[dim] for p in parts]
+        tiled = False
         with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
-            if len(sizes) <= _MAX_SECTIONS and self._meta.layout.split(sizes, dim) == parts:
-                op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
-                return tuple(self._views(parts, split=op))
-        return tuple(self._strided_view(p) for p in parts)
+            tiled = self._meta.layout.split(sizes, dim) == parts
+        if tiled and len(sizes) <= _MAX_SECTIONS:
+            op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
+            return tuple(self._views(parts, split=op))
+        runs = [(size, len(list(run))) for size, run in itertools.groupby(sizes)] if tiled else []
+        if tiled and len(runs) <= _MAX_SECTIONS:  # tensor_split(n): two runs of equal parts
+            return self._split_runs(runs, dim, len(parts))
+        return self._strided_views(parts)
+
+    def _split_runs(
+        self, runs: list[tuple[builtins.int, builtins.int]], dim: builtins.int, count: builtins.int
+    ) -> tuple[Tensor, ...]:
+        """The parts of a split into more sections than a Split may list, given as runs of
+        (size, how many) that tile ``dim`` in order: each run one split of its span, as
+        many a call as a long split (a run of empty parts: a chunk of an empty span)."""
+        views: list[Tensor] = []
+        start = 0
+        for piece, n in runs:
+            views.extend(self.narrow(dim, start, piece * n)._split_run(piece, n, dim))
+            start += piece * n
+        if count > protocol.MAX_VIEW_RESULTS:
+            self._session.conn.synchronize()  # as a long split does: its refusal is this call's
+        return tuple(views)
+
+    def _split_run(
+        self, piece: builtins.int, n: builtins.int, dim: builtins.int
+    ) -> tuple[Tensor, ...]:
+        """This tensor as ``n`` parts of ``piece`` along ``dim`` (which it spans exactly)."""
+        if piece == 0:
+            return self._in_groups(n, 0, dim, lambda t, k: t.chunk(k, dim))
+        return self._in_groups(n, piece, dim, lambda t, k: t.split(piece, dim))
+
+    def _strided_views(self, parts: Sequence[Layout]) -> tuple[Tensor, ...]:
+        """One as_strided per part; of more parts than one view op may return
+        (protocol.MAX_VIEW_RESULTS), each run of that many is waited for, as a long split is."""
+        group = protocol.MAX_VIEW_RESULTS
+        if len(parts) <= group:
+            return tuple(self._strided_view(p) for p in parts)
+        views: list[Tensor] = []
+        for first in range(0, len(parts), group):
+            views.extend(self._strided_view(p) for p in parts[first : first + group])
+            self._session.conn.synchronize()
+        return tuple(views)
 
     def _strided_view(self, layout: Layout) -> Tensor:
         """A handle on ``layout`` (computed here by the layout engine) as one as_strided."""
@@ -1018,23 +1059,56 @@ class Tensor:
         return self.contiguous().view(-1)
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
-        self._check_result_count("chunk", (chunks, dim))
+        count = self._result_count("chunk", (chunks, dim))
+        if count > protocol.MAX_VIEW_RESULTS:
+            # torch's chunk is a split by ceil(size / chunks); of an empty dim, `chunks` empties
+            piece = -(-self.shape[normalize_dim(dim, self.ndim)] // chunks)
+            if piece == 0:
+                return self._in_groups(count, 0, dim, lambda t, n: t.chunk(n, dim))
+            return self._in_groups(count, piece, dim, lambda t, n: t.split(piece, dim))
         with torch_errors():
             parts = self._meta.layout.chunk(chunks, dim)
         return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
-        self._check_result_count("unbind", (dim,))
+        count = self._result_count("unbind", (dim,))
+        if count > protocol.MAX_VIEW_RESULTS:
+            return self._in_groups(count, 1, dim, lambda t, n: t.unbind(dim))
         with torch_errors():
             parts = self._meta.layout.unbind(dim)
         return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
 
-    def _check_result_count(self, name: builtins.str, args: tuple[Any, ...]) -> None:
-        """Refuse a split/chunk/unbind past the results a view may return, counted before
-        the layout engine builds one (``c.zeros(1).expand(10**9).unbind(0)`` builds none)."""
+    def _in_groups(
+        self,
+        count: builtins.int,
+        piece: builtins.int,
+        dim: builtins.int,
+        split: Callable[[Tensor, builtins.int], tuple[Tensor, ...]],
+    ) -> tuple[Tensor, ...]:
+        """The ``count`` pieces of ``piece`` elements along ``dim`` (the last one may be
+        shorter) of a split, chunk or unbind that returns more tensors than one call may
+        (protocol.MAX_VIEW_RESULTS): each run of that many is ``split(narrowed, n)`` of this
+        tensor narrowed to the run's span, which gives the same layouts as one op would.
+        Of several runs each is waited for before the next is built: a refusal of one (past
+        ``--max-handles-per-session``) is raised by this call, not by a later one, and a
+        count no session could hold stops at the first run past it."""
+        size = self.shape[normalize_dim(dim, self.ndim)]
+        group = protocol.MAX_VIEW_RESULTS
+        pieces: list[Tensor] = []
+        for first in range(0, count, group):
+            n = min(group, count - first)
+            start = min(first * piece, size)
+            pieces.extend(split(self.narrow(dim, start, min(n * piece, size - start)), n))
+            if count > group:
+                self._session.conn.synchronize()
+        return tuple(pieces)
+
+    def _result_count(self, name: builtins.str, args: tuple[Any, ...]) -> builtins.int:
+        """How many tensors split/chunk/unbind will return, counted before the layout
+        engine builds one (``c.zeros(1).expand(10**9).unbind(0)`` builds none up front);
+        0 for arguments the layout engine refuses (it raises torch's error next)."""
         count = view_result_count(self._meta.layout, name, args)
-        if count is not None:
-            check_limit(count, "MAX_VIEW_RESULTS", f"{name}() would return {{}} tensors")
+        return 0 if count is None else count
 
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
@@ -1746,13 +1820,6 @@ def _narrow_start(start: Any) -> builtins.int:
 
 # The sections one Split may list (Split.sections is an IntList, each at most this long).
 _MAX_SECTIONS = protocol.list_limit("IntList", "values")
-
-
-def _check_tensor_split_count(name: builtins.str, arg: Any) -> None:
-    """tensor_split/hsplit/vsplit/dsplit return ``sections`` tensors, or one more than
-    the indices: refused past the limit before the layout engine builds one."""
-    count = operator.index(arg) if isinstance(arg, (builtins.int, np.integer)) else len(arg) + 1
-    check_limit(count, "MAX_VIEW_RESULTS", f"{name}() would return {{}} tensors")
 
 
 def _split_arg(value: Any, ndim: builtins.int) -> Any:

@@ -4,6 +4,32 @@ One pure walk over a decoded request message: list lengths, string lengths and
 the integers of shapes, strides and offsets.  The layout engine and the pool do
 the semantic checks (views inside their Storage, sizes against capacity); these
 bounds make sure the numbers they compute with stay far from int64 overflow.
+
+Every count a request names is bounded so that one call's Python work (decode, this
+walk, the store's work, the reply) stays within CALL_BUDGET_MS: a call holds the GIL
+for its work, so a heavier one delays every other tenant's calls and heartbeats, which
+must land well within the session lease (10 s by default, 2-3 s in tests).  Each limit
+is the budget over the cost per item of the heaviest call that names it, measured by
+``benchmarks/bench_call_costs.py`` on one core of the reference 2-core machine:
+
+======================  ==============================  ===========  ======  ==========
+limit                   counts                          us per item  limit   ms at most
+======================  ==============================  ===========  ======  ==========
+MAX_CAT_INPUTS          inputs of a Cat or Stack        16-25        2,048   33-50
+MAX_RELEASE_HANDLES     handles of a Release (and of    1.0-1.7      16,384  16-28
+                        EmptyExport, ReleaseExports,
+                        a Batch's release ops)
+MAX_VIEW_RESULTS        tensors of a split/chunk/unbind 13-19        2,048   27-39
+MAX_BATCH_RESULTS       tensors of a Batch's views      13-19        2,048   27-39
+MAX_BATCH_OPS           ops of a Batch: x[i] / writes   17 / 35-69   1,024   18 / 36-70
+MAX_INDEX_ITEMS         items of an index               3-5          129     < 1
+MAX_REQUEST_ITEMS       list items of one request       0.5-1.6      32,768  16-52
+======================  ==============================  ===========  ======  ==========
+
+The limits the SDK must know live in :mod:`tensord.protocol`: it splits releases and
+Batches and the results of a long split, chunk or unbind into several calls, and
+refuses the rest at the call.  Element counts (a kernel's cost, not Python's) are
+``--max-op-elements`` and ``--max-batch-elements``.
 """
 
 from __future__ import annotations
@@ -16,16 +42,42 @@ from dataclasses import dataclass
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord.errors import InvalidArgumentError, ResourceExhaustedError, TensordRuntimeError
-from tensord.protocol import DIM_FIELDS as DIM_FIELDS
-from tensord.protocol import MAX_BATCH_OPS as MAX_BATCH_OPS
-from tensord.protocol import MAX_DIMS as MAX_DIMS
-from tensord.protocol import MAX_LIST_LEN as MAX_LIST_LEN
-from tensord.protocol import MAX_REQUEST_ITEMS as MAX_REQUEST_ITEMS
-from tensord.protocol import MAX_VIEW_RESULTS as MAX_VIEW_RESULTS
-from tensord.protocol import list_limit
+from tensord.protocol import (
+    DIM_FIELDS,
+    LIST_LIMITS,
+    MAX_BATCH_OPS,
+    MAX_BATCH_RESULTS,
+    MAX_CAT_INPUTS,
+    MAX_DIMS,
+    MAX_INDEX_ITEMS,
+    MAX_LIST_LEN,
+    MAX_MAPPED_SEGMENTS,
+    MAX_RELEASE_HANDLES,
+    MAX_REQUEST_ITEMS,
+    MAX_VIEW_RESULTS,
+    named_list_limit,
+)
 
-# The limits on lists (MAX_DIMS, MAX_LIST_LEN, MAX_VIEW_RESULTS, MAX_REQUEST_ITEMS,
-# MAX_BATCH_OPS and list_limit's per-field ones) are the protocol's: the SDK checks them too.
+# The limits on a request's lists are the protocol's (one definition, which the SDK reads
+# too): LIST_LIMITS gives each repeated field its own, and names it in the refusal.
+__all__ = [
+    "DIM_FIELDS",
+    "LIST_LIMITS",
+    "MAX_BATCH_OPS",
+    "MAX_BATCH_RESULTS",
+    "MAX_CAT_INPUTS",
+    "MAX_DIMS",
+    "MAX_INDEX_ITEMS",
+    "MAX_LIST_LEN",
+    "MAX_MAPPED_SEGMENTS",
+    "MAX_RELEASE_HANDLES",
+    "MAX_REQUEST_ITEMS",
+    "MAX_VIEW_RESULTS",
+]
+
+# The Python work one call may do, in milliseconds (the limits above are this budget
+# over the measured cost per item).
+CALL_BUDGET_MS = 50
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
 # A listing's page_token (domain/paging.py): one holds a name of MAX_STRING_BYTES, in base64.
@@ -54,12 +106,12 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
     if seen is None:
         seen = [0]
     for field, value in message.ListFields():
-        kind, list_limit = _field_plan(field)
+        kind, list_limit, limit_name = _field_plan(field)
         if field.is_repeated:
             if len(value) > list_limit:
                 raise InvalidArgumentError(
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
-                    f"the limit is {list_limit}"
+                    f"the limit is {list_limit} (limits.{limit_name})"
                 )
             seen[0] += len(value)
             if seen[0] > MAX_REQUEST_ITEMS:
@@ -86,10 +138,7 @@ def check_batch_request(message: Message) -> None:
     ``x[i]`` (a view indexing one int, what clients queue most) bounded field by field, not
     walked: its handle and result ids (strings) and its two lists (an int item is unbounded)."""
     ops = message.ops
-    if len(ops) > MAX_LIST_LEN:
-        raise InvalidArgumentError(
-            f"BatchRequest.ops has {len(ops)} items; the limit is {MAX_LIST_LEN}"
-        )
+    check_batch_ops(len(ops))
     seen = [len(ops)]
     for op in ops:
         if not _checked_int_index_view(op, seen):
@@ -110,9 +159,10 @@ def _checked_int_index_view(op: Message, seen: list[int]) -> bool:
         return False
     _check_short_string(view, "handle", view.handle)
     results = op.results
-    if len(results) > _BATCH_RESULTS:
+    if len(results) > MAX_VIEW_RESULTS:
         raise InvalidArgumentError(
-            f"BatchOp.results has {len(results)} items; the limit is {_BATCH_RESULTS}"
+            f"BatchOp.results has {len(results)} items; the limit is {MAX_VIEW_RESULTS} "
+            "(limits.MAX_VIEW_RESULTS)"
         )
     seen[0] += 1 + len(results)
     if seen[0] > MAX_REQUEST_ITEMS:
@@ -141,17 +191,22 @@ _INT_TYPES = frozenset(
     | {d.FieldDescriptor.CPPTYPE_UINT32, d.FieldDescriptor.CPPTYPE_UINT64}
     | {d.FieldDescriptor.CPPTYPE_ENUM}
 )
-_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int]] = {}
+_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int, str]] = {}
 _SHAPED: dict[d.Descriptor, bool] = {}
 # A str of at most this many characters is at most MAX_STRING_BYTES in UTF-8.
 _SHORT_STRING = MAX_STRING_BYTES // 4
-_BATCH_RESULTS = list_limit("BatchOp", "results")
 
 
-def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
+def list_limit(field: d.FieldDescriptor) -> tuple[int, str]:
+    """The most items a request's repeated ``field`` may hold, and that limit's name
+    (protocol.LIST_LIMITS, the table the SDK reads)."""
+    return named_list_limit(field.containing_type.name, field.name)
+
+
+def _field_plan(field: d.FieldDescriptor) -> tuple[str, int, str]:
     plan = _FIELD_PLANS.get(field)
     if plan is None:
-        limit = list_limit(field.containing_type.name, field.name)
+        limit, name = list_limit(field)
         if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
             kind = _MESSAGE
         elif field.type == d.FieldDescriptor.TYPE_STRING:
@@ -160,7 +215,7 @@ def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
             kind = _EXTENT
         else:
             kind = _UNBOUNDED
-        plan = _FIELD_PLANS[field] = (kind, limit)
+        plan = _FIELD_PLANS[field] = (kind, limit, name)
     return plan
 
 
@@ -218,6 +273,30 @@ def check_view_results(count: int) -> None:
         raise InvalidArgumentError(
             f"this view op would return {count} tensors; the limit is {MAX_VIEW_RESULTS} "
             "(limits.MAX_VIEW_RESULTS)"
+        )
+
+
+def check_join_inputs(op: str, count: int) -> None:
+    """Refuse a cat or stack of more tensors than MAX_CAT_INPUTS, before any is looked up."""
+    if count > MAX_CAT_INPUTS:
+        raise InvalidArgumentError(
+            f"{op}(): expected at most {MAX_CAT_INPUTS} tensors, got {count} "
+            f"(limits.MAX_CAT_INPUTS); {op} them in groups"
+        )
+
+
+def check_batch_counts(results: int, released: int) -> None:
+    """Refuse a Batch whose views return more than MAX_BATCH_RESULTS tensors together, or
+    whose release ops name more than MAX_RELEASE_HANDLES handles together."""
+    if results > MAX_BATCH_RESULTS:
+        raise InvalidArgumentError(
+            f"a Batch whose views return {results} tensors exceeds the limit "
+            f"{MAX_BATCH_RESULTS} (limits.MAX_BATCH_RESULTS)"
+        )
+    if released > MAX_RELEASE_HANDLES:
+        raise InvalidArgumentError(
+            f"a Batch that releases {released} handles exceeds the limit "
+            f"{MAX_RELEASE_HANDLES} (limits.MAX_RELEASE_HANDLES)"
         )
 
 
