@@ -299,7 +299,7 @@ _mapping_tokens = itertools.count()
 class Segment:
     """One mapped pool segment; ``exports`` counts the live exports over it."""
 
-    __slots__ = ("__weakref__", "address", "base", "exports", "id", "key", "mapping", "shared")
+    __slots__ = ("__weakref__", "address", "base", "exports", "id", "key", "mapping", "pooled")
 
     def __init__(self, key: tuple[str, int], mapping: mmap.mmap, shared: bool = True) -> None:
         self.key = key
@@ -307,7 +307,7 @@ class Segment:
         self.mapping = mapping
         self.exports = 0
         # the pool's memory (a memfd mapped shared); False once :meth:`make_private` ran
-        self.shared = shared
+        self.pooled = shared
         # a uint8 array over the whole mapping: every export's arrays are views of it
         self.base = np.frombuffer(mapping, dtype=np.uint8)
         # its first byte's address, read once: ndarray.ctypes builds an object per read
@@ -323,9 +323,9 @@ class Segment:
         """Put private memory at the mapping's addresses in place of the pool's: the arrays
         over it stay valid but never reach the pool again.  They keep the bytes they see
         while an export over the segment lives (an alias may still read them); zeros else."""
-        if self.shared:
+        if self.pooled:
             remap_private(self.address, self.base.size, keep=self.exports > 0)
-            self.shared = False
+            self.pooled = False
 
 
 # Linux's mmap/mremap flags that Python's mmap module does not name
