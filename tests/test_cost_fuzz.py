@@ -165,13 +165,19 @@ class Sampler:
     _thread: threading.Thread | None = None
 
     def segments(self) -> list[tuple[int, int]]:
-        snapshot = self.monitor.MemorySnapshot(
-            pb.DeviceRequest(device="cpu"), metadata=self.monitor.md, timeout=CALL_TIMEOUT_S
-        )
-        return [
-            (int(s["address"]), int(s["total_size"]))
-            for s in json.loads(snapshot.snapshot_json)["segments"]
-        ]
+        found: dict[int, int] = {}  # a segment cut between pages is on both
+        token = ""
+        while True:
+            page = self.monitor.MemorySnapshot(
+                pb.MemorySnapshotRequest(device="cpu", page_token=token),
+                metadata=self.monitor.md,
+                timeout=CALL_TIMEOUT_S,
+            )
+            for s in json.loads(page.snapshot_json)["segments"]:
+                found[int(s["address"])] = int(s["total_size"])
+            token = page.next_page_token
+            if not token:
+                return sorted(found.items())
 
     def outside_pool(self) -> tuple[int, int]:
         before = self.segments()

@@ -100,8 +100,10 @@ class Fuzzer:
         t = field.type
         if t == d.FieldDescriptor.TYPE_MESSAGE:
             return self.message(getattr(pb, field.message_type.name), depth + 1)
-        if t in (d.FieldDescriptor.TYPE_INT64, d.FieldDescriptor.TYPE_INT32):
+        if t == d.FieldDescriptor.TYPE_INT64:
             return self.integer()
+        if t == d.FieldDescriptor.TYPE_INT32:  # page_size: the int64 extremes, wrapped
+            return (self.integer() + (1 << 31)) % (1 << 32) - (1 << 31)
         if t == d.FieldDescriptor.TYPE_UINT64:
             return abs(self.integer()) % (1 << 64)
         if t == d.FieldDescriptor.TYPE_UINT32:  # ShareRequest.uses

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import mmap
 import os
 import signal
 import socket
@@ -1296,3 +1297,65 @@ def _interrupt_first(outcome: Any) -> Any:
         return outcome(job)
 
     return interrupted
+
+
+def _aliased(client: Any, n: int) -> tuple[Any, torch.Tensor, np.ndarray, int]:
+    """A tensor of 0..n-1, a torch and a NumPy alias of it, and its Storage's address."""
+    x = client.tensor(np.arange(n, dtype=np.float32))
+    return x, torch.from_dlpack(x), np.asarray(x, copy=False), x.untyped_storage().data_ptr()
+
+
+def _writes_through_old_aliases_miss(
+    server: Any, alias: torch.Tensor, array: np.ndarray, address: int
+) -> None:
+    """A second session gets the freed Storage's memory; writes through the first session's
+    old aliases stay theirs: the aliases keep their last bytes, the new tensor its zeros."""
+    n = alias.numel()
+    with tensord.connect(server.address) as other:
+        y = other.zeros(n)
+        assert y.untyped_storage().data_ptr() == address  # the same pool memory, reused
+        assert torch.equal(alias, torch.arange(n, dtype=torch.float32))
+        alias.fill_(7.0)
+        array[1] = 9.0
+        assert not y.numpy().any() and y[:3].tolist() == [0.0, 0.0, 0.0]
+        assert alias[1].item() == 9.0 and array[0] == 7.0  # each alias still works
+
+
+def test_aliases_taken_before_close_never_reach_the_pool_after_it(fresh_server: Any) -> None:
+    client = tensord.connect(fresh_server.address)
+    _x, alias, array, address = _aliased(client, 1 << 20)
+    client.close()
+    _writes_through_old_aliases_miss(fresh_server, alias, array, address)
+
+
+def test_aliases_of_a_lost_session_never_reach_the_pool_once_the_loss_is_seen(
+    fresh_server: Any,
+) -> None:
+    with tensord.connect(fresh_server.address) as client:
+        x, alias, array, address = _aliased(client, 1 << 20)
+        fresh_server.daemon.sessions.close(fresh_server.daemon.sessions.peek(client.session_id))
+        with pytest.raises(tensord.errors.SessionLostError):
+            x.clone()
+        _writes_through_old_aliases_miss(fresh_server, alias, array, address)
+        assert torch.equal(torch.from_dlpack(client.ones(8)), torch.ones(8))  # maps afresh
+
+
+def test_remap_private_keeps_the_bytes_or_zeroes_them_and_leaves_the_shared_memory() -> None:
+    size = 4 * mmap.PAGESIZE
+    for keep in (True, False):
+        fd = os.memfd_create("remap-private")
+        try:
+            os.ftruncate(fd, size)
+            mapped, witness = (mmap.mmap(fd, size, flags=mmap.MAP_SHARED) for _ in range(2))
+        finally:
+            os.close(fd)
+        base, seen = np.frombuffer(mapped, dtype=np.uint8), np.frombuffer(witness, dtype=np.uint8)
+        base[:] = 5
+        _local.remap_private(int(base.ctypes.data), size, keep=keep)
+        assert (base == (5 if keep else 0)).all()
+        base[:] = 6
+        seen[:] = 8
+        assert (seen == 8).all() and (base == 6).all()  # two memories now, not one
+        del base, seen
+        mapped.close()
+        witness.close()

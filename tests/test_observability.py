@@ -4,11 +4,14 @@ real headless Chromium."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -434,12 +437,154 @@ def test_an_idle_http_connection_is_closed(
     observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # found by an attacker's read: each idle connection held a thread for ever (slowloris)
-    import socket
-
     from tensord_server.observability import dashboard
 
-    monkeypatch.setattr(dashboard._Handler, "timeout", 0.5)
+    monkeypatch.setattr(dashboard, "REQUEST_DEADLINE_S", 0.5)
     _, endpoints = observed
     with socket.create_connection(("127.0.0.1", endpoints.port), timeout=10) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n")  # a request line, then nothing
         assert sock.recv(1024) == b""  # the server closed it (before: recv timed out)
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to the endpoints from ``source``: every 127.x.y.z address is loopback on
+    Linux, so each stands for a peer of its own."""
+    sock = socket.socket()
+    sock.settimeout(5)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def closed_unanswered(sock: socket.socket) -> bool:
+    """Whether the server closes ``sock`` without answering (waiting at most its timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def closed_yet(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` by now, without waiting; it must not answer."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        got = sock.recv(1)
+    except ConnectionResetError:
+        return True
+    assert got == b"", f"answered a request that never ended: {got!r}"
+    return True
+
+
+def connection_threads(port: int) -> int:
+    return sum(t.name == f"tensord-http-connection:{port}" for t in threading.enumerate())
+
+
+def test_a_trickled_request_is_closed_at_its_deadline_while_a_scrape_is_answered(
+    observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each recv had its own timeout: a header byte every few seconds held a thread for ever
+    from tensord_server.observability import dashboard
+
+    monkeypatch.setattr(dashboard, "REQUEST_DEADLINE_S", 1.0)
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS_PER_PEER", 8)
+    _, endpoints = observed
+    tricklers = [connect_from("127.0.0.2", endpoints.port) for _ in range(8)]
+    try:
+        for sock in tricklers:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\nX-Slow: ")
+        # their address holds all its share; another's scrape is answered meanwhile
+        status, body = fetch(f"http://127.0.0.1:{endpoints.port}/metrics")
+        assert status == 200 and b"tensord_pool_allocated_bytes" in body
+        still_open = list(tricklers)
+        for _ in range(100):  # a byte each every 0.1 s, for at most 10 deadlines
+            time.sleep(0.1)
+            for sock in still_open:
+                with contextlib.suppress(OSError):
+                    sock.send(b"x")
+            still_open = [sock for sock in still_open if not closed_yet(sock)]
+            if not still_open:
+                break
+        assert not still_open, f"{len(still_open)} trickled requests were kept past 10 s"
+    finally:
+        for sock in tricklers:
+            sock.close()
+
+
+def test_connections_beyond_the_caps_are_closed_at_once_holding_no_thread(
+    observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every connection got a thread: callers holding connections open took any number
+    from tensord_server.observability import dashboard
+
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS_PER_PEER", 2)
+    _, endpoints = observed
+    port = endpoints.port
+    url = f"http://127.0.0.1:{port}/metrics"
+    held: list[socket.socket] = []
+    try:
+        # silent connections, each holding a thread (the accept loop takes them in order)
+        held += [connect_from("127.0.0.2", port) for _ in range(2)]
+        with connect_from("127.0.0.2", port) as third:
+            assert closed_unanswered(third)  # beyond its address's share
+        held.append(connect_from("127.0.0.3", port))  # another address still gets one
+        with connect_from("127.0.0.4", port) as fourth:
+            assert closed_unanswered(fourth)  # beyond the total
+        with pytest.raises(OSError):
+            fetch(url)
+        assert wait_until(lambda: connection_threads(port) == 3)
+        assert not any(closed_yet(sock) for sock in held)
+        assert connection_threads(port) == 3  # the refused ones took none
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: connection_threads(port) == 0)
+    assert fetch(url)[0] == 200
+
+
+def test_a_request_longer_than_its_bound_is_closed_unanswered(
+    observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # http.server alone reads 100 header lines of 64 KiB each: 6.4 MiB a connection
+    from tensord_server.observability import dashboard
+
+    monkeypatch.setattr(dashboard, "MAX_REQUEST_BYTES", 4096)
+    _, endpoints = observed
+    request = b"GET /metrics HTTP/1.0\r\nX-Pad: %s\r\n\r\n"
+    with connect_from("127.0.0.1", endpoints.port) as sock:
+        sock.sendall(request % (b"a" * 3000))
+        assert sock.makefile("rb").readline() == b"HTTP/1.0 200 OK\r\n"
+    with connect_from("127.0.0.1", endpoints.port) as sock:
+        sock.sendall(request % (b"a" * 5000))
+        assert closed_unanswered(sock)
+
+
+def test_an_answer_read_slowly_is_cut_at_its_deadline(
+    observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a deadline per send would let a reader that keeps taking a little hold the thread for
+    # as long as the answer is long
+    from tensord_server.observability import dashboard
+
+    answer = b"x" * (16 * MiB)  # far more than the kernel buffers below hold (4.5 MiB at most)
+    monkeypatch.setattr(dashboard, "ANSWER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dashboard, "static_file", lambda name: answer)
+    _, endpoints = observed
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+    sock.settimeout(5)
+    received = 0
+    with sock:
+        sock.connect(("127.0.0.1", endpoints.port))
+        sock.sendall(b"GET /static/dashboard.js HTTP/1.0\r\n\r\n")
+        for _ in range(1000):  # 64 KiB every 10 ms at most: the whole answer in 2.5 s or more
+            piece = sock.recv(64 * 1024)
+            if not piece:
+                break
+            received += len(piece)
+            time.sleep(0.01)
+    assert 0 < received < len(answer)

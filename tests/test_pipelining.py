@@ -223,11 +223,11 @@ def test_a_batch_request_holds_a_bounded_number_of_list_items(server: Any, open_
 
     session = open_session(server.address)
     meta = session.Empty(pb.EmptyRequest(shape=[4], dtype="float32"), metadata=session.md)
-    many = [pb.IndexItem(ellipsis=True)] * limits.MAX_LIST_LEN
+    many = [pb.IndexItem(ellipsis=True)] * limits.MAX_INDEX_ITEMS
     op = pb.BatchOp(
         set_item=pb.SetItemRequest(handle=meta.handle, index=many, scalar=pb.Scalar(int_value=1))
     )
-    ops = [op] * (limits.MAX_REQUEST_ITEMS // limits.MAX_LIST_LEN + 1)
+    ops = [op] * (limits.MAX_REQUEST_ITEMS // limits.MAX_INDEX_ITEMS + 1)
     with pytest.raises(grpc.RpcError) as info:
         session.Batch(pb.BatchRequest(ops=ops), metadata=session.md)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT

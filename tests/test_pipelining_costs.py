@@ -324,7 +324,7 @@ def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     monkeypatch.undo()
     assert did_not_wait
     # each Batch: its views, then one op releasing the dropped x[i] they were made from
-    assert sizes == [PIPELINE_BATCH + 1, PIPELINE_BATCH_MAX - 2 + 1]
+    assert sizes == [PIPELINE_BATCH + 1, 2 * (PIPELINE_BATCH_MAX // 2 - 1) + 1]
     assert [v.item() for v in views[:24]] == [i % 12 for i in range(24)]
 
 
@@ -386,12 +386,12 @@ def test_a_run_names_a_bounded_number_of_handles(
 def test_a_view_in_a_run_naming_fewer_results_is_refused_before_any_is_built(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # a split naming one result id was weighed as one handle, then built its 4,096 views
+    # a split naming one result id was weighed as one handle, then built its 1,024 views
     # under the locks before registering refused the count; now refused before building
     from tensord_server.domain import views
 
     session = open_session(server.address)
-    meta = session.Empty(pb.EmptyRequest(shape=[4096], dtype="float32"), metadata=session.md)
+    meta = session.Empty(pb.EmptyRequest(shape=[1024], dtype="float32"), metadata=session.md)
     built: list[str] = []
     apply_view = views.apply_view
 
@@ -406,7 +406,7 @@ def test_a_view_in_a_run_naming_fewer_results_is_refused_before_any_is_built(
     assert response.failed and (response.applied, response.failed_index) == (0, 0)
     assert response.error_type == "ValueError"  # InvalidArgumentError, as torch names it
     assert response.error_message == (
-        "the op made 4096 tensors but the batch named 1 result handles"
+        "the op made 1024 tensors but the batch named 1 result handles"
     )
     assert built == []
     assert "d" * 22 not in server.daemon.sessions.get(session.session_id).handles

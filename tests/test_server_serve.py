@@ -163,7 +163,9 @@ def test_pool_rpcs(make_server, open_session) -> None:
     assert all(k.startswith("external_fragmentation") for k in stats.ratios)
     summary = session.MemorySummary(pb.DeviceRequest(device="cpu"), metadata=md).summary
     assert "Allocated memory" in summary
-    snapshot = json.loads(session.MemorySnapshot(pb.DeviceRequest(), metadata=md).snapshot_json)
+    snapshot = json.loads(
+        session.MemorySnapshot(pb.MemorySnapshotRequest(), metadata=md).snapshot_json
+    )
     assert snapshot["segments"] and "device_traces" in snapshot
     session.Release(pb.ReleaseRequest(handles=[meta.handle]), metadata=md)
     released = session.EmptyCache(pb.DeviceRequest(), metadata=md).released_bytes

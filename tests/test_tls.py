@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
+import ssl
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,3 +204,27 @@ def test_tokens_in_clear_text_on_a_network_address_are_warned_about() -> None:
     assert cleartext_warning("0.0.0.0:1", authenticated=True, tls=True) is None
     assert cleartext_warning("127.0.0.1:1", authenticated=True, tls=False) is None
     assert mode_line("0.0.0.0:1", authenticated=True, tls=True).endswith(", TLS")
+
+
+def test_a_silent_connection_does_not_hold_up_an_https_scrape(
+    certs: CertFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the handshake ran in the accept loop: one connection that sent nothing stopped every scrape
+    from tensord_server.observability import HttpEndpoints, dashboard
+
+    monkeypatch.setattr(dashboard, "TLS_HANDSHAKE_TIMEOUT_S", 1.0)
+    daemon = TensorStore(["cpu=16MiB"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+    endpoints = HttpEndpoints(daemon, "127.0.0.1", 0, ssl_context=context).start()
+    trusted = ssl.create_default_context(cafile=certs.cert)
+    try:
+        with socket.create_connection(("127.0.0.1", endpoints.port), timeout=10) as silent:
+            url = f"https://127.0.0.1:{endpoints.port}/metrics"
+            with urllib.request.urlopen(url, context=trusted, timeout=10) as response:
+                assert response.status == 200
+                assert b"tensord_pool_allocated_bytes" in response.read()
+            assert silent.recv(1) == b""  # closed once its handshake's time ran out
+    finally:
+        endpoints.close()
+        daemon.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
 import hmac
 import itertools
@@ -298,13 +299,15 @@ _mapping_tokens = itertools.count()
 class Segment:
     """One mapped pool segment; ``exports`` counts the live exports over it."""
 
-    __slots__ = ("__weakref__", "address", "base", "exports", "id", "key", "mapping")
+    __slots__ = ("__weakref__", "address", "base", "exports", "id", "key", "mapping", "pooled")
 
-    def __init__(self, key: tuple[str, int], mapping: mmap.mmap) -> None:
+    def __init__(self, key: tuple[str, int], mapping: mmap.mmap, shared: bool = True) -> None:
         self.key = key
         self.id = key[1]
         self.mapping = mapping
         self.exports = 0
+        # the pool's memory (a memfd mapped shared); False once :meth:`make_private` ran
+        self.pooled = shared
         # a uint8 array over the whole mapping: every export's arrays are views of it
         self.base = np.frombuffer(mapping, dtype=np.uint8)
         # its first byte's address, read once: ndarray.ctypes builds an object per read
@@ -315,6 +318,70 @@ class Segment:
         start = self.address
         _mapped_ranges[token] = (start, start + self.base.size, key)
         weakref.finalize(self, _mapped_ranges.pop, token, None).atexit = False
+
+    def make_private(self) -> None:
+        """Put private memory at the mapping's addresses in place of the pool's: the arrays
+        over it stay valid but never reach the pool again.  They keep the bytes they see
+        while an export over the segment lives (an alias may still read them); zeros else."""
+        if self.pooled:
+            remap_private(self.address, self.base.size, keep=self.exports > 0)
+            self.pooled = False
+
+
+# Linux's mmap/mremap flags that Python's mmap module does not name
+_MAP_FIXED = 0x10
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    )
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
+
+
+def remap_private(address: int, nbytes: int, *, keep: bool) -> None:
+    """Replace the mapping of ``nbytes`` at ``address`` (page-aligned) with private anonymous
+    memory at the same addresses, holding the bytes it held when ``keep`` (else zeros).
+
+    ``keep`` copies into a fresh private mapping, then moves that over the old one in one
+    mremap: a reader on another thread sees the old bytes or the copy, never a hole."""
+    length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    libc = _libc()
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not keep:
+        if libc.mmap(address, length, prot, flags | _MAP_FIXED, -1, 0) in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "mmap over a segment mapping failed")
+        return
+    fresh = libc.mmap(None, length, prot, flags, -1, 0)
+    if fresh in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), "mmap of a private copy of a segment failed")
+    ctypes.memmove(fresh, address, length)
+    moved = libc.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+    if moved in (None, _MAP_FAILED):
+        error = ctypes.get_errno()
+        libc.munmap(fresh, length)
+        raise OSError(error, "mremap of a private copy over a segment mapping failed")
 
 
 def _mapped_place(array: np.ndarray) -> tuple[int, tuple[str, int], int, int] | None:
@@ -454,6 +521,8 @@ class LocalMapper:
         # run on a collection triggered while this thread holds it
         self._lock = threading.RLock()
         self._segments: dict[tuple[str, int], Segment] = {}
+        # every Segment an array may still use, cached or not (:meth:`make_private`); _lock
+        self._live: weakref.WeakSet[Segment] = weakref.WeakSet()
         self._open_lock = threading.Lock()  # one CUDA IPC open or close at a time
         self._imports: dict[tuple[str, int], CudaImport] = {}
         # (session id, segment id) -> GPU Exports answered in that session whose import
@@ -703,7 +772,8 @@ class LocalMapper:
             if segment is not None:
                 segment.exports += 1
                 return segment
-        if response.segment_nbytes == 0:  # a zero-byte Storage: nothing to map
+        shared = response.segment_nbytes != 0
+        if not shared:  # a zero-byte Storage: nothing to map
             mapping = mmap.mmap(-1, 1)
         elif not response.ticket:  # the Export was told it is mapped here: no longer
             raise SegmentForgotten(key)
@@ -718,7 +788,8 @@ class LocalMapper:
                     mmap.MADV_HUGEPAGE
                 )  # see tensord_server.devices.shm.advise_huge_pages
         with self._lock:
-            segment = self._segments.setdefault(key, Segment(key, mapping))
+            segment = self._segments.setdefault(key, Segment(key, mapping, shared))
+            self._live.add(segment)
             segment.exports += 1
             self._update_mapped_hint(key[0])
         return segment
@@ -835,6 +906,21 @@ class LocalMapper:
     def mapped_count(self) -> int:
         with self._lock:
             return len(self._segments)
+
+    def make_private(self) -> None:
+        """The session ends (its client closes, or the server lost it): every mapping of a
+        pool segment in this process becomes private memory at the same addresses, so an
+        alias taken before (``torch.from_dlpack``, ``np.asarray(x, copy=False)``) keeps
+        working on its own copy of the bytes and never reaches pool memory the server may
+        give to another session.  The cache forgets them: later exports map afresh."""
+        with self._lock:
+            live = list(self._live)
+            self._live = weakref.WeakSet()
+            self._segments.clear()
+            self._reusable.clear()
+            self._mapped_hint = ("", ())
+        for segment in live:
+            segment.make_private()
 
     def close(self) -> None:
         """Forget the mappings; close the GPU imports no array uses (an array still alive

@@ -34,6 +34,8 @@ from tensord.protocol import (
     BEARER,
     DEFAULT_ADDRESS,
     ERROR_TYPE_KEY,
+    MAX_BATCH_OPS,
+    MAX_BATCH_RESULTS,
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
@@ -68,8 +70,9 @@ MAX_HEARTBEAT_INTERVAL_S = 3600.0
 PIPELINE_BATCH = 256
 # While the Batch before is still on the server, a full queue keeps filling up to this many
 # ops before its caller waits: one larger Batch (fewer RPCs per op for the server) instead
-# of a wait at every PIPELINE_BATCH ops (issue 15, many clients).
-PIPELINE_BATCH_MAX = 1024
+# of a wait at every PIPELINE_BATCH ops (issue 15, many clients); one op short of what a
+# Batch may hold, so that the flush's release rides in the same Batch.
+PIPELINE_BATCH_MAX = MAX_BATCH_OPS - 1
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
 # Every unary call's deadline, and how long a transfer may go without a chunk moving: a
@@ -673,6 +676,29 @@ def _batch_request(queued: list[QueuedOp], released: list[str]) -> pb.BatchReque
     return request
 
 
+def _batch_parts(
+    queued: list[QueuedOp], released: list[str]
+) -> list[tuple[list[QueuedOp], list[str]]]:
+    """``queued`` then one release of ``released``, in Batches the server takes: at most
+    MAX_BATCH_OPS ops and MAX_BATCH_RESULTS view results each (an op naming more goes
+    alone, and the server refuses it); the release rides in the last."""
+    parts: list[tuple[list[QueuedOp], list[str]]] = []
+    part: list[QueuedOp] = []
+    results = 0
+    for op in queued:
+        named = len(op[4])
+        if part and (len(part) == MAX_BATCH_OPS or results + named > MAX_BATCH_RESULTS):
+            parts.append((part, []))
+            part, results = [], 0
+        part.append(op)
+        results += named
+    if released and len(part) == MAX_BATCH_OPS:  # the release is one more op
+        parts.append((part, []))
+        part = []
+    parts.append((part, released))
+    return parts
+
+
 def _describe(queued: list[QueuedOp], released: bool, index: int) -> str:
     """The op at ``index`` of a Batch, as its error names it ("fill_ of 3MrLn47C...")."""
     if 0 <= index < len(queued):
@@ -1087,16 +1113,28 @@ class Connection:
             released = self._take_pending() if releases else []
             if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
-            answered = [op[5] for op in queued if op[5] is not None]
-            request = _batch_request(queued, released)
-            if self.local is not None:
-                self.local.before_call()
-            timeout = None if self.call_timeout is None else self.call_timeout
-            future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
-            self._inflight = (future, queued, released, answered)
-            future.add_done_callback(self._batch_answered)
+            parts = _batch_parts(queued, released)
+            for index, (part, part_released) in enumerate(parts):
+                if index and not self._collect():
+                    # the part before failed: the ops after it are skipped, as they are
+                    # after a failed op in one Batch; the releases wait for the next one
+                    self._requeue_releases(released)
+                    return
+                self._send_batch(part, part_released)
             if wait:
                 self._collect()
+
+    def _send_batch(self, queued: list[QueuedOp], released: list[str]) -> None:
+        """Send one Batch of ``queued`` then ``released`` (the caller holds _send_lock and
+        collected the Batch before)."""
+        answered = [op[5] for op in queued if op[5] is not None]
+        request = _batch_request(queued, released)
+        if self.local is not None:
+            self.local.before_call()
+        timeout = None if self.call_timeout is None else self.call_timeout
+        future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
+        self._inflight = (future, queued, released, answered)
+        future.add_done_callback(self._batch_answered)
 
     def _take_pending(self) -> list[str]:
         batch: list[str] = []
@@ -1105,17 +1143,18 @@ class Connection:
                 batch.append(self._pending.popleft())
         return batch
 
-    def _collect(self) -> None:
-        """Wait for the Batch in flight; keep its first error for the next wait."""
+    def _collect(self) -> bool:
+        """Wait for the Batch in flight; keep its first error for the next wait.  Whether
+        it was applied whole (True when none was in flight)."""
         if self._inflight is None:
-            return
+            return True
         future, queued, released, answered = self._inflight
         self._inflight = None
         try:
             response = future.result()
         except grpc.RpcError as err:
             self._keep_error(error_from_rpc(err, self.address))
-            return
+            return False
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
             copied(meta)
         if response.failed:
@@ -1133,6 +1172,8 @@ class Connection:
                     f"the {skipped} op(s) queued after it in the same batch were skipped)"
                 )
             )
+            return False
+        return True
 
     def _requeue_releases(self, released: list[str]) -> None:
         """Handles whose release a Batch skipped (an op before it failed) go back to the
@@ -1368,6 +1409,8 @@ class Connection:
         with self._lock:
             if self.session_id != lost_id or self._closed.is_set():
                 return
+            if self.local is not None:  # the server freed what the lost session mapped
+                self.local.make_private()
             with contextlib.suppress(grpc.RpcError):
                 response = self._stub.OpenSession(
                     request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
@@ -1398,6 +1441,8 @@ class Connection:
             with contextlib.suppress(errors.TensordError, grpc.RpcError):
                 self._flush(wait=True)
             self._async_error = None  # the session ends: nothing waits for its ops any more
+        if self.local is not None:  # while the pool's memory there is still this session's
+            self.local.make_private()
         with contextlib.suppress(errors.TensordError):
             self._unary(
                 "CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout, sync=False

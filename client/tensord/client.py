@@ -35,9 +35,11 @@ from tensord._session import ClientSession
 from tensord.dtypes import DType
 from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
 from tensord.memory_format import memory_format_name, python_type_name
+from tensord.protocol import MAX_PAGE_SIZE
 from tensord.tensor import (
     Tensor,
     as_dtype,
+    check_limit,
     device_name,
     download,
     layout_of,
@@ -143,7 +145,9 @@ def _factory_size(function: str, size: tuple[Any, ...]) -> tuple[int, ...]:
                     f"{function}(): argument 'size' failed to unpack the object at pos "
                     f'{position} with error "Overflow when unpacking long long"'
                 )
-    return shape_args(size)
+    shape = shape_args(size)
+    check_limit(len(shape), "MAX_DIMS", f"{function}() would make a tensor of {{}} dimensions")
+    return shape
 
 
 def _check_storage_size(shape: tuple[int, ...], dtype: DType) -> None:
@@ -213,7 +217,13 @@ class Client:
         return self._conn.closed
 
     def close(self) -> None:
-        """Send pending releases, close the session (the server frees its handles) and the channel."""
+        """Send pending releases, close the session (the server frees its handles) and the channel.
+
+        Same host: before the session ends, each pool segment this client mapped becomes
+        private memory at the same addresses (also when the server is found to have lost
+        the session).  A ``torch.from_dlpack`` or NumPy alias taken earlier keeps working
+        on its own copy of the bytes it last saw, and never reaches pool memory the server
+        may give to another session: writes through it stay in this process."""
         self._closer()
 
     def flush(self) -> None:
@@ -480,7 +490,10 @@ class Client:
         return self._join("Stack", tensors, dim)
 
     def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
-        handles = [own(self, t, i) for i, t in enumerate(tensors)]
+        inputs = list(tensors)
+        what = f"{method.lower()}() got {{}} tensors"
+        check_limit(len(inputs), "MAX_CAT_INPUTS", what)
+        handles = [own(self, t, i) for i, t in enumerate(inputs)]
         return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
 
     # ---- sharing -------------------------------------------------------------------------
@@ -508,7 +521,16 @@ class Client:
         self._call("DeleteName", pb.DeleteNameRequest(name=_text("name", name)))
 
     def names(self) -> list[str]:
-        return list(self._call("ListNames", pb.ListNamesRequest()).names)
+        """The names of this tenant's tensors, sorted (fetched a page at a time)."""
+        names: list[str] = []
+        token = ""
+        while True:
+            request = pb.ListNamesRequest(page_size=MAX_PAGE_SIZE, page_token=token)
+            page = self._call("ListNames", request)
+            names.extend(page.names)
+            token = page.next_page_token
+            if not token:
+                return names
 
     # ---- the pool --------------------------------------------------------------------------
 
@@ -530,9 +552,22 @@ class Client:
 
     def memory_snapshot(self, device: Any = "cpu") -> dict[str, Any]:
         """torch.cuda.memory._snapshot()'s structure; pickle it for PyTorch's memory_viz."""
-        response = self._call("MemorySnapshot", pb.DeviceRequest(device=device_name(device)))
-        snapshot: dict[str, Any] = json.loads(response.snapshot_json)
-        return snapshot
+        device = device_name(device)
+        snapshot: dict[str, Any] | None = None
+        token = ""
+        while True:
+            request = pb.MemorySnapshotRequest(
+                device=device, page_size=MAX_PAGE_SIZE, page_token=token
+            )
+            response = self._call("MemorySnapshot", request)
+            page: dict[str, Any] = json.loads(response.snapshot_json)
+            if snapshot is None:
+                snapshot = page
+            else:
+                _join_snapshot_page(snapshot, page)
+            token = response.next_page_token
+            if not token:
+                return snapshot
 
     def empty_cache(self, device: Any = "cpu") -> int:
         """Return cached, unused segments to the device; the bytes released."""
@@ -554,6 +589,20 @@ class Client:
             "max_message_bytes": info.max_message_bytes,
             "chunk_bytes": info.chunk_bytes,
         }
+
+
+def _join_snapshot_page(snapshot: dict[str, Any], page: dict[str, Any]) -> None:
+    """Add a later page of a paged MemorySnapshot to the pages before it (the proto's
+    rules): a first segment with the last one's address holds more of that segment's blocks;
+    the trace entries follow those before them."""
+    segments = page.get("segments", [])
+    if segments and snapshot["segments"]:
+        last = snapshot["segments"][-1]
+        if segments[0]["address"] == last["address"]:
+            last["blocks"].extend(segments.pop(0)["blocks"])
+    snapshot["segments"].extend(segments)
+    for trace, entries in zip(snapshot["device_traces"], page["device_traces"], strict=False):
+        trace.extend(entries)
 
 
 def _client_of(tensors: Sequence[Any]) -> Client:

@@ -1189,6 +1189,35 @@ _COMPLEX_OF_REAL = {"float32": "complex64", "float64": "complex128"}
 _VIEW_AS_COMPLEX_INPUTS = ("float16", "float32", "float64")
 
 
+def view_result_count(layout: Layout, name: str, args: Sequence[object]) -> int | None:
+    """How many tensors ``split``/``chunk``/``unbind`` will return (mirrors their ATen
+    arithmetic), from the arguments alone, before one is built; None for any other op,
+    or for arguments the layout engine refuses with torch's own error (it raises it)."""
+    if name not in ("split", "chunk", "unbind") or layout.ndim == 0:
+        return None
+    dim = args[-1] if len(args) == (1 if name == "unbind" else 2) else 0
+    try:
+        size = layout.shape[normalize_dim(dim, layout.ndim)]  # type: ignore[arg-type]
+    except (IndexError, TypeError):
+        return None
+    if name == "unbind":
+        return size
+    amount = args[0]
+    if name == "split" and isinstance(amount, Sequence):
+        return len(amount)
+    if not isinstance(amount, int) or isinstance(amount, bool):
+        return None
+    if name == "chunk":
+        if amount <= 0:
+            return None
+        if size == 0:
+            return amount  # torch returns `chunks` empty tensors
+        amount = -(-size // amount)  # chunk is split by this size
+    if amount < 0 or (amount == 0 and size != 0):
+        return None
+    return max(-(-size // amount), 1) if amount else 1
+
+
 @dataclass(frozen=True, slots=True)
 class LazyView:
     """What a complex view names: a layout, a dtype (by name) and torch's two lazy bits."""

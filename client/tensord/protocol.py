@@ -1,9 +1,11 @@
 """The wire protocol's constants, shared by the SDK and the server (one definition each).
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
-sides configure their channels for, the address a client dials by default, and how the
-fd socket's ticket splits, and the export channel's framing.  Pure: this module imports
-only the standard library's ``struct``, so both sides (and every layer) may use it.
+sides configure their channels for, the address a client dials by default, how the
+fd socket's ticket splits, the export channel's framing, and the counts one request may
+name (the server refuses more before any work; the SDK splits what it can and refuses
+the rest at the call).  Pure: this module imports only the standard library's
+``struct``, so both sides (and every layer) may use it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,78 @@ ERROR_TYPE_KEY = "tensord-error-type"
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
 MAX_MESSAGE_BYTES = 256 << 20
+#: the most items a listing's page holds (ListNames, MemorySnapshot): the server gives no
+#: more whatever page_size says, and the SDK asks for this many (bytes cap a page too)
+MAX_PAGE_SIZE = 10_000
+
+# The counts one request may name (SECURITY.md), each so that one call's Python work on
+# the server stays within tensord_server.domain.limits.CALL_BUDGET_MS (limits.py states
+# the cost per item).  The server refuses a request past one before any work; the SDK
+# sends what it can split as several requests (a long queue, a long split, chunk or
+# unbind) and refuses the rest at the call, naming the limit, before anything is queued:
+# a pipelined op the server refuses would fail at a later, unrelated call.
+
+#: dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers)
+MAX_DIMS = 64
+#: the fields that are a list of per-dimension numbers: at most MAX_DIMS items each
+DIM_FIELDS = frozenset(
+    {"shape", "stride", "size", "sizes", "dims", "repeats", "source", "destination", "values"}
+)
+#: tensors one Cat or Stack joins
+MAX_CAT_INPUTS = 2048
+#: handles one Release names (also an EmptyExport's releases, a ReleaseExports' export ids,
+#: and all the release ops of one Batch together)
+MAX_RELEASE_HANDLES = 16384
+#: tensors one view op (split, chunk, unbind) returns
+MAX_VIEW_RESULTS = 2048
+#: ops in one pipelined Batch
+MAX_BATCH_OPS = 1024
+#: tensors the view ops of one Batch return together
+MAX_BATCH_RESULTS = 2048
+#: items of one index (basic or advanced): each int, slice or tensor takes one of at most
+#: 64 dims and each None or bool adds one of at most 64, beside one Ellipsis, so a longer
+#: index is one torch refuses too
+MAX_INDEX_ITEMS = 2 * 64 + 1
+#: segment ids a client names as mapped (ints searched in C, never walked one by one)
+MAX_MAPPED_SEGMENTS = 65536
+#: the longest list any request field may hold (one without a row in LIST_LIMITS)
+MAX_LIST_LEN = 65536
+#: items of all the lists of one request together (a Batch nests one list per op)
+MAX_REQUEST_ITEMS = 32768
+
+#: every other repeated field of a request, by "Message.field": its limit and that limit's
+#: name (a refusal names it).  A field the schema adds is bounded by MAX_LIST_LEN until it
+#: has a row here (a test asserts every request list has one).
+LIST_LIMITS: dict[str, tuple[int, str]] = {
+    "CatRequest.handles": (MAX_CAT_INPUTS, "MAX_CAT_INPUTS"),
+    "ReleaseRequest.handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "EmptyExportRequest.release_handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.export_ids": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.closed_imports": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "ReleaseExportsRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
+    "ExportRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
+    "Index.items": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "SetItemRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "AdvancedIndexRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "AdvancedSetItemRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
+    "BatchOp.results": (MAX_VIEW_RESULTS, "MAX_VIEW_RESULTS"),
+    "BatchRequest.ops": (MAX_BATCH_OPS, "MAX_BATCH_OPS"),
+}
+_WIRE_LIMIT = (MAX_LIST_LEN, "MAX_LIST_LEN")
+
+
+def named_list_limit(message: str, field: str) -> tuple[int, str]:
+    """The most items repeated field ``field`` of message type ``message`` may hold, and
+    that limit's name in this module."""
+    if field in DIM_FIELDS:
+        return MAX_DIMS, "MAX_DIMS"
+    return LIST_LIMITS.get(f"{message}.{field}", _WIRE_LIMIT)
+
+
+def list_limit(message: str, field: str) -> int:
+    """The most items repeated field ``field`` of message type ``message`` may hold."""
+    return named_list_limit(message, field)[0]
+
 
 # A same-host fd socket's ticket is two halves: the client sends the first (the key), the
 # server answers with the second (the proof) beside the descriptor. Whoever listens on a

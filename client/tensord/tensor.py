@@ -16,6 +16,7 @@ import base64
 import builtins
 import collections
 import contextlib
+import itertools
 import math
 import operator
 import os
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import _dlpack, _format, _indexing, _local, dtypes, errors
+from tensord import _dlpack, _format, _indexing, _local, dtypes, errors, protocol
 from tensord._convert import as_scalar, exact_dtype
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._session import ClientSession, SessionClient
@@ -44,6 +45,7 @@ from tensord.layout import (
     memory_format_strides,
     normalize_dim,
     strip_leading_ones,
+    view_result_count,
 )
 from tensord.memory_format import (
     MemoryFormat,
@@ -211,6 +213,17 @@ def require_args(method: str, parameter: str, args: tuple[Any, ...]) -> None:
     if not args:
         raise errors.TensordTypeError(
             f'{method}() missing 1 required positional arguments: "{parameter}"'
+        )
+
+
+def check_limit(count: builtins.int, limit: str, what: str) -> None:
+    """Refuse a call whose request would hold more than ``protocol.<limit>`` items (``what``
+    tells them: "unbind() would return {} tensors"), before anything is sent or queued: the
+    server refuses such a request, and a pipelined op it refuses fails at a later call."""
+    bound = getattr(protocol, limit)  # read at each call: the protocol's value, not a copy
+    if count > bound:
+        raise errors.TensordRuntimeError(
+            f"{what.format(count)}; the limit is {bound} (tensord.protocol.{limit})"
         )
 
 
@@ -615,6 +628,11 @@ class Tensor:
         once, under handle ids this client chose (issue 15)."""
         conn = self._session.conn
         handle = self.handle
+        if layouts:
+            check_limit(
+                len(layouts), "MAX_VIEW_RESULTS", f"{next(iter(op))}() would return {{}} tensors"
+            )
+            check_limit(layouts[0].ndim, "MAX_DIMS", "the result would have {} dimensions")
         if layouts is not None and conn.pipelining:
             metas = [self._view_meta(lay, op) for lay in layouts]
             results = tuple(m.handle for m in metas)
@@ -713,6 +731,7 @@ class Tensor:
     def _queued_copy(self, request: pb.ReshapeRequest, layout: Layout) -> Tensor:
         """A reshape that must copy, queued (issue 15): the result's layout is contiguous and
         its id ours; its Storage's facts come with the Batch's answer (StorageInfo)."""
+        check_limit(layout.ndim, "MAX_DIMS", "the result would have {} dimensions")
         conn = self._session.conn
         storage = StorageInfo.pending(conn.synchronize)
         meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
@@ -929,12 +948,19 @@ class Tensor:
         return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        count = self._result_count("split", (split_size_or_sections, dim))
+        if count > protocol.MAX_VIEW_RESULTS and isinstance(split_size_or_sections, builtins.int):
+            size = split_size_or_sections  # (a list of sections is split below, as views)
+            return self._in_groups(count, size, dim, lambda t, n: t.split(size, dim))
         with torch_errors():
             parts = self._meta.layout.split(split_size_or_sections, dim)
         if isinstance(split_size_or_sections, builtins.int):
             op = pb.Split(split_size=split_size_or_sections, dim=dim)
-        else:
-            op = pb.Split(sections=pb.IntList(values=list(split_size_or_sections)), dim=dim)
+            return tuple(self._views(parts, split=op))
+        sections = list(split_size_or_sections)
+        if len(sections) > _MAX_SECTIONS:  # more than a Split may list: a view per part
+            return self._strided_views(parts)
+        op = pb.Split(sections=pb.IntList(values=sections), dim=dim)
         return tuple(self._views(parts, split=op))
 
     def tensor_split(self, indices_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
@@ -968,14 +994,55 @@ class Tensor:
 
     def _split_views(self, parts: tuple[Layout, ...], dim: builtins.int) -> tuple[Tensor, ...]:
         """Handles on parts the layout engine computed along ``dim``: one Split RPC when they
-        are exactly a split_with_sizes (parts that tile the dim in order), else one
-        as_strided per part (the server bounds-checks each against the Storage)."""
+        are exactly a split_with_sizes (parts that tile the dim in order) of at most the
+        sections a Split may list, else one as_strided per part (the server bounds-checks
+        each against the Storage)."""
         sizes = [p.shape[dim] for p in parts]
+        tiled = False
         with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
-            if self._meta.layout.split(sizes, dim) == parts:
-                op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
-                return tuple(self._views(parts, split=op))
-        return tuple(self._strided_view(p) for p in parts)
+            tiled = self._meta.layout.split(sizes, dim) == parts
+        if tiled and len(sizes) <= _MAX_SECTIONS:
+            op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
+            return tuple(self._views(parts, split=op))
+        runs = [(size, len(list(run))) for size, run in itertools.groupby(sizes)] if tiled else []
+        if tiled and len(runs) <= _MAX_SECTIONS:  # tensor_split(n): two runs of equal parts
+            return self._split_runs(runs, dim, len(parts))
+        return self._strided_views(parts)
+
+    def _split_runs(
+        self, runs: list[tuple[builtins.int, builtins.int]], dim: builtins.int, count: builtins.int
+    ) -> tuple[Tensor, ...]:
+        """The parts of a split into more sections than a Split may list, given as runs of
+        (size, how many) that tile ``dim`` in order: each run one split of its span, as
+        many a call as a long split (a run of empty parts: a chunk of an empty span)."""
+        views: list[Tensor] = []
+        start = 0
+        for piece, n in runs:
+            views.extend(self.narrow(dim, start, piece * n)._split_run(piece, n, dim))
+            start += piece * n
+        if count > protocol.MAX_VIEW_RESULTS:
+            self._session.conn.synchronize()  # as a long split does: its refusal is this call's
+        return tuple(views)
+
+    def _split_run(
+        self, piece: builtins.int, n: builtins.int, dim: builtins.int
+    ) -> tuple[Tensor, ...]:
+        """This tensor as ``n`` parts of ``piece`` along ``dim`` (which it spans exactly)."""
+        if piece == 0:
+            return self._in_groups(n, 0, dim, lambda t, k: t.chunk(k, dim))
+        return self._in_groups(n, piece, dim, lambda t, k: t.split(piece, dim))
+
+    def _strided_views(self, parts: Sequence[Layout]) -> tuple[Tensor, ...]:
+        """One as_strided per part; of more parts than one view op may return
+        (protocol.MAX_VIEW_RESULTS), each run of that many is waited for, as a long split is."""
+        group = protocol.MAX_VIEW_RESULTS
+        if len(parts) <= group:
+            return tuple(self._strided_view(p) for p in parts)
+        views: list[Tensor] = []
+        for first in range(0, len(parts), group):
+            views.extend(self._strided_view(p) for p in parts[first : first + group])
+            self._session.conn.synchronize()
+        return tuple(views)
 
     def _strided_view(self, layout: Layout) -> Tensor:
         """A handle on ``layout`` (computed here by the layout engine) as one as_strided."""
@@ -992,14 +1059,56 @@ class Tensor:
         return self.contiguous().view(-1)
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        count = self._result_count("chunk", (chunks, dim))
+        if count > protocol.MAX_VIEW_RESULTS:
+            # torch's chunk is a split by ceil(size / chunks); of an empty dim, `chunks` empties
+            piece = -(-self.shape[normalize_dim(dim, self.ndim)] // chunks)
+            if piece == 0:
+                return self._in_groups(count, 0, dim, lambda t, n: t.chunk(n, dim))
+            return self._in_groups(count, piece, dim, lambda t, n: t.split(piece, dim))
         with torch_errors():
             parts = self._meta.layout.chunk(chunks, dim)
         return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        count = self._result_count("unbind", (dim,))
+        if count > protocol.MAX_VIEW_RESULTS:
+            return self._in_groups(count, 1, dim, lambda t, n: t.unbind(dim))
         with torch_errors():
             parts = self._meta.layout.unbind(dim)
         return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
+
+    def _in_groups(
+        self,
+        count: builtins.int,
+        piece: builtins.int,
+        dim: builtins.int,
+        split: Callable[[Tensor, builtins.int], tuple[Tensor, ...]],
+    ) -> tuple[Tensor, ...]:
+        """The ``count`` pieces of ``piece`` elements along ``dim`` (the last one may be
+        shorter) of a split, chunk or unbind that returns more tensors than one call may
+        (protocol.MAX_VIEW_RESULTS): each run of that many is ``split(narrowed, n)`` of this
+        tensor narrowed to the run's span, which gives the same layouts as one op would.
+        Of several runs each is waited for before the next is built: a refusal of one (past
+        ``--max-handles-per-session``) is raised by this call, not by a later one, and a
+        count no session could hold stops at the first run past it."""
+        size = self.shape[normalize_dim(dim, self.ndim)]
+        group = protocol.MAX_VIEW_RESULTS
+        pieces: list[Tensor] = []
+        for first in range(0, count, group):
+            n = min(group, count - first)
+            start = min(first * piece, size)
+            pieces.extend(split(self.narrow(dim, start, min(n * piece, size - start)), n))
+            if count > group:
+                self._session.conn.synchronize()
+        return tuple(pieces)
+
+    def _result_count(self, name: builtins.str, args: tuple[Any, ...]) -> builtins.int:
+        """How many tensors split/chunk/unbind will return, counted before the layout
+        engine builds one (``c.zeros(1).expand(10**9).unbind(0)`` builds none up front);
+        0 for arguments the layout engine refuses (it raises torch's error next)."""
+        count = view_result_count(self._meta.layout, name, args)
+        return 0 if count is None else count
 
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
@@ -1137,6 +1246,7 @@ class Tensor:
     def repeat(self, *sizes: Any) -> Tensor:
         require_args("repeat", "repeats", sizes)
         repeats = shape_args(sizes)
+        check_limit(len(repeats), "MAX_DIMS", "repeat() would make a tensor of {} dimensions")
         return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -1618,6 +1728,7 @@ class Tensor:
         """torch's resize_: contiguous at the same offset (the layout kept when the size is);
         a Storage too small grows, seen by every handle on it."""
         size = _resize_size(sizes)
+        check_limit(len(size), "MAX_DIMS", "resize_() would make a tensor of {} dimensions")
         fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
         request = pb.ResizeRequest(handle=self.handle, size=size, memory_format=fmt)
         self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
@@ -1705,6 +1816,10 @@ def _narrow_start(start: Any) -> builtins.int:
     if start.ndim != 0 or not _is_integral(_dtype_of(start)):
         raise errors.TensordRuntimeError("start must be an 0-dim integral Tensor.")
     return builtins.int(start.item())
+
+
+# The sections one Split may list (Split.sections is an IntList, each at most this long).
+_MAX_SECTIONS = protocol.list_limit("IntList", "values")
 
 
 def _split_arg(value: Any, ndim: builtins.int) -> Any:

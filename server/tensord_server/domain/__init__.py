@@ -8,6 +8,7 @@
 - :mod:`.sessions`: sessions, handles, names, share tokens, leases
 - :mod:`.kernels`: torch's rules for copies, fills and factories, over device arrays
 - :mod:`.limits`: the documented bounds on every request
+- :mod:`.paging`: listings a page at a time (page sizes, the byte cap, page tokens)
 - :mod:`.quotas`, :mod:`.auth`: tenants, their tokens and their per-device quotas
 - :mod:`.admission`: worker and stream accounting (the call gate; its gRPC side is
   :mod:`tensord_server.rpc.admission`)

@@ -79,12 +79,18 @@ class BatchOutcome:
 
 
 def check_batch(ops: Sequence[QueuedOp]) -> None:
-    """Bound the batch before any op runs: its length and every chosen id's format."""
+    """Bound the batch before any op runs: its length, the tensors its views return and
+    the handles it releases (all ops together), and every chosen id's format."""
     limits.check_batch_ops(len(ops))
+    results = released = 0
     for op in ops:
         if isinstance(op, QueuedView | QueuedReshape):
+            results += len(op.results)
             for handle_id in op.results:
                 check_chosen_id(handle_id)
+        elif isinstance(op, QueuedRelease):
+            released += len(op.handles)
+    limits.check_batch_counts(results, released)
 
 
 # The most ops of one run applied under one acquisition of the table and registry locks:

@@ -76,6 +76,7 @@ class Copies:
                 return self.ops.issue(session, out)
 
     def cat(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
+        limits.check_join_inputs("cat", len(handles))  # before any input is held
         with self.ops.using(session, *handles) as refs:
             shape, dim, kept = kernels.cat_shape([r.layout.shape for r in refs], dim)
             self.ops.check_elements(math.prod(shape))
@@ -96,6 +97,7 @@ class Copies:
                 return self.ops.issue(session, out)
 
     def stack(self, session: Session, handles: Sequence[str], dim: int) -> Issued:
+        limits.check_join_inputs("stack", len(handles))  # before any input is held
         with self.ops.using(session, *handles) as refs:
             dim = kernels.stack_dim([r.layout.shape for r in refs], dim)
             device = _common_device(refs)

@@ -4,36 +4,85 @@ One pure walk over a decoded request message: list lengths, string lengths and
 the integers of shapes, strides and offsets.  The layout engine and the pool do
 the semantic checks (views inside their Storage, sizes against capacity); these
 bounds make sure the numbers they compute with stay far from int64 overflow.
+
+Every count a request names is bounded so that one call's Python work (decode, this
+walk, the store's work, the reply) stays within CALL_BUDGET_MS: a call holds the GIL
+for its work, so a heavier one delays every other tenant's calls and heartbeats, which
+must land well within the session lease (10 s by default, 2-3 s in tests).  Each limit
+is the budget over the cost per item of the heaviest call that names it, measured by
+``benchmarks/bench_call_costs.py`` on one core of the reference 2-core machine:
+
+======================  ==============================  ===========  ======  ==========
+limit                   counts                          us per item  limit   ms at most
+======================  ==============================  ===========  ======  ==========
+MAX_CAT_INPUTS          inputs of a Cat or Stack        16-25        2,048   33-50
+MAX_RELEASE_HANDLES     handles of a Release (and of    1.0-1.7      16,384  16-28
+                        EmptyExport, ReleaseExports,
+                        a Batch's release ops)
+MAX_VIEW_RESULTS        tensors of a split/chunk/unbind 13-19        2,048   27-39
+MAX_BATCH_RESULTS       tensors of a Batch's views      13-19        2,048   27-39
+MAX_BATCH_OPS           ops of a Batch: x[i] / writes   17 / 35-69   1,024   18 / 36-70
+MAX_INDEX_ITEMS         items of an index               3-5          129     < 1
+MAX_REQUEST_ITEMS       list items of one request       0.5-1.6      32,768  16-52
+======================  ==============================  ===========  ======  ==========
+
+The limits the SDK must know live in :mod:`tensord.protocol`: it splits releases and
+Batches and the results of a long split, chunk or unbind into several calls, and
+refuses the rest at the call.  Element counts (a kernel's cost, not Python's) are
+``--max-op-elements`` and ``--max-batch-elements``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
 from tensord.errors import InvalidArgumentError, ResourceExhaustedError, TensordRuntimeError
-from tensord.layout import Layout, normalize_dim
-
-# Dimensions of a tensor (torch's own limit is 64 too: c10's MAX_DIMS-sized containers).
-MAX_DIMS = 64
-# Fields that are a list of per-dimension numbers.
-DIM_FIELDS = frozenset(
-    {"shape", "stride", "size", "sizes", "dims", "repeats", "source", "destination", "values"}
+from tensord.protocol import (
+    DIM_FIELDS,
+    LIST_LIMITS,
+    MAX_BATCH_OPS,
+    MAX_BATCH_RESULTS,
+    MAX_CAT_INPUTS,
+    MAX_DIMS,
+    MAX_INDEX_ITEMS,
+    MAX_LIST_LEN,
+    MAX_MAPPED_SEGMENTS,
+    MAX_RELEASE_HANDLES,
+    MAX_REQUEST_ITEMS,
+    MAX_VIEW_RESULTS,
+    named_list_limit,
 )
-# Any other repeated field (handles to release or cat, index items, split sections).
-MAX_LIST_LEN = 65536
-# Items of all the lists of one request together (a Batch nests one list per op: 4,096 ops of
-# 65,536 index items each were 268M items to walk, then to apply, in one message).
-MAX_REQUEST_ITEMS = 1 << 20
-# Ops in one pipelined Batch (issue 15): the SDK flushes at 256; each op's own cost is
-# checked as its unary RPC's is.
-MAX_BATCH_OPS = 4096
+
+# The limits on a request's lists are the protocol's (one definition, which the SDK reads
+# too): LIST_LIMITS gives each repeated field its own, and names it in the refusal.
+__all__ = [
+    "DIM_FIELDS",
+    "LIST_LIMITS",
+    "MAX_BATCH_OPS",
+    "MAX_BATCH_RESULTS",
+    "MAX_CAT_INPUTS",
+    "MAX_DIMS",
+    "MAX_INDEX_ITEMS",
+    "MAX_LIST_LEN",
+    "MAX_MAPPED_SEGMENTS",
+    "MAX_RELEASE_HANDLES",
+    "MAX_REQUEST_ITEMS",
+    "MAX_VIEW_RESULTS",
+]
+
+# The Python work one call may do, in milliseconds (the limits above are this budget
+# over the measured cost per item).
+CALL_BUDGET_MS = 50
 # Names, handles, tokens, dtypes, devices, client names.
 MAX_STRING_BYTES = 4096
+# A listing's page_token (domain/paging.py): one holds a name of MAX_STRING_BYTES, in base64.
+PAGE_TOKEN_FIELD = "page_token"
+MAX_PAGE_TOKEN_BYTES = 8192
 # Every integer in a shape, stride or offset: |n| <= 2**48, so a product or sum of up
 # to 64 of them, times an itemsize, is checked by the pool long before int64 overflows.
 MAX_EXTENT = 1 << 48
@@ -41,8 +90,6 @@ MAX_EXTENT = 1 << 48
 MAX_NUMEL = 1 << 48
 # Index/shape-like integer fields bounded by MAX_EXTENT.
 EXTENT_FIELDS = DIM_FIELDS | frozenset({"storage_offset", "start", "length", "index", "offset"})
-# Tensors one view op (split, chunk, unbind) may return: counted before any is built.
-MAX_VIEW_RESULTS = 65536
 # Elements one op may read or write (fill_, copy_, setitem, clone, contiguous, to, cat,
 # stack, repeat, reshape's copy, download, arange, full): an expanded view names 2**48 elements over one,
 # and a kernel over all of them would run for hours.  `tensord serve --max-op-elements`.
@@ -59,12 +106,12 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
     if seen is None:
         seen = [0]
     for field, value in message.ListFields():
-        kind, list_limit = _field_plan(field)
+        kind, list_limit, limit_name = _field_plan(field)
         if field.is_repeated:
             if len(value) > list_limit:
                 raise InvalidArgumentError(
                     f"{message.DESCRIPTOR.name}.{field.name} has {len(value)} items; "
-                    f"the limit is {list_limit}"
+                    f"the limit is {list_limit} (limits.{limit_name})"
                 )
             seen[0] += len(value)
             if seen[0] > MAX_REQUEST_ITEMS:
@@ -91,10 +138,7 @@ def check_batch_request(message: Message) -> None:
     ``x[i]`` (a view indexing one int, what clients queue most) bounded field by field, not
     walked: its handle and result ids (strings) and its two lists (an int item is unbounded)."""
     ops = message.ops
-    if len(ops) > MAX_LIST_LEN:
-        raise InvalidArgumentError(
-            f"BatchRequest.ops has {len(ops)} items; the limit is {MAX_LIST_LEN}"
-        )
+    check_batch_ops(len(ops))
     seen = [len(ops)]
     for op in ops:
         if not _checked_int_index_view(op, seen):
@@ -115,9 +159,10 @@ def _checked_int_index_view(op: Message, seen: list[int]) -> bool:
         return False
     _check_short_string(view, "handle", view.handle)
     results = op.results
-    if len(results) > MAX_LIST_LEN:
+    if len(results) > MAX_VIEW_RESULTS:
         raise InvalidArgumentError(
-            f"BatchOp.results has {len(results)} items; the limit is {MAX_LIST_LEN}"
+            f"BatchOp.results has {len(results)} items; the limit is {MAX_VIEW_RESULTS} "
+            "(limits.MAX_VIEW_RESULTS)"
         )
     seen[0] += 1 + len(results)
     if seen[0] > MAX_REQUEST_ITEMS:
@@ -140,30 +185,37 @@ def _check_short_string(message: Message, name: str, value: str) -> None:
 # What check_request bounds in a field's values, decided once per field of the schema
 # (the walk runs over every op of every Batch: no per-value type tests on the hot path).
 _MESSAGE, _STRING, _EXTENT, _UNBOUNDED = "message", "string", "extent", "unbounded"
+_PAGE_TOKEN = "page token"
 _INT_TYPES = frozenset(
     {d.FieldDescriptor.CPPTYPE_INT32, d.FieldDescriptor.CPPTYPE_INT64}
     | {d.FieldDescriptor.CPPTYPE_UINT32, d.FieldDescriptor.CPPTYPE_UINT64}
     | {d.FieldDescriptor.CPPTYPE_ENUM}
 )
-_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int]] = {}
+_FIELD_PLANS: dict[d.FieldDescriptor, tuple[str, int, str]] = {}
 _SHAPED: dict[d.Descriptor, bool] = {}
 # A str of at most this many characters is at most MAX_STRING_BYTES in UTF-8.
 _SHORT_STRING = MAX_STRING_BYTES // 4
 
 
-def _field_plan(field: d.FieldDescriptor) -> tuple[str, int]:
+def list_limit(field: d.FieldDescriptor) -> tuple[int, str]:
+    """The most items a request's repeated ``field`` may hold, and that limit's name
+    (protocol.LIST_LIMITS, the table the SDK reads)."""
+    return named_list_limit(field.containing_type.name, field.name)
+
+
+def _field_plan(field: d.FieldDescriptor) -> tuple[str, int, str]:
     plan = _FIELD_PLANS.get(field)
     if plan is None:
-        limit = MAX_DIMS if field.name in DIM_FIELDS else MAX_LIST_LEN
+        limit, name = list_limit(field)
         if field.cpp_type == d.FieldDescriptor.CPPTYPE_MESSAGE:
             kind = _MESSAGE
         elif field.type == d.FieldDescriptor.TYPE_STRING:
-            kind = _STRING
+            kind = _PAGE_TOKEN if field.name == PAGE_TOKEN_FIELD else _STRING
         elif field.cpp_type in _INT_TYPES and field.name in EXTENT_FIELDS:
             kind = _EXTENT
         else:
             kind = _UNBOUNDED
-        plan = _FIELD_PLANS[field] = (kind, limit)
+        plan = _FIELD_PLANS[field] = (kind, limit, name)
     return plan
 
 
@@ -192,6 +244,13 @@ def _check_value(
             raise InvalidArgumentError(
                 f"{message.DESCRIPTOR.name}.{field.name} is longer than {MAX_STRING_BYTES} bytes"
             )
+    elif kind is _PAGE_TOKEN:
+        assert isinstance(item, str)
+        if len(item.encode()) > MAX_PAGE_TOKEN_BYTES:
+            raise InvalidArgumentError(
+                f"{message.DESCRIPTOR.name}.{field.name} is longer than "
+                f"{MAX_PAGE_TOKEN_BYTES} bytes"
+            )
     elif abs(item) > MAX_EXTENT:  # type: ignore[arg-type]
         # a size torch cannot allocate is its RuntimeError; other fields stay ValueErrors
         error = TensordRuntimeError if field.name == "shape" else InvalidArgumentError
@@ -199,35 +258,6 @@ def _check_value(
 
 
 # -- what an op will produce, from the request and the input layout, before any work --------
-
-
-def view_result_count(layout: Layout, name: str, args: Sequence[object]) -> int | None:
-    """How many tensors ``split``/``chunk``/``unbind`` will return (mirrors their ATen
-    arithmetic); None for any other op, or for arguments the layout engine refuses
-    with torch's own error (it runs next and raises it)."""
-    if name not in ("split", "chunk", "unbind") or layout.ndim == 0:
-        return None
-    dim = args[-1] if len(args) == (1 if name == "unbind" else 2) else 0
-    try:
-        size = layout.shape[normalize_dim(dim, layout.ndim)]  # type: ignore[arg-type]
-    except (IndexError, TypeError):
-        return None
-    if name == "unbind":
-        return size
-    amount = args[0]
-    if name == "split" and not isinstance(amount, int):
-        return len(amount)  # type: ignore[arg-type]
-    if not isinstance(amount, int) or isinstance(amount, bool):
-        return None
-    if name == "chunk":
-        if amount <= 0:
-            return None
-        if size == 0:
-            return amount  # torch returns `chunks` empty tensors
-        amount = -(-size // amount)  # chunk is split by this size
-    if amount < 0 or (amount == 0 and size != 0):
-        return None
-    return max(-(-size // amount), 1) if amount else 1
 
 
 def index_result_ndim(ndim: int, index: object) -> int:
@@ -243,6 +273,30 @@ def check_view_results(count: int) -> None:
         raise InvalidArgumentError(
             f"this view op would return {count} tensors; the limit is {MAX_VIEW_RESULTS} "
             "(limits.MAX_VIEW_RESULTS)"
+        )
+
+
+def check_join_inputs(op: str, count: int) -> None:
+    """Refuse a cat or stack of more tensors than MAX_CAT_INPUTS, before any is looked up."""
+    if count > MAX_CAT_INPUTS:
+        raise InvalidArgumentError(
+            f"{op}(): expected at most {MAX_CAT_INPUTS} tensors, got {count} "
+            f"(limits.MAX_CAT_INPUTS); {op} them in groups"
+        )
+
+
+def check_batch_counts(results: int, released: int) -> None:
+    """Refuse a Batch whose views return more than MAX_BATCH_RESULTS tensors together, or
+    whose release ops name more than MAX_RELEASE_HANDLES handles together."""
+    if results > MAX_BATCH_RESULTS:
+        raise InvalidArgumentError(
+            f"a Batch whose views return {results} tensors exceeds the limit "
+            f"{MAX_BATCH_RESULTS} (limits.MAX_BATCH_RESULTS)"
+        )
+    if released > MAX_RELEASE_HANDLES:
+        raise InvalidArgumentError(
+            f"a Batch that releases {released} handles exceeds the limit "
+            f"{MAX_RELEASE_HANDLES} (limits.MAX_RELEASE_HANDLES)"
         )
 
 

@@ -31,6 +31,7 @@ of another tenant is NOT_FOUND, as if it did not exist.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -48,6 +49,7 @@ from tensord.errors import (
     ResourceExhaustedError,
 )
 
+from tensord_server.domain import paging
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.storage import RefCounts, StorageRegistry, TensorRef, check_in_bounds
 from tensord_server.pool import CountingLock
@@ -206,6 +208,28 @@ class HandleRun:
         return dropped
 
 
+class TenantNames:
+    """One tenant's named tensors.  Guarded by the session manager's table lock."""
+
+    __slots__ = ("order", "refs")
+
+    def __init__(self) -> None:
+        self.refs: dict[str, TensorRef] = {}  # name -> the tensor it keeps alive
+        # the same names, sorted (code points: UTF-8's byte order): a page is a bisect away
+        self.order: list[str] = []
+
+    def add(self, name: str, ref: TensorRef) -> None:
+        if name not in self.refs:
+            bisect.insort(self.order, name)
+        self.refs[name] = ref
+
+    def pop(self, name: str) -> TensorRef | None:
+        ref = self.refs.pop(name, None)
+        if ref is not None:
+            del self.order[bisect.bisect_left(self.order, name)]
+        return ref
+
+
 @dataclass(eq=False)
 class ShareToken:
     """A share token's state, guarded by the SessionManager's table lock."""
@@ -263,7 +287,7 @@ class SessionManager:
         self._lease_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._tokens: dict[str, ShareToken] = {}
-        self._names: dict[tuple[str, str], TensorRef] = {}  # (tenant, name) -> tensor
+        self._names: dict[str, TenantNames] = {}  # tenant -> its names (none: no entry)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         # called (without the lock) with each session that ended: closed, reaped or shut down
@@ -426,7 +450,8 @@ class SessionManager:
             ended = list(self._sessions.values())
             with self._lease_lock:
                 self._sessions.clear()
-            refs.extend(self._names.values())
+            for names in self._names.values():
+                refs.extend(names.refs.values())
             self._names.clear()
         self._decref_all(refs)
         self._notify_ended(ended)
@@ -622,25 +647,25 @@ class SessionManager:
             raise ValueError("a tensor name must not be empty")
         with self._lock, session.lock:
             ref = self._lookup(session, handle)
-            key = (session.tenant, name)
-            old = self._names.get(key)
+            names = self._names.get(session.tenant) or TenantNames()
+            old = names.refs.get(name)
             if old is not None and not overwrite:
                 raise AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
-            if old is None and self.max_names is not None:
-                held = sum(1 for owner, _ in self._names if owner == session.tenant)
-                if held >= self.max_names:
-                    raise ResourceExhaustedError(
-                        f"this tenant has {held} named tensors, the limit "
-                        f"(--max-names-per-tenant {self.max_names}); delete some first"
-                    )
+            if old is None and self.max_names is not None and len(names.refs) >= self.max_names:
+                raise ResourceExhaustedError(
+                    f"this tenant has {len(names.refs)} named tensors, the limit "
+                    f"(--max-names-per-tenant {self.max_names}); delete some first"
+                )
             self.storages.incref(ref.storage)
-            self._names[key] = ref
+            names.add(name, ref)
+            self._names[session.tenant] = names
         if old is not None:
             self.storages.decref(old.storage)
 
     def get_name(self, session: Session, name: str) -> tuple[str, TensorRef]:
         with self._lock:
-            ref = self._names.get((session.tenant, name))
+            names = self._names.get(session.tenant)
+            ref = names.refs.get(name) if names is not None else None
             if ref is None:
                 raise NotFoundError(f"no tensor named {name!r}")
             self.storages.incref(ref.storage)  # a hold for register()
@@ -651,7 +676,10 @@ class SessionManager:
 
     def delete_name(self, name: str, tenant: str = "") -> None:
         with self._lock:
-            ref = self._names.pop((tenant, name), None)
+            names = self._names.get(tenant)
+            ref = names.pop(name) if names is not None else None
+            if names is not None and not names.refs:
+                del self._names[tenant]
         if ref is None:
             raise NotFoundError(f"no tensor named {name!r}")
         self.storages.decref(ref.storage)
@@ -661,8 +689,29 @@ class SessionManager:
             return self._count_sessions(tenant)
 
     def names(self, tenant: str = "") -> list[str]:
+        """All of a tenant's names, sorted (in-process callers; the wire pages them)."""
         with self._lock:
-            return sorted(name for owner, name in self._names if owner == tenant)
+            names = self._names.get(tenant)
+            return list(names.order) if names is not None else []
+
+    def names_page(
+        self, tenant: str, after: str | None, limit: int, max_bytes: int
+    ) -> tuple[list[str], bool]:
+        """A tenant's names sorted after ``after`` (None: from the first), at most ``limit``
+        of them and at most ``max_bytes`` of UTF-8 plus paging.ITEM_FRAMING_BYTES each (at
+        least one name however long: one fits any page); and whether more follow."""
+        with self._lock:
+            names = self._names.get(tenant)
+            order = names.order if names is not None else []
+            start = 0 if after is None else bisect.bisect_right(order, after)
+            page: list[str] = []
+            used = 0
+            for name in order[start : start + limit]:
+                used += len(name.encode()) + paging.ITEM_FRAMING_BYTES
+                if used > max_bytes and page:
+                    break
+                page.append(name)
+            return page, start + len(page) < len(order)
 
     # -- internals (call with the table lock held, and the session's lock for its handles,
     #    except _decref_all) --------------------------------------------------------

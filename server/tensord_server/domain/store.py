@@ -14,7 +14,7 @@ made on that state, and the store's methods of the same names delegate to them:
 ``resizing.py``     resize_, set_ (a handle re-pointed in place, a Storage grown)
 ``transfers.py``    upload and download of raw bytes
 ``sharing.py``      share tokens and names
-``stats.py``        memory statistics, summary, snapshot, empty_cache
+``stats.py``        memory statistics, summary, snapshot (paged), empty_cache
 ==================  =================================================================
 
 The gRPC layer (:mod:`tensord_server.rpc.service`) only decodes requests into
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tensord_server.devices.table import Device, DeviceSpec, DeviceTable
-from tensord_server.domain import limits
+from tensord_server.domain import limits, paging
 from tensord_server.domain.admission import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
@@ -158,8 +158,12 @@ class TensorStore:
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
-        self.sharing = Sharing(self.sessions)
-        self.stats = Stats(self.devices, self.storages, self.sessions, lambda: self._exports)
+        # the listings' page tokens (names, snapshots): valid in this process only
+        self.page_tokens = paging.PageTokens()
+        self.sharing = Sharing(self.sessions, self.page_tokens)
+        self.stats = Stats(
+            self.devices, self.storages, self.sessions, lambda: self._exports, self.page_tokens
+        )
         # compaction after a free, off the freeing call (policies with a compact_threshold);
         # it steps aside while any request waits for a lock one of its moves takes
         self.compactor = BackgroundCompactor([d.pool for d in self.devices], self._contended)
@@ -348,6 +352,9 @@ class TensorStore:
     def get_name(self, session: Session, name: str) -> Issued:
         return self.sharing.get_name(session, name)
 
+    def list_names(self, tenant: str, page_size: int, page_token: str) -> tuple[list[str], str]:
+        return self.sharing.list_names(tenant, page_size, page_token)
+
     # -- the pool (stats.py) --------------------------------------------------
 
     def memory_stats(self, device: str, tenant: str = "") -> dict[str, int | float]:
@@ -358,6 +365,11 @@ class TensorStore:
 
     def memory_snapshot_json(self, device: str) -> bytes:
         return self.stats.memory_snapshot_json(device)
+
+    def memory_snapshot_page(
+        self, device: str, tenant: str, page_size: int, page_token: str
+    ) -> tuple[bytes, str]:
+        return self.stats.memory_snapshot_page(device, tenant, page_size, page_token)
 
     def empty_cache(self, device: str) -> int:
         return self.stats.empty_cache(device)

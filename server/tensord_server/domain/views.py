@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensord import dtypes
-from tensord.layout import Layout, check_view_dtype_bits, complex_view
+from tensord.layout import Layout, check_view_dtype_bits, complex_view, view_result_count
 
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.copies import reshape_copy
@@ -168,7 +168,7 @@ def check_view_cost(layout: Layout, op: ViewOp, check_room: Callable[[int], None
     tensors (split/chunk/unbind, against the limit and the session's room: ``check_room``)
     and the dims of an index (each None adds one; the rest is cheap and checked on issue).
     Returns that number of tensors (None: one, or an error the layout engine raises)."""
-    count = limits.view_result_count(layout, op.name, op.args)
+    count = view_result_count(layout, op.name, op.args)
     if count is not None:
         limits.check_view_results(count)
         check_room(count)

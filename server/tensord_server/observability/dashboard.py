@@ -14,19 +14,38 @@ With ``--auth-tokens`` the data routes (``/metrics``, ``/api/*``) need
 ``Authorization: Bearer TOKEN`` with the token of an operator tenant
 (``--operator-tenant``): they show every tenant's figures, which no ordinary
 tenant may see.  The page and its assets hold no data and need no token.
+
+Each connection has a thread of its own and one request (HTTP/1.0: no keep-alive), and
+what a caller can hold with it is bounded:
+
+- Connections served at once: ``MAX_CONNECTIONS`` (64) in all and
+  ``MAX_CONNECTIONS_PER_PEER`` (16) per peer address.  The accept loop closes one beyond
+  either at once, unanswered, before any thread or TLS work is spent on it.
+- The request (the TLS handshake, the request line and headers; only GET is served, so no
+  body is read) must be in within ``REQUEST_DEADLINE_S`` (10 s) of the accept, in all: each
+  wait for bytes gets only the time left, so a caller trickling a byte at a time gains
+  nothing.  The TLS handshake runs on the connection's thread, never the accept loop's,
+  within ``TLS_HANDSHAKE_TIMEOUT_S`` (5 s) of that.  A request longer than
+  ``MAX_REQUEST_BYTES`` (64 KiB) is closed unanswered.
+- The answer must be taken within ``ANSWER_TIMEOUT_S`` (10 s) of its first byte, in all.
+
+So one connection holds a thread for at most 20 s plus the time its answer takes to make,
+and a silent or slow caller delays no other connection's scrape.
 """
 
 from __future__ import annotations
 
 import collections
 import hmac
+import io
 import json
+import socket
 import ssl
 import threading
 import time
 from collections.abc import Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +54,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tensord_server.observability.metrics import observer_for, session_figures, tenants_of
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
     from tensord_server.domain.store import TensorStore
 
 # The dashboard's time series: one sample a second, the last ten minutes.
@@ -208,10 +229,7 @@ class HttpEndpoints:
         class Handler(_Handler):
             owner = endpoints
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        if ssl_context is not None:
-            self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True)
+        self._server = _BoundedHTTPServer((host, port), Handler, ssl_context)
         self.port = int(self._server.server_address[1])
         self._threads: list[threading.Thread] = []
 
@@ -242,15 +260,165 @@ class HttpEndpoints:
             thread.join(timeout=5)
 
 
-# A connection that sends no complete request line or header within this many seconds is
-# closed: each connection holds a thread, so an idle one must not hold it for ever.
-IDLE_TIMEOUT_S = 10.0
+# Connections served at once (a thread each), in all and per peer address: the accept loop
+# closes one beyond either at once, so callers that hold connections open cannot take every
+# thread, and one address cannot take them all from the others.
+MAX_CONNECTIONS = 64
+MAX_CONNECTIONS_PER_PEER = 16
+# A request (TLS handshake, request line, headers) must be in this soon after its accept, in
+# all: a per-recv timeout would let a caller that trickles a byte now and then keep it for ever.
+REQUEST_DEADLINE_S = 10.0
+# The TLS handshake's share of that deadline at most (it runs on the connection's thread).
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
+# Bytes read of one request at most: http.server alone allows 100 header lines of 64 KiB.
+MAX_REQUEST_BYTES = 64 * 1024
+# The answer must be taken this soon after its first byte, in all (a reader that takes a byte
+# now and then would otherwise hold the thread for as long as the answer is long).
+ANSWER_TIMEOUT_S = 10.0
+
+
+def _time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the connection's deadline passed")
+    return left
+
+
+class _RequestTooLarge(OSError):
+    """A request past MAX_REQUEST_BYTES: its connection is closed unanswered."""
+
+
+class _RequestReader(io.RawIOBase):
+    """A connection's request bytes: every wait gets only the time left before the request's
+    deadline, and no more than MAX_REQUEST_BYTES are read in all."""
+
+    def __init__(self, connection: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._connection = connection
+        self._deadline = deadline
+        self._bytes_left = MAX_REQUEST_BYTES
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        if self._bytes_left <= 0:
+            raise _RequestTooLarge(f"a request of more than {MAX_REQUEST_BYTES} bytes")
+        with memoryview(buffer) as view:
+            self._connection.settimeout(_time_left(self._deadline))
+            got = self._connection.recv_into(view, min(view.nbytes, self._bytes_left))
+        self._bytes_left -= got
+        return got
+
+
+class _AnswerWriter(io.RawIOBase):
+    """A connection's answer: written within ANSWER_TIMEOUT_S of its first byte, in all."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        super().__init__()
+        self._connection = connection
+        self._deadline: float | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: ReadableBuffer) -> int:
+        if self._deadline is None:
+            self._deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        with memoryview(data) as view, view.cast("B") as octets:
+            sent = 0
+            while sent < len(octets):
+                self._connection.settimeout(_time_left(self._deadline))
+                sent += self._connection.send(octets[sent:])
+        return sent
+
+
+class _BoundedHTTPServer(HTTPServer):
+    """An HTTP server with a thread per connection, at most MAX_CONNECTIONS of them (and
+    MAX_CONNECTIONS_PER_PEER per peer address), each connection's TLS handshake on its thread."""
+
+    # connections the kernel queues for the accept loop (socketserver's 5 dropped a burst's
+    # SYNs, a scrape among them waiting a second for its retry)
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[_Handler],
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(address, handler)
+        self.handler = handler
+        self.ssl_context = ssl_context
+        self._lock = threading.Lock()
+        self._open = 0  # connections being served; guarded by _lock, as _open_of
+        self._open_of: dict[str, int] = {}  # peer address -> its connections being served
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """The accept loop's part: count the connection in, or close it at once."""
+        peer = str(client_address[0])
+        with self._lock:
+            refused = (
+                self._open >= MAX_CONNECTIONS
+                or self._open_of.get(peer, 0) >= MAX_CONNECTIONS_PER_PEER
+            )
+            if not refused:
+                self._open += 1
+                self._open_of[peer] = self._open_of.get(peer, 0) + 1
+        if refused:
+            self.shutdown_request(request)
+            return
+        deadline = time.monotonic() + REQUEST_DEADLINE_S
+        try:
+            threading.Thread(
+                target=self._serve_connection,
+                args=(request, client_address, peer, deadline),
+                name=f"tensord-http-connection:{self.server_address[1]}",
+                daemon=True,
+            ).start()
+        except BaseException:
+            self._count_out(peer)  # the accept loop closes the connection
+            raise
+
+    def _serve_connection(
+        self, connection: Any, client_address: Any, peer: str, deadline: float
+    ) -> None:
+        try:
+            if self.ssl_context is not None:
+                connection.settimeout(min(TLS_HANDSHAKE_TIMEOUT_S, _time_left(deadline)))
+                connection = self.ssl_context.wrap_socket(connection, server_side=True)
+            self.handler(connection, client_address, self, deadline)
+        except OSError:
+            pass  # gone, silent past its deadline, too long, or no TLS: nothing to answer
+        except Exception:
+            self.handle_error(connection, client_address)
+        finally:
+            self.shutdown_request(connection)
+            self._count_out(peer)
+
+    def _count_out(self, peer: str) -> None:
+        with self._lock:
+            self._open -= 1
+            self._open_of[peer] -= 1
+            if not self._open_of[peer]:
+                del self._open_of[peer]
 
 
 class _Handler(BaseHTTPRequestHandler):
     owner: HttpEndpoints
     server_version = "tensord"
-    timeout = IDLE_TIMEOUT_S  # socketserver sets it on the connection before reading
+
+    def __init__(
+        self, request: Any, client_address: Any, server: _BoundedHTTPServer, deadline: float
+    ) -> None:
+        self.deadline = deadline
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        # in place of StreamRequestHandler's, whose timeout would apply to each recv afresh
+        self.connection = self.request
+        self.rfile = io.BufferedReader(_RequestReader(self.connection, self.deadline))
+        self.wfile = io.BufferedWriter(_AnswerWriter(self.connection))
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # the gRPC access log is the server's; scrapes every few seconds are noise

@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError, ResourceExhaustedError
 
@@ -119,12 +119,22 @@ from tensord_server.pool.stats import (
     format_summary,
     increase,
     segment_info,
+    segment_part_info,
     stat_items,
 )
 
 log = logging.getLogger(__name__)
 
 TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
+
+
+class SegmentsPart(NamedTuple):
+    """A run of a snapshot's segments, by address (CachingPool.snapshot_segments)."""
+
+    segments: list[dict[str, Any]]  # segment_info dicts; the first and last may be partial
+    last_complete: bool  # the last holds all its blocks after the place asked for
+    more: bool  # segments (or blocks of the last) follow
+
 
 # policy decommit_threshold: free blocks looked at per free, the largest first (the walk
 # runs under the lock on every free above the threshold)
@@ -219,6 +229,7 @@ class CachingPool:
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
         )
+        self._trace_recorded = 0  # entries ever appended: the next entry's sequence number
 
     # -- public API ---------------------------------------------------------
 
@@ -456,21 +467,75 @@ class CachingPool:
             ]
             total_active = sum(info["active_size"] for info in segments)
             self._record("snapshot", 0, total_active, 0)
-            unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE
             return {
                 "segments": segments,
                 "device_traces": [list(self._trace) if self._trace is not None else []],
-                "allocator_settings": {
-                    "PYTORCH_CUDA_ALLOC_CONF": "",
-                    "max_split_size": -1 if unlimited else self.max_split_size,
-                    "garbage_collection_threshold": 0.0,
-                    "expandable_segments": False,
-                    "pinned_num_register_threads": 1,
-                    "release_lock_on_cudamalloc": False,
-                    "pinned_use_cuda_host_register": False,
-                    "roundup_power2_divisions": {},
-                },
+                "allocator_settings": self._allocator_settings(),
             }
+
+    # memory_snapshot a piece at a time, for answers of bounded size: begin, then segments
+    # after a place, then trace entries up to the end begin gave
+
+    def snapshot_begin(self) -> tuple[dict[str, Any], int]:
+        """Start a paged snapshot: record its trace entry (as memory_snapshot does); the
+        allocator settings, and the sequence number that ends this snapshot's trace."""
+        with self._lock:
+            self._record("snapshot", 0, self._stats.allocated_bytes[ALL].current, 0)
+            return self._allocator_settings(), self._trace_recorded
+
+    def snapshot_segments(
+        self, after: int, after_block: int | None, max_segments: int, max_blocks: int
+    ) -> SegmentsPart:
+        """segment_info of the segments after the place (``after``, ``after_block``), by
+        address: with ``after_block`` None the segments above ``after``; else first the blocks
+        of the segment at ``after`` above ``after_block`` (if it still exists).  At most
+        ``max_segments`` segments and ``max_blocks`` blocks together (at least one block)."""
+        with self._lock:
+            index = device_index(self.device)
+            addresses = sorted(self._segments)
+            start = bisect.bisect_left(addresses, after)
+            if after_block is None or start == len(addresses) or addresses[start] != after:
+                start = bisect.bisect_right(addresses, after)
+                after_block = None
+            segments: list[dict[str, Any]] = []
+            complete = True
+            left = max(max_blocks, 1)
+            for address in addresses[start : start + max_segments]:
+                first = after_block if not segments and after_block is not None else -1
+                info, complete = segment_part_info(self._segments[address], index, first, left)
+                segments.append(info)
+                left -= len(info["blocks"])
+                if not complete or left <= 0:
+                    break
+            more = not complete or start + len(segments) < len(addresses)
+            return SegmentsPart(segments, complete, more)
+
+    def trace_entries(self, start: int, end: int, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """The trace entries of sequence numbers ``start`` up to ``end`` (from the oldest still
+        held, when the ring buffer dropped some), at most ``limit``: the first one's number
+        and the entries."""
+        with self._lock:
+            trace = self._trace
+            if trace is None:
+                return end, []
+            oldest = self._trace_recorded - len(trace)
+            first = max(start, oldest)
+            count = max(min(end - first, limit), 0)
+            offset = first - oldest
+            return first, [trace[offset + i] for i in range(count)]
+
+    def _allocator_settings(self) -> dict[str, Any]:
+        unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE
+        return {
+            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "max_split_size": -1 if unlimited else self.max_split_size,
+            "garbage_collection_threshold": 0.0,
+            "expandable_segments": False,
+            "pinned_num_register_threads": 1,
+            "release_lock_on_cudamalloc": False,
+            "pinned_use_cuda_host_register": False,
+            "roundup_power2_divisions": {},
+        }
 
     def assert_invariants(self) -> None:
         """Check every invariant written beside the fields; raise AssertionError naming the first broken."""
@@ -1353,6 +1418,7 @@ class CachingPool:
         if self._trace is None:
             return
         address_key = "device_free" if action == "oom" else "addr"
+        self._trace_recorded += 1
         self._trace.append(
             {
                 "action": action,

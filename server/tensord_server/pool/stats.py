@@ -143,22 +143,36 @@ def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
 
 def segment_info(segment: Segment, device: int) -> dict[str, Any]:
     """One segment of _snapshot(), as torch's _memory_snapshot_pickled writes it."""
+    return segment_part_info(segment, device)[0]
+
+
+def segment_part_info(
+    segment: Segment, device: int, after_block: int = -1, max_blocks: int | None = None
+) -> tuple[dict[str, Any], bool]:
+    """segment_info holding only the blocks after address ``after_block``, at most
+    ``max_blocks`` of them (a page of a snapshot; the header is the whole segment's), and
+    whether those are all its blocks after that address."""
     blocks: list[dict[str, Any]] = []
     allocated_size = requested_size = 0
+    complete = True
     for block in segment.blocks():
-        blocks.append(
-            {
-                "address": block.address,
-                "size": block.size,
-                "requested_size": block.requested_size,
-                "state": "active_allocated" if block.allocated else "inactive",
-                "frames": [],
-            }
-        )
+        if block.address > after_block:
+            if max_blocks is not None and len(blocks) >= max_blocks:
+                complete = False
+            else:
+                blocks.append(
+                    {
+                        "address": block.address,
+                        "size": block.size,
+                        "requested_size": block.requested_size,
+                        "state": "active_allocated" if block.allocated else "inactive",
+                        "frames": [],
+                    }
+                )
         if block.allocated:
             allocated_size += block.size
             requested_size += block.requested_size
-    return {
+    info = {
         "device": device,
         "address": segment.address,
         "total_size": segment.size,
@@ -172,6 +186,7 @@ def segment_info(segment: Segment, device: int) -> dict[str, Any]:
         "frames": [],
         "blocks": blocks,
     }
+    return info, complete
 
 
 def _format_size_cell(size: int, preferred: float) -> str:

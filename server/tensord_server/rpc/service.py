@@ -383,7 +383,8 @@ class TensordService:
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
         session = self._session(context)
-        return pb.ListNamesResponse(names=self.store.sessions.names(session.tenant))
+        names, token = self.store.list_names(session.tenant, request.page_size, request.page_token)
+        return pb.ListNamesResponse(names=names, next_page_token=token)
 
     # -- the pool -------------------------------------------------------------------
 
@@ -402,11 +403,14 @@ class TensordService:
         return pb.MemorySummaryResponse(summary=self.store.memory_summary(request.device))
 
     @_unary
-    def MemorySnapshot(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySnapshotResponse:
-        self._session(context)
-        return pb.MemorySnapshotResponse(
-            snapshot_json=self.store.memory_snapshot_json(request.device)
+    def MemorySnapshot(
+        self, request: pb.MemorySnapshotRequest, context: Any
+    ) -> pb.MemorySnapshotResponse:
+        session = self._session(context)
+        data, token = self.store.memory_snapshot_page(
+            request.device, session.tenant, request.page_size, request.page_token
         )
+        return pb.MemorySnapshotResponse(snapshot_json=data, next_page_token=token)
 
     @_unary
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:

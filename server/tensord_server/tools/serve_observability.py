@@ -5,7 +5,10 @@ means 127.0.0.1:PORT; the same address for both serves both from one port).
 The rules follow the gRPC port's: a non-loopback address needs --auth-tokens
 (or --insecure-allow-remote); with --auth-tokens the data routes need an
 operator tenant's token (--operator-tenant, required then); with --tls-cert
-the endpoints serve HTTPS with the same certificate.
+the endpoints serve HTTPS with the same certificate, each connection's handshake on
+its own thread.  What one caller can hold of them is bounded (a few connections per
+peer address, each for one request that must arrive within 10 s): the limits are
+named and explained in ``observability/dashboard.py``'s docstring.
 """
 
 from __future__ import annotations

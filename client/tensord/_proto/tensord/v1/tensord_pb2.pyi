@@ -585,14 +585,20 @@ class DeleteNameResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListNamesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListNamesResponse(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "next_page_token")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeviceRequest(_message.Message):
     __slots__ = ("device",)
@@ -628,11 +634,23 @@ class MemorySummaryResponse(_message.Message):
     summary: str
     def __init__(self, summary: _Optional[str] = ...) -> None: ...
 
+class MemorySnapshotRequest(_message.Message):
+    __slots__ = ("device", "page_size", "page_token")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    page_size: int
+    page_token: str
+    def __init__(self, device: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
 class MemorySnapshotResponse(_message.Message):
-    __slots__ = ("snapshot_json",)
+    __slots__ = ("snapshot_json", "next_page_token")
     SNAPSHOT_JSON_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     snapshot_json: bytes
-    def __init__(self, snapshot_json: _Optional[bytes] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, snapshot_json: _Optional[bytes] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class EmptyCacheResponse(_message.Message):
     __slots__ = ("released_bytes",)

@@ -191,7 +191,7 @@ class TensordStub:
                 _registered_method=True)
         self.MemorySnapshot = channel.unary_unary(
                 '/tensord.v1.Tensord/MemorySnapshot',
-                request_serializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.MemorySnapshotRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.MemorySnapshotResponse.FromString,
                 _registered_method=True)
         self.EmptyCache = channel.unary_unary(
@@ -438,7 +438,8 @@ class TensordServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListNames(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's tenant's names in sorted order, a page at a time (see ListNamesRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -457,7 +458,9 @@ class TensordServicer:
         raise NotImplementedError('Method not implemented!')
 
     def MemorySnapshot(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A page of the pool's snapshot (see MemorySnapshotRequest); a DeviceRequest is its wire
+        prefix, so a client that sends one gets the first page.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -706,7 +709,7 @@ def add_TensordServicer_to_server(servicer, server):
             ),
             'MemorySnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.MemorySnapshot,
-                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.FromString,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.MemorySnapshotRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.MemorySnapshotResponse.SerializeToString,
             ),
             'EmptyCache': grpc.unary_unary_rpc_method_handler(
@@ -1617,7 +1620,7 @@ class Tensord:
             request,
             target,
             '/tensord.v1.Tensord/MemorySnapshot',
-            tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.MemorySnapshotRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.MemorySnapshotResponse.FromString,
             options,
             channel_credentials,
