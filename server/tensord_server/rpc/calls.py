@@ -7,8 +7,8 @@
    before the request is read; unary clients send the same bytes either way.
 2. **Read** the request with a deadline (``--stream-idle-timeout``), at most
    ``READS_PER_KEY`` reads in progress per key; refuse it if it is longer than its
-   method's receive limit (:data:`RECEIVE_LIMITS`: control calls a few MiB, a Batch or an
-   index by their item limits, an upload chunk by the largest chunk), then reserve its bytes
+   method's receive limit (:data:`RECEIVE_LIMITS`: any call 4 MiB, an upload chunk the
+   largest chunk, liveness calls 64 KiB), then reserve its bytes
    in the :class:`~tensord_server.rpc.executor.RequestBudget` until the call ends.
 3. **Queue** its work on the :class:`~tensord_server.rpc.executor.FairExecutor`: calls of
    one key (the tenant; without tenants, the connection) take turns with every other key's.
@@ -66,18 +66,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A control call's request: a few MiB hold any shape, index or list the limits allow.
+# A call's request: a few MiB hold any request the list and string limits allow (a Batch of
+# MAX_BATCH_OPS ops, an index of MAX_REQUEST_ITEMS items).
 CONTROL_REQUEST_BYTES = 4 << 20
 # A liveness call's request (a beat, a client name and a session id).
 LIVENESS_REQUEST_BYTES = 64 << 10
-# Requests whose lists may reach limits.MAX_REQUEST_ITEMS items (10 bytes a varint at most).
-LIST_REQUEST_BYTES = 16 << 20
 RECEIVE_LIMITS: dict[str, int] = collections.defaultdict(
     lambda: CONTROL_REQUEST_BYTES,
     {
-        "Batch": LIST_REQUEST_BYTES,
-        "AdvancedIndex": LIST_REQUEST_BYTES,
-        "AdvancedSetItem": LIST_REQUEST_BYTES,
         "Upload": MAX_CHUNK_BYTES,
         "Heartbeat": LIVENESS_REQUEST_BYTES,
         "KeepAlive": LIVENESS_REQUEST_BYTES,
@@ -88,7 +84,7 @@ RECEIVE_LIMITS: dict[str, int] = collections.defaultdict(
 )
 # gRPC's own per-message limit on the server: the largest of the above (anything longer is
 # refused by gRPC core before Python sees a byte of it).
-MAX_RECEIVE_BYTES = max(CONTROL_REQUEST_BYTES, LIST_REQUEST_BYTES, MAX_CHUNK_BYTES)
+MAX_RECEIVE_BYTES = max(CONTROL_REQUEST_BYTES, MAX_CHUNK_BYTES)
 # Calls that keep a client alive run on a pool of their own, never behind other work
 # (each only authenticates and takes the session table's lock: its cost is bounded).
 LIVENESS_METHODS = frozenset({"OpenSession", "Heartbeat", "CloseSession", "ServerInfo"})
