@@ -98,10 +98,10 @@ def test_a_tenant_holds_at_most_its_fair_share_of_streams() -> None:
     gate = CallGate(16, multi_tenant=True)
     assert (gate.max_streams, gate.max_streams_per_tenant) == (12, 6)
     for _ in range(6):
-        gate.open_stream(object(), "Upload", "alice")
+        gate.open_stream("Upload", "alice")
     with pytest.raises(tensord.errors.ResourceExhaustedError, match="--max-streams-per-tenant 6"):
-        gate.open_stream(object(), "Upload", "alice")
-    gate.open_stream(object(), "Download", "bob")  # another tenant still gets in
+        gate.open_stream("Upload", "alice")
+    gate.open_stream("Download", "bob")  # another tenant still gets in
     assert gate.open_streams("alice") == 6 and gate.open_streams() == 7
 
 

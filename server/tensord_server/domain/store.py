@@ -201,7 +201,6 @@ class TensorStore:
         """Stop the reaper and the compactor and release everything (after the gRPC server
         stopped)."""
         self.compactor.close()
-        self.gate.shutdown()
         self.sessions.shutdown()
         with self._exports_lock:
             if self._exports is not None:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -284,7 +284,6 @@ class Observer:
             ["reason"],
             registry=self.registry,
         )
-        self.interceptor = ObservingInterceptor(self)
         self._compactions_lock = threading.Lock()
         self._compactions_seen = {d.name: 0 for d in store.devices}
         # refusal lines per tenant: refused requests do not set the log's volume (log_budget.py)
@@ -413,95 +412,6 @@ class Observer:
                 )
 
 
-def _counted_requests(requests: Iterable[Any], count: Callable[[int], None]) -> Iterator[Any]:
-    for message in requests:
-        if isinstance(message, bytes):
-            count(len(message))
-        yield message
-
-
-class ObservingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Per RPC: a request counter and a latency histogram by method and status code, the bytes
-    Upload and Download carry, the access log and the event log."""
-
-    def __init__(self, observer: Observer) -> None:
-        self.observer = observer
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None  # an unknown method: gRPC answers UNIMPLEMENTED, no label is made
-        method = str(handler_call_details.method).rpartition("/")[2]
-        return self._wrap(handler, method)
-
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        observer = self.observer
-        if handler.request_streaming and handler.response_streaming:
-            inner, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            inner, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            inner, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            inner, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-
-        def requests_of(request: Any) -> Any:
-            if handler.request_streaming:
-                return _counted_requests(request, observer.uploaded.inc)
-            return request
-
-        if handler.response_streaming:
-
-            def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                started = time.perf_counter()
-                code = grpc.StatusCode.UNKNOWN
-                try:
-                    for message in inner(requests_of(request), context):
-                        if isinstance(message, bytes):
-                            observer.downloaded.inc(len(message))
-                        yield message
-                    code = context.code() or grpc.StatusCode.OK
-                except GeneratorExit:
-                    code = grpc.StatusCode.CANCELLED  # the client went away mid-stream
-                    raise
-                except BaseException:
-                    code = context.code() or grpc.StatusCode.UNKNOWN
-                    raise
-                finally:
-                    observer.finished(method, context, started, code)
-
-        else:
-
-            def behavior(request: Any, context: grpc.ServicerContext) -> Any:  # type: ignore[misc]
-                started = time.perf_counter()
-                try:
-                    response = inner(requests_of(request), context)
-                except BaseException:
-                    observer.finished(
-                        method, context, started, context.code() or grpc.StatusCode.UNKNOWN
-                    )
-                    raise
-                observer.finished(
-                    method, context, started, context.code() or grpc.StatusCode.OK, response
-                )
-                return response
-
-        # the thread pool a handler asked for (Heartbeat and OpenSession run on the liveness
-        # pool, never queued behind busy workers): grpc reads it from the outermost behavior
-        pool = getattr(inner, "experimental_thread_pool", None)
-        if pool is not None:
-            behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
-        return factory(
-            behavior,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
 _observers: weakref.WeakKeyDictionary[TensorStore, Observer] = weakref.WeakKeyDictionary()
 _observers_lock = threading.Lock()
 
@@ -513,8 +423,3 @@ def observer_for(store: TensorStore) -> Observer:
         if observer is None:
             observer = _observers[store] = Observer(store)
         return observer
-
-
-def interceptor_for(store: TensorStore) -> grpc.ServerInterceptor:
-    """The interceptor ``create_server`` registers: RPC metrics and logs of ``store``."""
-    return observer_for(store).interceptor

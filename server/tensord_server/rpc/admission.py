@@ -134,7 +134,7 @@ class OtherServicesInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         async def admitted(context: grpc.aio.ServicerContext) -> int:
             try:
                 tenant = self._tenant_of(context.invocation_metadata())
-                return gate.open_stream(context, method, tenant)
+                return gate.open_stream(method, tenant)
             except Exception as exc:
                 await abort(context, exc)
                 raise  # unreachable: abort raises

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -510,12 +511,16 @@ class Calls:
             if session is not None:
                 sessions.stream_closed(session)
 
-    def _admitted(self, call: Call, method: str, idle_timeout: float | None = 0.0) -> Any:
+    @contextlib.contextmanager
+    def _admitted(self, call: Call, method: str) -> Iterator[None]:
         """A stream's admission (refused at once over --max-streams or a tenant's share)."""
         gate = self.store.gate
-        stream_id = gate.open_stream(call, method, call.tenant or "", idle_timeout)
-        call.add_callback(functools.partial(gate.close_stream, stream_id))
-        return _ClosingStream(gate, stream_id)
+        stream_id = gate.open_stream(method, call.tenant or "")
+        call.add_callback(functools.partial(gate.close_stream, stream_id))  # idempotent
+        try:
+            yield
+        finally:
+            gate.close_stream(stream_id)
 
     # -- registration --------------------------------------------------------------------------
 
@@ -540,17 +545,6 @@ class Calls:
             )
             table[name] = factory(behavior, request_deserializer=None, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
-
-
-class _ClosingStream:
-    def __init__(self, gate: Any, stream_id: int) -> None:
-        self._gate, self._stream_id = gate, stream_id
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self._gate.close_stream(self._stream_id)
 
 
 class _Readers:
