@@ -378,3 +378,67 @@ def test_an_answer_held_after_its_call_ended_is_released_at_once() -> None:
     ran: list[int] = []
     call.add_callback(lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_downloads_a_tenant_never_reads_hold_their_stream_slots_and_small_chunks() -> None:
+    """Unread Downloads of 16 MiB chunks grew the server ~770 MB per round: the idle timeout
+    handed their slots back while gRPC still held the chunks written to them."""
+    running = start_server(
+        devices=("cpu=256MiB",),
+        auth_tokens=TOKENS,
+        stream_idle_timeout=0.5,
+        max_streams_per_tenant=2,
+    )
+    try:
+        with open_channel(running.address) as channel:
+            session = SessionStub(channel, "hoarder", token="tok-alice")
+            meta = session.upload(np.zeros(8 << 20, np.float32))  # 32 MiB
+            download = channel.unary_stream(
+                "/tensord.v1.Tensord/Download",
+                request_serializer=pb.DownloadRequest.SerializeToString,
+            )
+            request = pb.DownloadRequest(handle=meta.handle, chunk_bytes=16 << 20)
+            unread = [download(request, metadata=session.md, timeout=30) for _ in range(2)]
+            first = next(unread[0])
+            assert len(first) <= rpc_calls.MAX_DOWNLOAD_CHUNK_BYTES  # not the 16 MiB asked
+            time.sleep(1.5)  # past the idle timeout: their handlers ended
+            third = download(request, metadata=session.md, timeout=30)
+            with pytest.raises(grpc.RpcError) as info:
+                next(third)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            for call in unread:
+                call.cancel()  # gRPC ends the calls: their slots come back
+            assert wait_until(lambda: running.daemon.gate.open_streams() == 0, 10)
+            assert len(next(download(request, metadata=session.md, timeout=30))) > 0
+            session.close()
+    finally:
+        running.stop()
+
+
+def test_the_health_check_answers_without_a_token_and_reads_a_bounded_body(auth_server) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with open_channel(auth_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tensord.v1.Tensord"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        with pytest.raises(grpc.RpcError) as info:
+            check(b"\x0a\x80\x80\x10" + bytes(1 << 18), timeout=10)  # a 256 KiB service name
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_stop_does_not_wait_its_grace_for_connected_clients() -> None:
+    """Every SDK client holds a KeepAlive stream: a stop ended them only at its grace."""
+    running = start_server(devices=("cpu=16MiB",))
+    client = tensord.connect(running.address)
+    client.arange(3)
+    started = time.monotonic()
+    running.grpc_server.stop(10.0).wait(30)
+    assert time.monotonic() - started < 5.0  # the grace is 10 s
+    running.daemon.close()
+    client.close()

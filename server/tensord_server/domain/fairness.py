@@ -25,6 +25,8 @@ from tensord.errors import ResourceExhaustedError
 
 Job = TypeVar("Job")
 
+# Workers one key holds at most while another key waits.
+MAX_SHARE = 4
 # Calls one key may have waiting for a worker (each holds its request's bytes meanwhile).
 DEFAULT_MAX_QUEUED_PER_KEY = 256
 # Calls waiting for a worker in all.
@@ -57,8 +59,9 @@ class FairQueue(Generic[Job]):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        # a fair share: half the workers (at least one) while another key waits
-        self.max_running_per_key = max_running_per_key or max(1, workers // 2)
+        # a fair share while another key waits: half the workers, at most MAX_SHARE (calls
+        # are Python: more threads of one key only take more of the GIL from the others)
+        self.max_running_per_key = max_running_per_key or max(1, min(workers // 2, MAX_SHARE))
         self.max_queued_per_key = max_queued_per_key
         self.max_queued = max_queued
         self.running = 0

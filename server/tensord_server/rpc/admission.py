@@ -32,6 +32,8 @@ def _service_of(method: str) -> str:
 
 # Calls of other services any caller may make, token or not: the unary health check.
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
+# Calls of other services that rpc.calls serves itself, under its own rules.
+OWN_READS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -87,7 +89,7 @@ class OtherServicesInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
     ) -> Any:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or _service_of(method) == self._own_service:
+        if handler is None or _service_of(method) == self._own_service or method in OWN_READS:
             return handler
         if not (handler.request_streaming or handler.response_streaming):
             return self._gated_unary(handler, method)

@@ -49,6 +49,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
 )
 from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
@@ -56,7 +57,7 @@ from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import MAX_CHUNK_BYTES
+from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message
@@ -90,10 +91,18 @@ MAX_RECEIVE_BYTES = max(CONTROL_REQUEST_BYTES, MAX_CHUNK_BYTES)
 # (each only authenticates and takes the session table's lock: its cost is bounded).
 LIVENESS_METHODS = frozenset({"OpenSession", "Heartbeat", "CloseSession", "ServerInfo"})
 LIVENESS_WORKERS = 2
+# Health Checks (which need no token) being read at once, in all; and how long one may take.
+UNAUTHENTICATED_READS = 8
+HEALTH_READ_TIMEOUT_S = 2.0
+HEALTH_SERVICE = "grpc.health.v1.Health"
 # Requests of one key being read at once (each may be at most its receive limit).
 READS_PER_KEY = 16
-# Answer bytes of one key gRPC has not delivered yet (a reader that does not read).
+# Answer bytes of one key gRPC has not delivered yet (a reader that does not read): unary
+# answers and Download chunks, counted until their call ends.
 MAX_UNDELIVERED_ANSWER_BYTES = 256 << 20
+# The largest Download chunk the server sends, whatever the client asks: gRPC takes a
+# written message whole, so a stream nobody reads holds about two of them.
+MAX_DOWNLOAD_CHUNK_BYTES = 1 << 20
 
 Metadatum = collections.namedtuple("Metadatum", "key value")
 
@@ -215,10 +224,22 @@ class Calls:
         self.budget = RequestBudget()
         self._reads: dict[Hashable, _Readers] = {}
         self._answers: dict[Hashable, int] = {}
+        # the KeepAlive streams' calls, ended first when the server stops
+        self._keepalives: set[grpc.aio.ServicerContext] = set()
+        # health Checks answer without a token: a few read at once, so their bodies (up to
+        # gRPC's message limit) cannot pile up in the server
+        self._unauthenticated_reads = asyncio.Semaphore(UNAUTHENTICATED_READS)
 
     def shutdown(self) -> None:
         self.work.shutdown()
         self.liveness.shutdown()
+
+    async def end_keepalives(self) -> None:
+        """End every KeepAlive stream with UNAVAILABLE (the server is stopping: an open
+        stream would hold the stop for its whole grace)."""
+        for context in list(self._keepalives):
+            with contextlib.suppress(Exception):  # abort raises once the status is sent
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
 
     # -- the steps every call takes ------------------------------------------------------
 
@@ -435,26 +456,33 @@ class Calls:
                 raise InvalidArgumentError("a Download call without its request message")
             describe = self.describe(call)
             timeout = self.store.gate.idle_timeout
-            with self._admitted(call, method.name):
-                request = decode_message(pb.DownloadRequest, raw)
-                chunks = await self.work.run(
-                    call.key,
-                    functools.partial(self.service.download_chunks, request, call),
-                    describe,
+            # the stream's slot is held until gRPC frees the stream, not until this handler
+            # ends: chunks written to a reader that does not read stay in gRPC meanwhile
+            self._admit_until_done(call, method.name)
+            request = decode_message(pb.DownloadRequest, raw)
+            request.chunk_bytes = min(request.chunk_bytes, MAX_DOWNLOAD_CHUNK_BYTES)
+            # gRPC holds the chunk being sent and the one written after it, until the call
+            # ends: counted as the stream's undelivered answer for its whole life
+            self.check_answers(call)
+            self.hold_answer(call, 2 * (request.chunk_bytes or DEFAULT_CHUNK_BYTES))
+            chunks = await self.work.run(
+                call.key,
+                functools.partial(self.service.download_chunks, request, call),
+                describe,
+            )
+            while True:
+                chunk = await self.work.run(
+                    call.key, functools.partial(next, chunks, None), describe
                 )
-                while True:
-                    chunk = await self.work.run(
-                        call.key, functools.partial(next, chunks, None), describe
-                    )
-                    if chunk is None:
-                        break
-                    self.observer.downloaded.inc(len(chunk))
-                    await within(
-                        context.write(chunk),
-                        timeout,
-                        f"Download idle for {timeout:g}s (the client neither sent nor read "
-                        f"anything; --stream-idle-timeout {timeout:g})",
-                    )
+                if chunk is None:
+                    break
+                self.observer.downloaded.inc(len(chunk))
+                await within(
+                    context.write(chunk),
+                    timeout,
+                    f"Download idle for {timeout:g}s (the client neither sent nor read "
+                    f"anything; --stream-idle-timeout {timeout:g})",
+                )
             call.ended(grpc.StatusCode.OK)
             self.observed(method.name, call, started)
         except asyncio.CancelledError:
@@ -480,6 +508,7 @@ class Calls:
         call: Call | None = None
         session = None
         sessions = self.store.sessions
+        self._keepalives.add(context)
         try:
             call = self.start(context)
             describe = self.describe(call)
@@ -505,11 +534,20 @@ class Calls:
             self.observed(method.name, call, started)
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AbortError:
+            raise  # ended by the server's stop (end_keepalives): its status is sent
         except Exception as exc:
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
+            self._keepalives.discard(context)
             if session is not None:
                 sessions.stream_closed(session)
+
+    def _admit_until_done(self, call: Call, method: str) -> None:
+        """A stream's admission, held until gRPC ends the call."""
+        gate = self.store.gate
+        stream_id = gate.open_stream(method, call.tenant or "")
+        call.add_callback(functools.partial(gate.close_stream, stream_id))
 
     @contextlib.contextmanager
     def _admitted(self, call: Call, method: str) -> Iterator[None]:
@@ -521,6 +559,66 @@ class Calls:
             yield
         finally:
             gate.close_stream(stream_id)
+
+    async def health_check(self, requests: Any, context: grpc.aio.ServicerContext) -> bytes:
+        """gRPC's health Check (no token needed): SERVING for "" and the Tensord service."""
+        from grpc_health.v1 import health_pb2
+
+        started = time.perf_counter()
+        try:
+            async with self._unauthenticated_reads:
+                raw = await within(
+                    context.read(),
+                    HEALTH_READ_TIMEOUT_S,
+                    f"no health Check request for {HEALTH_READ_TIMEOUT_S:g}s",
+                )
+            if raw is grpc.aio.EOF or len(raw) > LIVENESS_REQUEST_BYTES:
+                raise InvalidArgumentError(
+                    f"a health Check request is one message of at most {LIVENESS_REQUEST_BYTES} "
+                    "bytes"
+                )
+            request = decode_message(health_pb2.HealthCheckRequest, raw)
+            if request.service not in ("", SERVICE_NAME):
+                raise NotFoundError(f"unknown service {request.service!r}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, None, "Check", exc, started)
+            raise AssertionError("unreachable: abort raises") from None
+        checked = Call(context, None, None)
+        checked.ended(grpc.StatusCode.OK)
+        self.observed("Check", checked, started)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse(status=serving).SerializeToString()
+
+    async def health_watch(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        """gRPC's health Watch (a token needed, a stream admitted as any): SERVING, then
+        nothing until the server stops or the client goes."""
+        from grpc_health.v1 import health_pb2
+
+        started = time.perf_counter()
+        call: Call | None = None
+        self._keepalives.add(context)
+        try:
+            call = self.start(context)
+            with self._admitted(call, "Watch"):
+                raw = await self.read(context, call, _HEALTH_WATCH)
+                if raw is grpc.aio.EOF:
+                    raise InvalidArgumentError("a health Watch call without its request message")
+                request = decode_message(health_pb2.HealthCheckRequest, raw)
+                if request.service not in ("", SERVICE_NAME):
+                    raise NotFoundError(f"unknown service {request.service!r}")
+                serving = health_pb2.HealthCheckResponse.SERVING
+                await context.write(
+                    health_pb2.HealthCheckResponse(status=serving).SerializeToString()
+                )
+                await asyncio.Event().wait()  # the status never changes while serving
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await self._abort_observed(context, call, "Watch", exc, started)
+        finally:
+            self._keepalives.discard(context)
 
     # -- registration --------------------------------------------------------------------------
 
@@ -546,6 +644,19 @@ class Calls:
             table[name] = factory(behavior, request_deserializer=None, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
 
+    def health_handlers(self) -> grpc.GenericRpcHandler:
+        """gRPC's standard health service (grpc.health.v1), under the rules of the other
+        calls: Check needs no token and reads a bounded body, Watch needs a token."""
+        check = grpc.stream_unary_rpc_method_handler(
+            self.health_check, request_deserializer=None, response_serializer=None
+        )
+        watch = grpc.stream_stream_rpc_method_handler(
+            self.health_watch, request_deserializer=None, response_serializer=None
+        )
+        return grpc.method_handlers_generic_handler(
+            HEALTH_SERVICE, {"Check": check, "Watch": watch}
+        )
+
 
 class _Readers:
     """The reads of one key in progress, and how many coroutines wait for or hold a slot."""
@@ -555,3 +666,6 @@ class _Readers:
     def __init__(self, slots: int) -> None:
         self.slots = asyncio.Semaphore(slots)
         self.users = 0
+
+
+_HEALTH_WATCH = Method("Watch", Message, LIVENESS_REQUEST_BYTES, True)

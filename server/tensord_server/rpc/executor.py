@@ -7,9 +7,9 @@ calls take turns with every other key's).  A call that waits for a worker, for i
 or for its reader holds no thread, only a coroutine.
 
 :class:`RequestBudget` bounds the request bytes the server holds: a call reserves its
-method's receive limit before its request is read and gives it back when it ends, per key
-and in all, so a flood of large requests is refused (RESOURCE_EXHAUSTED) before gRPC is
-even asked to read them.
+request's bytes once read, until it ends, per key and in all, so a flood of large requests
+is refused (RESOURCE_EXHAUSTED) instead of queued (how many a key reads at once is bounded
+in :mod:`tensord_server.rpc.calls`).
 
 Both are used from the event loop's thread only (no locks); the pool's threads only run
 the functions handed to them.

@@ -46,6 +46,8 @@ KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 # A connection has this long to finish its (TLS) handshake.
 HANDSHAKE_TIMEOUT_MS = 10_000
+# Calls accepted by gRPC core and not yet taken by the event loop.
+MAX_PENDING_REQUESTS = 16384
 # Connections in all, at most (fewer where the descriptor limit is lower).
 MAX_CONNECTIONS = 4096
 
@@ -70,19 +72,20 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        # calls gRPC core queues before the event loop takes them: past this it CANCELs new
+        # calls, anyone's, so a burst of refused calls without a token cannot cost others
+        ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_REQUESTS),
     ]
 
 
-async def _add_health_and_reflection(server: grpc.aio.Server) -> None:
-    """Standard gRPC health checking (SERVING for "" and the service) and reflection."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+def _add_reflection(server: grpc.aio.Server) -> None:
+    """gRPC server reflection of the Tensord and health services (health itself is served by
+    rpc.calls, under the same rules as Tensord's calls)."""
+    from grpc_health.v1 import health, health_pb2  # noqa: F401 (its descriptors, for reflection)
     from grpc_reflection.v1alpha import reflection
 
     service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
-    servicer = health.aio.HealthServicer()
-    for name in ("", service_name):
-        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
@@ -119,7 +122,12 @@ class AsyncServer:
             if self._stopping:
                 return self._stopped
             self._stopping = True
-        stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+
+        async def stop() -> None:
+            await self.calls.end_keepalives()  # an open one would hold the whole grace
+            await self._server.stop(grace)
+
+        stopping = asyncio.run_coroutine_threadsafe(stop(), self._loop)
 
         def finish() -> None:
             try:
@@ -180,8 +188,8 @@ def create_server(
             ),
             options=server_options(),
         )
-        server.add_generic_rpc_handlers((calls.handlers(),))
-        await _add_health_and_reflection(server)
+        server.add_generic_rpc_handlers((calls.handlers(), calls.health_handlers()))
+        _add_reflection(server)
         if credentials is None:
             port = server.add_insecure_port(address)
         else:

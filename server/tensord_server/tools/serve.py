@@ -107,17 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-workers",
         type=int,
         default=DEFAULT_MAX_WORKERS,
-        help="gRPC worker threads: one per call in flight (an Upload, Download or KeepAlive "
-        "stream holds one while open) "
+        help="threads running calls' work, shared fairly between tenants (a call waiting for "
+        "its request, a worker or its reader holds none) "
         f"(default: {DEFAULT_MAX_WORKERS})",
     )
     parser.add_argument(
         "--max-streams",
         type=int,
         metavar="N",
-        help="workers that Upload, Download and KeepAlive streams may hold together; the rest "
-        "stay for unary calls such as Heartbeat; over it: RESOURCE_EXHAUSTED (default: "
-        "--max-workers less a quarter, at least 1 kept)",
+        help="Upload, Download, health Watch and reflection streams open together; over it: "
+        "RESOURCE_EXHAUSTED (default: --max-workers less a quarter, at least 1)",
     )
     parser.add_argument(
         "--max-streams-per-tenant",
