@@ -589,7 +589,8 @@ class Calls:
         checked.ended(grpc.StatusCode.OK)
         self.observed("Check", checked, started)
         serving = health_pb2.HealthCheckResponse.SERVING
-        return health_pb2.HealthCheckResponse(status=serving).SerializeToString()
+        answer: bytes = health_pb2.HealthCheckResponse(status=serving).SerializeToString()
+        return answer
 
     async def health_watch(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         """gRPC's health Watch (a token needed, a stream admitted as any): SERVING, then
