@@ -45,7 +45,9 @@ LEASE_S = 3.0
 GRACE_S = 1.0
 
 
-def start_server(tokens_file: Path, log: Any) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    tokens_file: Path, log: Any, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -66,6 +68,7 @@ def start_server(tokens_file: Path, log: Any) -> tuple[subprocess.Popen[bytes], 
             str(LEASE_S),
             "--session-grace",
             str(GRACE_S),
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=log,
@@ -242,7 +245,7 @@ def attack_unread(address: str, token: str, until: float) -> None:
 def attack_flood(address: str, token: str, until: float, threads: int = 8) -> None:
     """The heaviest calls the limits accept, from several threads, as fast as answered."""
     import tensord
-    from tensord.protocol import MAX_CAT_INPUTS
+    from tensord.protocol import MAX_CAT_INPUTS  # the most one Cat takes
 
     with tensord.connect(address, token=token, call_timeout=120.0) as client:
         parts = [client.zeros(1) for _ in range(64)]
@@ -260,6 +263,16 @@ def attack_flood(address: str, token: str, until: float, threads: int = 8) -> No
             worker.join()
 
 
+ATTACKS = {
+    "stall": attack_stall,
+    "oversize": attack_oversize,
+    "idle": attack_idle,
+    "unread": attack_unread,
+    "flood": attack_flood,
+}
+UNAUTHENTICATED = frozenset({"stall", "oversize", "idle"})
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 
@@ -271,6 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an argument for tensord serve (repeatable: --serve-arg=--gil-switch-interval "
+        "--serve-arg=0.005)",
+    )
+    parser.add_argument(
+        "--attacks",
+        default=",".join(ATTACKS),
+        help=f"which attackers run in the second phase (default: all of {','.join(ATTACKS)})",
+    )
     args = parser.parse_args(argv)
 
     tokens = {f"good{i}": secrets.token_urlsafe(16) for i in range(GOOD_TENANTS)}
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens_file.write_text("".join(f"{t} {name}\n" for name, t in tokens.items()))
         tokens_file.chmod(0o600)
         log = open(Path(folder) / "server.log", "wb")  # noqa: SIM115
-        server, address = start_server(tokens_file, log)
+        server, address = start_server(tokens_file, log, args.serve_arg)
         try:
             return run(args, server, address, tokens)
         finally:
@@ -320,12 +345,17 @@ def run(
     sampler.start()
     time.sleep(max(phases[0] - time.monotonic(), 0))
     until = phases[1]
+    chosen = args.attacks.split(",") if args.attacks else []
+    unknown = set(chosen) - set(ATTACKS)
+    if unknown:
+        raise SystemExit(f"unknown attacks {sorted(unknown)}; choose from {list(ATTACKS)}")
+    evil = tokens["evil"]
     attackers = [
-        ctx.Process(target=attack_stall, args=(address, until)),
-        ctx.Process(target=attack_oversize, args=(address, until)),
-        ctx.Process(target=attack_idle, args=(address, until)),
-        ctx.Process(target=attack_unread, args=(address, tokens["evil"], until)),
-        ctx.Process(target=attack_flood, args=(address, tokens["evil"], until)),
+        ctx.Process(
+            target=ATTACKS[name],
+            args=(address, until) if name in UNAUTHENTICATED else (address, evil, until),
+        )
+        for name in chosen
     ]
     for process in attackers:
         process.start()
