@@ -1,17 +1,148 @@
-"""What a new user reads when something is down or missing: a server that has gone away,
-a server that wants a token, and `tensord serve` flags that cannot work together."""
+"""What a new user reads when something is down or missing: no server at the address (or
+one that never answers), a server that has gone away, a server that wants a token, and
+`tensord serve` flags that cannot work together."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tensord
 from conftest import run_serve, start_serve_process, start_server
+from tensord import _rpc
 from tensord_server.tools.serve import max_streams_problem
+
+# Long enough that a wait for gRPC's retries would show in the text ("waited 20 s").
+UNHURRIED_TIMEOUT_S = 20.0
+
+
+@contextlib.contextmanager
+def bound_port() -> Iterator[int]:
+    """A loopback port bound but not listening: a connection to it is refused, and no other
+    socket can take the port meanwhile."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def test_a_refused_port_says_so_at_once_and_names_the_serve_command() -> None:
+    with bound_port() as port, pytest.raises(tensord.UnavailableError) as caught:
+        tensord.connect(f"127.0.0.1:{port}", timeout=UNHURRIED_TIMEOUT_S)
+    text = str(caught.value)
+    assert text.startswith(f"no tensord server answers at 127.0.0.1:{port} (connection refused")
+    assert "waited" not in text  # not gRPC's retries until the timeout
+    assert f"start one with `tensord serve --address 127.0.0.1:{port}`" in text
+
+
+def test_a_missing_unix_socket_says_so_at_once(tmp_path: Any) -> None:
+    address = f"unix:{tmp_path}/tensord.sock"
+    with pytest.raises(tensord.UnavailableError) as caught:
+        tensord.connect(address, timeout=UNHURRIED_TIMEOUT_S)
+    text = str(caught.value)
+    assert text.startswith(f"no tensord server answers at {address} (no such socket")
+    assert f"`tensord serve --address {address}`" in text
+
+
+def test_a_host_that_does_not_resolve_says_so_at_once() -> None:
+    with pytest.raises(tensord.UnavailableError) as caught:
+        tensord.connect("no-such-host.invalid:50051", timeout=UNHURRIED_TIMEOUT_S)
+    assert str(caught.value).startswith("cannot resolve the host 'no-such-host.invalid'")
+
+
+def test_a_remote_host_is_told_to_serve_on_it_with_tokens() -> None:
+    hint = _rpc._serve_hint("10.1.2.3:6000")
+    assert hint.startswith("start one on 10.1.2.3 with `tensord serve --address 0.0.0.0:6000 ")
+    assert "--auth-tokens FILE`" in hint  # serve refuses a remote address without them
+    assert _rpc._serve_hint(tensord.protocol.DEFAULT_ADDRESS).startswith(
+        "start one with `tensord serve` "
+    )
+
+
+def test_a_silent_address_fails_within_the_connect_timeout_and_says_why() -> None:
+    # A full accept queue drops new SYNs, as a firewall does: neither accepted nor refused.
+    with socket.socket() as listener, contextlib.ExitStack() as held:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        for _ in range(8):
+            filler = held.enter_context(socket.socket())
+            filler.settimeout(0.5)
+            try:
+                filler.connect(listener.getsockname())
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("this kernel accepted every connection: no silent address to test")
+        with pytest.raises(tensord.UnavailableError) as caught:
+            tensord.connect(f"127.0.0.1:{listener.getsockname()[1]}", timeout=1.0)
+    text = str(caught.value)
+    assert text.startswith("no tensord server answers at 127.0.0.1:")
+    assert "neither accepted nor refused in 1 s" in text
+
+
+def test_a_server_that_accepts_but_never_answers_is_not_called_missing() -> None:
+    with socket.socket() as hung:  # listening, never accepting: the kernel completes TCP
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
+        with pytest.raises(tensord.UnavailableError) as caught:
+            tensord.connect(address, timeout=1.0)
+    text = str(caught.value)
+    assert text.startswith(f"something at {address} accepted the connection but did not ")
+    assert "no tensord server" not in text
+    assert "hung or overloaded" in text
+    # the TLS hint is a whole call, not a dangling "root_certificates="
+    assert 'connect with tls=True, or root_certificates="ca.pem" for a private CA' in text
+
+
+@pytest.mark.parametrize(
+    ("url", "meant"),
+    [
+        ("http://127.0.0.1:50051", "'127.0.0.1:50051'"),
+        ("https://tensord.example:443/", "'tensord.example:443' and tls=True"),
+        ("http://localhost", "'localhost:50051'"),
+    ],
+)
+def test_a_url_is_refused_naming_the_address_to_pass(url: str, meant: str) -> None:
+    with pytest.raises(ValueError, match="not a URL") as caught:
+        tensord.connect(url, timeout=UNHURRIED_TIMEOUT_S)
+    assert f"pass {meant} " in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "dialled"),
+    [
+        ("localhost", "localhost:50051"),
+        ("10.0.0.7", "10.0.0.7:50051"),
+        ("::1", "[::1]:50051"),
+        ("[::1]", "[::1]:50051"),
+        ("dns:///tensord.example", "dns:///tensord.example:50051"),
+        ("dns:tensord.example", "dns:tensord.example:50051"),
+        ("tensord.example:6000", "tensord.example:6000"),
+        ("[::1]:6000", "[::1]:6000"),
+        ("unix:/run/tensord.sock", "unix:/run/tensord.sock"),
+    ],
+)
+def test_an_address_without_a_port_means_tensords_port_not_443(given: str, dialled: str) -> None:
+    assert _rpc.resolve_address(given) == dialled
+
+
+def test_a_host_without_a_port_connects_to_the_default_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = start_server()
+    try:
+        monkeypatch.setattr(_rpc, "DEFAULT_PORT", str(server.port))  # the tests' own port
+        monkeypatch.setenv("TENSORD_ADDRESS", "127.0.0.1")
+        with tensord.connect(timeout=UNHURRIED_TIMEOUT_S) as client:
+            assert client.address == f"127.0.0.1:{server.port}"
+            assert client.ones(2).tolist() == [1.0, 1.0]
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
