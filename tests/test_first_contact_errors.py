@@ -15,6 +15,8 @@ import pytest
 import tensord
 from conftest import run_serve, start_serve_process, start_server
 from tensord import _rpc
+from tensord_server import cli
+from tensord_server.rpc.server import create_server
 from tensord_server.tools.serve import max_streams_problem
 
 # Long enough that a wait for gRPC's retries would show in the text ("waited 20 s").
@@ -192,6 +194,38 @@ def test_serve_refuses_more_streams_than_the_workers_leave_naming_both_flags() -
     assert "--max-streams (5)" in result.stderr
     assert "--max-workers 4" in result.stderr
     assert "tensord listening" not in result.stdout
+
+
+def test_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out == f"tensord {tensord.__version__}\n"
+
+
+@contextlib.contextmanager
+def port_in_use() -> Iterator[int]:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        yield taken.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_says_address_already_in_use() -> None:
+    with port_in_use() as port:
+        result = run_serve("--address", f"127.0.0.1:{port}")
+    assert result.returncode == 2
+    assert f"tensord serve: cannot listen on 127.0.0.1:{port}: address already in use" in (
+        result.stderr
+    )
+    assert result.stderr.count("cannot listen on") == 1
+    assert "tensord listening" not in result.stdout
+
+
+def test_create_server_on_a_port_in_use_raises_address_already_in_use() -> None:
+    with port_in_use() as port, pytest.raises(OSError, match="address already in use") as caught:
+        create_server(f"127.0.0.1:{port}")
+    assert "choose another port (--address 127.0.0.1:PORT; port 0 " in str(caught.value)
 
 
 @pytest.mark.parametrize(
