@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,32 @@ def test_serve_refuses_more_streams_than_the_workers_leave_naming_both_flags() -
     assert "--max-streams (5)" in result.stderr
     assert "--max-workers 4" in result.stderr
     assert "tensord listening" not in result.stdout
+
+
+def test_tensord_aio_works_after_a_plain_import_tensord(server: Any) -> None:
+    script = (
+        "import asyncio, sys, tensord\n"
+        "assert 'tensord.aio' not in sys.modules  # imported on first use only\n"
+        "async def main():\n"
+        "    async with await tensord.aio.connect(sys.argv[1]) as client:\n"
+        "        x = await client.ones(2)\n"
+        "        print(await x.tolist())\n"
+        "asyncio.run(main())\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script, server.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip() == "[1.0, 1.0]"
+
+
+def test_any_other_missing_attribute_of_tensord_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="module 'tensord' has no attribute 'aoi'"):
+        tensord.aoi  # noqa: B018
 
 
 def test_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
