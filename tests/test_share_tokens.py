@@ -1,5 +1,6 @@
 """Share tokens have a lifetime: single use by default, uses=N or unlimited, an expiry,
-revocation; the default share -> attach -> drop pattern leaves nothing allocated."""
+revocation; the default share -> attach -> drop pattern leaves nothing allocated; an ended
+token says why to its own tenant, and stays unknown to any other."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import tensord
 from conftest import client_allocated
 from tensord.errors import NotFoundError, ResourceExhaustedError
+from tensord_server.domain import sessions
 
 MIB = 1 << 20
 
@@ -34,7 +36,7 @@ def test_a_token_is_single_use_by_default(server, client) -> None:
     token = x.share()
     with tensord.connect(server.address) as consumer:
         assert consumer.attach(token).tolist() == [0, 1, 2, 3]
-        with pytest.raises(NotFoundError, match="unknown share token"):
+        with pytest.raises(NotFoundError, match=r"already used \(its one attach\)"):
             consumer.attach(token)
 
 
@@ -104,3 +106,105 @@ def test_a_token_lives_at_most_max_share_ttl(make_server) -> None:
         assert client.attach(x.share(ttl=60.0)).tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="--max-share-ttl"):
         make_server(share_ttl=120.0, max_share_ttl=60.0)
+
+
+# ---- why an ended token no longer attaches ---------------------------------------------------
+
+TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
+
+
+def test_a_used_up_token_says_so_naming_its_uses(server, client) -> None:
+    x = client.arange(3)
+    once, twice = x.share(), x.share(uses=2)
+    with tensord.connect(server.address) as consumer:
+        consumer.attach(once)
+        consumer.attach(twice), consumer.attach(twice)
+        with pytest.raises(NotFoundError) as caught:
+            consumer.attach(once)
+        assert str(caught.value) == sessions.token_used_up(1)
+        with pytest.raises(NotFoundError, match=r"already used \(all 2 of its attaches\)"):
+            consumer.attach(twice)
+
+
+def test_an_expired_token_says_it_expired_before_and_after_the_reaper(
+    server, client, monkeypatch
+) -> None:
+    manager = server.daemon.sessions
+    token = client.arange(2).share(uses=None, ttl=1.0)
+    real_clock = manager._clock
+    monkeypatch.setattr(manager, "_clock", lambda: real_clock() + 2.0)  # past its expiry
+    with pytest.raises(NotFoundError) as caught:
+        client.attach(token)  # still in the table until the reaper drops it
+    assert str(caught.value) == sessions.TOKEN_EXPIRED
+    manager.reap()
+    with pytest.raises(NotFoundError) as caught:
+        client.attach(token)
+    assert str(caught.value) == sessions.TOKEN_EXPIRED
+
+
+def test_a_revoked_token_and_one_whose_session_ended_say_so(server, client) -> None:
+    token = client.arange(2).share(uses=None)
+    assert client.revoke(token) is True
+    with pytest.raises(NotFoundError) as caught:
+        client.attach(token)
+    assert str(caught.value) == sessions.TOKEN_REVOKED
+    with tensord.connect(server.address) as producer:
+        orphan = producer.arange(2).share()
+    with pytest.raises(NotFoundError) as caught:
+        client.attach(orphan)
+    assert str(caught.value) == sessions.TOKEN_SESSION_ENDED
+
+
+def test_a_made_up_token_is_unknown(client) -> None:
+    with pytest.raises(NotFoundError) as caught:
+        client.attach("A" * 22)
+    assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+
+
+def test_another_tenants_token_reads_as_unknown_live_or_ended(make_server) -> None:
+    server = make_server(auth_tokens=TOKENS)
+    alice = tensord.connect(server.address, token="tok-alice")
+    bob = tensord.connect(server.address, token="tok-bob")
+    try:
+        x = alice.arange(2)
+        live, used, revoked = x.share(), x.share(), x.share()
+        alice.attach(used)
+        alice.revoke(revoked)
+        for token in (live, used, revoked):
+            with pytest.raises(NotFoundError) as caught:
+                bob.attach(token)
+            assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+        with pytest.raises(NotFoundError, match="already used"):
+            alice.attach(used)  # its own tenant is told
+    finally:
+        alice.close()
+        bob.close()
+
+
+def test_ended_tokens_remembered_are_bounded(make_server, monkeypatch) -> None:
+    monkeypatch.setattr(sessions, "MAX_ENDED_TOKENS", 3)
+    server = make_server()
+    with tensord.connect(server.address) as client:
+        x = client.arange(1)
+        tokens = [x.share() for _ in range(5)]
+        for token in tokens:
+            client.attach(token)
+        assert len(server.daemon.sessions._ended_tokens) == 3
+        with pytest.raises(NotFoundError) as caught:
+            client.attach(tokens[0])  # the oldest is forgotten: unknown again
+        assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+        with pytest.raises(NotFoundError, match="already used"):
+            client.attach(tokens[-1])
+
+
+def test_ended_tokens_are_forgotten_after_their_memory_time(make_server, monkeypatch) -> None:
+    monkeypatch.setattr(sessions, "ENDED_TOKEN_MEMORY_S", 0.0)
+    server = make_server()
+    with tensord.connect(server.address) as client:
+        token = client.arange(1).share()
+        client.attach(token)
+        server.daemon.sessions.reap()
+        assert not server.daemon.sessions._ended_tokens
+        with pytest.raises(NotFoundError) as caught:
+            client.attach(token)
+        assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN

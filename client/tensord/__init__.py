@@ -1,5 +1,7 @@
 """tensord: tensors whose bytes live in a tensord server, used as if they were torch."""
 
+from typing import TYPE_CHECKING
+
 from tensord._functions import (  # torch's module forms of the view ops: tensord.narrow, ...
     adjoint,
     as_strided,
@@ -105,6 +107,20 @@ from tensord.protocol import VERSION
 from tensord.tensor import Device, Size, Tensor
 
 __version__ = VERSION
+
+if TYPE_CHECKING:
+    from tensord import aio as aio
+else:
+
+    def __getattr__(name: str) -> object:
+        # tensord.aio after a plain `import tensord`, imported (asyncio with it) on first use;
+        # hidden from type checkers, for which any other name stays an error
+        if name == "aio":
+            import importlib
+
+            return importlib.import_module("tensord.aio")
+        raise AttributeError(f"module 'tensord' has no attribute {name!r}")
+
 
 __all__ = [
     "AlreadyExistsError",

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import enum
 import functools
+import ipaddress
 import math
 import numbers
 import os
@@ -137,8 +138,148 @@ _ERROR_BY_NAME: dict[str, type[errors.TensordError]] = {
 
 
 def resolve_address(address: str | None) -> str:
-    """The address argument, else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051."""
-    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+    """The address argument, else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051, as gRPC dials
+    it (:func:`dial_address`)."""
+    return dial_address(address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS)
+
+
+# tensord's port: a host given without one means it (gRPC's own default port is 443)
+DEFAULT_PORT = DEFAULT_ADDRESS.rpartition(":")[2]
+# gRPC target schemes that name no host and port: left as they are
+_OTHER_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+_URL_SCHEMES = ("http://", "https://", "grpc://", "grpcs://")
+
+
+def _with_port(host_port: str) -> str:
+    if not host_port:
+        return host_port
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.ip_address(host_port)  # a bare IP: "::1" is all host, no port
+        return f"[{ip}]:{DEFAULT_PORT}" if ip.version == 6 else f"{ip}:{DEFAULT_PORT}"
+    if host_port.startswith("["):
+        return f"{host_port}:{DEFAULT_PORT}" if host_port.endswith("]") else host_port
+    return host_port if ":" in host_port else f"{host_port}:{DEFAULT_PORT}"
+
+
+def dial_address(address: str) -> str:
+    """``address`` with tensord's port where it names none (``myhost`` -> ``myhost:50051``).
+
+    A URL (``http://host:port``) is refused with the form to use: gRPC would read it as
+    a host named ``http`` and wait out the whole connect timeout."""
+    if address.lower().startswith(_URL_SCHEMES):
+        rest = address.split("://", 1)[1].rstrip("/")
+        tls = " and tls=True" if address.lower().startswith(("https://", "grpcs://")) else ""
+        raise ValueError(
+            f"a tensord address is HOST:PORT (or unix:PATH), not a URL: got {address!r}; "
+            f"pass {_with_port(rest)!r}{tls} (the gRPC port of `tensord serve`, default "
+            f"{DEFAULT_PORT}; not the dashboard's or the metrics' HTTP port)"
+        )
+    if address.startswith(_OTHER_SCHEMES):
+        return address
+    if address.startswith("dns:"):
+        rest = address.removeprefix("dns:")
+        if rest.startswith("//"):  # dns://[authority]/host:port
+            authority, _, rest = rest[2:].partition("/")
+            return f"dns://{authority}/{_with_port(rest)}"
+        return f"dns:{_with_port(rest)}"
+    return _with_port(address)
+
+
+# gRPC dials through a proxy these name; a direct probe would judge another path
+_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+
+
+def _host_and_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a dialled HOST:PORT or dns: address; None for any other."""
+    if address.startswith(_OTHER_SCHEMES):
+        return None
+    host_port = address.removeprefix("dns:")
+    if host_port.startswith("//"):  # dns://[authority]/host:port
+        host_port = host_port[2:].partition("/")[2]
+    host, _, port = host_port.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def _probe_target(address: str) -> str | tuple[str, int] | None:
+    """Where a plain socket reaches what gRPC dials for ``address``: a unix socket's path,
+    or (host, port); None where a socket cannot tell (other schemes, a proxy)."""
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:")
+        return "/" + path.lstrip("/") if path.startswith("//") else path
+    if address.startswith("unix-abstract:"):
+        return "\0" + address.removeprefix("unix-abstract:")
+    if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_VARIABLES):
+        return None
+    return _host_and_port(address)
+
+
+class _Probe(enum.Enum):
+    """What a plain socket connect where gRPC dials found (when it raised nothing)."""
+
+    ACCEPTED = "accepted"
+    SILENT = "silent"  # neither accepted nor refused in time: a host down, a firewall
+    UNTRIED = "untried"
+
+
+def _probe(address: str, timeout: float) -> _Probe:
+    """Connect a plain socket where gRPC would dial.  Refused, unresolvable or unreachable
+    raise UnavailableError at once, where gRPC would retry until the connect timeout; an
+    accepted connection is closed unused."""
+    target = _probe_target(address)
+    if target is None:
+        return _Probe.UNTRIED
+    try:
+        if isinstance(target, str):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                sock.connect(target)
+        else:
+            socket.create_connection(target, timeout=timeout).close()
+    except TimeoutError:
+        return _Probe.SILENT
+    except socket.gaierror as exc:
+        raise errors.UnavailableError(
+            f"cannot resolve the host {target[0]!r} of the tensord address {address}: "
+            f"{exc.strerror}; a tensord address is HOST:PORT (default {DEFAULT_ADDRESS})"
+        ) from None
+    except (ConnectionRefusedError, FileNotFoundError) as exc:
+        why = "connection refused" if isinstance(exc, ConnectionRefusedError) else "no such socket"
+        raise errors.UnavailableError(
+            f"no tensord server answers at {address} ({why}: nothing listens there); "
+            f"{_serve_hint(address)}"
+        ) from None
+    except OSError as exc:  # no route to the host, the network down
+        raise errors.UnavailableError(
+            f"no tensord server answers at {address} ({exc.strerror or exc}); "
+            f"check the address, or {_serve_hint(address)}"
+        ) from None
+    return _Probe.ACCEPTED
+
+
+def _serve_hint(address: str) -> str:
+    """How to start a server that ``address`` reaches, in `tensord serve`'s flags."""
+    if address == DEFAULT_ADDRESS:
+        return f"start one with `tensord serve` (it listens on {DEFAULT_ADDRESS})"
+    if address.startswith(("unix:", "unix-abstract:")):
+        return f"start one with `tensord serve --address {address}`"
+    host_port = _host_and_port(address)
+    if host_port is None:
+        return "start one with `tensord serve`, or pass the address of a running one"
+    host, port = host_port
+    try:
+        remote = not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        remote = host != "localhost"
+    if remote:  # serve refuses a non-loopback address without tokens
+        return (
+            f"start one on {host} with `tensord serve --address 0.0.0.0:{port} "
+            "--auth-tokens FILE`, or pass the address of a running one"
+        )
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"start one with `tensord serve --address {shown}`"
 
 
 def resolve_token(token: str | None) -> str | None:
@@ -741,27 +882,25 @@ class Connection:
         self._auth: tuple[tuple[str, str], ...] = (
             ((AUTHORIZATION_KEY, f"{BEARER}{token}"),) if token else ()
         )
+        # gRPC retries a refused connection until the timeout, and a server that never
+        # answers looks the same to it: a plain socket tells them apart first
+        probe = _probe(address, timeout)
+        if probe is _Probe.SILENT:
+            raise errors.UnavailableError(
+                f"no tensord server answers at {address}: the connection was neither "
+                f"accepted nor refused in {timeout:g} s (the host may be down, or a firewall "
+                f"drops it); check the address, or {_serve_hint(address)}"
+            )
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        left = max(connect_deadline - time.monotonic(), 0.001)
         try:
-            _off_main_thread(
-                lambda: grpc.channel_ready_future(self._channel).result(timeout=timeout)
-            )
+            _off_main_thread(lambda: grpc.channel_ready_future(self._channel).result(timeout=left))
         except grpc.FutureTimeoutError:
             _off_main_thread(self._channel.close)
-            # a failed TLS handshake looks the same as no server: say what to check
-            hint = (
-                "if it serves TLS, check that root_certificates sign its certificate and that "
-                "the certificate names this host"
-                if self.tls
-                else "if it serves TLS (--tls-cert), connect with tls=True or root_certificates="
-            )
-            raise errors.UnavailableError(
-                f"no tensord server answers at {address} (waited {timeout:g} s); "
-                f"start one with `tensord serve --address {address}`; {hint}"
-            ) from None
+            raise errors.UnavailableError(self._not_ready_message(probe, timeout)) from None
         self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
         self._upload = self._channel.stream_unary(
             _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
@@ -821,6 +960,30 @@ class Connection:
         )
         self._keepalive.start()
         self._flusher.start()
+
+    def _not_ready_message(self, probe: _Probe, timeout: float) -> str:
+        """Why the channel was not ready in ``timeout``, as far as the probe tells."""
+        if self.tls:  # a failed TLS handshake looks the same as a server that is hung
+            tls = (
+                "if its certificate is the problem, check that root_certificates sign it and "
+                "that it names this host"
+            )
+        else:
+            tls = (
+                "if it serves TLS (`tensord serve --tls-cert`), connect with tls=True, or "
+                'root_certificates="ca.pem" for a private CA'
+            )
+        if probe is _Probe.ACCEPTED:
+            return (
+                f"something at {self.address} accepted the connection but did not complete a "
+                f"gRPC handshake in {timeout:g} s: a tensord server that is hung or "
+                "overloaded, or no gRPC server (a dashboard's or metrics' HTTP port?); "
+                f"{tls}"
+            )
+        return (
+            f"no tensord server answers at {self.address} (waited {timeout:g} s); "
+            f"{_serve_hint(self.address)}; {tls}"
+        )
 
     def _opening_call(
         self, method: str, request: Any, connect_deadline: float, connect_timeout: float

@@ -64,6 +64,9 @@ def connect(
 ) -> Client:
     """Open a session on the server at ``address`` (else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051).
 
+    ``address`` is HOST:PORT (a host alone means port 50051) or unix:PATH; a URL
+    (``http://...``) is refused with the address to pass instead.
+
     ``timeout`` bounds connecting only: the wait for the server to answer and open
     the session.  ``call_timeout`` (seconds, else ``$TENSORD_CALL_TIMEOUT``, else 60;
     None or ``none``: no deadline) bounds every call afterwards: a call with no
@@ -76,8 +79,9 @@ def connect(
     connects over TLS, checking the server's certificate against the system's roots,
     or against ``root_certificates`` (PEM bytes or a file's path; else
     ``$TENSORD_TLS_CA``), which turn TLS on by themselves.  Raises
-    :class:`tensord.UnavailableError` (a ConnectionError) when no server answers in
-    time or the TLS handshake fails, :class:`tensord.UnauthenticatedError` when the
+    :class:`tensord.UnavailableError` (a ConnectionError) at once when the connection
+    is refused or the host does not resolve, when no server answers in time or the TLS
+    handshake fails, :class:`tensord.UnauthenticatedError` when the
     server refuses the token, ValueError for unreadable root certificates.
 
     ``local`` (else ``$TENSORD_LOCAL``, default on): on the server's host, map its

@@ -31,6 +31,7 @@ import numpy as np
 
 from tensord import _dlpack, _format, _indexing, _local, dtypes, errors, protocol
 from tensord._convert import as_scalar, exact_dtype
+from tensord._no_math import NoMath
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._session import ClientSession, SessionClient
 from tensord.dtypes import DType
@@ -484,8 +485,11 @@ _NO_COPY_AVOIDED = "Unable to avoid copy while creating an array as requested."
 _META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad", "complex_view"})
 
 
-class Tensor:
-    """A handle on a tensor in a tensord server, with torch.Tensor's names and return types."""
+class Tensor(NoMath):
+    """A handle on a tensor in a tensord server, with torch.Tensor's names and return types.
+
+    No math: ``x + 1`` or ``x.sum()`` raises a TypeError or AttributeError that says what
+    to use instead (:mod:`tensord._no_math`)."""
 
     __slots__ = ("__weakref__", "_client", "_meta", "_owned", "_session", "_session_id")
 

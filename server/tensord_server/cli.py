@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -34,6 +35,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
+class _PrintVersion(argparse.Action):
+    """``--version``: the version is read only when asked (importing the SDK costs gRPC)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from tensord.protocol import VERSION
+
+        print(f"tensord {VERSION}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top level: a subcommand's name, then everything after it for that subcommand."""
     width = max(len(name) for name in SUBCOMMANDS)
@@ -46,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"commands:\n{commands}\n\n'tensord COMMAND --help' shows a command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_PrintVersion, help="print tensord's version and exit")
     parser.add_argument("command", choices=SUBCOMMANDS, metavar="COMMAND")
     # REMAINDER after a positional takes options too: `tensord replay --json x` keeps `--json`.
     rest = parser.add_argument("arguments", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

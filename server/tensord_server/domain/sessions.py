@@ -22,7 +22,10 @@ Storage and counts against ``--max-handles-per-session``.
 
 Handle ids and share tokens are capabilities (``secrets.token_urlsafe``), looked
 up only in the table of the session presenting them: a foreign handle is as
-unknown as a made-up one.
+unknown as a made-up one.  An ended share token is remembered a while (at most
+MAX_ENDED_TOKENS, ENDED_TOKEN_MEMORY_S) so that its own tenant's attach says why it
+ended (used up, expired, revoked, its session gone); to any other tenant it stays
+unknown.
 
 Tenants (``--auth-tokens``): every session belongs to the tenant its caller
 authenticated as ("" without authentication).  A session, share token or name
@@ -32,6 +35,7 @@ of another tenant is NOT_FOUND, as if it did not exist.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import logging
 import math
@@ -72,6 +76,29 @@ DEFAULT_LEASE_S = 10.0
 DEFAULT_SHARE_TTL_S = 300.0
 # The longest ttl a share token may ask for (a token holds its Storage until it ends).
 DEFAULT_MAX_SHARE_TTL_S = 86400.0
+# Ended share tokens remembered, for an attach to say why a token no longer works: this
+# many at most (the oldest forgotten first; ~300 bytes each) and for this long.
+MAX_ENDED_TOKENS = 4096
+ENDED_TOKEN_MEMORY_S = 3600.0
+UNKNOWN_SHARE_TOKEN = "unknown share token"
+TOKEN_EXPIRED = (
+    "this share token expired: x.share(ttl=SECONDS) makes one that lives longer (at most "
+    "the server's --max-share-ttl)"
+)
+TOKEN_REVOKED = "this share token was revoked by the session that shared it"
+TOKEN_SESSION_ENDED = (
+    "this share token ended with the session that shared it: a token lives only as long as "
+    "that session (to keep a tensor beyond it, put() it under a name)"
+)
+
+
+def token_used_up(uses: int) -> str:
+    """An attach's text for a token whose ``uses`` attaches were all made."""
+    allowed = "its one attach" if uses == 1 else f"all {uses} of its attaches"
+    return (
+        f"this share token was already used ({allowed}): x.share(uses=N) makes one for N "
+        "attaches, uses=None for any number until it expires"
+    )
 
 
 def new_capability() -> str:
@@ -239,6 +266,16 @@ class ShareToken:
     ref: TensorRef  # holds one reference on ref.storage while the token lives
     uses_left: int | None  # attaches still allowed (None: unlimited)
     expires_at: float  # manager-clock time
+    uses: int | None = None  # attaches it was made for (None: unlimited)
+
+
+@dataclass(frozen=True)
+class EndedToken:
+    """Why a share token ended, told to its own tenant only."""
+
+    tenant: str
+    reason: str
+    ended_at: float  # manager-clock time
 
 
 class SessionManager:
@@ -287,6 +324,8 @@ class SessionManager:
         self._lease_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._tokens: dict[str, ShareToken] = {}
+        # ended tokens, oldest first (insertion order is ended_at order)
+        self._ended_tokens: collections.OrderedDict[str, EndedToken] = collections.OrderedDict()
         self._names: dict[str, TenantNames] = {}  # tenant -> its names (none: no entry)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -409,7 +448,13 @@ class SessionManager:
                 ended.append(session)
             for token, entry in list(self._tokens.items()):
                 if now >= entry.expires_at:
-                    refs.append(self._drop_token(token))
+                    refs.append(self._drop_token(token, TOKEN_EXPIRED))
+            ended_tokens = self._ended_tokens
+            while ended_tokens:
+                oldest = next(iter(ended_tokens.values()))
+                if now - oldest.ended_at < ENDED_TOKEN_MEMORY_S:
+                    break
+                ended_tokens.popitem(last=False)
         self._decref_all(refs)
         self._notify_ended(ended)
         for session_id in reaped:
@@ -608,7 +653,9 @@ class SessionManager:
             self.refuse_beyond_limit(session)
             self.storages.incref(ref.storage)
             expires_at = self._clock() + ttl
-            self._tokens[token] = ShareToken(session.id, session.tenant, ref, uses, expires_at)
+            self._tokens[token] = ShareToken(
+                session.id, session.tenant, ref, uses, expires_at, uses=uses
+            )
             session.tokens.add(token)
         return token, ttl
 
@@ -616,14 +663,16 @@ class SessionManager:
         """A handle on the token's tensor, using one of its attaches: the last one ends it."""
         with self._lock:
             entry = self._tokens.get(token)
-            if entry is None or entry.tenant != session.tenant or self._clock() >= entry.expires_at:
-                raise NotFoundError("unknown share token")
+            if entry is None or entry.tenant != session.tenant:
+                raise NotFoundError(self._ended_token_text(session, token))
+            if self._clock() >= entry.expires_at:  # the reaper has not dropped it yet
+                raise NotFoundError(TOKEN_EXPIRED)
             (handle,) = self._register_locked(session, [entry.ref])
             dropped = None
             if entry.uses_left is not None:
                 entry.uses_left -= 1
                 if entry.uses_left == 0:
-                    dropped = self._drop_token(token)
+                    dropped = self._drop_token(token, token_used_up(entry.uses or 1))
         if dropped is not None:
             self.storages.decref(dropped.storage)  # the new handle keeps it alive
         return handle, entry.ref
@@ -634,7 +683,7 @@ class SessionManager:
         with self._lock:
             if token not in session.tokens:
                 return False
-            ref = self._drop_token(token)
+            ref = self._drop_token(token, TOKEN_REVOKED)
         self.storages.decref(ref.storage)
         return True
 
@@ -751,18 +800,37 @@ class SessionManager:
             entry = self._tokens.pop(token, None)
             if entry is not None:
                 refs.append(entry.ref)
+                self._remember_ended(token, entry, TOKEN_SESSION_ENDED)
         session.tokens.clear()
         session.handles.clear()
         session.ended = True
         return refs
 
-    def _drop_token(self, token: str) -> TensorRef:
-        """Unlink a live token from the tables; returns the reference to drop."""
+    def _drop_token(self, token: str, reason: str) -> TensorRef:
+        """Unlink a live token from the tables, remembering why; returns the reference to drop."""
         entry = self._tokens.pop(token)
         issuer = self._sessions.get(entry.session_id)
         if issuer is not None:
             issuer.tokens.discard(token)
+        self._remember_ended(token, entry, reason)
         return entry.ref
+
+    def _remember_ended(self, token: str, entry: ShareToken, reason: str) -> None:
+        self._ended_tokens[token] = EndedToken(entry.tenant, reason, self._clock())
+        if len(self._ended_tokens) > MAX_ENDED_TOKENS:
+            self._ended_tokens.popitem(last=False)
+
+    def _ended_token_text(self, session: Session, token: str) -> str:
+        """Why ``token`` no longer attaches, if it was ``session``'s tenant's; else unknown
+        (another tenant's token, ended or live, reads as one that never existed)."""
+        ended = self._ended_tokens.get(token)
+        if (
+            ended is None
+            or ended.tenant != session.tenant
+            or self._clock() - ended.ended_at >= ENDED_TOKEN_MEMORY_S
+        ):
+            return UNKNOWN_SHARE_TOKEN
+        return ended.reason
 
     def _decref_all(self, refs: list[TensorRef]) -> None:
         for ref in refs:

@@ -7,4 +7,5 @@
 - :mod:`.status`: domain errors -> status codes and the error-type trailer (one table)
 - :mod:`.server`: ``create_server``: the gRPC server with health, reflection and TLS
 - :mod:`.tls`: server credentials from PEM files
+- :mod:`.binding`: why the listening address cannot be bound (in use, not this host's)
 """

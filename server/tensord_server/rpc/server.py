@@ -27,6 +27,7 @@ from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.admission import OtherServicesInterceptor
+from tensord_server.rpc.binding import bind_problem
 from tensord_server.rpc.calls import MAX_RECEIVE_BYTES, Calls
 from tensord_server.rpc.service import SERVICE_NAME
 
@@ -217,7 +218,9 @@ def create_server(
         calls.shutdown()
         error = started["error"]
         if isinstance(error, RuntimeError):  # grpc's "Failed to bind to address ..."
-            raise OSError(f"cannot listen on {address}: {error}") from error
+            raise OSError(
+                f"cannot listen on {address}: {bind_problem(address) or error}"
+            ) from error
         raise error
     server, port = started["result"]
     handle = AsyncServer(loop, thread, server, calls)

@@ -445,7 +445,10 @@ def run(args: argparse.Namespace) -> int:
             args.address, store=store, max_workers=args.max_workers, credentials=credentials
         )
     except (OSError, RuntimeError) as exc:
-        print(f"tensord serve: cannot listen on {args.address}: {exc}", file=sys.stderr)
+        text = str(exc)  # a failed bind's OSError names the address already
+        if not text.startswith("cannot listen on "):
+            text = f"cannot listen on {args.address}: {text}"
+        print(f"tensord serve: {text}", file=sys.stderr)
         store.close()
         return 2
     try:  # observability hook: the metrics and dashboard endpoints
