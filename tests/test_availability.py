@@ -442,3 +442,31 @@ def test_a_stop_does_not_wait_its_grace_for_connected_clients() -> None:
     assert time.monotonic() - started < 5.0  # the grace is 10 s
     running.daemon.close()
     client.close()
+
+
+def test_a_call_over_many_inputs_takes_the_registrys_lock_a_few_times(
+    fresh_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2,048-input Cat took the server-wide Storage registry's lock twice per input (hold
+    and release), so a tenant's flood of them stood in every other tenant's way."""
+    registry = fresh_server.daemon.storages
+    acquired = [0]
+    lock = registry._lock
+
+    class Counting:
+        def __enter__(self) -> None:
+            acquired[0] += 1
+            lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            lock.release()
+
+    with tensord.connect(fresh_server.address) as client:
+        parts = [client.zeros(1) for _ in range(8)]
+        inputs = parts * 64  # 512 inputs
+        client.synchronize()
+        monkeypatch.setattr(registry, "_lock", Counting())
+        joined = tensord.cat(inputs)
+        assert joined.shape == (512,)
+        monkeypatch.setattr(registry, "_lock", lock)
+    assert acquired[0] < 32, acquired[0]

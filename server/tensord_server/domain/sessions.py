@@ -585,13 +585,11 @@ class SessionManager:
         never moves a held Storage) until the block ends."""
         with session.lock:
             refs = [self._lookup(session, h) for h in handles]
-            for ref in refs:
-                self.storages.hold(ref.storage)
+            self.storages.hold_all([ref.storage for ref in refs])
         try:
             yield refs
         finally:
-            for ref in refs:
-                self.storages.release_hold(ref.storage)
+            self.storages.release_holds([ref.storage for ref in refs])
 
     def hold(self, session: Session, handle: str) -> TensorRef:
         """The tensor of ``handle``, its Storage held (kept alive and in place) from the
