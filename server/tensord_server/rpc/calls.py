@@ -197,8 +197,8 @@ async def within(awaitable: Awaitable[T], timeout: float, expired: str) -> T:
         timer.cancel()
 
 
-def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> Any:
-    for item_key, value in context.invocation_metadata() or ():
+def _metadata_value(metadata: Any, key: str) -> Any:
+    for item_key, value in metadata or ():
         if item_key == key:
             return value
     return None
@@ -245,11 +245,18 @@ class Calls:
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> tuple[str, Hashable]:
         """(tenant, fairness key); UnauthenticatedError before anything else is done."""
+        if self.store.auth_tokens is None:
+            return "", ("peer", context.peer())  # one trust domain: each connection its share
+        tenant = self.tenant_of(context.invocation_metadata())
+        return tenant, ("tenant", tenant)
+
+    def tenant_of(self, metadata: Any) -> str:
+        """The tenant a call's metadata authenticates as ("" without --auth-tokens);
+        UnauthenticatedError without a valid token."""
         tokens = self.store.auth_tokens
         if tokens is None:
-            return "", ("peer", context.peer())  # one trust domain: each connection its share
-        tenant = auth.tenant_of(tokens, _metadata_value(context, AUTHORIZATION_KEY))
-        return tenant, ("tenant", tenant)
+            return ""
+        return auth.tenant_of(tokens, _metadata_value(metadata, AUTHORIZATION_KEY))
 
     def describe(self, call: Call) -> str:
         if self.store.auth_tokens is None:

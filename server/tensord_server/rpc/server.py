@@ -18,11 +18,10 @@ from typing import Any
 
 import grpc
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord.protocol import AUTHORIZATION_KEY, DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
+from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.descriptors import DescriptorBudget, raise_descriptor_limit
 from tensord_server.devices.table import DeviceSpec
-from tensord_server.domain import auth
 from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
@@ -175,17 +174,12 @@ def create_server(
     started: dict[str, Any] = {}
     ready = threading.Event()
 
-    def tenant_of(metadata: Any) -> str:
-        tokens = store.auth_tokens
-        if tokens is None:
-            return ""
-        value = next((v for k, v in metadata or () if k == AUTHORIZATION_KEY), None)
-        return auth.tenant_of(tokens, value)
-
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(
             interceptors=(
-                OtherServicesInterceptor(store.gate, SERVICE_NAME, tenant_of, calls.observe_other),
+                OtherServicesInterceptor(
+                    store.gate, SERVICE_NAME, calls.tenant_of, calls.observe_other
+                ),
             ),
             options=server_options(),
         )

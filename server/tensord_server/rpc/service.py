@@ -20,7 +20,6 @@ from google.protobuf.message import Message
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError, UnauthenticatedError
 from tensord.protocol import (
-    AUTHORIZATION_KEY,
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
@@ -28,7 +27,7 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.shm import SharedHostBackend
-from tensord_server.domain import auth, batch, limits
+from tensord_server.domain import batch, limits
 from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.ops import Issued
 from tensord_server.domain.sessions import Session
@@ -49,24 +48,12 @@ M = TypeVar("M", bound=Message)
 
 SERVICE_NAME = "tensord.v1.Tensord"
 
-# Methods whose messages travel as bare bytes, not protobuf (see the proto's header).
-RAW_REQUEST_METHODS = frozenset({"Upload"})
-RAW_RESPONSE_METHODS = frozenset({"Download"})
-
 
 def _metadata(context: grpc.ServicerContext, key: str) -> Any:
     for item in context.invocation_metadata() or ():
         if item.key == key:
             return item.value
     return None
-
-
-def tenant_of_context(store: TensorStore, context: grpc.ServicerContext) -> str:
-    """The caller's tenant ("" without --auth-tokens); UnauthenticatedError if it has none."""
-    tokens = store.auth_tokens
-    if tokens is None:
-        return ""
-    return auth.tenant_of(tokens, _metadata(context, AUTHORIZATION_KEY))
 
 
 def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,11 +9,9 @@ torch raises in the same case, so the SDK can raise a subclass of it.
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
 
 import grpc
 from tensord import errors
-from tensord.protocol import ERROR_TYPE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +94,3 @@ def details_for(exc: BaseException) -> str:
     if status_for(exc) is grpc.StatusCode.INTERNAL and not isinstance(exc, errors.InternalError):
         return f"{type(exc).__name__}: {text}"  # an unexpected error: say what it was
     return text
-
-
-def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status of ``exc`` and its error-type trailer."""
-    code = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error in a tensord handler", exc_info=exc)
-    context.set_trailing_metadata(((ERROR_TYPE_KEY, error_type_for(exc)),))
-    context.abort(code, details_for(exc))
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
