@@ -470,3 +470,37 @@ def test_a_call_over_many_inputs_takes_the_registrys_lock_a_few_times(
         assert joined.shape == (512,)
         monkeypatch.setattr(registry, "_lock", lock)
     assert acquired[0] < 32, acquired[0]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_tenant_between_its_calls_still_caps_a_flood_at_its_share() -> None:
+    """A well-behaved tenant has nothing queued between two calls; a flood must not take
+    every worker in that gap (each of its threads would take the GIL from the tenant)."""
+    clock = _Clock()
+    queue: FairQueue[str] = FairQueue(8, max_running_per_key=1, active_window_s=1.0, clock=clock)
+    queue.submit("victim", "v0")
+    assert queue.next() == ("victim", "v0")
+    queue.finished("victim")  # the victim is between calls: nothing queued or running
+    for i in range(8):
+        queue.submit("flood", f"f{i}")
+    assert queue.next() == ("flood", "f0")
+    assert queue.next() is None  # the victim is still active: the flood keeps its share
+    queue.assert_invariants()
+    clock.now += 1.5  # the victim went quiet: the flood may use every worker
+    assert [queue.next() for _ in range(7)] == [("flood", f"f{i}") for i in range(1, 8)]
+    queue.assert_invariants()
+
+
+def test_a_key_alone_uses_every_worker() -> None:
+    queue: FairQueue[str] = FairQueue(4, clock=_Clock())
+    for i in range(4):
+        queue.submit("a", f"a{i}")
+    assert [queue.next() for _ in range(4)] == [("a", f"a{i}") for i in range(4)]
+    queue.assert_invariants()

@@ -4,9 +4,14 @@ Calls wait in one first-in, first-out queue per *key* (the caller's tenant; with
 ``--auth-tokens``, its connection) and keys take turns: a free worker goes to the waiting
 key that holds the fewest workers (round-robin among equals), so a key with a thousand
 calls queued delays another key's next call by at most the calls already running, never
-by its whole queue.  The scheduler is work-conserving: a key alone may use every worker, and gives them
-up one call at a time as others arrive.  A key holds at most ``max_running_per_key``
-workers while another key waits (its fair share), and queues at most
+by its whole queue.
+
+A key holds at most ``max_running_per_key`` workers (one by default) while another key is
+*active*: has calls waiting or running, or had one arrive or end within the last
+``active_window_s``.  The window matters because a well-behaved tenant sends its calls one
+after another: between two of them it has nothing queued, and a flood would take every
+worker in that gap and hold the GIL with all of them.  A key alone may use every worker
+(after the window, once the others have gone quiet).  A key queues at most
 ``max_queued_per_key`` calls; beyond that a call is refused at once (RESOURCE_EXHAUSTED),
 so what a flood holds in memory is bounded by the queue, not by how fast it sends.
 
@@ -17,7 +22,8 @@ Pure bookkeeping, no threads or event loop: the rpc layer calls it from one thre
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -25,8 +31,14 @@ from tensord.errors import ResourceExhaustedError
 
 Job = TypeVar("Job")
 
-# Workers one key holds at most while another key waits.
-MAX_SHARE = 4
+# Workers one key holds at most while another key is active.  Calls are Python: a second
+# thread of one key adds no throughput under the GIL, it only takes the GIL from the other
+# keys' threads (every switch interval, at each of their calls' handoffs).
+MAX_SHARE = 1
+# How long a key counts as active after its last call arrived or ended: a tenant whose
+# calls come one at a time is absent from the queue between them, and would otherwise
+# never count while a flood refills every worker the moment one frees.
+ACTIVE_WINDOW_S = 1.0
 # Calls one key may have waiting for a worker (each holds its request's bytes meanwhile).
 DEFAULT_MAX_QUEUED_PER_KEY = 256
 # Calls waiting for a worker in all.
@@ -45,7 +57,8 @@ class FairQueue(Generic[Job]):
 
     Invariants (checked by :meth:`assert_invariants`): ``running`` is the sum of the keys'
     running counts and never exceeds ``workers``; a key is in ``_turns`` exactly when it
-    has calls waiting; a key with nothing waiting or running is forgotten.
+    has calls waiting; a key with nothing waiting or running is forgotten, into ``_recent``
+    (oldest first) until its window ends.
     """
 
     def __init__(
@@ -55,12 +68,13 @@ class FairQueue(Generic[Job]):
         max_running_per_key: int | None = None,
         max_queued_per_key: int = DEFAULT_MAX_QUEUED_PER_KEY,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        active_window_s: float = ACTIVE_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        # a fair share while another key waits: half the workers, at most MAX_SHARE (calls
-        # are Python: more threads of one key only take more of the GIL from the others)
+        # a fair share while another key is active
         self.max_running_per_key = max_running_per_key or max(1, min(workers // 2, MAX_SHARE))
         self.max_queued_per_key = max_queued_per_key
         self.max_queued = max_queued
@@ -69,6 +83,10 @@ class FairQueue(Generic[Job]):
         self._keys: dict[Hashable, _KeyState[Job]] = {}
         self._turns: dict[Hashable, None] = {}  # the keys with calls waiting
         self._turn = 0  # counts the calls started: a key's last_turn orders equals
+        self.active_window_s = active_window_s
+        self._clock = clock
+        # keys with nothing waiting or running, by when they were last seen (oldest first)
+        self._recent: dict[Hashable, float] = {}
 
     def submit(self, key: Hashable, job: Job, describe: str = "this caller") -> None:
         """Queue ``job`` for ``key``, or refuse it now (ResourceExhaustedError)."""
@@ -86,6 +104,7 @@ class FairQueue(Generic[Job]):
             )
         if state is None:
             state = self._keys[key] = _KeyState()
+            self._recent.pop(key, None)
         state.waiting.append(job)
         self.queued += 1
         self._turns[key] = None
@@ -95,14 +114,16 @@ class FairQueue(Generic[Job]):
 
         The waiting key holding the fewest workers goes first (ties: the one whose last
         call started longest ago), so a key that just arrived never waits behind a busy key's
-        queue; a key over its share waits while any other key waits."""
+        queue; a key at its share waits while any other key is active."""
         if self.running >= self.workers or not self._turns:
             return None
-        others_wait = len(self._turns) > 1
+        self._forget_inactive()
+        # every waiting key is in _keys: another key is active when _keys or _recent holds it
+        others_active = len(self._keys) + len(self._recent) > 1
         chosen, best = None, (0, 0)
         for key in self._turns:
             state = self._keys[key]
-            if others_wait and state.running >= self.max_running_per_key:
+            if others_active and state.running >= self.max_running_per_key:
                 continue
             rank = (state.running, state.last_turn)
             if chosen is None or rank < best:
@@ -127,7 +148,7 @@ class FairQueue(Generic[Job]):
         state.running -= 1
         self.running -= 1
         if not state.running and not state.waiting:
-            del self._keys[key]
+            self._forget(key)
 
     def drop_waiting(self, key: Hashable, job: Job) -> bool:
         """Take back a call that has not started (its caller went away); False if it had."""
@@ -139,8 +160,21 @@ class FairQueue(Generic[Job]):
         if not state.waiting:
             self._turns.pop(key, None)
             if not state.running:
-                del self._keys[key]
+                self._forget(key)
         return True
+
+    def _forget(self, key: Hashable) -> None:
+        """``key`` has nothing waiting or running: it stays active for the window."""
+        del self._keys[key]
+        self._recent[key] = self._clock()
+
+    def _forget_inactive(self) -> None:
+        horizon = self._clock() - self.active_window_s
+        while self._recent:
+            key, seen = next(iter(self._recent.items()))
+            if seen > horizon:
+                break
+            del self._recent[key]
 
     def running_of(self, key: Hashable) -> int:
         state = self._keys.get(key)
@@ -153,3 +187,6 @@ class FairQueue(Generic[Job]):
         assert queued == self.queued, (queued, self.queued)
         assert set(self._turns) == {k for k, s in self._keys.items() if s.waiting}, self._turns
         assert all(s.running or s.waiting for s in self._keys.values()), self._keys
+        assert not set(self._recent) & set(self._keys), self._recent
+        seen = list(self._recent.values())
+        assert seen == sorted(seen), self._recent  # oldest first, as _forget_inactive reads

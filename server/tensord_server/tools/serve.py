@@ -44,11 +44,11 @@ from tensord_server.tools import serve_observability  # observability hook
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
 # How long a server thread runs Python before another waiting for the GIL may take it
-# (CPython's default: 5 ms).  With 8 clients' Batches in flight, each thread's handoffs
-# cost the server's CPU per op: at 50 ms its Python threads' context switches per op
-# halve and 8 client processes no longer lose to 4 (issue 15; README, bench_rpc).  A call
-# that waits for the GIL meanwhile (a heartbeat) waits longer, far inside its lease.
-DEFAULT_GIL_SWITCH_INTERVAL_S = 0.05
+# (CPython's default: 5 ms).  Each of a call's handoffs (event loop -> worker -> event loop)
+# waits up to one interval behind another tenant's busy worker, so the interval is what a
+# heavy tenant adds to everyone else's latency; with one worker per active tenant (the
+# fair queue's share) a short interval costs the many-client throughput nothing measurable.
+DEFAULT_GIL_SWITCH_INTERVAL_S = 0.002
 # The longest switch interval accepted: beyond it one busy thread could delay every other
 # call by more than a second.
 MAX_GIL_SWITCH_INTERVAL_S = 1.0
