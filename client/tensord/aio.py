@@ -1,4 +1,4 @@
-"""``tensord.aio``: the SDK for asyncio programs (issue 15).
+"""``tensord.aio``: the SDK for asyncio programs.
 
     client = await tensord.aio.connect(address)
     x = await client.tensor([[1, 2], [3, 4]])
@@ -97,6 +97,7 @@ class AsyncTensor:
 
     @property
     def client(self) -> AsyncClient:
+        """The ``AsyncClient`` this tensor belongs to."""
         return self._client
 
     def __getattr__(self, name: str) -> Any:
@@ -129,6 +130,14 @@ class AsyncTensor:
         return self
 
     async def copy_from(self, data: Any) -> AsyncTensor:
+        """Copy ``data`` (an array, a nested list or a tensor) into this tensor; awaitable.
+
+        ``copy_`` from a tensor is queued and synchronous; data from Python must be uploaded first,
+        which waits for the server, so it is this awaitable call instead.
+
+        Returns:
+            This tensor.
+        """
         await self._client.run(self._tensor.copy_, _unwrap(data))
         return self
 
@@ -145,6 +154,11 @@ class AsyncTensor:
         self._tensor[key] = _unwrap(value)
 
     async def setitem(self, key: Any, value: Any) -> None:
+        """``x[key] = value`` where ``value`` may also be an array or a list; awaitable.
+
+        The array or list is uploaded in this tensor's dtype first (which waits for the server),
+        then written; ``x[key] = value`` itself takes only numbers and tensors.
+        """
         await self._client.run(assign_data, self._tensor, key, _unwrap(value))
 
     def __iter__(self) -> Iterator[AsyncTensor]:
@@ -173,6 +187,7 @@ class AsyncClient:
 
     @property
     def sync_client(self) -> Client:
+        """The synchronous Client underneath (its waiting calls block: not on the loop)."""
         return self._client
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -182,6 +197,12 @@ class AsyncClient:
         return _wrap(self, result)
 
     def awaitable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as a coroutine function that runs it on this client's executor.
+
+        Its AsyncTensor arguments are passed as their synchronous tensors, and the tensors in its
+        result come back wrapped as AsyncTensors.
+        """
+
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> Any:
             bound = functools.partial(
@@ -198,6 +219,10 @@ class AsyncClient:
         return self.awaitable(attr) if callable(attr) else attr
 
     async def close(self) -> None:
+        """Send pending releases and close the session, as ``Client.close``; awaitable.
+
+        Then this client's executor is shut down.
+        """
         await self.run(self._client.close)
         self._executor.shutdown(wait=False)
 

@@ -210,14 +210,22 @@ class Client:
 
     @property
     def address(self) -> str:
+        """The address of the server this client talks to, as ``connect`` resolved it."""
         return self._conn.address
 
     @property
     def session_id(self) -> str:
+        """The id of this client's session on the server.
+
+        When the server no longer has the session (it restarted, or the session expired), the client
+        opens a new one and this id changes; tensors of the old session then raise
+        ``tensord.SessionLostError``.
+        """
         return self._conn.session_id
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has ended this client's session."""
         return self._conn.closed
 
     def close(self) -> None:
@@ -241,6 +249,9 @@ class Client:
 
     @property
     def pipelining(self) -> bool:
+        """Whether views and in-place writes are queued and sent in batches
+        (``connect(pipelining=...)``).
+        """
         return self._conn.pipelining
 
     def schedule_flushes(self, scheduler: Callable[[Callable[[], None]], None] | None) -> None:
@@ -410,6 +421,12 @@ class Client:
     def zeros(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
+        """Returns a tensor filled with the scalar value 0, with the shape defined by the variable
+        argument ``size``.
+
+        Made on the server by one Full RPC; the dtype is ``tensord.float32`` unless ``dtype`` says
+        otherwise, as torch's default.
+        """
         shape = _factory_size("zeros", size)
         if any(n < 0 for n in shape):  # torch's zeros checks its sizes itself, in its own words
             raise errors.TensordRuntimeError("zeros: Dimension size must be non-negative.")
@@ -418,6 +435,12 @@ class Client:
     def ones(
         self, *size: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Tensor:
+        """Returns a tensor filled with the scalar value 1, with the shape defined by the variable
+        argument ``size``.
+
+        Made on the server by one Full RPC; the dtype is ``tensord.float32`` unless ``dtype`` says
+        otherwise, as torch's default.
+        """
         return self._filled("ones", _factory_size("ones", size), 1, dtype, device, requires_grad)
 
     def _filled(
@@ -443,6 +466,12 @@ class Client:
         device: Any = "cpu",
         requires_grad: bool = False,
     ) -> Tensor:
+        """Returns a 1-D tensor with values from the interval ``[start, end)`` taken with common
+        difference ``step`` beginning from ``start``.
+
+        ``arange(end)`` starts at 0.  Made on the server by one Arange RPC, which infers the dtype
+        from the arguments as torch does when ``dtype`` is None.
+        """
         if end is None:
             start, end = 0, start
         dt = _factory_dtype("arange", dtype)
@@ -477,20 +506,52 @@ class Client:
         return self._wrap(self._call("Empty", request))
 
     def zeros_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
+        """Returns a tensor filled with the scalar value 0, with the same size as ``other``.
+
+        An Empty RPC makes a tensor with ``other``'s shape (a dense ``other`` keeps its strides, as
+        torch's preserve_format), on ``other``'s device and with its dtype unless ``device`` or
+        ``dtype`` says otherwise; the fill is then a write on the server, queued with pipelining
+        (the default).
+        """
         return self._empty_like("zeros_like", other, dtype, device).zero_()
 
     def ones_like(self, other: Tensor, *, dtype: Any = None, device: Any = None) -> Tensor:
+        """Returns a tensor filled with the scalar value 1, with the same size as ``other``.
+
+        An Empty RPC makes a tensor with ``other``'s shape (a dense ``other`` keeps its strides, as
+        torch's preserve_format), on ``other``'s device and with its dtype unless ``device`` or
+        ``dtype`` says otherwise; the fill is then a write on the server, queued with pipelining
+        (the default).
+        """
         return self._empty_like("ones_like", other, dtype, device).fill_(1)
 
     def full_like(
         self, other: Tensor, fill_value: Any, *, dtype: Any = None, device: Any = None
     ) -> Tensor:
+        """Returns a tensor with the same size as ``other`` filled with ``fill_value``.
+
+        An Empty RPC makes a tensor with ``other``'s shape (a dense ``other`` keeps its strides, as
+        torch's preserve_format), on ``other``'s device and with its dtype unless ``device`` or
+        ``dtype`` says otherwise; the fill is then a write on the server, queued with pipelining
+        (the default).
+        """
         return self._empty_like("full_like", other, dtype, device).fill_(fill_value)
 
     def cat(self, tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+        """Concatenates the given sequence of tensors in ``tensors`` in the given dimension.
+
+        All tensors must either have the same shape (except in the concatenating dimension) or be a
+        1-D empty tensor with size ``(0,)``, and all must be this client's.  The result is a new
+        tensor made on the server by one Cat RPC.
+        """
         return self._join("Cat", tensors, dim)
 
     def stack(self, tensors: Iterable[Tensor], dim: int = 0) -> Tensor:
+        """Concatenates a sequence of tensors along a new dimension.
+
+        All tensors must be this client's and of one shape.  The result is a new tensor made on the
+        server by one Stack RPC.
+        """
         return self._join("Stack", tensors, dim)
 
     def _join(self, method: str, tensors: Iterable[Tensor], dim: int) -> Tensor:
@@ -519,9 +580,22 @@ class Client:
         self._call("PutName", pb.PutNameRequest(name=name, handle=handle, overwrite=overwrite))
 
     def get(self, name: str) -> Tensor:
+        """This session's handle on the tensor named ``name`` (``put`` by any session of this
+        tenant).
+
+        The handle shares the named tensor's Storage: no bytes are copied.  One RPC.
+
+        Raises:
+            NotFoundError: no tensor has that name.
+        """
         return self._wrap(self._call("GetName", pb.GetNameRequest(name=_text("name", name))))
 
     def delete(self, name: str) -> None:
+        """Remove the name ``name``; its Storage lives on while a handle still holds it.
+
+        Raises:
+            NotFoundError: no tensor has that name.
+        """
         self._call("DeleteName", pb.DeleteNameRequest(name=_text("name", name)))
 
     def names(self) -> list[str]:
@@ -545,12 +619,29 @@ class Client:
         return dict(sorted(merged.items()))
 
     def memory_allocated(self, device: Any = "cpu") -> int:
+        """Return the current memory occupied by tensors in bytes for a given device.
+
+        The ``allocated_bytes.all.current`` of ``memory_stats(device)``: the whole server's pool for
+        that device (this tenant's own bytes are its ``tenant.allocated_bytes.current``).  Read from
+        the server's caching pool by one RPC.
+        """
         return int(self.memory_stats(device).get("allocated_bytes.all.current", 0))
 
     def memory_reserved(self, device: Any = "cpu") -> int:
+        """Return the current memory managed by the caching allocator in bytes for a given device.
+
+        The ``reserved_bytes.all.current`` of ``memory_stats(device)``: the whole server's pool for
+        that device.  Read from the server's caching pool by one RPC.
+        """
         return int(self.memory_stats(device).get("reserved_bytes.all.current", 0))
 
     def memory_summary(self, device: Any = "cpu") -> str:
+        """Return a human-readable printout of the current memory allocator statistics for a given
+        device.
+
+        A table like torch.cuda.memory_summary()'s, of the server's pool for ``device``.  Read
+        from the server's caching pool by one RPC.
+        """
         response = self._call("MemorySummary", pb.DeviceRequest(device=device_name(device)))
         return str(response.summary)
 
@@ -579,6 +670,13 @@ class Client:
         return int(response.released_bytes)
 
     def server_info(self) -> dict[str, Any]:
+        """What the server says about itself: one ServerInfo RPC.
+
+        Returns:
+            A dict with the server's ``version``, its ``devices`` (each a dict of
+                ``device``, ``capacity_bytes`` and ``description``),
+                ``max_message_bytes`` and ``chunk_bytes``.
+        """
         info = self._call("ServerInfo", pb.ServerInfoRequest())
         return {
             "version": info.version,

@@ -75,10 +75,17 @@ class OutOfMemoryError(ResourceExhaustedError):
 
 
 class UnauthenticatedError(TensordError, PermissionError):
+    """A server started with ``--auth-tokens`` got no token, or one it does not know.
+
+    The token is ``connect(token=...)`` or ``$TENSORD_TOKEN``.
+    """
+
     status_code = "UNAUTHENTICATED"
 
 
 class PermissionDeniedError(TensordError, PermissionError):
+    """A call this tenant may not make (resizing a Storage another tenant shared with it)."""
+
     status_code = "PERMISSION_DENIED"
 
 

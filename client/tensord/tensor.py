@@ -63,6 +63,7 @@ class Size(tuple[int, ...]):
     """torch.Size: a tuple of ints that prints as ``tensord.Size([2, 3])``."""
 
     def numel(self) -> builtins.int:
+        """Returns the number of elements a tensor with the given size would contain."""
         return math.prod(self)
 
     def __repr__(self) -> str:
@@ -76,10 +77,12 @@ class Device(str):
 
     @property
     def type(self) -> str:
+        """The device type: ``"cpu"`` or ``"cuda"`` (torch.device.type)."""
         return self.partition(":")[0]
 
     @property
     def index(self) -> builtins.int | None:  # type: ignore[override]  # torch.device.index
+        """The device index (``1`` of ``"cuda:1"``), or None when the string names none."""
         _, sep, index = self.partition(":")
         return builtins.int(index) if sep else None
 
@@ -321,7 +324,7 @@ def torch_errors() -> _TorchErrors:
 class StorageInfo:
     """What the server said about a Storage: its id, size in bytes and address.
 
-    A pipelined copy's Storage (a reshape that must copy, issue 15) is made by the server
+    A pipelined copy's Storage (a reshape that must copy) is made by the server
     after the call returned: its facts arrive with the Batch's answer (``answered``), and
     reading them before that waits for it (``settle``: the connection's synchronize, which
     raises the copy's error if it failed).  Views of that tensor share this object.
@@ -383,7 +386,7 @@ class StorageInfo:
 class Meta:
     """What the server said about one handle (TensorMeta), decoded once; never changed after
     (``replace`` makes another).  A plain class: a frozen dataclass's __init__ cost a
-    pipelined view more than its layout math (issue 15)."""
+    pipelined view more than its layout math."""
 
     __slots__ = ("conj", "device", "dtype", "handle", "layout", "neg", "requires_grad", "storage")
 
@@ -404,7 +407,7 @@ class Meta:
         self.device = device
         self.requires_grad = requires_grad
         self.storage = storage
-        # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
+        # torch's lazy bits: the values are the stored ones conjugated / negated
         self.conj = conj
         self.neg = neg
 
@@ -463,16 +466,20 @@ class UntypedStorage:
         self._tensor = tensor
 
     def nbytes(self) -> builtins.int:
+        """The Storage's size in bytes, as the server reported it (no RPC)."""
         return self._nbytes
 
     def size(self) -> builtins.int:
+        """The Storage's size in bytes, as torch's ``UntypedStorage.size()``."""
         return self._nbytes
 
     def data_ptr(self) -> builtins.int:
+        """The Storage's address, as the server reported it (no RPC)."""
         return self._data_ptr
 
     @property
     def storage_id(self) -> str:
+        """The server's id of this Storage: equal ids, one Storage."""
         return self._id
 
     def __repr__(self) -> str:
@@ -523,6 +530,7 @@ class Tensor(NoMath):
 
     @property
     def client(self) -> SessionClient:
+        """The Client this tensor belongs to: its handle is valid in that client's session only."""
         return self._client
 
     @property
@@ -536,41 +544,101 @@ class Tensor(NoMath):
 
     @property
     def shape(self) -> Size:
+        """Returns the size of the ``self`` tensor. Alias for ``size()``.
+
+        A ``tensord.Size`` (a tuple of ints). Metadata the SDK keeps: no RPC.
+        """
         return Size(self._meta.layout.shape)
 
     def size(self, dim: builtins.int | None = None) -> Any:
+        """Returns the size of the ``self`` tensor.
+
+        Metadata the SDK keeps: no RPC.
+
+        Args:
+            dim: A dimension (negative counts from the end), or None for all of them.
+
+        Returns:
+            A ``tensord.Size`` (a tuple of ints) when ``dim`` is None, else the size
+                of that dimension.
+
+        Raises:
+            IndexError: ``dim`` is out of range (``tensord.TensordIndexError``).
+        """
         if dim is None:
             return self.shape
         with torch_errors():
             return self._meta.layout.shape[normalize_dim(dim, self.ndim, wrap_scalar=False)]
 
     def stride(self, dim: builtins.int | None = None) -> Any:
+        """Returns the stride of the ``self`` tensor.
+
+        Strides count elements, not bytes. Metadata the SDK keeps: no RPC.
+
+        Args:
+            dim: A dimension (negative counts from the end), or None for all of them.
+
+        Returns:
+            A tuple of ints when ``dim`` is None, else the stride of that dimension.
+
+        Raises:
+            IndexError: ``dim`` is out of range (``tensord.TensordIndexError``).
+        """
         if dim is None:
             return self._meta.layout.stride
         with torch_errors():
             return self._meta.layout.stride[normalize_dim(dim, self.ndim, wrap_scalar=False)]
 
     def storage_offset(self) -> builtins.int:
+        """Returns ``self`` tensor's offset in the underlying storage in terms of number of storage
+        elements (not bytes).
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.layout.offset
 
     @property
     def dtype(self) -> DType:
+        """The data type of the elements.
+
+        A ``tensord.DType`` (``tensord.float32``, ...), which stands for the ``torch.dtype`` of the
+        same name. Metadata the SDK keeps: no RPC.
+        """
         return self._meta.dtype
 
     @property
     def device(self) -> Device:
+        """Is the device where this Tensor is.
+
+        A ``tensord.Device``: a string (``"cpu"``, ``"cuda:0"``) that also has torch.device's
+        ``type`` and ``index``.  The device is the server's, not this process's. Metadata the SDK
+        keeps: no RPC.
+        """
         return self._meta.device
 
     @property
     def is_cuda(self) -> builtins.bool:
+        """Is ``True`` if the Tensor is stored on the GPU, ``False`` otherwise.
+
+        The GPU is the server's. Metadata the SDK keeps: no RPC.
+        """
         return self.device.type == "cuda"
 
     @property
     def is_cpu(self) -> builtins.bool:
+        """Is ``True`` if the Tensor is stored on the CPU, ``False`` otherwise.
+
+        The CPU is the server's. Metadata the SDK keeps: no RPC.
+        """
         return self.device.type == "cpu"
 
     @property
     def requires_grad(self) -> builtins.bool:
+        """Is ``True`` if gradients need to be computed for this Tensor, ``False`` otherwise.
+
+        tensord carries the flag as torch's rules set it (the server holds it too) but records no
+        graph and computes no gradients. Metadata the SDK keeps: no RPC.
+        """
         return self._meta.requires_grad
 
     def is_contiguous(self, *args: Any, **kwargs: Any) -> builtins.bool:
@@ -580,36 +648,76 @@ class Tensor(NoMath):
             return self._meta.layout.is_contiguous(fmt)
 
     def numel(self) -> builtins.int:
+        """Returns the total number of elements in the ``self`` tensor.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.layout.numel
 
     def nelement(self) -> builtins.int:
+        """Alias for ``numel()``.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self.numel()
 
     def dim(self) -> builtins.int:
+        """Returns the number of dimensions of ``self`` tensor.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.layout.ndim
 
     @property
     def ndim(self) -> builtins.int:
+        """Alias for ``dim()``.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.layout.ndim
 
     def element_size(self) -> builtins.int:
+        """Returns the size in bytes of an individual element.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self.dtype.itemsize
 
     @property
     def itemsize(self) -> builtins.int:
+        """Alias for ``element_size()``.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self.dtype.itemsize
 
     @property
     def nbytes(self) -> builtins.int:
+        """Returns the number of bytes consumed by the "view" of elements of the Tensor.
+
+        Defined to be ``numel() * element_size()``. Metadata the SDK keeps: no RPC.
+        """
         return self.numel() * self.dtype.itemsize
 
     def data_ptr(self) -> builtins.int:
+        """Returns the address of the first element of ``self`` tensor.
+
+        The address is in the server's memory: its Storage's address as the server reported it, plus
+        the offset in bytes; 0 for a tensor with no elements, as torch's.  No RPC (for a tensor a
+        queued copy makes, it waits for the server's answer to that copy).
+        """
         # torch: the storage's address plus the offset in bytes; 0 (nullptr) with no elements
         if self.numel() == 0:
             return 0
         return self._meta.storage_data_ptr + self._meta.layout.offset * self.dtype.itemsize
 
     def untyped_storage(self) -> UntypedStorage:
+        """Returns the underlying ``UntypedStorage``.
+
+        Here a description of the server's Storage (its id, size in bytes and address), with no
+        bytes in this process; ``x.set_(storage, ...)`` takes it.  No RPC (for a tensor a queued
+        copy makes, it waits for the server's answer to that copy).
+        """
         return UntypedStorage(self._meta, self)
 
     def __reduce__(self) -> Any:
@@ -629,7 +737,7 @@ class Tensor(NoMath):
     def _views(self, layouts: Any = None, **op: Any) -> list[Tensor]:
         """The view op ``op`` (a ViewRequest field); ``layouts`` are its results as the layout
         engine computed them here: with pipelining the op is queued and they are returned at
-        once, under handle ids this client chose (issue 15)."""
+        once, under handle ids this client chose."""
         conn = self._session.conn
         handle = self.handle
         if layouts:
@@ -673,7 +781,7 @@ class Tensor(NoMath):
                 m.device,
                 m.requires_grad,
                 m.storage,  # shared: a view's Storage is its input's
-                m.conj,  # and so are its lazy bits (issue 14)
+                m.conj,  # and so are its lazy bits
                 m.neg,
             )
         meta = m.replace(handle=new_handle_id(), layout=layout)
@@ -693,6 +801,20 @@ class Tensor(NoMath):
         return meta
 
     def view(self, *shape: Any) -> Tensor:
+        """Returns a new tensor with the same data as the ``self`` tensor but of a different
+        ``shape``.
+
+        ``x.view(dtype)`` instead views the same bytes as another dtype, as torch's does.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+
+        Raises:
+            RuntimeError: the shape is not viewable with these strides (torch's text; use
+                ``reshape``, which copies then).
+        """
         if not shape:
             raise errors.TensordTypeError(
                 "view() received an invalid combination of arguments - got (), but expected one "
@@ -715,9 +837,30 @@ class Tensor(NoMath):
         return self._view(layout, view_dtype=pb.ViewDtype(dtype=dtype.name))
 
     def view_as(self, other: Tensor) -> Tensor:
+        """View this tensor as the same size as ``other``.
+
+        ``self.view_as(other)`` is equivalent to ``self.view(other.size())``.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         return self.view(other.shape)
 
     def reshape(self, *shape: Any) -> Tensor:
+        """Returns a tensor with the same data and number of elements as ``self`` but with the
+        specified shape.
+
+        A view when ``shape`` is compatible with the current layout (as ``view``).  A view, no copy:
+        the layout is computed here (a bad argument raises torch's error with no round trip), and
+        the server only registers a new handle on the same Storage. With pipelining (the default)
+        that op is queued and the call does not wait for the server; without it, one View RPC.
+
+        Otherwise a contiguous copy made on the server: with pipelining that copy is queued too (the
+        new Storage's id and address come with the batch's answer, and reading them waits for it);
+        without it, one Reshape RPC.
+        """
         require_args("reshape", "shape", shape)
         with torch_errors():
             sizes = shape_args(shape)
@@ -733,7 +876,7 @@ class Tensor(NoMath):
         return wrap(self._client, self._session, conn.call("Reshape", request))
 
     def _queued_copy(self, request: pb.ReshapeRequest, layout: Layout) -> Tensor:
-        """A reshape that must copy, queued (issue 15): the result's layout is contiguous and
+        """A reshape that must copy, queued: the result's layout is contiguous and
         its id ours; its Storage's facts come with the Batch's answer (StorageInfo)."""
         check_limit(layout.ndim, "MAX_DIMS", "the result would have {} dimensions")
         conn = self._session.conn
@@ -745,9 +888,24 @@ class Tensor(NoMath):
         return Tensor(self._client, self._session, meta)
 
     def reshape_as(self, other: Tensor) -> Tensor:
+        """Returns this tensor as the same shape as ``other``.
+
+        ``self.reshape_as(other)`` is equivalent to ``self.reshape(other.shape)``: a view when the
+        layout allows, else a copy on the server (see ``reshape``).
+        """
         return self.reshape(other.shape)
 
     def narrow(self, dim: builtins.int, start: Any, length: builtins.int) -> Tensor:
+        """Returns a new tensor that is a narrowed version of ``self`` tensor.
+
+        The dimension ``dim`` is input from ``start`` to ``start + length``; ``start`` may also be a
+        0-dim integer tensor, as torch's.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server (a view dropped
+        unused before its batch is sent is never sent); without it, one View RPC.
+        """
         if _is_tensor(start):  # torch's narrow(dim, Tensor start, length) overload
             start = _narrow_start(start)
         with torch_errors():
@@ -755,6 +913,15 @@ class Tensor(NoMath):
         return self._elidable_view(layout, narrow=pb.Narrow(dim=dim, start=start, length=length))
 
     def select(self, dim: builtins.int, index: builtins.int) -> Tensor:
+        """Slices the ``self`` tensor along the selected dimension at the given index.
+
+        This returns a view of the original tensor with the given dimension removed.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server (a view dropped
+        unused before its batch is sent is never sent); without it, one View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.select(dim, index)
         return self._elidable_view(layout, select=pb.Select(dim=dim, index=index))
@@ -779,17 +946,35 @@ class Tensor(NoMath):
         raise errors.TensordTypeError("Tensor does not support deleting items")
 
     def transpose(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        """Returns a tensor that is a transposed version of ``self``.
+
+        The given dimensions ``dim0`` and ``dim1`` are swapped.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server (a view dropped
+        unused before its batch is sent is never sent); without it, one View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.transpose(dim0, dim1)
         return self._elidable_view(layout, transpose=pb.Transpose(dim0=dim0, dim1=dim1))
 
     def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
+        """Alias for ``transpose``: a view, queued like it."""
         return self.transpose(axis0, axis1)
 
     def swapdims(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        """Alias for ``transpose``: a view, queued like it."""
         return self.transpose(dim0, dim1)
 
     def t(self) -> Tensor:
+        """Expects ``self`` to be <= 2-D tensor and transposes dimensions 0 and 1.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server (a view dropped
+        unused before its batch is sent is never sent); without it, one View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.t()
         return self._elidable_view(layout, t=pb.T())
@@ -825,20 +1010,37 @@ class Tensor(NoMath):
 
     @property
     def mT(self) -> Tensor:
+        """Returns a view of this tensor with the last two dimensions transposed.
+
+        A view like ``transpose(-2, -1)``, queued like it.
+        """
         return self._matrix_view("mT", _IDENTITY_0D.format("Tensor.mT"))
 
     @property
     def mH(self) -> Tensor:
+        """Accessing this property is equivalent to calling ``adjoint()``.
+
+        A view (a transpose, plus the lazy conjugate of a complex tensor), queued like it.
+        """
         return self._matrix_view("mH", _CONJ_0D.format("Tensor.mH"))
 
     @property
     def H(self) -> Tensor:
+        """Returns a view of a matrix (2-D tensor) conjugated and transposed.
+
+        A view (a transpose, plus the lazy conjugate of a complex tensor), queued like it.
+        """
         return self._matrix_view("H", _CONJ_0D.format("Tensor.H"))
 
     def adjoint(self) -> Tensor:
+        """Returns a view of the tensor conjugated and with the last two dimensions transposed.
+
+        A view: ``transpose(-2, -1)``, and of a complex tensor its lazy conjugate (a flipped
+        conjugate bit, no values changed); queued like every view.
+        """
         return self._matrix_view("adjoint()", _CONJ_0D.format("adjoint()"))
 
-    # ---- complex views and torch's lazy conjugate / negative bits (issue 14) ----------
+    # ---- complex views and torch's lazy conjugate / negative bits ---------------------
 
     def _lazy_view(self, name: builtins.str) -> LazyView:
         meta = self._meta
@@ -867,9 +1069,17 @@ class Tensor(NoMath):
         return self._complex_view("conj") if self.dtype.is_complex else self
 
     def is_conj(self) -> builtins.bool:
+        """Returns True if the conjugate bit of ``self`` is set to true.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.conj
 
     def is_neg(self) -> builtins.bool:
+        """Returns True if the negative bit of ``self`` is set to true.
+
+        Metadata the SDK keeps: no RPC.
+        """
         return self._meta.neg
 
     def resolve_conj(self) -> Tensor:
@@ -891,6 +1101,16 @@ class Tensor(NoMath):
         return self
 
     def permute(self, *dims: Any) -> Tensor:
+        """Returns a view of the original tensor with its dimensions permuted.
+
+        The dims come as ints or as one sequence of them: ``x.permute(1, 0)`` or
+        ``x.permute((1, 0))``.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         require_args("permute", "dims", dims)
         with torch_errors():
             order = shape_args(dims)
@@ -898,9 +1118,21 @@ class Tensor(NoMath):
         return self._view(layout, permute=pb.Permute(dims=order))
 
     def moveaxis(self, source: Any, destination: Any) -> Tensor:
+        """Alias for ``movedim``: a view, queued like it."""
         return self.movedim(source, destination)
 
     def movedim(self, source: Any, destination: Any) -> Tensor:
+        """Moves the dimension(s) of ``self`` at the position(s) in ``source`` to the position(s) in
+        ``destination``.
+
+        Other dimensions of ``self`` that are not explicitly moved remain in their original order
+        and appear at the positions not specified in ``destination``.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.movedim(source, destination)
         src = [source] if isinstance(source, builtins.int) else list(source)
@@ -908,6 +1140,17 @@ class Tensor(NoMath):
         return self._view(layout, movedim=pb.Movedim(source=src, destination=dst))
 
     def expand(self, *sizes: Any) -> Tensor:
+        """Returns a new view of the ``self`` tensor with singleton dimensions expanded to a larger
+        size.
+
+        Passing -1 as the size for a dimension means not changing its size.  The expanded dimensions
+        have stride 0: no memory is allocated.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         require_args("expand", "size", sizes)
         with torch_errors():
             target = shape_args(sizes)
@@ -915,12 +1158,30 @@ class Tensor(NoMath):
         return self._view(layout, expand=pb.Expand(shape=target))
 
     def expand_as(self, other: Any) -> Tensor:
+        """Expand this tensor to the same size as ``other``.
+
+        ``self.expand_as(other)`` is equivalent to ``self.expand(other.size())``: a view, queued
+        like it.
+        """
         return self.expand(tuple(other.shape))
 
     def broadcast_to(self, size: Any) -> Tensor:
+        """Broadcasts ``self`` to the shape ``size``.
+
+        Equivalent to calling ``self.expand(size)``: a view, queued like it.
+        """
         return self.expand(size)
 
     def squeeze(self, dim: Any = None) -> Tensor:
+        """Returns a tensor with all specified dimensions of ``self`` of size 1 removed.
+
+        ``dim`` is an int, a tuple of ints, or None for every dimension of size 1.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.squeeze(dim)
         if dim is None:
@@ -929,11 +1190,30 @@ class Tensor(NoMath):
         return self._view(layout, squeeze=pb.Squeeze(dims=pb.IntList(values=dims)))
 
     def unsqueeze(self, dim: builtins.int) -> Tensor:
+        """Returns a new tensor with a dimension of size one inserted at the specified position.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.unsqueeze(dim)
         return self._view(layout, unsqueeze=pb.Unsqueeze(dim=dim))
 
     def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
+        """Flattens ``self`` by reshaping it into a one-dimensional tensor.
+
+        If ``start_dim`` or ``end_dim`` are passed, only dimensions starting with ``start_dim`` and
+        ending with ``end_dim`` are flattened.  With ``start_dim == end_dim`` a tensor of one or
+        more dimensions is returned itself, as torch does.
+
+        A view when the dimensions can be merged without a copy: the layout is computed here (a bad
+        argument raises torch's error with no round trip), and the server only registers a new
+        handle on the same Storage. With pipelining (the default) that op is queued and the call
+        does not wait for the server; without it, one View RPC.  Otherwise a copy, as ``reshape``
+        makes it.
+        """
         with torch_errors():
             viewed = self._meta.layout.flatten(start_dim, end_dim)
         if viewed is self._meta.layout and self.ndim > 0:
@@ -947,11 +1227,31 @@ class Tensor(NoMath):
         return self.reshape(flat.shape)
 
     def unflatten(self, dim: builtins.int, sizes: Sequence[builtins.int]) -> Tensor:
+        """Expands a dimension of the input tensor over multiple dimensions.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.unflatten(dim, sizes)
         return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        """Splits the tensor into chunks. Each chunk is a view of the original tensor.
+
+        An int ``split_size_or_sections`` makes equal chunks of that size along ``dim`` (the last
+        may be smaller); a list of ints gives each chunk's size.
+
+        Views, no copy: the layouts are computed here and the server registers the handles in one op
+        on the same Storage, queued with pipelining (the default; one View RPC without it).  More
+        parts than ``tensord.protocol.MAX_VIEW_RESULTS`` are made in runs of that many, each waited
+        for.
+
+        Returns:
+            A tuple of tensors.
+        """
         count = self._result_count("split", (split_size_or_sections, dim))
         if count > protocol.MAX_VIEW_RESULTS and isinstance(split_size_or_sections, builtins.int):
             size = split_size_or_sections  # (a list of sections is split below, as views)
@@ -988,12 +1288,33 @@ class Tensor(NoMath):
         )
 
     def hsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        """Splits ``self``, a tensor with one or more dimensions, into multiple tensors horizontally
+        according to ``indices_or_sections``.
+
+        Views, no copy: the layouts are computed here; the server registers the handles on the same
+        Storage as one split op, or one ``as_strided`` per part where the parts are no plain split,
+        queued with pipelining (the default; View RPCs without it).
+        """
         return self._split_along("hsplit", indices_or_sections)
 
     def vsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        """Splits ``self``, a tensor with two or more dimensions, into multiple tensors vertically
+        according to ``indices_or_sections``.
+
+        Views, no copy: the layouts are computed here; the server registers the handles on the same
+        Storage as one split op, or one ``as_strided`` per part where the parts are no plain split,
+        queued with pipelining (the default; View RPCs without it).
+        """
         return self._split_along("vsplit", indices_or_sections)
 
     def dsplit(self, indices_or_sections: Any) -> tuple[Tensor, ...]:
+        """Splits ``self``, a tensor with three or more dimensions, into multiple tensors depthwise
+        according to ``indices_or_sections``.
+
+        Views, no copy: the layouts are computed here; the server registers the handles on the same
+        Storage as one split op, or one ``as_strided`` per part where the parts are no plain split,
+        queued with pipelining (the default; View RPCs without it).
+        """
         return self._split_along("dsplit", indices_or_sections)
 
     def _split_views(self, parts: tuple[Layout, ...], dim: builtins.int) -> tuple[Tensor, ...]:
@@ -1054,6 +1375,14 @@ class Tensor(NoMath):
         return self._view(layout, as_strided=op)
 
     def unfold(self, dimension: builtins.int, size: builtins.int, step: builtins.int) -> Tensor:
+        """Returns a view of the original tensor which contains all slices of size ``size`` from
+        ``self`` tensor in the dimension ``dimension``.
+
+        Step between two slices is given by ``step``.  A view, no copy: the layout is computed here
+        (a bad argument raises torch's error with no round trip), and the server only registers a
+        new handle on the same Storage. With pipelining (the default) that op is queued and the call
+        does not wait for the server; without it, one View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.unfold(dimension, size, step)
         return self._strided_view(layout)
@@ -1063,6 +1392,17 @@ class Tensor(NoMath):
         return self.contiguous().view(-1)
 
     def chunk(self, chunks: builtins.int, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        """Attempts to split a tensor into the specified number of chunks. Each chunk is a view of
+        the input tensor.
+
+        Views, no copy: the layouts are computed here and the server registers the handles in one op
+        on the same Storage, queued with pipelining (the default; one View RPC without it).  More
+        parts than ``tensord.protocol.MAX_VIEW_RESULTS`` are made in runs of that many, each waited
+        for.
+
+        Returns:
+            A tuple of tensors.
+        """
         count = self._result_count("chunk", (chunks, dim))
         if count > protocol.MAX_VIEW_RESULTS:
             # torch's chunk is a split by ceil(size / chunks); of an empty dim, `chunks` empties
@@ -1075,6 +1415,15 @@ class Tensor(NoMath):
         return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
+        """Removes a tensor dimension.
+
+        Returns a tuple of all slices along a given dimension, already without it.
+
+        Views, no copy: the layouts are computed here and the server registers the handles in one op
+        on the same Storage, queued with pipelining (the default; one View RPC without it).  More
+        parts than ``tensord.protocol.MAX_VIEW_RESULTS`` are made in runs of that many, each waited
+        for.
+        """
         count = self._result_count("unbind", (dim,))
         if count > protocol.MAX_VIEW_RESULTS:
             return self._in_groups(count, 1, dim, lambda t, n: t.unbind(dim))
@@ -1117,6 +1466,14 @@ class Tensor(NoMath):
     def diagonal(
         self, offset: builtins.int = 0, dim1: builtins.int = 0, dim2: builtins.int = 1
     ) -> Tensor:
+        """Returns a partial view of ``self`` with its diagonal elements with respect to
+        ``dim1`` and ``dim2`` appended as a dimension at the end of the shape.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         with torch_errors():
             layout = self._meta.layout.diagonal(offset, dim1, dim2)
         return self._view(layout, diagonal=pb.Diagonal(offset=offset, dim1=dim1, dim2=dim2))
@@ -1127,6 +1484,17 @@ class Tensor(NoMath):
         stride: Sequence[builtins.int],
         storage_offset: builtins.int | None = None,
     ) -> Tensor:
+        """Create a view of an existing tensor with specified ``size``, ``stride`` and
+        ``storage_offset``.
+
+        The view must stay within the Storage: checked here against the Storage's size (the server
+        checks it again).  ``storage_offset`` None keeps this tensor's offset.
+
+        A view, no copy: the layout is computed here (a bad argument raises torch's error with no
+        round trip), and the server only registers a new handle on the same Storage. With pipelining
+        (the default) that op is queued and the call does not wait for the server; without it, one
+        View RPC.
+        """
         itemsize = self.dtype.itemsize
         with torch_errors():
             layout = self._meta.layout.as_strided(
@@ -1147,21 +1515,51 @@ class Tensor(NoMath):
         return self
 
     def t_(self) -> Tensor:
+        """In-place version of ``Tensor.t``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.t())
 
     def transpose_(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        """In-place version of ``Tensor.transpose``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.transpose(dim0, dim1))
 
     def swapdims_(self, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+        """In-place version of ``Tensor.swapdims``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.transpose(dim0, dim1))
 
     def swapaxes_(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
+        """In-place version of ``Tensor.swapaxes``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.transpose(axis0, axis1))
 
     def squeeze_(self, dim: Any = None) -> Tensor:
+        """In-place version of ``Tensor.squeeze``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.squeeze(dim))
 
     def unsqueeze_(self, dim: builtins.int) -> Tensor:
+        """In-place version of ``Tensor.unsqueeze``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.unsqueeze(dim))
 
     def as_strided_(
@@ -1170,9 +1568,21 @@ class Tensor(NoMath):
         stride: Sequence[builtins.int],
         storage_offset: builtins.int | None = None,
     ) -> Tensor:
+        """In-place version of ``Tensor.as_strided``.
+
+        This object takes the view's new handle (and releases its old one); other tensors on the
+        same Storage keep their layouts, as in torch.  Queued like the view.
+        """
         return self._become(self.as_strided(size, stride, storage_offset))
 
     def detach(self) -> Tensor:
+        """Returns a new Tensor, detached from the current graph.
+
+        The result shares this tensor's Storage and has ``requires_grad`` False.  A view, no copy:
+        the layout is computed here (a bad argument raises torch's error with no round trip), and
+        the server only registers a new handle on the same Storage. With pipelining (the default)
+        that op is queued and the call does not wait for the server; without it, one View RPC.
+        """
         return self._view(self._meta.layout, detach=pb.Detach())
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
@@ -1226,6 +1636,13 @@ class Tensor(NoMath):
         return wrap(self._client, self._session, self._session.conn.call(method, request))
 
     def clone(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Returns a copy of ``self``.
+
+        A new Storage on the server, filled there: one Clone RPC, which waits for it (and for the
+        ops queued before it).  Takes torch's keyword ``memory_format`` (``tensord.preserve_format``
+        by default, or ``contiguous_format``, ``channels_last``, ``channels_last_3d``, or torch's
+        own objects).
+        """
         memory_format = kwargs.pop("memory_format", None)
         no_positional_or_unknown("clone", args, kwargs)
         fmt = (
@@ -1248,6 +1665,11 @@ class Tensor(NoMath):
         return self.clone(memory_format=MemoryFormat(fmt))
 
     def repeat(self, *sizes: Any) -> Tensor:
+        """Repeats this tensor along the specified dimensions.
+
+        The repeats come as ints or one sequence of them.  A new tensor made on the server: one
+        Repeat RPC, which waits for it.
+        """
         require_args("repeat", "repeats", sizes)
         repeats = shape_args(sizes)
         check_limit(len(repeats), "MAX_DIMS", "repeat() would make a tensor of {} dimensions")
@@ -1293,15 +1715,46 @@ class Tensor(NoMath):
         return wrap(self._client, self._session, meta)
 
     def cpu(self) -> Tensor:
+        """Returns a copy of this object in CPU memory.
+
+        The server's CPU memory.  One To RPC, which waits for the server: a copy made there, or
+        ``self`` when the tensor is there already (as torch returns it).
+        """
         return self.to("cpu")
 
     def cuda(self, device: Any = None) -> Tensor:
+        """Returns a copy of this object in CUDA memory.
+
+        The server's GPU (``device``: an index, ``"cuda:N"`` or a torch.device; None is ``cuda:0``):
+        one To RPC, which waits for the server: a copy made there, or ``self`` when the tensor is
+        there already.  A server without that GPU raises ``tensord.FailedPreconditionError``.
+        """
         return self.to(device_name(0 if device is None else device))
 
     def type_as(self, other: Tensor) -> Tensor:
+        """Returns this tensor cast to the type of the given tensor.
+
+        Equivalent to ``self.to(other.dtype)``. One To RPC, which waits for the server: a copy made
+        there, or ``self`` when the tensor has that dtype already (as torch returns it).
+        """
         return self.to(other.dtype)
 
     def copy_(self, src: Any) -> Tensor:
+        """Copies the elements from ``src`` into ``self`` tensor and returns ``self``.
+
+        ``src`` broadcasts to ``self``'s shape (checked here first, with torch's text) and may be
+        another tensor of this client, a NumPy array, a nested list or a number.  From a tensor the
+        copy runs on the server, queued with pipelining (the default; one Copy RPC without it).  An
+        array or a list is first uploaded (a call that waits), then copied in the same way; on the
+        server's host an array of this tensor's dtype is, where it can be, written straight into the
+        server's mapped memory instead.
+
+        Args:
+            src: The values to copy in.
+
+        Returns:
+            ``self``.
+        """
         # torch checks the shapes before any work; the server would too, but a queued
         # (pipelined) copy_ would raise only at the next wait, far from this line
         if isinstance(src, np.ndarray):
@@ -1315,6 +1768,17 @@ class Tensor(NoMath):
         return self._written_from(src)
 
     def fill_(self, value: Any) -> Tensor:
+        """Fills ``self`` tensor with the specified value.
+
+        A write on the server, queued with pipelining (the default; one Fill RPC without it). A
+        0-dim tensor ``value`` is read first (a call that waits).
+
+        Args:
+            value: A number, or a 0-dim tensor.
+
+        Returns:
+            ``self``.
+        """
         if isinstance(value, Tensor):
             if value.ndim != 0:
                 raise errors.TensordRuntimeError(
@@ -1327,6 +1791,10 @@ class Tensor(NoMath):
         return self
 
     def zero_(self) -> Tensor:
+        """Fills ``self`` tensor with zeros.
+
+        ``fill_(0)``: a write on the server, queued with pipelining (the default).
+        """
         return self.fill_(0)
 
     def _check_copy_from(self, src_shape: Sequence[builtins.int]) -> None:
@@ -1412,6 +1880,23 @@ class Tensor(NoMath):
         return out.view(np_dtype).reshape(self.shape)
 
     def numpy(self, *, force: builtins.bool = False) -> np.ndarray:
+        """Returns the tensor as a NumPy ``ndarray``.
+
+        Unlike torch's, the array is always a new copy of the elements and never shares memory with
+        the tensor: writes to it do not reach the server (use ``x.copy_(array)``, or
+        ``np.asarray(x, copy=False)`` or DLPack for a same-host alias).  The bytes come from the
+        server (a gRPC download, or one copy out of the server's mapped memory on the same host);
+        the call waits for the ops queued before it.
+
+        Args:
+            force: Skip the checks below and download anyway (any device; the lazy conjugate
+                and negative bits are applied to the copy).
+
+        Raises:
+            RuntimeError: ``self`` requires grad, or has its conjugate or negative bit set
+                (torch's texts), unless ``force``.
+            TypeError: ``self`` is not on the CPU, unless ``force``.
+        """
         if not force and self.requires_grad:
             raise errors.TensordRuntimeError(
                 "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
@@ -1487,9 +1972,24 @@ class Tensor(NoMath):
         return array
 
     def tolist(self) -> Any:
+        """Returns the tensor as a (nested) list.
+
+        For scalars, a standard Python number is returned, just like with ``item()``. Tensors on any
+        device are read.  The bytes come from the server (a gRPC download, or one copy out of the
+        server's mapped memory on the same host); the call waits for the ops queued before it.
+        """
         return _python_values(self._download(), self.dtype).tolist()
 
     def item(self) -> Number:
+        """Returns the value of this tensor as a standard Python number.
+
+        This only works for tensors with one element.  The bytes come from the server (a gRPC
+        download, or one copy out of the server's mapped memory on the same host); the call waits
+        for the ops queued before it.
+
+        Raises:
+            RuntimeError: the tensor does not have exactly one element.
+        """
         if self.numel() != 1:
             raise errors.TensordRuntimeError(
                 f"a Tensor with {self.numel()} elements cannot be converted to Scalar"
@@ -1552,33 +2052,78 @@ class Tensor(NoMath):
     # ---- dtype conversions: to(dtype) ---------------------------------------------------
 
     def double(self) -> Tensor:
+        """``self.double()`` is equivalent to ``self.to(tensord.float64)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.float64)
 
     def half(self) -> Tensor:
+        """``self.half()`` is equivalent to ``self.to(tensord.float16)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.float16)
 
     def bfloat16(self) -> Tensor:
+        """``self.bfloat16()`` is equivalent to ``self.to(tensord.bfloat16)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.bfloat16)
 
     def long(self) -> Tensor:
+        """``self.long()`` is equivalent to ``self.to(tensord.int64)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.int64)
 
     def short(self) -> Tensor:
+        """``self.short()`` is equivalent to ``self.to(tensord.int16)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.int16)
 
     def byte(self) -> Tensor:
+        """``self.byte()`` is equivalent to ``self.to(tensord.uint8)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.uint8)
 
     def char(self) -> Tensor:
+        """``self.char()`` is equivalent to ``self.to(tensord.int8)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.int8)
 
     def cfloat(self) -> Tensor:
+        """``self.cfloat()`` is equivalent to ``self.to(tensord.complex64)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.complex64)
 
     def cdouble(self) -> Tensor:
+        """``self.cdouble()`` is equivalent to ``self.to(tensord.complex128)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.complex128)
 
-    # ---- issue 14 indexing: advanced indexing (a gather or scatter on the server) -----------
+    # ---- advanced indexing (a gather or scatter on the server) -------------------------
 
     def _index_handle(self, item: Any, keep: list[Tensor]) -> str:
         """An index item's handle: a tensor of this client as it is, anything else (a list,
@@ -1710,9 +2255,16 @@ class Tensor(NoMath):
         self._advanced_put(items, values, raw=True, accumulate=accumulate)
         return self
 
-    # ---- resize, set_ (issue 14): this handle changes in place; others keep their layout ----
+    # ---- resize, set_: this handle changes in place; others keep their layout ----
 
     def is_same_size(self, other: Any) -> builtins.bool:
+        """Returns True if ``other`` has the same size as ``self``.
+
+        ``other`` may be a tensord or a torch tensor. Metadata the SDK keeps: no RPC.
+
+        Raises:
+            TypeError: ``other`` is not a tensor (torch's text).
+        """
         _check_tensor_argument("is_same_size", "other", other)
         return tuple(self.shape) == tuple(other.shape)
 
@@ -1739,6 +2291,15 @@ class Tensor(NoMath):
         return self
 
     def resize_as_(self, the_template: Any, memory_format: Any = None) -> Tensor:
+        """Resizes the ``self`` tensor to be the same size as the specified ``the_template``.
+
+        This is equivalent to ``self.resize_(the_template.size())``; a ``memory_format`` of
+        ``preserve_format`` takes the template's own format.  One Resize RPC (see ``resize_``).
+
+        Args:
+            the_template: The tensor whose size ``self`` takes (a tensord or torch tensor).
+            memory_format: The result's memory format; None: contiguous.
+        """
         _check_tensor_argument("resize_as_", "the_template", the_template)
         if memory_format is None:
             return self.resize_(tuple(the_template.shape))
@@ -1765,18 +2326,33 @@ class Tensor(NoMath):
 
     # Last in the class body: these names shadow the built-ins below them.
     def float(self) -> Tensor:
+        """``self.float()`` is equivalent to ``self.to(tensord.float32)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.float32)
 
     def int(self) -> Tensor:
+        """``self.int()`` is equivalent to ``self.to(tensord.int32)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.int32)
 
     def bool(self) -> Tensor:
+        """``self.bool()`` is equivalent to ``self.to(tensord.bool)``.
+
+        One To RPC, which waits for the server: a copy made there, or ``self`` when the tensor has
+        that dtype already (as torch returns it).
+        """
         return self.to(dtypes.bool)
 
 
 def complex_function(name: builtins.str, input: Any) -> Tensor:
     """torch.view_as_real / torch.view_as_complex (no Tensor methods in torch): the complex
-    view of ``input``, after torch's argument check (issue 14)."""
+    view of ``input``, after torch's argument check."""
     if not isinstance(input, Tensor):
         raise errors.TensordTypeError(
             f"{name}(): argument 'input' (position 1) must be Tensor, not {type(input).__name__}"
