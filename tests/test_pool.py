@@ -338,6 +338,8 @@ def test_memory_stats_has_torch_keys_and_extras() -> None:
 def test_external_fragmentation_figures() -> None:
     assert external_fragmentation(0, 0) == 0.0
     assert external_fragmentation(3, 4) == pytest.approx(0.25)
+    assert external_fragmentation(3, 8, releasable_bytes=5) == pytest.approx(3 / 8)
+    assert external_fragmentation(3, 8, releasable_bytes=8) == 0.0
     pool = make_pool()
     a, guard = pool.malloc(MiB // 2), pool.malloc(512)
     pool.free(a)  # free: 512 KiB hole and the 2 MiB - 512 KiB - 512 B tail
@@ -346,6 +348,40 @@ def test_external_fragmentation_figures() -> None:
     assert stats["largest_free_block_bytes.small_pool"] == tail
     assert stats["external_fragmentation.small_pool"] == pytest.approx(1 - tail / (tail + MiB // 2))
     assert stats["external_fragmentation.large_pool"] == 0.0
+    del guard
+
+
+def test_an_idle_cache_is_reserved_not_fragmented() -> None:
+    # whole free segments count as one: torch's OOM path releases them and reserves one
+    # segment in their place, so a cache holding no allocation reads 0, not 1 - 30/52
+    pool = make_pool()
+    blocks = [pool.malloc(5 * MiB), pool.malloc(30 * MiB), pool.malloc(1000)]
+    for block in blocks:
+        pool.free(block)
+    stats = pool.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 0 and stats["segment.all.current"] == 3
+    assert stats["releasable_bytes.all"] == stats["reserved_bytes.all.current"] == 52 * MiB
+    assert stats["largest_free_block_bytes.all"] == 30 * MiB
+    for kind in ("all", "small_pool", "large_pool"):
+        assert stats[f"external_fragmentation.{kind}"] == 0.0
+    pool.empty_cache()
+    assert pool.memory_stats()["releasable_bytes.all"] == 0
+
+
+def test_fragmentation_counts_holes_against_the_releasable_segments() -> None:
+    pool = make_pool()
+    hole, guard = pool.malloc(6 * MiB), pool.malloc(6 * MiB)  # one 20 MiB segment
+    whole = pool.malloc(9 * MiB)  # a second 20 MiB segment (below 10 MiB: not its own size)
+    pool.free(hole)
+    pool.free(whole)  # free: a 6 MiB hole, the 8 MiB tail, a whole 20 MiB segment
+    stats = pool.memory_stats()
+    assert stats["releasable_bytes.large_pool"] == 20 * MiB
+    assert stats["external_fragmentation.large_pool"] == pytest.approx(1 - 20 / 34)
+    pool.empty_cache()  # only the split segment's holes are left
+    stats = pool.memory_stats()
+    assert stats["releasable_bytes.large_pool"] == 0
+    assert stats["external_fragmentation.large_pool"] == pytest.approx(1 - 8 / 14)
+    pool.assert_invariants()
     del guard
 
 

@@ -1431,8 +1431,12 @@ class CachingPool:
         )
 
     def _free_block_figures(self) -> dict[str, int | float]:
-        """Beyond torch: the largest free block and external fragmentation, per pool."""
+        """Beyond torch: the largest free block, the releasable bytes and external
+        fragmentation (see :func:`~.stats.external_fragmentation`), per pool."""
         result: dict[str, int | float] = {}
+        releasable = {
+            pool.kind: self._releasable_bytes(pool) for pool in (self._small, self._large)
+        }
         pools = {
             "all": (self._small, self._large),
             "small_pool": (self._small,),
@@ -1441,9 +1445,19 @@ class CachingPool:
         for name, members in pools.items():
             largest = max(pool.largest_free() for pool in members)
             free = sum(pool.free_bytes() for pool in members)
+            whole = sum(releasable[pool.kind] for pool in members)
             result[f"largest_free_block_bytes.{name}"] = largest
-            result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free)
+            result[f"releasable_bytes.{name}"] = whole
+            result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free, whole)
         return result
+
+    def _releasable_bytes(self, pool: BlockPool) -> int:
+        """The bytes of ``pool``'s whole free segments that empty_cache would give back now."""
+        return sum(
+            block.size
+            for block in pool.free_blocks.values()
+            if not block.is_split() and self._releasable(block)
+        )
 
 
 # ---------------------------------------------------------------------------

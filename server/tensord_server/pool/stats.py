@@ -125,11 +125,19 @@ class DeviceStats:
 # Pure helpers for compaction, stats, summaries and snapshots
 
 
-def external_fragmentation(largest_free: int, free_bytes: int) -> float:
-    """1 - largest free block / free bytes: 0.0 when the free memory is one block (or none)."""
+def external_fragmentation(largest_free: int, free_bytes: int, releasable_bytes: int = 0) -> float:
+    """The share of the cache's free bytes that one allocation could not use:
+    ``1 - max(largest_free, releasable_bytes) / free_bytes``.
+
+    ``releasable_bytes`` are the whole free segments the pool may give back (what
+    ``empty_cache`` returns): they count together, as one block, because torch's
+    out-of-memory path releases them and reserves one segment in their place.  So the
+    figure is 0.0 when the free memory is one block, when it is all in segments holding no
+    allocation (an idle cache is reserved, not fragmented), or when there is none.
+    """
     if free_bytes <= 0:
         return 0.0
-    return 1.0 - largest_free / free_bytes
+    return 1.0 - max(largest_free, releasable_bytes) / free_bytes
 
 
 def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
