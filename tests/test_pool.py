@@ -408,7 +408,7 @@ def test_peaks_and_reset() -> None:
 @pytest.mark.torch
 def test_memory_summary_matches_torch_layout() -> None:
     torch_memory = pytest.importorskip("torch.cuda.memory")
-    pool = make_pool()
+    pool = CachingPool(BookkeepingBackend(device="cuda:0"))  # a GPU's words: torch's
     live = [pool.malloc(n) for n in (100, 5 * MiB, 30 * MiB, 700_000)]
     pool.free(live[0])
     with mock.patch.object(torch_memory, "memory_stats", lambda device=None: pool.memory_stats()):
@@ -417,7 +417,25 @@ def test_memory_summary_matches_torch_layout() -> None:
     assert len(ours) == len(theirs)
     differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
     assert differing == [1]  # only the title line names tensord
-    assert "tensord memory summary, device sim" in ours[1] and len(ours[1]) == len(theirs[1])
+    assert "tensord memory summary, device cuda:0" in ours[1] and len(ours[1]) == len(theirs[1])
+
+
+def test_a_host_memory_summary_says_no_gpu_and_keeps_the_layout() -> None:
+    # the cpu pool's table spoke of "CUDA OOMs", "cudaMalloc retries", "GPU reserved memory"
+    live = [(n, None) for n in (100, 5 * MiB, 30 * MiB)]
+    summaries = {}
+    for device in ("cpu", "cuda:0"):
+        pool = CachingPool(BookkeepingBackend(device=device))
+        live = [(n, pool.malloc(n)) for n, _ in live]
+        summaries[device] = pool.memory_summary().splitlines()
+    host, gpu = summaries["cpu"], summaries["cuda:0"]
+    text = "\n".join(host)
+    assert "GPU" not in text and "CUDA" not in text and "cuda" not in text, text
+    assert "Reserved memory" in text and "Reserved segments" in text and "OOMs: 0" in text
+    assert "alloc retries: 0" in text
+    assert "GPU reserved memory" in "\n".join(gpu) and "cudaMalloc retries" in "\n".join(gpu)
+    assert [len(line) for line in host] == [len(line) for line in gpu]
+    assert [line.count("|") for line in host] == [line.count("|") for line in gpu]
 
 
 # --- snapshots --------------------------------------------------------------------
