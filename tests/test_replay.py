@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensord_server.data import bundled_trace, bundled_traces
@@ -164,6 +165,62 @@ def test_cli_replay_reports_unreadable_trace(tmp_path: Path) -> None:
             timeout=120,
         )
         assert completed.returncode == 2 and "cannot read" in completed.stderr
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensord_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_replays_what_tensord_snapshot_wrote(tmp_path: Path) -> None:
+    # a snapshot of a server held no trace (the server recorded none), and a file not named
+    # .pickle was read as JSON: replay refused tensord's own snapshots
+    import numpy as np
+    import tensord
+    from conftest import start_serve_process
+
+    process, address = start_serve_process(
+        "--address=127.0.0.1:0", "--device=cpu=64MiB", "--policy=pytorch", "--record-history"
+    )
+    try:
+        with tensord.connect(address, local=False) as client:
+            kept = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 300_000, 3 * MiB)]
+            dropped = [client.from_numpy(np.ones(n, np.float32)) for n in (2000, MiB)]
+            del dropped
+            client.flush()
+            expected = client.memory_stats()
+            snapshot = tmp_path / "server-snapshot"  # no .pickle: the content says what it is
+            wrote = run_tool("snapshot", "--address", address, "-o", str(snapshot))
+            assert wrote.returncode == 0 and wrote.stderr == "", wrote.stderr
+            assert "trace events" in wrote.stdout
+            del kept
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    replayed = run_tool("replay", str(snapshot), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    report = json.loads(replayed.stdout)
+    assert report["unmatched_frees"] == 0 and report["num_ooms"] == 0
+    assert report["peak_allocated_bytes"] == expected["allocated_bytes.all.peak"]
+    assert report["peak_reserved_bytes"] == expected["reserved_bytes.all.peak"]
+    assert report["memory_stats"]["allocated_bytes.all.current"] == sum(
+        4 * n
+        for n in (1024, 300_032, 3 * MiB)  # the kept tensors, rounded to 512 B
+    )
+
+
+def test_a_snapshot_without_history_says_how_to_record_one(server: Any, tmp_path: Path) -> None:
+    snapshot = tmp_path / "snap.pickle"
+    wrote = run_tool("snapshot", "--address", server.address, "-o", str(snapshot))
+    assert wrote.returncode == 0
+    assert "holds no allocator trace" in wrote.stderr and "--record-history" in wrote.stderr
+    replayed = run_tool("replay", str(snapshot))
+    assert replayed.returncode == 2 and "tensord serve --record-history" in replayed.stderr
 
 
 def test_cli_replay_resnet50() -> None:

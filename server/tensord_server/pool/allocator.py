@@ -458,6 +458,13 @@ class CachingPool:
         """torch.cuda.memory_summary()'s table, for this pool."""
         return format_summary(self.memory_stats(), self.device, abbreviated)
 
+    def record_memory_history(self, enabled: bool, max_entries: int = TRACE_MAX_ENTRIES) -> None:
+        """torch.cuda.memory._record_memory_history: while enabled, alloc, free and segment
+        events go into the snapshot's device trace (a ring buffer of the last
+        ``max_entries``), which ``tensord replay`` runs.  Enabling again starts afresh."""
+        with self._lock:
+            self._trace = deque(maxlen=max_entries) if enabled else None
+
     def memory_snapshot(self) -> dict[str, Any]:
         """torch.cuda.memory._snapshot()'s structure: picklable, readable by memory_viz."""
         with self._lock:

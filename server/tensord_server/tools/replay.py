@@ -80,8 +80,9 @@ def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
         traces = snapshot.get("device_traces") or [[]]
         if not traces[0]:
             raise ValueError(
-                "the snapshot has no device trace: record it with "
-                "torch.cuda.memory._record_memory_history() before taking it"
+                "the snapshot has no device trace: record one before taking it, with "
+                "torch.cuda.memory._record_memory_history() in PyTorch or "
+                "tensord serve --record-history for a tensord snapshot"
             )
         entries = traces[0]
     else:
@@ -97,14 +98,23 @@ def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
     ]
 
 
+# The first byte of a pickle of protocol 2 or later (torch's and tensord snapshot's).
+PICKLE_PROTO = b"\x80"
+# The first two bytes of a gzip file.
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def load_trace(path: str | Path) -> list[TraceEvent]:
-    """Read a ``.events.json.gz`` / ``.json`` list or a pickled ``_snapshot()``."""
+    """Read a pickled ``_snapshot()`` (``tensord snapshot``'s and torch's files, whatever
+    their name) or a ``.events.json.gz`` / ``.json`` list; the content tells which."""
     path = Path(path)
-    if path.suffix in (".pickle", ".pkl"):
+    with path.open("rb") as handle:
+        start = handle.read(2)
+    if start[:1] == PICKLE_PROTO:
         with path.open("rb") as handle:
             # Only open pickles you trust: this is the format torch itself writes.
             return events_from_snapshot(pickle.load(handle))
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = gzip.open if start == GZIP_MAGIC else open
     with opener(path, "rt") as handle:
         data = json.load(handle)
     if isinstance(data, dict) or (data and isinstance(data[0], dict)):
@@ -364,8 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         default=DEFAULT_TRACE_NAME,
-        help="a .events.json.gz trace, a pickled torch.cuda.memory._snapshot(), or the name "
-        f"of a bundled trace (see --list; default {DEFAULT_TRACE_NAME}); a file wins over a name",
+        help="a .events.json.gz trace, a pickled torch.cuda.memory._snapshot() (a 'tensord "
+        "snapshot' file is one), or the name of a bundled trace (see --list; default "
+        f"{DEFAULT_TRACE_NAME}); a file wins over a name",
     )
     parser.add_argument("--list", action="store_true", help="list the bundled traces and exit")
     capacity = parser.add_mutually_exclusive_group()
