@@ -223,6 +223,32 @@ def test_a_snapshot_without_history_says_how_to_record_one(server: Any, tmp_path
     assert replayed.returncode == 2 and "tensord serve --record-history" in replayed.stderr
 
 
+def test_a_long_replay_shows_progress_on_stderr(tmp_path: Path) -> None:
+    # a replay of millions of events said nothing until its end
+    from tensord_server.tools.replay import PROGRESS_CHUNK
+
+    pairs = 2 * PROGRESS_CHUNK  # 4 chunks of events
+    events = [
+        ["alloc" if k == 0 else "free_completed", (1 << 30) + 1024 * (i % 64), 1000, 0]
+        for i in range(pairs)
+        for k in (0, 1)
+    ]
+    trace = write_trace(tmp_path / "long.events.json.gz", events)
+    # every look at the clock is "long" here: a line after each chunk
+    shown = run_tool("replay", str(trace), "--json", "--progress-interval", "1e-9")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["events"] == 2 * pairs  # stdout holds the result alone
+    lines = shown.stderr.splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"tensord replay: {PROGRESS_CHUNK:,} of {2 * pairs:,} events (25 %)")
+    assert lines[-1].startswith(f"tensord replay: {2 * pairs:,} of {2 * pairs:,} events (100 %)")
+    assert all(" events/s, about " in line and line.endswith(" s left") for line in lines)
+    # shorter than the default interval: nothing; and 0 turns progress off
+    for flags in ((), ("--progress-interval", "0")):
+        quiet = run_tool("replay", str(trace), "--json", *flags)
+        assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
 def test_cli_replay_resnet50() -> None:
     report = run_cli(str(RESNET_TRACE))
     assert report["peak_allocated_bytes"] == 7_051_840_000
