@@ -87,3 +87,18 @@ def test_stats_into_a_closed_pipe_exits_quietly(server: RunningServer) -> None:
         status = proc.wait(timeout=60)
     assert status == 141, stderr  # 128 + SIGPIPE, what a shell reports for `cat` there
     assert stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+
+
+def test_summary_of_a_host_pool_speaks_of_no_gpu(server: RunningServer) -> None:
+    # the cpu pool's table said "CUDA OOMs", "cudaMalloc retries", "GPU reserved memory"
+    result = subprocess.run(
+        [sys.executable, "-m", "tensord_server", "summary", "--address", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "tensord memory summary, device cpu" in result.stdout
+    assert "Reserved memory" in result.stdout and "OOMs: 0" in result.stdout
+    for word in ("GPU", "CUDA", "cuda"):
+        assert word not in result.stdout, result.stdout

@@ -505,12 +505,23 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
     mix = "kv=1,train=1,churn=1,bimodal=1,views=1,sharing=2,trace=1"
     command += ["--workloads", mix]
     command += ["--out", str(out), "--interval", "0.25", "--leak-timeout", "20"]
+    command += ["--progress-interval", "2"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORD_")}
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=180, check=False, env=env, cwd=tmp_path
     )
     log = result.stdout + result.stderr + _tail(out / "locust.log")
     assert result.returncode == 0, log
+    # while it ran: users, request rate and failures on stderr, every 2 s
+    progress = re.findall(
+        r"^tensord loadtest: \d+ s of 8 s: (\d+) users, [\d,.]+ requests/s, [\d,]+ requests "
+        r"\((\d+) failed, \d+ expected errors\); allocated [\d,.]+ MiB, reserved [\d,.]+ MiB$",
+        result.stderr,
+        re.M,
+    )
+    assert len(progress) >= 2, result.stderr
+    assert any(int(users) == 8 for users, _ in progress), progress
+    assert all(failures == "0" for _, failures in progress), progress
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"], log
     assert summary["unexpected_failures"] == 0, summary["failures_by_op"]
@@ -531,6 +542,48 @@ def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_pat
 
 def _tail(path: Path) -> str:
     return path.read_text()[-4000:] if path.exists() else ""
+
+
+def test_a_run_that_fails_leaves_no_empty_results_folder(tmp_path: Path) -> None:
+    # nothing answers at the address: the run fails before writing anything, and left an
+    # empty folder (and its parents) behind
+    out = tmp_path / "results" / "run"
+    command = [sys.executable, "-m", "tensord_server", "loadtest", "--address", "127.0.0.1:1"]
+    result = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2 and "no tensord server answers" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_lines_read_the_stats_history_as_it_grows(tmp_path: Path) -> None:
+    path = tmp_path / "locust_stats_history.csv"
+    history = loadtest.LocustHistory(path)
+    stats = {"allocated_bytes.all.current": 3 << 20, "reserved_bytes.all.current": 4 << 20}
+    assert loadtest.progress_line(history, 30, None) == (  # not written yet
+        "tensord loadtest: Locust is starting users"
+    )
+    columns = "Timestamp,User Count,Type,Name,Requests/s,Failures/s,Total Request Count,"
+    path.write_text(
+        columns
+        + "Total Failure Count\n"
+        + "100,0,,Aggregated,0.0,0.0,0,0\n"
+        + "112,4,op,kv.append,10.0,0.0,20,0\n"
+        + "112,4,expected,kv.oom,1.0,0.0,2,0\n"
+        + "112,4,,Aggregated,11.0,0.0,22,0\n"
+        + "113,8,op,kv.append,30.0,1.0,50,1\n"  # a second still being written
+        + "113,8,expected,kv.o"
+    )
+    assert loadtest.progress_line(history, 30, stats) == (
+        "tensord loadtest: 12 s of 30 s: 4 users, 11.0 requests/s, 22 requests (0 failed, "
+        "2 expected errors); allocated 3.0 MiB, reserved 4.0 MiB"
+    )
+    with open(path, "a") as f:
+        f.write("om,2.0,0.0,3,0\n113,8,,Aggregated,32.0,1.0,53,1\n")
+    assert loadtest.progress_line(history, 30, None) == (
+        "tensord loadtest: 13 s of 30 s: 8 users, 32.0 requests/s, 53 requests (1 failed, "
+        "3 expected errors)"
+    )
 
 
 def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -> None:

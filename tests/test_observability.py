@@ -4,6 +4,8 @@ real headless Chromium."""
 
 from __future__ import annotations
 
+import base64
+import colorsys
 import contextlib
 import json
 import logging
@@ -113,6 +115,7 @@ def test_metrics_match_memory_stats_after_a_short_workload(
         ("tensord_pool_inactive_split_bytes", "inactive_split_bytes.all.current"),
         ("tensord_pool_segments", "segment.all.current"),
         ("tensord_pool_largest_free_block_bytes", "largest_free_block_bytes.all"),
+        ("tensord_pool_releasable_bytes", "releasable_bytes.all"),
         ("tensord_pool_external_fragmentation_ratio", "external_fragmentation.all"),
         ("tensord_pool_ooms_total", "num_ooms"),
         ("tensord_pool_alloc_retries_total", "num_alloc_retries"),
@@ -142,6 +145,28 @@ def test_metrics_match_memory_stats_after_a_short_workload(
     assert samples[("tensord_rpc_requests_total", oom)] == 1
     # bounded labels: never a session or handle id
     assert all(session_id not in value for _, labels in samples for _, value in labels)
+
+
+def test_an_idle_cache_reads_idle_in_the_metrics(
+    observed: tuple[RunningServer, HttpEndpoints],
+) -> None:
+    # every tensor freed, its segments still cached: the scrape said fragmentation 0.524
+    running, endpoints = observed
+    client = connect(running.address)
+    try:
+        held = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 2 * MiB, 5 * MiB)]
+        del held
+        client.flush()
+        assert wait_until(lambda: client.memory_allocated() == 0)
+    finally:
+        client.close()
+    samples = scrape(f"http://127.0.0.1:{endpoints.port}/metrics")
+    cpu = (("device", "cpu"),)
+    assert samples[("tensord_pool_allocated_bytes", cpu)] == 0
+    assert samples[("tensord_pool_segments", cpu)] == 3  # cached, not given back
+    reserved = samples[("tensord_pool_reserved_bytes", cpu)]
+    assert samples[("tensord_pool_releasable_bytes", cpu)] == reserved > 0
+    assert samples[("tensord_pool_external_fragmentation_ratio", cpu)] == 0.0
 
 
 def test_sessions_closed_and_lost_are_counted(
@@ -361,16 +386,79 @@ def shown_segments(driver: Any) -> set[int]:
     return {int(a) for a in query_all(driver, ".segment", "data-address")}
 
 
+def computed_colours(driver: Any, selector: str, prop: str) -> list[str]:
+    """A computed style property of every element matching ``selector``, in one script."""
+    return list(
+        driver.execute_script(
+            "return [...document.querySelectorAll(arguments[0])]"
+            ".map(e => getComputedStyle(e)[arguments[1]])",
+            selector,
+            prop,
+        )
+    )
+
+
+def hue(css_colour: str) -> float:
+    """The hue in degrees of a computed ``rgb(r, g, b)``."""
+    r, g, b = (int(v) / 255 for v in re.findall(r"\d+", css_colour)[:3])
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+def hue_gap(a: float, b: float) -> float:
+    return min(abs(a - b), 360 - abs(a - b))
+
+
+def assert_tenant_colours_are_not_the_legends(driver: Any) -> None:
+    """A tenant's blocks in the legend's red read as fragmentation (in its blue or green, as
+    the allocated or reserved line)."""
+    legend = {
+        name: hue(computed_colours(driver, f".swatch.{name}", "backgroundColor")[0])
+        for name in ("fragmentation", "allocated", "reserved")
+    }
+    tenants = computed_colours(driver, '.block[data-state="active_allocated"]', "backgroundColor")
+    assert tenants
+    for colour in tenants:
+        assert hue_gap(hue(colour), legend["fragmentation"]) >= 40, (colour, legend)
+        assert hue_gap(hue(colour), legend["allocated"]) >= 20, (colour, legend)
+        assert hue_gap(hue(colour), legend["reserved"]) >= 20, (colour, legend)
+
+
+def chart_texts(driver: Any, chart: str, axis: str) -> list[str]:
+    return list(
+        driver.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent)",
+            f'.chart[data-chart="{chart}"] .{axis} text',
+        )
+    )
+
+
+def save_screenshot(driver: Any, name: str) -> None:
+    """With TENSORD_DASHBOARD_SCREENSHOTS=DIR, the page as the test leaves it, in DIR/name
+    (docs/dashboard.png and docs/images/dashboard-idle.png are made so)."""
+    folder = os.environ.get("TENSORD_DASHBOARD_SCREENSHOTS")
+    if folder:
+        time.sleep(6)  # a few more samples in the charts
+        size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = driver.execute_cdp_cmd(  # the whole page, not only the window's part
+            "Page.captureScreenshot", {"captureBeyondViewport": True, "clip": clip}
+        )
+        (Path(folder) / name).write_bytes(base64.b64decode(shot["data"]))
+
+
 def test_dashboard_in_a_browser_shows_segments_and_updates(browser: Any, tmp_path: Path) -> None:
     running = start_server(
-        devices=("cpu=256MiB",), auth_tokens={"op-token": "ops", "a-token": "alice"}
+        devices=("cpu=256MiB",),
+        auth_tokens={"op-token": "ops", "a-token": "alice", "b-token": "bob"},
     )
     endpoints = HttpEndpoints(running.daemon, "127.0.0.1", 0, operator_tenants=["ops"]).start()
     import tensord
 
     client = tensord.connect(running.address, token="a-token")
+    other = tensord.connect(running.address, token="b-token")
     try:
         held = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 300_000, 3 * MiB)]
+        theirs = [other.from_numpy(np.ones(n, np.float32)) for n in (500_000, 1_000_000)]
         pool = running.daemon.device("cpu").pool
         segments = {s["address"] for s in pool.memory_snapshot()["segments"]}
         base = f"http://127.0.0.1:{endpoints.port}/"
@@ -389,17 +477,81 @@ def test_dashboard_in_a_browser_shows_segments_and_updates(browser: Any, tmp_pat
         )
         assert "token" not in browser.current_url  # the fragment is dropped once read
         assert len(query_all(browser, '.block[data-tenant="alice"]', "data-state")) == len(held)
+        assert len(query_all(browser, '.block[data-tenant="bob"]', "data-state")) == len(theirs)
+        assert_tenant_colours_are_not_the_legends(browser)
         held.append(client.from_numpy(np.ones(8 * MiB, np.float32)))  # a new 32 MiB segment
+        del theirs[0]  # a hole in bob's segment
+        other.flush()
         grown = {s["address"] for s in pool.memory_snapshot()["segments"]}
         assert len(grown) == len(segments) + 1
         assert wait_until(lambda: shown_segments(browser) == grown, 15)
         assert wait_until(lambda: len(query_all(browser, ".chart polyline", "class")) == 3, 15)
+        # bytes and the ratio on charts of their own, each with its axis, over a time axis
+        assert query_all(browser, '.chart[data-chart="memory"] polyline', "class") == [
+            "reserved",
+            "allocated",
+        ]
+        assert query_all(browser, '.chart[data-chart="fragmentation"] polyline', "class") == [
+            "fragmentation"
+        ]
+        memory_ticks = chart_texts(browser, "memory", "y-axis")
+        assert memory_ticks[0] == "0 MiB" and all(t.endswith(" MiB") for t in memory_ticks)
+        assert chart_texts(browser, "fragmentation", "y-axis") == ["0", "0.25", "0.5", "0.75", "1"]
+        assert wait_until(lambda: len(chart_texts(browser, "memory", "time-axis")) >= 2, 15)
+        for chart in ("memory", "fragmentation"):
+            times = chart_texts(browser, chart, "time-axis")
+            assert times and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in times), times
+        state = query_all(browser, ".pool-state", "data-state")
+        assert state == ["busy"]
         # with the token, no console error at all
         assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
-        screenshot = os.environ.get("TENSORD_DASHBOARD_SCREENSHOT")
-        if screenshot:
-            time.sleep(3)  # a few more samples in the chart
-            browser.save_screenshot(screenshot)
+        save_screenshot(browser, "dashboard.png")
+    finally:
+        client.close()
+        other.close()
+        endpoints.close()
+        running.stop()
+
+
+def test_dashboard_shows_an_idle_cache_as_idle(browser: Any) -> None:
+    # every tensor freed, 3 segments cached: the page said "fragmentation 0.524" beside
+    # segments labelled "0 B", and the no-auth tenant's blocks were the fragmentation red
+    running = start_server(devices=("cpu=256MiB",))
+    endpoints = HttpEndpoints(running.daemon, "127.0.0.1", 0).start()
+    client = connect(running.address)
+    try:
+        held = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 2 * MiB, 5 * MiB)]
+        browser.get(f"http://127.0.0.1:{endpoints.port}/")
+        assert wait_until(lambda: len(query_all(browser, ".block.allocated", "class")) == 3, 15)
+        assert_tenant_colours_are_not_the_legends(browser)  # the tenant "" of a no-auth server
+        del held
+        client.flush()
+        assert wait_until(lambda: query_all(browser, ".pool-state", "data-state") == ["idle"], 15)
+
+        def figure(name: str) -> str:
+            return str(
+                browser.execute_script(
+                    "return document.querySelector(`[data-figure='${arguments[0]}']`).textContent",
+                    name,
+                )
+            )
+
+        assert figure("allocated") == "0 B" and figure("segments") == "3"
+        assert figure("fragmentation") == "0.000"
+        assert figure("releasable") == figure("reserved") == "42.0 MiB"
+        words = browser.find_element("css selector", ".pool-state").text
+        assert "nothing allocated" in words and "3 cached segments, all free" in words, words
+        definition = browser.find_element("css selector", ".definition").text
+        assert "largest free block" in definition and "idle cache reads 0" in definition
+        labels = [
+            str(t)
+            for t in browser.execute_script(
+                "return [...document.querySelectorAll('.segment .label')].map(e => e.textContent)"
+            )
+        ]
+        assert len(labels) == 3 and all(label.endswith(": free") for label in labels), labels
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+        save_screenshot(browser, "dashboard-idle.png")
     finally:
         client.close()
         endpoints.close()

@@ -338,6 +338,8 @@ def test_memory_stats_has_torch_keys_and_extras() -> None:
 def test_external_fragmentation_figures() -> None:
     assert external_fragmentation(0, 0) == 0.0
     assert external_fragmentation(3, 4) == pytest.approx(0.25)
+    assert external_fragmentation(3, 8, releasable_bytes=5) == pytest.approx(3 / 8)
+    assert external_fragmentation(3, 8, releasable_bytes=8) == 0.0
     pool = make_pool()
     a, guard = pool.malloc(MiB // 2), pool.malloc(512)
     pool.free(a)  # free: 512 KiB hole and the 2 MiB - 512 KiB - 512 B tail
@@ -346,6 +348,40 @@ def test_external_fragmentation_figures() -> None:
     assert stats["largest_free_block_bytes.small_pool"] == tail
     assert stats["external_fragmentation.small_pool"] == pytest.approx(1 - tail / (tail + MiB // 2))
     assert stats["external_fragmentation.large_pool"] == 0.0
+    del guard
+
+
+def test_an_idle_cache_is_reserved_not_fragmented() -> None:
+    # whole free segments count as one: torch's OOM path releases them and reserves one
+    # segment in their place, so a cache holding no allocation reads 0, not 1 - 30/52
+    pool = make_pool()
+    blocks = [pool.malloc(5 * MiB), pool.malloc(30 * MiB), pool.malloc(1000)]
+    for block in blocks:
+        pool.free(block)
+    stats = pool.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 0 and stats["segment.all.current"] == 3
+    assert stats["releasable_bytes.all"] == stats["reserved_bytes.all.current"] == 52 * MiB
+    assert stats["largest_free_block_bytes.all"] == 30 * MiB
+    for kind in ("all", "small_pool", "large_pool"):
+        assert stats[f"external_fragmentation.{kind}"] == 0.0
+    pool.empty_cache()
+    assert pool.memory_stats()["releasable_bytes.all"] == 0
+
+
+def test_fragmentation_counts_holes_against_the_releasable_segments() -> None:
+    pool = make_pool()
+    hole, guard = pool.malloc(6 * MiB), pool.malloc(6 * MiB)  # one 20 MiB segment
+    whole = pool.malloc(9 * MiB)  # a second 20 MiB segment (below 10 MiB: not its own size)
+    pool.free(hole)
+    pool.free(whole)  # free: a 6 MiB hole, the 8 MiB tail, a whole 20 MiB segment
+    stats = pool.memory_stats()
+    assert stats["releasable_bytes.large_pool"] == 20 * MiB
+    assert stats["external_fragmentation.large_pool"] == pytest.approx(1 - 20 / 34)
+    pool.empty_cache()  # only the split segment's holes are left
+    stats = pool.memory_stats()
+    assert stats["releasable_bytes.large_pool"] == 0
+    assert stats["external_fragmentation.large_pool"] == pytest.approx(1 - 8 / 14)
+    pool.assert_invariants()
     del guard
 
 
@@ -372,7 +408,7 @@ def test_peaks_and_reset() -> None:
 @pytest.mark.torch
 def test_memory_summary_matches_torch_layout() -> None:
     torch_memory = pytest.importorskip("torch.cuda.memory")
-    pool = make_pool()
+    pool = CachingPool(BookkeepingBackend(device="cuda:0"))  # a GPU's words: torch's
     live = [pool.malloc(n) for n in (100, 5 * MiB, 30 * MiB, 700_000)]
     pool.free(live[0])
     with mock.patch.object(torch_memory, "memory_stats", lambda device=None: pool.memory_stats()):
@@ -381,7 +417,25 @@ def test_memory_summary_matches_torch_layout() -> None:
     assert len(ours) == len(theirs)
     differing = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
     assert differing == [1]  # only the title line names tensord
-    assert "tensord memory summary, device sim" in ours[1] and len(ours[1]) == len(theirs[1])
+    assert "tensord memory summary, device cuda:0" in ours[1] and len(ours[1]) == len(theirs[1])
+
+
+def test_a_host_memory_summary_says_no_gpu_and_keeps_the_layout() -> None:
+    # the cpu pool's table spoke of "CUDA OOMs", "cudaMalloc retries", "GPU reserved memory"
+    live = [(n, None) for n in (100, 5 * MiB, 30 * MiB)]
+    summaries = {}
+    for device in ("cpu", "cuda:0"):
+        pool = CachingPool(BookkeepingBackend(device=device))
+        live = [(n, pool.malloc(n)) for n, _ in live]
+        summaries[device] = pool.memory_summary().splitlines()
+    host, gpu = summaries["cpu"], summaries["cuda:0"]
+    text = "\n".join(host)
+    assert "GPU" not in text and "CUDA" not in text and "cuda" not in text, text
+    assert "Reserved memory" in text and "Reserved segments" in text and "OOMs: 0" in text
+    assert "alloc retries: 0" in text
+    assert "GPU reserved memory" in "\n".join(gpu) and "cudaMalloc retries" in "\n".join(gpu)
+    assert [len(line) for line in host] == [len(line) for line in gpu]
+    assert [line.count("|") for line in host] == [line.count("|") for line in gpu]
 
 
 # --- snapshots --------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensord_server.data import bundled_trace, bundled_traces
@@ -164,6 +165,88 @@ def test_cli_replay_reports_unreadable_trace(tmp_path: Path) -> None:
             timeout=120,
         )
         assert completed.returncode == 2 and "cannot read" in completed.stderr
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensord_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_replays_what_tensord_snapshot_wrote(tmp_path: Path) -> None:
+    # a snapshot of a server held no trace (the server recorded none), and a file not named
+    # .pickle was read as JSON: replay refused tensord's own snapshots
+    import numpy as np
+    import tensord
+    from conftest import start_serve_process
+
+    process, address = start_serve_process(
+        "--address=127.0.0.1:0", "--device=cpu=64MiB", "--policy=pytorch", "--record-history"
+    )
+    try:
+        with tensord.connect(address, local=False) as client:
+            kept = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 300_000, 3 * MiB)]
+            dropped = [client.from_numpy(np.ones(n, np.float32)) for n in (2000, MiB)]
+            del dropped
+            client.flush()
+            expected = client.memory_stats()
+            snapshot = tmp_path / "server-snapshot"  # no .pickle: the content says what it is
+            wrote = run_tool("snapshot", "--address", address, "-o", str(snapshot))
+            assert wrote.returncode == 0 and wrote.stderr == "", wrote.stderr
+            assert "trace events" in wrote.stdout
+            del kept
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    replayed = run_tool("replay", str(snapshot), "--json")
+    assert replayed.returncode == 0, replayed.stderr
+    report = json.loads(replayed.stdout)
+    assert report["unmatched_frees"] == 0 and report["num_ooms"] == 0
+    assert report["peak_allocated_bytes"] == expected["allocated_bytes.all.peak"]
+    assert report["peak_reserved_bytes"] == expected["reserved_bytes.all.peak"]
+    assert report["memory_stats"]["allocated_bytes.all.current"] == sum(
+        4 * n
+        for n in (1024, 300_032, 3 * MiB)  # the kept tensors, rounded to 512 B
+    )
+
+
+def test_a_snapshot_without_history_says_how_to_record_one(server: Any, tmp_path: Path) -> None:
+    snapshot = tmp_path / "snap.pickle"
+    wrote = run_tool("snapshot", "--address", server.address, "-o", str(snapshot))
+    assert wrote.returncode == 0
+    assert "holds no allocator trace" in wrote.stderr and "--record-history" in wrote.stderr
+    replayed = run_tool("replay", str(snapshot))
+    assert replayed.returncode == 2 and "tensord serve --record-history" in replayed.stderr
+
+
+def test_a_long_replay_shows_progress_on_stderr(tmp_path: Path) -> None:
+    # a replay of millions of events said nothing until its end
+    from tensord_server.tools.replay import PROGRESS_CHUNK
+
+    pairs = 2 * PROGRESS_CHUNK  # 4 chunks of events
+    events = [
+        ["alloc" if k == 0 else "free_completed", (1 << 30) + 1024 * (i % 64), 1000, 0]
+        for i in range(pairs)
+        for k in (0, 1)
+    ]
+    trace = write_trace(tmp_path / "long.events.json.gz", events)
+    # every look at the clock is "long" here: a line after each chunk
+    shown = run_tool("replay", str(trace), "--json", "--progress-interval", "1e-9")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["events"] == 2 * pairs  # stdout holds the result alone
+    lines = shown.stderr.splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"tensord replay: {PROGRESS_CHUNK:,} of {2 * pairs:,} events (25 %)")
+    assert lines[-1].startswith(f"tensord replay: {2 * pairs:,} of {2 * pairs:,} events (100 %)")
+    assert all(" events/s, about " in line and line.endswith(" s left") for line in lines)
+    # shorter than the default interval: nothing; and 0 turns progress off
+    for flags in ((), ("--progress-interval", "0")):
+        quiet = run_tool("replay", str(trace), "--json", *flags)
+        assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
 
 
 def test_cli_replay_resnet50() -> None:

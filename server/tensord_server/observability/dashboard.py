@@ -8,7 +8,9 @@ Routes (each server serves those it was asked for):
 - ``/api/state``: JSON the page polls: each device's segments and blocks (from
   the pool's snapshot, each allocated block with its tenant), time series of
   allocated, reserved and fragmentation (a bounded ring buffer sampled once a
-  second), sessions and tenants.
+  second), sessions and tenants.  Fragmentation is the pool's
+  ``external_fragmentation.all`` (:func:`tensord_server.pool.stats.external_fragmentation`):
+  the share of the cache's free bytes one allocation could not use, 0 for an idle cache.
 
 With ``--auth-tokens`` the data routes (``/metrics``, ``/api/*``) need
 ``Authorization: Bearer TOKEN`` with the token of an operator tenant
@@ -116,6 +118,7 @@ def device_view(store: TensorStore, device_name: str) -> dict[str, Any]:
         "reserved_bytes": stats["reserved_bytes.all.current"],
         "active_bytes": stats["active_bytes.all.current"],
         "largest_free_block_bytes": stats["largest_free_block_bytes.all"],
+        "releasable_bytes": stats["releasable_bytes.all"],
         "external_fragmentation": stats["external_fragmentation.all"],
         "segment_count": len(snapshot["segments"]),
         "num_ooms": stats["num_ooms"],

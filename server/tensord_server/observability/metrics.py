@@ -91,9 +91,15 @@ POOL_GAUGES = (
         "The largest free block of the pool",
     ),
     (
+        "releasable_bytes.all",
+        "tensord_pool_releasable_bytes",
+        "Bytes of cached segments that hold no allocation (empty_cache returns them)",
+    ),
+    (
         "external_fragmentation.all",
         "tensord_pool_external_fragmentation_ratio",
-        "1 - largest free block / free bytes (0: the free memory is one block)",
+        "Share of the cache's free bytes one allocation could not use: 1 - max(largest free "
+        "block, releasable bytes) / free bytes (0: one free block, an idle cache, or none)",
     ),
     ("segment.all.current", "tensord_pool_segments", "Reserved segments"),
     ("allocation.all.current", "tensord_pool_allocations", "Allocated blocks"),

@@ -458,6 +458,13 @@ class CachingPool:
         """torch.cuda.memory_summary()'s table, for this pool."""
         return format_summary(self.memory_stats(), self.device, abbreviated)
 
+    def record_memory_history(self, enabled: bool, max_entries: int = TRACE_MAX_ENTRIES) -> None:
+        """torch.cuda.memory._record_memory_history: while enabled, alloc, free and segment
+        events go into the snapshot's device trace (a ring buffer of the last
+        ``max_entries``), which ``tensord replay`` runs.  Enabling again starts afresh."""
+        with self._lock:
+            self._trace = deque(maxlen=max_entries) if enabled else None
+
     def memory_snapshot(self) -> dict[str, Any]:
         """torch.cuda.memory._snapshot()'s structure: picklable, readable by memory_viz."""
         with self._lock:
@@ -1431,8 +1438,12 @@ class CachingPool:
         )
 
     def _free_block_figures(self) -> dict[str, int | float]:
-        """Beyond torch: the largest free block and external fragmentation, per pool."""
+        """Beyond torch: the largest free block, the releasable bytes and external
+        fragmentation (see :func:`~.stats.external_fragmentation`), per pool."""
         result: dict[str, int | float] = {}
+        releasable = {
+            pool.kind: self._releasable_bytes(pool) for pool in (self._small, self._large)
+        }
         pools = {
             "all": (self._small, self._large),
             "small_pool": (self._small,),
@@ -1441,9 +1452,19 @@ class CachingPool:
         for name, members in pools.items():
             largest = max(pool.largest_free() for pool in members)
             free = sum(pool.free_bytes() for pool in members)
+            whole = sum(releasable[pool.kind] for pool in members)
             result[f"largest_free_block_bytes.{name}"] = largest
-            result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free)
+            result[f"releasable_bytes.{name}"] = whole
+            result[f"external_fragmentation.{name}"] = external_fragmentation(largest, free, whole)
         return result
+
+    def _releasable_bytes(self, pool: BlockPool) -> int:
+        """The bytes of ``pool``'s whole free segments that empty_cache would give back now."""
+        return sum(
+            block.size
+            for block in pool.free_blocks.values()
+            if not block.is_split() and self._releasable(block)
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -125,11 +125,19 @@ class DeviceStats:
 # Pure helpers for compaction, stats, summaries and snapshots
 
 
-def external_fragmentation(largest_free: int, free_bytes: int) -> float:
-    """1 - largest free block / free bytes: 0.0 when the free memory is one block (or none)."""
+def external_fragmentation(largest_free: int, free_bytes: int, releasable_bytes: int = 0) -> float:
+    """The share of the cache's free bytes that one allocation could not use:
+    ``1 - max(largest_free, releasable_bytes) / free_bytes``.
+
+    ``releasable_bytes`` are the whole free segments the pool may give back (what
+    ``empty_cache`` returns): they count together, as one block, because torch's
+    out-of-memory path releases them and reserves one segment in their place.  So the
+    figure is 0.0 when the free memory is one block, when it is all in segments holding no
+    allocation (an idle cache is reserved, not fragmented), or when there is none.
+    """
     if free_bytes <= 0:
         return 0.0
-    return 1.0 - largest_free / free_bytes
+    return 1.0 - max(largest_free, releasable_bytes) / free_bytes
 
 
 def stat_items(prefix: str, stat: Stat) -> dict[str, int]:
@@ -226,15 +234,33 @@ SUMMARY_METRICS = (
 
 SUMMARY_WIDTH = 75  # memory_summary's table width
 
+# torch's words for a GPU -> the same cell of another device's summary (no GPU or CUDA in it)
+HOST_WORDS = {
+    "CUDA OOMs": "OOMs",
+    "cudaMalloc retries": "alloc retries",
+    "GPU reserved memory": "Reserved memory",
+    "GPU reserved segments": "Reserved segments",
+    "Oversize GPU segments": "Oversize segments",
+}
+
+
+def is_gpu(device: str) -> bool:
+    return device.partition(":")[0] == "cuda"
+
 
 def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool = False) -> str:
-    """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord)."""
+    """Mirrors torch.cuda.memory_summary's layout line for line (the title names tensord);
+    on a device that is not a GPU, torch's GPU and CUDA words become ``HOST_WORDS``'."""
+
+    def words(text: str) -> str:
+        return text if is_gpu(device) else HOST_WORDS.get(text, text)
+
     lines = ["=" * SUMMARY_WIDTH]
     lines.append(f" {'':16} tensord memory summary, device {device}".ljust(SUMMARY_WIDTH))
     lines.append("-" * SUMMARY_WIDTH)
     lines.append(
-        f"  {'':9} CUDA OOMs: {int(stats['num_ooms']):<12d} | "
-        f"{'':6} cudaMalloc retries: {int(stats['num_alloc_retries']):<8d}  "
+        f"  {'':9} {words('CUDA OOMs'):>9}: {int(stats['num_ooms']):<12d} | "
+        f"{'':6} {words('cudaMalloc retries'):>18}: {int(stats['num_alloc_retries']):<8d}  "
     )
     lines.append("=" * SUMMARY_WIDTH)
     lines.append("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")
@@ -254,7 +280,7 @@ def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool
             ]
             preferred = preferred or values
             cells = " | ".join(cell(v, p) for v, p in zip(values, preferred, strict=True))
-            lines.append(f" {row_name:<21} | {cells} ")
+            lines.append(f" {words(row_name):<21} | {cells} ")
     for key, name in (
         ("oversize_allocations", "Oversize allocations"),
         ("oversize_segments", "Oversize GPU segments"),
@@ -264,6 +290,6 @@ def format_summary(stats: dict[str, int | float], device: str, abbreviated: bool
             int(stats[f"{key}.{field}"]) for field in ("current", "peak", "allocated", "freed")
         ]
         cells = " | ".join(_format_count_cell(v, v) for v in values)
-        lines.append(f" {name:<21} | {cells} ")
+        lines.append(f" {words(name):<21} | {cells} ")
     lines.append("=" * SUMMARY_WIDTH)
     return "|" + "|\n|".join(lines) + "|\n"

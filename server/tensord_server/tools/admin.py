@@ -27,7 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     if parser.prog.split()[-1] == "snapshot":
         parser.add_argument(
-            "-o", "--output", required=True, help="pickle file for PyTorch's memory_viz"
+            "-o",
+            "--output",
+            required=True,
+            help="the pickle file to write: torch.cuda.memory._snapshot()'s format, for "
+            "PyTorch's memory_viz and, when the server records history (tensord serve "
+            "--record-history), for tensord replay",
         )
 
 
@@ -47,7 +52,17 @@ def _snapshot(client: tensord.Client, args: argparse.Namespace) -> None:
     with open(args.output, "wb") as f:
         pickle.dump(snapshot, f)
     segments = len(snapshot.get("segments", ()))
-    print(f"wrote {args.output} ({segments} segments); view it at https://pytorch.org/memory_viz")
+    events = len((snapshot.get("device_traces") or [[]])[0])
+    print(
+        f"wrote {args.output} ({segments} segments, {events} trace events); "
+        "view it at https://pytorch.org/memory_viz"
+    )
+    if not events:
+        print(
+            f"tensord snapshot: {args.output} holds no allocator trace, so tensord replay "
+            "cannot run it: the server records one with tensord serve --record-history",
+            file=sys.stderr,
+        )
 
 
 def _empty_cache(client: tensord.Client, args: argparse.Namespace) -> None:

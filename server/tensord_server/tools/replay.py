@@ -16,6 +16,10 @@ tie-breaks follow the recorded addresses.  ``RecordedAddressBackend`` gives a
 new segment the next recorded address of the same size (falling back to fresh
 fake addresses), which makes the replay follow PyTorch block for block.
 
+A replay that runs longer than ``--progress-interval`` seconds (5) prints a line
+to stderr every that many seconds: events done, percent, events/s and the time
+left; the result alone goes to stdout.
+
 ``--policy`` picks what the pool does beyond PyTorch (``pytorch``: nothing, the
 default without ``--compaction``); ``--compaction`` makes every allocation the trace
 holds movable between events (:class:`TraceRelocator`: the trace's "Storages" are
@@ -30,6 +34,7 @@ import argparse
 import functools
 import gzip
 import json
+import math
 import pickle
 import sys
 import time
@@ -38,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tensord.errors import OutOfMemoryError
 
@@ -69,6 +74,12 @@ COMPARED_KEYS = (
 # The compaction figures the --json object adds.
 COMPACTION_KEYS = ("num_compactions", "compaction_moved_bytes", "compaction_released_bytes")
 
+# Seconds of replay between progress lines on stderr (--progress-interval's default): a
+# replay shorter than this prints none.
+DEFAULT_PROGRESS_INTERVAL_S = 5.0
+# Events replayed between two looks at the clock, when progress is reported.
+PROGRESS_CHUNK = 16384
+
 
 # ---------------------------------------------------------------------------
 # Loading
@@ -80,8 +91,9 @@ def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
         traces = snapshot.get("device_traces") or [[]]
         if not traces[0]:
             raise ValueError(
-                "the snapshot has no device trace: record it with "
-                "torch.cuda.memory._record_memory_history() before taking it"
+                "the snapshot has no device trace: record one before taking it, with "
+                "torch.cuda.memory._record_memory_history() in PyTorch or "
+                "tensord serve --record-history for a tensord snapshot"
             )
         entries = traces[0]
     else:
@@ -97,14 +109,23 @@ def events_from_snapshot(snapshot: Any) -> list[TraceEvent]:
     ]
 
 
+# The first byte of a pickle of protocol 2 or later (torch's and tensord snapshot's).
+PICKLE_PROTO = b"\x80"
+# The first two bytes of a gzip file.
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def load_trace(path: str | Path) -> list[TraceEvent]:
-    """Read a ``.events.json.gz`` / ``.json`` list or a pickled ``_snapshot()``."""
+    """Read a pickled ``_snapshot()`` (``tensord snapshot``'s and torch's files, whatever
+    their name) or a ``.events.json.gz`` / ``.json`` list; the content tells which."""
     path = Path(path)
-    if path.suffix in (".pickle", ".pkl"):
+    with path.open("rb") as handle:
+        start = handle.read(2)
+    if start[:1] == PICKLE_PROTO:
         with path.open("rb") as handle:
             # Only open pickles you trust: this is the format torch itself writes.
             return events_from_snapshot(pickle.load(handle))
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = gzip.open if start == GZIP_MAGIC else open
     with opener(path, "rt") as handle:
         data = json.load(handle)
     if isinstance(data, dict) or (data and isinstance(data[0], dict)):
@@ -241,6 +262,33 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
 
 
+class ProgressLines:
+    """A replay's progress on a stream (stderr): a line every ``interval`` seconds of it,
+    none before, so a short replay prints nothing."""
+
+    def __init__(
+        self, total: int, interval: float, label: str = "", stream: TextIO | None = None
+    ) -> None:
+        self.total, self.interval, self.label = total, interval, label
+        self.stream = sys.stderr if stream is None else stream
+        self.start = time.monotonic()
+        self._next = self.start + interval
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        rate = done / (now - self.start)
+        left = (self.total - done) / rate if rate > 0 else math.inf
+        print(
+            f"tensord replay: {self.label}{done:,} of {self.total:,} events "
+            f"({100 * done / self.total:.0f} %), {rate:,.0f} events/s, about {left:,.0f} s left",
+            file=self.stream,
+            flush=True,
+        )
+
+
 def replay(
     events: Sequence[TraceEvent],
     *,
@@ -249,9 +297,11 @@ def replay(
     recorded_addresses: bool = True,
     policy: str = "pytorch",
     compaction: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
     """Run ``events`` through a fresh pool on a bookkeeping backend, under ``policy``;
-    with ``compaction`` every live allocation may move between events."""
+    with ``compaction`` every live allocation may move between events.  ``progress``, if
+    given, is called with the events done after every ``PROGRESS_CHUNK`` of them."""
     if recorded_addresses:
         segments = [(addr, size) for action, addr, size, _ in events if action == "segment_alloc"]
         backend: BookkeepingBackend = RecordedAddressBackend(segments, total_bytes=capacity)
@@ -268,31 +318,44 @@ def replay(
     live = relocator.live  # trace address -> our Block (compaction repoints it)
     unmatched = failed = 0
     malloc, free = pool.malloc, pool.free
+    # a look at the clock every PROGRESS_CHUNK events when progress is reported, else none
+    pieces: Iterable[Sequence[TraceEvent]] = (
+        (events,)
+        if progress is None
+        else (events[i : i + PROGRESS_CHUNK] for i in range(0, len(events), PROGRESS_CHUNK))
+    )
+    done = 0
     start = time.perf_counter()
-    for action, addr, size, stream in events:
-        if action == "alloc":
-            try:
-                live[addr] = malloc(size, stream)
-            except OutOfMemoryError:
-                failed += 1
-        elif action == "free_completed":
-            block = live.pop(addr, None)
-            if block is None:
-                unmatched += 1
-            else:
-                free(block)
+    for piece in pieces:
+        for action, addr, size, stream in piece:
+            if action == "alloc":
+                try:
+                    live[addr] = malloc(size, stream)
+                except OutOfMemoryError:
+                    failed += 1
+            elif action == "free_completed":
+                block = live.pop(addr, None)
+                if block is None:
+                    unmatched += 1
+                else:
+                    free(block)
+        done += len(piece)
+        if progress is not None:
+            progress(done)
     seconds = time.perf_counter() - start
     stats = pool.memory_stats()
     return ReplayResult(len(events), seconds, stats, unmatched, failed, policy, compaction)
 
 
-def peak_allocated(path: str | Path, events: Sequence[TraceEvent]) -> int:
+def peak_allocated(
+    path: str | Path, events: Sequence[TraceEvent], progress: Callable[[int], None] | None = None
+) -> int:
     """The trace's peak allocated: PyTorch's figure when its stats file is beside the
     trace, else an unlimited replay's (the same, as the replay follows PyTorch's rules)."""
     pytorch = load_pytorch_stats(path)
     if pytorch is not None and "allocated_bytes.all.peak" in pytorch:
         return int(pytorch["allocated_bytes.all.peak"])
-    return replay(events).peak_allocated_bytes
+    return replay(events, progress=progress).peak_allocated_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -364,8 +427,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         default=DEFAULT_TRACE_NAME,
-        help="a .events.json.gz trace, a pickled torch.cuda.memory._snapshot(), or the name "
-        f"of a bundled trace (see --list; default {DEFAULT_TRACE_NAME}); a file wins over a name",
+        help="a .events.json.gz trace, a pickled torch.cuda.memory._snapshot() (a 'tensord "
+        "snapshot' file is one), or the name of a bundled trace (see --list; default "
+        f"{DEFAULT_TRACE_NAME}); a file wins over a name",
     )
     parser.add_argument("--list", action="store_true", help="list the bundled traces and exit")
     capacity = parser.add_mutually_exclusive_group()
@@ -396,6 +460,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give segments fresh increasing addresses instead of the recorded ones",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--progress-interval",
+        type=float,
+        default=DEFAULT_PROGRESS_INTERVAL_S,
+        metavar="SECONDS",
+        help="a long replay prints a line to stderr every SECONDS while it runs (events done, "
+        "percent, events/s, time left), so one shorter than SECONDS prints none; the result "
+        f"still goes alone to stdout (default {DEFAULT_PROGRESS_INTERVAL_S:g}; 0: no progress)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -409,12 +482,19 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
         return 2
+
+    def progress(label: str = "") -> ProgressLines | None:
+        if args.progress_interval <= 0 or not events:
+            return None
+        return ProgressLines(len(events), args.progress_interval, label)
+
     capacity = args.capacity
     if args.capacity_factor is not None:
         if not args.capacity_factor > 0:
             print("tensord replay: --capacity-factor must be > 0", file=sys.stderr)
             return 2
-        capacity = int(args.capacity_factor * peak_allocated(path, events))
+        sizing = progress("finding the peak allocated: ")
+        capacity = int(args.capacity_factor * peak_allocated(path, events, sizing))
     policy = args.policy or (DEFAULT_POLICY if args.compaction else "pytorch")
     result = replay(
         events,
@@ -423,6 +503,7 @@ def run(args: argparse.Namespace) -> int:
         recorded_addresses=not args.fresh_addresses,
         policy=policy,
         compaction=args.compaction,
+        progress=progress(),
     )
     pytorch = load_pytorch_stats(path)
     if args.json:

@@ -36,7 +36,7 @@ from tensord_server.domain.sessions import (
 )
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
-from tensord_server.pool import DEFAULT_POLICY, POLICIES, policy_named
+from tensord_server.pool import DEFAULT_POLICY, POLICIES, TRACE_MAX_ENTRIES, policy_named
 from tensord_server.rpc.server import create_server
 from tensord_server.rpc.tls import server_credentials
 from tensord_server.tools import serve_observability  # observability hook
@@ -229,6 +229,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "back after a free and compaction in a background thread, one Storage at a time, while "
         "reserved exceeds allocated by more than 8 MiB) "
         f"(default {DEFAULT_POLICY})",
+    )
+    parser.add_argument(
+        "--record-history",
+        action="store_true",
+        help="record each pool's allocator events, as torch.cuda.memory._record_memory_history "
+        f"does (the last {TRACE_MAX_ENTRIES:,} per device), so that a 'tensord snapshot' file "
+        "holds a trace "
+        "'tensord replay' can run",
     )
     parser.add_argument(
         "--insecure-allow-remote",
@@ -440,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for device in store.devices:
         device.pool.policy = policy_named(args.policy)
+        if args.record_history:
+            device.pool.record_memory_history(True)
     try:
         server, port = create_server(
             args.address, store=store, max_workers=args.max_workers, credentials=credentials

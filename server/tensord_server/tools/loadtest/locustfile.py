@@ -52,6 +52,7 @@ import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from typing import Any  # noqa: E402
 
+import locust.stats  # noqa: E402
 import tensord  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 from locust.runners import WorkerRunner  # noqa: E402
@@ -71,6 +72,9 @@ SCALE = float(os.environ.get("TENSORD_SCALE", "1.0"))
 RUN_ID = os.environ.get("TENSORD_RUN_ID", "run")
 WAIT_MIN, WAIT_MAX = (float(v) for v in os.environ.get("TENSORD_WAIT", "0,0.05").split(","))
 SEED = os.environ.get("TENSORD_SEED") or None
+# The stats history (--csv-full-history) on disk each second, not every 5 s: tensord
+# loadtest's progress lines read it while the run goes on.
+locust.stats.CSV_STATS_FLUSH_INTERVAL_SEC = 1
 # each workload's users numbered in the order they start (this process's), for workload_rng
 USER_NUMBERS: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
 

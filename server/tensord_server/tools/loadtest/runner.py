@@ -11,10 +11,16 @@ everything and writes a results folder:
 - ``summary.md`` and ``summary.json``: the figures and the verdict;
 - ``report.png``: memory, fragmentation and request rate over time.
 
+While Locust runs, a line on stderr every ``--progress-interval`` seconds (10)
+gives its users, requests/s, requests, failures and expected errors (read from
+the stats history it writes every second) and the pool's allocated and reserved
+bytes (from the sampler).
+
 It exits 1 when a request failed unexpectedly, a workload raised, or the
 server's allocated bytes did not return to their baseline after all users left
-(a leak); 2 when the run itself could not be made.  Locust and matplotlib are
-imported only in the processes that need them.
+(a leak); 2 when the run itself could not be made, and then the results folder
+is removed if nothing was written to it.  Locust and matplotlib are imported
+only in the processes that need them.
 """
 
 from __future__ import annotations
@@ -149,12 +155,13 @@ class Sampler(threading.Thread):
         self.client, self.series, self.interval = client, series, interval
         self.phase = "baseline"
         self.errors = 0
+        self.last: dict[str, Any] | None = None  # the latest sample's memory_stats()
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                self.series.sample(self.client, self.phase)
+                self.last = self.series.sample(self.client, self.phase)
             except Exception:  # a busy server answers late: the next sample will do
                 self.errors += 1
             self._stop_event.wait(self.interval)
@@ -162,6 +169,88 @@ class Sampler(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=30)
+
+
+class LocustHistory:
+    """Locust's ``locust_stats_history.csv`` read as it grows: the latest complete second."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0  # bytes of the file read so far (whole lines only)
+        self._columns: list[str] | None = None
+        self._group: list[dict[str, str]] = []  # the rows of a second, up to its Aggregated row
+        self.latest: list[dict[str, str]] = []  # the last complete second's rows
+        self.started: float | None = None  # the first row's Timestamp: when users started
+
+    def read(self) -> list[dict[str, str]]:
+        """The rows of the latest second Locust has written in full (one per request name,
+        with --csv-full-history, then the Aggregated row); [] before the first."""
+        try:
+            with open(self.path, newline="") as f:
+                f.seek(self._offset)
+                text = f.read()
+        except OSError:
+            return self.latest
+        whole = text[: text.rfind("\n") + 1]  # a line being written waits for the next read
+        self._offset += len(whole.encode())
+        for values in csv.reader(whole.splitlines()):
+            if self._columns is None:
+                self._columns = values
+                continue
+            row = dict(zip(self._columns, values, strict=False))
+            if self.started is None:
+                self.started = _num(row.get("Timestamp"))
+            self._group.append(row)
+            if row.get("Name") == "Aggregated":
+                self.latest, self._group = self._group, []
+        return self.latest
+
+
+def progress_line(history: LocustHistory, run_time: float, stats: Mapping[str, Any] | None) -> str:
+    """One progress line: Locust's time, users, requests/s and failures, the pool's memory."""
+    rows = history.read()
+    total = next((r for r in rows if r.get("Name") == "Aggregated"), None)
+    if total is None or history.started is None:
+        line = "tensord loadtest: Locust is starting users"
+    else:
+        expected = sum(
+            int(_num(r.get("Total Request Count"))) for r in rows if r.get("Type") == "expected"
+        )
+        elapsed = _num(total.get("Timestamp")) - history.started
+        line = (
+            f"tensord loadtest: {elapsed:.0f} s of {run_time:.0f} s: "
+            f"{int(_num(total.get('User Count')))} users, "
+            f"{_num(total.get('Requests/s')):,.1f} requests/s, "
+            f"{int(_num(total.get('Total Request Count'))):,} requests "
+            f"({int(_num(total.get('Total Failure Count')))} failed, "
+            f"{expected} expected errors)"
+        )
+    if stats:
+        line += (
+            f"; allocated {mib(stats.get(STAT_KEYS['allocated_bytes'], 0))}, "
+            f"reserved {mib(stats.get(STAT_KEYS['reserved_bytes'], 0))}"
+        )
+    return line
+
+
+class Progress(threading.Thread):
+    """A progress line on stderr every ``interval`` seconds while Locust runs (Locust itself
+    runs with --only-summary, its log in locust.log)."""
+
+    def __init__(self, history: Path, sampler: Sampler, run_time: float, interval: float) -> None:
+        super().__init__(name="tensord-loadtest-progress", daemon=True)
+        self.history = LocustHistory(history)
+        self.sampler, self.run_time, self.interval = sampler, run_time, interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            line = progress_line(self.history, self.run_time, self.sampler.last)
+            print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
 
 
 # -- processes -----------------------------------------------------------------------
@@ -677,6 +766,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interval", type=float, default=0.5, help="seconds between memory samples"
     )
     parser.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="while Locust runs, a line on stderr every SECONDS: users, requests/s, requests, "
+        "failures, expected errors, and the pool's allocated and reserved bytes (default 10; "
+        "0: none)",
+    )
+    parser.add_argument(
         "--leak-timeout", type=float, default=30.0, help="seconds to wait for memory to return"
     )
     parser.add_argument(
@@ -692,6 +790,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--locustfile", type=Path, default=LOADTEST_DIR / "locustfile.py")
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
+
+
+def folders_to_make(out: Path) -> list[Path]:
+    """The folders ``out.mkdir(parents=True)`` would create, deepest first."""
+    made = []
+    for folder in (out, *out.parents):
+        if folder.exists():
+            break
+        made.append(folder)
+    return made
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while each is empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something was written there (a server log to read): keep it
+            return
 
 
 def workload_weights(locustfile: Path, spec: str) -> dict[str, int]:
@@ -761,6 +878,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     out: Path = args.out or Path("loadtest-results") / time.strftime("%Y%m%d-%H%M%S")
+    made = folders_to_make(out)
     out.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:8]
     command = (
@@ -786,7 +904,17 @@ def run(args: argparse.Namespace) -> int:
             sampler = Sampler(monitor, series, args.interval)
             sampler.phase = "load"
             sampler.start()
-            locust_status = run_locust(args, address, out, run_id)
+            progress = None
+            if args.progress_interval > 0:
+                history = out / "locust_stats_history.csv"
+                run_time = parse_duration(args.run_time)
+                progress = Progress(history, sampler, run_time, args.progress_interval)
+                progress.start()
+            try:
+                locust_status = run_locust(args, address, out, run_id)
+            finally:
+                if progress is not None:
+                    progress.stop()
             sampler.phase = "drain"
             allocated_key = STAT_KEYS["allocated_bytes"]
             deadline = time.monotonic() + args.leak_timeout
@@ -833,6 +961,7 @@ def run(args: argparse.Namespace) -> int:
             plot(out, series.t0, capacity)
     except (RuntimeError, OSError, tensord.TensordError) as exc:
         print(f"tensord loadtest: {type(exc).__name__}: {exc}", file=sys.stderr)
+        remove_if_empty(made)  # a run that wrote nothing leaves no folder behind
         return 2
     finally:
         if server is not None:
