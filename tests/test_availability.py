@@ -504,3 +504,57 @@ def test_a_key_alone_uses_every_worker() -> None:
         queue.submit("a", f"a{i}")
     assert [queue.next() for _ in range(4)] == [("a", f"a{i}") for i in range(4)]
     queue.assert_invariants()
+
+
+def test_a_key_with_a_backlog_is_paced_to_its_share_of_the_time() -> None:
+    """A flood's next call waits its last call's CPU time per other active key, so it
+    holds the GIL at most its share; a key sending one call at a time is never paced."""
+    clock = _Clock()
+    queue: FairQueue[str] = FairQueue(8, max_running_per_key=1, clock=clock)
+    for i in range(3):
+        queue.submit("flood", f"f{i}")
+    queue.submit("victim", "v0")
+    assert {queue.next(), queue.next()} == {("flood", "f0"), ("victim", "v0")}
+    queue.finished("victim", 0.010)  # no backlog: not paced
+    queue.finished("flood", 0.020)  # a backlog, one other active key: 20 ms of pause
+    assert queue.next() is None
+    assert queue.wake_at() == pytest.approx(clock.now + 0.020)
+    queue.submit("victim", "v1")
+    assert queue.next() == ("victim", "v1")  # the victim goes at once, never paced
+    clock.now += 0.021
+    assert queue.next() == ("flood", "f1")
+    assert queue.wake_at() is None
+    queue.assert_invariants()
+
+
+def test_a_paced_key_alone_is_not_held_back() -> None:
+    clock = _Clock()
+    queue: FairQueue[str] = FairQueue(1, clock=clock)
+    for i in range(2):
+        queue.submit("a", f"a{i}")
+    assert queue.next() == ("a", "a0")
+    queue.finished("a", 0.5)
+    assert queue.next() == ("a", "a1") and queue.wake_at() is None
+
+
+def test_the_executor_runs_a_paced_keys_calls_when_their_pause_ends() -> None:
+    import asyncio
+
+    from tensord_server.rpc.executor import FairExecutor
+
+    def busy(tag: str) -> str:
+        deadline = time.thread_time() + 0.005
+        while time.thread_time() < deadline:
+            pass
+        return tag
+
+    async def scenario() -> list[str]:
+        executor = FairExecutor(4, "test-paced")
+        try:
+            calls = [executor.run("flood", lambda i=i: busy(f"f{i}")) for i in range(6)]
+            calls.append(executor.run("victim", lambda: busy("v")))
+            return await asyncio.wait_for(asyncio.gather(*calls), 10)
+        finally:
+            executor.shutdown()
+
+    assert asyncio.run(scenario()) == [f"f{i}" for i in range(6)] + ["v"]

@@ -11,7 +11,15 @@ A key holds at most ``max_running_per_key`` workers (one by default) while anoth
 ``active_window_s``.  The window matters because a well-behaved tenant sends its calls one
 after another: between two of them it has nothing queued, and a flood would take every
 worker in that gap and hold the GIL with all of them.  A key alone may use every worker
-(after the window, once the others have gone quiet).  A key queues at most
+(after the window, once the others have gone quiet).
+
+A key with a *backlog* (calls still waiting when one ends) is also *paced* while others
+are active: after a call that took ``t`` seconds of CPU its next call waits ``t`` times the
+number of other active keys (at most ``MAX_PACE_S``), so it holds the GIL at most its
+share of the time and leaves the rest free for the others' calls, which then find the GIL
+free at each handoff instead of waiting a switch interval behind it.  A caller that sends
+one call at a time has no backlog and is never paced; pacing idles a worker only while
+another key is active.  A key queues at most
 ``max_queued_per_key`` calls; beyond that a call is refused at once (RESOURCE_EXHAUSTED),
 so what a flood holds in memory is bounded by the queue, not by how fast it sends.
 
@@ -39,6 +47,8 @@ MAX_SHARE = 1
 # calls come one at a time is absent from the queue between them, and would otherwise
 # never count while a flood refills every worker the moment one frees.
 ACTIVE_WINDOW_S = 1.0
+# The longest pause pacing puts between two of a key's calls.
+MAX_PACE_S = 0.25
 # Calls one key may have waiting for a worker (each holds its request's bytes meanwhile).
 DEFAULT_MAX_QUEUED_PER_KEY = 256
 # Calls waiting for a worker in all.
@@ -50,6 +60,7 @@ class _KeyState(Generic[Job]):
     waiting: collections.deque[Job] = field(default_factory=collections.deque)
     running: int = 0  # workers this key holds now
     last_turn: int = -1  # when its last call started (FairQueue's turn counter); -1: never
+    ready_at: float = 0.0  # a paced key's next call starts no sooner (the queue's clock)
 
 
 class FairQueue(Generic[Job]):
@@ -87,6 +98,7 @@ class FairQueue(Generic[Job]):
         self._clock = clock
         # keys with nothing waiting or running, by when they were last seen (oldest first)
         self._recent: dict[Hashable, float] = {}
+        self._paced_until: float | None = None  # see wake_at
 
     def submit(self, key: Hashable, job: Job, describe: str = "this caller") -> None:
         """Queue ``job`` for ``key``, or refuse it now (ResourceExhaustedError)."""
@@ -114,16 +126,23 @@ class FairQueue(Generic[Job]):
 
         The waiting key holding the fewest workers goes first (ties: the one whose last
         call started longest ago), so a key that just arrived never waits behind a busy key's
-        queue; a key at its share waits while any other key is active."""
+        queue; a key at its share waits while any other key is active, and a paced key
+        until its pause ends (:meth:`wake_at`)."""
+        self._paced_until = None
         if self.running >= self.workers or not self._turns:
             return None
         self._forget_inactive()
         # every waiting key is in _keys: another key is active when _keys or _recent holds it
         others_active = len(self._keys) + len(self._recent) > 1
+        now = self._clock()
         chosen, best = None, (0, 0)
         for key in self._turns:
             state = self._keys[key]
             if others_active and state.running >= self.max_running_per_key:
+                continue
+            if others_active and state.ready_at > now:
+                if self._paced_until is None or state.ready_at < self._paced_until:
+                    self._paced_until = state.ready_at
                 continue
             rank = (state.running, state.last_turn)
             if chosen is None or rank < best:
@@ -141,14 +160,25 @@ class FairQueue(Generic[Job]):
             del self._turns[chosen]
         return chosen, job
 
-    def finished(self, key: Hashable) -> None:
-        """A call of ``key`` handed out by :meth:`next` is done: its worker is free."""
+    def finished(self, key: Hashable, busy_s: float = 0.0) -> None:
+        """A call of ``key`` handed out by :meth:`next` is done: its worker is free.
+        ``busy_s``: the CPU time the call took, which paces a key with a backlog."""
         state = self._keys[key]
         assert state.running > 0, f"finished() for {key!r}, which runs nothing"
         state.running -= 1
         self.running -= 1
         if not state.running and not state.waiting:
             self._forget(key)
+            return
+        others = len(self._keys) + len(self._recent) - 1
+        if state.waiting and others:
+            state.ready_at = self._clock() + min(busy_s * others, MAX_PACE_S)
+
+    def wake_at(self) -> float | None:
+        """When the last :meth:`next` passed over a paced key, when its pause ends (the
+        queue's clock): call :meth:`next` again then.  None: no key was passed over for
+        its pause."""
+        return self._paced_until
 
     def drop_waiting(self, key: Hashable, job: Job) -> bool:
         """Take back a call that has not started (its caller went away); False if it had."""

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -43,6 +44,8 @@ class FairExecutor:
 
     def __init__(self, workers: int, thread_name_prefix: str, **queue_limits: Any) -> None:
         self.queue: FairQueue[_Job] = FairQueue(workers, **queue_limits)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when _timer fires (time.monotonic, FairQueue's clock)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{thread_name_prefix}_{i}", daemon=True)
@@ -68,19 +71,32 @@ class FairExecutor:
     def _dispatch(self) -> None:
         while (picked := self.queue.next()) is not None:
             self._jobs.put(picked[1])
+        wake = self.queue.wake_at()  # a paced key's next call: dispatch again then
+        if wake is not None and (self._timer is None or wake < self._timer_at):
+            if self._timer is not None:
+                self._timer.cancel()
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(max(wake - time.monotonic(), 0.0), self._woken)
+            self._timer_at = wake
+
+    def _woken(self) -> None:
+        self._timer = None
+        self._dispatch()
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
+            started = time.thread_time()
             try:
                 outcome: tuple[Any, BaseException | None] = (job.fn(), None)
             except BaseException as exc:
                 outcome = (None, exc)
+            busy = time.thread_time() - started
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                job.loop.call_soon_threadsafe(self._settle, job, *outcome)
+                job.loop.call_soon_threadsafe(self._settle, job, busy, *outcome)
             del job, outcome  # hold no request's objects while idle
 
-    def _settle(self, job: _Job, value: Any, error: BaseException | None) -> None:
-        self.queue.finished(job.key)
+    def _settle(self, job: _Job, busy: float, value: Any, error: BaseException | None) -> None:
+        self.queue.finished(job.key, busy)
         if not job.result.done():  # its caller may have gone (cancelled)
             if error is not None:
                 job.result.set_exception(error)
