@@ -13,7 +13,7 @@ ratios (best of ``--repeats``):
   server against ``cupy.ascontiguousarray`` in this process;
 - an upload over loopback gRPC straight into cuda:0, in GB/s.
 
-Targets (issue 5): ``to(device)`` >= 0.7x the bare copy; ``contiguous()`` >= 0.8x.
+Targets: ``to(device)`` >= 0.7x the bare copy; ``contiguous()`` >= 0.8x.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fragmentation per pool policy, side by side: the figures of issue 18 in one run.
+"""Fragmentation per pool policy, side by side, every workload in one run.
 
 Workloads: every bundled trace (``tensord replay --list``: the ResNet-50 run recorded
 on a GPU, the GPT, LSTM and U-Net runs recorded on CPU) and a load-test-like
@@ -19,7 +19,7 @@ Per workload and policy:
 
     python benchmarks/bench_fragmentation.py [--seed N] [--json]
 
-Paired load tests (issue 18's load-test targets): ``--loadtest-pairs N`` runs
+Paired load tests (the policies' load-test targets): ``--loadtest-pairs N`` runs
 ``tensord loadtest -u USERS -t TIME --policy P`` for each policy of ``--policies``
 (default ``pytorch,adaptive``), alternating them N times so that the machine's load
 falls on both alike (every other pair in reverse order, so that running second does too;

@@ -1,4 +1,4 @@
-"""Same-host zero copy (issue 13): SDK transfers through the mapping against np.copyto and gRPC.
+"""Same-host zero copy: SDK transfers through the mapping against np.copyto and gRPC.
 
     python benchmarks/bench_local.py          # 64 MiB and 1 GiB (needs ~8 GiB of free memory)
     python benchmarks/bench_local.py --dlpack-only   # only the torch.from_dlpack part
@@ -79,8 +79,9 @@ def advise(array: np.ndarray, advice: int) -> None:
 
 
 def download_variants(shared: np.ndarray, repeats: int) -> dict[str, float]:
-    """Ways to copy a mapping into a fresh array beyond the SDK's 8 MiB slices (item 2 of
-    issue 13's follow-up): two threads, hints on the destination, a hint on the source."""
+    """Ways to copy a mapping into a fresh array beyond the SDK's 8 MiB slices, each a
+    candidate for the SDK's download: two threads, hints on the destination, a hint on the
+    source."""
     slice_bytes = _local.READ_SLICE_BYTES
 
     def fresh(*advice: int) -> np.ndarray:
@@ -371,7 +372,7 @@ def fresh_export_against_empty_unaries(
     bare_empty(b"")
     conn = consumer._conn
     mapper = consumer._local
-    channel = mapper._channel  # the session's export channel (issue 13), bound by now
+    channel = mapper._channel  # the session's export channel, bound by now
     instance, mapped = mapper._mapped_hint
     request = pb.ExportRequest(
         handle=big.handle, server_instance=instance, mapped_segments=mapped

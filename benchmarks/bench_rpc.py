@@ -7,12 +7,12 @@ Starts two servers in their own processes, so neither shares this process's GIL:
 ``tensord serve`` and a bare gRPC server that streams raw byte chunks with
 identity serializers and nothing else (the ceiling for any gRPC transfer here).
 Prints one table of latencies (p50/p99) and one of throughputs, with ratios.
-Targets (issue 4): a view <= 1.5x an empty RPC; 64 MiB transfers >= 0.7x bare gRPC.
-Pipelining (issue 15): a view as the caller sees it (p50 of x[3], in turns of 100 calls
+Targets: a view <= 1.5x an empty RPC; 64 MiB transfers >= 0.7x bare gRPC.
+Pipelining: a view as the caller sees it (p50 of x[3], in turns of 100 calls
 with the unpipelined client's), views/s of one client (views dropped
 at once, which dead-view elision never sends, and views kept alive in a window of 1,024,
 which the server applies), and 1,000 ``x[i].fill_(i)`` plus one read with pipelining on
-and off (targets: p50 <= 25 us, >= 20,000 views/s, >= 10x).  Many clients (issue 15):
+and off (targets: p50 <= 25 us, >= 20,000 views/s, >= 10x).  Many clients:
 aggregate views/s of 1, 2, 4 and 8 client *processes* (pipelined, the SDK's default; views
 kept in a window, so the server applies each one and its release) against the bare
 server's empty unary calls/s from as many processes, side by side (targets: the
@@ -336,7 +336,7 @@ def run_pipelining(client: tensord.Client, address: str) -> None:
         on_kept, off_kept = views_per_second(client, True), views_per_second(plain, True)
         on = statistics.median(fill_loop_seconds(client) for _ in range(3))
         off = statistics.median(fill_loop_seconds(plain) for _ in range(3))
-    print(f"{'pipelining (issue 15)':<52}{'on':>12}{'off':>12}{'on / off':>11}")
+    print(f"{'pipelining':<52}{'on':>12}{'off':>12}{'on / off':>11}")
     p50_on, p50_off = pct(samples[0], 50) * 1e6, pct(samples[1], 50) * 1e6
     print(
         f"{'view x[3] as the caller sees it, p50 us':<52}{p50_on:>12.1f}{p50_off:>12.1f}"
@@ -456,7 +456,7 @@ def run_many_clients(address: str, bare_address: str, rounds: int, seconds: floa
             bares = " / ".join(f"{bare[n][-1]:,.0f}" for n in CLIENT_COUNTS)
             load = os.getloadavg()[0]
             print(f"round {round_index + 1}: views/s {rates}; bare {bares} (load {load:.1f})")
-    title = f"many clients (issue 15), {seconds:g} s each"
+    title = f"many clients, {seconds:g} s each"
     if rounds > 1:
         title += f", median of {rounds} rounds (range)"
     print(f"{title:<34}{'tensord views/s':>28}{'bare empty/s':>24}{'vs bare':>9}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issues 5, 13, 17) in one go, for a session that has a GPU machine:
+# The GPU checks (CUDA IPC, the cuda tests, bench_cuda, a load test) in one go, on a GPU machine:
 #   bash scripts/device_check.sh            (logs into $OUT, else ./device_check_out)
 # The machine reaches no package registry: wheels for what its image lacks (grpcio and
 # protobuf of the versions the generated code needs, grpcio-health-checking/-reflection,

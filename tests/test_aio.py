@@ -1,4 +1,4 @@
-"""tensord.aio (issue 15): awaitable waits, synchronous views, the event loop never blocked."""
+"""tensord.aio: awaitable waits, synchronous views, the event loop never blocked."""
 
 from __future__ import annotations
 

@@ -238,7 +238,7 @@ def grpc_imports(mods: dict[str, Module]) -> list[str]:
 
 
 def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
-    """A thin gRPC layer over a domain that knows nothing of gRPC (issue 12): the status codes,
+    """A thin gRPC layer over a domain that knows nothing of gRPC: the status codes,
     the call contexts and the interceptors live in rpc/."""
     found = grpc_imports(modules())
     assert not found, "gRPC imported below the rpc layer:\n" + "\n".join(found)

@@ -1,5 +1,5 @@
-"""Advanced indexing's temporaries are bounded by a chunk, not by the index (issue 11's
-standard): a gather or scatter walks the broadcast index ``INDEX_CHUNK_ELEMENTS``
+"""Advanced indexing's temporaries are bounded by a chunk, not by the index (as every
+temporary of a request is): a gather or scatter walks the broadcast index ``INDEX_CHUNK_ELEMENTS``
 positions at a time, an expanded (stride-0) index is never materialised, and a mask's
 nonzero coordinates go to the pool.  Memory outside the pool is measured with
 tracemalloc (NumPy reports its buffers to it; the pool's segments are not Python's),

@@ -1,4 +1,4 @@
-"""Issue 14: complex views and torch's lazy conjugate / negative bits, against torch 2.13.
+"""Complex views and torch's lazy conjugate / negative bits, against torch 2.13.
 
 ``x.real``, ``x.imag``, ``view_as_real``, ``view_as_complex``, ``x.conj()`` (a view with
 the conjugate bit), ``x.conj().imag`` (the negative bit), ``H``/``mH``/``adjoint``, and
@@ -467,8 +467,8 @@ def test_server_checks_complex_views_itself(server: Any, open_session: Any) -> N
 
 
 def test_index_put_of_a_conjugate_view_of_itself(client: tensord.Client) -> None:
-    """The scatter copies a value sharing the written Storage before writing (issue 11's
-    chunking); that copy must hold the value's conjugated values, not its stored ones."""
+    """The scatter copies a value sharing the written Storage before writing (the chunked
+    scatter's rule); that copy must hold the value's conjugated values, not its stored ones."""
     t = complex_base(6)
     x = client.tensor(t)
     rows = torch.tensor([0, 1])

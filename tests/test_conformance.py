@@ -307,7 +307,7 @@ def _draw_op(data: st.DataObject, shape: tuple[int, ...]) -> tuple[str, tuple[An
                 "diagonal",
                 "getitem",
                 "view",
-                # issue 14
+                # torch's wider view surface
                 "tensor_split",
                 "unfold",
                 "ravel",

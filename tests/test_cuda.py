@@ -120,7 +120,7 @@ def test_writes_match_cpu(c: Any, dtype: str) -> None:
     same(*results)
 
 
-# issue 14: torch's lazy conjugate / negative bits through the CUDA kernels
+# torch's lazy conjugate / negative bits through the CUDA kernels
 LAZY_BITS: dict[str, Callable[[Any], Any]] = {
     "clone": lambda x: x.conj().transpose(0, 1).clone(),
     "imag_clone": lambda x: x.conj().imag.clone(),

@@ -1,4 +1,4 @@
-"""Issue 14: advanced indexing against torch 2.13 as the oracle.
+"""Advanced indexing against torch 2.13 as the oracle.
 
 ``x[key]`` and ``x[key] = v`` with integer tensors, lists, masks and Python bools,
 mixed with ints, slices, None and Ellipsis (random keys on random strided tensors,

@@ -13,7 +13,7 @@ X = C((2, 3))  # a small matrix used by the error cases
 S = C(())  # a 0-dim tensor
 
 
-def test_issue_example() -> None:
+def test_permute_reorders_the_contiguous_strides() -> None:
     assert C((2, 3, 4)).permute(2, 0, 1).stride == (1, 12, 4)
 
 

@@ -215,7 +215,7 @@ OPS = (
     "view", "reshape", "view_dtype", "narrow", "select", "getitem", "transpose", "t",
     "permute", "movedim", "expand", "squeeze", "unsqueeze", "flatten", "unflatten",
     "split", "chunk", "unbind", "diagonal", "as_strided",
-    # issue 14
+    # torch's wider view surface
     "tensor_split", "hvdsplit", "unfold", "ravel", "broadcast_to", "matrix",
 )  # fmt: skip
 

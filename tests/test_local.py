@@ -367,7 +367,7 @@ def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_i
 def test_an_export_in_a_segment_the_request_names_as_mapped_comes_without_a_ticket(
     server: Any, stub: Any
 ) -> None:
-    """Issue 13: a ticket only for a segment the client does not map yet (naming segments of
+    """A ticket only for a segment the client does not map yet (naming segments of
     another server instance, or other segments, changes nothing); the pin is the same."""
     table = server.daemon.exports
     x = stub.upload(np.arange(1000, dtype=np.float32))

@@ -1,4 +1,4 @@
-"""The session's export channel (issue 13): fresh same-host Exports without a gRPC round trip.
+"""The session's export channel: fresh same-host Exports without a gRPC round trip.
 
 A gRPC Export answers the session's channel key; the SDK binds one connection to the
 server's fd socket with it and sends later Exports there.  Whatever the channel cannot do

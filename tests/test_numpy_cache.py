@@ -158,9 +158,9 @@ def test_the_default_bound_is_an_eighth_of_memory_within_its_limits() -> None:
 def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
     client: Any, monkeypatch: Any
 ) -> None:
-    """A download too large for the old 256 MiB bound (issue 13's 1 GiB download paid a fresh
-    array's page faults every time): under a bound that takes it, the next x.numpy() of the
-    same shape gets the same, dropped array back."""
+    """A 1 GiB download, over the smallest default bound (256 MiB), pays a fresh array's
+    page faults at every x.numpy() unless cached: under a bound that takes it, the next
+    x.numpy() of the same shape gets the same, dropped array back."""
     big = _local.HostBufferCache(
         _local.default_numpy_cache_bytes(8 << 30), _local.NUMPY_CACHE_COUNT
     )

@@ -184,7 +184,7 @@ def test_export_channel_requests_are_counted(
     observed: tuple[RunningServer, HttpEndpoints],
 ) -> None:
     """Exports on a session's export channel pass no gRPC interceptor: the metrics count
-    them apart (issue 13), so an operator still sees every export."""
+    them apart, so an operator still sees every export."""
     import tensord
     import torch
 

@@ -1,4 +1,4 @@
-"""Pipelining (issue 15): queued views and writes, applied in issue order, errors at the next wait."""
+"""Pipelining: queued views and writes, applied in the order issued, errors at the next wait."""
 
 from __future__ import annotations
 
@@ -288,9 +288,9 @@ def test_a_queued_reshape_that_fails_is_named_at_the_next_wait(make_server: Any)
 
 
 def test_a_queued_view_makes_no_system_call_and_no_finalizer(client: Any, monkeypatch: Any) -> None:
-    # issue 15's hot path, as the caller sees it: os.getpid() (a system call) was asked
-    # four times per view and a weakref.finalize made per Tensor, more than the view's
-    # own work; the fork hooks keep the pid now and a Tensor releases from __del__
+    # a queued view's hot path, as the caller sees it: an os.getpid() (a system call) per
+    # view or a weakref.finalize per Tensor would cost more than the view's own work, so
+    # the fork hooks keep the pid and a Tensor releases from __del__
     import os
     import weakref
 
@@ -316,9 +316,9 @@ def test_a_queued_view_makes_no_system_call_and_no_finalizer(client: Any, monkey
 
 
 def test_a_queued_view_builds_no_protobuf_op_until_its_batch(client: Any, monkeypatch: Any) -> None:
-    # issue 15's hot path: each view built a BatchOp (and its ViewRequest copied in),
-    # which the flush then copied again into the BatchRequest; the queue keeps plain
-    # values now and the flush fills each op of the request in place
+    # a queued view's hot path: a BatchOp built per view (its ViewRequest copied in) would
+    # be copied again into the BatchRequest at the flush, so the queue keeps plain values
+    # and the flush fills each op of the request in place
     x = client.arange(12).view(3, 4)
     client.synchronize()
     built = 0
@@ -346,8 +346,8 @@ def test_a_queued_view_builds_no_protobuf_op_until_its_batch(client: Any, monkey
 def test_a_queued_fill_takes_the_storage_registry_lock_twice(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # issue 15's server cost per op: letting go of an op's input took the registry's lock
-    # twice (the hold, then the reference); one acquisition drops both now
+    # the server's cost per op: letting go of an op's input (the hold, then the reference)
+    # takes the registry's lock once, not once for each
     from tensord_server.pool.locks import CountingLock
 
     session = open_session(server.address)

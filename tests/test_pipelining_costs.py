@@ -1,4 +1,4 @@
-"""Pipelining's cost per queued op (issue 15): what a view costs the server and its caller,
+"""Pipelining's cost per queued op: what a view costs the server and its caller,
 counted (lock acquisitions, ops sent), never timed."""
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def _row_view(handle: str, row: int, result: str) -> pb.BatchOp:
 def test_a_run_of_views_and_releases_takes_each_lock_once(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # issue 15's server cost per queued view: each took the table lock three times and the
-    # registry's three (hold the input, register the result, let the input go), and each
-    # release one more of each; a run of views and releases takes the registry's lock once
-    # (to settle its references) and the table lock not at all (its session's lock instead)
+    # the server's cost per queued view: one view takes three steps (hold the input,
+    # register the result, let the input go) and its release one more, but a run of views
+    # and releases takes the registry's lock once (to settle its references) and the table
+    # lock not at all (its session's lock instead), not each lock at every step
     from tensord_server.domain.batch import RUN_OPS
 
     session = open_session(server.address)
@@ -103,8 +103,8 @@ def ops_sent(monkeypatch: Any) -> list[str]:
 def test_a_dropped_unused_view_is_never_sent(
     client: Any, server: Any, ops_sent: list[str], monkeypatch: Any
 ) -> None:
-    # issue 15: a view dropped before its Batch, that nothing used, cost the server a
-    # registration and a release for nothing; it is removed from the queue now
+    # a view dropped before its Batch, that nothing used, would cost the server a
+    # registration and a release for nothing: it is removed from the queue instead
     x = client.arange(12).view(3, 4)
     client.synchronize()
     # the background flusher may send a view while its statement still holds it (it is
@@ -192,9 +192,9 @@ def test_eliding_from_many_threads_keeps_every_kept_view(client: Any, server: An
 def test_a_batch_of_int_index_views_is_bounded_without_the_generic_walk(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # issue 15's server cost per queued x[i]: the request's generic bounds walk and the
-    # generic decode took as long as applying the view; x[i] ops are bounded and read
-    # field by field now (other ops still walked)
+    # the server's cost per queued x[i]: the request's generic bounds walk and generic
+    # decode would take as long as applying the view, so x[i] ops are bounded and read
+    # field by field (other ops are walked)
     from tensord_server.domain import limits
 
     session = open_session(server.address)
@@ -256,8 +256,8 @@ def test_the_batch_bounds_are_the_walks(position: int, repeat: int) -> None:
 
 
 def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) -> None:
-    # issue 15's server cost per queued x[i].fill_(i): each fill of an integer tensor built
-    # an np.iinfo (a tenth of the fill); the limits of each dtype are kept now
+    # the server's cost per queued x[i].fill_(i): an np.iinfo per fill of an integer tensor
+    # would be a tenth of the fill, so the limits of each dtype are kept
     x = client.zeros(8, dtype=torch.int16)
     x[0].fill_(1)
     client.synchronize()
@@ -287,9 +287,9 @@ def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) 
 def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     client: Any, server: Any, monkeypatch: Any
 ) -> None:
-    # issue 15, many clients: a queue of 256 ops waited for the Batch before at once, and
-    # the 50 ms flusher then sent what had come meanwhile: many small Batches (an RPC's
-    # cost each) from clients waiting on a busy server; it fills up to 1,024 ops now
+    # many clients: a queue that waited for its Batch at 256 ops would leave the 50 ms
+    # flusher to send what came meanwhile, many small Batches (an RPC's cost each) from
+    # clients waiting on a busy server, so it fills up to 1,024 ops
     import threading
 
     from tensord._rpc import PIPELINE_BATCH, PIPELINE_BATCH_MAX

@@ -133,7 +133,7 @@ def test_every_allocating_op_is_charged(quota_server) -> None:
             "clone": lambda: half.clone(),
             "to(dtype)": lambda: half.to(dtype=tensord.float64),
             "contiguous": lambda: half.view(2, -1).t().contiguous(),
-            # queued by pipelining (issue 15): the quota's error surfaces at the next wait
+            # queued by pipelining: the quota's error surfaces at the next wait
             "reshape copy": lambda: (half.view(2, -1).t().reshape(-1), alice.synchronize()),
             "repeat": lambda: half.repeat(2),
             "cat": lambda: alice.cat([half, half]),

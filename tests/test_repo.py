@@ -1,4 +1,5 @@
-"""Repository promises: generated code is fresh, CI runs the README's test command."""
+"""Repository promises: generated code is fresh, CI runs the README's test command, nothing
+reaches outside the checkout, and no file names an issue number."""
 
 from __future__ import annotations
 
@@ -179,3 +180,66 @@ def test_every_test_requirement_is_pinned_by_the_constraints() -> None:
             pinned[_requirement_name(name)] = version.strip()
     assert wanted - pinned.keys() == set(), "pin these in tests/constraints.txt"
     assert "-c tests/constraints.txt" in next(c for c in readme_commands() if "pytest" in c)
+
+
+# -- behaviours named, not issue numbers ---------------------------------------------
+# A reader of the code, the docs or a test's name has no issue tracker: a comment says what
+# the code guards and why, a test is named after the behaviour it holds.  (This file spells
+# its own samples in pieces, so it passes its own check.)
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+# What the rule covers: these trees and files of the checkout.
+ISSUE_NUMBER_TREES = ("client/", "server/", "proto/", "docs/", "benchmarks/", "tests/", "scripts/")
+ISSUE_NUMBER_FILES = ("README.md", "SECURITY.md")
+# Cleaned by the restructuring in progress: empty this once it has merged.
+ISSUE_NUMBERS_NOT_YET_CHECKED_UNDER: tuple[str, ...] = (
+    "client/",
+    "server/tensord_server/domain/",
+    "server/tensord_server/rpc/",
+    "server/tensord_server/pool/",
+    "server/tensord_server/tools/",
+    "server/tensord_server/devices/",
+)
+
+
+def issue_number_lines(text: str) -> list[str]:
+    """The lines of ``text`` that name an issue by its number."""
+    return [line.strip() for line in text.splitlines() if ISSUE_NUMBER.search(line)]
+
+
+def held_to_the_issue_number_rule(name: str) -> bool:
+    covered = name.startswith(ISSUE_NUMBER_TREES) or name in ISSUE_NUMBER_FILES
+    return covered and not name.startswith(ISSUE_NUMBERS_NOT_YET_CHECKED_UNDER)
+
+
+def test_no_tracked_file_names_an_issue_number() -> None:
+    found = {
+        name: lines
+        for name, text in tracked_text_files()
+        if held_to_the_issue_number_rule(name) and (lines := issue_number_lines(text))
+    }
+    assert found == {}, "name the behaviour instead:\n" + "\n".join(
+        f"{name}: {line}" for name, lines in found.items() for line in lines
+    )
+
+
+def test_the_issue_number_check_finds_each_kind() -> None:
+    issue = "iss" + "ue"  # in pieces: this file names no issue number itself
+    for line in (
+        f"Targets ({issue} 5): to(device) >= 0.7x the bare copy",
+        f'title = f"many clients ({issue} 15), {{seconds:g}} s each"',
+        f"# see {issue} #4",
+        f"The GPU checks ({issue}s 5, 13, 17) in one go",
+        f'"""{issue.title()} 14: complex views against torch."""',
+        f"{issue.upper()}#18",
+    ):
+        assert issue_number_lines(line), line
+    for line in (
+        "the SDK issues a release after the next call",
+        "a token this session issued",
+        "what the applied ops issued, in op order",
+    ):
+        assert issue_number_lines(line) == [], line
+    assert held_to_the_issue_number_rule("benchmarks/bench_rpc.py")
+    assert held_to_the_issue_number_rule("server/tensord_server/observability/metrics.py")
+    assert held_to_the_issue_number_rule("SECURITY.md")
+    assert not held_to_the_issue_number_rule("deploy/grafana/dashboards/tensord.json")

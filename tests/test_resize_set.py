@@ -1,4 +1,4 @@
-"""Issue 14: resize_, resize_as_, set_, is_same_size and is_set_to against torch 2.13.
+"""resize_, resize_as_, set_, is_same_size and is_set_to against torch 2.13.
 
 The handle changes in place (sizes, strides, offset, Storage), other handles keep their
 layouts, a Storage too small grows with its bytes kept and every handle on it sees it

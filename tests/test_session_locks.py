@@ -1,4 +1,4 @@
-"""Each session's handle table has its own lock (issue 15, many clients): a Batch's run of
+"""Each session's handle table has its own lock, for many clients: a Batch's run of
 views and releases holds only its session's lock, so one session's run never waits for
 another's, and settles its references with the registry once, at its end.  Ordered with
 events, never timed: a bounded wait only turns a hang into a failure."""

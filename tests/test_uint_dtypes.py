@@ -1,4 +1,4 @@
-"""Issue 14: torch's barebones unsigned dtypes (uint16, uint32, uint64) against torch 2.13.
+"""Torch's barebones unsigned dtypes (uint16, uint32, uint64) against torch 2.13.
 
 torch has storage, views, conversions and copies for them, few kernels (arange,
 index_put, index_select, masked_fill, masked_select raise NotImplementedError) and no

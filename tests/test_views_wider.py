@@ -1,4 +1,4 @@
-"""Issue 14: torch's wider view surface through the SDK, end to end, against torch 2.13.
+"""Torch's wider view surface through the SDK, end to end, against torch 2.13.
 
 Every result is compared with torch's on shape, stride, storage offset, dtype,
 values, requires_grad and whether it shares the input's Storage (view or copy);

@@ -195,7 +195,7 @@ class StoreCollector(Collector):
         yield from self._channel_metrics()
 
     def _channel_metrics(self) -> Iterator[Metric]:
-        """Same-host export channels (issue 13): their Exports pass no gRPC interceptor."""
+        """Same-host export channels, counted here: their Exports pass no gRPC interceptor."""
         channels, requests = self.store.export_channel_stats()
         yield GaugeMetricFamily(
             "tensord_export_channels", "Same-host export channels served now", value=channels

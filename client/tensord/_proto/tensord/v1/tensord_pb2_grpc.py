@@ -496,7 +496,7 @@ class TensordServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EmptyExport(self, request, context):
-        """issue 13: a same-host upload's one round trip. Applies the releases it carries (the
+        """A same-host upload's one round trip. Applies the releases it carries (the
         handles, then the exports: ReleaseExports' rules), then Empty, then Export of the new
         tensor, with Empty's and Export's checks (quota, --max-handles-per-session counting
         exports). If the export is refused the new handle is released (the carried releases
@@ -507,20 +507,19 @@ class TensordServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Batch(self, request, context):
-        """issue 15 pipelining
-        An ordered list of ops the client queued (views, detach, fills, copies, setitem,
-        releases), applied in order in the caller's session. Result handles are chosen by the
-        client (BatchOp.results). The first op that fails stops the batch: the ops after it
-        are skipped, and the answer names the failed op (OK status: the client raises it at
-        its next call that waits for the server). At most limits.MAX_BATCH_OPS ops.
+        """Pipelining: an ordered list of ops the client queued (views, detach, fills, copies,
+        setitem, releases), applied in order in the caller's session. Result handles are
+        chosen by the client (BatchOp.results). The first op that fails stops the batch: the
+        ops after it are skipped, and the answer names the failed op (OK status: the client
+        raises it at its next call that waits for the server). At most limits.MAX_BATCH_OPS
+        ops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AdvancedIndex(self, request, context):
-        """issue 14 indexing
-        x[index] with index tensors or masks: a gather into a new tensor.
+        """Advanced indexing: x[index] with index tensors or masks: a gather into a new tensor.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -534,8 +533,7 @@ class TensordServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Resize(self, request, context):
-        """resize, set_ (issue 14)
-        x.resize_(size, memory_format) in place: the same handle, a new layout; a Storage too
+        """x.resize_(size, memory_format) in place: the same handle, a new layout; a Storage too
         small grows (every handle on it sees the larger Storage, the old bytes kept).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
