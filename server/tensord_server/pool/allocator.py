@@ -89,7 +89,7 @@ from tensord_server.pool.blocks import (
     round_size,
     should_split,
 )
-from tensord_server.pool.commit import Candidate, CommitLedger
+from tensord_server.pool.commit import DECOMMIT_SCAN_LIMIT, Candidate, CommitLedger
 from tensord_server.pool.compaction import (
     CompactionResult,
     MoveTarget,
@@ -128,11 +128,6 @@ class SegmentsPart(NamedTuple):
     segments: list[dict[str, Any]]  # segment_info dicts; the first and last may be partial
     last_complete: bool  # the last holds all its blocks after the place asked for
     more: bool  # segments (or blocks of the last) follow
-
-
-# policy decommit_threshold: the most decommit candidates a free looks at, the largest
-# first (the walk runs under the lock, on every free above the threshold)
-DECOMMIT_SCAN_LIMIT = 64
 
 
 # ---------------------------------------------------------------------------
@@ -763,7 +758,7 @@ class CachingPool:
         """Whether the segment of a whole free block may go back to the device now."""
         return self._releasable_segment(block.segment)
 
-    # -- beyond torch: compaction, tight segments, giving idle segments back -------
+    # -- beyond torch: compaction and releases under pressure (Consolidation) ----------
 
     def _beyond_torch_on_oom(
         self, pool: BlockPool, size: int, alloc_size: int, stream: int
@@ -1011,9 +1006,8 @@ class CachingPool:
         unbudgeted = self._kept_idle_segments(budgeted=False)
         if len(unbudgeted) <= 1:
             return False  # within any budget
-        kept = self._idle.within_budget(self.policy, unbudgeted, self._allocated())
         released = False
-        for address in [a for a in unbudgeted if a not in kept]:
+        for address in self._idle.beyond_budget(self.policy, unbudgeted, self._allocated()):
             head = self._segments[address].head
             assert head is not None
             if self._releasable(head):
@@ -1078,7 +1072,7 @@ class CachingPool:
         shortfall -= self._ledger.give_back(shortfall, self._decommit_free_block)
         if shortfall <= 0:
             return True
-        for block in self._idle_segment_heads():
+        for block in self._idle.cached_heads(self._segments):
             if not block.is_split() and release_segments and self._releasable(block):
                 shortfall -= self._ledger.committed_in(block.segment)
                 self._release_block(block)
@@ -1087,20 +1081,6 @@ class CachingPool:
             if shortfall <= 0:
                 break
         return shortfall <= 0
-
-    def _idle_segment_heads(self) -> list[Block]:
-        """The free blocks spanning a whole segment, the largest first: the idle segments
-        (every wholly free segment but a new one no block was allocated from yet, whose
-        pages are untouched, so it has no committed page beyond its edges to give back)."""
-        heads = [self._segments[address].head for address in self._idle]
-        cached = [
-            block
-            for block in heads
-            if block is not None
-            and block.pool is not None
-            and block.pool.free_blocks.get(block.address) is block
-        ]  # not one out of its pool being allocated
-        return sorted(cached, key=lambda block: (-block.size, block.address))
 
     def _recommit(self, block: Block) -> None:
         """A block allocated over decommitted pages: they count as reserved again."""
@@ -1133,17 +1113,15 @@ class CachingPool:
         policy's decommit_wake_threshold x allocated (hysteresis: below it freed holes stay
         warm).  Wholly free segments keep theirs (the next request like the last one
         reuses warm pages)."""
-        allocated = self._allocated()
         # wholly free segments keep their pages: counted, they would keep committed above
         # the threshold (a server keeps them warm for release_idle_s) and every hole freed
         # meanwhile would go back at once, hysteresis or not
         committed = self._committed() - self._idle.committed
-        minimum = self.policy.decommit_min_bytes
-        wake = self.policy.decommit_wake_threshold
-        if committed - int(max(threshold, wake or threshold) * allocated) < minimum:
-            return
-        excess = committed - int(threshold * allocated)
-        self._ledger.give_back(excess, self._decommit_free_block, minimum, DECOMMIT_SCAN_LIMIT)
+        policy = self.policy
+        target = self._ledger.excess(policy, committed, self._allocated(), threshold)
+        if target:
+            minimum = policy.decommit_min_bytes
+            self._ledger.give_back(target, self._decommit_free_block, minimum, DECOMMIT_SCAN_LIMIT)
 
     def _note_decommit_candidate(self, block: Block) -> None:
         """A free block that may hold committed whole pages (a freed or split-off one):
@@ -1300,7 +1278,8 @@ class PoolMoves(MoveTarget):
         return blocks_may_move(self._shapes[segment.address], self._movable)
 
     def allocated_block(self, address: int) -> Block:
-        # found when asked (a plan moves a few blocks; indexing every block cost more)
+        # found by a walk when asked: a plan moves a few blocks, fewer than an index of
+        # every block would have to follow
         index = bisect.bisect_right(self._segments, address, key=lambda s: s.address) - 1
         block = self._segments[index].head if index >= 0 else None
         while block is not None and block.address < address:

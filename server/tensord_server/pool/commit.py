@@ -31,6 +31,7 @@ from tensord_server.pool.pages import (
     spans_within,
     uncovered,
 )
+from tensord_server.pool.policy import PoolPolicy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ Candidate = tuple[int, int, int]
 
 # Candidates beyond twice the free blocks, plus this, prompt a prune of the stale ones.
 CANDIDATE_SLACK = 64
+# policy decommit_threshold: the most candidates a free looks at, the largest first (the
+# walk runs under the pool's lock, on every free above the threshold)
+DECOMMIT_SCAN_LIMIT = 64
 
 
 class Decommitted(NamedTuple):
@@ -114,6 +118,19 @@ class CommitLedger:
         if interior is None:
             return []
         return uncovered(self.spans.get(block.segment.address, []), *interior)
+
+    @staticmethod
+    def excess(policy: PoolPolicy, committed: int, allocated: int, threshold: float) -> int:
+        """The bytes of pages to give back so that ``committed`` comes down to ``threshold``
+        x ``allocated``; 0 (hysteresis: the holes stay warm) until ``committed`` exceeds the
+        policy's decommit_wake_threshold x ``allocated`` by decommit_min_bytes."""
+        wake = policy.decommit_wake_threshold
+        if (
+            committed - int(max(threshold, wake or threshold) * allocated)
+            < policy.decommit_min_bytes
+        ):
+            return 0
+        return committed - int(threshold * allocated)
 
     # -- changes: the pool counts what each returns ------------------------------------
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from tensord_server.pool.blocks import Segment
+from tensord_server.pool.blocks import Block, Segment
 from tensord_server.pool.policy import PoolPolicy
 
 
@@ -127,6 +127,27 @@ class IdleSegments:
                 break
             within[address] = kept[address]
         return within
+
+    def beyond_budget(
+        self, policy: PoolPolicy, kept: dict[int, float], allocated: int
+    ) -> list[int]:
+        """Of the ``kept`` segments (unbudgeted), the addresses of those keep_idle_fraction
+        does not keep, in the order they became idle."""
+        within = self.within_budget(policy, kept, allocated)
+        return [address for address in kept if address not in within]
+
+    def cached_heads(self, segments: Mapping[int, Segment]) -> list[Block]:
+        """The idle segments' blocks, the largest first, less one out of its pool (being
+        allocated); ``segments``: the pool's, by address."""
+        heads = [segments[address].head for address in self._entries]
+        cached = [
+            block
+            for block in heads
+            if block is not None
+            and block.pool is not None
+            and block.pool.free_blocks.get(block.address) is block
+        ]
+        return sorted(cached, key=lambda block: (-block.size, block.address))
 
     def all_within_budget(self, policy: PoolPolicy, allocated: int) -> bool:
         """Whether every idle segment together fits keep_idle_fraction x ``allocated``
