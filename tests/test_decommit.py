@@ -1,4 +1,4 @@
-"""Decommitted free page ranges (issue 18, policy ``decommit``): holes give their pages back.
+"""Decommitted free page ranges (policy ``decommit``): holes give their pages back.
 
 Under ``adaptive`` a free range inside a split host segment gives its whole pages back to
 the device (the memfd's pages are freed: ``st_blocks`` drops) while the segment stays;

@@ -1,4 +1,4 @@
-"""Idle segments go back with time hysteresis (policy ``release_idle_s``, issue 18 vs 13).
+"""Idle segments go back with time hysteresis (policy ``release_idle_s``).
 
 A segment left wholly free is kept for ``release_idle_s`` under a background compactor,
 so a client that uploads, drops and uploads again reuses warm pages instead of faulting
