@@ -1402,6 +1402,10 @@ def check_pool_invariants(pool: CachingPool) -> None:
     (the commit ledger, the idle segments, consolidation); the caller holds the lock."""
     stats = pool._stats
     ledger = pool._ledger
+    # the collaborators first: the statistics below are checked against what they hold
+    ledger.assert_invariants(pool._segments, pool._decommits())
+    pool._idle.assert_invariants(pool._segments, ledger.committed_in)
+    pool._consolidation.assert_invariants()
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0
     free_seen = {SMALL_POOL: 0, LARGE_POOL: 0}
@@ -1478,9 +1482,6 @@ def check_pool_invariants(pool: CachingPool) -> None:
     assert stats.decommitted_bytes[ALL].current == sum(decommitted.values()), "decommitted"
     assert pool._reserved() <= pool._segment_capacity(), "segments beyond their bound"
     assert pool._committed() <= pool.capacity, "committed bytes beyond capacity"
-    ledger.assert_invariants(pool._segments, pool._decommits())
-    pool._idle.assert_invariants(pool._segments, ledger.committed_in)
-    pool._consolidation.assert_invariants()
     for address, shape in pool._shapes.items():
         assert address in pool._segments, f"a kept shape for no segment at {address:#x}"
         fresh = segment_shape(pool._segments[address])
