@@ -6,7 +6,11 @@
 - :mod:`.compaction`: compaction planning (pure) and its execution through two narrow
   interfaces (the pool's MoveTarget, the owner's Relocator)
 - :mod:`.policy`: what a pool does beyond PyTorch (``pytorch``, ``oom-compaction``, ``adaptive``)
-- :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release, empty_cache)
+- :mod:`.commit`: the commit ledger, each segment's decommitted pages (policy ``decommit``)
+- :mod:`.idle`: the wholly free segments and which are kept (policy ``release_idle_s``)
+- :mod:`.consolidation`: when free bytes go back beyond PyTorch (the thresholds, the edge)
+- :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release,
+  empty_cache) and the statistics, calling the three above under its one lock
 
 The names other layers use are re-exported here.
 """

@@ -15,23 +15,25 @@ rule, so its figures can be compared with PyTorch's on the same trace:
 - Segments go back to the backend only in ``empty_cache`` and on the
   out-of-memory path.
 
-Beyond torch, only as the pool's :class:`~.policy.PoolPolicy` says (``pytorch``:
-never; the default ``oom-compaction``: compaction on the OOM path only):
+Beyond torch, only as the pool's :class:`~.policy.PoolPolicy` says (``pytorch``: never;
+the default ``oom-compaction``: compaction on the OOM path only), each extension kept by a
+collaborator that owns its fields and invariants:
 
 - compaction (only with a ``relocator``): the owner of the blocks stops the world,
   movable blocks of the least-used segments move into free blocks of other segments,
   the emptied segments go back to the backend.  Planning and execution live in
   :mod:`.compaction`; the pool lends it a narrow :class:`~.compaction.MoveTarget`
-  (``PoolMoves``).  On the out-of-memory path the reservation is then retried once;
-  after a free (policy ``compact_threshold``) it runs when reserved / allocated is
-  too high.  Clients hold handles, not pointers, so nothing outside the server notices;
-- tight segments on the out-of-memory path, idle segments given back after a free,
-  or once idle for a while (policy ``tight_segments``, ``release_threshold``,
-  ``release_idle_s``);
-- compaction and repacking before reserving a segment near the device's edge
-  (policy ``consolidate``);
+  (:class:`PoolMoves`).  It runs where torch would be out of memory (then the
+  reservation is retried), before reserving a segment near the device's edge, and after
+  frees, in the freeing call or in a background compactor's steps;
+  :class:`~.consolidation.Consolidation` holds the thresholds that say when and how
+  much.  Clients hold handles, not pointers, so nothing outside the server notices;
+- tight segments on the out-of-memory path, idle segments given back after a free
+  (policy ``tight_segments``, ``release_threshold``);
+- idle segments kept for a while before they go back (policy ``release_idle_s``:
+  :class:`~.idle.IdleSegments`);
 - free page ranges of split segments given back to the device, the segment kept
-  (policy ``decommit``, on backends that can: :func:`~.backend.decommitter`): then
+  (policy ``decommit``, on backends that can: :class:`~.commit.CommitLedger`): then
   ``reserved_bytes`` counts committed bytes, capacity bounds committed bytes (free pages
   elsewhere are given back to make room before anything else) and segment bytes have
   their own bound, ``virtual_capacity_factor`` x capacity.
@@ -40,16 +42,15 @@ Without a relocator and under ``pytorch`` nothing differs from torch.
 
 Statistics keep torch's ``memory_stats()`` names and move exactly as torch's
 do (``inactive_split`` counts free pieces of split segments; a block that is
-not split counts whole in ``allocated_bytes``).  One lock guards everything:
-many gRPC threads call the pool at once.
+not split counts whole in ``allocated_bytes``); only the pool counts them, from what
+its collaborators return.  One lock guards everything, the collaborators' fields
+included (they are called with it held): many gRPC threads call the pool at once.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import heapq
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -88,6 +89,7 @@ from tensord_server.pool.blocks import (
     round_size,
     should_split,
 )
+from tensord_server.pool.commit import DECOMMIT_SCAN_LIMIT, Candidate, CommitLedger
 from tensord_server.pool.compaction import (
     CompactionResult,
     MoveTarget,
@@ -100,16 +102,10 @@ from tensord_server.pool.compaction import (
     repack,
     segment_shape,
 )
+from tensord_server.pool.consolidation import Consolidation
+from tensord_server.pool.idle import IdleSegments
 from tensord_server.pool.locks import CountingLock
-from tensord_server.pool.pages import (
-    Span,
-    add_spans,
-    page_interior,
-    remove_range,
-    span_bytes,
-    spans_within,
-    uncovered,
-)
+from tensord_server.pool.pages import Span
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
 from tensord_server.pool.stats import (
     STAT_ARRAY_NAMES,
@@ -123,8 +119,6 @@ from tensord_server.pool.stats import (
     stat_items,
 )
 
-log = logging.getLogger(__name__)
-
 TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
 
 
@@ -134,11 +128,6 @@ class SegmentsPart(NamedTuple):
     segments: list[dict[str, Any]]  # segment_info dicts; the first and last may be partial
     last_complete: bool  # the last holds all its blocks after the place asked for
     more: bool  # segments (or blocks of the last) follow
-
-
-# policy decommit_threshold: free blocks looked at per free, the largest first (the walk
-# runs under the lock on every free above the threshold)
-DECOMMIT_SCAN_LIMIT = 64
 
 
 # ---------------------------------------------------------------------------
@@ -183,28 +172,23 @@ class CachingPool:
         self.compaction_wanted: Callable[[], None] | None = None
         # beyond torch: seconds, for the policy's release_idle_s (injectable: tests)
         self.clock: Callable[[], float] = clock
-        # beyond torch: the backend's decommit and page size (policy decommit); None: it has none
-        self._decommitter = decommitter(backend)
-        # beyond torch: whether wholly free segments are all kept for release_idle_s (CUDA)
-        self._costly_churn = costly_segment_churn(backend)
         # counts its waiters: the background compactor moves only while nobody waits
-        self._lock = CountingLock()  # guards every field below
+        self._lock = CountingLock()  # guards every field below, the collaborators' too
         self._small = BlockPool(is_small=True)
         self._large = BlockPool(is_small=False)
         self._segments: dict[int, Segment] = {}  # segment address -> segment
+        self._stats = DeviceStats()
+        # beyond torch (policy decommit): each segment's decommitted pages, and the free
+        # blocks worth decommitting
+        self._ledger = CommitLedger(decommitter(backend), (self._small, self._large))
+        # beyond torch (policy release_idle_s): the wholly free segments, and which are kept
+        self._idle = IdleSegments(costly_segment_churn(backend))
+        # beyond torch: when free bytes go back (consolidation, thresholds after a free)
+        self._consolidation = Consolidation()
         # beyond torch: compaction planning's view of each segment's blocks, kept between
         # plans; a segment's entry is dropped whenever one of its blocks changes, so each
-        # plan walks only the segments touched since the last (planning held the GIL
-        # about a quarter of a loaded server's time walking every segment for every plan)
+        # plan walks only the segments touched since the last
         self._shapes: dict[int, SegmentShape] = {}  # segment address -> shape
-        self._stats = DeviceStats()
-        self._frees_since_compaction = 0  # frees since the policy last compacted after a free
-        # beyond torch: segment address -> clock() when the segment became wholly free, for
-        # each segment that is one free block (the policy's release_idle_s keeps those
-        # for a while); absent: allocated from, or never freed since it was reserved
-        self._idle_since: dict[int, float] = {}
-        # ... and the committed bytes of those segments, summed (policy decommit)
-        self._idle_committed = 0
         # beyond torch: segments a background move copies from with this lock let go, each
         # with its copies in progress: none goes back to the device (its bytes are being
         # read) and none is emptied by another compaction meanwhile (not movable)
@@ -213,18 +197,6 @@ class CachingPool:
         # (BackendOutOfDescriptors' message) during the malloc under way, None if it did
         # not: a malloc that fails then says descriptors ran out, not memory
         self._descriptor_refusal: str | None = None
-        # beyond torch (policy decommit): segment address -> its decommitted page ranges,
-        # sorted, disjoint, page-aligned, each inside one free block; absent: none
-        self._decommitted: dict[int, list[Span]] = {}
-        # beyond torch (policy decommit): the free blocks of split segments that may hold
-        # committed whole pages, as heap entries (-size, address, pool kind), the largest
-        # first, pushed where such a block appears (a free, the rest of a split); an entry
-        # goes stale when its block merges, splits or is allocated, and is checked when
-        # popped.  A free above decommit_threshold pops only blocks it may give back: it
-        # used to walk the 64 largest free blocks on every free, most of them given back
-        # already (under a 50-user load test, 42 blocks and 0.4 ms of CPU per free under
-        # the pool's lock: 14 % of the server's CPU, and the lock's waits with it)
-        self._decommit_candidates: list[tuple[int, int, int]] = []
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
         self._trace: deque[dict[str, Any]] | None = (
             deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
@@ -300,15 +272,13 @@ class CachingPool:
         committed bytes are never fewer than allocated ones (decommitted pages lie inside
         free blocks) and a block adds at least ``size`` to those, so with allocated +
         ``size`` beyond capacity neither a free block, a new segment, pages given back nor
-        compaction can make the room.  At the device's edge every such request used to
-        walk every path first (best fit, room-making, new segments reserved and given
-        back, torch's release of cached segments, a compaction whose moves found no room
-        to commit): 3-12 ms of CPU per out-of-memory under the pool's lock in a 50-user
-        load test, none of them served.  Under PyTorch's rules (capacity on segment
-        bytes) the paths run as PyTorch's do, and ``num_alloc_retries`` counts as theirs."""
+        compaction can make the room, and walking them all under the lock would hold up
+        every other request for a request that cannot be served.  Under PyTorch's rules
+        (capacity on segment bytes) the paths run as PyTorch's do, and
+        ``num_alloc_retries`` counts as theirs."""
         if not self._caps_commit():
             return False
-        return self._stats.allocated_bytes[ALL].current + size > self.capacity
+        return self._allocated() + size > self.capacity
 
     def free(self, block: Block) -> None:
         """Mirrors DeviceCachingAllocator::free (no cross-stream uses: free completes at once)."""
@@ -376,7 +346,7 @@ class CachingPool:
         """reserved / allocated now, without the lock (a few int reads: a moment's estimate,
         enough for the compactor to choose how hard to work); 0.0 with nothing allocated.
         Reserved is committed bytes (``reserved_bytes.all.current``)."""
-        allocated = self._stats.allocated_bytes[ALL].current
+        allocated = self._allocated()
         return self._committed() / allocated if allocated else 0.0
 
     def compaction_excess(self) -> int:
@@ -425,7 +395,7 @@ class CachingPool:
             kept = self._kept_idle_segments()
             decayed = (
                 address
-                for address in self._idle_since
+                for address in self._idle
                 if address not in kept and self._releasable_segment(self._segments[address])
             )
             if any(decayed) and self._compaction_excess(kept):
@@ -574,7 +544,7 @@ class CachingPool:
             return None
         except BackendOutOfMemory:
             return None
-        if self._caps_commit() and not self._commit_room(self._edge_pages(memory)):
+        if self._caps_commit() and not self._commit_room(self._ledger.edge_pages(memory)):
             self.backend.release(memory)  # its partial edge pages would not fit
             return None
         segment = Segment(memory, stream, pool.is_small)
@@ -583,7 +553,7 @@ class CachingPool:
         self._segments[memory.address] = segment
         self._shapes.pop(memory.address, None)
         increase(self._stats.segment, pool.kind, 1)
-        untouched = self._untouched_pages(segment) if self._decommits() else 0
+        untouched = self._ledger.untouched(segment) if self._decommits() else 0
         increase(self._stats.reserved_bytes, pool.kind, alloc_size - untouched)
         if untouched:
             increase(self._stats.decommitted_bytes, pool.kind, untouched)
@@ -600,8 +570,7 @@ class CachingPool:
         kind = pool.kind
         stats = self._stats
         self._shapes.pop(block.segment.address, None)
-        if self._idle_since.pop(block.segment.address, None) is not None:
-            self._idle_committed -= self._committed_in(block.segment)
+        self._idle.left(block.segment)
         already_split = block.is_split()
         if split:
             remaining = block
@@ -676,9 +645,8 @@ class CachingPool:
             net_blocks += 1
             net_bytes += block.size
         else:
-            if block.segment.address not in self._idle_since:
-                self._idle_committed += self._committed_in(block.segment)
-            self._idle_since[block.segment.address] = self.clock()
+            segment = block.segment
+            self._idle.became_idle(segment, self.clock(), self._ledger.committed_in(segment))
         stats = self._stats
         kind = pool.kind
         if net_blocks > 0:
@@ -725,17 +693,16 @@ class CachingPool:
         segment = block.segment
         del self._segments[segment.address]
         self._shapes.pop(segment.address, None)
-        if self._idle_since.pop(segment.address, None) is not None:
-            self._idle_committed -= self._committed_in(segment)
+        self._idle.left(segment)
         self.backend.release(segment.memory)
         # the segment and its head block point at each other: a cycle that only the cyclic
         # GC collects.  Host memory is freed with its last reference, so drop the payload
         # now, or a released segment stays resident, outside the pool's figures, until a
-        # collection (found by the cost fuzz: an OOM's release kept 200 MiB)
+        # collection
         segment.memory = DeviceMemory(segment.address, segment.size)
         self._stats.num_device_free += 1
         decrease(self._stats.segment, pool.kind, 1)
-        decommitted = span_bytes(self._decommitted.pop(segment.address, []))
+        decommitted = self._ledger.release(segment)
         if decommitted:
             decrease(self._stats.decommitted_bytes, pool.kind, decommitted)
         decrease(self._stats.reserved_bytes, pool.kind, block.size - decommitted)
@@ -791,7 +758,7 @@ class CachingPool:
         """Whether the segment of a whole free block may go back to the device now."""
         return self._releasable_segment(block.segment)
 
-    # -- beyond torch: compaction, tight segments, giving idle segments back -------
+    # -- beyond torch: compaction and releases under pressure (Consolidation) ----------
 
     def _beyond_torch_on_oom(
         self, pool: BlockPool, size: int, alloc_size: int, stream: int
@@ -861,25 +828,21 @@ class CachingPool:
 
     def _slack(self) -> int:
         """Reserved bytes no allocation uses: the free blocks of every segment."""
-        return self._reserved() - self._stats.allocated_bytes[ALL].current
+        return self._reserved() - self._allocated()
 
     def _should_consolidate(self, alloc_size: int) -> bool:
         """Whether reserving ``alloc_size`` more would leave the device less headroom than
         the pool holds in free blocks (policy ``consolidate``; no relocator: never)."""
-        policy = self.policy
-        if not policy.consolidate or self.relocator is None:
+        if not self.policy.consolidate or self.relocator is None:
             return False
         # under a commit cap this guards the segment bound (free pages cost no room there)
-        slack = self._slack()
         headroom = self._segment_capacity() - self._reserved() - alloc_size
-        return slack >= policy.min_slack and headroom < slack
+        return self._consolidation.should_consolidate(self.policy, self._slack(), headroom)
 
     def _consolidate(self) -> None:
         """Give the pool's free blocks back to the device before it runs out: empty the
         least-used segments into holes elsewhere, then repack partly used ones into holes
-        and tight new segments, at most ``max_moved_bytes`` moved by each.  Once the
-        device is full these holes and tails cannot be gathered any more (a repack needs
-        room for its new segment), and the request that finds them scattered fails."""
+        and tight new segments, at most ``max_moved_bytes`` moved by each."""
         assert self.relocator is not None
         budget = self.policy.max_moved_bytes
         result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
@@ -911,11 +874,9 @@ class CachingPool:
     def _excess(self, threshold: float, slack: int | None = None, kept: int = 0) -> int:
         """Committed bytes, less ``kept``, beyond ``threshold`` x allocated, when beyond
         ``slack`` (default: the policy's min_slack)."""
-        allocated = self._stats.allocated_bytes[ALL].current
-        reserved = self._committed() - kept
-        if reserved - allocated <= (self.policy.min_slack if slack is None else slack):
-            return 0
-        return max(0, reserved - int(threshold * allocated))
+        return self._consolidation.excess(
+            self.policy, self._committed(), self._allocated(), threshold, slack, kept
+        )
 
     def _compaction_excess(self, kept: Mapping[int, float] | None = None) -> int:
         """What the background compactor should give back (its own threshold and slack);
@@ -925,94 +886,19 @@ class CachingPool:
             return 0
         if kept is None:
             kept = self._kept_idle_segments()
-        kept_bytes = sum(self._committed_in(self._segments[address]) for address in kept)
-        return self._excess(self._background_threshold(), policy.background_min_slack, kept_bytes)
-
-    def _background_threshold(self, waking: bool = False) -> float:
-        """The background compactor's reserved / allocated aim (``waking``: the threshold
-        above which a free wakes it), each falling back to the next: wake-up, background,
-        compact_threshold."""
-        policy = self.policy
-        # (on every free: no list of candidates built per call)
-        if waking and policy.background_wake_threshold is not None:
-            return policy.background_wake_threshold
-        if policy.background_threshold is not None:
-            return policy.background_threshold
-        assert policy.compact_threshold is not None, (
-            "a background compactor without compact_threshold"
-        )
-        return policy.compact_threshold
-
-    def _keeps_idle_segments(self) -> bool:
-        """Whether the policy's release_idle_s applies: only where a background compactor
-        gives kept segments back later (compaction_wanted set, and compaction possible)."""
-        policy = self.policy
-        return (
-            policy.release_idle_s is not None
-            and self.compaction_wanted is not None
-            and policy.compact_threshold is not None
-            and self.relocator is not None
-        )
-
-    def _kept_idle_segments(self, budgeted: bool = True) -> dict[int, float]:
-        """The wholly free segments kept now (policy ``release_idle_s``): address -> the
-        clock() time from which they may go back.  Background compaction neither empties
-        nor fills them, nor counts them as excess; the out-of-memory paths ignore this.
-        Not ``budgeted``: those the policy's keep_idle_fraction would not keep included."""
-        kept = self._kept_idle_unbudgeted()
-        return self._within_keep_budget(kept) if budgeted else kept
-
-    def _kept_idle_unbudgeted(self) -> dict[int, float]:
-        """_kept_idle_segments(budgeted=False)."""
-        policy = self.policy
-        decay = policy.release_idle_s
-        if decay is None or not self._idle_since or not self._keeps_idle_segments():
-            return {}
-        if self._near_the_edge():
-            return {}
-        now = self.clock()
-        return {
-            address: since + decay
-            for address, since in self._idle_since.items()
-            if now < since + decay
-        }
-
-    def _near_the_edge(self) -> bool:
-        """Whether the device is used beyond the policy's keep_idle_below: there no idle
-        segment is kept (the room is worth more than warm pages)."""
-        return self._capacity_used() > self.policy.keep_idle_below * self.capacity
-
-    def _within_keep_budget(self, kept: dict[int, float]) -> dict[int, float]:
-        """Of the ``kept`` idle segments (unbudgeted), those the policy's keep_idle_fraction
-        keeps."""
-        fraction = self._keep_idle_fraction()
-        if fraction is None or len(kept) <= 1:
-            return kept
-        # the most recently freed first, within the budget (the first one whatever its size)
-        budget = fraction * self._stats.allocated_bytes[ALL].current
-        within: dict[int, float] = {}
-        total = 0
-        for address in sorted(kept, key=kept.__getitem__, reverse=True):
-            total += self._committed_in(self._segments[address])
-            if within and total > budget:
-                break
-            within[address] = kept[address]
-        return within
-
-    def _keep_idle_fraction(self) -> float | None:
-        """The policy's keep_idle_fraction, except on a backend whose segments cost too
-        much to give back and reserve again (:func:`~.backend.costly_segment_churn`):
-        there every wholly free segment is kept for release_idle_s."""
-        return None if self._costly_churn else self.policy.keep_idle_fraction
+        committed_in = self._ledger.committed_in
+        kept_bytes = sum(committed_in(self._segments[address]) for address in kept)
+        threshold = self._consolidation.background_threshold(policy)
+        return self._excess(threshold, policy.background_min_slack, kept_bytes)
 
     def _wake_excess(self) -> int:
         """Reserved bytes beyond the compactor's wake-up threshold (0: a free leaves it be),
         kept idle segments included (the compactor gives them back once they decay)."""
-        if self.policy.compact_threshold is None or self.relocator is None:
+        policy = self.policy
+        if policy.compact_threshold is None or self.relocator is None:
             return 0
-        return self._excess(
-            self._background_threshold(waking=True), self.policy.background_min_slack
-        )
+        threshold = self._consolidation.background_threshold(policy, waking=True)
+        return self._excess(threshold, policy.background_min_slack)
 
     def _after_free(self) -> None:
         """The policy's work after a free (the caller holds the lock): give idle segments
@@ -1023,23 +909,22 @@ class CachingPool:
         wanted = self.compaction_wanted
         if wanted is not None:
             # a server, with hysteresis: below the wake-up threshold nothing happens (the
-            # idle segments stay cached for the next requests: reserving a host segment
-            # again is a new memfd and its page faults); above it idle segments go back
-            # down to it (no copy, so cheap on this call) and the compactor, woken, brings
-            # reserved down to its aim off this call
-            # (kept segments count here: the compactor must wake to give them back later)
+            # idle segments stay cached: reserving a segment again costs a new upstream
+            # allocation and its page faults); above it idle segments go back down to it
+            # (no copy, so cheap on this call) and the compactor, woken, brings reserved
+            # down to its aim off this call (kept segments count here: the compactor must
+            # wake to give them back later)
             excess = self._wake_excess()
             if excess:
                 released = False
                 if not self._keeps_idle_segments() or (
-                    self._near_the_edge() and not self._costly_churn
+                    self._near_the_edge() and not self._idle.costly_churn
                 ):
-                    # none kept: idle segments go back now, near the edge too (left to the
-                    # compactor, which comes late under load, they held reserved / allocated
-                    # up; but not where giving one back waits for the whole device, CUDA:
-                    # there the compactor does it, off the request)
+                    # none kept, or near the edge: idle segments go back now, not when the
+                    # compactor comes; but where giving one back waits for the whole device
+                    # (costly churn) the compactor does it, off the request
                     released = self._release_idle_segments(excess)
-                elif self._keep_idle_fraction() is not None:
+                elif self._idle.keep_fraction(policy) is not None:
                     released = self._release_unkept_idle_segments()
                 if not released or self._wake_excess():
                     wanted()
@@ -1050,13 +935,9 @@ class CachingPool:
                 self._release_idle_segments(excess)
         if policy.compact_threshold is None or self.relocator is None:
             return
-        self._frees_since_compaction += 1
-        if self._frees_since_compaction < policy.compact_every:
-            return
-        excess = self._excess(policy.compact_threshold)
+        excess = self._consolidation.compaction_due(policy, self._committed(), self._allocated())
         if not excess:
             return
-        self._frees_since_compaction = 0
         result = compact(
             PoolMoves(self, max_moved=policy.max_moved_bytes), self.relocator, self, excess
         )
@@ -1077,34 +958,9 @@ class CachingPool:
         for block in sorted(idle, key=lambda b: (-b.size, b.address)):
             if released >= target:
                 break
-            released += self._committed_in(block.segment)
+            released += self._ledger.committed_in(block.segment)
             self._release_block(block)
         return bool(idle)
-
-    def _release_unkept_idle_segments(self) -> bool:
-        """Give back the wholly free segments beyond the kept ones' budget (policy
-        keep_idle_fraction): no copy, so cheap on a freeing call (the compactor, woken,
-        would give them back later, after load-test samples that count them).  Whether
-        any went back."""
-        if len(self._idle_since) <= 1:
-            return False  # the most recently freed one is kept whatever its size
-        fraction = self._keep_idle_fraction()
-        if fraction is not None and (
-            self._idle_committed <= fraction * self._stats.allocated_bytes[ALL].current
-        ):
-            return False  # every idle segment together fits the budget (most frees)
-        unbudgeted = self._kept_idle_unbudgeted()
-        if len(unbudgeted) <= 1:
-            return False  # within any budget
-        kept = self._within_keep_budget(unbudgeted)
-        released = False
-        for address in [a for a in unbudgeted if a not in kept]:
-            head = self._segments[address].head
-            assert head is not None
-            if self._releasable(head):
-                self._release_block(head)
-                released = True
-        return released
 
     def _has_idle_segment(self) -> bool:
         """Whether some free block spans its whole segment: the free blocks of a pool less
@@ -1112,24 +968,57 @@ class CachingPool:
         split = self._stats.inactive_split
         return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
 
-    # -- beyond torch: decommitted page ranges -------------------------------------
+    def _near_the_edge(self) -> bool:
+        """Whether the device is used beyond the policy's keep_idle_below (no idle segment
+        is kept there)."""
+        return self._consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
+
+    # -- beyond torch: idle segments kept for a while (IdleSegments) ----------------
+
+    def _keeps_idle_segments(self) -> bool:
+        """Whether the policy's release_idle_s applies: only where a background compactor
+        gives kept segments back later (compaction_wanted set, and compaction possible)."""
+        policy = self.policy
+        return (
+            policy.release_idle_s is not None
+            and self.compaction_wanted is not None
+            and policy.compact_threshold is not None
+            and self.relocator is not None
+        )
+
+    def _kept_idle_segments(self, budgeted: bool = True) -> dict[int, float]:
+        """The wholly free segments kept now (policy ``release_idle_s``): address -> the
+        clock() time from which they may go back.  Background compaction neither empties
+        nor fills them, nor counts them as excess; the out-of-memory paths ignore this.
+        Not ``budgeted``: those the policy's keep_idle_fraction would not keep included."""
+        if not self._idle or not self._keeps_idle_segments() or self._near_the_edge():
+            return {}
+        return self._idle.kept(self.policy, self.clock(), self._allocated(), budgeted)
+
+    def _release_unkept_idle_segments(self) -> bool:
+        """Give back the wholly free segments beyond the kept ones' budget (policy
+        keep_idle_fraction): no copy, so cheap on a freeing call, and the room is back
+        before the compactor, woken, would come.  Whether any went back."""
+        if len(self._idle) <= 1:
+            return False  # the most recently freed one is kept whatever its size
+        if self._idle.all_within_budget(self.policy, self._allocated()):
+            return False  # every idle segment together fits the budget (most frees)
+        unbudgeted = self._kept_idle_segments(budgeted=False)
+        if len(unbudgeted) <= 1:
+            return False  # within any budget
+        released = False
+        for address in self._idle.beyond_budget(self.policy, unbudgeted, self._allocated()):
+            head = self._segments[address].head
+            assert head is not None
+            if self._releasable(head):
+                self._release_block(head)
+                released = True
+        return released
+
+    # -- beyond torch: decommitted page ranges (CommitLedger) -------------------------
 
     def _decommits(self) -> bool:
-        return self._decommitter is not None and self.policy.decommit
-
-    def _untouched_pages(self, segment: Segment) -> int:
-        """A new segment's whole pages, counted decommitted until a block is allocated over
-        them: a fresh memfd (or mapping) has no page until touched, and the pool touches
-        only allocated blocks, so a 20 MiB segment reserved for a 6 MiB request commits
-        6 MiB, as PyTorch's expandable segments map only what blocks use."""
-        assert self._decommitter is not None
-        interior = page_interior(
-            segment.address, segment.address + segment.size, self._decommitter[1]
-        )
-        if interior is None:
-            return 0
-        self._decommitted[segment.address] = [interior]
-        return interior[1] - interior[0]
+        return self._ledger.can_decommit and self.policy.decommit
 
     def _caps_commit(self) -> bool:
         """Whether the capacity bounds committed bytes (a pool that decommits), not segment
@@ -1147,20 +1036,6 @@ class CachingPool:
         """The bytes the capacity bounds: committed ones under a commit cap, else segments'."""
         return self._committed() if self._caps_commit() else self._reserved()
 
-    def _edge_pages(self, memory: DeviceMemory) -> int:
-        """The bytes of a new segment's partial first and last pages (committed at once)."""
-        assert self._decommitter is not None
-        interior = page_interior(
-            memory.address, memory.address + memory.nbytes, self._decommitter[1]
-        )
-        return memory.nbytes - (0 if interior is None else interior[1] - interior[0])
-
-    def _pages_of(self, start: int, end: int) -> Span:
-        """[start, end) rounded out to whole pages, as _recommit counts a block."""
-        assert self._decommitter is not None
-        page = self._decommitter[1]
-        return start // page * page, -(-end // page) * page
-
     def _admit(self, block: Block | None, size: int) -> Block | None:
         """``block`` (taken out of its pool, or a new segment's) if the device has room to
         commit the pages ``size`` bytes at its front would take (free pages elsewhere given
@@ -1168,10 +1043,10 @@ class CachingPool:
         (a new segment's released)."""
         if block is None or not self._caps_commit():
             return block
-        assert self._decommitter is not None
-        if self._committed() + block.size + 2 * self._decommitter[1] <= self.capacity:
+        if self._committed() + block.size + 2 * self._ledger.page <= self.capacity:
             return block  # whatever it commits fits: its pages rounded out, < 2 pages more
-        if self._commit_room(self._commit_cost(block, size), release_segments=True):
+        cost = self._ledger.commit_cost(block, size, self.max_split_size)
+        if self._commit_room(cost, release_segments=True):
             return block
         assert block.pool is not None
         block.pool.insert(block)
@@ -1184,15 +1059,7 @@ class CachingPool:
         """Whether a compaction move may take ``size`` bytes at the front of the free
         ``block`` (out of its pool): room to commit its pages, made by decommitting free
         pages elsewhere (no segment goes back: the plan may still use every free block)."""
-        return self._commit_room(self._commit_cost(block, size))
-
-    def _commit_cost(self, block: Block, size: int) -> int:
-        """The decommitted bytes that allocating ``size`` at the front of the free ``block``
-        commits again: the pages of the part allocated (split or not), rounded out."""
-        assert block.pool is not None
-        split = should_split(block.size, size, block.pool.is_small, self.max_split_size)
-        start, end = self._pages_of(block.address, block.address + (size if split else block.size))
-        return spans_within(self._decommitted.get(block.segment.address, []), start, end)
+        return self._commit_room(self._ledger.commit_cost(block, size, self.max_split_size))
 
     def _commit_room(self, nbytes: int, *, release_segments: bool = False) -> bool:
         """Whether ``nbytes`` more committed bytes fit the capacity, giving back free pages
@@ -1202,12 +1069,12 @@ class CachingPool:
         shortfall = self._committed() + nbytes - self.capacity
         if shortfall <= 0:
             return True
-        shortfall -= self._decommit_candidate_pages(shortfall)
+        shortfall -= self._ledger.give_back(shortfall, self._decommit_free_block)
         if shortfall <= 0:
             return True
-        for block in self._idle_segment_heads():
+        for block in self._idle.cached_heads(self._segments):
             if not block.is_split() and release_segments and self._releasable(block):
-                shortfall -= self._committed_in(block.segment)
+                shortfall -= self._ledger.committed_in(block.segment)
                 self._release_block(block)
             else:
                 shortfall -= self._decommit_free_block(block, minimum=0)
@@ -1215,65 +1082,9 @@ class CachingPool:
                 break
         return shortfall <= 0
 
-    def _decommit_candidate_pages(
-        self, target: int, minimum: int = 0, limit: int | None = None
-    ) -> int:
-        """Give back the committed pages of free blocks of split segments, the largest first,
-        until ``target`` bytes went back; the bytes given back.  No block smaller than
-        ``minimum`` bytes, and at most ``limit`` candidates looked at (None: no limit).  The
-        blocks come from the decommit candidates' heap, which holds every such block that
-        may still hold committed pages (the pool's invariants check it): making room used
-        to list every free block of a page or more and sort them, on each malloc that
-        needed room."""
-        candidates = self._decommit_candidates
-        kept: list[Block] = []  # pages a decommit could not give back: tried again later
-        done = looked = 0
-        while done < target and candidates and (limit is None or looked < limit):
-            if -candidates[0][0] < minimum:
-                break  # the rest are smaller than worth a decommit
-            looked += 1
-            block = self._candidate_block(*heapq.heappop(candidates))
-            if block is None:
-                continue  # stale, or out of its pool being allocated (_admit pushes it back)
-            done += self._decommit_free_block(block, minimum=minimum)
-            if self._committed_pages_of(block):
-                kept.append(block)
-        for block in kept:
-            self._note_decommit_candidate(block)
-        return done
-
-    def _idle_segment_heads(self) -> list[Block]:
-        """The free blocks spanning a whole segment, the largest first: the idle segments
-        (every wholly free segment but a new one no block was allocated from yet, whose
-        pages are untouched, so it has no committed page beyond its edges to give back)."""
-        heads = [self._segments[address].head for address in self._idle_since]
-        cached = [
-            block
-            for block in heads
-            if block is not None
-            and block.pool is not None
-            and block.pool.free_blocks.get(block.address) is block
-        ]  # not one out of its pool being allocated
-        return sorted(cached, key=lambda block: (-block.size, block.address))
-
     def _recommit(self, block: Block) -> None:
-        """A block allocated over decommitted pages: they count as committed again (the
-        pages themselves fault back in, as zeros, when touched)."""
-        segment = block.segment
-        spans = self._decommitted.get(segment.address)
-        if not spans:
-            return
-        assert self._decommitter is not None
-        page = self._decommitter[1]
-        # whole pages: the page a block's first or last bytes share with a free neighbour
-        # faults in when touched, so it leaves the neighbour's decommitted range too
-        start = block.address // page * page
-        end = -(-(block.address + block.size) // page) * page
-        kept, recommitted = remove_range(spans, start, end)
-        if kept:
-            self._decommitted[segment.address] = kept
-        else:
-            del self._decommitted[segment.address]
+        """A block allocated over decommitted pages: they count as reserved again."""
+        recommitted = self._ledger.recommit(block)
         if recommitted:
             assert block.pool is not None
             decrease(self._stats.decommitted_bytes, block.pool.kind, recommitted)
@@ -1281,38 +1092,17 @@ class CachingPool:
 
     def _decommit_free_block(self, block: Block, minimum: int | None = None) -> int:
         """Give back the whole pages of a free block not given back yet, when the block has
-        at least ``minimum`` bytes (default: the policy's decommit_min_bytes); the bytes
-        decommitted now."""
-        assert self._decommitter is not None and block.pool is not None and not block.allocated
-        decommit, page = self._decommitter
-        interior = page_interior(block.address, block.address + block.size, page)
+        at least ``minimum`` bytes (default: the policy's decommit_min_bytes), and count
+        them; the bytes decommitted now."""
         if minimum is None:
             minimum = self.policy.decommit_min_bytes
-        if interior is None or block.size < minimum:
-            return 0
-        segment = block.segment
-        spans = self._decommitted.get(segment.address, [])
-        done: list[Span] = []
-        for start, end in uncovered(spans, *interior):
-            try:
-                decommit(segment.memory, start - segment.address, end - start)
-            except OSError:
-                break  # the pages stay committed, and counted so: nothing relies on them going
-            except (ValueError, IndexError):
-                # a range the backend refuses is this server's bug: said loudly, but not
-                # raised, which would leave a malloc's block out of its free pool
-                log.exception("decommit of a free block refused: its pages stay committed")
-                break
-            done.append((start, end))
-        if not done:
-            return 0
-        self._decommitted[segment.address] = add_spans(spans, done)
-        decommitted = span_bytes(done)
-        decrease(self._stats.reserved_bytes, block.pool.kind, decommitted)
-        increase(self._stats.decommitted_bytes, block.pool.kind, decommitted)
-        self._stats.num_decommits += len(done)
-        if segment.address in self._idle_since:  # the block is the whole segment
-            self._idle_committed -= decommitted
+        decommitted, ranges = self._ledger.decommit(block, minimum)
+        if decommitted:
+            assert block.pool is not None
+            decrease(self._stats.reserved_bytes, block.pool.kind, decommitted)
+            increase(self._stats.decommitted_bytes, block.pool.kind, decommitted)
+            self._stats.num_decommits += ranges
+            self._idle.decommitted(block.segment, decommitted)
         return decommitted
 
     def _decommit_excess(self, threshold: float) -> None:
@@ -1323,56 +1113,39 @@ class CachingPool:
         policy's decommit_wake_threshold x allocated (hysteresis: below it freed holes stay
         warm).  Wholly free segments keep theirs (the next request like the last one
         reuses warm pages)."""
-        allocated = self._stats.allocated_bytes[ALL].current
         # wholly free segments keep their pages: counted, they would keep committed above
         # the threshold (a server keeps them warm for release_idle_s) and every hole freed
         # meanwhile would go back at once, hysteresis or not
-        committed = self._committed() - self._idle_committed
-        minimum = self.policy.decommit_min_bytes
-        wake = self.policy.decommit_wake_threshold
-        if committed - int(max(threshold, wake or threshold) * allocated) < minimum:
-            return
-        excess = committed - int(threshold * allocated)
-        self._decommit_candidate_pages(excess, minimum, DECOMMIT_SCAN_LIMIT)
+        committed = self._committed() - self._idle.committed
+        policy = self.policy
+        target = self._ledger.excess(policy, committed, self._allocated(), threshold)
+        if target:
+            minimum = policy.decommit_min_bytes
+            self._ledger.give_back(target, self._decommit_free_block, minimum, DECOMMIT_SCAN_LIMIT)
 
     def _note_decommit_candidate(self, block: Block) -> None:
         """A free block that may hold committed whole pages (a freed or split-off one):
         _decommit_excess may give them back once its segment is split."""
         if not self._decommits() or not block.is_split():
             return
-        assert self._decommitter is not None and block.pool is not None
-        if block.size < self._decommitter[1]:
-            return  # not one whole page
-        candidates = self._decommit_candidates
-        heapq.heappush(candidates, (-block.size, block.address, block.pool.kind))
-        if len(candidates) > 2 * (len(self._small.keys) + len(self._large.keys)) + 64:
-            self._prune_decommit_candidates()
+        self._ledger.note_candidate(block)
 
-    def _prune_decommit_candidates(self) -> None:
-        """Drop the stale entries (and repeats): the heap stays within twice the free
-        blocks, so each free pays O(1) for it on average."""
-        live = {entry for entry in self._decommit_candidates if self._candidate_block(*entry)}
-        self._decommit_candidates = list(live)
-        heapq.heapify(self._decommit_candidates)
+    # -- what tests inspect of the commit ledger --------------------------------------
 
-    def _candidate_block(self, negative_size: int, address: int, kind: int) -> Block | None:
-        """The free block of a split segment an entry of _decommit_candidates names, or
-        None when the entry is stale (that block merged, split, went or was allocated)."""
-        pool = self._small if kind == SMALL_POOL else self._large
-        block = pool.free_blocks.get(address)
-        if block is None or block.size != -negative_size or not block.is_split():
-            return None
-        return block
+    @property
+    def _decommitted(self) -> dict[int, list[Span]]:
+        """The ledger's decommitted ranges, by segment address."""
+        return self._ledger.spans
 
-    def _committed_pages_of(self, block: Block) -> list[Span]:
-        """The whole pages inside a free block not given back."""
-        assert self._decommitter is not None
-        interior = page_interior(block.address, block.address + block.size, self._decommitter[1])
-        if interior is None:
-            return []
-        return uncovered(self._decommitted.get(block.segment.address, []), *interior)
+    @property
+    def _decommit_candidates(self) -> list[Candidate]:
+        """The ledger's decommit candidates (a heap)."""
+        return self._ledger.candidates
 
     # -- helpers ----------------------------------------------------------------
+
+    def _allocated(self) -> int:
+        return self._stats.allocated_bytes[ALL].current
 
     def _reserved(self) -> int:
         """Bytes of every segment, decommitted pages included: what capacity bounds."""
@@ -1383,9 +1156,6 @@ class CachingPool:
         """Reserved bytes less decommitted ones (``reserved_bytes``): what the device
         gave the pool and other programs cannot have, what the thresholds measure."""
         return self._stats.reserved_bytes[ALL].current
-
-    def _committed_in(self, segment: Segment) -> int:
-        return segment.size - span_bytes(self._decommitted.get(segment.address, []))
 
     def _oom_message(self, nbytes: int) -> str:
         """PyTorch's out-of-memory message, with tensord's names.
@@ -1508,7 +1278,8 @@ class PoolMoves(MoveTarget):
         return blocks_may_move(self._shapes[segment.address], self._movable)
 
     def allocated_block(self, address: int) -> Block:
-        # found when asked (a plan moves a few blocks; indexing every block cost more)
+        # found by a walk when asked: a plan moves a few blocks, fewer than an index of
+        # every block would have to follow
         index = bisect.bisect_right(self._segments, address, key=lambda s: s.address) - 1
         block = self._segments[index].head if index >= 0 else None
         while block is not None and block.address < address:
@@ -1627,8 +1398,14 @@ def tight_allocation_size(size: int, small: bool) -> int:
 
 
 def check_pool_invariants(pool: CachingPool) -> None:
-    """Every invariant of Segment, Block, BlockPool and the stats (caller holds the lock)."""
+    """Every invariant of Segment, Block, BlockPool, the stats and the pool's collaborators
+    (the commit ledger, the idle segments, consolidation); the caller holds the lock."""
     stats = pool._stats
+    ledger = pool._ledger
+    # the collaborators first: the statistics below are checked against what they hold
+    ledger.assert_invariants(pool._segments, pool._decommits())
+    pool._idle.assert_invariants(pool._segments, ledger.committed_in)
+    pool._consolidation.assert_invariants()
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0
     free_seen = {SMALL_POOL: 0, LARGE_POOL: 0}
@@ -1641,10 +1418,8 @@ def check_pool_invariants(pool: CachingPool) -> None:
         block_pool = pool._small if segment.is_small else pool._large
         kind = block_pool.kind
         expected["segment"][kind] += 1
-        spans = pool._decommitted.get(segment.address, [])
-        check_decommitted_spans(pool, segment, spans)
-        expected["reserved_bytes"][kind] += segment.size - span_bytes(spans)
-        decommitted[kind] += span_bytes(spans)
+        expected["reserved_bytes"][kind] += ledger.committed_in(segment)
+        decommitted[kind] += ledger.decommitted_in(segment)
         oversize_segments += segment.size >= pool.max_split_size
         head = segment.head
         assert head is not None and head.prev is None, f"{segment} head {head} has a prev"
@@ -1705,56 +1480,11 @@ def check_pool_invariants(pool: CachingPool) -> None:
     for kind in (SMALL_POOL, LARGE_POOL):
         assert stats.decommitted_bytes[kind].current == decommitted[kind], (kind, decommitted)
     assert stats.decommitted_bytes[ALL].current == sum(decommitted.values()), "decommitted"
-    assert set(pool._decommitted) <= set(pool._segments), "decommitted pages of no segment"
-    if pool._decommits():
-        check_decommit_candidates(pool)
     assert pool._reserved() <= pool._segment_capacity(), "segments beyond their bound"
     assert pool._committed() <= pool.capacity, "committed bytes beyond capacity"
-    for address in pool._idle_since:
-        head = pool._segments[address].head if address in pool._segments else None
-        assert head is not None and not head.allocated and not head.is_split(), (
-            f"the segment at {address:#x} is counted idle but is not one free block"
-        )
-    assert pool._idle_committed == sum(
-        pool._committed_in(pool._segments[address]) for address in pool._idle_since
-    ), "the idle segments' committed bytes"
     for address, shape in pool._shapes.items():
         assert address in pool._segments, f"a kept shape for no segment at {address:#x}"
         fresh = segment_shape(pool._segments[address])
         assert shape.usage == fresh.usage and shape.blocks == fresh.blocks, (
             f"the kept shape of the segment at {address:#x} is stale"
         )
-
-
-def check_decommit_candidates(pool: CachingPool) -> None:
-    """Every free block of a split segment that holds committed whole pages has its entry
-    among the decommit candidates (else _decommit_excess would never give them back)."""
-    entries = set(pool._decommit_candidates)
-    for block_pool in (pool._small, pool._large):
-        for block in block_pool.free_blocks.values():
-            if block.is_split() and pool._committed_pages_of(block):
-                assert (-block.size, block.address, block_pool.kind) in entries, (
-                    f"free {block} holds committed pages and is no decommit candidate"
-                )
-
-
-def check_decommitted_spans(pool: CachingPool, segment: Segment, spans: list[Span]) -> None:
-    """A segment's decommitted ranges: non-empty when kept, sorted, disjoint, whole pages
-    (of a backend that decommits), each inside one free block of the segment."""
-    if not spans:
-        assert segment.address not in pool._decommitted, f"an empty entry for {segment}"
-        return
-    assert pool._decommitter is not None, f"decommitted pages on a backend without: {segment}"
-    page = pool._decommitter[1]
-    free = [b for b in segment.blocks() if not b.allocated]
-    previous_end = segment.address
-    for start, end in spans:
-        assert previous_end <= start < end, f"decommitted {spans} of {segment} overlap"
-        assert start % page == 0 and end % page == 0, f"decommitted {spans} not whole pages"
-        assert any(b.address <= start and end <= b.address + b.size for b in free), (
-            f"decommitted [{start:#x}, {end:#x}) of {segment} is not inside a free block"
-        )
-        previous_end = end
-    assert spans_within(spans, segment.address, segment.address + segment.size) == span_bytes(
-        spans
-    ), f"decommitted {spans} outside {segment}"

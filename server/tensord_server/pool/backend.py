@@ -99,8 +99,7 @@ def costly_segment_churn(backend: object) -> bool:
     """Whether giving a wholly free segment back to this backend, to reserve another soon
     after, costs more than keeping it: set (``costly_segment_churn``) on CUDA, where a
     cudaFree waits for the whole device and a cudaMalloc of a large segment maps it afresh
-    (on an H200, a loop of 1 GiB copies whose results' releases lag a call paid about 4 ms
-    per call for the pair, beside a 1.9 ms copy).  The pool then keeps every wholly free
+    (a pair of them can cost more than the copy that made the segment's Storage).  The pool then keeps every wholly free
     segment for the policy's ``release_idle_s`` (its ``keep_idle_fraction`` does not
     apply): the compactor gives them back once idle that long, and the out-of-memory and
     ``consolidate`` paths at once, when the device needs the room."""

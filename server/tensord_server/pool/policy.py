@@ -37,8 +37,8 @@ what the pool does *besides*:
   this long after its last block was freed: compaction neither empties nor fills it and
   its bytes do not count as excess, so a client that drops a Storage and allocates one
   like it again (upload, drop, upload) reuses the segment instead of faulting in a new
-  one (on a host: a new memfd, ~1.2 s per GiB, against ~0.12 s per GiB to copy into
-  warm pages).  Once it has been idle that long, the compactor (woken at that time)
+  one (on a host a new segment is a new memfd whose every page faults in, far dearer
+  than writing warm pages).  Once it has been idle that long, the compactor (woken at that time)
   gives it back like any other idle segment, so a pool left idle gives its memory back
   within ``release_idle_s``; the out-of-memory and ``consolidate`` paths give kept
   segments back at once, when the device needs the room.  None: idle segments go back
@@ -46,8 +46,7 @@ what the pool does *besides*:
   no clock) a release is immediate, so a replay stays deterministic;
 - ``keep_idle_below``: segments are kept (``release_idle_s``) only while reserved is
   at most this fraction of the device's capacity: near the device's edge a kept
-  segment is room other requests (and the load test's reserved / allocated) need, so
-  there a free that leaves reserved above the compactor's wake-up threshold gives idle
+  segment is room other requests need, so there a free that leaves reserved above the compactor's wake-up threshold gives idle
   segments back itself, as without ``release_idle_s``;
 - ``keep_idle_fraction``: kept segments (``release_idle_s``), the most recently freed
   first, hold at most this fraction of the allocated bytes; the most recently freed one
@@ -64,16 +63,16 @@ what the pool does *besides*:
   committed bytes after it stay within capacity (else free pages elsewhere are given
   back first, and only then compaction or out of memory); segment bytes, the address
   space and (on a shared host) memfds, are bounded by ``virtual_capacity_factor`` x
-  capacity, beyond which today's paths apply (consolidation, compaction, OOM).  Only free ranges with at least ``decommit_min_bytes`` of whole pages
-  are decommitted, and, with ``decommit_threshold``, only while committed / allocated
+  capacity, beyond which the other paths apply (consolidation, compaction, OOM).  Only
+  free ranges with at least ``decommit_min_bytes`` of whole pages are decommitted, and, with ``decommit_threshold``, only while committed / allocated
   exceeds it, the largest free ranges first (None: every such range once freed); with
   ``decommit_wake_threshold`` too (hysteresis), a free starts giving pages back only
   once committed / allocated exceeds that, and then down to ``decommit_threshold``: the
   holes in between stay warm for the next requests (a given-back page faults in again,
-  zeroed, when a block is allocated over it: about 27x the cost of writing a warm one).
+  zeroed, when a block is allocated over it: far dearer than writing a warm one).
   The pages of a new segment count as decommitted until a block is allocated over
   them (a fresh memfd has none until touched).  Wholly free segments keep their pages
-  (the kept idle ones are warm for the next upload); segments go back whole, as before;
+  (the kept idle ones are warm for the next upload); segments go back whole;
 - ``min_slack``: below this many reserved-but-unallocated bytes none of the last three
   acts (a pool that close to its allocation is tight already).
 """
@@ -87,16 +86,19 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
+    """The switches above; every threshold is a ratio of committed (reserved) bytes to
+    allocated bytes."""
+
     name: str
-    compact_on_oom: bool = False
-    tight_segments: bool = False
-    consolidate: bool = False
-    release_threshold: float | None = None
-    compact_threshold: float | None = None
-    min_slack: int = 16 * MiB
-    max_moved_bytes: int = 256 * MiB
-    compact_every: int = 16
-    background_bytes_per_s: int = 1024 * MiB
+    compact_on_oom: bool = False  # compact where torch would be out of memory
+    tight_segments: bool = False  # on the OOM path, segments of the request rounded to 2 MiB
+    consolidate: bool = False  # compact and repack before reserving near the device's edge
+    release_threshold: float | None = None  # above it a free gives idle segments back
+    compact_threshold: float | None = None  # above it a free compacts (or wakes the compactor)
+    min_slack: int = 16 * MiB  # up to this much unallocated: no release, compaction, consolidation
+    max_moved_bytes: int = 256 * MiB  # bytes one compaction (or one wake-up) may copy
+    compact_every: int = 16  # without a compactor, a free compacts at most once per this many
+    background_bytes_per_s: int = 1024 * MiB  # the background compactor's average pace
     background_threshold: float | None = None  # None: compact_threshold
     background_min_slack: int | None = None  # None: min_slack
     background_wake_threshold: float | None = None  # None: background_threshold
@@ -112,6 +114,7 @@ class PoolPolicy:
 
     @property
     def acts_after_free(self) -> bool:
+        """Whether a free has work beyond torch's (a release or a compaction threshold)."""
         return self.release_threshold is not None or self.compact_threshold is not None
 
 
@@ -133,18 +136,16 @@ ADAPTIVE = PoolPolicy(
     background_min_slack=8 * MiB,
     background_wake_threshold=1.10,
     release_idle_s=2.0,
-    # under load 2-5 kept segments held 90-150 MiB (up to 0.3x allocated), the samples
-    # above the 1.25 target; holes add up to 0.04x (decommit_wake_threshold)
+    # kept segments, unbounded, would hold reserved / allocated above its target by
+    # themselves; with the warm holes (decommit_wake_threshold) they stay within it
     keep_idle_fraction=0.15,
     decommit=True,
     decommit_threshold=1.02,  # under background_threshold: holes go back before any copy
-    # ... once above 1.04 (not beyond background_threshold either): below it a free leaves
-    # its hole warm (at 1.02, 50 users' frees gave back every byte they freed, 17 GiB a
-    # minute, and the next blocks allocated there faulted their pages in again)
+    # hysteresis, at most background_threshold: below it a free leaves its hole warm (giving
+    # back every byte freed makes the next blocks allocated there fault their pages in again)
     decommit_wake_threshold=1.04,
-    # small holes too (the small pool's and the 20 MiB segments' tails): with 2 MiB, a
-    # load test's background compactor still copied them (264 MiB in 30 s; 11 MiB in 40 s
-    # with 128 KiB)
+    # small holes too (the small pool's and the 20 MiB segments' tails): left committed,
+    # they are what the background compactor would copy Storages to close
     decommit_min_bytes=128 << 10,
 )
 

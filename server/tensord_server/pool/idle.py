@@ -1,0 +1,175 @@
+"""Idle segments: the pool's wholly free segments, since when, and which of them it keeps.
+
+Beyond PyTorch (policy ``release_idle_s``): where a background compactor runs, a segment
+left wholly free is *kept* for a while, so that the next request like the last one reuses
+warm pages instead of reserving, and faulting in, a new segment.  Compaction neither
+empties nor fills a kept segment and its bytes do not count as excess; once it has been
+idle ``release_idle_s`` it goes back like any idle segment.  The kept ones, the most
+recently freed first, hold at most the policy's ``keep_idle_fraction`` of the allocated
+bytes (the most recently freed one is kept whatever its size), except on a backend where
+giving a segment back and reserving another costs more than keeping it
+(:func:`~.backend.costly_segment_churn`): there every idle segment is kept that long.
+
+:class:`IdleSegments` records the idle segments and answers which are kept; whether the
+pool keeps any at all (a compactor runs, the device is not near its edge) is the pool's
+to say.  It takes no lock: the owning :class:`~.allocator.CachingPool` calls it with the
+pool's lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from tensord_server.pool.blocks import Block, Segment
+from tensord_server.pool.policy import PoolPolicy
+
+
+@dataclass(slots=True)
+class IdleSegment:
+    """One wholly free segment's entry."""
+
+    since: float  # the pool's clock() when its last block was freed
+    committed: int  # its committed bytes (its size less its decommitted pages)
+
+
+class IdleSegments:
+    """The segments that are one free block since their last block was freed.
+
+    Guarded by the owning pool's lock: every method is called with it held.
+
+    Invariants (:meth:`assert_invariants`): each entry names a live segment whose head
+    block spans it, free; its ``committed`` equals the commit ledger's figure for the
+    segment; ``committed`` is their sum.  Entries keep the order in which their segments
+    became idle (the order they are looked at and given back in).  A new segment no block
+    was allocated from yet is not idle: it has no warm page to keep.
+    """
+
+    __slots__ = ("_entries", "committed", "costly_churn")
+
+    def __init__(self, costly_churn: bool) -> None:
+        # whether the backend's segment churn costs more than keeping (keep every one)
+        self.costly_churn = costly_churn
+        self._entries: dict[int, IdleSegment] = {}  # segment address -> its entry
+        self.committed = 0  # the entries' committed bytes, summed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._entries
+
+    def __iter__(self) -> Iterator[int]:
+        """The idle segments' addresses, in the order they became idle."""
+        return iter(self._entries)
+
+    # -- changes ----------------------------------------------------------------
+
+    def became_idle(self, segment: Segment, now: float, committed: int) -> None:
+        """``segment`` is one free block again (a free merged its last block)."""
+        entry = self._entries.get(segment.address)
+        if entry is None:
+            self._entries[segment.address] = IdleSegment(now, committed)
+            self.committed += committed
+        else:
+            entry.since = now
+
+    def left(self, segment: Segment) -> None:
+        """``segment`` is no longer idle: a block is allocated from it, or it goes back."""
+        entry = self._entries.pop(segment.address, None)
+        if entry is not None:
+            self.committed -= entry.committed
+
+    def decommitted(self, segment: Segment, nbytes: int) -> None:
+        """``nbytes`` of ``segment``'s pages went back to the device."""
+        entry = self._entries.get(segment.address)
+        if entry is not None:
+            entry.committed -= nbytes
+            self.committed -= nbytes
+
+    # -- which are kept -------------------------------------------------------------
+
+    def keep_fraction(self, policy: PoolPolicy) -> float | None:
+        """The policy's keep_idle_fraction, or None (keep every one) on a backend whose
+        segment churn is costly."""
+        return None if self.costly_churn else policy.keep_idle_fraction
+
+    def kept(
+        self, policy: PoolPolicy, now: float, allocated: int, budgeted: bool = True
+    ) -> dict[int, float]:
+        """The segments kept at ``now`` (the pool keeps some): address -> the clock() time
+        from which each may go back.  Not ``budgeted``: those keep_idle_fraction would not
+        keep included."""
+        decay = policy.release_idle_s
+        if decay is None or not self._entries:
+            return {}
+        kept = {
+            address: entry.since + decay
+            for address, entry in self._entries.items()
+            if now < entry.since + decay
+        }
+        return self.within_budget(policy, kept, allocated) if budgeted else kept
+
+    def within_budget(
+        self, policy: PoolPolicy, kept: dict[int, float], allocated: int
+    ) -> dict[int, float]:
+        """Of the ``kept`` segments (unbudgeted), those keep_idle_fraction x ``allocated``
+        bytes keep: the most recently freed first, the first one whatever its size."""
+        fraction = self.keep_fraction(policy)
+        if fraction is None or len(kept) <= 1:
+            return kept
+        budget = fraction * allocated
+        within: dict[int, float] = {}
+        total = 0
+        for address in sorted(kept, key=kept.__getitem__, reverse=True):
+            total += self._entries[address].committed
+            if within and total > budget:
+                break
+            within[address] = kept[address]
+        return within
+
+    def beyond_budget(
+        self, policy: PoolPolicy, kept: dict[int, float], allocated: int
+    ) -> list[int]:
+        """Of the ``kept`` segments (unbudgeted), the addresses of those keep_idle_fraction
+        does not keep, in the order they became idle."""
+        within = self.within_budget(policy, kept, allocated)
+        return [address for address in kept if address not in within]
+
+    def cached_heads(self, segments: Mapping[int, Segment]) -> list[Block]:
+        """The idle segments' blocks, the largest first, less one out of its pool (being
+        allocated); ``segments``: the pool's, by address."""
+        heads = [segments[address].head for address in self._entries]
+        cached = [
+            block
+            for block in heads
+            if block is not None
+            and block.pool is not None
+            and block.pool.free_blocks.get(block.address) is block
+        ]
+        return sorted(cached, key=lambda block: (-block.size, block.address))
+
+    def all_within_budget(self, policy: PoolPolicy, allocated: int) -> bool:
+        """Whether every idle segment together fits keep_idle_fraction x ``allocated``
+        (there is a fraction)."""
+        fraction = self.keep_fraction(policy)
+        return fraction is not None and self.committed <= fraction * allocated
+
+    # -- invariants -----------------------------------------------------------------
+
+    def assert_invariants(
+        self, segments: Mapping[int, Segment], committed_in: Callable[[Segment], int]
+    ) -> None:
+        """The invariants above, for the pool's ``segments`` and the commit ledger's
+        ``committed_in``."""
+        for address, entry in self._entries.items():
+            segment = segments.get(address)
+            head = None if segment is None else segment.head
+            assert head is not None and not head.allocated and not head.is_split(), (
+                f"the segment at {address:#x} is counted idle but is not one free block"
+            )
+            assert segment is not None and entry.committed == committed_in(segment), (
+                f"the idle segment at {address:#x} counts {entry.committed} committed bytes"
+            )
+        total = sum(entry.committed for entry in self._entries.values())
+        assert self.committed == total, "the idle segments' committed bytes"
