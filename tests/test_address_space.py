@@ -96,7 +96,7 @@ def test_freed_storages_give_their_addresses_back() -> None:
     not grow, and a live Storage's address never changes."""
     daemon = TensorStore(("cpu=64MiB",))
     try:
-        registry, cpu = daemon.storages, daemon.device("cpu")
+        registry, cpu = daemon.storages, daemon.devices.get("cpu")
         kept = registry.allocate(cpu, 1000)
         first = registry.allocate(cpu, 32 << 20)
         address = first.data_ptr

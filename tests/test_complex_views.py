@@ -1,4 +1,4 @@
-"""Issue 14: complex views and torch's lazy conjugate / negative bits, against torch 2.13.
+"""Complex views and torch's lazy conjugate / negative bits, against torch 2.13.
 
 ``x.real``, ``x.imag``, ``view_as_real``, ``view_as_complex``, ``x.conj()`` (a view with
 the conjugate bit), ``x.conj().imag`` (the negative bit), ``H``/``mH``/``adjoint``, and
@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord import dtypes
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.domain import indexing, kernels
+from tensord_server.domain import kernels
+from tensord_server.domain.ops import indexing
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -467,8 +468,8 @@ def test_server_checks_complex_views_itself(server: Any, open_session: Any) -> N
 
 
 def test_index_put_of_a_conjugate_view_of_itself(client: tensord.Client) -> None:
-    """The scatter copies a value sharing the written Storage before writing (issue 11's
-    chunking); that copy must hold the value's conjugated values, not its stored ones."""
+    """The scatter copies a value sharing the written Storage before writing (the
+    chunked scatter); that copy must hold the value's conjugated values, not its stored ones."""
     t = complex_base(6)
     x = client.tensor(t)
     rows = torch.tensor([0, 1])

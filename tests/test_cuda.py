@@ -120,7 +120,7 @@ def test_writes_match_cpu(c: Any, dtype: str) -> None:
     same(*results)
 
 
-# issue 14: torch's lazy conjugate / negative bits through the CUDA kernels
+# torch's lazy conjugate / negative bits through the CUDA kernels
 LAZY_BITS: dict[str, Callable[[Any], Any]] = {
     "clone": lambda x: x.conj().transpose(0, 1).clone(),
     "imag_clone": lambda x: x.conj().imag.clone(),
@@ -357,7 +357,7 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
     expected = values + 1
     expected.T[2:12] *= 3
     np.testing.assert_array_equal(host(x), expected)
-    assert gpu_server.daemon.memory_stats(GPU)["exports.imported_segments.current"] == 0
+    assert gpu_server.daemon.stats.memory_stats(GPU)["exports.imported_segments.current"] == 0
     c.delete("ipc-shared")
 
 

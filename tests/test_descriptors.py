@@ -164,7 +164,7 @@ def test_the_fd_socket_says_it_is_out_of_descriptors(
     def no_descriptor(segment_id: int) -> int:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(fresh_server.daemon.device("cpu").backend, "dup_fd", no_descriptor)
+    monkeypatch.setattr(fresh_server.daemon.devices.get("cpu").backend, "dup_fd", no_descriptor)
     with pytest.raises(OSError, match="the server is out of file descriptors"):
         _local.receive_segment_fd(answer.fd_socket, answer.ticket, answer.segment_nbytes)
 

@@ -1,4 +1,4 @@
-"""Pool policies beyond PyTorch (issue 18): tight devices, giving memory back, moves that keep bytes.
+"""Pool policies beyond PyTorch: tight devices, giving memory back, moves that keep bytes.
 
 The policies are ``pytorch`` (torch exactly), ``oom-compaction`` (compaction where torch
 would be out of memory) and ``adaptive`` (``tensord serve``'s default).  The property
@@ -272,7 +272,7 @@ def replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, obj
 def test_replay_at_1_01x_peak_has_no_oom_under_the_default_policy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Issue 18's target for the bundled ResNet-50 trace; PyTorch's rules OOM there."""
+    """No OOM on the bundled ResNet-50 trace at 1.01x its peak; PyTorch's rules OOM there."""
     adaptive = replay_json(capsys, "resnet50_train", "--compaction", "--capacity-factor", "1.01")
     assert adaptive["policy"] == "adaptive" and adaptive["compaction"] is True
     assert adaptive["num_ooms"] == 0
@@ -291,7 +291,7 @@ def test_replay_at_1_01x_peak_has_no_oom_under_the_default_policy(
 def test_every_bundled_trace_at_1_01x_peak_has_no_oom_under_the_default_policy(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 18's target for every bundled trace, as `tensord replay` measures it."""
+    """No OOM on any bundled trace at 1.01x its peak, as `tensord replay` measures it."""
     result = replay_json(capsys, name, "--compaction", "--capacity-factor", "1.01")
     assert result["policy"] == DEFAULT_POLICY and result["compaction"] is True
     assert result["unmatched_frees"] == 0
@@ -299,7 +299,7 @@ def test_every_bundled_trace_at_1_01x_peak_has_no_oom_under_the_default_policy(
 
 
 # ---------------------------------------------------------------------------
-# Compaction after a free, in the background (issue 18)
+# Compaction after a free, in the background
 
 # adaptive, compacting whatever the slack, with no pause between moves (so only stepping
 # aside lets a waiting request through): the after-free path on a small device (holes
@@ -332,7 +332,7 @@ def waiters(store: TensorStore) -> int:
 
 def kept(store: TensorStore, nbytes: int, seed: int) -> tuple[Storage, bytes]:
     """A live, unheld Storage of ``nbytes`` random bytes (as a handle keeps one)."""
-    storage = store.storages.allocate(store.device("cpu"), nbytes)
+    storage = store.storages.allocate(store.devices.get("cpu"), nbytes)
     data = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8).tobytes()
     storage.write(0, data)
     store.storages.incref(storage)
@@ -353,18 +353,18 @@ def two_segments_one_to_empty(store: TensorStore) -> dict[int, tuple[Storage, by
 def test_a_request_waits_for_no_background_copy() -> None:
     """A background move copies with neither the pool's lock nor the registry's held:
     a request arriving during a copy is served before the copy ends (it waited for the
-    whole copy of the move in progress: milliseconds for a 48 MiB Storage, issue 18)."""
+    whole copy of the move in progress: milliseconds for a 48 MiB Storage)."""
     store = TensorStore(["cpu=256MiB"])
     store.start()
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         copies_done = 0
         served_during_copy: list[bool] = []
         real_copy = pool.backend.copy
 
         def request() -> None:
-            storage = store.storages.allocate(store.device("cpu"), 1 << 10)
+            storage = store.storages.allocate(store.devices.get("cpu"), 1 << 10)
             store.storages.release_hold(storage)
 
         def copy_during_which_a_request_comes(*args: object) -> None:
@@ -404,7 +404,7 @@ def test_a_write_racing_a_background_move_is_never_lost() -> None:
     new bytes, the destination goes back to the pool; the next step moves it intact."""
     store = TensorStore(["cpu=256MiB"])
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         pool.compaction_wanted = lambda: None  # frees leave the work to drain() below
         live = two_segments_one_to_empty(store)
@@ -459,7 +459,7 @@ def test_a_background_copy_that_gave_up_is_paced_like_a_move() -> None:
     moved-bytes statistic counts the one move made."""
     store = TensorStore(["cpu=256MiB"])
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         pool.compaction_wanted = lambda: None  # frees leave the work to compact_step below
         live = two_segments_one_to_empty(store)

@@ -55,7 +55,7 @@ def run_child(address: str, body: str, *, env: dict[str, str] | None = None) -> 
 
 
 def test_cpu_segments_are_memfds_the_server_maps(server: Any) -> None:
-    assert isinstance(server.daemon.device("cpu").backend, SharedHostBackend)
+    assert isinstance(server.daemon.devices.get("cpu").backend, SharedHostBackend)
 
 
 def test_another_process_writes_through_torch_from_dlpack_of_a_transposed_narrowed_view(
@@ -367,7 +367,7 @@ def test_an_export_racing_a_release_of_its_handle_is_answered_and_ended_by_its_i
 def test_an_export_in_a_segment_the_request_names_as_mapped_comes_without_a_ticket(
     server: Any, stub: Any
 ) -> None:
-    """Issue 13: a ticket only for a segment the client does not map yet (naming segments of
+    """A ticket only for a segment the client does not map yet (naming segments of
     another server instance, or other segments, changes nothing); the pin is the same."""
     table = server.daemon.exports
     x = stub.upload(np.arange(1000, dtype=np.float32))
@@ -1047,7 +1047,7 @@ def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> 
 def test_compaction_skips_exported_storages_and_moves_them_once_released(make_server: Any) -> None:
     running = make_server(devices=(POOL,))
     daemon = running.daemon
-    pool = daemon.device("cpu").pool
+    pool = daemon.devices.get("cpu").pool
     with open_channel(running.address) as channel:
         stub = SessionStub(channel)
         kept = fragment(stub)
@@ -1060,7 +1060,7 @@ def test_compaction_skips_exported_storages_and_moves_them_once_released(make_se
             stub.upload(big_values)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert {i: storage_of(daemon, stub, m).block.address for i, (m, _) in kept.items()} == ptrs
-        assert daemon.memory_stats("cpu")["exports.storages.current"] == 3
+        assert daemon.stats.memory_stats("cpu")["exports.storages.current"] == 3
         assert daemon.exports.release(session, [e.id for e in exports]) == 3
         big = stub.upload(big_values)  # released: compaction moves them now
         assert pool.memory_stats()["num_compactions"] == 1

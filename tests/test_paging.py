@@ -245,7 +245,7 @@ async def test_aio_names_and_snapshot_fetch_every_page(
     make_server: Callable[..., Any],
 ) -> None:
     server = make_server()
-    pool = server.daemon.device("cpu").pool
+    pool = server.daemon.devices.get("cpu").pool
     blocks = [pool.malloc(512) for _ in range(12_000)]  # ~1.2 MB of snapshot: 2+ pages
     try:
         async with await tensord.aio.connect(server.address) as client:
@@ -273,7 +273,7 @@ def test_snapshot_pages_stay_under_the_page_bytes_and_join_to_the_whole(
 ) -> None:
     server = make_server()
     session = open_session(server.address)
-    pool = server.daemon.device("cpu").pool
+    pool = server.daemon.devices.get("cpu").pool
     # ~20,000 blocks (2 MB of snapshot JSON): small segments of 4,096 blocks, cut across pages
     blocks = [pool.malloc(512) for _ in range(20_000)]
     try:

@@ -1,4 +1,4 @@
-"""Pipelining's cost per queued op (issue 15): what a view costs the server and its caller,
+"""Pipelining's cost per queued op: what a view costs the server and its caller,
 counted (lock acquisitions, ops sent), never timed."""
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def _row_view(handle: str, row: int, result: str) -> pb.BatchOp:
 def test_a_run_of_views_and_releases_takes_each_lock_once(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # issue 15's server cost per queued view: each took the table lock three times and the
+    # the server's cost per queued view: each took the table lock three times and the
     # registry's three (hold the input, register the result, let the input go), and each
     # release one more of each; a run of views and releases takes the registry's lock once
     # (to settle its references) and the table lock not at all (its session's lock instead)
-    from tensord_server.domain.batch import RUN_OPS
+    from tensord_server.domain.ops.batch import RUN_OPS
 
     session = open_session(server.address)
     meta = session.Empty(pb.EmptyRequest(shape=[12], dtype="float32"), metadata=session.md)
@@ -87,23 +87,23 @@ def test_a_view_failing_in_a_run_keeps_the_ops_before_it(server: Any, open_sessi
 @pytest.fixture
 def ops_sent(monkeypatch: Any) -> list[str]:
     """The kind of every op the server's Batch handler is given, from now on."""
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     sent: list[str] = []
-    run_batch = batch.run_batch
+    run = batch.Batches.run
 
-    def recording(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording(batches: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
         sent.extend(type(op).__name__ for op in ops)
-        return run_batch(store, session, ops, *args, **kwargs)
+        return run(batches, session, ops, *args, **kwargs)
 
-    monkeypatch.setattr(batch, "run_batch", recording)
+    monkeypatch.setattr(batch.Batches, "run", recording)
     return sent
 
 
 def test_a_dropped_unused_view_is_never_sent(
     client: Any, server: Any, ops_sent: list[str], monkeypatch: Any
 ) -> None:
-    # issue 15: a view dropped before its Batch, that nothing used, cost the server a
+    # a view dropped before its Batch, that nothing used, cost the server a
     # registration and a release for nothing; it is removed from the queue now
     x = client.arange(12).view(3, 4)
     client.synchronize()
@@ -192,7 +192,7 @@ def test_eliding_from_many_threads_keeps_every_kept_view(client: Any, server: An
 def test_a_batch_of_int_index_views_is_bounded_without_the_generic_walk(
     server: Any, open_session: Any, monkeypatch: Any
 ) -> None:
-    # issue 15's server cost per queued x[i]: the request's generic bounds walk and the
+    # the server's cost per queued x[i]: the request's generic bounds walk and the
     # generic decode took as long as applying the view; x[i] ops are bounded and read
     # field by field now (other ops still walked)
     from tensord_server.domain import limits
@@ -256,7 +256,7 @@ def test_the_batch_bounds_are_the_walks(position: int, repeat: int) -> None:
 
 
 def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) -> None:
-    # issue 15's server cost per queued x[i].fill_(i): each fill of an integer tensor built
+    # the server's cost per queued x[i].fill_(i): each fill of an integer tensor built
     # an np.iinfo (a tenth of the fill); the limits of each dtype are kept now
     x = client.zeros(8, dtype=torch.int16)
     x[0].fill_(1)
@@ -287,26 +287,26 @@ def test_a_fill_asks_numpy_for_no_integer_limits(client: Any, monkeypatch: Any) 
 def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     client: Any, server: Any, monkeypatch: Any
 ) -> None:
-    # issue 15, many clients: a queue of 256 ops waited for the Batch before at once, and
+    # many clients: a queue of 256 ops waited for the Batch before at once, and
     # the 50 ms flusher then sent what had come meanwhile: many small Batches (an RPC's
     # cost each) from clients waiting on a busy server; it fills up to 1,024 ops now
     import threading
 
     from tensord._rpc import PIPELINE_BATCH, PIPELINE_BATCH_MAX
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     x = client.arange(12)
     client.synchronize()
     gate, entered, sizes = threading.Event(), threading.Event(), []
-    run_batch = batch.run_batch
+    run = batch.Batches.run
 
-    def held(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+    def held(batches: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
         sizes.append(len(ops))
         entered.set()
         gate.wait(30)  # the first Batch stays on the server until the test lets it go
-        return run_batch(store, session, ops, *args, **kwargs)
+        return run(batches, session, ops, *args, **kwargs)
 
-    monkeypatch.setattr(batch, "run_batch", held)
+    monkeypatch.setattr(batch.Batches, "run", held)
     views = [x[i % 12].view(1) for i in range(PIPELINE_BATCH // 2)]  # 256 ops: one Batch
     assert entered.wait(30)
     queued = threading.Event()
@@ -340,7 +340,7 @@ def test_a_run_names_a_bounded_number_of_handles(
     # 64 splits or releases naming 65,536 handles each were seconds under them (15 splits,
     # ~1M results: ~14 s); a run names at most RUN_HANDLES handles now, a bigger op runs alone
     from tensord_server.domain import sessions
-    from tensord_server.domain.batch import RUN_HANDLES
+    from tensord_server.domain.ops.batch import RUN_HANDLES
 
     session = open_session(server.address)
     rows = RUN_HANDLES + 8
@@ -388,7 +388,7 @@ def test_a_view_in_a_run_naming_fewer_results_is_refused_before_any_is_built(
 ) -> None:
     # a split naming one result id was weighed as one handle, then built its 1,024 views
     # under the locks before registering refused the count; now refused before building
-    from tensord_server.domain import views
+    from tensord_server.domain.ops import views
 
     session = open_session(server.address)
     meta = session.Empty(pb.EmptyRequest(shape=[1024], dtype="float32"), metadata=session.md)

@@ -133,7 +133,7 @@ def test_every_allocating_op_is_charged(quota_server) -> None:
             "clone": lambda: half.clone(),
             "to(dtype)": lambda: half.to(dtype=tensord.float64),
             "contiguous": lambda: half.view(2, -1).t().contiguous(),
-            # queued by pipelining (issue 15): the quota's error surfaces at the next wait
+            # queued by pipelining: the quota's error surfaces at the next wait
             "reshape copy": lambda: (half.view(2, -1).t().reshape(-1), alice.synchronize()),
             "repeat": lambda: half.repeat(2),
             "cat": lambda: alice.cat([half, half]),
@@ -167,7 +167,7 @@ def test_the_quota_error_travels_as_resource_exhausted(quota_server) -> None:
 
 
 def test_a_refused_request_leaves_the_pool_as_it_was(quota_server) -> None:
-    pool = quota_server.daemon.device("cpu").pool
+    pool = quota_server.daemon.devices.get("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
         kept = alice.zeros(256 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]
@@ -198,7 +198,7 @@ def test_a_race_lost_after_the_pool_frees_the_block(quota_server, monkeypatch) -
     stand for the other request winning in between)."""
     ledger = quota_server.daemon.storages.ledger
     monkeypatch.setattr(ledger, "precheck", lambda tenant, device, nbytes: None)
-    pool = quota_server.daemon.device("cpu").pool
+    pool = quota_server.daemon.devices.get("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
         kept = alice.zeros(512 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]

@@ -29,7 +29,7 @@ HOLD_S = 6.0
 
 
 def _allocated(daemon: TensorStore) -> int:
-    return int(daemon.memory_stats("cpu")["allocated_bytes.all.current"])
+    return int(daemon.stats.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def saturated_server(monkeypatch):
     server, port = create_server("127.0.0.1:0", store=daemon, max_workers=2)
     address = f"127.0.0.1:{port}"
     release, entered = threading.Event(), threading.Semaphore(0)
-    real_stats = daemon.memory_stats
+    real_stats = daemon.stats.memory_stats
 
     def slow_stats(*args, **kwargs):
         entered.release()
@@ -123,7 +123,7 @@ def saturated_server(monkeypatch):
     with open_channel(address) as busy_channel, open_channel(address) as channel:
         silent = SessionStub(channel, "silent")
         busy = SessionStub(busy_channel, "busy")
-        monkeypatch.setattr(daemon, "memory_stats", slow_stats)
+        monkeypatch.setattr(daemon.stats, "memory_stats", slow_stats)
         calls = [
             busy.raw.MemoryStats.future(pb.DeviceRequest(device="cpu"), metadata=busy.md)
             for _ in range(2)
@@ -164,7 +164,7 @@ def test_a_heartbeat_never_waits_on_the_tables_or_a_compaction(small_server) -> 
     with open_channel(address) as channel:
         stub = SessionStub(channel)
         stub.upload(np.ones(256, np.float32))
-        pool = daemon.device("cpu").pool
+        pool = daemon.devices.get("cpu").pool
         # a compaction in progress: the registry stopped, and a call waiting on it
         # holding the session tables
         with daemon.storages.relocation(pool), daemon.sessions._lock:

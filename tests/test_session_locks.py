@@ -1,4 +1,4 @@
-"""Each session's handle table has its own lock (issue 15, many clients): a Batch's run of
+"""Each session's handle table has its own lock: a Batch's run of
 views and releases holds only its session's lock, so one session's run never waits for
 another's, and settles its references with the registry once, at its end.  Ordered with
 events, never timed: a bounded wait only turns a hang into a failure."""
@@ -41,7 +41,7 @@ class _HeldRun:
         assert self.inside.wait(BOUND_S)
 
     def _run(self, daemon: Any, session: Any, base: str, result: str) -> None:
-        from tensord_server.domain.views import ViewOp, view_in_run
+        from tensord_server.domain.ops.views import ViewOp, view_in_run
 
         try:
             with daemon.sessions.handle_run(session) as run:

@@ -1,11 +1,14 @@
 """The domain: tensors over Storages, sessions, tenants and their quotas; knows nothing of gRPC.
 
-- :mod:`.store`: :class:`~tensord_server.domain.store.TensorStore`, the object that owns the
-  devices, the storage registry and the sessions; its tensor ops delegate to one module per
-  family: :mod:`.views`, :mod:`.copies`, :mod:`.writes`, :mod:`.factories`, :mod:`.transfers`,
-  :mod:`.sharing`, :mod:`.stats`, all built on :mod:`.ops` (hold, bound, allocate, issue)
+- :mod:`.store`: :class:`~tensord_server.domain.store.TensorStore`, which builds the server's
+  state (devices, the storage registry, sessions, exports) and the op families over it
+- :mod:`.ops`: the tensor ops, one family per module (views, copies, writes, factories,
+  indexing, resizing, transfers, a pipelined batch), all built on :mod:`.ops.context`
+  (hold, bound, allocate, issue)
 - :mod:`.storage`: Storage, TensorRef and the registry (refcounts, hold counts, relocation)
 - :mod:`.sessions`: sessions, handles, names, share tokens, leases
+- :mod:`.sharing`: share tokens and names as issued handles, names a page at a time
+- :mod:`.stats`: memory statistics, summary, snapshot, empty_cache
 - :mod:`.kernels`: torch's rules for copies, fills and factories, over device arrays
 - :mod:`.limits`: the documented bounds on every request
 - :mod:`.paging`: listings a page at a time (page sizes, the byte cap, page tokens)

@@ -8,7 +8,7 @@ answers into issued handles, and its names into pages (domain/paging.py).
 from __future__ import annotations
 
 from tensord_server.domain import paging
-from tensord_server.domain.ops import Issued
+from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.sessions import Session, SessionManager
 
 # The listing's kind in its page tokens.

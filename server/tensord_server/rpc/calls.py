@@ -56,8 +56,8 @@ from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
 
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message

@@ -27,12 +27,12 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.shm import SharedHostBackend
-from tensord_server.domain import batch, limits
+from tensord_server.domain import limits
 from tensord_server.domain.exports import ExportTable
-from tensord_server.domain.ops import Issued
+from tensord_server.domain.ops.context import Issued
+from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
     decode_advanced_index,
@@ -158,10 +158,10 @@ class TensordService:
     @_unary
     def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
         session = self._session(context)
-        issued = self.store.view(session, request.handle, decode_view_op(request))
+        issued = self.store.views.view(session, request.handle, decode_view_op(request))
         return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
 
-    # -- issue 15 pipelining ---------------------------------------------------------
+    # -- pipelining ------------------------------------------------------------------
 
     @_unary
     def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
@@ -169,7 +169,7 @@ class TensordService:
         limits.check_batch_ops(len(request.ops))  # bounded before any op is even decoded
         ops = [decode_batch_op(o) for o in request.ops]
         # a caller that cancelled or ran out of time stops the batch at its next op
-        outcome = batch.run_batch(self.store, session, ops, keep_going=context.is_active)
+        outcome = self.store.batches.run(session, ops, keep_going=context.is_active)
         copies = self._replies(session, list(outcome.copies))
         if outcome.error is None:
             return pb.BatchResponse(applied=outcome.applied, copies=copies)
@@ -192,7 +192,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.empty(
+            self.store.factories.empty(
                 session,
                 tuple(request.shape),
                 stride,
@@ -207,7 +207,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.full(
+            self.store.factories.full(
                 session,
                 tuple(request.shape),
                 decode_scalar(request.value),
@@ -224,7 +224,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.arange(
+            self.store.factories.arange(
                 session,
                 start,
                 decode_scalar(request.end),
@@ -240,63 +240,69 @@ class TensordService:
     @_unary
     def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.clone(session, request.handle, request.memory_format)
+        issued = self.store.copies.clone(session, request.handle, request.memory_format)
         return self._reply(session, issued)
 
     @_unary
     def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.contiguous(session, request.handle))
+        return self._reply(session, self.store.copies.contiguous(session, request.handle))
 
     @_unary
     def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.reshape(session, request.handle, tuple(request.shape))
+        issued = self.store.copies.reshape(session, request.handle, tuple(request.shape))
         return self._reply(session, issued)
 
     @_unary
     def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.to(session, request.handle, request.device, request.dtype, request.copy)
+        issued = self.store.copies.to(
+            session, request.handle, request.device, request.dtype, request.copy
+        )
         return self._reply(session, issued, request.handle)  # torch's to() may return self
 
     @_unary
     def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.repeat(session, request.handle, tuple(request.repeats))
+        issued = self.store.copies.repeat(session, request.handle, tuple(request.repeats))
         return self._reply(session, issued)
 
     @_unary
     def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.cat(session, list(request.handles), request.dim))
+        return self._reply(
+            session, self.store.copies.cat(session, list(request.handles), request.dim)
+        )
 
     @_unary
     def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.stack(session, list(request.handles), request.dim)
+        issued = self.store.copies.stack(session, list(request.handles), request.dim)
         return self._reply(session, issued)
 
     @_unary
     def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.copy(session, request.dst, request.src))
+        return encode_meta(self.store.writes.copy(session, request.dst, request.src))
 
     @_unary
     def Fill(self, request: pb.FillRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.fill(session, request.handle, decode_scalar(request.value)))
+        return encode_meta(
+            self.store.writes.fill(session, request.handle, decode_scalar(request.value))
+        )
 
     @_unary
     def SetItem(self, request: pb.SetItemRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         index = decode_index(request.index)
         if request.WhichOneof("value") == "src_handle":
-            issued = self.store.setitem(
+            issued = self.store.writes.setitem(
                 session, request.handle, index, src_handle=request.src_handle
             )
         else:
-            issued = self.store.setitem(
+            issued = self.store.writes.setitem(
                 session, request.handle, index, value=decode_scalar(request.scalar)
             )
         return encode_meta(issued)
@@ -328,7 +334,7 @@ class TensordService:
     def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
         session = self._session(context)
-        return self.store.download(session, request.handle, request.chunk_bytes)
+        return self.store.transfers.download(session, request.handle, request.chunk_bytes)
 
     # -- sharing --------------------------------------------------------------------
 
@@ -338,17 +344,21 @@ class TensordService:
         if request.unlimited_uses and request.uses:
             raise InvalidArgumentError("ShareRequest: pass uses or unlimited_uses, not both")
         uses = None if request.unlimited_uses else (request.uses or 1)
-        token, ttl = self.store.share(session, request.handle, uses, request.ttl_seconds or None)
+        token, ttl = self.store.sharing.share(
+            session, request.handle, uses, request.ttl_seconds or None
+        )
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
 
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
-        return pb.RevokeResponse(revoked=self.store.revoke(self._session(context), request.token))
+        return pb.RevokeResponse(
+            revoked=self.store.sharing.revoke(self._session(context), request.token)
+        )
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.attach(session, request.token))
+        return self._reply(session, self.store.sharing.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
@@ -359,7 +369,7 @@ class TensordService:
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.get_name(session, request.name))
+        return self._reply(session, self.store.sharing.get_name(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
@@ -370,7 +380,9 @@ class TensordService:
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
         session = self._session(context)
-        names, token = self.store.list_names(session.tenant, request.page_size, request.page_token)
+        names, token = self.store.sharing.list_names(
+            session.tenant, request.page_size, request.page_token
+        )
         return pb.ListNamesResponse(names=names, next_page_token=token)
 
     # -- the pool -------------------------------------------------------------------
@@ -378,7 +390,7 @@ class TensordService:
     @_unary
     def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
         session = self._session(context)
-        stats = self.store.memory_stats(request.device, session.tenant)
+        stats = self.store.stats.memory_stats(request.device, session.tenant)
         return pb.MemoryStatsResponse(
             counters={k: v for k, v in stats.items() if not isinstance(v, float)},
             ratios={k: v for k, v in stats.items() if isinstance(v, float)},
@@ -387,14 +399,14 @@ class TensordService:
     @_unary
     def MemorySummary(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySummaryResponse:
         self._session(context)
-        return pb.MemorySummaryResponse(summary=self.store.memory_summary(request.device))
+        return pb.MemorySummaryResponse(summary=self.store.stats.memory_summary(request.device))
 
     @_unary
     def MemorySnapshot(
         self, request: pb.MemorySnapshotRequest, context: Any
     ) -> pb.MemorySnapshotResponse:
         session = self._session(context)
-        data, token = self.store.memory_snapshot_page(
+        data, token = self.store.stats.memory_snapshot_page(
             request.device, session.tenant, request.page_size, request.page_token
         )
         return pb.MemorySnapshotResponse(snapshot_json=data, next_page_token=token)
@@ -402,7 +414,7 @@ class TensordService:
     @_unary
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
         self._session(context)
-        return pb.EmptyCacheResponse(released_bytes=self.store.empty_cache(request.device))
+        return pb.EmptyCacheResponse(released_bytes=self.store.stats.empty_cache(request.device))
 
     # -- same-host zero copy ----------------------------------------------------------
 
@@ -416,7 +428,7 @@ class TensordService:
         return self._export(session, request.handle, table, mapped)
 
     def _channel_export(self, session: Session, data: bytes) -> tuple[bytes, str]:
-        """An Export that came on the session's export channel (issue 13; the channel found
+        """An Export that came on the session's export channel (the channel found
         the session by its key and renewed its lease): what Export does, with a worker counted
         as for any call; its answer's bytes and the export's id.  Any error: the client asks
         again through gRPC (GPU exports always do)."""
@@ -469,7 +481,7 @@ class TensordService:
         self.store.sessions.release(session, list(request.release_handles))
         released = self._release_exports(session, request.release_exports)
         empty = request.empty
-        issued = self.store.empty(
+        issued = self.store.factories.empty(
             session,
             tuple(empty.shape),
             tuple(empty.stride.values) if empty.HasField("stride") else None,
@@ -497,14 +509,16 @@ class TensordService:
         gone = table.gone_segments(backends, list(request.mapped_segments))
         return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
 
-    # -- issue 14 indexing ------------------------------------------------------------
+    # -- advanced indexing ------------------------------------------------------------
 
     @_unary
     def AdvancedIndex(self, request: pb.AdvancedIndexRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         items = decode_advanced_index(request.index)
         return encode_meta(
-            self.store.advanced_index(session, request.handle, items, request.raw, request.op)
+            self.store.indexing.advanced_index(
+                session, request.handle, items, request.raw, request.op
+            )
         )
 
     @_unary
@@ -513,7 +527,7 @@ class TensordService:
         items = decode_advanced_index(request.index)
         is_tensor = request.WhichOneof("value") == "src_handle"
         return encode_meta(
-            self.store.advanced_setitem(
+            self.store.indexing.advanced_setitem(
                 session,
                 request.handle,
                 items,
@@ -525,20 +539,22 @@ class TensordService:
             )
         )
 
-    # -- resize, set_ (issue 14) ----------------------------------------------------------
+    # -- resize, set_ --------------------------------------------------------------------
 
     @_unary
     def Resize(self, request: pb.ResizeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         return encode_meta(
-            self.store.resize(session, request.handle, list(request.size), request.memory_format)
+            self.store.resizing.resize(
+                session, request.handle, list(request.size), request.memory_format
+            )
         )
 
     @_unary
     def SetStorage(self, request: pb.SetStorageRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         return encode_meta(
-            self.store.set_storage(
+            self.store.resizing.set_storage(
                 session,
                 request.handle,
                 request.source,
