@@ -6,8 +6,9 @@
   indexing, resizing, transfers, a pipelined batch), all built on :mod:`.ops.context`
   (hold, bound, allocate, issue)
 - :mod:`.storage`: Storage, TensorRef and the registry (refcounts, hold counts, relocation)
-- :mod:`.sessions`: sessions, handles, names, share tokens, leases
-- :mod:`.sharing`: share tokens and names as issued handles, names a page at a time
+- :mod:`.sessions`: sessions, their handle tables, leases and the reaper
+- :mod:`.share_tokens`: share tokens (uses, expiry, revocation; they end with their session)
+- :mod:`.names`: named tensors per tenant, listed a page at a time
 - :mod:`.stats`: memory statistics, summary, snapshot, empty_cache
 - :mod:`.kernels`: torch's rules for copies, fills and factories, over device arrays
 - :mod:`.limits`: the documented bounds on every request

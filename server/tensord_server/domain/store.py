@@ -23,6 +23,7 @@ from tensord_server.domain.admission import (
 )
 from tensord_server.domain.compactor import BackgroundCompactor
 from tensord_server.domain.exports import ChannelHandler, ExportTable
+from tensord_server.domain.names import TensorNames
 from tensord_server.domain.ops.batch import Batches
 from tensord_server.domain.ops.context import OpContext
 from tensord_server.domain.ops.copies import Copies
@@ -33,14 +34,12 @@ from tensord_server.domain.ops.transfers import Transfers
 from tensord_server.domain.ops.views import Views
 from tensord_server.domain.ops.writes import Writes
 from tensord_server.domain.quotas import QuotaSpec, QuotaTable, TenantLedger
-from tensord_server.domain.sessions import (
-    DEFAULT_GRACE_S,
-    DEFAULT_LEASE_S,
+from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S, SessionManager
+from tensord_server.domain.share_tokens import (
     DEFAULT_MAX_SHARE_TTL_S,
     DEFAULT_SHARE_TTL_S,
-    SessionManager,
+    ShareTokens,
 )
-from tensord_server.domain.sharing import Sharing
 from tensord_server.domain.stats import Stats
 from tensord_server.domain.storage import StorageRegistry
 
@@ -94,9 +93,9 @@ class TensorStore:
             lease=lease,
             max_handles=max_handles_per_session,
             max_sessions=max_sessions_per_tenant,
-            max_names=max_names_per_tenant,
-            share_ttl=share_ttl,
-            max_share_ttl=max_share_ttl,
+        )
+        self.share_tokens = ShareTokens(
+            self.sessions, self.storages, ttl=share_ttl, max_ttl=max_share_ttl
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
@@ -121,7 +120,9 @@ class TensorStore:
         )
         # the listings' page tokens (names, snapshots): valid in this process only
         self.page_tokens = paging.PageTokens()
-        self.sharing = Sharing(self.sessions, self.page_tokens)
+        self.names = TensorNames(
+            self.sessions, self.storages, self.page_tokens, max_names=max_names_per_tenant
+        )
         self.stats = Stats(
             self.devices, self.storages, self.sessions, lambda: self._exports, self.page_tokens
         )
@@ -150,6 +151,8 @@ class TensorStore:
         """Whether a request waits for a lock a background compaction step takes."""
         return bool(
             self.sessions.lock_waiters
+            or self.share_tokens.lock_waiters
+            or self.names.lock_waiters
             or self.storages.lock_waiters
             or any(device.pool.lock_waiters for device in self.devices)
         )
@@ -162,7 +165,8 @@ class TensorStore:
         """Stop the reaper and the compactor and release everything (after the gRPC server
         stopped)."""
         self.compactor.close()
-        self.sessions.shutdown()
+        self.sessions.shutdown()  # the sessions' share tokens and exports end with them
+        self.names.close()
         with self._exports_lock:
             if self._exports is not None:
                 self._exports.close()

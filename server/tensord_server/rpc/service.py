@@ -344,7 +344,7 @@ class TensordService:
         if request.unlimited_uses and request.uses:
             raise InvalidArgumentError("ShareRequest: pass uses or unlimited_uses, not both")
         uses = None if request.unlimited_uses else (request.uses or 1)
-        token, ttl = self.store.sharing.share(
+        token, ttl = self.store.share_tokens.share(
             session, request.handle, uses, request.ttl_seconds or None
         )
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
@@ -352,37 +352,35 @@ class TensordService:
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
         return pb.RevokeResponse(
-            revoked=self.store.sharing.revoke(self._session(context), request.token)
+            revoked=self.store.share_tokens.revoke(self._session(context), request.token)
         )
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.sharing.attach(session, request.token))
+        return self._reply(session, self.store.share_tokens.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
         session = self._session(context)
-        self.store.sessions.put_name(session, request.name, request.handle, request.overwrite)
+        self.store.names.put(session, request.name, request.handle, request.overwrite)
         return pb.PutNameResponse()
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.sharing.get_name(session, request.name))
+        return self._reply(session, self.store.names.get(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
         session = self._session(context)
-        self.store.sessions.delete_name(request.name, session.tenant)
+        self.store.names.delete(request.name, session.tenant)
         return pb.DeleteNameResponse()
 
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
         session = self._session(context)
-        names, token = self.store.sharing.list_names(
-            session.tenant, request.page_size, request.page_token
-        )
+        names, token = self.store.names.page(session.tenant, request.page_size, request.page_token)
         return pb.ListNamesResponse(names=names, next_page_token=token)
 
     # -- the pool -------------------------------------------------------------------

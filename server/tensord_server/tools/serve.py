@@ -28,12 +28,8 @@ from tensord_server.domain.admission import (
 from tensord_server.domain.auth import load_tokens
 from tensord_server.domain.limits import DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.domain.quotas import parse_quota
-from tensord_server.domain.sessions import (
-    DEFAULT_GRACE_S,
-    DEFAULT_LEASE_S,
-    DEFAULT_MAX_SHARE_TTL_S,
-    DEFAULT_SHARE_TTL_S,
-)
+from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
+from tensord_server.domain.share_tokens import DEFAULT_MAX_SHARE_TTL_S, DEFAULT_SHARE_TTL_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
 from tensord_server.pool import DEFAULT_POLICY, POLICIES, TRACE_MAX_ENTRIES, policy_named
