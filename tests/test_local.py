@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def exported_storages(daemon: Any) -> int:
-    return daemon.exports.stats("cpu")[0] if daemon._exports is not None else 0
+    return daemon.exports.stats("cpu")[0]
 
 
 def run_child(address: str, body: str, *, env: dict[str, str] | None = None) -> Any:
@@ -283,11 +283,14 @@ def test_the_handle_limit_counts_handles_share_tokens_and_exports_together(
     limit = 8
     running = make_server(max_handles_per_session=limit)
     table, sessions = running.daemon.exports, running.daemon.sessions
+    tokens = running.daemon.share_tokens
     with tensord.connect(running.address) as client:
         x = client.tensor(np.ones(1000, dtype=np.float32))
         client.synchronize()
         session = sessions.peek(client.session_id)
-        held = sessions.handle_count(session) + len(session.tokens) + table.count(session.id)
+        held = (
+            sessions.handle_count(session) + tokens.count_of(session.id) + table.count(session.id)
+        )
         exports = [table.export(session, x.handle)[0] for _ in range(limit - held - 1)]
         token = x.share()  # the last entry the limit allows
         full = rf"\({limit} in all\)"
@@ -1121,7 +1124,7 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
         # tickets: made-up or used twice, the fd socket refuses
         session = daemon.sessions.peek(bob.session_id)
         _, ticket, _ = daemon.exports.export(session, b.handle)
-        path = daemon.exports.socket_path
+        path = running.fd_socket.path
         os.close(_local.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):
             _local.receive_segment_fd(path, ticket, 0)
@@ -1174,7 +1177,7 @@ def test_a_silent_fd_socket_connection_does_not_delay_another_clients_mapping(
 
     with tensord.connect(fresh_server.address) as first:
         first.tensor(np.ones(MIN_FAST, np.uint8))  # the fd socket exists now
-        path = fresh_server.daemon.exports.socket_path
+        path = fresh_server.fd_socket.path
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         silent.connect(path)  # connects and sends nothing
         try:

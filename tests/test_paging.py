@@ -318,7 +318,7 @@ class _OneDevice:
 
 def _paged_stats(pool: CachingPool) -> Stats:
     devices: Any = _OneDevice(Device("cpu", pool, "test"))
-    return Stats(devices, None, None, lambda: None, paging.PageTokens())  # type: ignore[arg-type]
+    return Stats(devices, None, None, None, paging.PageTokens())  # type: ignore[arg-type]
 
 
 def _stats_pages(stats: Stats, page_size: int = 0) -> list[tuple[bytes, str]]:

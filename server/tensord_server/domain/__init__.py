@@ -16,5 +16,6 @@
 - :mod:`.quotas`, :mod:`.auth`: tenants, their tokens and their per-device quotas
 - :mod:`.admission`: worker and stream accounting (the call gate; its gRPC side is
   :mod:`tensord_server.rpc.admission`)
-- :mod:`.exports`: same-host zero-copy exports of Storages
+- :mod:`.exports`: same-host zero copy's books: exports, tickets, channel keys (the socket
+  that serves them is :mod:`tensord_server.rpc.fd_socket`)
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from typing import Any
 
 from tensord.errors import InvalidArgumentError
@@ -28,22 +27,21 @@ from tensord_server.domain.storage import StorageRegistry
 
 
 class Stats:
-    """The pools' statistics; ``exports_made()`` is the export table if one was made (counting
-    exports never makes one)."""
+    """The pools' statistics, with the server's live counts beside them."""
 
     def __init__(
         self,
         devices: DeviceTable,
         storages: StorageRegistry,
         sessions: SessionManager,
-        exports_made: Callable[[], ExportTable | None],
+        exports: ExportTable,
         tokens: paging.PageTokens,
     ) -> None:
         self.tokens = tokens
         self.devices = devices
         self.storages = storages
         self.sessions = sessions
-        self.exports_made = exports_made
+        self.exports = exports
 
     def device(self, name: str) -> Device:
         return self.devices.get(name)
@@ -65,11 +63,10 @@ class Stats:
         stats["tenant.allocated_bytes.peak"] = usage.peak
         if usage.limit is not None:
             stats["tenant.quota_bytes"] = usage.limit
-        exports = self.exports_made()
-        exported, exported_bytes = exports.stats(dev.name) if exports is not None else (0, 0)
+        exported, exported_bytes = self.exports.stats(dev.name)
         stats["exports.storages.current"] = exported  # held for same-host clients
         stats["exports.bytes.current"] = exported_bytes
-        imported, imported_bytes = exports.import_stats(dev.name) if exports is not None else (0, 0)
+        imported, imported_bytes = self.exports.import_stats(dev.name)
         stats["exports.imported_segments.current"] = imported  # held open by CUDA IPC clients
         stats["exports.imported_bytes.current"] = imported_bytes
         return stats

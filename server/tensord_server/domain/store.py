@@ -11,7 +11,6 @@ background (the reaper, the compactor).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 
 from tensord_server.devices.table import DeviceSpec, DeviceTable
@@ -22,7 +21,7 @@ from tensord_server.domain.admission import (
     CallGate,
 )
 from tensord_server.domain.compactor import BackgroundCompactor
-from tensord_server.domain.exports import ChannelHandler, ExportTable
+from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.names import TensorNames
 from tensord_server.domain.ops.batch import Batches
 from tensord_server.domain.ops.context import OpContext
@@ -99,12 +98,11 @@ class TensorStore:
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
-        # same-host zero copy: made on the first Export (its fd socket is a thread and a dir)
-        self._exports: ExportTable | None = None
-        self._exports_lock = threading.Lock()
-        # what a session's export channel runs per request: set by the rpc layer,
-        # which parses and encodes the messages (None: the export table offers no channel)
-        self.export_channel_handler: ChannelHandler | None = None
+        # same-host zero copy's books (the fd socket that serves them is the rpc layer's)
+        self.exports = ExportTable(
+            self.storages, self.sessions, tenants=self.auth_tokens is not None
+        )
+        self.exports.watch_pools([d.pool for d in self.devices])
         # the op families, one module each, all over the state above
         self.ops = OpContext(self.devices, self.storages, self.sessions, max_op_elements)
         self.views = Views(self.ops)
@@ -124,28 +122,11 @@ class TensorStore:
             self.sessions, self.storages, self.page_tokens, max_names=max_names_per_tenant
         )
         self.stats = Stats(
-            self.devices, self.storages, self.sessions, lambda: self._exports, self.page_tokens
+            self.devices, self.storages, self.sessions, self.exports, self.page_tokens
         )
         # compaction after a free, off the freeing call (policies with a compact_threshold);
         # it steps aside while any request waits for a lock one of its moves takes
         self.compactor = BackgroundCompactor([d.pool for d in self.devices], self._contended)
-
-    @property
-    def exports(self) -> ExportTable:
-        with self._exports_lock:
-            if self._exports is None:
-                self._exports = ExportTable(
-                    self.storages, self.sessions, tenants=self.auth_tokens is not None
-                )
-                self._exports.watch_pools([d.pool for d in self.devices])
-                self._exports.channel_handler = self.export_channel_handler
-            return self._exports
-
-    def export_channel_stats(self) -> tuple[int, dict[str, int]]:
-        """Export channels served now and their requests by outcome (none before the first
-        Export made the export table)."""
-        table = self._exports
-        return (0, {}) if table is None else table.channel_stats()
 
     def _contended(self) -> bool:
         """Whether a request waits for a lock a background compaction step takes."""
@@ -167,6 +148,4 @@ class TensorStore:
         self.compactor.close()
         self.sessions.shutdown()  # the sessions' share tokens and exports end with them
         self.names.close()
-        with self._exports_lock:
-            if self._exports is not None:
-                self._exports.close()
+        self.exports.close()

@@ -196,7 +196,7 @@ class StoreCollector(Collector):
 
     def _channel_metrics(self) -> Iterator[Metric]:
         """Same-host export channels: their Exports pass no gRPC interceptor."""
-        channels, requests = self.store.export_channel_stats()
+        channels, requests = self.store.exports.channel_stats()
         yield GaugeMetricFamily(
             "tensord_export_channels", "Same-host export channels served now", value=channels
         )

@@ -233,6 +233,7 @@ class Calls:
     def shutdown(self) -> None:
         self.work.shutdown()
         self.liveness.shutdown()
+        self.service.close()
 
     async def end_keepalives(self) -> None:
         """End every KeepAlive stream with UNAVAILABLE (the server is stopping: an open

@@ -12,6 +12,7 @@ the one place that decides.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Container, Iterator
 from typing import Any, TypeVar
 
@@ -28,7 +29,6 @@ from tensord.protocol import (
 
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import limits
-from tensord_server.domain.exports import ExportTable
 from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
@@ -43,6 +43,7 @@ from tensord_server.rpc.codec import (
     decode_view_op,
     encode_meta,
 )
+from tensord_server.rpc.fd_socket import FdSocket
 
 M = TypeVar("M", bound=Message)
 
@@ -66,11 +67,27 @@ def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TensordService:
-    """One method per RPC of the schema, each a thin wrapper over :class:`TensorStore`."""
+    """One method per RPC of the schema, each a thin wrapper over the domain's objects."""
 
     def __init__(self, store: TensorStore) -> None:
         self.store = store
-        store.export_channel_handler = self._channel_export
+        # same-host zero copy's socket: made on the first Export (it is a thread and a dir)
+        self._fd_socket: FdSocket | None = None
+        self._fd_socket_lock = threading.Lock()
+
+    @property
+    def fd_socket(self) -> FdSocket:
+        """The fd socket (segment descriptors, the sessions' export channels)."""
+        with self._fd_socket_lock:
+            if self._fd_socket is None:
+                self._fd_socket = FdSocket(self.store.exports, self._channel_export)
+            return self._fd_socket
+
+    def close(self) -> None:
+        """Stop the fd socket, if one was made (the server stopped taking calls)."""
+        with self._fd_socket_lock:
+            if self._fd_socket is not None:
+                self._fd_socket.close()
 
     def _tenant(self, context: Any) -> str:
         return str(context.tenant)  # authenticated before the call was read (rpc.calls)
@@ -419,11 +436,10 @@ class TensordService:
     @_unary
     def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
         session = self._session(context)
-        table = self.store.exports
         # the client's mapped segments, if of this server (ids restart with a server)
-        same_server = request.server_instance == table.instance
+        same_server = request.server_instance == self.store.exports.instance
         mapped = request.mapped_segments if same_server else ()
-        return self._export(session, request.handle, table, mapped)
+        return self._export(session, request.handle, mapped)
 
     def _channel_export(self, session: Session, data: bytes) -> tuple[bytes, str]:
         """An Export that came on the session's export channel (the channel found
@@ -432,38 +448,37 @@ class TensordService:
         again through gRPC (GPU exports always do)."""
         with self.store.gate.call():
             request = decode_message(pb.ExportRequest, data)  # bounded as a gRPC request is
-            table = self.store.exports
-            same_server = request.server_instance == table.instance
+            same_server = request.server_instance == self.store.exports.instance
             mapped = request.mapped_segments if same_server else ()
-            response = self._export(session, request.handle, table, mapped, on_channel=True)
+            response = self._export(session, request.handle, mapped, on_channel=True)
             return response.SerializeToString(), response.export_id
 
     def _export(
         self,
         session: Session,
         handle: str,
-        table: ExportTable | None = None,
         mapped: Container[int] = (),
         on_channel: bool = False,
     ) -> pb.ExportResponse:
         """``on_channel``: host memory only, and no channel key (the client has it)."""
-        table = table or self.store.exports
+        table = self.store.exports
         # ref: no second lookup
         export, ticket, ref = table.export(session, handle, mapped, host_only=on_channel)
         key = "" if on_channel else table.channel_key(session)
+        path = self.fd_socket.path
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
             segment_nbytes=export.segment_nbytes,
             storage_byte_offset=export.byte_offset,
             device=export.storage.device.name,
-            fd_socket=table.socket_path if ticket else "",
+            fd_socket=path if ticket else "",
             ticket=ticket,
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,
             tensor=encode_meta(Issued(handle, ref)),
             channel_key=key,
-            channel_socket=table.socket_path if key else "",
+            channel_socket=path if key else "",
         )
 
     @_unary
