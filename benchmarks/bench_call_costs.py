@@ -27,7 +27,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.domain import limits
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.service import TensordService, method_handlers
+from tensord_server.rpc.handlers import TensordService, method_handlers
 
 REPEATS = 5
 

@@ -30,7 +30,7 @@ from tensord.dtypes import dtype_from_name, dtype_from_numpy
 from tensord.protocol import MAX_MESSAGE_BYTES
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.fd_socket import FdSocket
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 
 # The fixtures' pool: big enough for every test, small enough to find leaks fast.
 TEST_DEVICES = ("cpu=1GiB",)

@@ -73,7 +73,7 @@ def test_device_names() -> None:
 def test_importing_never_imports_cupy() -> None:
     code = (
         "import sys\n"
-        "import tensord, tensord_server.rpc.server, tensord_server.rpc.service, tensord_server.tools.serve\n"
+        "import tensord, tensord_server.rpc.grpc_server, tensord_server.rpc.handlers, tensord_server.tools.serve\n"
         "import tensord_server.domain.kernels, tensord_server.devices.table, tensord_server.devices.cuda\n"
         "from tensord_server.domain.store import TensorStore\n"
         "d = TensorStore(['cpu']); d.close()\n"
@@ -584,7 +584,7 @@ def test_a_pinned_cpu_pool_is_mapped_by_same_host_clients(cupy: Any) -> None:
             client.flush()
         backend = running.daemon.devices.get("cpu").backend
         assert len(cupy.cuda.runtime.pinned) == backend.live_segments() > 0
-        running.daemon.stats.empty_cache("cpu")
+        running.daemon.memory_reports.empty_cache("cpu")
         assert backend.live_segments() == 0
     finally:
         running.stop()
@@ -898,7 +898,7 @@ def gpu_server(cupy: Any) -> Iterator[Any]:
 
 
 def _imported(server: Any) -> tuple[int, int]:
-    stats = server.daemon.stats.memory_stats("cuda:0")
+    stats = server.daemon.memory_reports.memory_stats("cuda:0")
     return stats["exports.imported_segments.current"], stats["exports.imported_bytes.current"]
 
 
@@ -943,7 +943,7 @@ def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_s
         client._conn.flush_releases()
         assert sum(runtime.open_imports.values()) == 1
         assert _imported(gpu_server) == (1, 40 * MiB)
-        gpu_server.daemon.stats.empty_cache("cuda:0")  # vetoed
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")  # vetoed
         with pytest.raises(OutOfMemoryError):  # the OOM release is vetoed too
             client.zeros(13 * MiB, dtype=tensord.float32, device="cuda:0")  # 52 MiB
         assert pool.memory_stats()["reserved_bytes.all.current"] == 40 * MiB
@@ -953,7 +953,7 @@ def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_s
         assert [(c.segment_id, c.exports) for c in closed] == [(closed[0].segment_id, 1)]
         client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(closed_imports=closed))
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.stats.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
@@ -1005,7 +1005,7 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
         client._conn.flush_releases()
         assert sum(runtime.open_imports.values()) == 0
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.stats.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
@@ -1028,7 +1028,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
         del x
         client._conn.flush_releases()
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.stats.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 

@@ -690,7 +690,7 @@ def test_an_upload_falls_back_to_grpc_when_the_server_cannot_export(
 def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
     make_server: Any, monkeypatch: Any
 ) -> None:
-    from tensord_server.rpc.service import TensordService
+    from tensord_server.rpc.handlers import TensordService
 
     def unknown(self: Any, request: Any, context: Any) -> Any:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
@@ -721,7 +721,7 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
 def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again(
     make_server: Any, monkeypatch: Any, code: grpc.StatusCode
 ) -> None:
-    from tensord_server.rpc.service import TensordService
+    from tensord_server.rpc.handlers import TensordService
 
     def refused(self: Any, request: Any, context: Any) -> Any:
         context.abort(code, "not run")  # as a server before EmptyExport, or one going away
@@ -1063,7 +1063,7 @@ def test_compaction_skips_exported_storages_and_moves_them_once_released(make_se
             stub.upload(big_values)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert {i: storage_of(daemon, stub, m).block.address for i, (m, _) in kept.items()} == ptrs
-        assert daemon.stats.memory_stats("cpu")["exports.storages.current"] == 3
+        assert daemon.memory_reports.memory_stats("cpu")["exports.storages.current"] == 3
         assert daemon.exports.release(session, [e.id for e in exports]) == 3
         big = stub.upload(big_values)  # released: compaction moves them now
         assert pool.memory_stats()["num_compactions"] == 1

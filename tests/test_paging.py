@@ -25,7 +25,7 @@ from tensord.protocol import MAX_PAGE_SIZE
 from tensord_server.devices.memory import BookkeepingBackend
 from tensord_server.devices.table import Device
 from tensord_server.domain import paging
-from tensord_server.domain.stats import Stats
+from tensord_server.domain.memory_reports import MemoryReports
 from tensord_server.pool import CachingPool
 
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}
@@ -316,12 +316,12 @@ class _OneDevice:
         return self.device
 
 
-def _paged_stats(pool: CachingPool) -> Stats:
+def _paged_stats(pool: CachingPool) -> MemoryReports:
     devices: Any = _OneDevice(Device("cpu", pool, "test"))
-    return Stats(devices, None, None, None, paging.PageTokens())  # type: ignore[arg-type]
+    return MemoryReports(devices, None, None, None, paging.PageTokens())  # type: ignore[arg-type]
 
 
-def _stats_pages(stats: Stats, page_size: int = 0) -> list[tuple[bytes, str]]:
+def _stats_pages(stats: MemoryReports, page_size: int = 0) -> list[tuple[bytes, str]]:
     pages = []
     token = ""
     while True:

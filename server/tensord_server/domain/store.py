@@ -15,13 +15,14 @@ from collections.abc import Iterable, Mapping
 
 from tensord_server.devices.table import DeviceSpec, DeviceTable
 from tensord_server.domain import limits, paging
-from tensord_server.domain.admission import (
+from tensord_server.domain.call_gate import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     CallGate,
 )
 from tensord_server.domain.compactor import BackgroundCompactor
 from tensord_server.domain.exports import ExportTable
+from tensord_server.domain.memory_reports import MemoryReports
 from tensord_server.domain.names import TensorNames
 from tensord_server.domain.ops.batch import Batches
 from tensord_server.domain.ops.context import OpContext
@@ -39,7 +40,6 @@ from tensord_server.domain.share_tokens import (
     DEFAULT_SHARE_TTL_S,
     ShareTokens,
 )
-from tensord_server.domain.stats import Stats
 from tensord_server.domain.storage import StorageRegistry
 
 
@@ -121,7 +121,7 @@ class TensorStore:
         self.names = TensorNames(
             self.sessions, self.storages, self.page_tokens, max_names=max_names_per_tenant
         )
-        self.stats = Stats(
+        self.memory_reports = MemoryReports(
             self.devices, self.storages, self.sessions, self.exports, self.page_tokens
         )
         # compaction after a free, off the freeing call (policies with a compact_threshold);

@@ -173,7 +173,7 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         store = self.store
         devices = [d.name for d in store.devices]
-        stats = {name: store.stats.memory_stats(name) for name in devices}
+        stats = {name: store.memory_reports.memory_stats(name) for name in devices}
         for key, name, help_text in POOL_GAUGES:
             family = GaugeMetricFamily(name, help_text, labels=["device"])
             for device in devices:

@@ -15,7 +15,7 @@
    Liveness calls (OpenSession, Heartbeat, CloseSession) have a pool of their own.
 4. **Work** on a worker thread: decode and bound the message
    (:func:`~tensord_server.rpc.codec.decode_message`), call the synchronous
-   :class:`~tensord_server.rpc.service.TensordService` method, encode the reply.
+   :class:`~tensord_server.rpc.handlers.TensordService` method, encode the reply.
 5. **Answer**: the reply's bytes count against the key's undelivered-answer budget
    (``MAX_UNDELIVERED_ANSWER_BYTES``) until gRPC has delivered them, so a caller that does
    not read its answers is refused new calls instead of pinning their bytes in the server.
@@ -62,7 +62,7 @@ from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message
 from tensord_server.rpc.executor import FairExecutor, RequestBudget
-from tensord_server.rpc.service import SERVICE_NAME, TensordService
+from tensord_server.rpc.handlers import SERVICE_NAME, TensordService
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import CHANNELS_LAST, Layout, broadcast_shapes
 
-from tensord_server.devices.host_arrays import gather_plan
+from tensord_server.devices.host_copies import gather_plan
 from tensord_server.devices.table import Device
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.kernels import Scalar

@@ -1,4 +1,4 @@
-"""The gRPC face of the tensor store: thin handlers (decoded request -> TensorStore call -> reply).
+"""The gRPC handlers, one per RPC: decoded request -> the domain object it names -> reply.
 
 Each method of :class:`TensordService` is synchronous and runs on a worker thread of the
 asyncio server (:mod:`tensord_server.rpc.calls` authenticates the call, reads and decodes
@@ -405,7 +405,7 @@ class TensordService:
     @_unary
     def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
         session = self._session(context)
-        stats = self.store.stats.memory_stats(request.device, session.tenant)
+        stats = self.store.memory_reports.memory_stats(request.device, session.tenant)
         return pb.MemoryStatsResponse(
             counters={k: v for k, v in stats.items() if not isinstance(v, float)},
             ratios={k: v for k, v in stats.items() if isinstance(v, float)},
@@ -414,14 +414,16 @@ class TensordService:
     @_unary
     def MemorySummary(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySummaryResponse:
         self._session(context)
-        return pb.MemorySummaryResponse(summary=self.store.stats.memory_summary(request.device))
+        return pb.MemorySummaryResponse(
+            summary=self.store.memory_reports.memory_summary(request.device)
+        )
 
     @_unary
     def MemorySnapshot(
         self, request: pb.MemorySnapshotRequest, context: Any
     ) -> pb.MemorySnapshotResponse:
         session = self._session(context)
-        data, token = self.store.stats.memory_snapshot_page(
+        data, token = self.store.memory_reports.memory_snapshot_page(
             request.device, session.tenant, request.page_size, request.page_token
         )
         return pb.MemorySnapshotResponse(snapshot_json=data, next_page_token=token)
@@ -429,7 +431,9 @@ class TensordService:
     @_unary
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
         self._session(context)
-        return pb.EmptyCacheResponse(released_bytes=self.store.stats.empty_cache(request.device))
+        return pb.EmptyCacheResponse(
+            released_bytes=self.store.memory_reports.empty_cache(request.device)
+        )
 
     # -- same-host zero copy ----------------------------------------------------------
 

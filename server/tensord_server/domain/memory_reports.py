@@ -1,5 +1,8 @@
-"""Memory statistics and pool control per device: torch's memory_stats() plus live counters,
-the summary, the snapshot (whole, or a page at a time), and empty_cache.
+"""The memory reports a client asks for per device, and pool control: torch's memory_stats()
+with the server's live counts (sessions, Storages, the caller's tenant, exports), the
+summary, the snapshot (whole, or a page at a time), and empty_cache.  The pool's own
+counters and snapshot are :mod:`tensord_server.pool.stats`'s; this module adds what only
+the server knows and pages what a message cannot hold.
 
 A paged snapshot (MemorySnapshot, domain/paging.py): each page is a ``_snapshot()`` dict
 holding part of the whole, at most paging.MAX_PAGE_BYTES of JSON -- the segments by address,
@@ -26,8 +29,8 @@ from tensord_server.domain.sessions import SessionManager
 from tensord_server.domain.storage import StorageRegistry
 
 
-class Stats:
-    """The pools' statistics, with the server's live counts beside them."""
+class MemoryReports:
+    """The pools' reports, with the server's live counts beside them.  Thread-safe."""
 
     def __init__(
         self,
