@@ -44,7 +44,8 @@ from tensord_server.domain.storage import StorageRegistry
 
 
 class TensorStore:
-    """Everything a tensord server owns.  Thread-safe; the gRPC handlers call it concurrently."""
+    """Everything a tensord server owns: its state and the objects over it, each thread-safe
+    (the gRPC handlers call them concurrently)."""
 
     def __init__(
         self,
