@@ -27,7 +27,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.domain import limits
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.service import TensordService, method_handlers
+from tensord_server.rpc.handlers import TensordService, method_handlers
 
 REPEATS = 5
 
@@ -87,7 +87,7 @@ class Bench:
         return time.perf_counter() - start, context.details
 
     def tensor(self, n: int) -> str:
-        return self.store.arange(self.session, 0, n, 1, "float32", "cpu").handle
+        return self.store.factories.arange(self.session, 0, n, 1, "float32", "cpu").handle
 
     def handles(self, n: int) -> list[str]:
         """``n`` fresh handles on one tensor, made outside the timing."""
@@ -220,7 +220,7 @@ def _batch_unbind(b: Bench, n: int) -> Any:
 
 def _dims(name: str) -> Callable[[Bench, int], Any]:
     def build(b: Bench, n: int) -> Any:
-        h = b.store.empty(b.session, (1,) * max(n, 1), None, "float32", "cpu").handle
+        h = b.store.factories.empty(b.session, (1,) * max(n, 1), None, "float32", "cpu").handle
         if name == "Repeat":
             return "Repeat", pb.RepeatRequest(handle=h, repeats=[1] * n)
         if name == "Resize":

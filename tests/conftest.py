@@ -29,7 +29,8 @@ from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.dtypes import dtype_from_name, dtype_from_numpy
 from tensord.protocol import MAX_MESSAGE_BYTES
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.fd_socket import FdSocket
+from tensord_server.rpc.grpc_server import create_server
 
 # The fixtures' pool: big enough for every test, small enough to find leaks fast.
 TEST_DEVICES = ("cpu=1GiB",)
@@ -52,6 +53,11 @@ class RunningServer:
     port: int
     daemon: TensorStore
     grpc_server: grpc.Server
+
+    @property
+    def fd_socket(self) -> FdSocket:
+        """The server's fd socket (made on first use, as by the first Export)."""
+        return self.grpc_server.calls.service.fd_socket
 
     def stop(self) -> None:
         self.grpc_server.stop(STOP_GRACE_S).wait()

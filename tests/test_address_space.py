@@ -17,7 +17,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import ResourceExhaustedError
 from tensord_server.domain.storage import ADDRESS_ALIGNMENT, ADDRESS_SPACE_BASE, AddressSpace
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc import service
+from tensord_server.rpc import handlers
 
 # One step: allocate this many bytes, or free the live range at this index (mod the count).
 steps = st.lists(
@@ -96,7 +96,7 @@ def test_freed_storages_give_their_addresses_back() -> None:
     not grow, and a live Storage's address never changes."""
     daemon = TensorStore(("cpu=64MiB",))
     try:
-        registry, cpu = daemon.storages, daemon.device("cpu")
+        registry, cpu = daemon.storages, daemon.devices.get("cpu")
         kept = registry.allocate(cpu, 1000)
         first = registry.allocate(cpu, 32 << 20)
         address = first.data_ptr
@@ -125,7 +125,7 @@ def test_a_reply_that_cannot_be_encoded_leaves_no_handle(make_server, monkeypatc
         def unencodable(issued):
             raise ValueError("Value out of range: 18446744073709551616")
 
-        monkeypatch.setattr(service, "encode_meta", unencodable)
+        monkeypatch.setattr(handlers, "encode_meta", unencodable)
         calls = [
             lambda: stub.Clone(pb.CloneRequest(handle=x.handle), metadata=stub.md),
             lambda: stub.View(

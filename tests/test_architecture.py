@@ -52,6 +52,40 @@ SERVER_CORE = ("pool", "devices", "domain", "observability", "rpc")
 # (and the tools and the SDK above or beside it).
 GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status")
 GRPC_FREE_LAYERS = ("pool", "devices", "domain")
+# Inside the rpc layer, the transport beside the gRPC server speaks no gRPC either.
+GRPC_FREE_MODULES = ("tensord_server.rpc.fd_socket",)
+
+# Layers inside a package, lowest first, as LAYERS orders the packages: a module imports its
+# own inner layer and those below it.  Prefixes are relative to the package ("" with ``$``:
+# the package's own ``__init__``).
+INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "tensord_server.domain": (
+        # rules and counting: no tensor state
+        (
+            "rules",
+            ("$", "auth", "limits", "paging", "quotas", "kernels", "fairness", "call_gate"),
+        ),
+        # the state every op touches: Storages, the compactor moving them, sessions' handles
+        ("state", ("storage", "compactor", "sessions")),
+        # the op families, built on ops.context; none reaches a table above it
+        ("ops", ("ops",)),
+        # the tables a session keeps beyond its handles, and the reports over all of them
+        ("tables", ("share_tokens", "names", "exports", "memory_reports")),
+        # the composition root: builds and wires everything below; nothing in the domain
+        # imports it
+        ("store", ("store",)),
+    ),
+    "tensord_server.rpc": (
+        # what a handler uses: the codec, the status table, the workers, the fd socket
+        (
+            "parts",
+            ("$", "codec", "status", "binding", "tls", "executor", "fd_socket"),
+        ),
+        ("handlers", ("handlers", "other_services")),
+        ("calls", ("calls",)),
+        ("server", ("grpc_server",)),
+    ),
+}
 
 # Private members some code must use on objects of libraries it does not own, with the reason.
 ALLOWED_PRIVATE: dict[str, str] = {
@@ -229,7 +263,7 @@ def external_imports(module: Module) -> Iterator[tuple[str, int]]:
 def grpc_imports(mods: dict[str, Module]) -> list[str]:
     found = []
     for name, mod in mods.items():
-        if layer_of(name)[1] not in GRPC_FREE_LAYERS:
+        if layer_of(name)[1] not in GRPC_FREE_LAYERS and name not in GRPC_FREE_MODULES:
             continue
         for target, line in external_imports(mod):
             if target.split(".")[0] in GRPC_PACKAGES:
@@ -242,6 +276,38 @@ def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
     the call contexts and the interceptors live in rpc/."""
     found = grpc_imports(modules())
     assert not found, "gRPC imported below the rpc layer:\n" + "\n".join(found)
+
+
+def inner_layer_of(package: str, name: str) -> tuple[int, str]:
+    relative = name[len(package) + 1 :] if name != package else ""
+    for rank, (layer, prefixes) in enumerate(INNER_LAYERS[package]):
+        if any(matches(relative, prefix) for prefix in prefixes):
+            return rank, layer
+    raise AssertionError(f"{name} belongs to no inner layer of {package}: add it to INNER_LAYERS")
+
+
+def inner_layer_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside a package of INNER_LAYERS from a lower inner layer to a higher one."""
+    crossings = []
+    for package in INNER_LAYERS:
+        for name in sorted(graph):
+            if not matches(name, package):
+                continue
+            rank, layer = inner_layer_of(package, name)
+            for target in sorted(graph[name]):
+                if not matches(target, package):
+                    continue
+                target_rank, target_layer = inner_layer_of(package, target)
+                if target_rank > rank:
+                    crossings.append(f"{name} ({layer}) -> {target} ({target_layer})")
+    return crossings
+
+
+def test_the_domain_and_rpc_packages_keep_their_inner_layers() -> None:
+    """Inside the domain the op families never reach the tables above them nor the store
+    that builds them; inside rpc the handlers never reach the calls or the server."""
+    crossings = inner_layer_crossings(import_graph())
+    assert not crossings, "imports against the inner layers:\n" + "\n".join(crossings)
 
 
 def is_private(attr: str) -> bool:
@@ -323,4 +389,13 @@ def test_the_checks_see_what_they_claim() -> None:
     assert grpc_imports({sample.name: sample}) == [
         "sample.py:1 imports grpc",
         "sample.py:2 imports grpc_health.v1",
+    ]
+    transport = Module("tensord_server.rpc.fd_socket", REPO / "fd.py", ast.parse("import grpc\n"))
+    assert grpc_imports({transport.name: transport}) == ["fd.py:1 imports grpc"]
+    upward = {
+        "tensord_server.domain.ops.views": {"tensord_server.domain.store"},
+        "tensord_server.domain.store": {"tensord_server.domain.ops.views"},
+    }
+    assert inner_layer_crossings(upward) == [
+        "tensord_server.domain.ops.views (ops) -> tensord_server.domain.store (store)"
     ]

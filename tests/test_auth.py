@@ -198,7 +198,7 @@ def test_a_unix_socket_is_private_to_the_servers_user(tmp_path) -> None:
     import stat
 
     from tensord_server.domain.store import TensorStore
-    from tensord_server.rpc.server import create_server
+    from tensord_server.rpc.grpc_server import create_server
 
     path = tmp_path / "tensord.sock"
     daemon = TensorStore(("cpu=64MiB",))

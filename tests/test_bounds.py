@@ -49,7 +49,7 @@ def test_empty_strided_layout_matches_torch(shape: tuple[int, ...]) -> None:
 def test_every_handle_is_checked_with_its_lowest_element(make_server) -> None:
     daemon = make_server().daemon
     session, _ = daemon.sessions.open("bounds")
-    storage = daemon.storages.allocate(daemon.device("cpu"), 16)  # 4 float32
+    storage = daemon.storages.allocate(daemon.devices.get("cpu"), 16)  # 4 float32
     try:
         inside = Layout((2,), (-1,), 1)  # elements 1 and 0: fine
         daemon.sessions.register(session, TensorRef(storage, inside, dtypes.float32))

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tensord_server.domain import indexing
-from tensord_server.domain.indexing import TensorItem
+from tensord_server.domain.ops import indexing
+from tensord_server.domain.ops.indexing import TensorItem
+from tensord_server.domain.ops.views import ViewOp
 from tensord_server.domain.sessions import Session
-from tensord_server.domain.store import TensorStore, ViewOp
+from tensord_server.domain.store import TensorStore
 
 torch = pytest.importorskip("torch")
 
@@ -45,11 +46,11 @@ def small_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _full(daemon: TensorStore, session: Session, shape: list[int], value: Any, dtype: str) -> str:
-    return daemon.full(session, shape, value, dtype, "cpu").handle
+    return daemon.factories.full(session, shape, value, dtype, "cpu").handle
 
 
 def _expanded(daemon: TensorStore, session: Session, handle: str, shape: list[int]) -> str:
-    (issued,) = daemon.view(session, handle, ViewOp("expand", (tuple(shape),)))
+    (issued,) = daemon.views.view(session, handle, ViewOp("expand", (tuple(shape),)))
     return issued.handle
 
 
@@ -76,25 +77,27 @@ def _ops(daemon: TensorStore, session: Session) -> dict[str, Callable[[], Any]]:
     column = _expanded(daemon, session, _full(daemon, session, [1, 1], True, "bool"), [n // 4, 4])
     big = _full(daemon, session, [n // 4, 4], 0.0, "float32")
     return {
-        "gather": lambda: daemon.advanced_index(session, x, (TensorItem(index),)),
-        "gather int32": lambda: daemon.advanced_index(session, x, (TensorItem(index32),)),
-        "index_select": lambda: daemon.advanced_index(
+        "gather": lambda: daemon.indexing.advanced_index(session, x, (TensorItem(index),)),
+        "gather int32": lambda: daemon.indexing.advanced_index(session, x, (TensorItem(index32),)),
+        "index_select": lambda: daemon.indexing.advanced_index(
             session, x, (TensorItem(index),), raw=True, op="index_select"
         ),
-        "setitem scalar": lambda: daemon.advanced_setitem(
+        "setitem scalar": lambda: daemon.indexing.advanced_setitem(
             session, x, (TensorItem(index),), value=5.0
         ),
-        "setitem tensor": lambda: daemon.advanced_setitem(
+        "setitem tensor": lambda: daemon.indexing.advanced_setitem(
             session, x, (TensorItem(index),), src_handle=values
         ),
-        "index_put accumulate": lambda: daemon.advanced_setitem(
+        "index_put accumulate": lambda: daemon.indexing.advanced_setitem(
             session, x, (TensorItem(index),), src_handle=values, accumulate=True, raw=True
         ),
-        "masked_select": lambda: daemon.advanced_index(
+        "masked_select": lambda: daemon.indexing.advanced_index(
             session, _expanded(daemon, session, one, [n]), (TensorItem(mask),)
         ),
-        "masked 2-d gather": lambda: daemon.advanced_index(session, wide, (TensorItem(column),)),
-        "masked_fill_": lambda: daemon.advanced_setitem(
+        "masked 2-d gather": lambda: daemon.indexing.advanced_index(
+            session, wide, (TensorItem(column),)
+        ),
+        "masked_fill_": lambda: daemon.indexing.advanced_setitem(
             session, big, (TensorItem(column),), value=2.0
         ),
     }
@@ -126,19 +129,19 @@ def test_temporaries_stay_a_small_multiple_of_the_chunk(
 def test_the_chunked_results_are_the_whole_ones(store: tuple[TensorStore, Session]) -> None:
     """A broadcast index over a few chunks gives what one pass gives (values checked)."""
     daemon, session = store
-    x = daemon.upload(
+    x = daemon.transfers.upload(
         session, [5], "float32", "cpu", 20, [np.arange(5, dtype=np.float32).tobytes()]
     ).handle
     index = _expanded(daemon, session, _full(daemon, session, [1], 3, "int64"), [3 * CHUNK + 7])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(indexing, "INDEX_CHUNK_ELEMENTS", CHUNK)
-        out = daemon.advanced_index(session, x, (TensorItem(index),))
-        daemon.advanced_setitem(session, x, (TensorItem(index),), value=1.0)
-    assert bytes(b"".join(daemon.download(session, out.handle))) == (
+        out = daemon.indexing.advanced_index(session, x, (TensorItem(index),))
+        daemon.indexing.advanced_setitem(session, x, (TensorItem(index),), value=1.0)
+    assert bytes(b"".join(daemon.transfers.download(session, out.handle))) == (
         np.full(3 * CHUNK + 7, 3.0, dtype=np.float32).tobytes()
     )
     assert (
-        b"".join(daemon.download(session, x))
+        b"".join(daemon.transfers.download(session, x))
         == np.array([0, 1, 2, 1, 4], dtype=np.float32).tobytes()
     )
 
@@ -228,10 +231,10 @@ def test_many_basic_items_beside_a_tensor_cost_linear_time(
     for filler in (None, True):
         started = time.monotonic()
         with pytest.raises(InvalidArgumentError, match="MAX_DIMS"):
-            daemon.advanced_index(session, x, (filler,) * n + (TensorItem(index),))
+            daemon.indexing.advanced_index(session, x, (filler,) * n + (TensorItem(index),))
         assert time.monotonic() - started < 2.0
     started = time.monotonic()
-    out = daemon.advanced_index(session, x, (Ellipsis,) * n + (TensorItem(index),))
+    out = daemon.indexing.advanced_index(session, x, (Ellipsis,) * n + (TensorItem(index),))
     assert time.monotonic() - started < 2.0
     assert tuple(out.ref.layout.shape) == (2,)
 
@@ -250,5 +253,5 @@ def test_a_setitem_with_many_nones_is_refused_before_its_view(
     x = _full(daemon, session, [4], 1.0, "float32")
     started = time.monotonic()
     with pytest.raises(InvalidArgumentError, match="MAX_DIMS"):
-        daemon.setitem(session, x, (None,) * 6000 + (0,), value=2.0)
+        daemon.writes.setitem(session, x, (None,) * 6000 + (0,), value=2.0)
     assert time.monotonic() - started < 2.0

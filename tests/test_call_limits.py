@@ -17,7 +17,8 @@ from google.protobuf import descriptor as d
 from rpc_errors import rpc_error
 from tensord import _rpc, protocol
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.domain import batch, limits
+from tensord_server.domain import limits
+from tensord_server.domain.ops import batch
 
 
 def _request_messages() -> Iterator[d.Descriptor]:
@@ -78,7 +79,7 @@ def test_the_store_refuses_a_long_join_before_holding_its_inputs(
     session = store.sessions.peek(stub.session_id)
     x = stub.upload(np.ones(1, dtype=np.float32))
     monkeypatch.setattr(store.sessions, "held", lambda *a: pytest.fail("held an input"))
-    for join in (store.cat, store.stack):
+    for join in (store.copies.cat, store.copies.stack):
         with pytest.raises(ValueError, match="MAX_CAT_INPUTS"):
             join(session, [x.handle] * (limits.MAX_CAT_INPUTS + 1), 0)
 
@@ -186,14 +187,14 @@ def test_the_sdk_sends_a_long_queue_in_batches_within_the_limits(
     """A queue longer than one Batch may be (an asyncio caller queues without waiting)
     goes in several Batches, in order, each within the ops' and the results' limits."""
     sizes: list[tuple[int, int]] = []
-    real_run = batch.run_batch
+    real_run = batch.Batches.run
 
-    def run(store: Any, session: Any, ops: Any, **kwargs: Any) -> Any:
+    def run(batches: Any, session: Any, ops: Any, **kwargs: Any) -> Any:
         results = sum(len(getattr(op, "results", ())) for op in ops)
         sizes.append((len(ops), results))
-        return real_run(store, session, ops, **kwargs)
+        return real_run(batches, session, ops, **kwargs)
 
-    monkeypatch.setattr(batch, "run_batch", run)
+    monkeypatch.setattr(batch.Batches, "run", run)
     conn = pipelined._conn
     x = pipelined.tensor(np.arange(4000, dtype=np.float32))
     conn.synchronize()

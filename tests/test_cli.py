@@ -16,7 +16,7 @@ HEAVY = (
     "tensord_server.tools.replay",
     "tensord_server.tools.serve",
     "tensord_server.tools.admin",
-    "tensord_server.rpc.server",
+    "tensord_server.rpc.grpc_server",
     "tensord",  # the SDK, and with it gRPC
     "grpc",
     "numpy",

@@ -585,7 +585,7 @@ def ledger_matches_blocks(daemon: Any, tenant: str = "") -> None:
 
 def test_fragmentation_ooms_without_compaction(make_server: Any) -> None:
     running = make_server(devices=(POOL,), compaction=False)
-    pool = running.daemon.device("cpu").pool
+    pool = running.daemon.devices.get("cpu").pool
     assert pool.relocator is None
     with open_channel(running.address) as channel:
         stub = SessionStub(channel)
@@ -608,7 +608,7 @@ def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
 ) -> None:
     running = make_server(devices=(POOL,), quotas=[QuotaSpec("*", "cpu", 60 * MiB)])
     daemon = running.daemon
-    pool = daemon.device("cpu").pool
+    pool = daemon.devices.get("cpu").pool
     with open_channel(running.address) as channel, open_channel(running.address) as other:
         stub, peer = SessionStub(channel), SessionStub(other, "peer")
         kept = fragment(stub)
@@ -663,7 +663,7 @@ def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
 @contextlib.contextmanager
 def downloading(daemon: Any, session: Any, handle: str) -> Iterator[list[bytes]]:
     """A download streaming (its first chunk sent, the rest not), finished on exit."""
-    stream = daemon.download(session, handle, chunk_bytes=64 << 10)
+    stream = daemon.transfers.download(session, handle, chunk_bytes=64 << 10)
     chunks = [next(stream)]
     yield chunks
     chunks.extend(stream)
@@ -682,7 +682,7 @@ def test_pinned_storages_never_move(make_server: Any) -> None:
     in each segment compaction gives up; with the first segment held it empties another."""
     running = make_server(devices=(POOL,))
     daemon = running.daemon
-    pool = daemon.device("cpu").pool
+    pool = daemon.devices.get("cpu").pool
     with open_channel(running.address) as channel:
         stub = SessionStub(channel)
         kept = fragment(stub)
@@ -773,7 +773,7 @@ def test_concurrent_clients_while_compacting(make_server: Any) -> None:
     pool: afterwards the invariants hold, the ledger is exact and every byte is right."""
     running = make_server(devices=(POOL,))
     daemon = running.daemon
-    pool = daemon.device("cpu").pool
+    pool = daemon.devices.get("cpu").pool
     errors: list[BaseException] = []
     start = threading.Barrier(4)
 

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord import dtypes
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord_server.domain import indexing, kernels
+from tensord_server.domain import kernels
+from tensord_server.domain.ops import indexing
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch

@@ -357,7 +357,9 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
     expected = values + 1
     expected.T[2:12] *= 3
     np.testing.assert_array_equal(host(x), expected)
-    assert gpu_server.daemon.memory_stats(GPU)["exports.imported_segments.current"] == 0
+    assert (
+        gpu_server.daemon.memory_reports.memory_stats(GPU)["exports.imported_segments.current"] == 0
+    )
     c.delete("ipc-shared")
 
 

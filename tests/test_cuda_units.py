@@ -73,7 +73,7 @@ def test_device_names() -> None:
 def test_importing_never_imports_cupy() -> None:
     code = (
         "import sys\n"
-        "import tensord, tensord_server.rpc.server, tensord_server.rpc.service, tensord_server.tools.serve\n"
+        "import tensord, tensord_server.rpc.grpc_server, tensord_server.rpc.handlers, tensord_server.tools.serve\n"
         "import tensord_server.domain.kernels, tensord_server.devices.table, tensord_server.devices.cuda\n"
         "from tensord_server.domain.store import TensorStore\n"
         "d = TensorStore(['cpu']); d.close()\n"
@@ -584,7 +584,7 @@ def test_a_pinned_cpu_pool_is_mapped_by_same_host_clients(cupy: Any) -> None:
             client.flush()
         backend = running.daemon.devices.get("cpu").backend
         assert len(cupy.cuda.runtime.pinned) == backend.live_segments() > 0
-        running.daemon.empty_cache("cpu")
+        running.daemon.memory_reports.empty_cache("cpu")
         assert backend.live_segments() == 0
     finally:
         running.stop()
@@ -842,20 +842,20 @@ def test_a_loop_of_contiguous_copies_reuses_its_segments(
     each such call paid a cudaMalloc of 1 GiB and a cudaFree (which waits for the device),
     about 4 ms beside a 1.9 ms copy.  The freed blocks are reused at once: the copies into
     them are queued on the server stream after the work that read them."""
+    from tensord_server.domain.ops.views import ViewOp
     from tensord_server.domain.store import TensorStore
-    from tensord_server.domain.views import ViewOp
     from tensord_server.pool import policy_named
 
     runtime = cupy.cuda.runtime
     daemon = TensorStore(["cpu=64MiB", "cuda:0=512MiB"])
     daemon.start()  # as tensord serve: with its background compactor
     try:
-        pool = daemon.device("cuda:0").pool
+        pool = daemon.devices.get("cuda:0").pool
         pool.policy = policy_named("adaptive")  # tensord serve's default
         pool.clock = lambda: 0.0  # nothing idle decays meanwhile
         session, _ = daemon.sessions.open()
         values = np.arange(1536 * 2048, dtype=np.float32).reshape(1536, 2048)  # 12 MiB: a segment
-        square = daemon.upload(
+        square = daemon.transfers.upload(
             session, values.shape, "float32", "cuda:0", values.nbytes, [values.tobytes()]
         ).handle
         cuda_backend.gpu(
@@ -868,8 +868,8 @@ def test_a_loop_of_contiguous_copies_reuses_its_segments(
         for call in range(12):
             if call == 4:  # the loop has run: from here on, the steady state
                 counts.clear()
-            (t,) = daemon.view(session, square, ViewOp("t"))
-            out = daemon.contiguous(session, t.handle)
+            (t,) = daemon.views.view(session, square, ViewOp("t"))
+            out = daemon.copies.contiguous(session, t.handle)
             daemon.sessions.release(session, [t.handle])
             alive.append(out.handle)
             # the releases that reached the server before the next call: all but the
@@ -878,7 +878,7 @@ def test_a_loop_of_contiguous_copies_reuses_its_segments(
             daemon.sessions.release(session, alive[:-late])
             del alive[:-late]
         assert counts == {}, "a loop of copies reserved or gave back segments"
-        last = b"".join(daemon.download(session, alive[-1]))
+        last = b"".join(daemon.transfers.download(session, alive[-1]))
         np.testing.assert_array_equal(np.frombuffer(last, np.float32).reshape(2048, 1536), values.T)
     finally:
         daemon.close()
@@ -898,7 +898,7 @@ def gpu_server(cupy: Any) -> Iterator[Any]:
 
 
 def _imported(server: Any) -> tuple[int, int]:
-    stats = server.daemon.memory_stats("cuda:0")
+    stats = server.daemon.memory_reports.memory_stats("cuda:0")
     return stats["exports.imported_segments.current"], stats["exports.imported_bytes.current"]
 
 
@@ -933,7 +933,7 @@ def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_s
     from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
     runtime = cupy.cuda.runtime
-    pool = gpu_server.daemon.device("cuda:0").pool
+    pool = gpu_server.daemon.devices.get("cuda:0").pool
     with tensord.connect(gpu_server.address) as client:
         local = client._local
         local.close_idle_imports = lambda: []  # a client that keeps its import open
@@ -943,7 +943,7 @@ def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_s
         client._conn.flush_releases()
         assert sum(runtime.open_imports.values()) == 1
         assert _imported(gpu_server) == (1, 40 * MiB)
-        gpu_server.daemon.empty_cache("cuda:0")  # vetoed
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")  # vetoed
         with pytest.raises(OutOfMemoryError):  # the OOM release is vetoed too
             client.zeros(13 * MiB, dtype=tensord.float32, device="cuda:0")  # 52 MiB
         assert pool.memory_stats()["reserved_bytes.all.current"] == 40 * MiB
@@ -953,7 +953,7 @@ def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_s
         assert [(c.segment_id, c.exports) for c in closed] == [(closed[0].segment_id, 1)]
         client._conn.call("ReleaseExports", pb.ReleaseExportsRequest(closed_imports=closed))
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
@@ -982,7 +982,7 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
     from conftest import wait_until
 
     runtime = cupy.cuda.runtime
-    pool = gpu_server.daemon.device("cuda:0").pool
+    pool = gpu_server.daemon.devices.get("cuda:0").pool
     table = gpu_server.daemon.exports
     slow_export, answered = slowed_exports(table)  # the interrupt lands meanwhile
 
@@ -1005,7 +1005,7 @@ def test_an_interrupted_gpu_export_leaves_no_import_counted(
         client._conn.flush_releases()
         assert sum(runtime.open_imports.values()) == 0
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
@@ -1019,7 +1019,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
     def no_cupy() -> Any:
         raise ImportError("No module named 'cupy'")
 
-    pool = gpu_server.daemon.device("cuda:0").pool
+    pool = gpu_server.daemon.devices.get("cuda:0").pool
     with tensord.connect(gpu_server.address) as client:
         x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB
         monkeypatch.setattr(_local, "_cupy", no_cupy)
@@ -1028,7 +1028,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
         del x
         client._conn.flush_releases()
         assert _imported(gpu_server) == (0, 0)
-        gpu_server.daemon.empty_cache("cuda:0")
+        gpu_server.daemon.memory_reports.empty_cache("cuda:0")
         assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 

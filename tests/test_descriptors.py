@@ -29,8 +29,8 @@ from tensord_server.devices.descriptors import (
     default_reserve,
 )
 from tensord_server.devices.shm import segment_error
-from tensord_server.domain.exports import ACCEPT_POLL_S
 from tensord_server.pool import BackendOutOfDescriptors, BackendOutOfMemory
+from tensord_server.rpc.fd_socket import ACCEPT_POLL_S
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -164,7 +164,7 @@ def test_the_fd_socket_says_it_is_out_of_descriptors(
     def no_descriptor(segment_id: int) -> int:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(fresh_server.daemon.device("cpu").backend, "dup_fd", no_descriptor)
+    monkeypatch.setattr(fresh_server.daemon.devices.get("cpu").backend, "dup_fd", no_descriptor)
     with pytest.raises(OSError, match="the server is out of file descriptors"):
         _local.receive_segment_fd(answer.fd_socket, answer.ticket, answer.segment_nbytes)
 
@@ -175,8 +175,8 @@ def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(
     """At the limit the fd socket's accept fails at once while the connection stays queued:
     the loop retried at once, thousands of times a second, until a descriptor was freed.
     Now it waits a poll interval between tries and logs the shortage once."""
-    table = fresh_server.daemon.exports
-    listener = table._listener
+    fd = fresh_server.fd_socket
+    listener = fd._listener
     tries: list[None] = []
 
     class NoDescriptors:
@@ -187,8 +187,8 @@ def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(
         def __getattr__(self, name: str) -> Any:
             return getattr(listener, name)
 
-    with caplog.at_level(logging.WARNING, logger="tensord_server.domain.exports"):
-        monkeypatch.setattr(table, "_listener", NoDescriptors())
+    with caplog.at_level(logging.WARNING, logger="tensord_server.rpc.fd_socket"):
+        monkeypatch.setattr(fd, "_listener", NoDescriptors())
         time.sleep(1.0)
         monkeypatch.undo()
     assert 1 <= len(tries) <= 1.0 / ACCEPT_POLL_S + 2

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord_server.domain import kernels
-from tensord_server.domain.store import MIN_CHUNK_BYTES
+from tensord_server.domain.ops.transfers import MIN_CHUNK_BYTES
 
 ITEMSIZES = (1, 2, 4, 8, 16)
 

@@ -20,7 +20,7 @@ import torch
 from conftest import run_serve, start_serve_process, start_server
 from tensord import _no_math, _rpc
 from tensord_server import cli
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 from tensord_server.tools.serve import max_streams_problem
 
 # Long enough that a wait for gRPC's retries would show in the text ("waited 20 s").

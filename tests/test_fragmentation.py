@@ -332,7 +332,7 @@ def waiters(store: TensorStore) -> int:
 
 def kept(store: TensorStore, nbytes: int, seed: int) -> tuple[Storage, bytes]:
     """A live, unheld Storage of ``nbytes`` random bytes (as a handle keeps one)."""
-    storage = store.storages.allocate(store.device("cpu"), nbytes)
+    storage = store.storages.allocate(store.devices.get("cpu"), nbytes)
     data = np.random.default_rng(seed).integers(0, 256, nbytes, np.uint8).tobytes()
     storage.write(0, data)
     store.storages.incref(storage)
@@ -357,14 +357,14 @@ def test_a_request_waits_for_no_background_copy() -> None:
     store = TensorStore(["cpu=256MiB"])
     store.start()
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         copies_done = 0
         served_during_copy: list[bool] = []
         real_copy = pool.backend.copy
 
         def request() -> None:
-            storage = store.storages.allocate(store.device("cpu"), 1 << 10)
+            storage = store.storages.allocate(store.devices.get("cpu"), 1 << 10)
             store.storages.release_hold(storage)
 
         def copy_during_which_a_request_comes(*args: object) -> None:
@@ -404,7 +404,7 @@ def test_a_write_racing_a_background_move_is_never_lost() -> None:
     new bytes, the destination goes back to the pool; the next step moves it intact."""
     store = TensorStore(["cpu=256MiB"])
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         pool.compaction_wanted = lambda: None  # frees leave the work to drain() below
         live = two_segments_one_to_empty(store)
@@ -459,7 +459,7 @@ def test_a_background_copy_that_gave_up_is_paced_like_a_move() -> None:
     moved-bytes statistic counts the one move made."""
     store = TensorStore(["cpu=256MiB"])
     try:
-        pool = store.device("cpu").pool
+        pool = store.devices.get("cpu").pool
         pool.policy = BACKGROUND
         pool.compaction_wanted = lambda: None  # frees leave the work to compact_step below
         live = two_segments_one_to_empty(store)

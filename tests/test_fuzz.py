@@ -347,8 +347,8 @@ def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
         left = sessions.peek(session_id)
         assert left is not None
         sessions.close(left)
-    for name in sessions.names():
-        sessions.delete_name(name)
+    for name in server.daemon.names.of():
+        server.daemon.names.delete(name)
     assert server_allocated(server) == 0 == ledger.usage("", "cpu").current
     assert len(server.daemon.storages) == 0
 
@@ -429,7 +429,7 @@ def test_another_tenants_secrets_open_nothing(make_server) -> None:
                 continue
             if _storage_ids(result) & alice_storages:
                 leaks.append(f"{method.name} returned alice's Storage: {fuzzer.last[:200]}")
-            own_names = server.daemon.sessions.names("mallory")  # she may make the same name
+            own_names = server.daemon.names.of("mallory")  # she may make the same name
             if isinstance(result, pb.ListNamesResponse) and set(result.names) - set(own_names):
                 leaks.append(f"ListNames showed another tenant's names: {list(result.names)}")
             _remember(fuzzer, result)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from tensord_server.devices import host_arrays
+from tensord_server.devices import host_copies
 from tensord_server.domain import kernels
 
 # Random doubles with many ties between halves that round differently once vs twice.
@@ -50,7 +50,7 @@ def test_the_sdk_casts_a_double_ndarray_to_half_as_torch(client, ours, theirs) -
 
 
 def test_the_chunked_cast_covers_every_element(monkeypatch) -> None:
-    monkeypatch.setattr(host_arrays, "HALF_CAST_CHUNK_ELEMENTS", 7)
+    monkeypatch.setattr(host_copies, "HALF_CAST_CHUNK_ELEMENTS", 7)
     values = np.clip(_doubles(3)[: 5 * 4 * 9], -6e4, 6e4).reshape(5, 4, 9)  # no overflow
     out = np.empty((5, 4, 9), np.float16)
     kernels.assign(np, out, values)

@@ -131,13 +131,13 @@ def test_upload_drop_upload_reserves_no_new_segment() -> None:
     later), so two segments alternate: both must stay reserved, with the compactor
     running, rather than be given back and faulted in again on every upload."""
     store = TensorStore(["cpu=1GiB"])
-    pool = store.device("cpu").pool
+    pool = store.devices.get("cpu").pool
     pool.policy = ADAPTIVE  # as `tensord serve` sets it
     clock = FakeClock()
     pool.clock = clock
     store.start()
     try:
-        cpu = store.device("cpu")
+        cpu = store.devices.get("cpu")
         previous = None
         for _ in range(6):
             storage = store.storages.allocate(cpu, 256 * MiB)  # an upload: held while written

@@ -25,7 +25,7 @@ import pytest
 import tensord
 from tensord_server.data import bundled_traces
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 from tensord_server.tools.loadtest import runner as loadtest
 from tensord_server.tools.loadtest import workloads
 

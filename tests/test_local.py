@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def exported_storages(daemon: Any) -> int:
-    return daemon.exports.stats("cpu")[0] if daemon._exports is not None else 0
+    return daemon.exports.stats("cpu")[0]
 
 
 def run_child(address: str, body: str, *, env: dict[str, str] | None = None) -> Any:
@@ -55,7 +55,7 @@ def run_child(address: str, body: str, *, env: dict[str, str] | None = None) -> 
 
 
 def test_cpu_segments_are_memfds_the_server_maps(server: Any) -> None:
-    assert isinstance(server.daemon.device("cpu").backend, SharedHostBackend)
+    assert isinstance(server.daemon.devices.get("cpu").backend, SharedHostBackend)
 
 
 def test_another_process_writes_through_torch_from_dlpack_of_a_transposed_narrowed_view(
@@ -283,11 +283,14 @@ def test_the_handle_limit_counts_handles_share_tokens_and_exports_together(
     limit = 8
     running = make_server(max_handles_per_session=limit)
     table, sessions = running.daemon.exports, running.daemon.sessions
+    tokens = running.daemon.share_tokens
     with tensord.connect(running.address) as client:
         x = client.tensor(np.ones(1000, dtype=np.float32))
         client.synchronize()
         session = sessions.peek(client.session_id)
-        held = sessions.handle_count(session) + len(session.tokens) + table.count(session.id)
+        held = (
+            sessions.handle_count(session) + tokens.count_of(session.id) + table.count(session.id)
+        )
         exports = [table.export(session, x.handle)[0] for _ in range(limit - held - 1)]
         token = x.share()  # the last entry the limit allows
         full = rf"\({limit} in all\)"
@@ -687,7 +690,7 @@ def test_an_upload_falls_back_to_grpc_when_the_server_cannot_export(
 def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
     make_server: Any, monkeypatch: Any
 ) -> None:
-    from tensord_server.rpc.service import TensordService
+    from tensord_server.rpc.handlers import TensordService
 
     def unknown(self: Any, request: Any, context: Any) -> Any:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
@@ -718,7 +721,7 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
 def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again(
     make_server: Any, monkeypatch: Any, code: grpc.StatusCode
 ) -> None:
-    from tensord_server.rpc.service import TensordService
+    from tensord_server.rpc.handlers import TensordService
 
     def refused(self: Any, request: Any, context: Any) -> Any:
         context.abort(code, "not run")  # as a server before EmptyExport, or one going away
@@ -1047,7 +1050,7 @@ def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> 
 def test_compaction_skips_exported_storages_and_moves_them_once_released(make_server: Any) -> None:
     running = make_server(devices=(POOL,))
     daemon = running.daemon
-    pool = daemon.device("cpu").pool
+    pool = daemon.devices.get("cpu").pool
     with open_channel(running.address) as channel:
         stub = SessionStub(channel)
         kept = fragment(stub)
@@ -1060,7 +1063,7 @@ def test_compaction_skips_exported_storages_and_moves_them_once_released(make_se
             stub.upload(big_values)
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert {i: storage_of(daemon, stub, m).block.address for i, (m, _) in kept.items()} == ptrs
-        assert daemon.memory_stats("cpu")["exports.storages.current"] == 3
+        assert daemon.memory_reports.memory_stats("cpu")["exports.storages.current"] == 3
         assert daemon.exports.release(session, [e.id for e in exports]) == 3
         big = stub.upload(big_values)  # released: compaction moves them now
         assert pool.memory_stats()["num_compactions"] == 1
@@ -1121,7 +1124,7 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
         # tickets: made-up or used twice, the fd socket refuses
         session = daemon.sessions.peek(bob.session_id)
         _, ticket, _ = daemon.exports.export(session, b.handle)
-        path = daemon.exports.socket_path
+        path = running.fd_socket.path
         os.close(_local.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):
             _local.receive_segment_fd(path, ticket, 0)
@@ -1174,7 +1177,7 @@ def test_a_silent_fd_socket_connection_does_not_delay_another_clients_mapping(
 
     with tensord.connect(fresh_server.address) as first:
         first.tensor(np.ones(MIN_FAST, np.uint8))  # the fd socket exists now
-        path = fresh_server.daemon.exports.socket_path
+        path = fresh_server.fd_socket.path
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         silent.connect(path)  # connects and sends nothing
         try:

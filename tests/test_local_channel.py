@@ -22,7 +22,9 @@ import torch
 from conftest import interrupted_after, slowed_exports, wait_until
 from tensord._local import ExportChannel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord.protocol import CHANNEL_OK, CHANNEL_USE_GRPC
 from tensord_server.domain import exports as server_exports
+from tensord_server.rpc import fd_socket
 from test_fork import run_parent
 from test_local import count_calls, storage_of_handle
 
@@ -129,7 +131,7 @@ def test_a_wrong_key_is_refused_and_the_client_falls_back_and_learns_it_again(
 ) -> None:
     response = learn_key(client)
     key = response.channel_key
-    assert key and response.channel_socket == server.daemon.exports.socket_path
+    assert key and response.channel_socket == server.fd_socket.path
     locator, secret, proof = key.split(".")
     wrong = f"{locator}.{'A' * len(secret)}"  # the right locator, the wrong secret
     for made_up in (wrong, key, f"{locator}.{secret}.", "made-up", "", "x" * 60):
@@ -187,7 +189,7 @@ def test_a_socket_that_cannot_prove_the_key_is_never_used(
     assert client._local.enabled  # the forged answer was never read
     assert heard and key.rpartition(".")[2].encode() not in heard[0]  # the proof never sent
     # gRPC's answer named the real socket: the channel is the server's again
-    assert client._local._channel.path == server.daemon.exports.socket_path
+    assert client._local._channel.path == server.fd_socket.path
     del alias
     thread.join(5)
     again = fresh_dlpack(client, x)
@@ -199,15 +201,15 @@ def test_a_key_reaches_only_its_own_session(server: Any, monkeypatch: Any) -> No
         key = learn_key(owner).channel_key
         theirs = other.tensor(np.full(64, 9.0, dtype=np.float32))
         mine = owner.tensor(np.full(64, 5.0, dtype=np.float32))
-        sock, line = bind(server.daemon.exports.socket_path, key)
+        sock, line = bind(server.fd_socket.path, key)
         try:
             assert line.startswith(b"ok ")
             before = server.daemon.exports.count(other.session_id)
             status, reason = ask(sock, pb.ExportRequest(handle=theirs.handle).SerializeToString())
-            assert status == server_exports.CHANNEL_USE_GRPC and b"NotFoundError" in reason
+            assert status == CHANNEL_USE_GRPC and b"NotFoundError" in reason
             assert server.daemon.exports.count(other.session_id) == before
             status, answer = ask(sock, pb.ExportRequest(handle=mine.handle).SerializeToString())
-            assert status == server_exports.CHANNEL_OK
+            assert status == CHANNEL_OK
             made = pb.ExportResponse.FromString(answer)
             assert made.tensor.handle == mine.handle and not made.channel_key
             owner._conn.call(
@@ -228,14 +230,14 @@ def test_a_second_bind_of_a_session_replaces_its_first(server: Any, client: Any)
     key = learn_key(client).channel_key
     x = client.zeros(5)
     request = pb.ExportRequest(handle=x.handle).SerializeToString()
-    first, line = bind(server.daemon.exports.socket_path, key)
+    first, line = bind(server.fd_socket.path, key)
     second = None
     try:
-        assert line.startswith(b"ok ") and ask(first, request)[0] == server_exports.CHANNEL_OK
-        second, line = bind(server.daemon.exports.socket_path, key)
+        assert line.startswith(b"ok ") and ask(first, request)[0] == CHANNEL_OK
+        second, line = bind(server.fd_socket.path, key)
         assert line.startswith(b"ok ")
         assert first.recv(1) == b""  # the first was closed by the server
-        assert ask(second, request)[0] == server_exports.CHANNEL_OK
+        assert ask(second, request)[0] == CHANNEL_OK
     finally:
         first.close()
         if second is not None:
@@ -245,21 +247,21 @@ def test_a_second_bind_of_a_session_replaces_its_first(server: Any, client: Any)
 @pytest.mark.parametrize("frame", ["garbage", "oversized"])
 def test_a_garbage_or_oversized_frame_is_refused(server: Any, client: Any, frame: str) -> None:
     key = learn_key(client).channel_key
-    sock, line = bind(server.daemon.exports.socket_path, key)
+    sock, line = bind(server.fd_socket.path, key)
     try:
         assert line.startswith(b"ok ")
         if frame == "garbage":
             status, reason = ask(sock, b"\xff" * 40)
-            assert status == server_exports.CHANNEL_USE_GRPC
+            assert status == CHANNEL_USE_GRPC
             assert b"InvalidArgumentError" in reason
             # the channel still answers: a refused request keeps its framing
             x = client.zeros(3)
             status, _ = ask(sock, pb.ExportRequest(handle=x.handle).SerializeToString())
-            assert status == server_exports.CHANNEL_OK
+            assert status == CHANNEL_OK
         else:
             sock.sendall(struct.pack("!I", 1 << 30))  # a length past the bound, no body
             status, length = ANSWER.unpack(receive(sock, ANSWER.size))
-            assert status == server_exports.CHANNEL_USE_GRPC
+            assert status == CHANNEL_USE_GRPC
             assert b"frame over" in receive(sock, length)
             assert sock.recv(1) == b""  # and closed: nothing read or allocated for it
     finally:
@@ -277,7 +279,7 @@ def test_a_closed_session_drops_its_key_and_channel_and_the_client_gets_grpcs_er
     session = server.daemon.sessions.peek(client.session_id)
     server.daemon.sessions.close(session)  # as a reap or another client's CloseSession would
     assert wait_until(lambda: server.daemon.exports.channel_count() == channels - 1, timeout=5)
-    sock, line = bind(server.daemon.exports.socket_path, key)
+    sock, line = bind(server.fd_socket.path, key)
     sock.close()
     assert line == b"no: unknown channel key\n"
     with pytest.raises(tensord.errors.SessionLostError):
@@ -306,7 +308,7 @@ def test_a_bind_past_the_channel_bound_is_refused_and_exports_take_grpc(
 def test_an_idle_channel_is_closed_and_the_client_reconnects(
     fresh_server: Any, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(server_exports, "CHANNEL_IDLE_S", 0.3)
+    monkeypatch.setattr(fd_socket, "CHANNEL_IDLE_S", 0.3)
     table = fresh_server.daemon.exports
     with tensord.connect(fresh_server.address) as client:
         x = client.arange(16.0)
@@ -363,11 +365,11 @@ def test_tenant_b_cannot_export_tenant_as_handle_through_its_channel(
     ):
         secret = alice.tensor(np.full(64, 7.0, dtype=np.float32))
         key = learn_key(bob).channel_key
-        sock, line = bind(running.daemon.exports.socket_path, key)
+        sock, line = bind(running.fd_socket.path, key)
         try:
             assert line.startswith(b"ok ")
             status, reason = ask(sock, pb.ExportRequest(handle=secret.handle).SerializeToString())
-            assert status == server_exports.CHANNEL_USE_GRPC and b"NotFoundError" in reason
+            assert status == CHANNEL_USE_GRPC and b"NotFoundError" in reason
         finally:
             sock.close()
         assert running.daemon.exports.count(alice.session_id) == 0
@@ -384,7 +386,7 @@ def test_one_tenant_cannot_take_every_channel(make_server: Any, monkeypatch: Any
     monkeypatch.setattr(server_exports, "MAX_CHANNELS", 3)
     monkeypatch.setattr(server_exports, "MAX_CHANNELS_PER_TENANT", 1)
     running = make_server(auth_tokens={"token-a": "alice", "token-b": "bob"})
-    path = running.daemon.exports.socket_path
+    path = running.fd_socket.path
     with (
         tensord.connect(running.address, token="token-a") as alice1,
         tensord.connect(running.address, token="token-a") as alice2,
@@ -420,7 +422,7 @@ def test_an_answer_the_client_never_reads_releases_its_export(
         return made
 
     monkeypatch.setattr(table, "export", slow_export)
-    sock, line = bind(table.socket_path, key)
+    sock, line = bind(server.fd_socket.path, key)
     assert line.startswith(b"ok ")
     payload = pb.ExportRequest(handle=x.handle).SerializeToString()
     sock.sendall(struct.pack("!I", len(payload)) + payload)
@@ -492,18 +494,18 @@ def test_rebinding_a_session_whose_requests_block_never_passes_the_channel_bound
         payload = pb.ExportRequest(handle=x.handle).SerializeToString()
         session = fresh_server.daemon.sessions.peek(client.session_id)
         entered = threading.Semaphore(0)
-        handler = table.channel_handler
+        handler = fresh_server.fd_socket.channel_handler
 
         def counted(*args: Any) -> Any:
             entered.release()
             return handler(*args)
 
-        monkeypatch.setattr(table, "channel_handler", counted)
+        monkeypatch.setattr(fresh_server.fd_socket, "channel_handler", counted)
         socks, lines = [], []
         session.lock.acquire()
         try:
             for _ in range(5):
-                sock, line = bind(table.socket_path, key)
+                sock, line = bind(fresh_server.fd_socket.path, key)
                 socks.append(sock)
                 lines.append(line)
                 if line.startswith(b"ok "):
@@ -563,17 +565,15 @@ def test_channel_exports_count_against_the_handle_limit(make_server: Any) -> Non
         client.flush()
         session = running.daemon.sessions.peek(client.session_id)
         request = pb.ExportRequest(handle=x.handle).SerializeToString()
-        sock, line = bind(table.socket_path, key)
+        sock, line = bind(running.fd_socket.path, key)
         try:
             assert line.startswith(b"ok ")
             answers = [ask(sock, request) for _ in range(8)]
         finally:
             sock.close()
         statuses = [status for status, _ in answers]
-        made = statuses.count(server_exports.CHANNEL_OK)
-        assert statuses == [server_exports.CHANNEL_OK] * made + [
-            server_exports.CHANNEL_USE_GRPC
-        ] * (8 - made)
+        made = statuses.count(CHANNEL_OK)
+        assert statuses == [CHANNEL_OK] * made + [CHANNEL_USE_GRPC] * (8 - made)
         assert made and b"ResourceExhaustedError" in answers[-1][1]
         assert len(session.handles) + table.count(client.session_id) == 8
 
@@ -593,10 +593,10 @@ def test_a_trickled_bind_line_is_cut_off_at_the_request_timeout(
     server: Any, client: Any, monkeypatch: Any
 ) -> None:
     # one byte just inside each wait: the line's whole time is bounded, not each wait's
-    monkeypatch.setattr(server_exports, "FD_REQUEST_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(fd_socket, "FD_REQUEST_TIMEOUT_S", 0.6)
     learn_key(client)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(server.daemon.exports.socket_path)
+    sock.connect(server.fd_socket.path)
     sent = 0
     try:
         for _ in range(6):

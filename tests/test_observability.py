@@ -459,7 +459,7 @@ def test_dashboard_in_a_browser_shows_segments_and_updates(browser: Any, tmp_pat
     try:
         held = [client.from_numpy(np.ones(n, np.float32)) for n in (1000, 300_000, 3 * MiB)]
         theirs = [other.from_numpy(np.ones(n, np.float32)) for n in (500_000, 1_000_000)]
-        pool = running.daemon.device("cpu").pool
+        pool = running.daemon.devices.get("cpu").pool
         segments = {s["address"] for s in pool.memory_snapshot()["segments"]}
         base = f"http://127.0.0.1:{endpoints.port}/"
         browser.get(base)

@@ -13,7 +13,7 @@ from conftest import open_channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 
 TOKENS = {"tok-alice": "alice"}
 ALICE = (("authorization", "Bearer tok-alice"),)

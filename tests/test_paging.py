@@ -25,7 +25,7 @@ from tensord.protocol import MAX_PAGE_SIZE
 from tensord_server.devices.memory import BookkeepingBackend
 from tensord_server.devices.table import Device
 from tensord_server.domain import paging
-from tensord_server.domain.stats import Stats
+from tensord_server.domain.memory_reports import MemoryReports
 from tensord_server.pool import CachingPool
 
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}
@@ -245,7 +245,7 @@ async def test_aio_names_and_snapshot_fetch_every_page(
     make_server: Callable[..., Any],
 ) -> None:
     server = make_server()
-    pool = server.daemon.device("cpu").pool
+    pool = server.daemon.devices.get("cpu").pool
     blocks = [pool.malloc(512) for _ in range(12_000)]  # ~1.2 MB of snapshot: 2+ pages
     try:
         async with await tensord.aio.connect(server.address) as client:
@@ -273,7 +273,7 @@ def test_snapshot_pages_stay_under_the_page_bytes_and_join_to_the_whole(
 ) -> None:
     server = make_server()
     session = open_session(server.address)
-    pool = server.daemon.device("cpu").pool
+    pool = server.daemon.devices.get("cpu").pool
     # ~20,000 blocks (2 MB of snapshot JSON): small segments of 4,096 blocks, cut across pages
     blocks = [pool.malloc(512) for _ in range(20_000)]
     try:
@@ -316,12 +316,12 @@ class _OneDevice:
         return self.device
 
 
-def _paged_stats(pool: CachingPool) -> Stats:
+def _paged_stats(pool: CachingPool) -> MemoryReports:
     devices: Any = _OneDevice(Device("cpu", pool, "test"))
-    return Stats(devices, None, None, lambda: None, paging.PageTokens())  # type: ignore[arg-type]
+    return MemoryReports(devices, None, None, None, paging.PageTokens())  # type: ignore[arg-type]
 
 
-def _stats_pages(stats: Stats, page_size: int = 0) -> list[tuple[bytes, str]]:
+def _stats_pages(stats: MemoryReports, page_size: int = 0) -> list[tuple[bytes, str]]:
     pages = []
     token = ""
     while True:

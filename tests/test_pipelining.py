@@ -166,7 +166,7 @@ def test_a_batch_stops_at_the_next_op_once_its_caller_is_gone(make_server: Any) 
     # found by an attacker's read: a Batch of 4,096 element-limit ops went on working for a
     # caller that had already given up (DEADLINE_EXCEEDED after 0.2 s, 3 s of fills after)
     from conftest import SessionStub, open_channel
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     running = make_server()
     with open_channel(running.address) as channel:
@@ -175,7 +175,7 @@ def test_a_batch_stops_at_the_next_op_once_its_caller_is_gone(make_server: Any) 
         session = running.daemon.sessions.peek(stub.session_id)
         ops = [batch.QueuedFill(meta.handle, float(i)) for i in range(1, 6)]
         answers = iter([True, True, False])  # the call goes inactive before the third op
-        outcome = batch.run_batch(running.daemon, session, ops, keep_going=lambda: next(answers))
+        outcome = running.daemon.batches.run(session, ops, keep_going=lambda: next(answers))
         assert (outcome.applied, outcome.failed_index) == (2, 2)
         assert isinstance(outcome.error, tensord.DeadlineExceededError)
         np.testing.assert_array_equal(stub.download(meta), np.full(4, 2.0, np.float32))
@@ -186,7 +186,7 @@ def test_a_batch_has_one_element_budget_for_all_its_ops(make_server: Any) -> Non
     # found by an attacker's read: each op was bounded by --max-op-elements alone, so one
     # Batch of 4,096 ops held a worker for 4,096 times the per-op cost
     from conftest import SessionStub, open_channel
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     running = make_server(max_op_elements=1000, max_batch_elements=2500)
     with open_channel(running.address) as channel:
@@ -194,7 +194,7 @@ def test_a_batch_has_one_element_budget_for_all_its_ops(make_server: Any) -> Non
         meta = stub.upload(np.zeros(1000, np.float32))
         session = running.daemon.sessions.peek(stub.session_id)
         ops = [batch.QueuedFill(meta.handle, float(i)) for i in range(1, 6)]
-        outcome = batch.run_batch(running.daemon, session, ops)
+        outcome = running.daemon.batches.run(session, ops)
         # 1,000 + 1,000 elements fit; the third fill would make 3,000: refused before its work
         assert (outcome.applied, outcome.failed_index) == (2, 2)
         assert isinstance(outcome.error, tensord.ResourceExhaustedError)

@@ -41,7 +41,7 @@ def test_a_run_of_views_and_releases_takes_each_lock_once(
     # register the result, let the input go) and its release one more, but a run of views
     # and releases takes the registry's lock once (to settle its references) and the table
     # lock not at all (its session's lock instead), not each lock at every step
-    from tensord_server.domain.batch import RUN_OPS
+    from tensord_server.domain.ops.batch import RUN_OPS
 
     session = open_session(server.address)
     meta = session.Empty(pb.EmptyRequest(shape=[12], dtype="float32"), metadata=session.md)
@@ -87,16 +87,16 @@ def test_a_view_failing_in_a_run_keeps_the_ops_before_it(server: Any, open_sessi
 @pytest.fixture
 def ops_sent(monkeypatch: Any) -> list[str]:
     """The kind of every op the server's Batch handler is given, from now on."""
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     sent: list[str] = []
-    run_batch = batch.run_batch
+    run = batch.Batches.run
 
-    def recording(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording(batches: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
         sent.extend(type(op).__name__ for op in ops)
-        return run_batch(store, session, ops, *args, **kwargs)
+        return run(batches, session, ops, *args, **kwargs)
 
-    monkeypatch.setattr(batch, "run_batch", recording)
+    monkeypatch.setattr(batch.Batches, "run", recording)
     return sent
 
 
@@ -293,20 +293,20 @@ def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     import threading
 
     from tensord._rpc import PIPELINE_BATCH, PIPELINE_BATCH_MAX
-    from tensord_server.domain import batch
+    from tensord_server.domain.ops import batch
 
     x = client.arange(12)
     client.synchronize()
     gate, entered, sizes = threading.Event(), threading.Event(), []
-    run_batch = batch.run_batch
+    run = batch.Batches.run
 
-    def held(store: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+    def held(batches: Any, session: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
         sizes.append(len(ops))
         entered.set()
         gate.wait(30)  # the first Batch stays on the server until the test lets it go
-        return run_batch(store, session, ops, *args, **kwargs)
+        return run(batches, session, ops, *args, **kwargs)
 
-    monkeypatch.setattr(batch, "run_batch", held)
+    monkeypatch.setattr(batch.Batches, "run", held)
     views = [x[i % 12].view(1) for i in range(PIPELINE_BATCH // 2)]  # 256 ops: one Batch
     assert entered.wait(30)
     queued = threading.Event()
@@ -340,7 +340,7 @@ def test_a_run_names_a_bounded_number_of_handles(
     # 64 splits or releases naming 65,536 handles each were seconds under them (15 splits,
     # ~1M results: ~14 s); a run names at most RUN_HANDLES handles now, a bigger op runs alone
     from tensord_server.domain import sessions
-    from tensord_server.domain.batch import RUN_HANDLES
+    from tensord_server.domain.ops.batch import RUN_HANDLES
 
     session = open_session(server.address)
     rows = RUN_HANDLES + 8
@@ -388,7 +388,7 @@ def test_a_view_in_a_run_naming_fewer_results_is_refused_before_any_is_built(
 ) -> None:
     # a split naming one result id was weighed as one handle, then built its 1,024 views
     # under the locks before registering refused the count; now refused before building
-    from tensord_server.domain import views
+    from tensord_server.domain.ops import views
 
     session = open_session(server.address)
     meta = session.Empty(pb.EmptyRequest(shape=[1024], dtype="float32"), metadata=session.md)

@@ -167,7 +167,7 @@ def test_the_quota_error_travels_as_resource_exhausted(quota_server) -> None:
 
 
 def test_a_refused_request_leaves_the_pool_as_it_was(quota_server) -> None:
-    pool = quota_server.daemon.device("cpu").pool
+    pool = quota_server.daemon.devices.get("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
         kept = alice.zeros(256 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]
@@ -198,7 +198,7 @@ def test_a_race_lost_after_the_pool_frees_the_block(quota_server, monkeypatch) -
     stand for the other request winning in between)."""
     ledger = quota_server.daemon.storages.ledger
     monkeypatch.setattr(ledger, "precheck", lambda tenant, device, nbytes: None)
-    pool = quota_server.daemon.device("cpu").pool
+    pool = quota_server.daemon.devices.get("cpu").pool
     with tensord.connect(quota_server.address, token="tok-alice") as alice:
         kept = alice.zeros(512 * KIB, dtype=tensord.uint8)
         before = pool.memory_stats()["allocated_bytes.all.current"]

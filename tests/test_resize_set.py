@@ -556,28 +556,29 @@ def test_a_write_that_flags_requires_grad_keeps_a_concurrent_resize(
     """x[idx] = v with a value requiring grad flags x's handle; a resize_ of the same
     handle (another thread of the session) landing while the write runs is not undone
     by the flag (the flag once re-stored the layout the write had looked up)."""
-    from tensord_server.domain import indexing
-    from tensord_server.domain.indexing import TensorItem
+    from tensord_server.domain.ops import indexing
+    from tensord_server.domain.ops.context import OpContext
+    from tensord_server.domain.ops.indexing import TensorItem
     from tensord_server.domain.store import TensorStore
 
     daemon = TensorStore(("cpu=64MiB",))
     session, _ = daemon.sessions.open()
     try:
-        x = daemon.full(session, [4], 1.0, "float32", "cpu").handle
-        index = daemon.full(session, [1], 2, "int64", "cpu").handle
+        x = daemon.factories.full(session, [4], 1.0, "float32", "cpu").handle
+        index = daemon.factories.full(session, [1], 2, "int64", "cpu").handle
         scatter = indexing.scatter
 
         def scatter_then_resize(*args: Any, **kwargs: Any) -> None:
             scatter(*args, **kwargs)
-            daemon.resize(session, x, [2, 2])  # lands between the write and its flag
+            daemon.resizing.resize(session, x, [2, 2])  # lands between the write and its flag
 
         monkeypatch.setattr(indexing, "scatter", scatter_then_resize)
-        issued = daemon.advanced_setitem(
+        issued = daemon.indexing.advanced_setitem(
             session, x, (TensorItem(index),), value=5.0, value_requires_grad=True
         )
         ref = daemon.sessions.lookup(session, x)
         assert ref.layout.shape == (2, 2) and ref.layout.stride == (2, 1)
         assert ref.requires_grad and issued.ref == ref
-        assert np.asarray(TensorStore.array(ref)).tolist() == [[1.0, 1.0], [5.0, 1.0]]
+        assert np.asarray(OpContext.array(ref)).tolist() == [[1.0, 1.0], [5.0, 1.0]]
     finally:
         daemon.close()

@@ -227,7 +227,7 @@ def test_a_lease_too_long_to_wait_for_keeps_the_heartbeat_alive(
 
 def test_more_clients_than_server_threads_all_work(make_server: Any) -> None:
     # unary heartbeats hold no worker between beats: 4 workers serve 12 idle clients
-    from tensord_server.rpc.server import create_server
+    from tensord_server.rpc.grpc_server import create_server
 
     server = make_server()
     small, port = create_server("127.0.0.1:0", store=server.daemon, max_workers=4)
@@ -261,7 +261,7 @@ def test_connect_reads_the_address_from_the_environment(
 
 def test_out_of_memory_is_a_runtime_error() -> None:
     from tensord_server.domain.store import TensorStore
-    from tensord_server.rpc.server import create_server
+    from tensord_server.rpc.grpc_server import create_server
 
     daemon = TensorStore(("cpu=64MiB",))
     server, port = create_server("127.0.0.1:0", store=daemon)

@@ -8,7 +8,7 @@ import pytest
 import tensord
 from conftest import start_server
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 
 
 def restart_on_same_port(port: int) -> tuple[object, TensorStore]:

@@ -14,9 +14,9 @@ import tensord
 from conftest import SessionStub, open_channel
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
-from tensord_server.domain.admission import CallGate
+from tensord_server.domain.call_gate import CallGate
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 
 # The reproducer: --max-workers 4 --lease 1 --session-grace 2, and 4 idle uploads.
 WORKERS = 4
@@ -29,7 +29,7 @@ HOLD_S = 6.0
 
 
 def _allocated(daemon: TensorStore) -> int:
-    return int(daemon.memory_stats("cpu")["allocated_bytes.all.current"])
+    return int(daemon.memory_reports.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def saturated_server(monkeypatch):
     server, port = create_server("127.0.0.1:0", store=daemon, max_workers=2)
     address = f"127.0.0.1:{port}"
     release, entered = threading.Event(), threading.Semaphore(0)
-    real_stats = daemon.memory_stats
+    real_stats = daemon.memory_reports.memory_stats
 
     def slow_stats(*args, **kwargs):
         entered.release()
@@ -123,7 +123,7 @@ def saturated_server(monkeypatch):
     with open_channel(address) as busy_channel, open_channel(address) as channel:
         silent = SessionStub(channel, "silent")
         busy = SessionStub(busy_channel, "busy")
-        monkeypatch.setattr(daemon, "memory_stats", slow_stats)
+        monkeypatch.setattr(daemon.memory_reports, "memory_stats", slow_stats)
         calls = [
             busy.raw.MemoryStats.future(pb.DeviceRequest(device="cpu"), metadata=busy.md)
             for _ in range(2)
@@ -164,7 +164,7 @@ def test_a_heartbeat_never_waits_on_the_tables_or_a_compaction(small_server) -> 
     with open_channel(address) as channel:
         stub = SessionStub(channel)
         stub.upload(np.ones(256, np.float32))
-        pool = daemon.device("cpu").pool
+        pool = daemon.devices.get("cpu").pool
         # a compaction in progress: the registry stopped, and a call waiting on it
         # holding the session tables
         with daemon.storages.relocation(pool), daemon.sessions._lock:

@@ -133,12 +133,12 @@ def test_the_sdk_reads_the_limit_and_oom_trailers_back() -> None:
 
 
 def test_server_survives_an_internal_error(stub, monkeypatch) -> None:
-    from tensord_server.domain import store as store_module
+    from tensord_server.domain.ops.copies import Copies
 
     def boom(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(store_module.TensorStore, "clone", boom)
+    monkeypatch.setattr(Copies, "clone", boom)
     meta = stub.upload(np.ones(3, dtype=np.float32))
     code, details, _ = _error(
         lambda: stub.Clone(pb.CloneRequest(handle=meta.handle), metadata=stub.md)
@@ -156,7 +156,7 @@ def test_every_issued_handle_is_checked_against_its_storage(make_server) -> None
 
     daemon = make_server().daemon
     session, _ = daemon.sessions.open("bounds")
-    storage = daemon.storages.allocate(daemon.device("cpu"), 48)  # 12 float32
+    storage = daemon.storages.allocate(daemon.devices.get("cpu"), 48)  # 12 float32
     try:
         fits = TensorRef(storage, Layout((3, 4), (4, 1), 0), dtypes.float32)
         daemon.sessions.register(session, fits)

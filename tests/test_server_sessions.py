@@ -12,7 +12,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 
 def _allocated(server) -> int:
-    return int(server.daemon.memory_stats("cpu")["allocated_bytes.all.current"])
+    return int(server.daemon.memory_reports.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 def _error(call) -> tuple[grpc.StatusCode, str]:

@@ -11,7 +11,7 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 
 
 def _allocated(server) -> int:
-    return int(server.daemon.memory_stats("cpu")["allocated_bytes.all.current"])
+    return int(server.daemon.memory_reports.memory_stats("cpu")["allocated_bytes.all.current"])
 
 
 def test_round_trip_beyond_4_mib(stub) -> None:

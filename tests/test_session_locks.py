@@ -41,7 +41,7 @@ class _HeldRun:
         assert self.inside.wait(BOUND_S)
 
     def _run(self, daemon: Any, session: Any, base: str, result: str) -> None:
-        from tensord_server.domain.views import ViewOp, view_in_run
+        from tensord_server.domain.ops.views import ViewOp, view_in_run
 
         try:
             with daemon.sessions.handle_run(session) as run:

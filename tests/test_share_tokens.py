@@ -10,7 +10,7 @@ import pytest
 import tensord
 from conftest import client_allocated
 from tensord.errors import NotFoundError, ResourceExhaustedError
-from tensord_server.domain import sessions
+from tensord_server.domain import share_tokens
 
 MIB = 1 << 20
 
@@ -28,7 +28,7 @@ def test_share_attach_drop_twenty_times_leaves_nothing_allocated(
             gc.collect()
         # the last releases may still be on their way (bounded wait); tokens left none
         assert wait_until(lambda: client_allocated(client) == before, timeout=5)
-    assert server.daemon.sessions.token_count() == 0
+    assert server.daemon.share_tokens.count() == 0
 
 
 def test_a_token_is_single_use_by_default(server, client) -> None:
@@ -121,7 +121,7 @@ def test_a_used_up_token_says_so_naming_its_uses(server, client) -> None:
         consumer.attach(twice), consumer.attach(twice)
         with pytest.raises(NotFoundError) as caught:
             consumer.attach(once)
-        assert str(caught.value) == sessions.token_used_up(1)
+        assert str(caught.value) == share_tokens.token_used_up(1)
         with pytest.raises(NotFoundError, match=r"already used \(all 2 of its attaches\)"):
             consumer.attach(twice)
 
@@ -129,17 +129,17 @@ def test_a_used_up_token_says_so_naming_its_uses(server, client) -> None:
 def test_an_expired_token_says_it_expired_before_and_after_the_reaper(
     server, client, monkeypatch
 ) -> None:
-    manager = server.daemon.sessions
+    tokens = server.daemon.share_tokens
     token = client.arange(2).share(uses=None, ttl=1.0)
-    real_clock = manager._clock
-    monkeypatch.setattr(manager, "_clock", lambda: real_clock() + 2.0)  # past its expiry
+    real_clock = tokens._clock
+    monkeypatch.setattr(tokens, "_clock", lambda: real_clock() + 2.0)  # past its expiry
     with pytest.raises(NotFoundError) as caught:
         client.attach(token)  # still in the table until the reaper drops it
-    assert str(caught.value) == sessions.TOKEN_EXPIRED
-    manager.reap()
+    assert str(caught.value) == share_tokens.TOKEN_EXPIRED
+    tokens.reap()
     with pytest.raises(NotFoundError) as caught:
         client.attach(token)
-    assert str(caught.value) == sessions.TOKEN_EXPIRED
+    assert str(caught.value) == share_tokens.TOKEN_EXPIRED
 
 
 def test_a_revoked_token_and_one_whose_session_ended_say_so(server, client) -> None:
@@ -147,18 +147,18 @@ def test_a_revoked_token_and_one_whose_session_ended_say_so(server, client) -> N
     assert client.revoke(token) is True
     with pytest.raises(NotFoundError) as caught:
         client.attach(token)
-    assert str(caught.value) == sessions.TOKEN_REVOKED
+    assert str(caught.value) == share_tokens.TOKEN_REVOKED
     with tensord.connect(server.address) as producer:
         orphan = producer.arange(2).share()
     with pytest.raises(NotFoundError) as caught:
         client.attach(orphan)
-    assert str(caught.value) == sessions.TOKEN_SESSION_ENDED
+    assert str(caught.value) == share_tokens.TOKEN_SESSION_ENDED
 
 
 def test_a_made_up_token_is_unknown(client) -> None:
     with pytest.raises(NotFoundError) as caught:
         client.attach("A" * 22)
-    assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+    assert str(caught.value) == share_tokens.UNKNOWN_SHARE_TOKEN
 
 
 def test_another_tenants_token_reads_as_unknown_live_or_ended(make_server) -> None:
@@ -173,7 +173,7 @@ def test_another_tenants_token_reads_as_unknown_live_or_ended(make_server) -> No
         for token in (live, used, revoked):
             with pytest.raises(NotFoundError) as caught:
                 bob.attach(token)
-            assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+            assert str(caught.value) == share_tokens.UNKNOWN_SHARE_TOKEN
         with pytest.raises(NotFoundError, match="already used"):
             alice.attach(used)  # its own tenant is told
     finally:
@@ -182,29 +182,29 @@ def test_another_tenants_token_reads_as_unknown_live_or_ended(make_server) -> No
 
 
 def test_ended_tokens_remembered_are_bounded(make_server, monkeypatch) -> None:
-    monkeypatch.setattr(sessions, "MAX_ENDED_TOKENS", 3)
+    monkeypatch.setattr(share_tokens, "MAX_ENDED_TOKENS", 3)
     server = make_server()
     with tensord.connect(server.address) as client:
         x = client.arange(1)
         tokens = [x.share() for _ in range(5)]
         for token in tokens:
             client.attach(token)
-        assert len(server.daemon.sessions._ended_tokens) == 3
+        assert len(server.daemon.share_tokens._ended) == 3
         with pytest.raises(NotFoundError) as caught:
             client.attach(tokens[0])  # the oldest is forgotten: unknown again
-        assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+        assert str(caught.value) == share_tokens.UNKNOWN_SHARE_TOKEN
         with pytest.raises(NotFoundError, match="already used"):
             client.attach(tokens[-1])
 
 
 def test_ended_tokens_are_forgotten_after_their_memory_time(make_server, monkeypatch) -> None:
-    monkeypatch.setattr(sessions, "ENDED_TOKEN_MEMORY_S", 0.0)
+    monkeypatch.setattr(share_tokens, "ENDED_TOKEN_MEMORY_S", 0.0)
     server = make_server()
     with tensord.connect(server.address) as client:
         token = client.arange(1).share()
         client.attach(token)
-        server.daemon.sessions.reap()
-        assert not server.daemon.sessions._ended_tokens
+        server.daemon.share_tokens.reap()
+        assert not server.daemon.share_tokens._ended
         with pytest.raises(NotFoundError) as caught:
             client.attach(token)
-        assert str(caught.value) == sessions.UNKNOWN_SHARE_TOKEN
+        assert str(caught.value) == share_tokens.UNKNOWN_SHARE_TOKEN

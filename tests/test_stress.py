@@ -154,7 +154,7 @@ def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -
         ops += int(done)
         errors += int(deliberate)
         refused += int(full)
-    stats = server.daemon.device("cpu").pool.memory_stats()
+    stats = server.daemon.devices.get("cpu").pool.memory_stats()
     print(
         f"stress: {PROCS} processes x {THREADS} threads, {ops} ops, {errors} deliberate errors, "
         f"{refused} refused by the pool or the quota, {stats['num_ooms']} pool OOMs, "

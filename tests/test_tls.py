@@ -17,7 +17,7 @@ import pytest
 import tensord
 from conftest import run_serve, start_serve_process
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 from tensord_server.rpc.tls import server_credentials
 
 # Quick failures: a refused handshake looks like a server that never answers.

@@ -6,7 +6,9 @@ Knows nothing of tensors, sessions or gRPC; sits on the pool (each device owns o
 - :mod:`.memory`: the backend protocol, host and bookkeeping backends
 - :mod:`.shm`: host memory in shared memfd segments (same-host zero copy)
 - :mod:`.cuda`: CuPy device memory, page-locked ("pinned") host memory, GPU copies
-- :mod:`.host_arrays`: NumPy array helpers both device types share
-- :mod:`.array_ops`: one array-ops object per device type (host/NumPy, CUDA/CuPy)
+- :mod:`.host_copies`: torch's host copy rules and the gather plan, NumPy only (both device
+  types build on them)
+- :mod:`.array_dispatch`: one array-ops object per device type (host/NumPy, CUDA/CuPy) and
+  which of them applies to an array
 - :mod:`.table`: device specs (``cpu=4GiB``), the device table, the one ``gpu_count()``
 """

@@ -41,7 +41,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tensord_server.devices.host_arrays import assign_host, complex_to_real, gather_plan
+from tensord_server.devices.host_copies import assign_host, complex_to_real, gather_plan
 from tensord_server.devices.memory import (
     BackendOutOfMemory,
     DeviceMemory,

@@ -1,4 +1,4 @@
-"""The background compactor: compaction after a free, off the freeing call (issue 18).
+"""The background compactor: compaction after a free, off the freeing call.
 
 Under a policy with a ``compact_threshold`` (``adaptive``), a free that leaves a pool's
 reserved / allocated above it rings the pool's doorbell (``CachingPool.compaction_wanted``)

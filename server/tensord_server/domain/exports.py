@@ -1,33 +1,26 @@
-"""Same-host zero copy, the server's side: exports of Storages, tickets and the fd socket.
+"""Same-host zero copy, the server's books: exports of Storages, tickets, channel keys.
 
 An *export* is a hold on a Storage, kept for a client that maps its segment: while
 it lives the Storage never moves (compaction skips held Storages) and stays
 charged to its tenant.  It ends by ReleaseExports or with its session (a crashed
 client's after the grace, through the session's end listeners).
 
-The descriptor of a segment (a memfd, :mod:`tensord_server.devices.shm`) is handed out on a
-unix socket in a fresh private directory, to whoever presents a *ticket*'s key: 192
-random bits (a key the client sends and a proof the server answers with), usable once, for one segment, for :data:`TICKET_TTL_S`, issued only to
-a session that exported a Storage of that segment.  Segments are never shared
-between tenants (each tenant allocates on its own pool stream, see
-:meth:`StorageRegistry.stream_of`), so a ticket never reveals another tenant's byte.
-Without ``--auth-tokens`` the socket is 0600 in a 0700 directory and the peer's uid
-(SO_PEERCRED) must be the server's; with tenants it may be reached by any local
-user (0666 in a 0711 directory): the ticket, known only to its session, is the key.
-A client on another host never gets a descriptor: the socket is local.
+The descriptor of a segment (a memfd, :mod:`tensord_server.devices.shm`) is handed out
+(by the fd socket, :mod:`tensord_server.rpc.fd_socket`) to whoever presents a *ticket*'s
+key: 192 random bits (a key the client sends and a proof the server answers with), usable
+once, for one segment, for :data:`TICKET_TTL_S`, issued only to a session that exported a
+Storage of that segment.  Segments are never shared between tenants (each tenant allocates
+on its own pool stream, see :meth:`StorageRegistry.stream_of`), so a ticket never reveals
+another tenant's byte.
 
-The same socket carries each session's *export channel* (issue 13): a gRPC Export answers
-the session's channel key (a locator, 192 secret bits and a proof, one per session, kept
-here beside the session), and a connection that sends ``chan LOCATOR.SECRET`` (the peer rule
-above applies) is bound to that session; the answer carries the proof.  It then carries Exports as frames: a 4-byte length and an ExportRequest's
-bytes in, a status byte, a 4-byte length and an ExportResponse's bytes (or, with status
-"use gRPC", a short reason) out.  The socket code only moves bytes: the rpc layer's
-:attr:`ExportTable.channel_handler` parses, exports and encodes, as its Export handler does.
-At most :data:`MAX_CHANNELS` channels live at once (with tenants, at most
-:data:`MAX_CHANNELS_PER_TENANT` of them one tenant's) and one per session (a second bind of a
-session replaces its first); an idle one closes after :data:`CHANNEL_IDLE_S`; the session's
-end drops its key and closes its channel.  Whatever the channel refuses, the client asks
-again through gRPC, which raises the proper errors.
+Each session may have an *export channel* on the same socket: a gRPC Export answers the
+session's channel key (a locator, 192 secret bits and a proof, one per session, kept here
+beside the session), and a connection that presents locator and secret is bound to that
+session.  At most :data:`MAX_CHANNELS` channels are served at once (with tenants, at most
+:data:`MAX_CHANNELS_PER_TENANT` of them one tenant's) and one per session (a second bind
+of a session replaces its first); the session's end drops its key and closes its channel.
+This table keeps the keys and the bound channels; the socket's side (reading frames,
+sending descriptors, the idle close) is the rpc layer's transport.
 
 GPU segments (raw ``cudaMalloc``) are exported by their CUDA IPC handle instead
 (:meth:`CudaBackend.ipc_export`, after the server stream is synchronized).  An
@@ -44,13 +37,7 @@ import collections
 import contextlib
 import hmac
 import itertools
-import logging
-import os
 import secrets
-import shutil
-import socket
-import struct
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -58,42 +45,21 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 
 from tensord.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
-from tensord.protocol import (
-    CHANNEL_ANSWER_HEADER,
-    CHANNEL_BIND,
-    CHANNEL_FRAME_HEADER,
-    CHANNEL_OK,
-    CHANNEL_USE_GRPC,
-    split_ticket,
-)
+from tensord.protocol import split_ticket
 
 from tensord_server.devices.cuda import CudaBackend
-from tensord_server.devices.descriptors import is_descriptor_error, out_of_descriptors
 from tensord_server.devices.memory import DeviceMemory
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.sessions import Session, SessionManager
 from tensord_server.domain.storage import Storage, StorageRegistry, TensorRef
 from tensord_server.pool import CachingPool
 
-log = logging.getLogger(__name__)
-
 # A ticket must be redeemed this soon after its Export (the SDK does it at once).
 TICKET_TTL_S = 30.0
 # Unredeemed tickets kept at most (the oldest are dropped beyond it): bounds the table
 # whatever a client does with its Exports.
 MAX_TICKETS = 4096
-# One fd request: a ticket line of at most this many bytes, within this many seconds.
-MAX_TICKET_LINE = 128
-FD_REQUEST_TIMEOUT_S = 2.0
-# Requests answered at once (a thread each), and per peer uid: a connection that sends
-# nothing holds one for at most FD_REQUEST_TIMEOUT_S and never delays another client's.
-# A connection beyond either bound is closed unanswered (its client falls back to gRPC).
-MAX_FD_HANDLERS = 16
-MAX_FD_HANDLERS_PER_PEER = 4
-# How often the accept loop checks for shutdown.
-ACCEPT_POLL_S = 0.2
-_SOCKET_NAME = "fd.sock"
-# Export channels (issue 13): threads serving a channel at once, the whole server (a bound
+# Export channels: threads serving a channel at once, the whole server (a bound
 # connection each, and a replaced one whose thread is still finishing a request: it counts
 # until that thread ends, else rebinding a session whose requests wait, on its session's lock
 # say, would start a thread per bind); a bind beyond it is refused ("no: ...") and its client
@@ -103,21 +69,10 @@ MAX_CHANNELS = 64
 # MAX_CHANNELS counts them), so that one tenant's sessions cannot take every channel and
 # leave the others only gRPC.
 MAX_CHANNELS_PER_TENANT = 16
-# A channel that carries no request for this long is closed (its client reconnects lazily;
-# the bind's answer tells it this number).
-CHANNEL_IDLE_S = 30.0
-# One request frame: an ExportRequest (a handle, a server instance and at most the SDK's 256
-# mapped segment ids: about 3 KiB); a longer frame is refused and its channel closed.
-MAX_CHANNEL_REQUEST_BYTES = 16 << 10
-# Longest "use gRPC" reason sent back (the client only logs it).
-MAX_CHANNEL_REASON_BYTES = 256
-# What the rpc layer does with one channel request: (answer bytes, the id of the export it
-# made, released when the answer cannot be delivered).  Raises to say "use gRPC".
-ChannelHandler = Callable[[Session, bytes], tuple[bytes, str]]
 
 
 # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, a
-# cost every Export pays (issue 13); nothing changes an Export once it is made
+# cost every Export pays; nothing changes an Export once it is made
 @dataclass(slots=True)
 class Export:
     id: str
@@ -155,8 +110,19 @@ class ChannelKey:
         return f"{self.locator}.{self.secret}.{self.proof}"
 
 
+@dataclass(eq=False, slots=True)
+class Channel:
+    """A connection bound to a session's key.  ``wake`` (the transport's) makes the thread
+    serving it stop, and that thread then unbinds it."""
+
+    key: ChannelKey
+    wake: Callable[[], None] = field(repr=False)
+
+
 class ExportTable:
-    """Every live export and unredeemed ticket of one server, and its fd socket.  Thread-safe."""
+    """Every live export, unredeemed ticket, channel key and bound channel of one server.
+    Thread-safe; ``_lock`` guards every table below and is a leaf (nothing is called
+    while it is held but the session manager's lock-free count)."""
 
     def __init__(
         self, storages: StorageRegistry, sessions: SessionManager, *, tenants: bool
@@ -169,7 +135,7 @@ class ExportTable:
         # release queued for a restarted server's session never ends a new export), and need
         # no secrecy: only the session that made an export ends it by its id (release)
         self._export_ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards the two dicts below
+        self._lock = threading.Lock()
         self._exports: dict[str, Export] = {}
         # session id -> its live exports: the handle limit's check is O(1) per Export, not
         # a walk over every export of the server
@@ -178,33 +144,16 @@ class ExportTable:
         # CUDA IPC imports: segment id -> {session id: Exports answered with its handle}
         self._imports: dict[int, dict[str, int]] = {}
         self._import_sizes: dict[int, tuple[str, int]] = {}  # segment id -> (device, bytes)
-        self._dir = tempfile.mkdtemp(prefix="tensord-shm-")  # 0700
-        self.socket_path = os.path.join(self._dir, _SOCKET_NAME)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
-        if tenants:  # any local user may ask; the ticket is the capability
-            os.chmod(self._dir, 0o711)
-            os.chmod(self.socket_path, 0o666)
-        else:  # the server's user only (and SO_PEERCRED checks it again)
-            os.chmod(self.socket_path, 0o600)
-        self._listener.listen(64)
-        self._listener.settimeout(ACCEPT_POLL_S)
-        self._stop = threading.Event()
-        self._short_of_descriptors = False  # the accept loop's only: a shortage is logged once
-        self._handlers: dict[int, int] = {}  # peer uid -> requests being answered; _lock
-        # export channels (issue 13), all under _lock: set by the rpc layer (None: no channel)
-        self.channel_handler: ChannelHandler | None = None
+        # export channels
         self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
-        self._channels: dict[str, socket.socket] = {}  # session id -> its bound connection
+        self._channels: dict[str, Channel] = {}  # session id -> its bound channel
         # threads serving a channel (bound, or replaced and still finishing a request) per
         # tenant, until they end: MAX_CHANNELS_PER_TENANT each, MAX_CHANNELS in all
         self._channel_threads: collections.Counter[str] = collections.Counter()
         # channel requests so far, by outcome ("answered", "use_grpc"): the metrics' count of
         # the Exports no gRPC interceptor sees
         self._channel_requests: collections.Counter[str] = collections.Counter()
-        self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
-        self._thread.start()
         sessions.end_listeners.append(self.session_ended)
         sessions.exports_of = self._live_exports
 
@@ -433,7 +382,7 @@ class ExportTable:
             if all(backend.segment_by_id(sid) is None for backend in backends)
         ]
 
-    # -- tickets and the fd socket ------------------------------------------------
+    # -- tickets ----------------------------------------------------------------------
 
     def _issue_ticket(self, segment_id: int, backend: SharedHostBackend) -> str:
         """(lock held) A one-time ticket for one segment; the oldest dropped past MAX_TICKETS."""
@@ -460,114 +409,11 @@ class ExportTable:
             raise KeyError("the segment is gone")
         return fd, entry.proof
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                if is_descriptor_error(exc):
-                    # the connection stays queued and the listener readable: retrying at
-                    # once would spin until a descriptor is freed
-                    self._refuse_for_descriptors(exc)
-                continue
-            self._short_of_descriptors = False
-            try:
-                creds = conn.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-                )
-                _pid, uid, _gid = struct.unpack("3i", creds)
-            except OSError:
-                conn.close()
-                continue
-            if not self._take_handler(uid):
-                conn.close()
-                continue
-            threading.Thread(
-                target=self._handle, args=(conn, uid), name="tensord-fd-request", daemon=True
-            ).start()
-
-    def _refuse_for_descriptors(self, exc: OSError) -> None:
-        """The fd socket cannot accept for want of descriptors: say so (once until it
-        accepts again) and wait before the next try."""
-        if not self._short_of_descriptors:
-            self._short_of_descriptors = True
-            log.warning("the fd socket cannot accept requests: %s", out_of_descriptors(exc))
-        self._stop.wait(ACCEPT_POLL_S)
-
-    def _take_handler(self, uid: int) -> bool:
-        with self._lock:
-            if (
-                sum(self._handlers.values()) >= MAX_FD_HANDLERS
-                or self._handlers.get(uid, 0) >= MAX_FD_HANDLERS_PER_PEER
-            ):
-                return False
-            self._handlers[uid] = self._handlers.get(uid, 0) + 1
-            return True
-
-    def _handle(self, conn: socket.socket, uid: int) -> None:
-        key: ChannelKey | None = None
-        try:
-            with contextlib.suppress(OSError):
-                key = self._answer(conn, uid)
-        finally:
-            with self._lock:
-                self._handlers[uid] -= 1
-                if not self._handlers[uid]:
-                    del self._handlers[uid]
-            if key is None:
-                conn.close()
-        if key is not None:  # a bound channel: this thread serves it (counted in _channels)
-            self._serve_channel(conn, key)
-
-    def _answer(self, conn: socket.socket, uid: int) -> ChannelKey | None:
-        """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out; or
-        a channel bind (``chan KEY``): its key once the channel is counted and bound."""
-        conn.settimeout(FD_REQUEST_TIMEOUT_S)
-        if not self.tenants and uid != os.getuid():
-            conn.sendall(b"no: only the server's user may map its memory\n")
-            return None
-        line = b""
-        deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
-        while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            # each wait gets only the time left: a byte trickled just inside each full wait
-            # would hold this handler (a bind slot) for twice the bound
-            conn.settimeout(left)
-            piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
-            if not piece:
-                return None
-            line += piece
-        if line.startswith(CHANNEL_BIND):
-            return self._bind(conn, line[len(CHANNEL_BIND) :].strip().decode("ascii", "replace"))
-        try:
-            fd, proof = self.redeem(line.strip().decode("ascii", "replace"))
-        except KeyError as exc:
-            conn.sendall(f"no: {exc.args[0]}\n".encode())
-            return None
-        except OSError as exc:  # the segment's descriptor could not be duplicated
-            if not is_descriptor_error(exc):
-                raise
-            conn.sendall(f"no: {out_of_descriptors(exc)}\n".encode())
-            return None
-        try:
-            socket.send_fds(conn, [f"ok {proof}\n".encode("ascii")], [fd])
-        finally:
-            os.close(fd)
-        return None
-
-    # -- export channels (issue 13) -----------------------------------------------
+    # -- export channels ----------------------------------------------------------
 
     def channel_key(self, session: Session) -> str:
-        """The session's channel key ("" when this server has no channel), made on first use.
+        """The session's channel key, made on first use ("" for a session that ended).
         Called after the session's Export succeeded: a session that ended meanwhile keeps none."""
-        if self.channel_handler is None:
-            return ""
         with self._lock:
             key = self._session_keys.get(session.id)
             if key is None:
@@ -585,97 +431,56 @@ class ExportTable:
             return ""
         return key.text
 
-    def _bind(self, conn: socket.socket, text: str) -> ChannelKey | None:
-        """Bind ``conn`` to the session of key ``text`` (locator.secret: a live session's, one
-        channel per session: a second bind replaces the first), answering ``ok IDLE_S PROOF``
-        or ``no: why``."""
+    def bind_channel(self, text: str, wake: Callable[[], None]) -> Channel:
+        """A channel bound to the session of key ``text`` (locator.secret: a live session's;
+        one channel per session: a second bind wakes the first, which then ends).
+        NotFoundError for an unknown key, ResourceExhaustedError past the channel bounds."""
         locator, _, secret = text.partition(".")
         replaced = None
         with self._lock:
             key = self._channel_keys.get(locator)
             if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
-                refusal = "unknown channel key"
-            else:
-                replacing = key.session_id in self._channels  # may pass a bound by one
-                if self._channel_threads.total() - replacing >= MAX_CHANNELS:
-                    refusal = f"too many channels ({MAX_CHANNELS})"
-                elif (
-                    self.tenants
-                    and self._channel_threads[key.tenant] - replacing >= MAX_CHANNELS_PER_TENANT
-                ):
-                    refusal = f"too many channels for this tenant ({MAX_CHANNELS_PER_TENANT})"
-                else:
-                    refusal = ""
-                    replaced = self._channels.get(key.session_id)
-                    self._channels[key.session_id] = conn
-                    self._channel_threads[key.tenant] += 1  # until _unbind
-        if refusal:
-            conn.sendall(f"no: {refusal}\n".encode())
-            return None
-        assert key is not None
+                raise NotFoundError("unknown channel key")
+            replacing = key.session_id in self._channels  # may pass a bound by one
+            if self._channel_threads.total() - replacing >= MAX_CHANNELS:
+                raise ResourceExhaustedError(f"too many channels ({MAX_CHANNELS})")
+            if self.tenants and self._channel_threads[key.tenant] - replacing >= (
+                MAX_CHANNELS_PER_TENANT
+            ):
+                raise ResourceExhaustedError(
+                    f"too many channels for this tenant ({MAX_CHANNELS_PER_TENANT})"
+                )
+            channel = Channel(key, wake)
+            replaced = self._channels.get(key.session_id)
+            self._channels[key.session_id] = channel
+            self._channel_threads[key.tenant] += 1  # until unbind_channel
         if replaced is not None:
-            _wake(replaced)  # its thread ends; its client falls back once, then reconnects
-        try:
-            conn.sendall(f"ok {CHANNEL_IDLE_S:g} {key.proof}\n".encode())
-        except OSError:
-            self._unbind(key, conn)
-            raise
-        return key
+            replaced.wake()  # its thread ends; its client falls back once, then reconnects
+        return channel
 
-    def _serve_channel(self, conn: socket.socket, key: ChannelKey) -> None:
-        """Answer the channel's requests, one at a time, until it is idle, closed or broken."""
-        try:
-            with conn, contextlib.suppress(OSError):
-                while not self._stop.is_set() and self._channels.get(key.session_id) is conn:
-                    request = _read_frame(conn)
-                    if request is None or not self._answer_frame(conn, key, request):
-                        return
-        finally:
-            self._unbind(key, conn)
+    def serves(self, channel: Channel) -> bool:
+        """Whether ``channel`` is still its session's (read without the lock: one lookup)."""
+        return self._channels.get(channel.key.session_id) is channel
 
-    def _answer_frame(self, conn: socket.socket, key: ChannelKey, request: bytes) -> bool:
-        """One Export on the channel; False when the channel must close."""
-        try:  # what every call does first: the session's lookup, which renews its lease
-            session = self.sessions.get(key.session_id, key.tenant)
-        except NotFoundError:
-            self._send_counted(conn, CHANNEL_USE_GRPC, b"unknown session")
-            return False
-        handler = self.channel_handler
-        if handler is None:
-            self._send_counted(conn, CHANNEL_USE_GRPC, b"no channel")
-            return False
-        try:
-            answer, export_id = handler(session, request)
-        except Exception as exc:  # the client asks again through gRPC, which raises it
-            reason = f"{type(exc).__name__}: {exc}".encode()[:MAX_CHANNEL_REASON_BYTES]
-            self._send_counted(conn, CHANNEL_USE_GRPC, reason)
-            return True
-        try:
-            self._send_counted(conn, CHANNEL_OK, answer)
-        except OSError:
-            self.release(session, [export_id])  # never delivered: nobody else would end it
-            raise
-        return True
-
-    def _send_counted(self, conn: socket.socket, status: int, payload: bytes) -> None:
-        """Answer one channel request, counted by its outcome for the metrics."""
+    def unbind_channel(self, channel: Channel) -> None:
+        """Once per bound channel, when its thread stops serving it."""
+        tenant = channel.key.tenant
         with self._lock:
-            self._channel_requests["answered" if status == CHANNEL_OK else "use_grpc"] += 1
-        _send_answer(conn, status, payload)
+            self._channel_threads[tenant] -= 1
+            if not self._channel_threads[tenant]:
+                del self._channel_threads[tenant]
+            if self._channels.get(channel.key.session_id) is channel:
+                del self._channels[channel.key.session_id]
+
+    def count_channel_request(self, answered: bool) -> None:
+        """One channel request answered ("answered") or sent back to gRPC ("use_grpc")."""
+        with self._lock:
+            self._channel_requests["answered" if answered else "use_grpc"] += 1
 
     def channel_stats(self) -> tuple[int, dict[str, int]]:
         """Channels served now, and the channel's requests so far by outcome."""
         with self._lock:
             return self._channel_threads.total(), dict(self._channel_requests)
-
-    def _unbind(self, key: ChannelKey, conn: socket.socket) -> None:
-        """Once per bound ``conn``, when its thread stops serving it."""
-        with self._lock:
-            self._channel_threads[key.tenant] -= 1
-            if not self._channel_threads[key.tenant]:
-                del self._channel_threads[key.tenant]
-            if self._channels.get(key.session_id) is conn:
-                del self._channels[key.session_id]
 
     def _forget_channel(self, session_id: str) -> None:
         """Drop a session's key and wake its channel's thread (which then closes it)."""
@@ -683,77 +488,20 @@ class ExportTable:
             key = self._session_keys.pop(session_id, None)
             if key is not None:
                 self._channel_keys.pop(key.locator, None)
-            conn = self._channels.pop(session_id, None)
-        if conn is not None:
-            _wake(conn)
+            channel = self._channels.pop(session_id, None)
+        if channel is not None:
+            channel.wake()
 
     def channel_count(self) -> int:
         with self._lock:
             return len(self._channels)
 
     def close(self) -> None:
-        """Stop the fd socket and every channel, and remove its directory (after every
-        session ended)."""
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        """Close every channel and forget every key (after every session ended)."""
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
             self._channel_keys.clear()
             self._session_keys.clear()
-        for conn in channels:
-            _wake(conn)
-        self._thread.join(timeout=ACCEPT_POLL_S * 5)
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _wake(conn: socket.socket) -> None:
-    """Make the thread blocked in ``conn``'s recv return (close() alone would not wake it);
-    that thread closes it."""
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
-
-
-def _receive_exactly(conn: socket.socket, nbytes: int, deadline: float) -> bytes | None:
-    """``nbytes`` from ``conn`` before ``deadline``; None at its end or past the deadline."""
-    data = bytearray()
-    while len(data) < nbytes:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        conn.settimeout(left)
-        piece = conn.recv(nbytes - len(data))
-        if not piece:
-            return None
-        data += piece
-    return bytes(data)
-
-
-def _read_frame(conn: socket.socket) -> bytes | None:
-    """The next request of a channel: waits CHANNEL_IDLE_S for it to begin, then
-    FD_REQUEST_TIMEOUT_S for the rest; None when idle, closed, late or too long (the
-    last answered "use gRPC" first)."""
-    try:
-        header = _receive_exactly(
-            conn, CHANNEL_FRAME_HEADER.size, time.monotonic() + CHANNEL_IDLE_S
-        )
-    except TimeoutError:
-        return None
-    if header is None:
-        return None
-    (length,) = CHANNEL_FRAME_HEADER.unpack(header)
-    if length > MAX_CHANNEL_REQUEST_BYTES:
-        _send_answer(
-            conn, CHANNEL_USE_GRPC, f"frame over {MAX_CHANNEL_REQUEST_BYTES} bytes".encode()
-        )
-        return None
-    try:
-        return _receive_exactly(conn, length, time.monotonic() + FD_REQUEST_TIMEOUT_S)
-    except TimeoutError:
-        return None
-
-
-def _send_answer(conn: socket.socket, status: int, payload: bytes) -> None:
-    conn.settimeout(FD_REQUEST_TIMEOUT_S)
-    conn.sendall(CHANNEL_ANSWER_HEADER.pack(status, len(payload)) + payload)
+        for channel in channels:
+            channel.wake()

@@ -22,8 +22,8 @@ from tensord.layout import Layout, normalize_dim
 from tensord.layout import copy_broadcast_check as copy_broadcast_check  # shared with the SDK
 from tensord.layout import strip_leading_ones as strip_leading_ones
 
-from tensord_server.devices import array_ops
-from tensord_server.devices.host_arrays import gather_plan, quiet
+from tensord_server.devices import array_dispatch
+from tensord_server.devices.host_copies import gather_plan, quiet
 
 Scalar = bool | int | float | complex
 
@@ -99,7 +99,7 @@ def strided_array(xp: Any, raw: Any, layout: Layout, dtype: DType) -> Any:
             array = np.ndarray(layout.shape, np_dtype, base, 0, strides)
         else:
             array = xp.lib.stride_tricks.as_strided(base, shape=layout.shape, strides=strides)
-    return array_ops.CUDA.bfloat16_array(array) if bf16 else array
+    return array_dispatch.CUDA.bfloat16_array(array) if bf16 else array
 
 
 def assign(xp: Any, dst: Any, src: Any) -> None:
@@ -108,7 +108,7 @@ def assign(xp: Any, dst: Any, src: Any) -> None:
     The array ops of the device the arrays are on do it: either side on a GPU (cpu<->cuda,
     cuda:i<->cuda:j, bfloat16 on CuPy) means pinned staging or peer copies, then a CuPy kernel.
     """
-    array_ops.for_arrays(dst, src).assign(xp, dst, src)
+    array_dispatch.for_arrays(dst, src).assign(xp, dst, src)
 
 
 def to_module(xp: Any, array: Any) -> Any:
@@ -119,7 +119,7 @@ def to_module(xp: Any, array: Any) -> Any:
     a pinned cpu pool; pinned staging or a peer copy otherwise) rather than
     through a temporary on the way.  Anything else becomes an ``xp`` array.
     """
-    if array_ops.on_gpu(array) or (xp is not np and isinstance(array, np.ndarray)):
+    if array_dispatch.on_gpu(array) or (xp is not np and isinstance(array, np.ndarray)):
         return array
     return xp.asarray(array)
 
@@ -127,9 +127,9 @@ def to_module(xp: Any, array: Any) -> Any:
 def to_host(array: Any) -> Any:
     """``array``'s values as a NumPy array (an index tensor read on the host to plan a gather;
     its size is bounded by the op limit before)."""
-    if not array_ops.on_gpu(array):
+    if not array_dispatch.on_gpu(array):
         return np.asarray(array)
-    data = array_ops.CUDA.to_bytes(array)
+    data = array_dispatch.CUDA.to_bytes(array)
     return np.frombuffer(data, dtype=np.dtype(array.dtype)).reshape(array.shape)
 
 
@@ -145,14 +145,14 @@ def logical_chunks(
     memory it holds at any time is a few chunks, whatever the array's logical size.
     ``context`` is entered around each piece's gather only (never across a yield: the
     consumer may stop, or close the generator from another thread, between chunks).
-    ``transform`` maps each piece first (a tensor's lazy bits, issue 14)."""
+    ``transform`` maps each piece first (a tensor's lazy bits)."""
     pending = bytearray()
     for key in gather_plan(array.shape, itemsize, chunk_bytes):
         with context():
             piece = array[key]
             if transform is not None:
                 piece = transform(piece)
-            pending += array_ops.for_arrays(piece).to_bytes(piece)
+            pending += array_dispatch.for_arrays(piece).to_bytes(piece)
         while len(pending) >= chunk_bytes:
             yield bytes(pending[:chunk_bytes])
             del pending[:chunk_bytes]
@@ -514,7 +514,7 @@ def _arange_floats(xp: Any, plan: ArangePlan, dtype: DType, low: int, high: int)
 
 def _to_dtype(xp: Any, values: Any, dtype: DType) -> Any:
     if _gpu_bfloat16(xp, dtype):  # CuPy has no bfloat16: round through its bits
-        bits = array_ops.CUDA.float32_to_bfloat16_bits(values.astype(xp.float32))
+        bits = array_dispatch.CUDA.float32_to_bfloat16_bits(values.astype(xp.float32))
         return (bits.astype(xp.uint32) << 16).view(xp.float32)
     return values.astype(dtype.numpy_dtype)
 
@@ -589,7 +589,7 @@ def _trunc_div(a: int, b: int) -> int:
 
 
 # ---------------------------------------------------------------------------
-# complex views (issue 14): torch's lazy conjugate and negative bits
+# complex views: torch's lazy conjugate and negative bits
 
 
 def apply_lazy_bits(array: Any, conj: bool, neg: bool, written_as: np.dtype | None = None) -> Any:
@@ -611,7 +611,7 @@ def apply_lazy_bits(array: Any, conj: bool, neg: bool, written_as: np.dtype | No
         return array
     # the array's own module: a source on another device than the tensor it is written
     # into is left where it is (to_module, for one DMA), and computed there
-    xp = array_ops.for_arrays(array).module()
+    xp = array_dispatch.for_arrays(array).module()
     if neg and written_as is not None and np.dtype(array.dtype).kind in "biu":
         dtype = np.dtype(written_as)
     else:
@@ -630,7 +630,7 @@ def apply_lazy_bits_in_place(array: Any, conj: bool, neg: bool) -> None:
     """``array``'s stored values made its values, over themselves: for a new tensor's
     array, which names each location once (no temporary at all)."""
     conj = conj and np.dtype(array.dtype).kind == "c"
-    xp = array_ops.for_arrays(array).module()
+    xp = array_dispatch.for_arrays(array).module()
     with quiet(xp):
         if conj:
             xp.conj(array, out=array)

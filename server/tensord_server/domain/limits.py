@@ -134,7 +134,7 @@ def check_request(message: Message, depth: int = 0, seen: list[int] | None = Non
 
 
 def check_batch_request(message: Message) -> None:
-    """check_request for a pipelined Batch (issue 15): the same bounds, but each op that is
+    """check_request for a pipelined Batch: the same bounds, but each op that is
     ``x[i]`` (a view indexing one int, what clients queue most) bounded field by field, not
     walked: its handle and result ids (strings) and its two lists (an int item is unbounded)."""
     ops = message.ops

@@ -384,7 +384,7 @@ class StorageRegistry:
             storage.device.pool.free(block)
 
     def ref_counts(self) -> RefCounts:
-        """For references a Batch's run of views and releases changes (issue 15): counted,
+        """For references a Batch's run of views and releases changes: counted,
         then ``counts.settle()`` under one acquisition of the lock, then ``counts.give_back()``."""
         return RefCounts(self)
 
@@ -496,7 +496,7 @@ class StorageRegistry:
 
 
 class RefCounts:
-    """References taken and dropped by one session's run of views and releases (issue 15),
+    """References taken and dropped by one session's run of views and releases,
     counted here and settled under one short acquisition of the registry's lock at its end
     (:meth:`settle`), so no run holds that lock while it works; the pools' frees wait for
     :meth:`give_back`.
@@ -561,7 +561,7 @@ class TensorRef:
     layout: Layout
     dtype: DType
     requires_grad: bool = False
-    # torch's lazy bits (issue 14): the values are the stored ones conjugated / negated
+    # torch's lazy bits: the values are the stored ones conjugated / negated
     conj: bool = False
     neg: bool = False
 

@@ -80,7 +80,7 @@ def static_file(name: str) -> bytes:
 
 def device_view(store: TensorStore, device_name: str) -> dict[str, Any]:
     """One device's segments and blocks, each allocated block with its tenant."""
-    device = store.device(device_name)
+    device = store.devices.get(device_name)
     snapshot = device.pool.memory_snapshot()
     tenant_at = {s.block.address: s.tenant for s in store.storages.live() if s.device is device}
     stats = device.pool.memory_stats()

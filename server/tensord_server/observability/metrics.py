@@ -173,7 +173,7 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         store = self.store
         devices = [d.name for d in store.devices]
-        stats = {name: store.memory_stats(name) for name in devices}
+        stats = {name: store.memory_reports.memory_stats(name) for name in devices}
         for key, name, help_text in POOL_GAUGES:
             family = GaugeMetricFamily(name, help_text, labels=["device"])
             for device in devices:
@@ -195,8 +195,8 @@ class StoreCollector(Collector):
         yield from self._channel_metrics()
 
     def _channel_metrics(self) -> Iterator[Metric]:
-        """Same-host export channels, counted here: their Exports pass no gRPC interceptor."""
-        channels, requests = self.store.export_channel_stats()
+        """Same-host export channels: their Exports pass no gRPC interceptor."""
+        channels, requests = self.store.exports.channel_stats()
         yield GaugeMetricFamily(
             "tensord_export_channels", "Same-host export channels served now", value=channels
         )

@@ -15,7 +15,7 @@
    Liveness calls (OpenSession, Heartbeat, CloseSession) have a pool of their own.
 4. **Work** on a worker thread: decode and bound the message
    (:func:`~tensord_server.rpc.codec.decode_message`), call the synchronous
-   :class:`~tensord_server.rpc.service.TensordService` method, encode the reply.
+   :class:`~tensord_server.rpc.handlers.TensordService` method, encode the reply.
 5. **Answer**: the reply's bytes count against the key's undelivered-answer budget
    (``MAX_UNDELIVERED_ANSWER_BYTES``) until gRPC has delivered them, so a caller that does
    not read its answers is refused new calls instead of pinning their bytes in the server.
@@ -56,13 +56,13 @@ from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
 
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message
 from tensord_server.rpc.executor import FairExecutor, RequestBudget
-from tensord_server.rpc.service import SERVICE_NAME, TensordService
+from tensord_server.rpc.handlers import SERVICE_NAME, TensordService
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,7 @@ class Calls:
     def shutdown(self) -> None:
         self.work.shutdown()
         self.liveness.shutdown()
+        self.service.close()
 
     async def end_keepalives(self) -> None:
         """End every KeepAlive stream with UNAVAILABLE (the server is stopping: an open

@@ -16,11 +16,12 @@ from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import InvalidArgumentError
 from tensord.layout import COMPLEX_VIEW_OPS
 
-from tensord_server.domain import batch, limits
-from tensord_server.domain.indexing import TensorItem
+from tensord_server.domain import limits
 from tensord_server.domain.kernels import Scalar
-from tensord_server.domain.ops import Issued
-from tensord_server.domain.views import ViewOp, index_key
+from tensord_server.domain.ops import batch
+from tensord_server.domain.ops.context import Issued
+from tensord_server.domain.ops.indexing import TensorItem
+from tensord_server.domain.ops.views import ViewOp, index_key
 
 M = TypeVar("M", bound=Message)
 
@@ -134,7 +135,7 @@ _VIEW_DECODERS: dict[str, Callable[[Any], ViewOp]] = {
 
 
 def decode_complex_view(op: str) -> str:
-    """A ComplexView's op, one the layout engine knows (issue 14)."""
+    """A ComplexView's op, one the layout engine knows."""
     if op not in COMPLEX_VIEW_OPS:
         raise ValueError(f"unknown complex view {op[:40]!r}")
     return op
@@ -148,7 +149,7 @@ def decode_view_op(request: pb.ViewRequest) -> ViewOp:
 
 
 def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
-    """One queued op of a Batch as the domain's value (issue 15)."""
+    """One queued op of a Batch as the domain's value."""
     kind = message.WhichOneof("op")
     if kind == "view":
         view = message.view

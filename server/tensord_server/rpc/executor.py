@@ -1,6 +1,6 @@
 """Where a call's work runs: a bounded thread pool shared fairly, and a budget of request bytes.
 
-The asyncio server (:mod:`tensord_server.rpc.server`) runs no handler body on its event loop:
+The asyncio server (:mod:`tensord_server.rpc.grpc_server`) runs no handler body on its event loop:
 each call's synchronous work (decode, domain call, encode) goes to a :class:`FairExecutor`,
 whose threads are handed out by :class:`~tensord_server.domain.fairness.FairQueue` (a key's
 calls take turns with every other key's).  A call that waits for a worker, for its request

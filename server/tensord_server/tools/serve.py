@@ -20,24 +20,20 @@ from tensord.protocol import DEFAULT_ADDRESS
 
 from tensord_server.devices.descriptors import raise_descriptor_limit
 from tensord_server.devices.table import resolve_specs
-from tensord_server.domain.admission import (
+from tensord_server.domain.auth import load_tokens
+from tensord_server.domain.call_gate import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     default_max_streams,
 )
-from tensord_server.domain.auth import load_tokens
 from tensord_server.domain.limits import DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_OP_ELEMENTS
 from tensord_server.domain.quotas import parse_quota
-from tensord_server.domain.sessions import (
-    DEFAULT_GRACE_S,
-    DEFAULT_LEASE_S,
-    DEFAULT_MAX_SHARE_TTL_S,
-    DEFAULT_SHARE_TTL_S,
-)
+from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
+from tensord_server.domain.share_tokens import DEFAULT_MAX_SHARE_TTL_S, DEFAULT_SHARE_TTL_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
 from tensord_server.pool import DEFAULT_POLICY, POLICIES, TRACE_MAX_ENTRIES, policy_named
-from tensord_server.rpc.server import create_server
+from tensord_server.rpc.grpc_server import create_server
 from tensord_server.rpc.tls import server_credentials
 from tensord_server.tools import serve_observability  # observability hook
 

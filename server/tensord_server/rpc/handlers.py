@@ -1,4 +1,4 @@
-"""The gRPC face of the tensor store: thin handlers (decoded request -> TensorStore call -> reply).
+"""The gRPC handlers, one per RPC: decoded request -> the domain object it names -> reply.
 
 Each method of :class:`TensordService` is synchronous and runs on a worker thread of the
 asyncio server (:mod:`tensord_server.rpc.calls` authenticates the call, reads and decodes
@@ -12,6 +12,7 @@ the one place that decides.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Container, Iterator
 from typing import Any, TypeVar
 
@@ -27,12 +28,11 @@ from tensord.protocol import (
 )
 
 from tensord_server.devices.shm import SharedHostBackend
-from tensord_server.domain import batch, limits
-from tensord_server.domain.exports import ExportTable
-from tensord_server.domain.ops import Issued
+from tensord_server.domain import limits
+from tensord_server.domain.ops.context import Issued
+from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
     decode_advanced_index,
@@ -43,6 +43,7 @@ from tensord_server.rpc.codec import (
     decode_view_op,
     encode_meta,
 )
+from tensord_server.rpc.fd_socket import FdSocket
 
 M = TypeVar("M", bound=Message)
 
@@ -66,11 +67,27 @@ def _unary(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TensordService:
-    """One method per RPC of the schema, each a thin wrapper over :class:`TensorStore`."""
+    """One method per RPC of the schema, each a thin wrapper over the domain's objects."""
 
     def __init__(self, store: TensorStore) -> None:
         self.store = store
-        store.export_channel_handler = self._channel_export
+        # same-host zero copy's socket: made on the first Export (it is a thread and a dir)
+        self._fd_socket: FdSocket | None = None
+        self._fd_socket_lock = threading.Lock()
+
+    @property
+    def fd_socket(self) -> FdSocket:
+        """The fd socket (segment descriptors, the sessions' export channels)."""
+        with self._fd_socket_lock:
+            if self._fd_socket is None:
+                self._fd_socket = FdSocket(self.store.exports, self._channel_export)
+            return self._fd_socket
+
+    def close(self) -> None:
+        """Stop the fd socket, if one was made (the server stopped taking calls)."""
+        with self._fd_socket_lock:
+            if self._fd_socket is not None:
+                self._fd_socket.close()
 
     def _tenant(self, context: Any) -> str:
         return str(context.tenant)  # authenticated before the call was read (rpc.calls)
@@ -158,10 +175,10 @@ class TensordService:
     @_unary
     def View(self, request: pb.ViewRequest, context: Any) -> pb.ViewResponse:
         session = self._session(context)
-        issued = self.store.view(session, request.handle, decode_view_op(request))
+        issued = self.store.views.view(session, request.handle, decode_view_op(request))
         return pb.ViewResponse(tensors=self._replies(session, issued, request.handle))
 
-    # -- issue 15 pipelining ---------------------------------------------------------
+    # -- pipelining ------------------------------------------------------------------
 
     @_unary
     def Batch(self, request: pb.BatchRequest, context: Any) -> pb.BatchResponse:
@@ -169,7 +186,7 @@ class TensordService:
         limits.check_batch_ops(len(request.ops))  # bounded before any op is even decoded
         ops = [decode_batch_op(o) for o in request.ops]
         # a caller that cancelled or ran out of time stops the batch at its next op
-        outcome = batch.run_batch(self.store, session, ops, keep_going=context.is_active)
+        outcome = self.store.batches.run(session, ops, keep_going=context.is_active)
         copies = self._replies(session, list(outcome.copies))
         if outcome.error is None:
             return pb.BatchResponse(applied=outcome.applied, copies=copies)
@@ -192,7 +209,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.empty(
+            self.store.factories.empty(
                 session,
                 tuple(request.shape),
                 stride,
@@ -207,7 +224,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.full(
+            self.store.factories.full(
                 session,
                 tuple(request.shape),
                 decode_scalar(request.value),
@@ -224,7 +241,7 @@ class TensordService:
         session = self._session(context)
         return self._reply(
             session,
-            self.store.arange(
+            self.store.factories.arange(
                 session,
                 start,
                 decode_scalar(request.end),
@@ -240,63 +257,69 @@ class TensordService:
     @_unary
     def Clone(self, request: pb.CloneRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.clone(session, request.handle, request.memory_format)
+        issued = self.store.copies.clone(session, request.handle, request.memory_format)
         return self._reply(session, issued)
 
     @_unary
     def Contiguous(self, request: pb.HandleRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.contiguous(session, request.handle))
+        return self._reply(session, self.store.copies.contiguous(session, request.handle))
 
     @_unary
     def Reshape(self, request: pb.ReshapeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.reshape(session, request.handle, tuple(request.shape))
+        issued = self.store.copies.reshape(session, request.handle, tuple(request.shape))
         return self._reply(session, issued)
 
     @_unary
     def To(self, request: pb.ToRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.to(session, request.handle, request.device, request.dtype, request.copy)
+        issued = self.store.copies.to(
+            session, request.handle, request.device, request.dtype, request.copy
+        )
         return self._reply(session, issued, request.handle)  # torch's to() may return self
 
     @_unary
     def Repeat(self, request: pb.RepeatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.repeat(session, request.handle, tuple(request.repeats))
+        issued = self.store.copies.repeat(session, request.handle, tuple(request.repeats))
         return self._reply(session, issued)
 
     @_unary
     def Cat(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.cat(session, list(request.handles), request.dim))
+        return self._reply(
+            session, self.store.copies.cat(session, list(request.handles), request.dim)
+        )
 
     @_unary
     def Stack(self, request: pb.CatRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        issued = self.store.stack(session, list(request.handles), request.dim)
+        issued = self.store.copies.stack(session, list(request.handles), request.dim)
         return self._reply(session, issued)
 
     @_unary
     def Copy(self, request: pb.CopyRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.copy(session, request.dst, request.src))
+        return encode_meta(self.store.writes.copy(session, request.dst, request.src))
 
     @_unary
     def Fill(self, request: pb.FillRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return encode_meta(self.store.fill(session, request.handle, decode_scalar(request.value)))
+        return encode_meta(
+            self.store.writes.fill(session, request.handle, decode_scalar(request.value))
+        )
 
     @_unary
     def SetItem(self, request: pb.SetItemRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         index = decode_index(request.index)
         if request.WhichOneof("value") == "src_handle":
-            issued = self.store.setitem(
+            issued = self.store.writes.setitem(
                 session, request.handle, index, src_handle=request.src_handle
             )
         else:
-            issued = self.store.setitem(
+            issued = self.store.writes.setitem(
                 session, request.handle, index, value=decode_scalar(request.scalar)
             )
         return encode_meta(issued)
@@ -328,7 +351,7 @@ class TensordService:
     def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
         session = self._session(context)
-        return self.store.download(session, request.handle, request.chunk_bytes)
+        return self.store.transfers.download(session, request.handle, request.chunk_bytes)
 
     # -- sharing --------------------------------------------------------------------
 
@@ -338,39 +361,43 @@ class TensordService:
         if request.unlimited_uses and request.uses:
             raise InvalidArgumentError("ShareRequest: pass uses or unlimited_uses, not both")
         uses = None if request.unlimited_uses else (request.uses or 1)
-        token, ttl = self.store.share(session, request.handle, uses, request.ttl_seconds or None)
+        token, ttl = self.store.share_tokens.share(
+            session, request.handle, uses, request.ttl_seconds or None
+        )
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
 
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
-        return pb.RevokeResponse(revoked=self.store.revoke(self._session(context), request.token))
+        return pb.RevokeResponse(
+            revoked=self.store.share_tokens.revoke(self._session(context), request.token)
+        )
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.attach(session, request.token))
+        return self._reply(session, self.store.share_tokens.attach(session, request.token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
         session = self._session(context)
-        self.store.sessions.put_name(session, request.name, request.handle, request.overwrite)
+        self.store.names.put(session, request.name, request.handle, request.overwrite)
         return pb.PutNameResponse()
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.get_name(session, request.name))
+        return self._reply(session, self.store.names.get(session, request.name))
 
     @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
         session = self._session(context)
-        self.store.sessions.delete_name(request.name, session.tenant)
+        self.store.names.delete(request.name, session.tenant)
         return pb.DeleteNameResponse()
 
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:
         session = self._session(context)
-        names, token = self.store.list_names(session.tenant, request.page_size, request.page_token)
+        names, token = self.store.names.page(session.tenant, request.page_size, request.page_token)
         return pb.ListNamesResponse(names=names, next_page_token=token)
 
     # -- the pool -------------------------------------------------------------------
@@ -378,7 +405,7 @@ class TensordService:
     @_unary
     def MemoryStats(self, request: pb.DeviceRequest, context: Any) -> pb.MemoryStatsResponse:
         session = self._session(context)
-        stats = self.store.memory_stats(request.device, session.tenant)
+        stats = self.store.memory_reports.memory_stats(request.device, session.tenant)
         return pb.MemoryStatsResponse(
             counters={k: v for k, v in stats.items() if not isinstance(v, float)},
             ratios={k: v for k, v in stats.items() if isinstance(v, float)},
@@ -387,14 +414,16 @@ class TensordService:
     @_unary
     def MemorySummary(self, request: pb.DeviceRequest, context: Any) -> pb.MemorySummaryResponse:
         self._session(context)
-        return pb.MemorySummaryResponse(summary=self.store.memory_summary(request.device))
+        return pb.MemorySummaryResponse(
+            summary=self.store.memory_reports.memory_summary(request.device)
+        )
 
     @_unary
     def MemorySnapshot(
         self, request: pb.MemorySnapshotRequest, context: Any
     ) -> pb.MemorySnapshotResponse:
         session = self._session(context)
-        data, token = self.store.memory_snapshot_page(
+        data, token = self.store.memory_reports.memory_snapshot_page(
             request.device, session.tenant, request.page_size, request.page_token
         )
         return pb.MemorySnapshotResponse(snapshot_json=data, next_page_token=token)
@@ -402,58 +431,58 @@ class TensordService:
     @_unary
     def EmptyCache(self, request: pb.DeviceRequest, context: Any) -> pb.EmptyCacheResponse:
         self._session(context)
-        return pb.EmptyCacheResponse(released_bytes=self.store.empty_cache(request.device))
+        return pb.EmptyCacheResponse(
+            released_bytes=self.store.memory_reports.empty_cache(request.device)
+        )
 
     # -- same-host zero copy ----------------------------------------------------------
 
     @_unary
     def Export(self, request: pb.ExportRequest, context: Any) -> pb.ExportResponse:
         session = self._session(context)
-        table = self.store.exports
         # the client's mapped segments, if of this server (ids restart with a server)
-        same_server = request.server_instance == table.instance
+        same_server = request.server_instance == self.store.exports.instance
         mapped = request.mapped_segments if same_server else ()
-        return self._export(session, request.handle, table, mapped)
+        return self._export(session, request.handle, mapped)
 
     def _channel_export(self, session: Session, data: bytes) -> tuple[bytes, str]:
-        """An Export that came on the session's export channel (issue 13; the channel found
+        """An Export that came on the session's export channel (the channel found
         the session by its key and renewed its lease): what Export does, with a worker counted
         as for any call; its answer's bytes and the export's id.  Any error: the client asks
         again through gRPC (GPU exports always do)."""
         with self.store.gate.call():
             request = decode_message(pb.ExportRequest, data)  # bounded as a gRPC request is
-            table = self.store.exports
-            same_server = request.server_instance == table.instance
+            same_server = request.server_instance == self.store.exports.instance
             mapped = request.mapped_segments if same_server else ()
-            response = self._export(session, request.handle, table, mapped, on_channel=True)
+            response = self._export(session, request.handle, mapped, on_channel=True)
             return response.SerializeToString(), response.export_id
 
     def _export(
         self,
         session: Session,
         handle: str,
-        table: ExportTable | None = None,
         mapped: Container[int] = (),
         on_channel: bool = False,
     ) -> pb.ExportResponse:
         """``on_channel``: host memory only, and no channel key (the client has it)."""
-        table = table or self.store.exports
+        table = self.store.exports
         # ref: no second lookup
         export, ticket, ref = table.export(session, handle, mapped, host_only=on_channel)
         key = "" if on_channel else table.channel_key(session)
+        path = self.fd_socket.path
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
             segment_nbytes=export.segment_nbytes,
             storage_byte_offset=export.byte_offset,
             device=export.storage.device.name,
-            fd_socket=table.socket_path if ticket else "",
+            fd_socket=path if ticket else "",
             ticket=ticket,
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,
             tensor=encode_meta(Issued(handle, ref)),
             channel_key=key,
-            channel_socket=table.socket_path if key else "",
+            channel_socket=path if key else "",
         )
 
     @_unary
@@ -469,7 +498,7 @@ class TensordService:
         self.store.sessions.release(session, list(request.release_handles))
         released = self._release_exports(session, request.release_exports)
         empty = request.empty
-        issued = self.store.empty(
+        issued = self.store.factories.empty(
             session,
             tuple(empty.shape),
             tuple(empty.stride.values) if empty.HasField("stride") else None,
@@ -497,14 +526,16 @@ class TensordService:
         gone = table.gone_segments(backends, list(request.mapped_segments))
         return pb.ReleaseExportsResponse(released=released, gone_segments=gone)
 
-    # -- issue 14 indexing ------------------------------------------------------------
+    # -- advanced indexing ------------------------------------------------------------
 
     @_unary
     def AdvancedIndex(self, request: pb.AdvancedIndexRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         items = decode_advanced_index(request.index)
         return encode_meta(
-            self.store.advanced_index(session, request.handle, items, request.raw, request.op)
+            self.store.indexing.advanced_index(
+                session, request.handle, items, request.raw, request.op
+            )
         )
 
     @_unary
@@ -513,7 +544,7 @@ class TensordService:
         items = decode_advanced_index(request.index)
         is_tensor = request.WhichOneof("value") == "src_handle"
         return encode_meta(
-            self.store.advanced_setitem(
+            self.store.indexing.advanced_setitem(
                 session,
                 request.handle,
                 items,
@@ -525,20 +556,22 @@ class TensordService:
             )
         )
 
-    # -- resize, set_ (issue 14) ----------------------------------------------------------
+    # -- resize, set_ --------------------------------------------------------------------
 
     @_unary
     def Resize(self, request: pb.ResizeRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         return encode_meta(
-            self.store.resize(session, request.handle, list(request.size), request.memory_format)
+            self.store.resizing.resize(
+                session, request.handle, list(request.size), request.memory_format
+            )
         )
 
     @_unary
     def SetStorage(self, request: pb.SetStorageRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
         return encode_meta(
-            self.store.set_storage(
+            self.store.resizing.set_storage(
                 session,
                 request.handle,
                 request.source,

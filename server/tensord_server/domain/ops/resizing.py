@@ -1,4 +1,4 @@
-"""Storage re-pointing (issue 14): ``resize_`` and ``set_``, in place on one handle.
+"""Storage re-pointing: ``resize_`` and ``set_``, in place on one handle.
 
 Both change what one handle names (its layout, its Storage) and nothing else: other
 handles on the Storage keep their layouts, as torch's other tensors keep theirs.  When
@@ -25,7 +25,7 @@ from tensord import layout as layouts
 from tensord.layout import Layout
 
 from tensord_server.domain import limits
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import TensorRef
 

@@ -1,5 +1,8 @@
-"""Memory statistics and pool control per device: torch's memory_stats() plus live counters,
-the summary, the snapshot (whole, or a page at a time), and empty_cache.
+"""The memory reports a client asks for per device, and pool control: torch's memory_stats()
+with the server's live counts (sessions, Storages, the caller's tenant, exports), the
+summary, the snapshot (whole, or a page at a time), and empty_cache.  The pool's own
+counters and snapshot are :mod:`tensord_server.pool.stats`'s; this module adds what only
+the server knows and pages what a message cannot hold.
 
 A paged snapshot (MemorySnapshot, domain/paging.py): each page is a ``_snapshot()`` dict
 holding part of the whole, at most paging.MAX_PAGE_BYTES of JSON -- the segments by address,
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from typing import Any
 
 from tensord.errors import InvalidArgumentError
@@ -27,23 +29,22 @@ from tensord_server.domain.sessions import SessionManager
 from tensord_server.domain.storage import StorageRegistry
 
 
-class Stats:
-    """The pools' statistics; ``exports_made()`` is the export table if one was made (counting
-    exports never makes one)."""
+class MemoryReports:
+    """The pools' reports, with the server's live counts beside them.  Thread-safe."""
 
     def __init__(
         self,
         devices: DeviceTable,
         storages: StorageRegistry,
         sessions: SessionManager,
-        exports_made: Callable[[], ExportTable | None],
+        exports: ExportTable,
         tokens: paging.PageTokens,
     ) -> None:
         self.tokens = tokens
         self.devices = devices
         self.storages = storages
         self.sessions = sessions
-        self.exports_made = exports_made
+        self.exports = exports
 
     def device(self, name: str) -> Device:
         return self.devices.get(name)
@@ -65,11 +66,10 @@ class Stats:
         stats["tenant.allocated_bytes.peak"] = usage.peak
         if usage.limit is not None:
             stats["tenant.quota_bytes"] = usage.limit
-        exports = self.exports_made()
-        exported, exported_bytes = exports.stats(dev.name) if exports is not None else (0, 0)
+        exported, exported_bytes = self.exports.stats(dev.name)
         stats["exports.storages.current"] = exported  # held for same-host clients
         stats["exports.bytes.current"] = exported_bytes
-        imported, imported_bytes = exports.import_stats(dev.name) if exports is not None else (0, 0)
+        imported, imported_bytes = self.exports.import_stats(dev.name)
         stats["exports.imported_segments.current"] = imported  # held open by CUDA IPC clients
         stats["exports.imported_bytes.current"] = imported_bytes
         return stats

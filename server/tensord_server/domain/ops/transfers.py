@@ -14,7 +14,7 @@ from tensord.layout import Layout
 
 from tensord_server.devices.table import Device, activate
 from tensord_server.domain import kernels
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import TensorRef
 
@@ -95,7 +95,7 @@ class Transfers:
                 return
             # an expanded view's logical size is unbounded by its Storage: gather it a chunk
             # at a time, never whole (a 2**27-element expand grew the server by 528 MB)
-            # a tensor with lazy bits (issue 14): its values, a gathered piece at a time
+            # a tensor with lazy bits: its values, a gathered piece at a time
             lazy = ref.conj or ref.neg
             yield from kernels.logical_chunks(
                 self.ops.array(ref),

@@ -1,4 +1,4 @@
-"""Advanced indexing (issue 14): ``x[tensor]``, ``x[mask]``, ``x[idx] = v``, ``index_put_``.
+"""Advanced indexing: ``x[tensor]``, ``x[mask]``, ``x[idx] = v``, ``index_put_``.
 
 Torch's two steps, mirrored so that result shapes and errors are torch's:
 
@@ -12,7 +12,7 @@ Torch's two steps, mirrored so that result shapes and errors are torch's:
 
 Every cost a client controls (index tensor and mask elements, result elements) is
 checked against ``--max-op-elements`` before any array work.  The work itself goes
-``INDEX_CHUNK_ELEMENTS`` at a time over the broadcast index (issue 11's standard): an
+``INDEX_CHUNK_ELEMENTS`` at a time over the broadcast index (no temporary follows the index's size): an
 index tensor is read a piece of its broadcast at a time (an expanded index is never
 materialised), and so are the bounds checks, the gathered values and the scattered ones,
 so memory outside the pool is O(chunk) whatever the index's size.  A mask's nonzero
@@ -33,15 +33,15 @@ from tensord import dtypes
 from tensord.dtypes import DType
 from tensord.layout import CHANNELS_LAST, Layout, broadcast_shapes
 
-from tensord_server.devices.host_arrays import gather_plan
+from tensord_server.devices.host_copies import gather_plan
 from tensord_server.devices.table import Device
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.kernels import Scalar
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import TensorRef
 
-# a held tensor's zero-copy array (TensorStore.array)
+# a held tensor's zero-copy array (OpContext.array)
 ArrayOf = Callable[[TensorRef], Any]
 # a new int64 tensor of this contiguous shape in the pool, held for the op (a mask's nonzero)
 AllocateIndex = Callable[[tuple[int, ...]], TensorRef]

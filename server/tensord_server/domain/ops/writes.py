@@ -12,10 +12,10 @@ from tensord.layout import Layout
 
 from tensord_server.domain import kernels, limits
 from tensord_server.domain.kernels import Scalar
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
+from tensord_server.domain.ops.views import index_key
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import TensorRef
-from tensord_server.domain.views import index_key
 
 
 class Writes:

@@ -14,7 +14,7 @@ from tensord.layout import Layout, empty_strided_layout
 
 from tensord_server.domain import kernels
 from tensord_server.domain.kernels import Scalar
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 
 

@@ -22,13 +22,13 @@ from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.descriptors import DescriptorBudget, raise_descriptor_limit
 from tensord_server.devices.table import DeviceSpec
-from tensord_server.domain.admission import DEFAULT_MAX_WORKERS
+from tensord_server.domain.call_gate import DEFAULT_MAX_WORKERS
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
-from tensord_server.rpc.admission import OtherServicesInterceptor
 from tensord_server.rpc.binding import bind_problem
 from tensord_server.rpc.calls import MAX_RECEIVE_BYTES, Calls
-from tensord_server.rpc.service import SERVICE_NAME
+from tensord_server.rpc.handlers import SERVICE_NAME
+from tensord_server.rpc.other_services import OtherServicesInterceptor
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_MAX_WORKERS", "MAX_MESSAGE_BYTES", "create_server"]
 

@@ -16,7 +16,7 @@ from tensord.layout import PRESERVE_FORMAT, Layout
 
 from tensord_server.devices.table import Device
 from tensord_server.domain import kernels, limits
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import TensorRef
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tensord_server.devices.host_arrays import assign_host
+from tensord_server.devices.host_copies import assign_host
 
 
 class ArrayOps(Protocol):

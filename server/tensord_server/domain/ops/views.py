@@ -16,8 +16,8 @@ from tensord import dtypes
 from tensord.layout import Layout, check_view_dtype_bits, complex_view, view_result_count
 
 from tensord_server.domain import kernels, limits
-from tensord_server.domain.copies import reshape_copy
-from tensord_server.domain.ops import Issued, OpContext
+from tensord_server.domain.ops.context import Issued, OpContext
+from tensord_server.domain.ops.copies import reshape_copy
 from tensord_server.domain.sessions import HandleRun, Session, check_result_count
 from tensord_server.domain.storage import TensorRef
 
@@ -75,7 +75,7 @@ def apply_view(ref: TensorRef, op: ViewOp) -> list[TensorRef] | None:
 
 
 def complex_view_of(ref: TensorRef, name: str) -> TensorRef:
-    """x.real, x.imag, view_as_real, view_as_complex, x.conj() (issue 14): the same Storage
+    """x.real, x.imag, view_as_real, view_as_complex, x.conj(): the same Storage
     under the layout, dtype and lazy bits the layout engine gives; differentiable views,
     so requires_grad stays."""
     dtype = ref.dtype
@@ -125,7 +125,7 @@ class Views:
     def view(
         self, session: Session, handle: str, op: ViewOp, chosen: Sequence[str] | None = None
     ) -> list[Issued]:
-        """``chosen``: the results' ids, as a pipelined client chose them (issue 15); a view
+        """``chosen``: the results' ids, as a pipelined client chose them; a view
         registers them directly.  A flatten that copies ignores them (its caller renames)."""
         sessions = self.ops.sessions
         with sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
@@ -138,7 +138,7 @@ class Views:
 
 
 # Views that never touch bytes, so a Batch may apply a run of them under one lock
-# acquisition (issue 15); flatten is not one: a tensor no view can express is copied.
+# acquisition; flatten is not one: a tensor no view can express is copied.
 REGISTRY_ONLY_VIEWS = frozenset(VIEW_OPS - {"flatten"}) | {
     "view_dtype",
     "detach",

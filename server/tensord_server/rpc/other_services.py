@@ -4,7 +4,7 @@
 with ``--auth-tokens`` a valid token is required before the call's request is read
 (except the unary health Check, which load balancers probe without credentials); its
 streams are admitted within the stream limits (the domain's
-:class:`~tensord_server.domain.admission.CallGate`) and a stream whose client sends
+:class:`~tensord_server.domain.call_gate.CallGate`) and a stream whose client sends
 nothing for ``--stream-idle-timeout`` ends with DEADLINE_EXCEEDED.  Tensord's own calls
 take the same steps in :mod:`tensord_server.rpc.calls`.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from tensord.protocol import ERROR_TYPE_KEY
 
-from tensord_server.domain.admission import CallGate
+from tensord_server.domain.call_gate import CallGate
 from tensord_server.rpc import status
 
 

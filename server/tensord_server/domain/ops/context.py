@@ -1,10 +1,7 @@
 """What every tensor op shares: hold the inputs, bound the cost, allocate the output, issue the handle.
 
-Every tensor op reads as: hold the input handles' Storages (:meth:`OpContext.using`) ->
-layout math (the shared layout engine) -> bound the work (:meth:`OpContext.check_elements`)
--> allocate an output Storage if the op copies (:meth:`OpContext.allocated`) -> run a
-kernel -> issue a handle (:meth:`OpContext.issue`).  The op families (views, copies,
-writes, factories, transfers) are built on one :class:`OpContext`, which the
+The op families (:mod:`tensord_server.domain.ops`, whose docstring tells an op's story in
+order) are built on one :class:`OpContext`, which the
 :class:`~tensord_server.domain.store.TensorStore` makes over its own state.
 """
 
@@ -77,7 +74,7 @@ class OpContext:
     @classmethod
     def values(cls, ref: TensorRef) -> Any:
         """The tensor's values, for reading: :meth:`array` with its lazy conjugate and
-        negative bits applied (issue 14; then a temporary of at most the memory it reaches
+        negative bits applied (then a temporary of at most the memory it reaches
         in its Storage, whatever its logical size; else the array itself)."""
         return kernels.apply_lazy_bits(cls.array(ref), ref.conj, ref.neg)
 

@@ -1,0 +1,169 @@
+"""Named tensors: a tenant's tensors kept under names, beyond any session.
+
+``put(name)`` keeps what a handle names under ``name`` until ``delete(name)`` (or the
+server's shutdown), whatever the session that put it does; any session of the same tenant
+gets a handle on it by name.  Names are per tenant: another tenant's name is NOT_FOUND, as
+if it did not exist, and ``--max-names-per-tenant`` bounds how many one tenant keeps.
+A listing goes a page at a time, sorted (:mod:`tensord_server.domain.paging`).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from tensord.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError
+
+from tensord_server.domain import paging
+from tensord_server.domain.ops.context import Issued
+from tensord_server.domain.sessions import Session, SessionManager
+from tensord_server.domain.storage import StorageRegistry, TensorRef
+from tensord_server.pool import CountingLock
+
+# The listing's kind in its page tokens.
+NAMES_LISTING = "names"
+
+
+class TenantNames:
+    """One tenant's named tensors.  Guarded by the TensorNames lock."""
+
+    __slots__ = ("order", "refs")
+
+    def __init__(self) -> None:
+        self.refs: dict[str, TensorRef] = {}  # name -> the tensor it keeps alive
+        # the same names, sorted (code points: UTF-8's byte order): a page is a bisect away
+        self.order: list[str] = []
+
+    def add(self, name: str, ref: TensorRef) -> None:
+        if name not in self.refs:
+            bisect.insort(self.order, name)
+        self.refs[name] = ref
+
+    def pop(self, name: str) -> TensorRef | None:
+        ref = self.refs.pop(name, None)
+        if ref is not None:
+            del self.order[bisect.bisect_left(self.order, name)]
+        return ref
+
+
+class TensorNames:
+    """Every tenant's named tensors.  Thread-safe.
+
+    Invariants (under ``_lock``): each name holds one reference on its tensor's Storage;
+    a tenant without names has no entry; a tenant's ``order`` is its ``refs``' keys,
+    sorted.  Lock order: this lock, then a session's lock (a put looks its handle up)."""
+
+    def __init__(
+        self,
+        sessions: SessionManager,
+        storages: StorageRegistry,
+        page_tokens: paging.PageTokens,
+        *,
+        max_names: int | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.storages = storages
+        self.page_tokens = page_tokens
+        self.max_names = max_names  # named tensors per tenant (None: no limit)
+        # counts its waiters, as the session table's lock: the background compactor steps
+        # aside while a request waits here
+        self._lock = CountingLock()
+        self._names: dict[str, TenantNames] = {}  # tenant -> its names
+
+    def put(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
+        """Keep ``handle``'s tensor under ``name`` for the session's tenant."""
+        if not name:
+            raise ValueError("a tensor name must not be empty")
+        with self._lock:
+            ref = self.sessions.reference(session, handle)  # the name's own reference
+            names = self._names.get(session.tenant)
+            old = names.refs.get(name) if names is not None else None
+            held = len(names.refs) if names is not None else 0
+            refusal: Exception | None = None
+            if old is not None and not overwrite:
+                refusal = AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
+            elif old is None and self.max_names is not None and held >= self.max_names:
+                refusal = ResourceExhaustedError(
+                    f"this tenant has {held} named tensors, the limit "
+                    f"(--max-names-per-tenant {self.max_names}); delete some first"
+                )
+            else:
+                self._names.setdefault(session.tenant, TenantNames()).add(name, ref)
+        if refusal is not None:
+            self.storages.decref(ref.storage)
+            raise refusal
+        if old is not None:
+            self.storages.decref(old.storage)
+
+    def get(self, session: Session, name: str) -> Issued:
+        """A new handle in ``session`` on the tensor named ``name`` in its tenant."""
+        with self._lock:
+            names = self._names.get(session.tenant)
+            ref = names.refs.get(name) if names is not None else None
+            if ref is None:
+                raise NotFoundError(f"no tensor named {name!r}")
+            self.storages.incref(ref.storage)  # a hold for register()
+        try:
+            return Issued(self.sessions.register(session, ref), ref)
+        finally:
+            self.storages.decref(ref.storage)
+
+    def delete(self, name: str, tenant: str = "") -> None:
+        with self._lock:
+            names = self._names.get(tenant)
+            ref = names.pop(name) if names is not None else None
+            if names is not None and not names.refs:
+                del self._names[tenant]
+        if ref is None:
+            raise NotFoundError(f"no tensor named {name!r}")
+        self.storages.decref(ref.storage)
+
+    def of(self, tenant: str = "") -> list[str]:
+        """All of a tenant's names, sorted (in-process callers; the wire pages them)."""
+        with self._lock:
+            names = self._names.get(tenant)
+            return list(names.order) if names is not None else []
+
+    def page(self, tenant: str, page_size: int, page_token: str) -> tuple[list[str], str]:
+        """A page of the tenant's names, sorted, and the next page's token ("" after the
+        last): at most ``page_size`` names (paging's rules) and paging.MAX_PAGE_BYTES of
+        answer.  The token is the last name returned: the next page starts after it."""
+        limit = paging.page_size(page_size)
+        place = self.page_tokens.open(NAMES_LISTING, (tenant,), page_token)
+        after = None if place is None else place.decode()
+        budget = paging.MAX_PAGE_BYTES - paging.PAGE_FRAMING_BYTES
+        names, more = self._page(tenant, after, limit, budget)
+        if not more:
+            return names, ""
+        return names, self.page_tokens.issue(NAMES_LISTING, (tenant,), names[-1].encode())
+
+    def _page(
+        self, tenant: str, after: str | None, limit: int, max_bytes: int
+    ) -> tuple[list[str], bool]:
+        """A tenant's names sorted after ``after`` (None: from the first), at most ``limit``
+        of them and at most ``max_bytes`` of UTF-8 plus paging.ITEM_FRAMING_BYTES each (at
+        least one name however long: one fits any page); and whether more follow."""
+        with self._lock:
+            names = self._names.get(tenant)
+            order = names.order if names is not None else []
+            start = 0 if after is None else bisect.bisect_right(order, after)
+            page: list[str] = []
+            used = 0
+            for name in order[start : start + limit]:
+                used += len(name.encode()) + paging.ITEM_FRAMING_BYTES
+                if used > max_bytes and page:
+                    break
+                page.append(name)
+            return page, start + len(page) < len(order)
+
+    @property
+    def lock_waiters(self) -> int:
+        """Threads blocked on the lock now (the background compactor steps aside)."""
+        return self._lock.waiting
+
+    def close(self) -> None:
+        """Release every name (server shutdown, after every session ended)."""
+        with self._lock:
+            refs = [ref for names in self._names.values() for ref in names.refs.values()]
+            self._names.clear()
+        for ref in refs:
+            self.storages.decref(ref.storage)
