@@ -646,3 +646,33 @@ def test_ratios_under_load_skip_the_samples_while_users_arrive_or_leave(tmp_path
     summary = loadtest.summarize(tmp_path, baseline={}, final={}, leftover_names=[])
     assert summary["max_reserved_over_allocated"] == 1.1
     assert summary["mean_reserved_over_allocated"] == pytest.approx(1.1)
+
+
+def test_the_top_level_locustfile_runs_the_packages_users() -> None:
+    """`locust -f loadtest/locustfile.py` from a checkout finds the very user classes
+    `tensord loadtest` runs (one source, no copy).  In a child: Locust's import
+    monkey-patches the process (gevent)."""
+    root = Path(__file__).resolve().parents[1]
+    probe = (
+        "import importlib.util, json, sys\n"
+        "from locust import User\n"
+        "from tensord_server.tools.loadtest import locustfile as packaged\n"
+        "spec = importlib.util.spec_from_file_location('top', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "def users(ns):\n"
+        "    return {n: v for n, v in ns.items()\n"
+        "            if isinstance(v, type) and issubclass(v, User) and v is not User}\n"
+        "found = users(vars(module))\n"
+        "print(json.dumps([sorted(found), found == users(vars(packaged))]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(root / "loadtest" / "locustfile.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    names, same = json.loads(result.stdout.strip().splitlines()[-1])
+    assert same, names
+    assert {"KVCacheUser", "TrainingStepUser", "TraceReplayUser"} <= set(names)

@@ -3,7 +3,7 @@
 Run by ``tensord loadtest`` (which starts a server, Locust and the sampler and
 writes the report), or by hand / by docker-compose::
 
-    locust -f server/tensord_server/tools/loadtest/locustfile.py --headless -u 20 -t 30s --host 127.0.0.1:50051
+    locust -f loadtest/locustfile.py --headless -u 20 -t 30s --host 127.0.0.1:50051
 
 Every SDK operation fires one Locust request event (``request_type="grpc"``,
 named ``workload.op``), so Locust's statistics cover every op.  Errors a
