@@ -43,7 +43,7 @@ def test_readme_server_command_uses_the_console_script() -> None:
 
 
 # The Python trees the linters hold to the project's style (README's code blocks are prose).
-PYTHON_TREES = ("client", "server", "tests", "benchmarks", "scripts")
+PYTHON_TREES = ("client", "server", "tests", "benchmarks", "scripts", "loadtest")
 
 
 @pytest.mark.parametrize(
