@@ -9,8 +9,10 @@ import grpc
 import numpy as np
 import pytest
 import tensord
-from tensord import _convert, _format, _rpc, dtypes, errors
+from tensord import _convert, _format, dtypes, errors
+from tensord.protocol import ERROR_TYPE_KEY
 from tensord.tensor import _parse_to, device_name, index_items, shape_args
+from tensord.wire import status as wire_status
 
 torch = pytest.importorskip("torch")
 
@@ -153,7 +155,7 @@ def test_size_and_device_print_like_torch() -> None:
     ],
 )
 def test_error_class_for_each_status(code, error_type, cls, builtin) -> None:
-    found = _rpc.error_class(code, error_type)
+    found = wire_status.error_class(code, error_type)
     assert found is cls
     assert issubclass(found, builtin) and issubclass(found, errors.TensordError)
 
@@ -166,7 +168,7 @@ class _FailingHandler(grpc.GenericRpcHandler):
 
         def fail(request, context):  # type: ignore[no-untyped-def]
             if error_type:
-                context.set_trailing_metadata(((_rpc.ERROR_TYPE_KEY, error_type),))
+                context.set_trailing_metadata(((ERROR_TYPE_KEY, error_type),))
             context.abort(grpc.StatusCode[code_name], f"message for {code_name}")
 
         return grpc.unary_unary_rpc_method_handler(fail)
@@ -186,7 +188,7 @@ def test_call_raises_the_mapped_exception_with_the_servers_message() -> None:
         for code_name, error_type, cls in cases:
             method = channel.unary_unary(f"/x/{code_name}/{error_type}")
             with pytest.raises(cls) as info:
-                _rpc._call(lambda m=method: m(b"", timeout=10))
+                wire_status.call(lambda m=method: m(b"", timeout=10))
             assert str(info.value) == f"message for {code_name}"
     finally:
         channel.close()

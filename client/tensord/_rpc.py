@@ -34,13 +34,14 @@ from tensord.protocol import (
     AUTHORIZATION_KEY,
     BEARER,
     DEFAULT_ADDRESS,
-    ERROR_TYPE_KEY,
     MAX_BATCH_OPS,
     MAX_BATCH_RESULTS,
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
 )
+from tensord.wire.status import batch_error, error_from_rpc, is_own_deadline
+from tensord.wire.status import call as _call
 
 ADDRESS_ENV = "TENSORD_ADDRESS"
 TOKEN_ENV = "TENSORD_TOKEN"
@@ -102,39 +103,6 @@ CopyAnswered = Callable[[pb.TensorMeta], None]
 # BatchOp per view cost more than the view): (BatchOp field, verb for errors, input handle,
 # message -- for a view, {ViewRequest field: its message} --, result ids, copy callback).
 QueuedOp = tuple[str, str, str, Any, tuple[str, ...], CopyAnswered | None]
-
-# The Python built-in torch raises (sent by the server in the trailer) -> our subclass of it.
-_INVALID_ARGUMENT_BY_BUILTIN: dict[str, type[errors.TensordError]] = {
-    "RuntimeError": errors.TensordRuntimeError,
-    "IndexError": errors.TensordIndexError,
-    "TypeError": errors.TensordTypeError,
-    "ValueError": errors.InvalidArgumentError,
-    "NotImplementedError": errors.TensordNotImplementedError,
-}
-
-_ERROR_BY_CODE: dict[grpc.StatusCode, type[errors.TensordError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    # A name that exists already (put without overwrite): a bad argument, a ValueError.
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
-    # The pool is the resource a client exhausts; torch raises OutOfMemoryError there.
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.OutOfMemoryError,
-    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
-    grpc.StatusCode.INTERNAL: errors.InternalError,
-    grpc.StatusCode.UNKNOWN: errors.InternalError,
-}
-
-# Every tensord error class by name, so a trailer may also name one precisely
-# (e.g. "ResourceExhaustedError" for a quota rather than the pool).
-_ERROR_BY_NAME: dict[str, type[errors.TensordError]] = {
-    name: cls
-    for name, cls in vars(errors).items()
-    if isinstance(cls, type) and issubclass(cls, errors.TensordError)
-}
 
 
 def resolve_address(address: str | None) -> str:
@@ -348,47 +316,6 @@ def resolve_tls(
                 f"cannot read root certificates {str(roots)!r}: {exc.strerror}"
             ) from None
     return grpc.ssl_channel_credentials(root_certificates=roots)
-
-
-def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[errors.TensordError]:
-    """The tensord exception class for a status code and ``tensord-error-type`` trailer."""
-    base = (
-        _ERROR_BY_CODE.get(code, errors.TensordError) if code is not None else errors.TensordError
-    )
-    named = _ERROR_BY_NAME.get(error_type or "")
-    if named is not None and named.status_code == base.status_code:
-        return named
-    if base is errors.InvalidArgumentError:
-        return _INVALID_ARGUMENT_BY_BUILTIN.get(error_type or "", base)
-    return base
-
-
-def error_from_rpc(err: grpc.RpcError, address: str | None = None) -> errors.TensordError:
-    """Turn a failed call into the matching tensord exception, keeping the server's message;
-    UNAVAILABLE (no server at ``address`` any more) says so, gRPC's own text after it."""
-    code = err.code() if isinstance(err, grpc.Call) else None
-    details = (err.details() if isinstance(err, grpc.Call) else None) or str(err)
-    if code is grpc.StatusCode.UNAVAILABLE and address is not None:
-        details = (
-            f"cannot reach the tensord server at {address}: is the server running? "
-            f"(gRPC status UNAVAILABLE: {details})"
-        )
-    error_type = None
-    if isinstance(err, grpc.Call):
-        for key, value in err.trailing_metadata() or ():
-            if key == ERROR_TYPE_KEY:
-                error_type = value.decode() if isinstance(value, bytes) else value
-    exc = error_class(code, error_type)(details)
-    exc.grpc_code = code  # type: ignore[attr-defined]  # kept for callers who want it
-    return exc
-
-
-def _call(fn: Callable[[], M]) -> M:
-    """Run one gRPC call, raising tensord's exception instead of grpc.RpcError."""
-    try:
-        return fn()
-    except grpc.RpcError as err:
-        raise error_from_rpc(err) from None
 
 
 def _take(pending: collections.deque[str], limit: int) -> list[str]:
@@ -1058,25 +985,23 @@ class Connection:
         stub_method = getattr(self._stub, method)
         deadline = self.call_timeout if timeout is None else timeout
         grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
-        try:
-            if not session:
-                return _call(
-                    lambda: stub_method(request, metadata=self._auth, timeout=grpc_timeout)
-                )
-            metadata = self.metadata()
-            return self._in_session(
-                metadata[0][1],
-                lambda: stub_method(request, metadata=metadata, timeout=grpc_timeout),
-                sync=sync,
-            )
-        except errors.DeadlineExceededError as exc:
-            if grpc_timeout is None:  # not our deadline: the server's own word
-                raise
-            raise errors.DeadlineExceededError(
-                f"{method}: the tensord server at {self.address} did not answer within "
-                f"{grpc_timeout:g} s ({exc}); it may be hung or overloaded (the deadline is "
-                f"connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
-            ) from None
+        metadata = self.metadata() if session else self._auth
+
+        def send() -> Any:
+            try:
+                return stub_method(request, metadata=metadata, timeout=grpc_timeout)
+            except grpc.RpcError as err:
+                if grpc_timeout is None or not is_own_deadline(err):
+                    raise  # the server's own word, a DeadlineExceededError among them
+                raise errors.DeadlineExceededError(
+                    f"{method}: the tensord server at {self.address} did not answer within "
+                    f"{grpc_timeout:g} s ({error_from_rpc(err)}); it may be hung or overloaded "
+                    f"(the deadline is connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
+                ) from None
+
+        if not session:
+            return _call(send)
+        return self._in_session(metadata[0][1], send, sync=sync)
 
     def _in_session(self, session_id: str, fn: Callable[[], M], sync: bool = True) -> M:
         """Run a call sent in ``session_id``; "unknown session" means it was lost.
@@ -1326,13 +1251,12 @@ class Connection:
             if released and index < ops - 1:  # skipped
                 self._requeue_releases(released)
             what = _describe(queued, bool(released), index)
-            code = next((c for c in grpc.StatusCode if c.value[0] == response.error_code), None)
-            cls = error_class(code, response.error_type)
             skipped = ops - index - 1
             self._keep_error(
-                cls(
+                batch_error(
+                    response,
                     f"{response.error_message} (pipelined op {what} failed on the server; "
-                    f"the {skipped} op(s) queued after it in the same batch were skipped)"
+                    f"the {skipped} op(s) queued after it in the same batch were skipped)",
                 )
             )
             return False

@@ -24,6 +24,9 @@ BEARER = "Bearer "
 SESSION_KEY = "tensord-session"
 #: trailing metadata of an error: the Python built-in torch raises in the same case
 ERROR_TYPE_KEY = "tensord-error-type"
+#: trailing metadata of an error with machine-readable facts (tensord.errors' detail_fields):
+#: one JSON object, set as attributes of the exception the SDK raises
+ERROR_DETAILS_KEY = "tensord-error-details"
 #: request metadata of an Upload: its serialized UploadHeader (binary, hence ``-bin``)
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)

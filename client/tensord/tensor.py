@@ -302,17 +302,11 @@ class _TorchErrors:
     ) -> None:
         if exc is None or isinstance(exc, errors.TensordError):
             return
-        for builtin, ours in _TORCH_ERROR_TYPES:
-            if isinstance(exc, builtin):
-                raise ours(str(exc)) from None
+        ours = errors.from_builtin(exc)
+        if ours is not None:
+            raise ours from None
 
 
-_TORCH_ERROR_TYPES: tuple[tuple[type[Exception], type[errors.TensordError]], ...] = (
-    (IndexError, errors.TensordIndexError),
-    (TypeError, errors.TensordTypeError),
-    (RuntimeError, errors.TensordRuntimeError),
-    (ValueError, errors.InvalidArgumentError),
-)
 _TORCH_ERRORS = _TorchErrors()
 
 

@@ -196,9 +196,7 @@ class TensordService:
             copies=copies,
             failed=True,
             failed_index=outcome.failed_index or 0,
-            error_type=status.error_type_for(exc),
-            error_message=status.details_for(exc),
-            error_code=status.status_for(exc).value[0],
+            **status.batch_error_fields(exc),
         )
 
     # -- factories ----------------------------------------------------------------
