@@ -24,10 +24,11 @@ import pytest
 import tensord
 import torch
 from conftest import SessionStub, interrupted_after, open_channel, slowed_exports, wait_until
-from tensord import _local, _rpc
+from tensord import _local
 from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.errors import FailedPreconditionError
 from tensord.tensor import assign_data
+from tensord.wire import worker
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.quotas import QuotaSpec
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
@@ -535,7 +536,7 @@ class _RecordedStub:
 
     def _record(self) -> None:
         calling = threading.current_thread()
-        if calling.ident == self._thread or calling.name == _rpc.WORKER_THREAD_NAME:
+        if calling.ident == self._thread or calling.name == worker.WORKER_THREAD_NAME:
             self._calls.append(self._name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -1278,7 +1279,7 @@ def test_an_export_whose_caller_was_interrupted_is_released(
     slow_export, answered = slowed_exports(table, 0.0 if answered_first else 0.3)
     monkeypatch.setattr(table, "export", slow_export)
     if answered_first:  # the interrupt comes once the worker holds the answer
-        monkeypatch.setattr(_rpc._Job, "outcome", _interrupt_first(_rpc._Job.outcome))
+        monkeypatch.setattr(worker.Job, "outcome", _interrupt_first(worker.Job.outcome))
     with interrupted_after(None if answered_first else 0.05):
         torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
     monkeypatch.undo()

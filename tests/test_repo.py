@@ -191,9 +191,7 @@ ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
 ISSUE_NUMBER_TREES = ("client/", "server/", "proto/", "docs/", "benchmarks/", "tests/", "scripts/")
 ISSUE_NUMBER_FILES = ("README.md", "SECURITY.md")
 # Cleaned by the restructuring in progress: empty this once it has merged.
-ISSUE_NUMBERS_NOT_YET_CHECKED_UNDER: tuple[str, ...] = (
-    "client/",
-)
+ISSUE_NUMBERS_NOT_YET_CHECKED_UNDER: tuple[str, ...] = ("client/",)
 
 
 def issue_number_lines(text: str) -> list[str]:

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import tensord
 from tensord import _convert, _format, dtypes, errors
+from tensord._args import parse_to, shape_args
+from tensord.device import device_name
 from tensord.protocol import ERROR_TYPE_KEY
-from tensord.tensor import _parse_to, device_name, index_items, shape_args
 from tensord.wire import status as wire_status
+from tensord.wire.requests import index_items
 
 torch = pytest.importorskip("torch")
 
@@ -107,12 +109,12 @@ def test_argument_forms() -> None:
     assert shape_args((np.int64(4),)) == (4,)
     assert device_name("cuda") == "cuda:0" and device_name(1) == "cuda:1"
     assert device_name(torch.device("cpu")) == "cpu"
-    assert _parse_to(("cuda:0",), {}) == ("cuda:0", None, False)
-    assert _parse_to((tensord.dtypes.float16,), {}) == (None, dtypes.float16, False)
-    assert _parse_to((torch.float64,), {"copy": True}) == (None, dtypes.float64, True)
-    assert _parse_to(("cpu", dtypes.int32), {}) == ("cpu", dtypes.int32, False)
-    assert _parse_to((), {"device": "cpu", "dtype": dtypes.bool}) == ("cpu", dtypes.bool, False)
-    assert _parse_to(("cpu", dtypes.int8, False, True), {}) == ("cpu", dtypes.int8, True)
+    assert parse_to(("cuda:0",), {}) == ("cuda:0", None, False)
+    assert parse_to((tensord.dtypes.float16,), {}) == (None, dtypes.float16, False)
+    assert parse_to((torch.float64,), {"copy": True}) == (None, dtypes.float64, True)
+    assert parse_to(("cpu", dtypes.int32), {}) == ("cpu", dtypes.int32, False)
+    assert parse_to((), {"device": "cpu", "dtype": dtypes.bool}) == ("cpu", dtypes.bool, False)
+    assert parse_to(("cpu", dtypes.int8, False, True), {}) == ("cpu", dtypes.int8, True)
     items = index_items((1, slice(None, 3), None, Ellipsis))
     assert [i.WhichOneof("item") for i in items] == ["integer", "slice", "none", "ellipsis"]
     assert not items[1].slice.HasField("start") and items[1].slice.stop == 3

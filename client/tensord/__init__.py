@@ -48,6 +48,7 @@ from tensord._functions import (  # torch's module forms of the view ops: tensor
     vsplit,
 )
 from tensord.client import Client, cat, connect, stack
+from tensord.device import Device, Size
 from tensord.dtypes import (  # torch's dtype names: tensord.float32, tensord.bool, ...
     DType,
     bfloat16,
@@ -104,7 +105,7 @@ from tensord.memory_format import (  # torch's memory formats: tensord.channels_
     preserve_format,
 )
 from tensord.protocol import VERSION
-from tensord.tensor import Device, Size, Tensor
+from tensord.tensor import Tensor
 
 __version__ = VERSION
 

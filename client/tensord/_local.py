@@ -62,9 +62,10 @@ from tensord.protocol import (
     CHANNEL_OK,
     split_ticket,
 )
+from tensord.wire import requests
 
 if TYPE_CHECKING:
-    from tensord._rpc import Connection
+    from tensord.wire.connection import Connection
 
 LOCAL_ENV = "TENSORD_LOCAL"
 # Transfers smaller than this keep the gRPC path: one Upload/Download call beats
@@ -580,7 +581,7 @@ class LocalMapper:
         if not self.enabled:
             return None
         instance, mapped = self._mapped_hint
-        request = pb.ExportRequest(handle=handle, server_instance=instance, mapped_segments=mapped)
+        request = requests.export(handle, instance, mapped)
         response = self._call_export(request)
         if response is None:
             return None
@@ -590,7 +591,7 @@ class LocalMapper:
             # answered without a ticket for a segment no longer mapped here (close() forgot
             # it meanwhile): that export is released, and one naming no mapped segment, so
             # answered with a ticket, replaces it
-            response = self._call_export(pb.ExportRequest(handle=handle))
+            response = self._call_export(requests.export(handle))
             return None if response is None else self._mapped(handle, response, reuse_key)
 
     def _call_export(self, request: pb.ExportRequest) -> pb.ExportResponse | None:
@@ -841,7 +842,7 @@ class LocalMapper:
                 closing = [self._imports.pop(k) for k in idle]
             for imported in closing:
                 imported.close()
-        closed = [pb.ClosedImport(segment_id=i.id, exports=i.opened_for) for i in closing]
+        closed = [requests.closed_import(i.id, i.opened_for) for i in closing]
         return closed + self._take_unopened()
 
     def _take_unopened(self) -> list[pb.ClosedImport]:
@@ -852,7 +853,7 @@ class LocalMapper:
         with self._lock:
             taken, self._unopened = self._unopened, collections.Counter()
         return [
-            pb.ClosedImport(segment_id=segment_id, exports=exports)
+            requests.closed_import(segment_id, exports)
             for (owner, segment_id), exports in taken.items()
             if owner == session_id
         ]

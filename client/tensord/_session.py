@@ -1,7 +1,7 @@
 """What every tensor of one Client shares: the connection and the same-host mapper.
 
 :mod:`tensord.tensor` depends on this object rather than on :mod:`tensord.client`, so
-the SDK's modules form layers (client -> tensor -> _session -> _rpc, _local) with no
+the SDK's modules form layers (client -> tensor -> _session -> wire, _local) with no
 cycle, and a tensor never reaches into its client's private members.
 """
 
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from tensord import _local
-from tensord._rpc import Connection
 from tensord.layout import Layout
+from tensord.wire.connection import Connection
 
 
 class SessionClient(Protocol):

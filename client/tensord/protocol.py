@@ -117,7 +117,8 @@ def split_ticket(ticket: str) -> tuple[str, str]:
     return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
 
 
-# The export channel (issue 13) on the same fd socket: a connection binds with a line
+# The export channel on the same fd socket (a session's Exports without a gRPC round
+# trip): a connection binds with a line
 # ``CHANNEL_BIND`` + the session's key less its proof; then each request is a frame
 # (CHANNEL_FRAME_HEADER: its length, then an ExportRequest's bytes) and each answer a status
 # and a length (CHANNEL_ANSWER_HEADER) then an ExportResponse's bytes (CHANNEL_OK) or a short

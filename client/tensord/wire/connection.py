@@ -1,28 +1,27 @@
-"""The SDK's wire: one gRPC channel, one ``_call``, raw-byte transfers, the session.
+"""A connection: one gRPC channel to one server, the session on it, and its queues.
 
-Everything that knows about gRPC lives here, so the rest of the SDK deals in
-protobuf messages and :mod:`tensord.errors` only.  :func:`error_from_rpc` is
-the single place that maps a status code (and the ``tensord-error-type``
-trailer) back to an exception class.
+Everything a Client's tensors send goes through one :class:`Connection`: unary calls
+(each under the call deadline, its failure raised as :mod:`tensord.errors`' class by
+:mod:`tensord.wire.status`), raw-byte transfers (:mod:`tensord.wire.streams`), the
+pipelined ops and the batched releases (:mod:`tensord.wire.pipeline`), and the
+session's liveness (a KeepAlive stream, a new session when the server lost the old).
+The main thread's calls run on worker threads (:mod:`tensord.wire.worker`); a fork
+waits for the background ones (:mod:`tensord.wire.fork`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
-import ipaddress
 import math
-import numbers
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import grpc.experimental
@@ -33,23 +32,27 @@ from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.protocol import (
     AUTHORIZATION_KEY,
     BEARER,
-    DEFAULT_ADDRESS,
-    MAX_BATCH_OPS,
-    MAX_BATCH_RESULTS,
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
 )
+from tensord.wire import requests
+from tensord.wire.address import Probe, probe, serve_hint
+from tensord.wire.config import CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT_S
+from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
+from tensord.wire.pipeline import (
+    PIPELINE_BATCH,
+    PIPELINE_BATCH_MAX,
+    CopyAnswered,
+    QueuedOp,
+    batch_parts,
+    describe,
+)
 from tensord.wire.status import batch_error, error_from_rpc, is_own_deadline
 from tensord.wire.status import call as _call
+from tensord.wire.streams import StreamWatchdog, WatchedStream, chunks, progressing
+from tensord.wire.worker import off_main_thread, track
 
-ADDRESS_ENV = "TENSORD_ADDRESS"
-TOKEN_ENV = "TENSORD_TOKEN"
-# TLS without an argument: TENSORD_TLS_CA names a PEM file of root certificates (TLS on);
-# TENSORD_TLS=1 turns TLS on with the system's roots.
-TLS_ENV = "TENSORD_TLS"
-TLS_CA_ENV = "TENSORD_TLS_CA"
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 # The server's NOT_FOUND text for a session id it does not have (sessions.py).
 UNKNOWN_SESSION = "unknown session"
 
@@ -59,7 +62,7 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # A Download runs on its caller's thread: otherwise gRPC starts a "channel spin" thread
-    # per download that is still winding down when the caller forks next (see _ForkGate).
+    # per download that is still winding down when the caller forks next (tensord.wire.fork).
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 )
 # Dropped handles are sent in one Release per interval (or sooner once this many wait).
@@ -67,458 +70,23 @@ RELEASE_INTERVAL_S = 0.05
 RELEASE_BATCH = 1024
 # the longest wait between heartbeats, whatever lease the server grants (one hour)
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
-# Pipelining (issue 15): queued ops go to the server in one Batch once this many wait (or
-# at the next call that waits for the server, or within RELEASE_INTERVAL_S).
-PIPELINE_BATCH = 256
-# While the Batch before is still on the server, a full queue keeps filling up to this many
-# ops before its caller waits: one larger Batch (fewer RPCs per op for the server) instead
-# of a wait at every PIPELINE_BATCH ops (issue 15, many clients); one op short of what a
-# Batch may hold, so that the flush's release rides in the same Batch.
-PIPELINE_BATCH_MAX = MAX_BATCH_OPS - 1
 # close() may run at exit or from a finalizer: it must not hang on a server that is gone.
 CLOSE_TIMEOUT_S = 5.0
-# Every unary call's deadline, and how long a transfer may go without a chunk moving: a
-# hung server then raises DeadlineExceededError instead of blocking its caller for ever.
-# Not a total deadline for transfers: a 10 GiB download that keeps moving never ends early.
-DEFAULT_CALL_TIMEOUT_S = 60.0
-CALL_TIMEOUT_ENV = "TENSORD_CALL_TIMEOUT"
-_NO_DEADLINE_WORDS = frozenset({"none", "off"})
-
-
-class CallTimeoutFromEnv(enum.Enum):
-    """``call_timeout``'s default: ``$TENSORD_CALL_TIMEOUT``, else 60 s."""
-
-    FROM_ENV = "from $TENSORD_CALL_TIMEOUT, else 60 s"
-
-
-CALL_TIMEOUT_FROM_ENV = CallTimeoutFromEnv.FROM_ENV
 
 _UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
 _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
 
 M = TypeVar("M")
-# What a queued op that makes a new Storage hears once its Batch is answered.
-CopyAnswered = Callable[[pb.TensorMeta], None]
-# One queued op, kept as plain values until its Batch is built (issue 15: building a
-# BatchOp per view cost more than the view): (BatchOp field, verb for errors, input handle,
-# message -- for a view, {ViewRequest field: its message} --, result ids, copy callback).
-QueuedOp = tuple[str, str, str, Any, tuple[str, ...], CopyAnswered | None]
 
 
-def resolve_address(address: str | None) -> str:
-    """The address argument, else ``$TENSORD_ADDRESS``, else 127.0.0.1:50051, as gRPC dials
-    it (:func:`dial_address`)."""
-    return dial_address(address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS)
+class BatchInFlight(NamedTuple):
+    """The Batch sent and not yet collected (one at a time: the server applies them in order)."""
 
-
-# tensord's port: a host given without one means it (gRPC's own default port is 443)
-DEFAULT_PORT = DEFAULT_ADDRESS.rpartition(":")[2]
-# gRPC target schemes that name no host and port: left as they are
-_OTHER_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
-_URL_SCHEMES = ("http://", "https://", "grpc://", "grpcs://")
-
-
-def _with_port(host_port: str) -> str:
-    if not host_port:
-        return host_port
-    with contextlib.suppress(ValueError):
-        ip = ipaddress.ip_address(host_port)  # a bare IP: "::1" is all host, no port
-        return f"[{ip}]:{DEFAULT_PORT}" if ip.version == 6 else f"{ip}:{DEFAULT_PORT}"
-    if host_port.startswith("["):
-        return f"{host_port}:{DEFAULT_PORT}" if host_port.endswith("]") else host_port
-    return host_port if ":" in host_port else f"{host_port}:{DEFAULT_PORT}"
-
-
-def dial_address(address: str) -> str:
-    """``address`` with tensord's port where it names none (``myhost`` -> ``myhost:50051``).
-
-    A URL (``http://host:port``) is refused with the form to use: gRPC would read it as
-    a host named ``http`` and wait out the whole connect timeout."""
-    if address.lower().startswith(_URL_SCHEMES):
-        rest = address.split("://", 1)[1].rstrip("/")
-        tls = " and tls=True" if address.lower().startswith(("https://", "grpcs://")) else ""
-        raise ValueError(
-            f"a tensord address is HOST:PORT (or unix:PATH), not a URL: got {address!r}; "
-            f"pass {_with_port(rest)!r}{tls} (the gRPC port of `tensord serve`, default "
-            f"{DEFAULT_PORT}; not the dashboard's or the metrics' HTTP port)"
-        )
-    if address.startswith(_OTHER_SCHEMES):
-        return address
-    if address.startswith("dns:"):
-        rest = address.removeprefix("dns:")
-        if rest.startswith("//"):  # dns://[authority]/host:port
-            authority, _, rest = rest[2:].partition("/")
-            return f"dns://{authority}/{_with_port(rest)}"
-        return f"dns:{_with_port(rest)}"
-    return _with_port(address)
-
-
-# gRPC dials through a proxy these name; a direct probe would judge another path
-_PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
-
-
-def _host_and_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of a dialled HOST:PORT or dns: address; None for any other."""
-    if address.startswith(_OTHER_SCHEMES):
-        return None
-    host_port = address.removeprefix("dns:")
-    if host_port.startswith("//"):  # dns://[authority]/host:port
-        host_port = host_port[2:].partition("/")[2]
-    host, _, port = host_port.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit():
-        return None
-    return host, int(port)
-
-
-def _probe_target(address: str) -> str | tuple[str, int] | None:
-    """Where a plain socket reaches what gRPC dials for ``address``: a unix socket's path,
-    or (host, port); None where a socket cannot tell (other schemes, a proxy)."""
-    if address.startswith("unix:"):
-        path = address.removeprefix("unix:")
-        return "/" + path.lstrip("/") if path.startswith("//") else path
-    if address.startswith("unix-abstract:"):
-        return "\0" + address.removeprefix("unix-abstract:")
-    if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_VARIABLES):
-        return None
-    return _host_and_port(address)
-
-
-class _Probe(enum.Enum):
-    """What a plain socket connect where gRPC dials found (when it raised nothing)."""
-
-    ACCEPTED = "accepted"
-    SILENT = "silent"  # neither accepted nor refused in time: a host down, a firewall
-    UNTRIED = "untried"
-
-
-def _probe(address: str, timeout: float) -> _Probe:
-    """Connect a plain socket where gRPC would dial.  Refused, unresolvable or unreachable
-    raise UnavailableError at once, where gRPC would retry until the connect timeout; an
-    accepted connection is closed unused."""
-    target = _probe_target(address)
-    if target is None:
-        return _Probe.UNTRIED
-    try:
-        if isinstance(target, str):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout)
-                sock.connect(target)
-        else:
-            socket.create_connection(target, timeout=timeout).close()
-    except TimeoutError:
-        return _Probe.SILENT
-    except socket.gaierror as exc:
-        raise errors.UnavailableError(
-            f"cannot resolve the host {target[0]!r} of the tensord address {address}: "
-            f"{exc.strerror}; a tensord address is HOST:PORT (default {DEFAULT_ADDRESS})"
-        ) from None
-    except (ConnectionRefusedError, FileNotFoundError) as exc:
-        why = "connection refused" if isinstance(exc, ConnectionRefusedError) else "no such socket"
-        raise errors.UnavailableError(
-            f"no tensord server answers at {address} ({why}: nothing listens there); "
-            f"{_serve_hint(address)}"
-        ) from None
-    except OSError as exc:  # no route to the host, the network down
-        raise errors.UnavailableError(
-            f"no tensord server answers at {address} ({exc.strerror or exc}); "
-            f"check the address, or {_serve_hint(address)}"
-        ) from None
-    return _Probe.ACCEPTED
-
-
-def _serve_hint(address: str) -> str:
-    """How to start a server that ``address`` reaches, in `tensord serve`'s flags."""
-    if address == DEFAULT_ADDRESS:
-        return f"start one with `tensord serve` (it listens on {DEFAULT_ADDRESS})"
-    if address.startswith(("unix:", "unix-abstract:")):
-        return f"start one with `tensord serve --address {address}`"
-    host_port = _host_and_port(address)
-    if host_port is None:
-        return "start one with `tensord serve`, or pass the address of a running one"
-    host, port = host_port
-    try:
-        remote = not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        remote = host != "localhost"
-    if remote:  # serve refuses a non-loopback address without tokens
-        return (
-            f"start one on {host} with `tensord serve --address 0.0.0.0:{port} "
-            "--auth-tokens FILE`, or pass the address of a running one"
-        )
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return f"start one with `tensord serve --address {shown}`"
-
-
-def resolve_token(token: str | None) -> str | None:
-    """The token argument, else ``$TENSORD_TOKEN``, else None (no authorization sent)."""
-    return token or os.environ.get(TOKEN_ENV) or None
-
-
-def _checked_call_timeout(value: float, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{source} must be a number of seconds or None, got {type(value).__name__}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{source} must be a finite number of seconds > 0 (or None), got {value}")
-    return float(value)
-
-
-def resolve_call_timeout(call_timeout: float | CallTimeoutFromEnv | None) -> float | None:
-    """The call_timeout argument, else ``$TENSORD_CALL_TIMEOUT``, else 60 s; None: no deadline.
-
-    The variable holds seconds, or ``none`` (``off``) for no deadline.
-    """
-    if call_timeout is not CALL_TIMEOUT_FROM_ENV:
-        return None if call_timeout is None else _checked_call_timeout(call_timeout, "call_timeout")
-    raw = os.environ.get(CALL_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CALL_TIMEOUT_S
-    if raw.lower() in _NO_DEADLINE_WORDS:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(
-            f"${CALL_TIMEOUT_ENV} must be a number of seconds or 'none', got {raw!r}"
-        ) from None
-    return _checked_call_timeout(seconds, f"${CALL_TIMEOUT_ENV}")
-
-
-RootCertificates = bytes | str | os.PathLike[str]
-
-
-def resolve_tls(
-    tls: bool | None, root_certificates: RootCertificates | None
-) -> grpc.ChannelCredentials | None:
-    """Channel credentials for TLS, or None for a plaintext channel.
-
-    ``root_certificates`` is PEM bytes or the path of a PEM file (else
-    ``$TENSORD_TLS_CA``); giving roots turns TLS on.  ``tls=None`` means: on when
-    roots are given or ``$TENSORD_TLS`` is set true, off otherwise.  Without roots
-    the system's trusted roots check the server's certificate.
-    """
-    if root_certificates is None and tls is not False:
-        root_certificates = os.environ.get(TLS_CA_ENV) or None
-    if tls is None:
-        wanted = os.environ.get(TLS_ENV, "").strip().lower() in _TRUE_WORDS
-        tls = root_certificates is not None or wanted
-    if not tls:
-        if root_certificates is not None:
-            raise ValueError("root_certificates given with tls=False")
-        return None
-    roots = root_certificates
-    if roots is not None and not isinstance(roots, bytes):
-        try:
-            with open(roots, "rb") as f:
-                roots = f.read()
-        except OSError as exc:
-            raise ValueError(
-                f"cannot read root certificates {str(roots)!r}: {exc.strerror}"
-            ) from None
-    return grpc.ssl_channel_credentials(root_certificates=roots)
-
-
-def _take(pending: collections.deque[str], limit: int) -> list[str]:
-    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
-    batch: list[str] = []
-    with contextlib.suppress(IndexError):
-        while len(batch) < limit:
-            batch.append(pending.popleft())
-    return batch
-
-
-def _session_lost_message(session_id: str) -> str:
-    return (
-        f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
-        "the session expired, and the tensor's data went with it; the client has opened a new "
-        "session: tensors made from now on work, so make this one again"
-    )
-
-
-def _chunks(data: memoryview, size: int) -> Iterator[bytes]:
-    # Each message must be ``bytes``: gRPC's identity serializer sends it as is.
-    for start in range(0, len(data), size):
-        yield bytes(data[start : start + size])
-
-
-class _WatchedStream:
-    """One transfer under the watchdog: when a chunk last moved, and whether it was cancelled."""
-
-    __slots__ = ("call", "cancelled", "last_progress")
-
-    def __init__(self) -> None:
-        self.call: grpc.Future | None = None
-        self.last_progress = time.monotonic()
-        self.cancelled = False
-
-    def progressed(self) -> None:
-        self.last_progress = time.monotonic()  # one float store: no lock needed
-
-
-def _progressing(chunks: Iterator[bytes], stream: _WatchedStream) -> Iterator[bytes]:
-    # gRPC asks for chunk n once chunk n-1 is sent: each request is progress
-    for chunk in chunks:
-        stream.progressed()
-        yield chunk
-
-
-class _StreamWatchdog:
-    """Cancels any transfer of one connection in which no chunk moved for ``idle_timeout`` s.
-
-    gRPC has only a total deadline for a call; a big transfer must not hit one, yet a
-    stalled one must end.  One thread per connection (started with the first transfer)
-    sleeps until the earliest moment a watched transfer could have been idle too long.
-    """
-
-    def __init__(self, idle_timeout: float) -> None:
-        self.idle_timeout = idle_timeout
-        self._changed = threading.Condition()
-        self._streams: set[_WatchedStream] = set()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    @contextlib.contextmanager
-    def watch(self, stream: _WatchedStream, call: grpc.Future) -> Iterator[None]:
-        """Watch ``call`` while the block runs; it is cancelled after the block, if unfinished."""
-        stream.call = call
-        with self._changed:
-            self._streams.add(stream)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch_forever, name="tensord-stream-watchdog", daemon=True
-                )
-                self._thread.start()
-            self._changed.notify()
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._streams.discard(stream)
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify()
-
-    def _take_idle(self) -> tuple[list[_WatchedStream], float | None]:
-        """Mark the streams idle too long now; also how long until the next one could be."""
-        now = time.monotonic()
-        idle: list[_WatchedStream] = []
-        next_in: float | None = None
-        for stream in self._streams:
-            if stream.cancelled:
-                continue
-            left = stream.last_progress + self.idle_timeout - now
-            if left <= 0:
-                stream.cancelled = True
-                idle.append(stream)
-            else:
-                next_in = left if next_in is None else min(next_in, left)
-        return idle, next_in
-
-    def _watch_forever(self) -> None:
-        while True:
-            with self._changed:
-                if self._stopped:
-                    return
-                idle, next_in = self._take_idle()
-                if not idle:
-                    self._changed.wait(next_in)
-                    continue
-            with _FORK_GATE.busy():  # outside the lock: cancelling may run gRPC's callbacks
-                for stream in idle:
-                    if stream.call is not None:
-                        stream.call.cancel()
-
-
-# ---- fork ------------------------------------------------------------------------------
-# os.fork() while another thread is inside gRPC, or while a thread is starting or ending,
-# copies that half-done state into the child: about 1 child in 300 died of SIGSEGV in
-# Python's own threading._after_fork, and with GRPC_ENABLE_FORK_SUPPORT=1 the parent
-# could hang in gRPC's fork handlers.  So a fork waits, a bounded time, until no SDK
-# thread is inside gRPC (and holds them out of it until the fork is done), and until the
-# short-lived Python threads gRPC starts for the SDK's own calls have ended.
-
-# How long a fork waits for calls in flight on SDK threads: a beat or a release has a
-# deadline of a few seconds, so this is reached only with a hung server.
-FORK_QUIESCE_S = CLOSE_TIMEOUT_S
-# How long it waits for gRPC's per-call Python threads (an upload's, connect()'s
-# connectivity poll, which checks every 0.2 s): they end in milliseconds once their call
-# is done; one that lives on belongs to a call still running, not worth waiting for.
-FORK_GRPC_THREADS_S = 0.5
-
-
-class _ForkGate:
-    """Keeps the SDK's background threads out of gRPC while the process forks."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition(threading.Lock())
-        self._busy = 0
-        self._forking = False
-
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Around a background thread's gRPC work: waits while a fork is under way."""
-        with self._changed:
-            while self._forking:
-                self._changed.wait()
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._busy -= 1
-                self._changed.notify_all()
-
-    def before_fork(self) -> None:
-        """Wait for the background calls in flight, and keep the lock through the fork:
-        no thread can then be halfway through the gate when the child is made."""
-        self._changed.acquire()
-        self._forking = True
-        deadline = time.monotonic() + FORK_QUIESCE_S
-        while self._busy and (left := deadline - time.monotonic()) > 0:
-            self._changed.wait(left)
-
-    def after_fork_in_parent(self) -> None:
-        self._forking = False
-        self._changed.notify_all()
-        self._changed.release()
-
-
-_FORK_GATE = _ForkGate()
-
-
-def _is_grpc_python_thread(thread: threading.Thread) -> bool:
-    # gRPC's own Python threads (channel spin, request consumer, connectivity poll) all
-    # run a target made by grpc._cython.cygrpc; Thread keeps no public record of it.
-    target = getattr(thread, "_target", None)
-    return getattr(target, "__module__", "") == "grpc._cython.cygrpc"
-
-
-def _join_grpc_threads(timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and _is_grpc_python_thread(thread):
-            thread.join(max(deadline - time.monotonic(), 0.0))
-
-
-def _quiesce_before_fork() -> None:
-    _FORK_GATE.before_fork()
-    if any(not connection.inherited for connection in list(_LIVE_CONNECTIONS)):
-        _join_grpc_threads(FORK_GRPC_THREADS_S)
-
-
-def _resume_after_fork_in_parent() -> None:
-    _FORK_GATE.after_fork_in_parent()
-
-
-def _reset_after_fork_in_child() -> None:
-    global _FORK_GATE, _PROCESS_ID, _IDLE_WORKERS
-    _PROCESS_ID = os.getpid()
-    # the parent's gate is locked (by the forking thread) and counts the parent's threads
-    _FORK_GATE = _ForkGate()
-    _IDLE_WORKERS = collections.deque()  # the parent's workers: no thread here runs them
-    _keep_inherited_channels()
+    future: grpc.Future
+    queued: list[QueuedOp]
+    released: list[str]
+    #: the copies' callbacks, in op order (BatchResponse.copies answers them)
+    answered: list[CopyAnswered]
 
 
 # A forked child inherits every Connection (its session id, its channel) but none of its
@@ -527,252 +95,38 @@ def _reset_after_fork_in_child() -> None:
 # thread that held its locks exists only in the parent).  So in the child every inherited
 # Connection refuses use, its close does nothing, and its channel is kept referenced for
 # the life of the process (deallocating a channel closes it).
-_LIVE_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
 # This process's id, kept by the fork hook: every pipelined view asks whether its
 # connection was inherited, and os.getpid() is a system call each time.
 _PROCESS_ID = os.getpid()
 _INHERITED_CHANNELS: list[grpc.Channel] = []
+# every connection's channel, for the child to keep (the connection is held weakly)
+_CHANNELS: weakref.WeakKeyDictionary[Connection, grpc.Channel] = weakref.WeakKeyDictionary()
 
 
-def _keep_inherited_channels() -> None:
-    for connection in list(_LIVE_CONNECTIONS):
-        _INHERITED_CHANNELS.append(connection._channel)
+def _after_fork_in_child() -> None:
+    global _PROCESS_ID
+    _PROCESS_ID = os.getpid()
+    _INHERITED_CHANNELS.extend(_CHANNELS.values())
 
 
-os.register_at_fork(
-    before=_quiesce_before_fork,
-    after_in_parent=_resume_after_fork_in_parent,
-    after_in_child=_reset_after_fork_in_child,
-)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# ---- interrupts --------------------------------------------------------------------------
-# A signal handler's exception (KeyboardInterrupt from Ctrl-C, or whatever a handler of
-# the user's raises) is raised in the main thread between any two bytecodes, also inside
-# the `with condition:` blocks of gRPC's Python and Cython code: Condition.__enter__ and
-# __exit__ are Python functions, so an exception raised just after the lock was taken (or
-# just before it is released) leaves the channel's lock held for ever, and every later
-# call on that channel, the heartbeat's and the Batch flusher's included, waits for it for
-# ever.  So the main thread never runs gRPC code: it hands each call to a worker thread
-# and waits on a plain lock, whose acquire a signal interrupts cleanly.  The exception
-# then reaches the caller at once; a transfer in flight is cancelled (by another worker),
-# and any other call goes on to its end on its worker (a Batch is applied and its errors
-# kept for the next wait, as if it had been queued).
+def take(pending: collections.deque[str], limit: int) -> list[str]:
+    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
+    batch: list[str] = []
+    with contextlib.suppress(IndexError):
+        while len(batch) < limit:
+            batch.append(pending.popleft())
+    return batch
 
 
-# the name of the threads that run the main thread's calls
-WORKER_THREAD_NAME = "tensord-call"
-
-
-class _Job:
-    """One piece of the main thread's gRPC work, run by a worker thread."""
-
-    __slots__ = (
-        "_finished",
-        "_state",
-        "abandoned",
-        "calls",
-        "done",
-        "error",
-        "orphaned",
-        "result",
-        "work",
+def session_lost_message(session_id: str) -> str:
+    return (
+        f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
+        "the session expired, and the tensor's data went with it; the client has opened a new "
+        "session: tensors made from now on work, so make this one again"
     )
-
-    def __init__(
-        self, work: Callable[[], Any], orphaned: Callable[[Any], None] | None = None
-    ) -> None:
-        self.work = work
-        self.done = threading.Lock()  # held until the work ended: the main thread waits on it
-        self.done.acquire()
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.calls: list[grpc.Future] = []  # streams to cancel if the main thread walks away
-        self.abandoned = False
-        # what to do with a result its caller never takes (it was interrupted): what the
-        # call made on the server (an export, a handle) is released, else it stays pinned
-        # until the session ends
-        self.orphaned = orphaned
-        self._state = threading.Lock()  # orders the work's end with the caller's walking away
-        self._finished = False
-
-    def run(self) -> None:
-        try:
-            self.result = self.work()
-        except BaseException as exc:  # handed to the waiting thread, which raises it
-            self.error = exc
-        finally:
-            self.work = None  # type: ignore[assignment]  # nothing kept alive by an idle job
-            with self._state:
-                self._finished = True
-                walked_away = self.abandoned
-            self.done.release()
-        if walked_away:
-            self._drop_result()
-
-    def outcome(self) -> Any:
-        self.orphaned = None  # the caller takes it (or the error)
-        if self.error is not None:
-            error, self.error = self.error, None  # no cycle through the traceback
-            raise error
-        return self.result
-
-    def abandon(self) -> None:
-        """The waiting thread was interrupted: cancel the streams started so far (a worker
-        does it: cancelling takes gRPC's locks); :func:`_track` cancels any started later.
-        Work that ended already has its result dropped instead (nothing left to cancel)."""
-        with self._state:
-            self.abandoned = True
-            finished = self._finished
-        if finished:
-            self._drop_result()
-            return
-        calls = list(self.calls)
-        if calls:
-            _start_job(_Job(functools.partial(_cancel_calls, calls)))
-
-    def _drop_result(self) -> None:
-        """(once the work ended and its caller walked away) Hand a result to ``orphaned``."""
-        orphaned, self.orphaned = self.orphaned, None
-        result, self.result = self.result, None
-        if orphaned is not None and self.error is None:
-            # only appends to a release queue; never let it end a worker thread
-            with contextlib.suppress(Exception):
-                orphaned(result)
-
-
-def _cancel_calls(calls: list[grpc.Future]) -> None:
-    with _FORK_GATE.busy():  # like the watchdog's: a fork waits for a cancel under way
-        for call in calls:
-            call.cancel()  # a no-op on a finished call
-
-
-class _Worker:
-    """A thread that runs the main thread's gRPC work, one job at a time; idle between
-    jobs (long-lived: a thread that starts or ends while the process forks is a hazard)."""
-
-    def __init__(self) -> None:
-        self.job: _Job | None = None
-        self._go = threading.Lock()
-        self._go.acquire()
-        threading.Thread(target=self._serve, name=WORKER_THREAD_NAME, daemon=True).start()
-
-    def hand(self, job: _Job) -> None:
-        self.job = job
-        self._go.release()
-
-    def _serve(self) -> None:
-        while True:
-            self._go.acquire()
-            job, self.job = self.job, None
-            if job is not None:
-                _CURRENT.job = job
-                job.run()
-                _CURRENT.job = None
-            _IDLE_WORKERS.append(self)
-
-
-_IDLE_WORKERS: collections.deque[_Worker] = collections.deque()
-# the job a worker runs now, for _track (a thread's own attribute: no lock)
-_CURRENT = threading.local()
-
-
-def _start_job(job: _Job) -> bool:
-    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start."""
-    try:
-        worker = _IDLE_WORKERS.pop()
-    except IndexError:
-        try:
-            worker = _Worker()
-        except RuntimeError:  # "can't create new thread at interpreter shutdown"
-            return False
-    worker.hand(job)
-    return True
-
-
-def _off_main_thread(work: Callable[[], M], orphaned: Callable[[M], None] | None = None) -> M:
-    """Run ``work`` (which may enter gRPC); from the main thread, on a worker while it waits.
-
-    Other threads run it themselves: signal handlers run only in the main thread.  So do
-    nested calls (a worker is not the main thread) and calls during the interpreter's
-    finalization (its daemon threads are stopped then).
-
-    ``orphaned``: called with the result when the main thread was interrupted before it
-    took it (to release what the call made on the server).
-    """
-    if threading.current_thread() is not threading.main_thread() or sys.is_finalizing():
-        return work()
-    job = _Job(work, orphaned)
-    try:
-        if not _start_job(job):
-            return work()
-        job.done.acquire()  # a signal interrupts this wait, and nothing else
-        result: M = job.outcome()  # (an interrupt just before it leaves the result orphaned)
-    except BaseException:
-        job.abandon()
-        raise
-    return result
-
-
-def _track(call: grpc.Future) -> None:
-    """A stream the main thread's job started: cancelled if the main thread is interrupted."""
-    job: _Job | None = getattr(_CURRENT, "job", None)
-    if job is not None:
-        job.calls.append(call)
-        if job.abandoned:  # it walked away before this call was started
-            call.cancel()
-
-
-def _batch_request(queued: list[QueuedOp], released: list[str]) -> pb.BatchRequest:
-    """The Batch of ``queued`` (in order), then one release of ``released`` if any: each
-    BatchOp filled in place (a message passed to BatchOp() would be copied)."""
-    request = pb.BatchRequest()
-    add = request.ops.add
-    for field, _, handle, message, results, _ in queued:
-        op = add()
-        if results:
-            op.results.extend(results)
-        if field == "view":
-            view = op.view
-            view.handle = handle
-            for name, part in message.items():
-                getattr(view, name).CopyFrom(part)
-        else:
-            getattr(op, field).CopyFrom(message)
-    if released:
-        add().release.handles.extend(released)
-    return request
-
-
-def _batch_parts(
-    queued: list[QueuedOp], released: list[str]
-) -> list[tuple[list[QueuedOp], list[str]]]:
-    """``queued`` then one release of ``released``, in Batches the server takes: at most
-    MAX_BATCH_OPS ops and MAX_BATCH_RESULTS view results each (an op naming more goes
-    alone, and the server refuses it); the release rides in the last."""
-    parts: list[tuple[list[QueuedOp], list[str]]] = []
-    part: list[QueuedOp] = []
-    results = 0
-    for op in queued:
-        named = len(op[4])
-        if part and (len(part) == MAX_BATCH_OPS or results + named > MAX_BATCH_RESULTS):
-            parts.append((part, []))
-            part, results = [], 0
-        part.append(op)
-        results += named
-    if released and len(part) == MAX_BATCH_OPS:  # the release is one more op
-        parts.append((part, []))
-        part = []
-    parts.append((part, released))
-    return parts
-
-
-def _describe(queued: list[QueuedOp], released: bool, index: int) -> str:
-    """The op at ``index`` of a Batch, as its error names it ("fill_ of 3MrLn47C...")."""
-    if 0 <= index < len(queued):
-        _, verb, handle, _, _, _ = queued[index]
-        return f"{verb} of {handle[:8]}..."
-    return "release" if released and index == len(queued) else "?"
 
 
 class Connection:
@@ -793,12 +147,12 @@ class Connection:
         pipelining: bool = True,
     ) -> None:
         self.address = address
-        #: queue views and in-place writes (issue 15); False: one RPC each, as before
+        #: queue views and in-place writes (tensord.wire.pipeline); False: one RPC each
         self.pipelining = pipelining
         self.tls = credentials is not None
         #: every unary call's deadline and every transfer's idle limit (None: neither)
         self.call_timeout = call_timeout
-        self._watchdog = _StreamWatchdog(call_timeout) if call_timeout is not None else None
+        self._watchdog = StreamWatchdog(call_timeout) if call_timeout is not None else None
         # close() and background releases: short, so exit never waits long on a hung server
         self._close_timeout = min(CLOSE_TIMEOUT_S, call_timeout or CLOSE_TIMEOUT_S)
         # connect() as a whole (the channel, then the session's opening calls) waits `timeout`
@@ -811,12 +165,12 @@ class Connection:
         )
         # gRPC retries a refused connection until the timeout, and a server that never
         # answers looks the same to it: a plain socket tells them apart first
-        probe = _probe(address, timeout)
-        if probe is _Probe.SILENT:
+        probed = probe(address, timeout)
+        if probed is Probe.SILENT:
             raise errors.UnavailableError(
                 f"no tensord server answers at {address}: the connection was neither "
                 f"accepted nor refused in {timeout:g} s (the host may be down, or a firewall "
-                f"drops it); check the address, or {_serve_hint(address)}"
+                f"drops it); check the address, or {serve_hint(address)}"
             )
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -824,10 +178,10 @@ class Connection:
             self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         left = max(connect_deadline - time.monotonic(), 0.001)
         try:
-            _off_main_thread(lambda: grpc.channel_ready_future(self._channel).result(timeout=left))
+            off_main_thread(lambda: grpc.channel_ready_future(self._channel).result(timeout=left))
         except grpc.FutureTimeoutError:
-            _off_main_thread(self._channel.close)
-            raise errors.UnavailableError(self._not_ready_message(probe, timeout)) from None
+            off_main_thread(self._channel.close)
+            raise errors.UnavailableError(self._not_ready_message(probed, timeout)) from None
         self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
         self._upload = self._channel.stream_unary(
             _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
@@ -851,9 +205,7 @@ class Connection:
         self._elidable: dict[str, int] = {}
         self._send_lock = threading.Lock()
         # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
-        self._inflight: tuple[grpc.Future, list[QueuedOp], list[str], list[CopyAnswered]] | None = (
-            None
-        )
+        self._inflight: BatchInFlight | None = None
         self._async_error: errors.TensordError | None = None
         # the last Batch answered (set by gRPC's callback): _busy() compares it with _inflight's
         self._answered_batch: grpc.Future | None = None
@@ -866,18 +218,19 @@ class Connection:
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
         try:
             self.server_info: pb.ServerInfoResponse = self._opening_call(
-                "ServerInfo", pb.ServerInfoRequest(), connect_deadline, timeout
+                "ServerInfo", requests.server_info(), connect_deadline, timeout
             )
             session = self._opening_call(
-                "OpenSession", pb.OpenSessionRequest(client_name=name), connect_deadline, timeout
+                "OpenSession", requests.open_session(name), connect_deadline, timeout
             )
         except BaseException:
-            _off_main_thread(self._channel.close)
+            off_main_thread(self._channel.close)
             raise
         self.session_id: str = session.session_id
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
-        _LIVE_CONNECTIONS.add(self)
+        LIVE_CONNECTIONS.add(self)
+        _CHANNELS[self] = self._channel
         self._keepalive_call: Any = None  # the KeepAlive stream in progress
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
@@ -888,7 +241,7 @@ class Connection:
         self._keepalive.start()
         self._flusher.start()
 
-    def _not_ready_message(self, probe: _Probe, timeout: float) -> str:
+    def _not_ready_message(self, probed: Probe, timeout: float) -> str:
         """Why the channel was not ready in ``timeout``, as far as the probe tells."""
         if self.tls:  # a failed TLS handshake looks the same as a server that is hung
             tls = (
@@ -900,7 +253,7 @@ class Connection:
                 "if it serves TLS (`tensord serve --tls-cert`), connect with tls=True, or "
                 'root_certificates="ca.pem" for a private CA'
             )
-        if probe is _Probe.ACCEPTED:
+        if probed is Probe.ACCEPTED:
             return (
                 f"something at {self.address} accepted the connection but did not complete a "
                 f"gRPC handshake in {timeout:g} s: a tensord server that is hung or "
@@ -909,7 +262,7 @@ class Connection:
             )
         return (
             f"no tensord server answers at {self.address} (waited {timeout:g} s); "
-            f"{_serve_hint(self.address)}; {tls}"
+            f"{serve_hint(self.address)}; {tls}"
         )
 
     def _opening_call(
@@ -960,7 +313,7 @@ class Connection:
         """Raise the typed error for a tensor of an inherited or a lost session."""
         self._check_open()
         if session_id != self.session_id:
-            raise errors.SessionLostError(_session_lost_message(session_id))
+            raise errors.SessionLostError(session_lost_message(session_id))
 
     def _unary(
         self,
@@ -975,7 +328,7 @@ class Connection:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
         ``orphaned``: see :func:`_off_main_thread`."""
         self._check_open()
-        return _off_main_thread(
+        return off_main_thread(
             functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
         )
 
@@ -1023,7 +376,7 @@ class Connection:
             exc = error_from_rpc(err, self.address)
             if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
                 self._replace_session(session_id)
-                raise errors.SessionLostError(_session_lost_message(session_id)) from None
+                raise errors.SessionLostError(session_lost_message(session_id)) from None
             raise exc from None
 
     def call(self, method: str, request: Any, orphaned: Callable[[Any], None] | None = None) -> Any:
@@ -1053,7 +406,7 @@ class Connection:
             if result is not None and orphaned is not None:
                 orphaned(result)
 
-        return _off_main_thread(run, drop)
+        return off_main_thread(run, drop)
 
     def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
         """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
@@ -1062,9 +415,9 @@ class Connection:
         metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
 
         def send() -> pb.TensorMeta:
-            stream = _WatchedStream()
-            chunks = _progressing(_chunks(data.cast("B"), chunk), stream)
-            call = self._upload.future(chunks, metadata=metadata)
+            stream = WatchedStream()
+            pieces = progressing(chunks(data.cast("B"), chunk), stream)
+            call = self._upload.future(pieces, metadata=metadata)
             with self._watched(stream, call):
                 try:
                     meta: pb.TensorMeta = call.result()
@@ -1074,18 +427,18 @@ class Connection:
                     raise
             return meta
 
-        return _off_main_thread(lambda: self._in_session(metadata[0][1], send))
+        return off_main_thread(lambda: self._in_session(metadata[0][1], send))
 
     def download_into(self, handle: str, out: memoryview) -> None:
         """Fill ``out`` (a writable byte buffer of the tensor's nbytes) with its elements."""
         self._check_open()
-        request = pb.DownloadRequest(handle=handle, chunk_bytes=CHUNK_BYTES)
+        request = requests.download(handle, CHUNK_BYTES)
 
         metadata = self.metadata()
 
         def receive() -> int:
             pos = 0
-            stream = _WatchedStream()
+            stream = WatchedStream()
             call = self._download(request, metadata=metadata)
             with self._watched(stream, call):
                 try:
@@ -1104,17 +457,17 @@ class Connection:
                     raise
             return pos
 
-        received = _off_main_thread(lambda: self._in_session(metadata[0][1], receive))
+        received = off_main_thread(lambda: self._in_session(metadata[0][1], receive))
         if received != len(out):
             raise errors.InternalError(
                 f"download of {handle} ended after {received} of {len(out)} bytes"
             )
 
     @contextlib.contextmanager
-    def _watched(self, stream: _WatchedStream, call: grpc.Future) -> Iterator[None]:
+    def _watched(self, stream: WatchedStream, call: grpc.Future) -> Iterator[None]:
         """Run a transfer under the idle watchdog; an unfinished call is cancelled after it
         (an error or an interrupt mid-stream must not leave the server sending)."""
-        _track(call)
+        track(call)
         try:
             if self._watchdog is None:
                 yield
@@ -1131,11 +484,11 @@ class Connection:
             "the server may be hung or overloaded"
         )
 
-    # ---- pipelining (issue 15) ------------------------------------------------------
+    # ---- pipelining (tensord.wire.pipeline) -----------------------------------------
 
     def enqueue(
         self,
-        field: str,
+        method: str,
         verb: str,
         handle: str,
         message: Any,
@@ -1143,10 +496,10 @@ class Connection:
         copied: CopyAnswered | None = None,
         elidable: bool = False,
     ) -> None:
-        """Queue the BatchOp ``field`` = ``message`` on ``handle`` (its result is known here);
-        sent in order in the next Batch, which builds the BatchOp (see :func:`_batch_request`).
-        ``field`` "view": ``message`` is {ViewRequest field: its message}.  ``verb`` names the
-        op in its error.  ``copied``: for an op that makes a new Storage, called with what the
+        """Queue the op of RPC ``method`` (its request ``message``) on ``handle``, its result
+        known here; sent in order in the next Batch, which builds its BatchOp
+        (:func:`tensord.wire.requests.batch`).  ``verb`` names the op in its error; of a
+        "View", it is the ViewRequest field ``message`` goes in.  ``copied``: for an op that makes a new Storage, called with what the
         server issued once the Batch is answered (the Storage's id and address are the server's).
         ``elidable``: a view of one result that the server cannot refuse while its input is
         live (no room beyond its input's, no new dims or strides): dropped before it is
@@ -1157,7 +510,8 @@ class Connection:
             elidable_views = self._elidable
             if elidable_views:
                 elidable_views.pop(handle, None)  # its input is used now: that view must go
-            queue.append((field, verb, handle, message, results, copied))
+            # tuple.__new__: NamedTuple's own __new__ is a Python call, and this runs per view
+            queue.append(tuple.__new__(QueuedOp, (method, verb, handle, message, results, copied)))
             if elidable:
                 elidable_views[results[0]] = len(queue) - 1
             queued = len(queue)
@@ -1170,7 +524,7 @@ class Connection:
     def _busy(self) -> bool:
         """Whether a Batch is in flight and not answered yet (the server still works on it)."""
         inflight = self._inflight
-        return inflight is not None and self._answered_batch is not inflight[0]
+        return inflight is not None and self._answered_batch is not inflight.future
 
     def _batch_answered(self, future: grpc.Future) -> None:
         # gRPC's done() takes the call's Condition, which a view (enqueue, on the main
@@ -1188,7 +542,7 @@ class Connection:
     def _flush(self, wait: bool, releases: bool = True) -> None:
         # all of it off the main thread, its lock included: an interrupted caller leaves
         # the Batch to be sent and answered on the worker, in order with the next ones
-        _off_main_thread(functools.partial(self._flush_now, wait, releases))
+        off_main_thread(functools.partial(self._flush_now, wait, releases))
 
     def _flush_now(self, wait: bool, releases: bool) -> None:
         with self._send_lock:
@@ -1201,7 +555,7 @@ class Connection:
             released = self._take_pending() if releases else []
             if not (queued or released) or self._closed.is_set() or self.inherited:
                 return
-            parts = _batch_parts(queued, released)
+            parts = batch_parts(queued, released)
             for index, (part, part_released) in enumerate(parts):
                 if index and not self._collect():
                     # the part before failed: the ops after it are skipped, as they are
@@ -1215,13 +569,13 @@ class Connection:
     def _send_batch(self, queued: list[QueuedOp], released: list[str]) -> None:
         """Send one Batch of ``queued`` then ``released`` (the caller holds _send_lock and
         collected the Batch before)."""
-        answered = [op[5] for op in queued if op[5] is not None]
-        request = _batch_request(queued, released)
+        answered = [op.copied for op in queued if op.copied is not None]
+        request = requests.batch(queued, released)
         if self.local is not None:
             self.local.before_call()
         timeout = None if self.call_timeout is None else self.call_timeout
         future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
-        self._inflight = (future, queued, released, answered)
+        self._inflight = BatchInFlight(future, queued, released, answered)
         future.add_done_callback(self._batch_answered)
 
     def _take_pending(self) -> list[str]:
@@ -1250,7 +604,7 @@ class Connection:
             ops = len(queued) + bool(released)  # the releases ride last, in one op
             if released and index < ops - 1:  # skipped
                 self._requeue_releases(released)
-            what = _describe(queued, bool(released), index)
+            what = describe(queued, bool(released), index)
             skipped = ops - index - 1
             self._keep_error(
                 batch_error(
@@ -1313,9 +667,7 @@ class Connection:
         """ReleaseExports of ``batch``, with the segments mapped and the imports closed here."""
         mapped = self.local.mapped_segments() if self.local is not None else []
         closed = self.local.close_idle_imports() if self.local is not None else []
-        return pb.ReleaseExportsRequest(
-            export_ids=batch, mapped_segments=mapped, closed_imports=closed
-        )
+        return requests.release_exports(batch, mapped, closed)
 
     def _carried_releases(self) -> list[str]:
         """Handle releases a call may carry, applied before it (EmptyExport): only when every
@@ -1323,7 +675,7 @@ class Connection:
         if self.inherited or self._closed.is_set():
             return []
         if not self.pipelining:
-            return _take(self._pending, RELEASE_BATCH)
+            return take(self._pending, RELEASE_BATCH)
         with self._send_lock:
             self._collect()  # the Batch in flight issued its handles
             with self._queue_lock:
@@ -1341,7 +693,7 @@ class Connection:
         run it (UNIMPLEMENTED from an older server, UNAVAILABLE), and releasing an id twice
         is harmless (ids are random and never reused; unknown ones are ignored)."""
         # on a worker as a whole: an interrupt must not drop the releases it took
-        return _off_main_thread(
+        return off_main_thread(
             functools.partial(self._empty_export_now, empty, carry_releases),
             self._release_empty_export,
         )
@@ -1358,15 +710,14 @@ class Connection:
     ) -> pb.EmptyExportResponse:
         if self.pipelining:
             self.synchronize(releases=False)  # ops queued before it are applied first
-        request = pb.EmptyExportRequest(empty=empty)
         handles: list[str] = []
         exports: list[str] = []
         if carry_releases and not self.inherited:
             handles = self._carried_releases()
-            request.release_handles.extend(handles)
-            exports = _take(self._pending_exports, RELEASE_BATCH)
-            if exports:
-                request.release_exports.CopyFrom(self._export_releases(exports))
+            exports = take(self._pending_exports, RELEASE_BATCH)
+        request = requests.empty_export(
+            empty, handles, self._export_releases(exports) if exports else None
+        )
         try:
             response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
         except BaseException:
@@ -1406,13 +757,11 @@ class Connection:
             if batch and not self._closed.is_set():
                 # A failed release is harmless: the session's close or grace frees them anyway.
                 with contextlib.suppress(errors.TensordError):
-                    self._unary(
-                        "Release", pb.ReleaseRequest(handles=batch), timeout=self._close_timeout
-                    )
+                    self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
     def _flush_forever(self) -> None:
         while not self._closed.wait(RELEASE_INTERVAL_S):
-            with contextlib.suppress(Exception), _FORK_GATE.busy():  # never die loudly
+            with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
                 if self.pipelining:
                     # queued ops and releases in one ordered Batch: a release sent alone
                     # could overtake the queued view that issues its handle
@@ -1443,19 +792,19 @@ class Connection:
                 self._keep_stream_open(self.session_id, interval)
             if self._closed.wait(interval):
                 return
-            with _FORK_GATE.busy():
+            with FORK_GATE.busy():
                 self._beat(interval)
 
     def _keep_stream_open(self, session_id: str, interval: float) -> None:
         """Hold a KeepAlive stream of ``session_id`` until it ends or the client closes."""
 
         def beats() -> Iterator[pb.Heartbeat]:
-            yield pb.Heartbeat(sent_at=time.time())
+            yield requests.heartbeat()
             while not self._closed.wait(interval) and self.session_id == session_id:
-                with _FORK_GATE.busy():  # spans the send of the beat yielded
-                    yield pb.Heartbeat(sent_at=time.time())
+                with FORK_GATE.busy():  # spans the send of the beat yielded
+                    yield requests.heartbeat()
 
-        with _FORK_GATE.busy():
+        with FORK_GATE.busy():
             if self._closed.is_set():
                 return
             answers = self._stub.KeepAlive(
@@ -1471,7 +820,7 @@ class Connection:
         beat_session = self.session_id
         try:
             self._stub.Heartbeat(
-                pb.Heartbeat(sent_at=time.time()),
+                requests.heartbeat(),
                 metadata=((SESSION_KEY, beat_session), *self._auth),
                 timeout=max(interval, 1.0),
             )
@@ -1487,12 +836,10 @@ class Connection:
         Once per lost session: whoever comes second (the heartbeat or a call) finds it
         replaced already.  Tensors of the lost one then raise SessionLostError.
         """
-        _off_main_thread(functools.partial(self._replace_session_now, lost_id))
+        off_main_thread(functools.partial(self._replace_session_now, lost_id))
 
     def _replace_session_now(self, lost_id: str) -> None:
-        request = pb.OpenSessionRequest(
-            client_name=f"pid {os.getpid()} on {socket.gethostname()} (reopened)"
-        )
+        request = requests.open_session(f"pid {os.getpid()} on {socket.gethostname()} (reopened)")
         with self._lock:
             if self.session_id != lost_id or self._closed.is_set():
                 return
@@ -1516,7 +863,7 @@ class Connection:
         # thread at the fork, so not even that is set.
         if self._closed.is_set() or self.inherited:
             return
-        _off_main_thread(self._close_now)
+        off_main_thread(self._close_now)
 
     def _close_now(self) -> None:
         if self._closed.is_set():  # closed by another thread meanwhile
@@ -1532,7 +879,7 @@ class Connection:
             self.local.make_private()
         with contextlib.suppress(errors.TensordError):
             self._unary(
-                "CloseSession", pb.CloseSessionRequest(), timeout=self._close_timeout, sync=False
+                "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
             )
         self._closed.set()
         if self._watchdog is not None:
