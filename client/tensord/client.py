@@ -19,13 +19,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from tensord import _convert, _local, dtypes, errors
+from tensord import _convert, dtypes, errors
 from tensord._args import as_dtype, check_limit, shape_args, torch_errors
 from tensord._convert import INT64_MAX, INT64_MIN, as_scalar
 from tensord._session import ClientSession
 from tensord.device import device_name
 from tensord.dtypes import DType
 from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
+from tensord.local import transfers
+from tensord.local.copies import parallel_copyto
+from tensord.local.mapper import LocalMapper, local_wanted
+from tensord.local.segments import Export
 from tensord.memory_format import memory_format_name, python_type_name
 from tensord.protocol import MAX_PAGE_SIZE
 from tensord.tensor import Tensor, download, layout_of, own, wrap
@@ -192,7 +196,7 @@ class Client:
             credentials=resolve_tls(tls, root_certificates),
             pipelining=pipelining,
         )
-        self._local = _local.LocalMapper(self._conn, _local.local_wanted(local))
+        self._local = LocalMapper(self._conn, local_wanted(local))
         self._conn.local = self._local
         self._session = ClientSession(self._conn, self._local)
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
@@ -316,25 +320,25 @@ class Client:
     ) -> Tensor | None:
         """Same host: an empty tensor and its export in one call (EmptyExport), then one
         memcpy through the mapping (None: use gRPC)."""
-        if device != "cpu" or array.nbytes < _local.MIN_FAST_BYTES or not self._local.enabled:
+        if device != "cpu" or array.nbytes < transfers.MIN_FAST_BYTES or not self._local.enabled:
             return None
         request = requests.empty(array.shape, dtype.name, device, requires_grad)
         # a large upload carries the releases queued before it (the tensors dropped, the
         # exports of earlier transfers): the server frees their blocks first, so the upload
         # reuses warm pages
-        carry = array.nbytes >= _local.RELEASE_BEFORE_UPLOAD_BYTES
+        carry = array.nbytes >= transfers.RELEASE_BEFORE_UPLOAD_BYTES
         made = self._local.empty_exported(request, carry)
         if made is None:
             return None
         meta, export = made
         tensor = self._wrap(meta)
-        if not isinstance(export, _local.Export):
+        if not isinstance(export, Export):
             if export is not None:
                 export.close()
             return None  # the tensor is dropped (released) and gRPC takes over
         try:
             flat = array.reshape(-1).view(np.uint8)  # C-contiguous (as_array): no copy
-            _local.parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
+            parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
         finally:
             export.close()
         return tensor

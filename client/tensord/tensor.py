@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tensord import _dlpack, _format, _indexing, _local, dtypes, errors, protocol
+from tensord import _dlpack, _format, _indexing, dtypes, errors, protocol
 from tensord._args import (
     CONJ_0D,
     IDENTITY_0D,
@@ -77,6 +77,7 @@ from tensord.layout import (
     normalize_dim,
     view_result_count,
 )
+from tensord.local import transfers
 from tensord.memory_format import MemoryFormat, memory_format_name, no_positional_or_unknown
 from tensord.wire import requests
 from tensord.wire.requests import ViewOp
@@ -1341,7 +1342,7 @@ class Tensor(TensorBase, NoMath):
         # (pipelined) copy_ would raise only at the next wait, far from this line
         if isinstance(src, np.ndarray):
             self._check_copy_from(src.shape)
-            if _local.write_array(self, self._session.local, self._meta.layout, src):
+            if transfers.write_array(self, self._session.local, self._meta.layout, src):
                 return self
         source = src if isinstance(src, Tensor) else self._upload_source(src)
         self._check_copy_from(source.shape)
@@ -1411,7 +1412,7 @@ class Tensor(TensorBase, NoMath):
             request = requests.set_item(handle, index, src=own(self._client, value, 0))
         elif is_number(value):
             request = requests.set_item(handle, index, value=value)
-        elif isinstance(value, np.ndarray) and _local.write_array(
+        elif isinstance(value, np.ndarray) and transfers.write_array(
             self, self._session.local, self._meta.layout[key], value, setitem=True
         ):
             return  # written through the mapping, one memcpy
@@ -1448,7 +1449,7 @@ class Tensor(TensorBase, NoMath):
     def _download(self) -> np.ndarray:
         """The elements in logical order, as a new NumPy array (any device)."""
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
-        fast = _local.read_array(self, self._session.local, self._meta.layout)
+        fast = transfers.read_array(self, self._session.local, self._meta.layout)
         if fast is not None:  # the stored values: a new array, made values in place
             if self._meta.conj:
                 np.conjugate(fast, out=fast)

@@ -212,7 +212,7 @@ class Connection:
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
         self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
-        # same-host zero copy (tensord._local): ended exports, sent in batches like handles
+        # same-host zero copy (tensord.local): ended exports, sent in batches like handles
         self._pending_exports: collections.deque[str] = collections.deque()
         self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
         name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
