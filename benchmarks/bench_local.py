@@ -54,7 +54,7 @@ import grpc
 import numpy as np
 import tensord
 import torch
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.local import copies, host_cache
 from tensord.local.transfers import READ_SLICE_BYTES
 

@@ -8,6 +8,9 @@ a cycle for the reader, and the next refactor that hoists the import turns it in
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "tensord._proto",
+            "tensord.schema",
             "tensord.protocol",
             "tensord.errors",
             "tensord.dtypes",
@@ -399,3 +403,53 @@ def test_the_checks_see_what_they_claim() -> None:
     assert inner_layer_crossings(upward) == [
         "tensord_server.domain.ops.views (ops) -> tensord_server.domain.store (store)"
     ]
+
+
+# Importing a layer below rpc loads no gRPC at all: not through its own imports (checked
+# above from the source) and not through a package's __init__ (tensord's is lazy).
+GRPC_FREE_IMPORTS = (
+    "tensord_server.pool",
+    "tensord_server.devices",
+    "tensord_server.domain",
+    "tensord",
+    "tensord.errors",
+    "tensord.layout",
+    "tensord.dtypes",
+    "tensord.schema",
+)
+
+
+def test_the_layers_below_rpc_load_no_grpc_when_imported() -> None:
+    # one fresh interpreter per module: each must stand alone
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(root.parent) for root in ROOTS.values())}
+    for module in GRPC_FREE_IMPORTS:
+        check = (
+            f"import {module}, sys; "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{GRPC_PACKAGES!r} or m.startswith('tensord.wire')); "
+            "assert not loaded, loaded"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, f"import {module} loads gRPC:\n{result.stderr}"
+
+
+def test_tensord_s_lazy_names_are_its_public_names_and_its_type_checked_imports() -> None:
+    """``tensord/__init__``: the table __getattr__ imports from, ``__all__``, and the
+    ``if TYPE_CHECKING:`` imports type checkers and the API reference read name the same."""
+    import tensord
+
+    init = modules()["tensord"].tree
+    checked: set[str] = set()
+    for node in ast.walk(init):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for statement in node.body:
+                if isinstance(statement, ast.ImportFrom):
+                    checked.update(alias.asname or alias.name for alias in statement.names)
+    lazy = {name for names in tensord._LAZY.values() for name in names}
+    assert lazy == set(tensord.__all__) - {"__version__"}
+    assert checked == lazy | {"aio", "schema"}
+    for name in tensord.__all__:
+        assert getattr(tensord, name) is not None, name
+    assert set(tensord.__all__) <= set(dir(tensord))

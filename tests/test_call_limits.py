@@ -16,7 +16,7 @@ from conftest import SessionStub as Stub
 from google.protobuf import descriptor as d
 from rpc_errors import rpc_error
 from tensord import protocol
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.wire import connection, pipeline
 from tensord_server.domain import limits
 from tensord_server.domain.ops import batch

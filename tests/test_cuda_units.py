@@ -930,7 +930,7 @@ def test_a_gpu_export_is_an_ipc_import_of_final_bytes(cupy: Any, gpu_server: Any
 
 def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_server: Any) -> None:
     import tensord
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+    from tensord import schema as pb
 
     runtime = cupy.cuda.runtime
     pool = gpu_server.daemon.devices.get("cuda:0").pool
@@ -1035,7 +1035,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
 def test_an_unopened_import_is_reported_only_in_its_own_session() -> None:
     """A session replaced meanwhile (its end dropped its counts): reported in the new one,
     the close would lower the count of an import the new session may hold open."""
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+    from tensord import schema as pb
     from tensord.local import mapper as local_mapper
 
     conn = types.SimpleNamespace(session_id="old")

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import tensord
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.wire import config, connection
 
 # Child processes import the SDK and the CLI from where this process did.

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import STARTUP_TIMEOUT_S
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.local import channel
 from tensord_server.devices.descriptors import (
     DescriptorBudget,

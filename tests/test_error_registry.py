@@ -15,7 +15,7 @@ import grpc
 import pytest
 import tensord
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.protocol import ERROR_DETAILS_KEY, ERROR_TYPE_KEY
 from tensord.wire import status as wire_status
 from tensord_server.domain.ops.copies import Copies

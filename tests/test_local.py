@@ -24,7 +24,7 @@ import pytest
 import tensord
 import torch
 from conftest import SessionStub, interrupted_after, open_channel, slowed_exports, wait_until
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import FailedPreconditionError
 from tensord.local import channel, copies, segments, transfers
 from tensord.tensor import assign_data

@@ -20,7 +20,7 @@ import pytest
 import tensord
 import torch
 from conftest import interrupted_after, slowed_exports, wait_until
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.local.channel import ExportChannel
 from tensord.protocol import CHANNEL_OK, CHANNEL_USE_GRPC
 from tensord_server.domain import exports as server_exports

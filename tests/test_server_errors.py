@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.rpc import status
 
 

@@ -21,7 +21,7 @@ from tensord.dtypes import DType
 from tensord.layout import Layout
 
 if TYPE_CHECKING:
-    from tensord._proto.tensord.v1.tensord_pb2 import TensorMeta
+    from tensord.schema import TensorMeta as TensorMeta
 
 
 class TensorBase:

@@ -46,7 +46,7 @@ from tensord.wire.config import (
 from tensord.wire.connection import Connection
 
 if TYPE_CHECKING:
-    from tensord._proto.tensord.v1.tensord_pb2 import TensorMeta
+    from tensord._meta import TensorMeta
 
 
 def connect(

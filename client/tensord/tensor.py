@@ -83,7 +83,7 @@ from tensord.wire import requests
 from tensord.wire.requests import ViewOp
 
 if TYPE_CHECKING:
-    from tensord._proto.tensord.v1.tensord_pb2 import TensorMeta
+    from tensord._meta import TensorMeta
 
 
 class Tensor(TensorBase, NoMath):

@@ -18,7 +18,7 @@ import numpy as np
 from tensord.layout import Layout
 
 if TYPE_CHECKING:
-    from tensord._proto.tensord.v1.tensord_pb2 import ExportResponse
+    from tensord.schema import ExportResponse
 
 #: what a GPU export's end tells its mapper: (export id, its import)
 CudaExportEnded = Callable[[str, "CudaImport"], None]

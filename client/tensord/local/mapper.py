@@ -42,7 +42,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.local import channel, cuda_ipc
 from tensord.local.channel import CHANNEL_TIMEOUT_S, ExportChannel
 from tensord.local.cuda_ipc import CudaExport, CudaImport

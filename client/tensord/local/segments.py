@@ -23,7 +23,7 @@ import numpy as np
 from tensord.layout import Layout, reach_bounds
 
 if TYPE_CHECKING:
-    from tensord._proto.tensord.v1.tensord_pb2 import ExportResponse
+    from tensord.schema import ExportResponse
 
 #: what an export's end tells its mapper: (export id, its segment, its reuse key)
 ExportEnded = Callable[[str, "Segment", "tuple[str, str] | None"], None]

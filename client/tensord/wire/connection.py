@@ -27,7 +27,7 @@ import grpc
 import grpc.experimental
 
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.protocol import (
     AUTHORIZATION_KEY,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.protocol import MAX_BATCH_OPS, MAX_BATCH_RESULTS
 
 # Queued ops go to the server in one Batch once this many wait (or at the next call that

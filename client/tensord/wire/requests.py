@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tensord import schema as pb
 from tensord._convert import as_scalar
 from tensord._indexing import is_sequence
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord.wire.pipeline import QueuedOp
 
 #: a view op: (its ViewRequest field, that field's message)

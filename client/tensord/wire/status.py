@@ -14,7 +14,7 @@ from typing import TypeVar
 import grpc
 
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.protocol import ERROR_DETAILS_KEY, ERROR_TYPE_KEY
 
 M = TypeVar("M")

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
