@@ -38,7 +38,6 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from tensord import errors
@@ -48,6 +47,7 @@ from tensord.local.channel import CHANNEL_TIMEOUT_S, ExportChannel
 from tensord.local.cuda_ipc import CudaExport, CudaImport
 from tensord.local.segments import Export, Segment
 from tensord.wire import requests
+from tensord.wire.status import is_unimplemented
 
 if TYPE_CHECKING:
     from tensord.wire.connection import Connection
@@ -253,7 +253,7 @@ class LocalMapper:
             response = self._conn.empty_export(empty, carry_releases)
         except errors.TensordError as exc:
             refused = isinstance(exc, errors.FailedPreconditionError)
-            unknown = getattr(exc, "grpc_code", None) is grpc.StatusCode.UNIMPLEMENTED
+            unknown = is_unimplemented(exc)
             if not (refused or unknown):
                 raise
             self.last_refusal = str(exc) if refused else self.last_refusal

@@ -85,6 +85,11 @@ def is_own_deadline(err: grpc.RpcError) -> bool:
     )
 
 
+def is_unimplemented(exc: errors.TensordError) -> bool:
+    """Whether the call ``exc`` came from is one the server does not know (an older server)."""
+    return getattr(exc, "grpc_code", None) is grpc.StatusCode.UNIMPLEMENTED
+
+
 def call(fn: Callable[[], M]) -> M:
     """Run one gRPC call, raising tensord's exception instead of grpc.RpcError."""
     try:
