@@ -326,7 +326,7 @@ class Connection:
         orphaned: Callable[[Any], None] | None = None,
     ) -> Any:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
-        ``orphaned``: see :func:`_off_main_thread`."""
+        ``orphaned``: see :func:`tensord.wire.worker.off_main_thread`."""
         self._check_open()
         return off_main_thread(
             functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
@@ -381,7 +381,7 @@ class Connection:
 
     def call(self, method: str, request: Any, orphaned: Callable[[Any], None] | None = None) -> Any:
         """One unary call in this session (``method`` as named in the proto); ``orphaned``
-        gets its answer if an interrupt took the caller away first (see _off_main_thread)."""
+        gets its answer if an interrupt took the caller away first (see off_main_thread)."""
         return self._unary(method, request, orphaned=orphaned)
 
     def call_local(
