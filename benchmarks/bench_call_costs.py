@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 from tensord import protocol
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.domain import limits
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.store import TensorStore

@@ -18,7 +18,7 @@ size, the best of a few runs (gRPC: one run) of three in-process np.copyto basel
 
 and (c) out of a memfd mapping into a warm destination; then same-host upload
 (``client.tensor``) and download (``x.numpy()``), each also with every copy on the calling
-thread (``_local.COPY_WORKERS = 1``, the path before the copy pool, for a before/after in
+thread (``copies.COPY_WORKERS = 1``, the path before the copy pool, for a before/after in
 the same run), a download into an existing warm array
 (``np.copyto(out, np.asarray(x, copy=False))``: one copy out of the mapping, compared
 with (c) into a warm destination), the gRPC path, and each SDK path's ratio to each
@@ -54,8 +54,9 @@ import grpc
 import numpy as np
 import tensord
 import torch
-from tensord import _local
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
+from tensord.local import copies, host_cache
+from tensord.local.transfers import READ_SLICE_BYTES
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 1024 * MiB)
@@ -82,7 +83,7 @@ def download_variants(shared: np.ndarray, repeats: int) -> dict[str, float]:
     """Ways to copy a mapping into a fresh array beyond the SDK's 8 MiB slices, each a
     candidate for the SDK's download: two threads, hints on the destination, a hint on the
     source."""
-    slice_bytes = _local.READ_SLICE_BYTES
+    slice_bytes = READ_SLICE_BYTES
 
     def fresh(*advice: int) -> np.ndarray:
         out = np.empty_like(shared)
@@ -92,13 +93,13 @@ def download_variants(shared: np.ndarray, repeats: int) -> dict[str, float]:
 
     def two_threads(out: np.ndarray) -> np.ndarray:
         half = out.size // 2 // 4096 * 4096  # NumPy's copyto releases the GIL
-        other = _helper.submit(_local.copy_in_slices, out[half:], shared[half:], slice_bytes)
-        _local.copy_in_slices(out[:half], shared[:half], slice_bytes)
+        other = _helper.submit(copies.copy_in_slices, out[half:], shared[half:], slice_bytes)
+        copies.copy_in_slices(out[:half], shared[:half], slice_bytes)
         other.result()
         return out
 
     def sliced(out: np.ndarray) -> np.ndarray:
-        _local.copy_in_slices(out, shared, slice_bytes)
+        copies.copy_in_slices(out, shared, slice_bytes)
         return out
 
     def sequential_source() -> np.ndarray:
@@ -192,7 +193,7 @@ def baselines(src: np.ndarray, repeats: int) -> dict[str, float]:
     times["c up"] = best(lambda: np.copyto(shared, src), repeats)
     times["c down"] = best(lambda: np.copyto(np.empty_like(src), shared), repeats)
     times["c down sliced"] = best(
-        lambda: _local.copy_in_slices(np.empty_like(src), shared, _local.READ_SLICE_BYTES),
+        lambda: copies.copy_in_slices(np.empty_like(src), shared, READ_SLICE_BYTES),
         repeats,
     )
     times |= download_variants(shared, repeats)
@@ -211,12 +212,12 @@ def one_thread(transfer: Callable[[], Any]) -> Callable[[], Any]:
     """``transfer`` as it was before the copy pool: every copy on the calling thread."""
 
     def run() -> Any:
-        saved = _local.COPY_WORKERS
-        _local.COPY_WORKERS = 1
+        saved = copies.COPY_WORKERS
+        copies.COPY_WORKERS = 1
         try:
             return transfer()
         finally:
-            _local.COPY_WORKERS = saved
+            copies.COPY_WORKERS = saved
 
     return run
 
@@ -225,12 +226,12 @@ def no_numpy_cache(transfer: Callable[[], Any]) -> Callable[[], Any]:
     """``transfer`` as it was before x.numpy() reused its destinations: a fresh array each."""
 
     def run() -> Any:
-        saved = _local.numpy_cache
-        _local.numpy_cache = _local.HostBufferCache(0, 0)
+        saved = host_cache.numpy_cache
+        host_cache.numpy_cache = host_cache.HostBufferCache(0, 0)
         try:
             return transfer()
         finally:
-            _local.numpy_cache = saved
+            host_cache.numpy_cache = saved
 
     return run
 
@@ -242,7 +243,7 @@ def print_size(nbytes: int, base: dict[str, float], sdk: list[tuple[str, str, fl
         ("(b) np.copyto anon -> fresh np.empty", "", base["b"]),
         ("(c) np.copyto anon -> memfd mapping", "", base["c up"]),
         ("(c) np.copyto memfd mapping -> fresh", "", base["c down"]),
-        (f"    same, {_local.READ_SLICE_BYTES // MiB} MiB slices", "", base["c down sliced"]),
+        (f"    same, {READ_SLICE_BYTES // MiB} MiB slices", "", base["c down sliced"]),
         ("    same, slices on 2 threads", "", base["2 threads"]),
         ("    same, destination MADV_HUGEPAGE", "", base["dst hugepage"]),
         ("    same, destination MADV_POPULATE_WRITE", "", base["dst populate"]),

@@ -40,7 +40,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import tensord
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 CHUNK = 1 << 20  # the chunk size tensord streams in
 MiB = 1 << 20

@@ -212,7 +212,7 @@ def attack_unread(address: str, token: str, until: float) -> None:
     """Download streams and ListNames answers a tenant never reads."""
     import grpc
     import tensord
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+    from tensord import schema as pb
 
     with tensord.connect(address, token=token) as client:
         big = client.zeros(8 << 20)  # 32 MiB

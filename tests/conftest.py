@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.dtypes import dtype_from_name, dtype_from_numpy
 from tensord.protocol import MAX_MESSAGE_BYTES

@@ -13,7 +13,7 @@ import pytest
 from conftest import SessionStub, open_channel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import ResourceExhaustedError
 from tensord_server.domain.storage import ADDRESS_ALIGNMENT, ADDRESS_SPACE_BASE, AddressSpace
 from tensord_server.domain.store import TensorStore

@@ -8,6 +8,9 @@ a cycle for the reader, and the next refactor that hoists the import turns it in
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +31,35 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "tensord._proto",
+            "tensord.schema",
             "tensord.protocol",
             "tensord.errors",
             "tensord.dtypes",
             "tensord.layout",
         ),
     ),
-    ("sdk", ("tensord",)),
+    # the SDK, lowest first: torch's terms with no I/O, the wire, the same-host data plane,
+    # what a tensor holds of its client, Tensor, the client and the package
+    (
+        "sdk.base",
+        (
+            "tensord.memory_format",
+            "tensord.device",
+            "tensord._convert",
+            "tensord._format",
+            "tensord._indexing",
+            "tensord._no_math",
+            "tensord._meta",
+            "tensord._args",
+        ),
+    ),
+    ("sdk.wire", ("tensord.wire",)),
+    ("sdk.local", ("tensord.local",)),
+    ("sdk.session", ("tensord._session", "tensord._dlpack")),
+    ("sdk.tensor", ("tensord.tensor", "tensord._functions")),
+    ("sdk.client", ("tensord.client", "tensord.aio")),
+    # the package: its public names (tensord.schema among them), imported on first use
+    ("sdk.package", ("tensord$",)),
     ("data", ("tensord_server.data",)),
     ("pool", ("tensord_server.pool",)),
     ("devices", ("tensord_server.devices",)),
@@ -47,11 +72,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # The server's core serves the SDK over the wire; it shares only the foundation with it.
 SERVER_CORE = ("pool", "devices", "domain", "observability", "rpc")
+SDK_LAYERS = tuple(layer for layer, _ in LAYERS if layer.startswith("sdk."))
 
 # The layers below rpc know nothing of gRPC: these packages are imported only by the rpc layer
-# (and the tools and the SDK above or beside it).
+# (and the tools above it); in the SDK, only by its wire.
 GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status")
-GRPC_FREE_LAYERS = ("pool", "devices", "domain")
+GRPC_FREE_LAYERS = ("pool", "devices", "domain", *(sdk for sdk in SDK_LAYERS if sdk != "sdk.wire"))
 # Inside the rpc layer, the transport beside the gRPC server speaks no gRPC either.
 GRPC_FREE_MODULES = ("tensord_server.rpc.fd_socket",)
 
@@ -85,7 +111,25 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("calls", ("calls",)),
         ("server", ("grpc_server",)),
     ),
+    "tensord.wire": (
+        # what a connection is made of: none imports another layer of the wire
+        ("parts", ("$", "fork", "address", "config", "status", "pipeline")),
+        # threads that run gRPC work, held out of it while the process forks
+        ("threads", ("worker", "streams")),
+        # the one builder of every request message
+        ("requests", ("requests",)),
+        ("connection", ("connection",)),
+    ),
+    "tensord.local": (
+        # the fd socket, mapped segments, GPU imports, kept destinations, parallel copies
+        ("parts", ("$", "channel", "segments", "cuda_ipc", "host_cache", "copies")),
+        ("mapper", ("mapper",)),
+        ("transfers", ("transfers",)),
+    ),
 }
+# The SDK's layers above the wire hand it plain values: they never name a protobuf message.
+PROTOBUF_FREE_LAYERS = ("sdk.session", "sdk.tensor", "sdk.client")
+PROTOBUF_MODULES = ("tensord.schema", "tensord._proto", "google.protobuf")
 
 # Private members some code must use on objects of libraries it does not own, with the reason.
 ALLOWED_PRIVATE: dict[str, str] = {
@@ -243,7 +287,7 @@ def test_no_module_imports_a_layer_above_it() -> None:
                 upward.append(
                     f"{mod.path.relative_to(REPO)}:{line} ({layer}) -> {target} ({target_layer})"
                 )
-            elif layer in SERVER_CORE and target_layer == "sdk":
+            elif layer in SERVER_CORE and target_layer in SDK_LAYERS:
                 upward.append(
                     f"{mod.path.relative_to(REPO)}:{line} ({layer}) -> SDK module {target}"
                 )
@@ -272,10 +316,45 @@ def grpc_imports(mods: dict[str, Module]) -> list[str]:
 
 
 def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
-    """A thin gRPC layer over a domain that knows nothing of gRPC: the status codes,
-    the call contexts and the interceptors live in rpc/."""
+    """A thin gRPC layer over a domain that knows nothing of gRPC: the status codes, the call
+    contexts and the interceptors live in rpc/; in the SDK, everything gRPC is the wire's."""
     found = grpc_imports(modules())
-    assert not found, "gRPC imported below the rpc layer:\n" + "\n".join(found)
+    assert not found, "gRPC imported below the rpc layer or outside the SDK's wire:\n" + "\n".join(
+        found
+    )
+
+
+def protobuf_imports(mods: dict[str, Module]) -> list[str]:
+    """Imports of the schema or of protobuf by the SDK's layers above the wire, type-only
+    ones included (``Meta.from_pb`` in tensord._meta is where a handle's message is read)."""
+    found = []
+    for name, mod in mods.items():
+        if layer_of(name)[1] not in PROTOBUF_FREE_LAYERS:
+            continue
+        for target, line in external_imports(mod):
+            if target.startswith(PROTOBUF_MODULES) or any(
+                f"{target}.{alias}".startswith(PROTOBUF_MODULES)
+                for alias in imported_aliases(mod, line)
+            ):
+                found.append(f"{mod.path.relative_to(REPO)}:{line} imports {target}")
+    return found
+
+
+def imported_aliases(module: Module, line: int) -> list[str]:
+    """The names a ``from X import ...`` on ``line`` takes (``from tensord import schema``)."""
+    return [
+        alias.name
+        for node in ast.walk(module.tree)
+        if isinstance(node, ast.ImportFrom) and node.lineno == line
+        for alias in node.names
+    ]
+
+
+def test_tensor_client_and_session_never_import_the_schema() -> None:
+    """Tensor (and the client, and what a tensor holds of it) keep torch's surface and hand
+    plain values to tensord.wire.requests, which builds every message."""
+    found = protobuf_imports(modules())
+    assert not found, "protobuf imported above the SDK's wire:\n" + "\n".join(found)
 
 
 def inner_layer_of(package: str, name: str) -> tuple[int, str]:
@@ -305,7 +384,8 @@ def inner_layer_crossings(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_domain_and_rpc_packages_keep_their_inner_layers() -> None:
     """Inside the domain the op families never reach the tables above them nor the store
-    that builds them; inside rpc the handlers never reach the calls or the server."""
+    that builds them; inside rpc the handlers never reach the calls or the server; inside
+    the SDK's wire and its same-host plane the parts never reach what is built of them."""
     crossings = inner_layer_crossings(import_graph())
     assert not crossings, "imports against the inner layers:\n" + "\n".join(crossings)
 
@@ -399,3 +479,67 @@ def test_the_checks_see_what_they_claim() -> None:
     assert inner_layer_crossings(upward) == [
         "tensord_server.domain.ops.views (ops) -> tensord_server.domain.store (store)"
     ]
+    tensor_like = Module(
+        "tensord.tensor",
+        REPO / "sample.py",
+        ast.parse(
+            "from tensord import schema as pb\n"
+            "from google.protobuf import message\n"
+            "from tensord.wire import requests\n"
+        ),
+    )
+    assert protobuf_imports({tensor_like.name: tensor_like}) == [
+        "sample.py:1 imports tensord",
+        "sample.py:2 imports google.protobuf",
+    ]
+    assert layer_of("tensord.wire.connection")[0] < layer_of("tensord.tensor")[0]
+
+
+# Importing a layer below rpc loads no gRPC at all: not through its own imports (checked
+# above from the source) and not through a package's __init__ (tensord's is lazy).
+GRPC_FREE_IMPORTS = (
+    "tensord_server.pool",
+    "tensord_server.devices",
+    "tensord_server.domain",
+    "tensord",
+    "tensord.errors",
+    "tensord.layout",
+    "tensord.dtypes",
+    "tensord.schema",
+)
+
+
+def test_the_layers_below_rpc_load_no_grpc_when_imported() -> None:
+    # one fresh interpreter per module: each must stand alone
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(root.parent) for root in ROOTS.values())}
+    for module in GRPC_FREE_IMPORTS:
+        check = (
+            f"import {module}, sys; "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{GRPC_PACKAGES!r} or m.startswith('tensord.wire')); "
+            "assert not loaded, loaded"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, f"import {module} loads gRPC:\n{result.stderr}"
+
+
+def test_tensord_s_lazy_names_are_its_public_names_and_its_type_checked_imports() -> None:
+    """``tensord/__init__``: the table __getattr__ imports from, ``__all__``, and the
+    ``if TYPE_CHECKING:`` imports type checkers and the API reference read name the same."""
+    import tensord
+
+    init = modules()["tensord"].tree
+    checked: set[str] = set()
+    for node in ast.walk(init):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for statement in node.body:
+                if isinstance(statement, ast.ImportFrom):
+                    checked.update(alias.asname or alias.name for alias in statement.names)
+    lazy = {name for names in tensord._LAZY.values() for name in names}
+    assert lazy == set(tensord.__all__) - {"__version__"}
+    assert checked == lazy | {"aio", "schema"}
+    for name in tensord.__all__:
+        assert getattr(tensord, name) is not None, name
+    assert set(tensord.__all__) <= set(dir(tensord))

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import tensord
 from conftest import SessionStub, open_channel, run_serve
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.domain.auth import parse_tokens, tenant_of
 

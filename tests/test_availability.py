@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensord
 from conftest import SessionStub, open_channel, start_server, wait_until
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.domain.fairness import FairQueue
 from tensord_server.rpc import calls as rpc_calls
 

@@ -12,7 +12,7 @@ import torch
 from conftest import SessionStub, open_channel
 from rpc_errors import rpc_error, torch_error
 from tensord import dtypes, errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.layout import Layout, empty_strided_layout
 from tensord_server.domain.storage import TensorRef
 

@@ -15,8 +15,9 @@ import torch
 from conftest import SessionStub as Stub
 from google.protobuf import descriptor as d
 from rpc_errors import rpc_error
-from tensord import _rpc, protocol
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import protocol
+from tensord import schema as pb
+from tensord.wire import connection, pipeline
 from tensord_server.domain import limits
 from tensord_server.domain.ops import batch
 
@@ -272,5 +273,5 @@ def test_a_long_split_chunk_or_unbind_is_sent_in_groups_with_torchs_results(
 
 
 def test_the_sdk_sends_its_releases_within_the_release_limit() -> None:
-    assert _rpc.RELEASE_BATCH <= protocol.MAX_RELEASE_HANDLES
-    assert _rpc.PIPELINE_BATCH * 4 <= protocol.MAX_RELEASE_HANDLES
+    assert connection.RELEASE_BATCH <= protocol.MAX_RELEASE_HANDLES
+    assert pipeline.PIPELINE_BATCH * 4 <= protocol.MAX_RELEASE_HANDLES

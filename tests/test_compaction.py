@@ -25,7 +25,7 @@ import pytest
 from conftest import SessionStub, open_channel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace
 from tensord_server.devices import cuda as cuda_backend

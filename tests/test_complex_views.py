@@ -20,7 +20,7 @@ import tensord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord import dtypes
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.domain import kernels
 from tensord_server.domain.ops import indexing
 

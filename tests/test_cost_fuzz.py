@@ -49,7 +49,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import SessionStub, open_channel, start_serve_process
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.devices.memory import HostBackend
 from tensord_server.devices.shm import create_segment
 from tensord_server.domain import limits

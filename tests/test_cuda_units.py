@@ -930,7 +930,7 @@ def test_a_gpu_export_is_an_ipc_import_of_final_bytes(cupy: Any, gpu_server: Any
 
 def test_a_segment_with_imports_is_never_returned_to_the_device(cupy: Any, gpu_server: Any) -> None:
     import tensord
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+    from tensord import schema as pb
 
     runtime = cupy.cuda.runtime
     pool = gpu_server.daemon.devices.get("cuda:0").pool
@@ -1014,7 +1014,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
 ) -> None:
     """A client without CuPy falls back to gRPC; the import the server counted for the
     Export it could not open is reported closed, so the segment can be freed."""
-    from tensord import _local
+    from tensord.local import cuda_ipc
 
     def no_cupy() -> Any:
         raise ImportError("No module named 'cupy'")
@@ -1022,7 +1022,7 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
     pool = gpu_server.daemon.devices.get("cuda:0").pool
     with tensord.connect(gpu_server.address) as client:
         x = client.zeros(10 * MiB, dtype=tensord.float32, device="cuda:0")  # 40 MiB
-        monkeypatch.setattr(_local, "_cupy", no_cupy)
+        monkeypatch.setattr(cuda_ipc, "load_cupy", no_cupy)
         assert client._local.export(x.handle) is None
         assert "needs CuPy" in client._local.last_refusal
         del x
@@ -1035,11 +1035,11 @@ def test_a_gpu_export_a_client_without_cupy_drops_leaves_no_import_counted(
 def test_an_unopened_import_is_reported_only_in_its_own_session() -> None:
     """A session replaced meanwhile (its end dropped its counts): reported in the new one,
     the close would lower the count of an import the new session may hold open."""
-    from tensord import _local
-    from tensord._proto.tensord.v1 import tensord_pb2 as pb
+    from tensord import schema as pb
+    from tensord.local import mapper as local_mapper
 
     conn = types.SimpleNamespace(session_id="old")
-    mapper = _local.LocalMapper(conn, enabled=True)  # type: ignore[arg-type]
+    mapper = local_mapper.LocalMapper(conn, enabled=True)  # type: ignore[arg-type]
     answer = pb.ExportResponse(device="cuda:0", ipc_handle=b"h", segment_id=7)
     mapper._never_opened("old", answer)
     mapper._never_opened("old", answer)

@@ -21,8 +21,8 @@ import grpc
 import numpy as np
 import pytest
 import tensord
-from tensord import _rpc
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
+from tensord.wire import config, connection
 
 # Child processes import the SDK and the CLI from where this process did.
 CHILD_PYTHONPATH = os.pathsep.join(
@@ -185,13 +185,15 @@ def test_the_call_timeout_comes_from_the_environment(
         error, took = _timed(client.memory_stats)
     assert isinstance(error, tensord.DeadlineExceededError) and took < 3.0
     monkeypatch.setenv("TENSORD_CALL_TIMEOUT", "none")
-    assert _rpc.resolve_call_timeout(_rpc.CALL_TIMEOUT_FROM_ENV) is None
-    assert _rpc.resolve_call_timeout(2.0) == 2.0  # the argument wins over the variable
+    assert config.resolve_call_timeout(config.CALL_TIMEOUT_FROM_ENV) is None
+    assert config.resolve_call_timeout(2.0) == 2.0  # the argument wins over the variable
     monkeypatch.delenv("TENSORD_CALL_TIMEOUT")
-    assert _rpc.resolve_call_timeout(_rpc.CALL_TIMEOUT_FROM_ENV) == _rpc.DEFAULT_CALL_TIMEOUT_S
+    assert (
+        config.resolve_call_timeout(config.CALL_TIMEOUT_FROM_ENV) == config.DEFAULT_CALL_TIMEOUT_S
+    )
     monkeypatch.setenv("TENSORD_CALL_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="TENSORD_CALL_TIMEOUT"):
-        _rpc.resolve_call_timeout(_rpc.CALL_TIMEOUT_FROM_ENV)
+        config.resolve_call_timeout(config.CALL_TIMEOUT_FROM_ENV)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
@@ -271,8 +273,8 @@ def test_call_timeout_none_lets_a_stalled_download_wait(fake: Callable[..., Fake
 def test_close_on_a_hung_server_returns_within_a_bound(
     fake: Callable[..., FakeServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_rpc, "CLOSE_TIMEOUT_S", 0.5)  # read when the client connects
-    monkeypatch.setattr(_rpc, "RELEASE_BATCH", 1)  # each pending release a call of its own
+    monkeypatch.setattr(connection, "CLOSE_TIMEOUT_S", 0.5)  # read when the client connects
+    monkeypatch.setattr(connection, "RELEASE_BATCH", 1)  # each pending release a call of its own
     server = fake("CloseSession", "Release", "Heartbeat")
     client = tensord.connect(server.address, call_timeout=None)
     for _ in range(6):  # dropped at once: releases pending, one in flight to the hung server

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import STARTUP_TIMEOUT_S
-from tensord import _local
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
+from tensord.local import channel
 from tensord_server.devices.descriptors import (
     DescriptorBudget,
     default_reserve,
@@ -166,7 +166,7 @@ def test_the_fd_socket_says_it_is_out_of_descriptors(
 
     monkeypatch.setattr(fresh_server.daemon.devices.get("cpu").backend, "dup_fd", no_descriptor)
     with pytest.raises(OSError, match="the server is out of file descriptors"):
-        _local.receive_segment_fd(answer.fd_socket, answer.ticket, answer.segment_nbytes)
+        channel.receive_segment_fd(answer.fd_socket, answer.ticket, answer.segment_nbytes)
 
 
 def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(

@@ -100,8 +100,8 @@ def test_the_public_surface_is_walked() -> None:
         "tensord.client.Client.zeros",
         "tensord.aio.AsyncClient.close",
         "tensord.aio.AsyncTensor.sync_tensor",
-        "tensord.tensor.Size.numel",
-        "tensord.tensor.Device.type",
+        "tensord.device.Size.numel",
+        "tensord.device.Device.type",
     ):
         assert expected in names, expected
 

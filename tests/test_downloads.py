@@ -12,7 +12,7 @@ import pytest
 from conftest import SessionStub, open_channel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.domain import kernels
 from tensord_server.domain.ops.transfers import MIN_CHUNK_BYTES
 

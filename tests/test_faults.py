@@ -20,7 +20,7 @@ from conftest import (
     start_serve_process,
     wait_until,
 )
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 WAIT_S = 30.0
 
@@ -32,7 +32,7 @@ def test_a_client_killed_mid_upload_leaves_nothing_allocated(make_server) -> Non
     code = textwrap.dedent(
         """
         import sys, time, grpc
-        from tensord._proto.tensord.v1 import tensord_pb2 as pb
+        from tensord import schema as pb
         channel = grpc.insecure_channel(sys.argv[1])
         stub = __import__("tensord._proto.tensord.v1.tensord_pb2_grpc", fromlist=["x"]).TensordStub(channel)
         sid = stub.OpenSession(pb.OpenSessionRequest(client_name="doomed")).session_id

@@ -18,7 +18,9 @@ import pytest
 import tensord
 import torch
 from conftest import run_serve, start_serve_process, start_server
-from tensord import _no_math, _rpc
+from tensord import _no_math
+from tensord.wire import address as addresses
+from tensord.wire import config
 from tensord_server import cli
 from tensord_server.rpc.grpc_server import create_server
 from tensord_server.tools.serve import max_streams_problem
@@ -61,10 +63,10 @@ def test_a_host_that_does_not_resolve_says_so_at_once() -> None:
 
 
 def test_a_remote_host_is_told_to_serve_on_it_with_tokens() -> None:
-    hint = _rpc._serve_hint("10.1.2.3:6000")
+    hint = addresses.serve_hint("10.1.2.3:6000")
     assert hint.startswith("start one on 10.1.2.3 with `tensord serve --address 0.0.0.0:6000 ")
     assert "--auth-tokens FILE`" in hint  # serve refuses a remote address without them
-    assert _rpc._serve_hint(tensord.protocol.DEFAULT_ADDRESS).startswith(
+    assert addresses.serve_hint(tensord.protocol.DEFAULT_ADDRESS).startswith(
         "start one with `tensord serve` "
     )
 
@@ -134,7 +136,7 @@ def test_a_url_is_refused_naming_the_address_to_pass(url: str, meant: str) -> No
     ],
 )
 def test_an_address_without_a_port_means_tensords_port_not_443(given: str, dialled: str) -> None:
-    assert _rpc.resolve_address(given) == dialled
+    assert config.resolve_address(given) == dialled
 
 
 def test_a_host_without_a_port_connects_to_the_default_port(
@@ -142,7 +144,7 @@ def test_a_host_without_a_port_connects_to_the_default_port(
 ) -> None:
     server = start_server()
     try:
-        monkeypatch.setattr(_rpc, "DEFAULT_PORT", str(server.port))  # the tests' own port
+        monkeypatch.setattr(addresses, "DEFAULT_PORT", str(server.port))  # the tests' own port
         monkeypatch.setenv("TENSORD_ADDRESS", "127.0.0.1")
         with tensord.connect(timeout=UNHURRIED_TIMEOUT_S) as client:
             assert client.address == f"127.0.0.1:{server.port}"

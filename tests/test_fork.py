@@ -203,17 +203,17 @@ def test_a_child_makes_its_own_copy_pool_for_same_host_transfers(
     out = run_parent(
         client.address,
         """
-        from tensord import _local
-        _local.COPY_WORKERS = 2  # the copy pool on any machine
-        big = np.arange(_local.PARALLEL_MIN_BYTES, dtype=np.uint8)
+        from tensord.local import copies
+        copies.COPY_WORKERS = 2  # the copy pool on any machine
+        big = np.arange(copies.PARALLEL_MIN_BYTES, dtype=np.uint8)
         assert client._local.enabled and (client.tensor(big).numpy() == big).all()
         for i in range(3):
             pid = os.fork()
             if pid == 0:
                 mine = tensord.connect(sys.argv[1])
                 ok = mine._local.enabled and (mine.tensor(big).numpy() == big).all()
-                part = np.empty(_local.PARALLEL_MIN_BYTES // 2, dtype=np.uint8)
-                done = _local.submit_part(part, big[: part.size], None).result(timeout=5)
+                part = np.empty(copies.PARALLEL_MIN_BYTES // 2, dtype=np.uint8)
+                done = copies.submit_part(part, big[: part.size], None).result(timeout=5)
                 sys.exit(0 if ok and done is None and (part == big[: part.size]).all() else 3)
             print(wait_child(pid))
             check_parent()

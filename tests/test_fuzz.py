@@ -28,7 +28,7 @@ import pytest
 from conftest import SessionStub, open_channel, server_allocated
 from google.protobuf import descriptor as d
 from google.protobuf.message import Message
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.domain.quotas import QuotaSpec
 
 FUZZ_SECONDS = float(os.environ.get("TENSORD_FUZZ_SECONDS", "20"))

@@ -24,10 +24,11 @@ import pytest
 import tensord
 import torch
 from conftest import SessionStub, interrupted_after, open_channel, slowed_exports, wait_until
-from tensord import _local, _rpc
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import FailedPreconditionError
+from tensord.local import channel, copies, segments, transfers
 from tensord.tensor import assign_data
+from tensord.wire import worker
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.quotas import QuotaSpec
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
@@ -471,7 +472,7 @@ def test_a_copy_between_two_clients_mappings_of_one_segment_sees_the_overlap(
     (on several threads, or one memcpy) read bytes it had already written (before: most of
     the destination came out wrong).  The values are the source's as they were, as on the
     gRPC path, which uploads them first."""
-    n = 4 * (_local.PARALLEL_MIN_BYTES // 4)  # int32 elements: 4 x 8 MiB, a parallel copy
+    n = 4 * (copies.PARALLEL_MIN_BYTES // 4)  # int32 elements: 4 x 8 MiB, a parallel copy
     before = np.arange(n, dtype=np.int32)
     with tensord.connect(server.address) as first, tensord.connect(server.address) as second:
         x = first.tensor(before)
@@ -513,7 +514,7 @@ def test_transfers_take_the_mapping_not_the_grpc_stream(client: Any, monkeypatch
 
 
 def test_a_large_upload_reuses_the_blocks_dropped_before_it(fresh_server: Any) -> None:
-    values = np.ones(_local.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
+    values = np.ones(transfers.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
     with tensord.connect(fresh_server.address) as client:
         assert client._local.enabled
         for _ in range(3):  # each upload's tensor and export are dropped before the next
@@ -535,7 +536,7 @@ class _RecordedStub:
 
     def _record(self) -> None:
         calling = threading.current_thread()
-        if calling.ident == self._thread or calling.name == _rpc.WORKER_THREAD_NAME:
+        if calling.ident == self._thread or calling.name == worker.WORKER_THREAD_NAME:
             self._calls.append(self._name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -561,7 +562,7 @@ def record_rpcs(client: Any, monkeypatch: Any) -> list[str]:
 def test_a_large_upload_is_one_call_carrying_the_releases_before_it(
     fresh_server: Any, monkeypatch: Any
 ) -> None:
-    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    values = np.arange(transfers.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
     with tensord.connect(fresh_server.address) as client:
         x = client.tensor(values)
         y = x[1:]  # pipelined: a queued view, applied before the releases are taken
@@ -584,8 +585,8 @@ def test_a_large_upload_is_one_call_carrying_the_releases_before_it(
 
 
 def test_a_small_upload_carries_no_releases(fresh_server: Any, monkeypatch: Any) -> None:
-    values = np.ones(_local.MIN_FAST_BYTES, dtype=np.uint8)
-    assert values.nbytes < _local.RELEASE_BEFORE_UPLOAD_BYTES
+    values = np.ones(transfers.MIN_FAST_BYTES, dtype=np.uint8)
+    assert values.nbytes < transfers.RELEASE_BEFORE_UPLOAD_BYTES
     with tensord.connect(fresh_server.address) as client:
         x = client.tensor(values)
         del x
@@ -624,7 +625,7 @@ def test_empty_export_checks_the_handle_limit_and_releases_a_refused_handle(
 
 def test_empty_export_charges_the_quota_after_the_releases_it_carries(make_server: Any) -> None:
     running = make_server(quotas=[QuotaSpec("*", "cpu", 24 * MiB)])
-    values = np.ones(_local.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
+    values = np.ones(transfers.RELEASE_BEFORE_UPLOAD_BYTES, dtype=np.uint8)
     with tensord.connect(running.address) as client:
         x = client.tensor(values)
         with pytest.raises(tensord.errors.ResourceExhaustedError, match="quota exceeded"):
@@ -697,7 +698,7 @@ def test_an_upload_to_a_server_without_empty_export_takes_empty_then_export(
 
     monkeypatch.setattr(TensordService, "EmptyExport", unknown)  # a server before it
     running = make_server()
-    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    values = np.arange(transfers.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
     with tensord.connect(running.address) as client:
         calls = record_rpcs(client, monkeypatch)
         monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
@@ -728,7 +729,7 @@ def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again
 
     monkeypatch.setattr(TensordService, "EmptyExport", refused)
     running = make_server()
-    values = np.arange(_local.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
+    values = np.arange(transfers.RELEASE_BEFORE_UPLOAD_BYTES // 4, dtype=np.float32)
     with tensord.connect(running.address) as client:
         monkeypatch.setattr(client._conn, "upload", None)  # never the gRPC stream
         gc.disable()  # a tensor kept alive by a garbage cycle would stay so: deterministic
@@ -750,14 +751,14 @@ def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     client: Any, monkeypatch: Any, slice_bytes: int
 ) -> None:
     calls: list[int] = []
-    copy_in_slices = _local.copy_in_slices
+    copy_in_slices = copies.copy_in_slices
 
     def counted(out: np.ndarray, src: np.ndarray, size: int) -> None:
         calls.append(size)
         copy_in_slices(out, src, size)
 
-    monkeypatch.setattr(_local, "READ_SLICE_BYTES", slice_bytes)
-    monkeypatch.setattr(_local, "copy_in_slices", counted)
+    monkeypatch.setattr(transfers, "READ_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(copies, "copy_in_slices", counted)
     values = np.random.default_rng(1).standard_normal((300, 7, 50)).astype(np.float32)
     x = client.tensor(values)
     oracle = torch.from_numpy(values.copy())
@@ -770,7 +771,7 @@ def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     ]
     for view, expected in views:
         np.testing.assert_array_equal(view.numpy(), expected.numpy())
-    fast = [v for v, _ in views if v.nbytes >= _local.MIN_FAST_BYTES]
+    fast = [v for v, _ in views if v.nbytes >= transfers.MIN_FAST_BYTES]
     assert len(fast) == 3 and calls == [slice_bytes] * len(fast)
 
 
@@ -780,20 +781,20 @@ def test_copy_in_slices_equals_one_copyto(shape: tuple[int, ...], slice_bytes: i
     src = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
     src = src.T  # a strided source
     out = np.zeros(src.shape, dtype=np.int64)
-    _local.copy_in_slices(out, src, slice_bytes)
+    copies.copy_in_slices(out, src, slice_bytes)
     np.testing.assert_array_equal(out, src)
 
 
 def counting_submits(monkeypatch: Any) -> list[int]:
     """The bytes of each part a same-host copy hands to the copy pool, from now on."""
     submitted: list[int] = []
-    queue_part = _local.queue_part
+    queue_part = copies.queue_part
 
-    def counted(part: _local.CopyPart) -> bool:
+    def counted(part: copies.CopyPart) -> bool:
         submitted.append(part.dst.nbytes)
         return queue_part(part)
 
-    monkeypatch.setattr(_local, "queue_part", counted)
+    monkeypatch.setattr(copies, "queue_part", counted)
     return submitted
 
 
@@ -804,7 +805,7 @@ def counting_submits(monkeypatch: Any) -> list[int]:
 def test_split_along_cuts_any_shape_into_disjoint_pieces_of_whole_rows(
     shape: tuple[int, ...], parts: int
 ) -> None:
-    keys = _local.split_along(shape, parts)
+    keys = copies.split_along(shape, parts)
     seen = np.zeros(shape, dtype=np.int64)
     for key in keys:
         seen[key] += 1
@@ -818,8 +819,8 @@ def test_split_along_cuts_any_shape_into_disjoint_pieces_of_whole_rows(
 def test_parallel_copyto_equals_one_copyto_for_any_layout(
     monkeypatch: Any, workers: int, slice_bytes: int | None
 ) -> None:
-    monkeypatch.setattr(_local, "COPY_WORKERS", workers)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(copies, "COPY_WORKERS", workers)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
     submitted = counting_submits(monkeypatch)
     base = np.random.default_rng(2).standard_normal((40, 30, 6)).astype(np.float32)
     sources = [
@@ -834,44 +835,44 @@ def test_parallel_copyto_equals_one_copyto_for_any_layout(
     for src in sources:
         for dst in (np.zeros(src.shape, np.float32), np.zeros(src.shape[::-1], np.float32).T):
             before = len(submitted)
-            _local.parallel_copyto(dst, src, slice_bytes)  # dst: fresh, or transposed
+            copies.parallel_copyto(dst, src, slice_bytes)  # dst: fresh, or transposed
             np.testing.assert_array_equal(dst, src)
             assert len(submitted) - before == workers - 1  # the caller copies one part
     row = np.arange(6, dtype=np.float32)
     dst = np.zeros((40, 30, 6), np.float32)
-    _local.parallel_copyto(dst, row)  # broadcast as np.copyto broadcasts
+    copies.parallel_copyto(dst, row)  # broadcast as np.copyto broadcasts
     np.testing.assert_array_equal(dst, np.broadcast_to(row, dst.shape))
 
 
 def test_parallel_copyto_of_overlapping_arrays_copies_on_one_thread(monkeypatch: Any) -> None:
-    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(copies, "COPY_WORKERS", 3)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
     submitted = counting_submits(monkeypatch)
     square = np.arange(300 * 300, dtype=np.int64).reshape(300, 300)
     expected = square.T.copy()
-    _local.parallel_copyto(square, square.T)  # np.copyto buffers an overlapping source
+    copies.parallel_copyto(square, square.T)  # np.copyto buffers an overlapping source
     np.testing.assert_array_equal(square, expected)
     assert submitted == []
 
 
 def test_a_failing_part_raises_after_every_part_is_done(monkeypatch: Any) -> None:
-    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
-    copy_part = _local._copy_part
+    monkeypatch.setattr(copies, "COPY_WORKERS", 3)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
+    copy_part = copies._copy_part
     finished: list[int] = []
     failed = threading.Lock()
 
     def failing_in_the_pool(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
-        if _local._copy_pool.in_worker() and failed.acquire(blocking=False):
+        if copies._copy_pool.in_worker() and failed.acquire(blocking=False):
             finished.append(0)  # the first part the pool runs fails
             raise MemoryError("a part failed")
         copy_part(dst, src, slice_bytes)
         finished.append(dst.size)
 
-    monkeypatch.setattr(_local, "_copy_part", failing_in_the_pool)
+    monkeypatch.setattr(copies, "_copy_part", failing_in_the_pool)
     dst = np.zeros((90, 100), np.float32)
     with pytest.raises(MemoryError, match="a part failed"):
-        _local.parallel_copyto(dst, np.ones((90, 100), np.float32))
+        copies.parallel_copyto(dst, np.ones((90, 100), np.float32))
     assert sorted(finished) == [0, 3000, 3000]  # the other two parts were waited for
 
 
@@ -881,13 +882,13 @@ def test_an_interrupt_while_parts_run_raises_only_once_every_part_is_done(
     """Ctrl-C while the caller waits for the pool's parts: the interrupt is raised after they
     end (raised at once, the caller ended the export while a pool thread still wrote: the
     server could move or reuse those bytes, and the late write land in another tensor)."""
-    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
-    copy_part = _local._copy_part
+    monkeypatch.setattr(copies, "COPY_WORKERS", 2)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
+    copy_part = copies._copy_part
     caller_done, pool_started, pool_may_go, pool_done = (threading.Event() for _ in range(4))
 
     def slow_in_the_pool(dst: np.ndarray, src: np.ndarray, slice_bytes: int | None) -> None:
-        if _local._copy_pool.in_worker():
+        if copies._copy_pool.in_worker():
             pool_started.set()
             pool_may_go.wait(10)
             copy_part(dst, src, slice_bytes)
@@ -903,13 +904,13 @@ def test_an_interrupt_while_parts_run_raises_only_once_every_part_is_done(
             time.sleep(0.3)
         pool_may_go.set()
 
-    monkeypatch.setattr(_local, "_copy_part", slow_in_the_pool)
+    monkeypatch.setattr(copies, "_copy_part", slow_in_the_pool)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     helper = threading.Thread(target=interrupt_the_waiting_caller, daemon=True)
     try:
         helper.start()
         with pytest.raises(KeyboardInterrupt):
-            _local.parallel_copyto(np.zeros((2, 1000), np.float32), np.ones((2, 1000), np.float32))
+            copies.parallel_copyto(np.zeros((2, 1000), np.float32), np.ones((2, 1000), np.float32))
         assert pool_done.is_set()  # not raised while the pool's part still wrote
     finally:
         pool_may_go.set()
@@ -947,14 +948,14 @@ def test_a_part_queued_by_a_submit_that_raised_never_writes_after_the_copy_retur
 ) -> None:
     """Once parallel_copyto returned (or raised), the caller ends the export and the server
     may hand those bytes to another tensor: a part queued on the pool must not write then."""
-    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(copies, "COPY_WORKERS", 2)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
     pool = _QueuedThenRaises(error)
-    monkeypatch.setattr(_local._copy_pool, "executor", lambda: pool)
+    monkeypatch.setattr(copies._copy_pool, "executor", lambda: pool)
     dst = np.zeros((2, 1000), np.float32)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            _local.parallel_copyto(dst, np.ones((2, 1000), np.float32))
+            copies.parallel_copyto(dst, np.ones((2, 1000), np.float32))
         dst[...] = 7  # the memory is another tensor's now
     finally:
         pool.drain()  # the queued part runs now, if it still may
@@ -962,15 +963,15 @@ def test_a_part_queued_by_a_submit_that_raised_never_writes_after_the_copy_retur
 
 
 def test_many_threads_copying_at_once_all_finish(monkeypatch: Any) -> None:
-    monkeypatch.setattr(_local, "COPY_WORKERS", 4)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(copies, "COPY_WORKERS", 4)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", 1)
     src = np.random.default_rng(3).integers(0, 1 << 30, (64, 512), dtype=np.int64)
     results: list[bool] = []
 
     def copy_many() -> None:
         for _ in range(20):
             out = np.zeros_like(src)
-            _local.parallel_copyto(out, src.T.T, 4096)
+            copies.parallel_copyto(out, src.T.T, 4096)
             results.append(bool((out == src).all()))
 
     threads = [threading.Thread(target=copy_many, daemon=True) for _ in range(12)]
@@ -986,8 +987,8 @@ def test_same_host_transfers_split_large_copies_for_any_layout(
     client: Any, monkeypatch: Any
 ) -> None:
     # every same-host path, with copies from 256 KiB up on 3 threads: torch is the oracle
-    monkeypatch.setattr(_local, "COPY_WORKERS", 3)
-    monkeypatch.setattr(_local, "PARALLEL_MIN_BYTES", _local.MIN_FAST_BYTES)
+    monkeypatch.setattr(copies, "COPY_WORKERS", 3)
+    monkeypatch.setattr(copies, "PARALLEL_MIN_BYTES", transfers.MIN_FAST_BYTES)
     submitted = counting_submits(monkeypatch)
     values = np.random.default_rng(4).standard_normal((512, 384)).astype(np.float32)
     x = client.tensor(values)
@@ -1023,12 +1024,12 @@ def test_same_host_transfers_split_large_copies_for_any_layout(
 
 
 def test_only_large_same_host_copies_use_the_copy_pool(client: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(_local, "COPY_WORKERS", 2)
+    monkeypatch.setattr(copies, "COPY_WORKERS", 2)
     submitted = counting_submits(monkeypatch)
-    small = np.ones(_local.PARALLEL_MIN_BYTES // 2, dtype=np.uint8)
+    small = np.ones(copies.PARALLEL_MIN_BYTES // 2, dtype=np.uint8)
     assert client.tensor(small).numpy().sum() == small.size  # fast path, one thread
     assert submitted == [] and client._local.enabled
-    large = np.arange(_local.PARALLEL_MIN_BYTES, dtype=np.uint8)
+    large = np.arange(copies.PARALLEL_MIN_BYTES, dtype=np.uint8)
     np.testing.assert_array_equal(client.tensor(large).numpy(), large)
     assert submitted == [large.nbytes // 2] * 2  # upload, download: one part each on the pool
 
@@ -1125,11 +1126,11 @@ def test_a_tenant_can_never_map_another_tenants_bytes(make_server: Any) -> None:
         session = daemon.sessions.peek(bob.session_id)
         _, ticket, _ = daemon.exports.export(session, b.handle)
         path = running.fd_socket.path
-        os.close(_local.receive_segment_fd(path, ticket, 0))
+        os.close(channel.receive_segment_fd(path, ticket, 0))
         with pytest.raises(OSError, match="unknown or expired ticket"):
-            _local.receive_segment_fd(path, ticket, 0)
+            channel.receive_segment_fd(path, ticket, 0)
         with pytest.raises(OSError, match="unknown or expired ticket"):
-            _local.receive_segment_fd(path, "made-up-ticket-of-32-characters", 0)
+            channel.receive_segment_fd(path, "made-up-ticket-of-32-characters", 0)
 
 
 def test_without_auth_only_the_servers_user_reaches_the_fd_socket(client: Any) -> None:
@@ -1149,7 +1150,7 @@ def test_a_remote_looking_client_falls_back_to_grpc(
         def another_host(path: str, ticket: str, nbytes: int) -> int:
             raise FileNotFoundError(2, "No such file or directory", path)
 
-        monkeypatch.setattr(_local, "receive_segment_fd", another_host)
+        monkeypatch.setattr(channel, "receive_segment_fd", another_host)
     with tensord.connect(server.address, local=False if how == "argument" else None) as client:
         values = np.arange(MiB, dtype=np.float32)
         x = client.tensor(values)
@@ -1194,7 +1195,7 @@ def test_a_silent_fd_socket_connection_does_not_delay_another_clients_mapping(
             silent.close()
 
 
-MIN_FAST = _local.MIN_FAST_BYTES
+MIN_FAST = transfers.MIN_FAST_BYTES
 
 
 def _squatter(path: str, answer: bytes, fd: int) -> threading.Thread:
@@ -1224,7 +1225,7 @@ def test_a_socket_that_cannot_prove_the_ticket_gives_no_descriptor(tmp_path: Any
     path = str(tmp_path / "fd.sock")
     thread = _squatter(path, b"ok\n", fd)
     with pytest.raises(OSError, match="did not prove the ticket"):
-        _local.receive_segment_fd(path, "k" * 16 + "p" * 16, 4096)
+        channel.receive_segment_fd(path, "k" * 16 + "p" * 16, 4096)
     thread.join(10)
     os.close(fd)
 
@@ -1236,7 +1237,7 @@ def test_a_descriptor_shorter_than_its_segment_is_refused(tmp_path: Any) -> None
     path = str(tmp_path / "fd.sock")
     thread = _squatter(path, b"ok " + b"p" * 16 + b"\n", fd)
     with pytest.raises(OSError, match="holds 4096 bytes, not the 1048576 announced"):
-        _local.receive_segment_fd(path, "k" * 16 + "p" * 16, 1 << 20)
+        channel.receive_segment_fd(path, "k" * 16 + "p" * 16, 1 << 20)
     thread.join(10)
     os.close(fd)
 
@@ -1278,7 +1279,7 @@ def test_an_export_whose_caller_was_interrupted_is_released(
     slow_export, answered = slowed_exports(table, 0.0 if answered_first else 0.3)
     monkeypatch.setattr(table, "export", slow_export)
     if answered_first:  # the interrupt comes once the worker holds the answer
-        monkeypatch.setattr(_rpc._Job, "outcome", _interrupt_first(_rpc._Job.outcome))
+        monkeypatch.setattr(worker.Job, "outcome", _interrupt_first(worker.Job.outcome))
     with interrupted_after(None if answered_first else 0.05):
         torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
     monkeypatch.undo()
@@ -1354,7 +1355,7 @@ def test_remap_private_keeps_the_bytes_or_zeroes_them_and_leaves_the_shared_memo
             os.close(fd)
         base, seen = np.frombuffer(mapped, dtype=np.uint8), np.frombuffer(witness, dtype=np.uint8)
         base[:] = 5
-        _local.remap_private(int(base.ctypes.data), size, keep=keep)
+        segments.remap_private(int(base.ctypes.data), size, keep=keep)
         assert (base == (5 if keep else 0)).all()
         base[:] = 6
         seen[:] = 8

@@ -20,8 +20,8 @@ import pytest
 import tensord
 import torch
 from conftest import interrupted_after, slowed_exports, wait_until
-from tensord._local import ExportChannel
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
+from tensord.local.channel import ExportChannel
 from tensord.protocol import CHANNEL_OK, CHANNEL_USE_GRPC
 from tensord_server.domain import exports as server_exports
 from tensord_server.rpc import fd_socket
@@ -530,13 +530,13 @@ def test_an_interrupt_inside_a_channel_exchange_never_leaves_its_answer_for_the_
     # An interrupt that lands in the thread running the exchange (the main thread, when a
     # call runs there) after its frame was sent: the connection must go, else the next
     # request reads this one's answer (another handle's export, or a stale one's).
-    from tensord import _local
+    from tensord.local import channel as channel_module
 
     x = client.zeros(8)
     y = client.ones(8)
     export_fresh(client, x, 2)  # the second bound the channel
     channel = client._local._channel
-    receive_exactly = _local._receive_exactly
+    receive_exactly = channel_module._receive_exactly
     interrupted: list[bool] = []
 
     def interrupted_once(*args: Any) -> bytes:
@@ -545,7 +545,7 @@ def test_an_interrupt_inside_a_channel_exchange_never_leaves_its_answer_for_the_
             raise KeyboardInterrupt
         return receive_exactly(*args)
 
-    monkeypatch.setattr(_local, "_receive_exactly", interrupted_once)
+    monkeypatch.setattr(channel_module, "_receive_exactly", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         channel.request(pb.ExportRequest(handle=x.handle).SerializeToString(), 5.0)
     monkeypatch.undo()

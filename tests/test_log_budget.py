@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 from conftest import SessionStub, start_server
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.observability.log_budget import LogBudget
 from tensord_server.observability.metrics import observer_for
 

@@ -1,4 +1,4 @@
-"""x.numpy()'s reused same-host destinations (tensord._local.HostBufferCache): never handed
+"""x.numpy()'s reused same-host destinations (tensord.local.host_cache.HostBufferCache): never handed
 out while anything references them, bounded, thread-safe, empty in a forked child."""
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from tensord import _local
+from tensord.local import host_cache, transfers
 
 REPO = Path(__file__).resolve().parents[1]
-ELEMENTS = _local.MIN_FAST_BYTES // 4  # float32: the smallest same-host download
+ELEMENTS = transfers.MIN_FAST_BYTES // 4  # float32: the smallest same-host download
 
 
 @pytest.fixture
-def cache(monkeypatch: Any) -> _local.HostBufferCache:
+def cache(monkeypatch: Any) -> host_cache.HostBufferCache:
     """A cache of its own for the test (the process-wide one may hold other tests' arrays)."""
-    fresh = _local.HostBufferCache(64 * _local.MIN_FAST_BYTES, 3)
-    monkeypatch.setattr(_local, "numpy_cache", fresh)
+    fresh = host_cache.HostBufferCache(64 * transfers.MIN_FAST_BYTES, 3)
+    monkeypatch.setattr(host_cache, "numpy_cache", fresh)
     return fresh
 
 
@@ -37,7 +37,7 @@ def values(seed: int, n: int = ELEMENTS) -> np.ndarray:
 
 
 def test_an_unreferenced_array_is_reused_with_the_new_bytes(
-    client: Any, cache: _local.HostBufferCache
+    client: Any, cache: host_cache.HostBufferCache
 ) -> None:
     first, second = values(0), values(1)
     x, y = client.tensor(first), client.tensor(second)
@@ -66,7 +66,7 @@ def test_an_unreferenced_array_is_reused_with_the_new_bytes(
     ids=["slice", "view of a view", "view(dtype)", "memoryview", "from_numpy", "dlpack", "list"],
 )
 def test_an_alias_of_a_returned_array_blocks_its_reuse(
-    client: Any, cache: _local.HostBufferCache, alias: Any
+    client: Any, cache: host_cache.HostBufferCache, alias: Any
 ) -> None:
     first, second = values(0), values(1)
     x, y = client.tensor(first), client.tensor(second)
@@ -92,7 +92,7 @@ def as_array(value: Any) -> np.ndarray:
 
 @pytest.mark.parametrize("weak", ["ref", "WeakValueDictionary"])
 def test_an_array_still_weakly_referenced_is_not_reused(
-    client: Any, cache: _local.HostBufferCache, weak: str
+    client: Any, cache: host_cache.HostBufferCache, weak: str
 ) -> None:
     # a weak reference is not counted by sys.getrefcount, yet it still reaches the array
     # (the cache keeps it alive): handing it out again would rewrite what it reads
@@ -116,7 +116,7 @@ def test_an_array_still_weakly_referenced_is_not_reused(
 
 
 def test_the_cache_is_bounded_in_count_and_bytes(
-    client: Any, cache: _local.HostBufferCache
+    client: Any, cache: host_cache.HostBufferCache
 ) -> None:
     x = client.tensor(values(0))
     kept = [x.numpy() for _ in range(5)]  # all alive: five arrays, the cache keeps three
@@ -135,24 +135,24 @@ def test_the_cache_is_bounded_in_count_and_bytes(
 
 
 def test_a_cache_of_zero_bytes_keeps_nothing(client: Any, monkeypatch: Any) -> None:
-    monkeypatch.setenv(_local.NUMPY_CACHE_ENV, "0")
-    off = _local.HostBufferCache(_local.numpy_cache_bytes(), _local.NUMPY_CACHE_COUNT)
-    monkeypatch.setattr(_local, "numpy_cache", off)
+    monkeypatch.setenv(host_cache.NUMPY_CACHE_ENV, "0")
+    off = host_cache.HostBufferCache(host_cache.numpy_cache_bytes(), host_cache.NUMPY_CACHE_COUNT)
+    monkeypatch.setattr(host_cache, "numpy_cache", off)
     x = client.tensor(values(0))
     a = x.numpy()
     del a
     assert off.cached() == (0, 0)
-    monkeypatch.setenv(_local.NUMPY_CACHE_ENV, "")
-    assert _local.numpy_cache_bytes() == _local.NUMPY_CACHE_DEFAULT_BYTES
+    monkeypatch.setenv(host_cache.NUMPY_CACHE_ENV, "")
+    assert host_cache.numpy_cache_bytes() == host_cache.NUMPY_CACHE_DEFAULT_BYTES
 
 
 def test_the_default_bound_is_an_eighth_of_memory_within_its_limits() -> None:
     GiB = 1 << 30
-    assert _local.default_numpy_cache_bytes(24 * GiB) == 2 * GiB  # capped
-    assert _local.default_numpy_cache_bytes(8 * GiB) == GiB
-    assert _local.default_numpy_cache_bytes(1 * GiB) == 256 << 20  # the floor
-    assert _local.default_numpy_cache_bytes(0) == 256 << 20  # unknown memory
-    assert _local.default_numpy_cache_bytes() == _local.NUMPY_CACHE_DEFAULT_BYTES
+    assert host_cache.default_numpy_cache_bytes(24 * GiB) == 2 * GiB  # capped
+    assert host_cache.default_numpy_cache_bytes(8 * GiB) == GiB
+    assert host_cache.default_numpy_cache_bytes(1 * GiB) == 256 << 20  # the floor
+    assert host_cache.default_numpy_cache_bytes(0) == 256 << 20  # unknown memory
+    assert host_cache.default_numpy_cache_bytes() == host_cache.NUMPY_CACHE_DEFAULT_BYTES
 
 
 def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
@@ -161,10 +161,10 @@ def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
     """A 1 GiB download, over the smallest default bound (256 MiB), pays a fresh array's
     page faults at every x.numpy() unless cached: under a bound that takes it, the next
     x.numpy() of the same shape gets the same, dropped array back."""
-    big = _local.HostBufferCache(
-        _local.default_numpy_cache_bytes(8 << 30), _local.NUMPY_CACHE_COUNT
+    big = host_cache.HostBufferCache(
+        host_cache.default_numpy_cache_bytes(8 << 30), host_cache.NUMPY_CACHE_COUNT
     )
-    monkeypatch.setattr(_local, "numpy_cache", big)
+    monkeypatch.setattr(host_cache, "numpy_cache", big)
     x = client.zeros(300 << 18, dtype=tensord.float32)  # 300 MiB: over the old bound
     a = x.numpy()
     address = a.ctypes.data
@@ -174,7 +174,7 @@ def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
     assert big.cached()[1] == 300 << 20
 
 
-def test_threads_never_share_an_array(client: Any, cache: _local.HostBufferCache) -> None:
+def test_threads_never_share_an_array(client: Any, cache: host_cache.HostBufferCache) -> None:
     tensors = [client.tensor(values(seed)) for seed in range(4)]
     errors: list[BaseException] = []
 
@@ -197,7 +197,7 @@ def test_threads_never_share_an_array(client: Any, cache: _local.HostBufferCache
 
 
 def test_an_array_resized_in_place_leaves_the_cache(
-    client: Any, cache: _local.HostBufferCache
+    client: Any, cache: host_cache.HostBufferCache
 ) -> None:
     # resize(refcheck=False) reallocates an array the cache holds: its size is no longer
     # the one recorded, so the byte count (and the bound on it) would drift
@@ -217,7 +217,7 @@ def test_an_array_resized_in_place_leaves_the_cache(
 
 
 def test_a_finalizer_calling_numpy_inside_the_cache_does_not_deadlock(
-    client: Any, cache: _local.HostBufferCache, monkeypatch: Any
+    client: Any, cache: host_cache.HostBufferCache, monkeypatch: Any
 ) -> None:
     x, y = client.tensor(values(0)), client.tensor(values(1))
     outer: list[np.ndarray] = []
@@ -232,7 +232,7 @@ def test_a_finalizer_calling_numpy_inside_the_cache_does_not_deadlock(
         def __del__(self) -> None:
             inner.append(y.numpy())
 
-    search = _local._first_free
+    search = host_cache._first_free
 
     def collecting_search(*args: Any) -> Any:
         # as an automatic collection inside the cache's critical section would
@@ -241,7 +241,7 @@ def test_a_finalizer_calling_numpy_inside_the_cache_does_not_deadlock(
             gc.collect()
         return search(*args)
 
-    monkeypatch.setattr(_local, "_first_free", collecting_search)
+    monkeypatch.setattr(host_cache, "_first_free", collecting_search)
     thread = threading.Thread(target=lambda: outer.append(x.numpy()), daemon=True)
     thread.start()
     thread.join(timeout=30)
@@ -256,12 +256,12 @@ def test_a_forked_child_starts_with_an_empty_cache(client: Any) -> None:
     x = client.tensor(values(0))
     a = x.numpy()
     del a
-    assert _local.numpy_cache.cached()[0] >= 1
+    assert host_cache.numpy_cache.cached()[0] >= 1
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report what its cache holds, and nothing else
         try:
-            os.write(write, str(_local.numpy_cache.cached()).encode())
+            os.write(write, str(host_cache.numpy_cache.cached()).encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -276,11 +276,11 @@ def test_the_reference_count_probe_sees_one_more_reference() -> None:
     """Run in a fresh interpreter: _FREE_REFS is measured at import, and a held array shows."""
     script = (
         "import collections, numpy as np\n"
-        "from tensord import _local\n"
+        "from tensord.local import host_cache\n"
         "d = collections.OrderedDict(); d[0] = (np.empty(4, np.uint8), 4)\n"
-        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) is d[0][0]\n"
+        "assert host_cache._first_free(d, (4,), np.dtype(np.uint8), host_cache._FREE_REFS) is d[0][0]\n"
         "held = d[0][0]\n"
-        "assert _local._first_free(d, (4,), np.dtype(np.uint8), _local._FREE_REFS) is None\n"
+        "assert host_cache._first_free(d, (4,), np.dtype(np.uint8), host_cache._FREE_REFS) is None\n"
     )
     path = os.pathsep.join([str(REPO / "client"), str(REPO / "server")])
     done = subprocess.run(

@@ -13,7 +13,7 @@ from conftest import open_channel, run_serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rpc_errors import rpc_error, torch_error
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.layout import Layout, view_result_count
 from tensord_server.domain import limits
 

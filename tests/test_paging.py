@@ -20,7 +20,7 @@ import tensord
 import tensord.aio
 from conftest import SessionStub, open_channel
 from rpc_errors import rpc_error
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.protocol import MAX_PAGE_SIZE
 from tensord_server.devices.memory import BookkeepingBackend
 from tensord_server.devices.table import Device

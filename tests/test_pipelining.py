@@ -14,7 +14,7 @@ import pytest
 import tensord
 import torch
 from conftest import server_allocated
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 
 def test_views_and_writes_are_queued_not_sent(client: Any, server: Any) -> None:

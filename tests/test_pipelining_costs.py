@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tensord import _rpc
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
+from tensord.wire import connection
 
 
 def _count_acquisitions(monkeypatch: Any, *locks: Any) -> list[int]:
@@ -109,7 +109,7 @@ def test_a_dropped_unused_view_is_never_sent(
     client.synchronize()
     # the background flusher may send a view while its statement still holds it (it is
     # alive then, so sent, rightly): it sleeps through this test (once its 50 ms wait ends)
-    monkeypatch.setattr(_rpc, "RELEASE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(connection, "RELEASE_INTERVAL_S", 3600.0)
     time.sleep(0.2)
     session = server.daemon.sessions.get(client.session_id)
     handles = server.daemon.sessions.handle_count(session)
@@ -292,7 +292,7 @@ def test_a_full_queue_keeps_filling_while_the_batch_before_is_on_the_server(
     # clients waiting on a busy server, so it fills up to 1,024 ops
     import threading
 
-    from tensord._rpc import PIPELINE_BATCH, PIPELINE_BATCH_MAX
+    from tensord.wire.pipeline import PIPELINE_BATCH, PIPELINE_BATCH_MAX
     from tensord_server.domain.ops import batch
 
     x = client.arange(12)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensord
 from conftest import open_channel, run_serve
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.domain.quotas import (
     QuotaSpec,

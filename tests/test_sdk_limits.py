@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from tensord import _rpc, protocol
+from tensord import protocol
+from tensord.wire import connection, pipeline
 
 
 def _refused_at_the_call(client: tensord.Client, call: Callable[[], Any], limit: str) -> None:
@@ -146,9 +147,9 @@ def test_a_queue_past_the_batch_limit_is_sent_in_several_batches(
 
 
 def test_release_and_batch_sizes_fit_the_protocol() -> None:
-    assert protocol.list_limit("ReleaseRequest", "handles") >= _rpc.RELEASE_BATCH
-    assert protocol.list_limit("ReleaseRequest", "handles") >= _rpc.PIPELINE_BATCH * 4
-    assert _rpc.PIPELINE_BATCH_MAX < protocol.MAX_BATCH_OPS
+    assert protocol.list_limit("ReleaseRequest", "handles") >= connection.RELEASE_BATCH
+    assert protocol.list_limit("ReleaseRequest", "handles") >= pipeline.PIPELINE_BATCH * 4
+    assert pipeline.PIPELINE_BATCH_MAX < protocol.MAX_BATCH_OPS
 
 
 def test_the_server_takes_its_list_limits_from_the_protocol() -> None:

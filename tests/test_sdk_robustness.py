@@ -85,7 +85,7 @@ def test_fill_with_a_tensor_of_dimensions_raises_as_torch(
 
 def test_a_deadline_exceeded_is_a_typed_timeout_error() -> None:
     import grpc
-    from tensord._rpc import error_class
+    from tensord.wire.status import error_class
 
     cls = error_class(grpc.StatusCode.DEADLINE_EXCEEDED, None)
     assert cls is tensord.DeadlineExceededError

@@ -9,8 +9,12 @@ import grpc
 import numpy as np
 import pytest
 import tensord
-from tensord import _convert, _format, _rpc, dtypes, errors
-from tensord.tensor import _parse_to, device_name, index_items, shape_args
+from tensord import _convert, _format, dtypes, errors
+from tensord._args import parse_to, shape_args
+from tensord.device import device_name
+from tensord.protocol import ERROR_TYPE_KEY
+from tensord.wire import status as wire_status
+from tensord.wire.requests import index_items
 
 torch = pytest.importorskip("torch")
 
@@ -105,12 +109,12 @@ def test_argument_forms() -> None:
     assert shape_args((np.int64(4),)) == (4,)
     assert device_name("cuda") == "cuda:0" and device_name(1) == "cuda:1"
     assert device_name(torch.device("cpu")) == "cpu"
-    assert _parse_to(("cuda:0",), {}) == ("cuda:0", None, False)
-    assert _parse_to((tensord.dtypes.float16,), {}) == (None, dtypes.float16, False)
-    assert _parse_to((torch.float64,), {"copy": True}) == (None, dtypes.float64, True)
-    assert _parse_to(("cpu", dtypes.int32), {}) == ("cpu", dtypes.int32, False)
-    assert _parse_to((), {"device": "cpu", "dtype": dtypes.bool}) == ("cpu", dtypes.bool, False)
-    assert _parse_to(("cpu", dtypes.int8, False, True), {}) == ("cpu", dtypes.int8, True)
+    assert parse_to(("cuda:0",), {}) == ("cuda:0", None, False)
+    assert parse_to((tensord.dtypes.float16,), {}) == (None, dtypes.float16, False)
+    assert parse_to((torch.float64,), {"copy": True}) == (None, dtypes.float64, True)
+    assert parse_to(("cpu", dtypes.int32), {}) == ("cpu", dtypes.int32, False)
+    assert parse_to((), {"device": "cpu", "dtype": dtypes.bool}) == ("cpu", dtypes.bool, False)
+    assert parse_to(("cpu", dtypes.int8, False, True), {}) == ("cpu", dtypes.int8, True)
     items = index_items((1, slice(None, 3), None, Ellipsis))
     assert [i.WhichOneof("item") for i in items] == ["integer", "slice", "none", "ellipsis"]
     assert not items[1].slice.HasField("start") and items[1].slice.stop == 3
@@ -153,7 +157,7 @@ def test_size_and_device_print_like_torch() -> None:
     ],
 )
 def test_error_class_for_each_status(code, error_type, cls, builtin) -> None:
-    found = _rpc.error_class(code, error_type)
+    found = wire_status.error_class(code, error_type)
     assert found is cls
     assert issubclass(found, builtin) and issubclass(found, errors.TensordError)
 
@@ -166,7 +170,7 @@ class _FailingHandler(grpc.GenericRpcHandler):
 
         def fail(request, context):  # type: ignore[no-untyped-def]
             if error_type:
-                context.set_trailing_metadata(((_rpc.ERROR_TYPE_KEY, error_type),))
+                context.set_trailing_metadata(((ERROR_TYPE_KEY, error_type),))
             context.abort(grpc.StatusCode[code_name], f"message for {code_name}")
 
         return grpc.unary_unary_rpc_method_handler(fail)
@@ -186,7 +190,7 @@ def test_call_raises_the_mapped_exception_with_the_servers_message() -> None:
         for code_name, error_type, cls in cases:
             method = channel.unary_unary(f"/x/{code_name}/{error_type}")
             with pytest.raises(cls) as info:
-                _rpc._call(lambda m=method: m(b"", timeout=10))
+                wire_status.call(lambda m=method: m(b"", timeout=10))
             assert str(info.value) == f"message for {code_name}"
     finally:
         channel.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensord
 from conftest import SessionStub, open_channel
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord_server.domain.call_gate import CallGate
 from tensord_server.domain.store import TensorStore

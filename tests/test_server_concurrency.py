@@ -6,7 +6,7 @@ import threading
 
 import grpc
 import numpy as np
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 THREADS = 8
 ROUNDS = 25

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 from rpc_errors import rpc_error, torch_error
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 torch = pytest.importorskip("torch")
 

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 from tensord import errors
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord_server.rpc import status
 
 
@@ -118,12 +118,12 @@ def test_status_table(exc, code, kind) -> None:
     assert status.error_type_for(exc) == kind
     # every code the table uses is one the SDK's error classes know
     assert exc.__class__.__name__ == "KeyError" or code.name in {
-        cls.status_code for cls in vars(errors).values() if isinstance(cls, type)
+        cls.status_code for cls in errors.registered().values()
     }
 
 
 def test_the_sdk_reads_the_limit_and_oom_trailers_back() -> None:
-    from tensord._rpc import error_class
+    from tensord.wire.status import error_class
 
     limit = status.error_type_for(errors.ResourceExhaustedError("x"))
     oom = status.error_type_for(errors.OutOfMemoryError("x"))

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import SessionStub, run_serve, start_serve_process
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
 from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec

@@ -7,7 +7,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 
 
 def _allocated(server) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import run_serve, server_allocated
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import NotFoundError
 
 # A wait that only ever ends early: it bounds a test that would otherwise hang.

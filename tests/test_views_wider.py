@@ -240,10 +240,10 @@ def torch_warnings_in_a_fresh_process() -> list[list[str]]:
 
 
 def test_T_and_friends_warn_once_as_torch(client: tensord.Client) -> None:
-    import tensord.tensor as tensor_module
+    from tensord import _args
 
     expected = torch_warnings_in_a_fresh_process()
-    tensor_module._WARNED.clear()
+    _args._WARNED.clear()
     for (shape, attr), theirs in zip(WARNING_CASES, expected, strict=True):
         x = client.zeros(shape)
         with warnings.catch_warnings(record=True) as ours:

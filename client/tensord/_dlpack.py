@@ -1,7 +1,7 @@
 """DLPack for tensord tensors: ``__dlpack__`` / ``__dlpack_device__`` (Python array API).
 
 The capsule is NumPy's own (``ndarray.__dlpack__``) of an array that aliases the
-pooled bytes through the client's mapping (:mod:`tensord._local`): NumPy already
+pooled bytes through the client's mapping (:mod:`tensord.local`): NumPy already
 implements both capsule kinds (``dltensor`` and, for ``max_version >= (1, 0)``,
 ``dltensor_versioned``), their deleters (safe from any thread and at exit: they take
 the GIL and drop one reference) and the copy/device keywords.  That reference is
@@ -9,7 +9,7 @@ what keeps the export alive: when the consumer frees its tensor, the array goes,
 and with it the export's pin (its id is queued for the next ReleaseExports).
 
 A ``cuda`` tensor's capsule is CuPy's, of a CuPy array over this process's CUDA IPC
-import of the server's segment (:class:`tensord._local.CudaExport`), device kDLCUDA.
+import of the server's segment (:class:`tensord.local.cuda_ipc.CudaExport`), device kDLCUDA.
 The Export behind it synchronized the server's stream, so the bytes are final for
 any consumer stream: ``stream`` needs no wait and is accepted as the array API says.
 

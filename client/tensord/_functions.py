@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensord import errors, layout
-from tensord.tensor import Tensor, complex_function, torch_errors
+from tensord._args import torch_errors
+from tensord.device import Size
+from tensord.tensor import Tensor, complex_function
 
 
 def narrow(input: Tensor, dim: int, start: Any, length: int) -> Tensor:
@@ -245,8 +247,6 @@ def detach(input: Tensor) -> Tensor:
 
 def broadcast_shapes(*shapes: Any) -> tuple[int, ...]:
     """torch.broadcast_shapes (a torch.Size there; a tensord.Size here)."""
-    from tensord.tensor import Size
-
     with torch_errors():
         return Size(layout.broadcast_shapes(*shapes))
 

@@ -1,4 +1,4 @@
-"""Advanced indexing keys (issue 14): which keys torch reads as advanced, and their items.
+"""Advanced indexing keys: which keys torch reads as advanced, and their items.
 
 torch's python_variable_indexing.cpp decides, before any work, how it reads a key:
 a tuple is a list of items; a tensor or an array is one index tensor; another
@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
-
 _TUPLE_WARNING = (
     "Using a non-tuple sequence for multidimensional indexing is deprecated and will be changed "
     "in pytorch 2.9; use x[tuple(seq)] instead of x[seq]. In pytorch 2.9 this will be "
@@ -27,7 +25,8 @@ _TUPLE_WARNING = (
 )
 
 
-def _is_sequence(value: Any) -> bool:
+def is_sequence(value: Any) -> bool:
+    """A sequence or an array that torch's indexing reads as one (a str is not)."""
     return isinstance(value, Sequence | np.ndarray) and not isinstance(value, str | bytes)
 
 
@@ -35,12 +34,12 @@ def key_items(key: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, ...]:
     """The items of ``key`` as torch reads them (treatSequenceAsTuple)."""
     if isinstance(key, tuple):
         return key
-    if is_tensor(key) or isinstance(key, np.ndarray) or not _is_sequence(key):
+    if is_tensor(key) or isinstance(key, np.ndarray) or not is_sequence(key):
         return (key,)
     if len(key) >= 32:
         return (key,)
     for item in key:
-        if is_tensor(item) or _is_sequence(item) or isinstance(item, slice) or item is None:
+        if is_tensor(item) or is_sequence(item) or isinstance(item, slice) or item is None:
             warnings.warn(_TUPLE_WARNING, UserWarning, stacklevel=3)
             return tuple(key)
         if item is Ellipsis:
@@ -52,7 +51,7 @@ def key_items(key: Any, is_tensor: Callable[[Any], bool]) -> tuple[Any, ...]:
 def is_advanced(items: tuple[Any, ...], is_tensor: Callable[[Any], bool]) -> bool:
     """Whether any item is a tensor, a sequence or a Python bool (the rest is basic)."""
     return any(
-        isinstance(item, builtins.bool) or is_tensor(item) or _is_sequence(item) for item in items
+        isinstance(item, builtins.bool) or is_tensor(item) or is_sequence(item) for item in items
     )
 
 
@@ -63,33 +62,6 @@ def index_data(data: Any) -> np.ndarray:
     if array.dtype == np.bool_ or array.dtype == np.uint8:
         return array
     return array.astype(np.int64)
-
-
-def basic_item(item: Any) -> pb.IndexItem:
-    if item is None:
-        return pb.IndexItem(none=True)
-    if item is Ellipsis:
-        return pb.IndexItem(ellipsis=True)
-    if isinstance(item, slice):
-        return pb.IndexItem(slice=pb.Slice(start=item.start, stop=item.stop, step=item.step))
-    return pb.IndexItem(integer=item)
-
-
-def advanced_items(
-    items: tuple[Any, ...],
-    is_tensor: Callable[[Any], bool],
-    handle_of: Callable[[Any], str],
-) -> list[pb.AdvancedIndexItem]:
-    """The wire's items: tensors (and lists/arrays, uploaded by ``handle_of``) by handle."""
-    out = []
-    for item in items:
-        if isinstance(item, builtins.bool):
-            out.append(pb.AdvancedIndexItem(boolean=item))
-        elif is_tensor(item) or _is_sequence(item):
-            out.append(pb.AdvancedIndexItem(tensor=handle_of(item)))
-        else:
-            out.append(pb.AdvancedIndexItem(basic=basic_item(item)))
-    return out
 
 
 def infer_size(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """What every tensor of one Client shares: the connection and the same-host mapper.
 
 :mod:`tensord.tensor` depends on this object rather than on :mod:`tensord.client`, so
-the SDK's modules form layers (client -> tensor -> _session -> _rpc, _local) with no
+the SDK's modules form layers (client -> tensor -> _session -> wire, local) with no
 cycle, and a tensor never reaches into its client's private members.
 """
 
@@ -11,9 +11,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tensord import _local
-from tensord._rpc import Connection
 from tensord.layout import Layout
+from tensord.local.cuda_ipc import CudaExport
+from tensord.local.mapper import LocalMapper
+from tensord.local.segments import Export
+from tensord.wire.connection import Connection
 
 
 class SessionClient(Protocol):
@@ -37,11 +39,11 @@ class ClientSession:
     # a dropped Client (and its server session) alive until the garbage collector runs
     __slots__ = ("conn", "local")
 
-    def __init__(self, conn: Connection, local: _local.LocalMapper) -> None:
+    def __init__(self, conn: Connection, local: LocalMapper) -> None:
         self.conn = conn
         self.local = local
 
-    def local_export(self, handle: str) -> _local.Export | _local.CudaExport | None:
+    def local_export(self, handle: str) -> Export | CudaExport | None:
         """A same-host export of the Storage behind ``handle`` (None: use gRPC)."""
         return self.local.export(handle)
 

@@ -1,8 +1,9 @@
 """``tensord.connect()`` and the Client: factories, transfers, sharing and the pool's figures.
 
-A Client owns one :class:`~tensord._rpc.Connection` (channel + session) and
+A Client owns one :class:`~tensord.wire.connection.Connection` (channel + session) and
 makes :class:`~tensord.tensor.Tensor` handles.  Every RPC goes through the
-connection's ``call``, which raises :mod:`tensord.errors` exceptions.
+connection's ``call``, which raises :mod:`tensord.errors` exceptions; its requests are
+built by :mod:`tensord.wire.requests` from plain values.
 """
 
 from __future__ import annotations
@@ -14,41 +15,38 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from tensord import _convert, _local, dtypes, errors
+from tensord import _convert, dtypes, errors
+from tensord._args import as_dtype, check_limit, shape_args, torch_errors
 from tensord._convert import INT64_MAX, INT64_MIN, as_scalar
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
-from tensord._rpc import (
+from tensord._session import ClientSession
+from tensord.device import device_name
+from tensord.dtypes import DType
+from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
+from tensord.local import transfers
+from tensord.local.copies import parallel_copyto
+from tensord.local.mapper import LocalMapper, local_wanted
+from tensord.local.segments import Export
+from tensord.memory_format import memory_format_name, python_type_name
+from tensord.protocol import MAX_PAGE_SIZE
+from tensord.tensor import Tensor, download, layout_of, own, wrap
+from tensord.wire import requests
+from tensord.wire.config import (
     CALL_TIMEOUT_FROM_ENV,
     CallTimeoutFromEnv,
-    Connection,
     RootCertificates,
     resolve_address,
     resolve_call_timeout,
     resolve_tls,
     resolve_token,
 )
-from tensord._session import ClientSession
-from tensord.dtypes import DType
-from tensord.layout import CONTIGUOUS_FORMAT, memory_format_strides
-from tensord.memory_format import memory_format_name, python_type_name
-from tensord.protocol import MAX_PAGE_SIZE
-from tensord.tensor import (
-    Tensor,
-    as_dtype,
-    check_limit,
-    device_name,
-    download,
-    layout_of,
-    own,
-    scalar_pb,
-    shape_args,
-    torch_errors,
-    wrap,
-)
+from tensord.wire.connection import Connection
+
+if TYPE_CHECKING:
+    from tensord._meta import TensorMeta
 
 
 def connect(
@@ -198,7 +196,7 @@ class Client:
             credentials=resolve_tls(tls, root_certificates),
             pipelining=pipelining,
         )
-        self._local = _local.LocalMapper(self._conn, _local.local_wanted(local))
+        self._local = LocalMapper(self._conn, local_wanted(local))
         self._conn.local = self._local
         self._session = ClientSession(self._conn, self._local)
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
@@ -274,7 +272,7 @@ class Client:
         state = "closed" if self.closed else f"session {self.session_id}"
         return f"<tensord.Client {self.address} {state}>"
 
-    def _wrap(self, meta: pb.TensorMeta) -> Tensor:
+    def _wrap(self, meta: TensorMeta) -> Tensor:
         return wrap(self, self._session, meta)
 
     def _call(self, method: str, request: Any) -> Any:
@@ -310,12 +308,8 @@ class Client:
         fast = self._upload_local(array, dtype, device, requires_grad)
         if fast is not None:
             return fast
-        header = pb.UploadHeader(
-            shape=array.shape,
-            dtype=dtype.name,
-            device=device,
-            nbytes=array.nbytes,
-            requires_grad=requires_grad,
+        header = requests.upload_header(
+            array.shape, dtype.name, device, array.nbytes, requires_grad
         )
         # Bytes through uint8: the buffer protocol knows no bfloat16.
         data = array.reshape(-1).view(np.uint8).data
@@ -326,27 +320,25 @@ class Client:
     ) -> Tensor | None:
         """Same host: an empty tensor and its export in one call (EmptyExport), then one
         memcpy through the mapping (None: use gRPC)."""
-        if device != "cpu" or array.nbytes < _local.MIN_FAST_BYTES or not self._local.enabled:
+        if device != "cpu" or array.nbytes < transfers.MIN_FAST_BYTES or not self._local.enabled:
             return None
-        request = pb.EmptyRequest(
-            shape=array.shape, dtype=dtype.name, device=device, requires_grad=requires_grad
-        )
+        request = requests.empty(array.shape, dtype.name, device, requires_grad)
         # a large upload carries the releases queued before it (the tensors dropped, the
         # exports of earlier transfers): the server frees their blocks first, so the upload
         # reuses warm pages
-        carry = array.nbytes >= _local.RELEASE_BEFORE_UPLOAD_BYTES
+        carry = array.nbytes >= transfers.RELEASE_BEFORE_UPLOAD_BYTES
         made = self._local.empty_exported(request, carry)
         if made is None:
             return None
         meta, export = made
         tensor = self._wrap(meta)
-        if not isinstance(export, _local.Export):
+        if not isinstance(export, Export):
             if export is not None:
                 export.close()
             return None  # the tensor is dropped (released) and gRPC takes over
         try:
             flat = array.reshape(-1).view(np.uint8)  # C-contiguous (as_array): no copy
-            _local.parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
+            parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
         finally:
             export.close()
         return tensor
@@ -371,14 +363,8 @@ class Client:
             with torch_errors():
                 strides = memory_format_strides(shape, fmt)
             if fmt != CONTIGUOUS_FORMAT:
-                stride = pb.IntList(values=strides)
-        request = pb.EmptyRequest(
-            shape=shape,
-            stride=stride,
-            dtype=dt.name,
-            device=device_name(device),
-            requires_grad=requires_grad,
-        )
+                stride = strides
+        request = requests.empty(shape, dt.name, device_name(device), requires_grad, stride)
         return self._wrap(self._call("Empty", request))
 
     def full(
@@ -409,12 +395,8 @@ class Client:
         value = as_scalar(fill_value)
         inferred = next((d for t, d in _FULL_DTYPES if isinstance(value, t)), dtypes.complex64)
         _check_storage_size(shape, dt or inferred)
-        request = pb.FullRequest(
-            shape=shape,
-            dtype="" if dt is None else dt.name,
-            device=device_name(device),
-            value=scalar_pb(value),
-            requires_grad=requires_grad,
+        request = requests.full(
+            shape, "" if dt is None else dt.name, device_name(device), value, requires_grad
         )
         return self._wrap(self._call("Full", request))
 
@@ -475,13 +457,8 @@ class Client:
         if end is None:
             start, end = 0, start
         dt = _factory_dtype("arange", dtype)
-        request = pb.ArangeRequest(
-            start=scalar_pb(start),
-            end=scalar_pb(end),
-            step=scalar_pb(step),
-            dtype="" if dt is None else dt.name,
-            device=device_name(device),
-            requires_grad=requires_grad,
+        request = requests.arange(
+            start, end, step, "" if dt is None else dt.name, device_name(device), requires_grad
         )
         return self._wrap(self._call("Arange", request))
 
@@ -496,12 +473,12 @@ class Client:
     ) -> Tensor:
         dt = _factory_dtype(function, dtype) or other.dtype
         dense = layout_of(other).dense_like()
-        request = pb.EmptyRequest(
-            shape=dense.shape,
-            stride=pb.IntList(values=dense.stride),
-            dtype=dt.name,
-            device=device_name(device) if device is not None else other.device,
-            requires_grad=requires_grad,
+        request = requests.empty(
+            dense.shape,
+            dt.name,
+            device_name(device) if device is not None else other.device,
+            requires_grad,
+            dense.stride,
         )
         return self._wrap(self._call("Empty", request))
 
@@ -559,25 +536,25 @@ class Client:
         what = f"{method.lower()}() got {{}} tensors"
         check_limit(len(inputs), "MAX_CAT_INPUTS", what)
         handles = [own(self, t, i) for i, t in enumerate(inputs)]
-        return self._wrap(self._call(method, pb.CatRequest(handles=handles, dim=dim)))
+        return self._wrap(self._call(method, requests.join(handles, dim)))
 
     # ---- sharing -------------------------------------------------------------------------
 
     def attach(self, token: str) -> Tensor:
         """This session's own handle on the Storage behind another session's ``x.share()``."""
-        return self._wrap(self._call("Attach", pb.AttachRequest(token=_text("token", token))))
+        return self._wrap(self._call("Attach", requests.attach(_text("token", token))))
 
     def revoke(self, token: str) -> bool:
         """End a share token this session issued now; False if it had already ended
         (used up, expired or revoked)."""
-        revoked: bool = self._call("Revoke", pb.RevokeRequest(token=_text("token", token))).revoked
+        revoked: bool = self._call("Revoke", requests.revoke(_text("token", token))).revoked
         return revoked
 
     def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
         """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
         name = _text("name", name)
         handle = own(self, tensor, 0)
-        self._call("PutName", pb.PutNameRequest(name=name, handle=handle, overwrite=overwrite))
+        self._call("PutName", requests.put_name(name, handle, overwrite))
 
     def get(self, name: str) -> Tensor:
         """This session's handle on the tensor named ``name`` (``put`` by any session of this
@@ -588,7 +565,7 @@ class Client:
         Raises:
             NotFoundError: no tensor has that name.
         """
-        return self._wrap(self._call("GetName", pb.GetNameRequest(name=_text("name", name))))
+        return self._wrap(self._call("GetName", requests.get_name(_text("name", name))))
 
     def delete(self, name: str) -> None:
         """Remove the name ``name``; its Storage lives on while a handle still holds it.
@@ -596,14 +573,14 @@ class Client:
         Raises:
             NotFoundError: no tensor has that name.
         """
-        self._call("DeleteName", pb.DeleteNameRequest(name=_text("name", name)))
+        self._call("DeleteName", requests.delete_name(_text("name", name)))
 
     def names(self) -> list[str]:
         """The names of this tenant's tensors, sorted (fetched a page at a time)."""
         names: list[str] = []
         token = ""
         while True:
-            request = pb.ListNamesRequest(page_size=MAX_PAGE_SIZE, page_token=token)
+            request = requests.list_names(MAX_PAGE_SIZE, token)
             page = self._call("ListNames", request)
             names.extend(page.names)
             token = page.next_page_token
@@ -614,7 +591,7 @@ class Client:
 
     def memory_stats(self, device: Any = "cpu") -> dict[str, int | float]:
         """torch.cuda.memory_stats(): torch's key names, sorted as torch returns them."""
-        response = self._call("MemoryStats", pb.DeviceRequest(device=device_name(device)))
+        response = self._call("MemoryStats", requests.device(device_name(device)))
         merged: dict[str, int | float] = {**response.counters, **response.ratios}
         return dict(sorted(merged.items()))
 
@@ -642,7 +619,7 @@ class Client:
         A table like torch.cuda.memory_summary()'s, of the server's pool for ``device``.  Read
         from the server's caching pool by one RPC.
         """
-        response = self._call("MemorySummary", pb.DeviceRequest(device=device_name(device)))
+        response = self._call("MemorySummary", requests.device(device_name(device)))
         return str(response.summary)
 
     def memory_snapshot(self, device: Any = "cpu") -> dict[str, Any]:
@@ -651,9 +628,7 @@ class Client:
         snapshot: dict[str, Any] | None = None
         token = ""
         while True:
-            request = pb.MemorySnapshotRequest(
-                device=device, page_size=MAX_PAGE_SIZE, page_token=token
-            )
+            request = requests.memory_snapshot(device, MAX_PAGE_SIZE, token)
             response = self._call("MemorySnapshot", request)
             page: dict[str, Any] = json.loads(response.snapshot_json)
             if snapshot is None:
@@ -666,7 +641,7 @@ class Client:
 
     def empty_cache(self, device: Any = "cpu") -> int:
         """Return cached, unused segments to the device; the bytes released."""
-        response = self._call("EmptyCache", pb.DeviceRequest(device=device_name(device)))
+        response = self._call("EmptyCache", requests.device(device_name(device)))
         return int(response.released_bytes)
 
     def server_info(self) -> dict[str, Any]:
@@ -677,7 +652,7 @@ class Client:
                 ``device``, ``capacity_bytes`` and ``description``),
                 ``max_message_bytes`` and ``chunk_bytes``.
         """
-        info = self._call("ServerInfo", pb.ServerInfoRequest())
+        info = self._call("ServerInfo", requests.server_info())
         return {
             "version": info.version,
             "devices": [

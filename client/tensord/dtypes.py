@@ -90,7 +90,7 @@ float32 = _make("float32", 4, np.float32, "Float", "Float", floating=True)
 float64 = _make("float64", 8, np.float64, "Double", "Double", floating=True)
 complex64 = _make("complex64", 8, np.complex64, "ComplexFloat", "", complex_=True)
 complex128 = _make("complex128", 16, np.complex128, "ComplexDouble", "", complex_=True)
-# torch's "barebones" unsigned dtypes: storage, views, conversions and few ops (issue 14)
+# torch's "barebones" unsigned dtypes: storage, views, conversions and few ops
 uint16 = _make("uint16", 2, np.uint16, "UInt16", "", signed=False)
 uint32 = _make("uint32", 4, np.uint32, "UInt32", "", signed=False)
 uint64 = _make("uint64", 8, np.uint64, "UInt64", "", signed=False)

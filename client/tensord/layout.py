@@ -534,8 +534,8 @@ class Layout:
     def _derived(self, shape: Shape, stride: Shape, offset: int) -> Layout:
         """A layout that keeps this one's invariants by construction (its own ints, kept,
         dropped or swapped; a size clamped into [0, size]; an offset moved to an element it
-        reaches, checked >= 0 by the caller), so ``__post_init__``'s checks are skipped: select, slicing and transpose
-        are every pipelined view's cost, on both sides (issue 15)."""
+        reaches, checked >= 0 by the caller), so ``__post_init__``'s checks are skipped:
+        select, slicing and transpose are every pipelined view's cost, on both sides."""
         layout: Layout = _new_object(Layout)
         _set_field(layout, "shape", shape)
         _set_field(layout, "stride", stride)
@@ -1163,7 +1163,7 @@ class Layout:
         return Layout(shape, strides, offset)
 
 
-# ---- complex views (issue 14) -------------------------------------------------------
+# ---- complex views -----------------------------------------------------------------
 # torch's complex views and its lazy conjugate and negative bits.  A tensor's values are
 # its stored values, conjugated if its conj bit is set and negated if its neg bit is; a
 # view keeps both bits (they are part of what the handle names, not of the bytes).

@@ -24,6 +24,9 @@ BEARER = "Bearer "
 SESSION_KEY = "tensord-session"
 #: trailing metadata of an error: the Python built-in torch raises in the same case
 ERROR_TYPE_KEY = "tensord-error-type"
+#: trailing metadata of an error with machine-readable facts (tensord.errors' detail_fields):
+#: one JSON object, set as attributes of the exception the SDK raises
+ERROR_DETAILS_KEY = "tensord-error-details"
 #: request metadata of an Upload: its serialized UploadHeader (binary, hence ``-bin``)
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
@@ -114,7 +117,8 @@ def split_ticket(ticket: str) -> tuple[str, str]:
     return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
 
 
-# The export channel (issue 13) on the same fd socket: a connection binds with a line
+# The export channel on the same fd socket (a session's Exports without a gRPC round
+# trip): a connection binds with a line
 # ``CHANNEL_BIND`` + the session's key less its proof; then each request is a frame
 # (CHANNEL_FRAME_HEADER: its length, then an ExportRequest's bytes) and each answer a status
 # and a length (CHANNEL_ANSWER_HEADER) then an ExportResponse's bytes (CHANNEL_OK) or a short

@@ -1,10 +1,14 @@
 """``tensord.Tensor``: a torch-like handle on bytes that live in a tensord server.
 
-A Tensor is its client plus immutable metadata (:class:`Meta`): handle, layout,
-dtype, device.  Metadata reads never make an RPC.  A view op first computes
-the result with :mod:`tensord.layout` — so a bad argument raises torch's
-exception type and text without a round trip — then asks the server to
-register the handle.  Copies and writes run on the server.
+A Tensor is its client plus immutable metadata (:class:`~tensord._meta.Meta`): handle,
+layout, dtype, device.  Metadata reads never make an RPC.  A view op first computes
+the result with :mod:`tensord.layout` — so a bad argument raises torch's exception type
+and text without a round trip — then asks the server to register the handle.  Copies
+and writes run on the server.
+
+This module keeps torch's surface: arguments are read by :mod:`tensord._args` (torch's
+parser and texts), requests are built by :mod:`tensord.wire.requests` from plain values,
+and the same-host data plane is :mod:`tensord.local`.
 
 Dropping the last reference to a Tensor queues its handle for release; the
 client sends the queue in batches.
@@ -12,28 +16,54 @@ client sends the queue in batches.
 
 from __future__ import annotations
 
-import base64
 import builtins
-import collections
 import contextlib
+import functools
 import itertools
-import math
 import operator
-import os
-import re
-import secrets
-import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tensord import _dlpack, _format, _indexing, _local, dtypes, errors, protocol
-from tensord._convert import as_scalar, exact_dtype
+from tensord import _dlpack, _format, _indexing, dtypes, errors, protocol
+from tensord._args import (
+    CONJ_0D,
+    IDENTITY_0D,
+    MAX_SECTIONS,
+    NO_COPY_AVOIDED,
+    T_DEPRECATED,
+    UNSET,
+    Number,
+    as_dtype,
+    check_limit,
+    check_setitem_shape,
+    check_setitem_value,
+    check_tensor_argument,
+    ints,
+    is_dtype,
+    is_number,
+    is_tensor,
+    keyword_memory_format,
+    narrow_start,
+    narrowing_index,
+    parse_set,
+    parse_to,
+    plain_index,
+    python_values,
+    require_args,
+    resize_size,
+    shape_args,
+    split_arg,
+    to_memory_format,
+    torch_errors,
+    warn_once,
+)
+from tensord._convert import exact_dtype
+from tensord._meta import Meta, StorageInfo, TensorBase, UntypedStorage, new_handle_id
 from tensord._no_math import NoMath
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
 from tensord._session import ClientSession, SessionClient
+from tensord.device import Device, Size, device_name
 from tensord.dtypes import DType
 from tensord.layout import (
     CONTIGUOUS_FORMAT,
@@ -45,454 +75,18 @@ from tensord.layout import (
     copy_broadcast_check,
     memory_format_strides,
     normalize_dim,
-    strip_leading_ones,
     view_result_count,
 )
-from tensord.memory_format import (
-    MemoryFormat,
-    is_memory_format,
-    memory_format_name,
-    no_positional_or_unknown,
-    python_type_name,
-)
+from tensord.local import transfers
+from tensord.memory_format import MemoryFormat, memory_format_name, no_positional_or_unknown
+from tensord.wire import requests
+from tensord.wire.requests import ViewOp
 
-Number = builtins.bool | builtins.int | builtins.float | builtins.complex
+if TYPE_CHECKING:
+    from tensord._meta import TensorMeta
 
 
-class Size(tuple[int, ...]):
-    """torch.Size: a tuple of ints that prints as ``tensord.Size([2, 3])``."""
-
-    def numel(self) -> builtins.int:
-        """Returns the number of elements a tensor with the given size would contain."""
-        return math.prod(self)
-
-    def __repr__(self) -> str:
-        return f"tensord.Size([{', '.join(str(s) for s in self)}])"
-
-    __str__ = __repr__
-
-
-class Device(str):
-    """torch.device as a string subclass: ``x.device == "cpu"`` and ``x.device.type`` both work."""
-
-    @property
-    def type(self) -> str:
-        """The device type: ``"cpu"`` or ``"cuda"`` (torch.device.type)."""
-        return self.partition(":")[0]
-
-    @property
-    def index(self) -> builtins.int | None:  # type: ignore[override]  # torch.device.index
-        """The device index (``1`` of ``"cuda:1"``), or None when the string names none."""
-        _, sep, index = self.partition(":")
-        return builtins.int(index) if sep else None
-
-    def __repr__(self) -> str:
-        if self.index is None:
-            return f"device(type='{self.type}')"
-        return f"device(type='{self.type}', index={self.index})"
-
-
-def device_name(device: Any) -> str:
-    """torch's device arguments (``"cuda"``, ``"cuda:1"``, ``1``, torch.device) -> ``"cuda:1"``.
-
-    A malformed one raises torch's RuntimeError (c10::Device's parse); a well-formed one
-    the server does not have is the server's to refuse (FailedPreconditionError)."""
-    if isinstance(device, builtins.int) and not isinstance(device, builtins.bool):
-        if device < 0:
-            raise errors.TensordRuntimeError("Device index must not be negative")
-        return f"cuda:{device}"
-    name = str(device)
-    if isinstance(device, str) and not isinstance(device, Device):
-        check_device_string(name)
-    if name == "cuda":
-        return "cuda:0"  # torch resolves a bare "cuda" to the current device, 0 here
-    if name == "cpu:0":
-        return "cpu"
-    return name
-
-
-# c10::Device's device types, in its error text's order
-_DEVICE_TYPES = (
-    "cpu, cuda, ipu, xpu, mkldnn, opengl, opencl, ideep, hip, ve, fpga, maia, xla, lazy, "
-    "vulkan, mps, meta, hpu, mtia, privateuseone"
-)
-_DEVICE_STRING = re.compile(r"([A-Za-z_]+)(?::(0|[1-9][0-9]*))?")
-
-
-def check_device_string(name: str) -> None:
-    """c10::Device(string)'s checks and texts: a type of letters and underscores, then an
-    optional ``:index`` of digits with no leading zero, the type one torch knows."""
-    if not name:
-        raise errors.TensordRuntimeError("Device string must not be empty")
-    parsed = _DEVICE_STRING.fullmatch(name)
-    if parsed is None:
-        raise errors.TensordRuntimeError(f"Invalid device string: '{name}'")
-    index = parsed.group(2)
-    if index is not None and builtins.int(index) > _STOI_MAX:
-        raise errors.TensordRuntimeError(
-            f"Could not parse device index '{index}' in device string '{name}'"
-        )
-    if parsed.group(1) not in _DEVICE_TYPES.split(", "):
-        raise errors.TensordRuntimeError(
-            f"Expected one of {_DEVICE_TYPES} device type at start of device string: {name}"
-        )
-
-
-_STOI_MAX = 2**31 - 1  # std::stoi's int
-
-
-# Python's number types as dtypes, as torch's argument parser reads them (dtype=float)
-_PYTHON_TYPE_DTYPES: dict[type, DType] = {
-    builtins.float: dtypes.float64,
-    builtins.int: dtypes.int64,
-    builtins.bool: dtypes.bool,
-    builtins.complex: dtypes.complex128,
-}
-
-
-def as_dtype(value: Any) -> DType:
-    """A tensord DType from a DType, a torch.dtype, a Python number type or a dtype name."""
-    if isinstance(value, DType):
-        return value
-    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
-        return _PYTHON_TYPE_DTYPES[value]
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.dtype):
-        return dtypes.from_torch(value)
-    if isinstance(value, str):
-        with torch_errors():
-            return dtypes.dtype_from_name(value)
-    raise errors.TensordTypeError(f"expected a dtype, got {type(value).__name__}")
-
-
-def _is_dtype(value: Any) -> builtins.bool:
-    torch = sys.modules.get("torch")
-    if isinstance(value, type) and value in _PYTHON_TYPE_DTYPES:
-        return True
-    return isinstance(value, DType) or (torch is not None and isinstance(value, torch.dtype))
-
-
-def _is_number(value: Any) -> builtins.bool:
-    return isinstance(
-        value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.generic)
-    )
-
-
-def scalar_pb(value: Any) -> pb.Scalar:
-    value = as_scalar(value)
-    if isinstance(value, builtins.bool):
-        return pb.Scalar(bool_value=value)
-    if isinstance(value, builtins.int):
-        return _int_scalar_pb(value)
-    if isinstance(value, builtins.float):
-        return pb.Scalar(float_value=value)
-    return pb.Scalar(complex_value=pb.Complex(real=value.real, imag=value.imag))
-
-
-def _int_scalar_pb(value: builtins.int) -> pb.Scalar:
-    """A Python int as torch makes it a Scalar: int64, else uint64, else its OverflowError
-    (THPUtils_unpackLong, then PyLong_AsUnsignedLongLong), whatever the tensor's dtype."""
-    if -(1 << 63) <= value < 1 << 63:
-        return pb.Scalar(int_value=value)
-    if value < 0:
-        raise OverflowError("can't convert negative int to unsigned")
-    if value >= 1 << 64:
-        raise OverflowError("int too big to convert")
-    return pb.Scalar(uint_value=value)
-
-
-def _ints(values: Any) -> tuple[builtins.int, ...]:
-    return tuple(operator.index(v) for v in values)
-
-
-def shape_args(args: tuple[Any, ...]) -> tuple[builtins.int, ...]:
-    """torch's ``f(2, 3)`` == ``f((2, 3))`` convention; NumPy ints accepted."""
-    if len(args) == 1 and not isinstance(args[0], (builtins.int, np.integer)):
-        return _ints(args[0])
-    return _ints(args)
-
-
-def require_args(method: str, parameter: str, args: tuple[Any, ...]) -> None:
-    """torch's argument parser rejects ``x.permute()`` even where ``x.permute(())`` is valid."""
-    if not args:
-        raise errors.TensordTypeError(
-            f'{method}() missing 1 required positional arguments: "{parameter}"'
-        )
-
-
-def check_limit(count: builtins.int, limit: str, what: str) -> None:
-    """Refuse a call whose request would hold more than ``protocol.<limit>`` items (``what``
-    tells them: "unbind() would return {} tensors"), before anything is sent or queued: the
-    server refuses such a request, and a pipelined op it refuses fails at a later call."""
-    bound = getattr(protocol, limit)  # read at each call: the protocol's value, not a copy
-    if count > bound:
-        raise errors.TensordRuntimeError(
-            f"{what.format(count)}; the limit is {bound} (tensord.protocol.{limit})"
-        )
-
-
-def index_items(key: Any) -> list[pb.IndexItem]:
-    """A basic index (ints, slices, None, Ellipsis) as the wire's IndexItems."""
-    items = key if isinstance(key, tuple) else (key,)
-    out = []
-    for item in items:
-        if item is None:
-            out.append(pb.IndexItem(none=True))
-        elif item is Ellipsis:
-            out.append(pb.IndexItem(ellipsis=True))
-        elif isinstance(item, slice):
-            out.append(
-                pb.IndexItem(slice=pb.Slice(start=item.start, stop=item.stop, step=item.step))
-            )
-        else:
-            out.append(pb.IndexItem(integer=item))
-    return out
-
-
-def plain_index(key: Any) -> Any:
-    """NumPy ints -> ints, so the layout engine sees what torch would."""
-
-    def bound(value: Any) -> Any:
-        # slice bounds: anything with __index__ (NumPy ints, 0-dim integer tensors), as Python's
-        if isinstance(value, np.integer) or _is_tensor(value):
-            return operator.index(value)
-        return value
-
-    def one(item: Any) -> Any:
-        if isinstance(item, np.integer):
-            return builtins.int(item)
-        if _is_tensor(item) and item.ndim == 0:
-            return _zero_dim_index(item)
-        if isinstance(item, slice):
-            return slice(*(bound(v) for v in (item.start, item.stop, item.step)))
-        return item
-
-    return tuple(one(i) for i in key) if isinstance(key, tuple) else one(key)
-
-
-def _zero_dim_index(item: Any) -> Any:
-    """A 0-dim tensor used as an index: an integer one (not uint8, which torch reads as a
-    mask) is basic indexing by its value, a view; a float one is torch's IndexError; a
-    bool/uint8 mask stays a tensor (advanced indexing, refused by the layout engine)."""
-    dtype = _dtype_of(item)
-    if dtype.is_floating_point or dtype.is_complex:
-        raise errors.TensordIndexError(
-            "tensors used as indices must be long, int, byte or bool tensors"
-        )
-    if dtype is dtypes.bool or dtype is dtypes.uint8:
-        return item
-    return builtins.int(item.item())
-
-
-class _TorchErrors:
-    """Raise the layout engine's built-in errors as tensord's subclasses of the same built-ins.
-
-    ``except RuntimeError`` still catches them, and so does ``except tensord.TensordError``,
-    exactly as for the same error coming back from the server.  A class, not a generator
-    context manager: every view enters one, and a generator per view cost microseconds.
-    """
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
-        if exc is None or isinstance(exc, errors.TensordError):
-            return
-        for builtin, ours in _TORCH_ERROR_TYPES:
-            if isinstance(exc, builtin):
-                raise ours(str(exc)) from None
-
-
-_TORCH_ERROR_TYPES: tuple[tuple[type[Exception], type[errors.TensordError]], ...] = (
-    (IndexError, errors.TensordIndexError),
-    (TypeError, errors.TensordTypeError),
-    (RuntimeError, errors.TensordRuntimeError),
-    (ValueError, errors.InvalidArgumentError),
-)
-_TORCH_ERRORS = _TorchErrors()
-
-
-def torch_errors() -> _TorchErrors:
-    """``with torch_errors():`` the layout engine's errors as tensord's (see _TorchErrors)."""
-    return _TORCH_ERRORS
-
-
-class StorageInfo:
-    """What the server said about a Storage: its id, size in bytes and address.
-
-    A pipelined copy's Storage (a reshape that must copy) is made by the server
-    after the call returned: its facts arrive with the Batch's answer (``answered``), and
-    reading them before that waits for it (``settle``: the connection's synchronize, which
-    raises the copy's error if it failed).  Views of that tensor share this object.
-    """
-
-    __slots__ = ("_data_ptr", "_id", "_nbytes", "_settle")
-
-    def __init__(
-        self,
-        storage_id: str,
-        nbytes: builtins.int,
-        data_ptr: builtins.int,
-        settle: Any = None,
-    ) -> None:
-        self._id = storage_id
-        self._nbytes = nbytes
-        self._data_ptr = data_ptr
-        self._settle = settle
-
-    @classmethod
-    def pending(cls, settle: Any) -> StorageInfo:
-        """A Storage a queued op will make; ``settle()`` waits until the server answered."""
-        return cls("", 0, 0, settle)
-
-    def answered(self, meta: pb.TensorMeta) -> None:
-        """The server made it: its facts, from the Batch's answer."""
-        self._id, self._nbytes = meta.storage_id, meta.storage_nbytes
-        self._data_ptr = meta.storage_data_ptr
-        self._settle = None  # last: a reader that sees it gone sees the facts
-
-    def _known(self) -> None:
-        settle = self._settle
-        if settle is None:
-            return
-        settle()
-        if self._settle is not None:
-            raise errors.TensordRuntimeError(
-                "this tensor's Storage was never made: the queued copy that makes it (a "
-                "reshape or flatten that could not view) failed on the server, and its error "
-                "was raised at an earlier wait"
-            )
-
-    @property
-    def id(self) -> str:
-        self._known()
-        return self._id
-
-    @property
-    def nbytes(self) -> builtins.int:
-        self._known()
-        return self._nbytes
-
-    @property
-    def data_ptr(self) -> builtins.int:
-        self._known()
-        return self._data_ptr
-
-
-class Meta:
-    """What the server said about one handle (TensorMeta), decoded once; never changed after
-    (``replace`` makes another).  A plain class: a frozen dataclass's __init__ cost a
-    pipelined view more than its layout math."""
-
-    __slots__ = ("conj", "device", "dtype", "handle", "layout", "neg", "requires_grad", "storage")
-
-    def __init__(
-        self,
-        handle: str,
-        layout: Layout,
-        dtype: DType,
-        device: Device,
-        requires_grad: builtins.bool,
-        storage: StorageInfo,
-        conj: builtins.bool = False,
-        neg: builtins.bool = False,
-    ) -> None:
-        self.handle = handle
-        self.layout = layout
-        self.dtype = dtype
-        self.device = device
-        self.requires_grad = requires_grad
-        self.storage = storage
-        # torch's lazy bits: the values are the stored ones conjugated / negated
-        self.conj = conj
-        self.neg = neg
-
-    def replace(self, **changes: Any) -> Meta:
-        """A copy with ``changes`` (dataclasses.replace's contract)."""
-        fields = {name: getattr(self, name) for name in self.__slots__} | changes
-        return Meta(**fields)
-
-    def __repr__(self) -> str:
-        return (
-            f"Meta(handle={self.handle!r}, layout={self.layout!r}, dtype={self.dtype!r}, "
-            f"device={self.device!r}, requires_grad={self.requires_grad!r}, "
-            f"storage={self.storage!r}, conj={self.conj!r}, neg={self.neg!r})"
-        )
-
-    @property
-    def storage_id(self) -> str:
-        return self.storage.id
-
-    @property
-    def storage_nbytes(self) -> builtins.int:
-        return self.storage.nbytes
-
-    @property
-    def storage_data_ptr(self) -> builtins.int:
-        return self.storage.data_ptr
-
-    @classmethod
-    def from_pb(cls, m: pb.TensorMeta) -> Meta:
-        return cls(
-            handle=m.handle,
-            layout=Layout(tuple(m.shape), tuple(m.stride), m.storage_offset),
-            dtype=dtypes.dtype_from_name(m.dtype),
-            device=Device(m.device or "cpu"),
-            requires_grad=m.requires_grad,
-            storage=StorageInfo(m.storage_id, m.storage_nbytes, m.storage_data_ptr),
-            conj=m.is_conj,
-            neg=m.is_neg,
-        )
-
-
-_UNSET: Any = object()  # an argument not given (torch's TypeError lists a None given)
-
-
-class UntypedStorage:
-    """What ``x.untyped_storage()`` tells about the Storage under a tensor (no bytes here)."""
-
-    __slots__ = ("_data_ptr", "_id", "_nbytes", "_tensor", "device")
-
-    def __init__(self, meta: Meta, tensor: Tensor | None = None) -> None:
-        self._nbytes = meta.storage_nbytes
-        self._data_ptr = meta.storage_data_ptr
-        self._id = meta.storage_id
-        self.device = meta.device
-        # a tensor on this Storage: x.set_(storage, ...) reaches the Storage through it
-        self._tensor = tensor
-
-    def nbytes(self) -> builtins.int:
-        """The Storage's size in bytes, as the server reported it (no RPC)."""
-        return self._nbytes
-
-    def size(self) -> builtins.int:
-        """The Storage's size in bytes, as torch's ``UntypedStorage.size()``."""
-        return self._nbytes
-
-    def data_ptr(self) -> builtins.int:
-        """The Storage's address, as the server reported it (no RPC)."""
-        return self._data_ptr
-
-    @property
-    def storage_id(self) -> str:
-        """The server's id of this Storage: equal ids, one Storage."""
-        return self._id
-
-    def __repr__(self) -> str:
-        return f"<tensord.UntypedStorage {self._id} of {self._nbytes} bytes on {self.device}>"
-
-
-# View ops whose result's metadata differs from its input's beyond handle and layout.
-#: NumPy's own text when ``copy=False`` cannot be honoured (np.asarray(obj, copy=False))
-_NO_COPY_AVOIDED = "Unable to avoid copy while creating an array as requested."
-_META_CHANGING_VIEWS = frozenset({"view_dtype", "detach", "set_requires_grad", "complex_view"})
-
-
-class Tensor(NoMath):
+class Tensor(TensorBase, NoMath):
     """A handle on a tensor in a tensord server, with torch.Tensor's names and return types.
 
     No math: ``x + 1`` or ``x.sum()`` raises a TypeError or AttributeError that says what
@@ -643,7 +237,7 @@ class Tensor(NoMath):
 
     def is_contiguous(self, *args: Any, **kwargs: Any) -> builtins.bool:
         """torch's x.is_contiguous(memory_format=...) (keyword only, as torch's)."""
-        fmt = _keyword_memory_format("is_contiguous", args, kwargs)
+        fmt = keyword_memory_format("is_contiguous", args, kwargs)
         with torch_errors():
             return self._meta.layout.is_contiguous(fmt)
 
@@ -734,46 +328,51 @@ class Tensor(NoMath):
 
     # ---- views: checked locally, then registered by one RPC ---------------------------
 
-    def _views(self, layouts: Any = None, **op: Any) -> list[Tensor]:
-        """The view op ``op`` (a ViewRequest field); ``layouts`` are its results as the layout
-        engine computed them here: with pipelining the op is queued and they are returned at
-        once, under handle ids this client chose."""
+    def _views(
+        self, layouts: Sequence[Layout], op: ViewOp, changes: dict[str, Any] | None = None
+    ) -> list[Tensor]:
+        """The view ``op`` (:mod:`tensord.wire.requests` built it); ``layouts`` are its
+        results as the layout engine computed them here: with pipelining the op is queued and
+        they are returned at once, under handle ids this client chose.  ``changes``: what
+        the op changes of the metadata beyond the handle and the layout (a dtype view's
+        dtype, detach's requires_grad)."""
         conn = self._session.conn
         handle = self.handle
         if layouts:
-            check_limit(
-                len(layouts), "MAX_VIEW_RESULTS", f"{next(iter(op))}() would return {{}} tensors"
-            )
+            check_limit(len(layouts), "MAX_VIEW_RESULTS", f"{op[0]}() would return {{}} tensors")
             check_limit(layouts[0].ndim, "MAX_DIMS", "the result would have {} dimensions")
-        if layouts is not None and conn.pipelining:
-            metas = [self._view_meta(lay, op) for lay in layouts]
-            results = tuple(m.handle for m in metas)
-            conn.enqueue("view", next(iter(op)), handle, op, results)
-            return [Tensor(self._client, self._session, m) for m in metas]
-        response = conn.call("View", pb.ViewRequest(handle=handle, **op))
-        return [wrap(self._client, self._session, m) for m in response.tensors]
+        if not conn.pipelining:
+            response = conn.call("View", requests.view(handle, op))
+            return [wrap(self._client, self._session, m) for m in response.tensors]
+        metas = [self._view_meta(lay, changes) for lay in layouts]
+        conn.enqueue("View", op[0], handle, op[1], tuple(m.handle for m in metas))
+        return [Tensor(self._client, self._session, m) for m in metas]
 
-    def _view(self, layout: Layout | None = None, **op: Any) -> Tensor:
-        (result,) = self._views(None if layout is None else (layout,), **op)
+    def _view(self, layout: Layout, op: ViewOp, changes: dict[str, Any] | None = None) -> Tensor:
+        (result,) = self._views((layout,), op, changes)
         return result
 
-    def _elidable_view(self, layout: Layout, **op: Any) -> Tensor:
+    def _elidable_view(self, layout: Layout, op: ViewOp) -> Tensor:
         """A view the server cannot refuse while this tensor's handle is live: its result
         keeps a subset of this one's dims and strides, reaches a subset of its elements and
         takes one handle.  Queued (with pipelining) as a view that, dropped unused before
         its Batch, is never sent (see Connection.enqueue)."""
         conn = self._session.conn
         if not conn.pipelining:
-            return self._view(layout, **op)
+            return self._view(layout, op)
         handle = self.handle
-        meta = self._view_meta(layout, op)
-        conn.enqueue("view", next(iter(op)), handle, op, (meta.handle,), None, True)
+        m = self._meta
+        # the common case, built directly: a view's Storage and lazy bits are its input's
+        meta = Meta(
+            new_handle_id(), layout, m.dtype, m.device, m.requires_grad, m.storage, m.conj, m.neg
+        )
+        conn.enqueue("View", op[0], handle, op[1], (meta.handle,), None, True)
         return Tensor(self._client, self._session, meta)
 
-    def _view_meta(self, layout: Layout, op: dict[str, Any]) -> Meta:
+    def _view_meta(self, layout: Layout, changes: dict[str, Any] | None) -> Meta:
         """A view's metadata as the server will make it (same Storage, a new handle)."""
         m = self._meta
-        if not op.keys() & _META_CHANGING_VIEWS:  # the common case, built directly
+        if changes is None:  # the common case, built directly
             return Meta(
                 new_handle_id(),
                 layout,
@@ -784,21 +383,7 @@ class Tensor(NoMath):
                 m.conj,  # and so are its lazy bits
                 m.neg,
             )
-        meta = m.replace(handle=new_handle_id(), layout=layout)
-        if "view_dtype" in op:  # view(dtype) is not differentiable: never requires grad
-            return meta.replace(
-                dtype=dtypes.dtype_from_name(op["view_dtype"].dtype), requires_grad=False
-            )
-        if "detach" in op:
-            return meta.replace(requires_grad=False)
-        if "complex_view" in op:
-            lazy = self._lazy_view(op["complex_view"].op)
-            return meta.replace(
-                dtype=dtypes.dtype_from_name(lazy.dtype), conj=lazy.conj, neg=lazy.neg
-            )
-        if "set_requires_grad" in op:
-            return meta.replace(requires_grad=op["set_requires_grad"].requires_grad)
-        return meta
+        return m.replace(handle=new_handle_id(), layout=layout, **changes)
 
     def view(self, *shape: Any) -> Tensor:
         """Returns a new tensor with the same data as the ``self`` tensor but of a different
@@ -820,12 +405,12 @@ class Tensor(NoMath):
                 "view() received an invalid combination of arguments - got (), but expected one "
                 "of:\n * (torch.dtype dtype)\n * (tuple of ints size)\n"
             )
-        if len(shape) == 1 and _is_dtype(shape[0]):
+        if len(shape) == 1 and is_dtype(shape[0]):
             return self._view_dtype(as_dtype(shape[0]))
         with torch_errors():
             sizes = shape_args(shape)
             layout = self._meta.layout.view(sizes)
-        return self._view(layout, view=pb.ViewShape(shape=sizes))
+        return self._view(layout, requests.view_shape(sizes))
 
     def _view_dtype(self, dtype: DType) -> Tensor:
         old = self.dtype
@@ -834,7 +419,9 @@ class Tensor(NoMath):
             layout = self._meta.layout.view_dtype(
                 old.itemsize, dtype.itemsize, old_name=old.scalar_type, new_name=dtype.scalar_type
             )
-        return self._view(layout, view_dtype=pb.ViewDtype(dtype=dtype.name))
+        # view(dtype) is not differentiable: never requires grad
+        changes = {"dtype": dtype, "requires_grad": False}
+        return self._view(layout, requests.view_dtype(dtype.name), changes)
 
     def view_as(self, other: Tensor) -> Tensor:
         """View this tensor as the same size as ``other``.
@@ -866,25 +453,26 @@ class Tensor(NoMath):
             sizes = shape_args(shape)
             viewed = self._meta.layout.reshape(sizes)
         if viewed is not None:
-            return self._view(viewed, view=pb.ViewShape(shape=sizes))
+            return self._view(viewed, requests.view_shape(sizes))
         conn = self._session.conn
-        request = pb.ReshapeRequest(handle=self.handle, shape=sizes)
+        handle = self.handle
         if conn.pipelining:
             with torch_errors():  # torch's copy: _unsafe_view(clone(contiguous_format), shape)
                 layout = Layout.contiguous(self._meta.layout.shape).view(sizes)
-            return self._queued_copy(request, layout)
-        return wrap(self._client, self._session, conn.call("Reshape", request))
+            return self._queued_copy(handle, sizes, layout)
+        return wrap(
+            self._client, self._session, conn.call("Reshape", requests.reshape(handle, sizes))
+        )
 
-    def _queued_copy(self, request: pb.ReshapeRequest, layout: Layout) -> Tensor:
+    def _queued_copy(self, handle: str, sizes: tuple[builtins.int, ...], layout: Layout) -> Tensor:
         """A reshape that must copy, queued: the result's layout is contiguous and
         its id ours; its Storage's facts come with the Batch's answer (StorageInfo)."""
         check_limit(layout.ndim, "MAX_DIMS", "the result would have {} dimensions")
         conn = self._session.conn
         storage = StorageInfo.pending(conn.synchronize)
         meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
-        conn.enqueue(
-            "reshape", "reshape", request.handle, request, (meta.handle,), storage.answered
-        )
+        request = requests.reshape(handle, sizes)
+        conn.enqueue("Reshape", "reshape", handle, request, (meta.handle,), storage.answered)
         return Tensor(self._client, self._session, meta)
 
     def reshape_as(self, other: Tensor) -> Tensor:
@@ -906,11 +494,11 @@ class Tensor(NoMath):
         (the default) that op is queued and the call does not wait for the server (a view dropped
         unused before its batch is sent is never sent); without it, one View RPC.
         """
-        if _is_tensor(start):  # torch's narrow(dim, Tensor start, length) overload
-            start = _narrow_start(start)
+        if is_tensor(start):  # torch's narrow(dim, Tensor start, length) overload
+            start = narrow_start(start)
         with torch_errors():
             layout = self._meta.layout.narrow(dim, start, length)
-        return self._elidable_view(layout, narrow=pb.Narrow(dim=dim, start=start, length=length))
+        return self._elidable_view(layout, requests.narrow(dim, start, length))
 
     def select(self, dim: builtins.int, index: builtins.int) -> Tensor:
         """Slices the ``self`` tensor along the selected dimension at the given index.
@@ -924,23 +512,23 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.select(dim, index)
-        return self._elidable_view(layout, select=pb.Select(dim=dim, index=index))
+        return self._elidable_view(layout, requests.select(dim, index))
 
     def __getitem__(self, key: Any) -> Tensor:
         if type(key) is builtins.int:  # x[i], the commonest view: basic, nothing to normalize
             with torch_errors():
                 layout = self._meta.layout[key]
-            return self._elidable_view(layout, index=_int_index(key))
+            return self._elidable_view(layout, requests.int_index(key))
         key = plain_index(key)
-        items = plain_index(_indexing.key_items(key, _is_tensor))
-        if _indexing.is_advanced(items, _is_tensor):
+        items = plain_index(_indexing.key_items(key, is_tensor))
+        if _indexing.is_advanced(items, is_tensor):
             return self._advanced_index(items)
         with torch_errors():
             layout = self._meta.layout[key]
-        index = pb.Index(items=index_items(key))
-        if _narrowing_index(key, self._meta.layout.shape):
-            return self._elidable_view(layout, index=index)
-        return self._view(layout, index=index)
+        index = requests.index(key)
+        if narrowing_index(key, self._meta.layout.shape):
+            return self._elidable_view(layout, index)
+        return self._view(layout, index)
 
     def __delitem__(self, key: Any) -> None:
         raise errors.TensordTypeError("Tensor does not support deleting items")
@@ -957,7 +545,7 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.transpose(dim0, dim1)
-        return self._elidable_view(layout, transpose=pb.Transpose(dim0=dim0, dim1=dim1))
+        return self._elidable_view(layout, requests.transpose(dim0, dim1))
 
     def swapaxes(self, axis0: builtins.int, axis1: builtins.int) -> Tensor:
         """Alias for ``transpose``: a view, queued like it."""
@@ -977,7 +565,7 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.t()
-        return self._elidable_view(layout, t=pb.T())
+        return self._elidable_view(layout, requests.t())
 
     @property
     def T(self) -> Tensor:
@@ -986,11 +574,11 @@ class Tensor(NoMath):
         mirrors ATen numpy_T: a 0-dim tensor gives a new handle on itself (a permute).
         """
         if self.ndim == 0:
-            _warn_once(
+            warn_once(
                 "Tensor.T is deprecated on 0-D tensors. This function is the identity in these cases."
             )
         elif self.ndim != 2:
-            _warn_once(_T_DEPRECATED)
+            warn_once(T_DEPRECATED)
         return self.permute(tuple(reversed(range(self.ndim))))
 
     def _matrix_view(self, name: builtins.str, zero_dim_warning: builtins.str) -> Tensor:
@@ -998,7 +586,7 @@ class Tensor(NoMath):
         # mH / H / adjoint() of a complex tensor: the transpose's lazy conjugate, as torch's
         conjugate = name != "mT" and self.dtype.is_complex
         if self.ndim == 0:
-            _warn_once(zero_dim_warning)
+            warn_once(zero_dim_warning)
             return self.conj() if conjugate else self
         with torch_errors():
             if name == "H":
@@ -1014,7 +602,7 @@ class Tensor(NoMath):
 
         A view like ``transpose(-2, -1)``, queued like it.
         """
-        return self._matrix_view("mT", _IDENTITY_0D.format("Tensor.mT"))
+        return self._matrix_view("mT", IDENTITY_0D.format("Tensor.mT"))
 
     @property
     def mH(self) -> Tensor:
@@ -1022,7 +610,7 @@ class Tensor(NoMath):
 
         A view (a transpose, plus the lazy conjugate of a complex tensor), queued like it.
         """
-        return self._matrix_view("mH", _CONJ_0D.format("Tensor.mH"))
+        return self._matrix_view("mH", CONJ_0D.format("Tensor.mH"))
 
     @property
     def H(self) -> Tensor:
@@ -1030,7 +618,7 @@ class Tensor(NoMath):
 
         A view (a transpose, plus the lazy conjugate of a complex tensor), queued like it.
         """
-        return self._matrix_view("H", _CONJ_0D.format("Tensor.H"))
+        return self._matrix_view("H", CONJ_0D.format("Tensor.H"))
 
     def adjoint(self) -> Tensor:
         """Returns a view of the tensor conjugated and with the last two dimensions transposed.
@@ -1038,7 +626,7 @@ class Tensor(NoMath):
         A view: ``transpose(-2, -1)``, and of a complex tensor its lazy conjugate (a flipped
         conjugate bit, no values changed); queued like every view.
         """
-        return self._matrix_view("adjoint()", _CONJ_0D.format("adjoint()"))
+        return self._matrix_view("adjoint()", CONJ_0D.format("adjoint()"))
 
     # ---- complex views and torch's lazy conjugate / negative bits ---------------------
 
@@ -1052,7 +640,8 @@ class Tensor(NoMath):
     def _complex_view(self, name: builtins.str) -> Tensor:
         """A complex view (the layout engine's rules, checked here first), one View RPC."""
         lazy = self._lazy_view(name)
-        return self._view(lazy.layout, complex_view=pb.ComplexView(op=name))
+        changes = {"dtype": dtypes.dtype_from_name(lazy.dtype), "conj": lazy.conj, "neg": lazy.neg}
+        return self._view(lazy.layout, requests.complex_view(name), changes)
 
     @property
     def real(self) -> Tensor:
@@ -1115,7 +704,7 @@ class Tensor(NoMath):
         with torch_errors():
             order = shape_args(dims)
             layout = self._meta.layout.permute(order)
-        return self._view(layout, permute=pb.Permute(dims=order))
+        return self._view(layout, requests.permute(order))
 
     def moveaxis(self, source: Any, destination: Any) -> Tensor:
         """Alias for ``movedim``: a view, queued like it."""
@@ -1137,7 +726,7 @@ class Tensor(NoMath):
             layout = self._meta.layout.movedim(source, destination)
         src = [source] if isinstance(source, builtins.int) else list(source)
         dst = [destination] if isinstance(destination, builtins.int) else list(destination)
-        return self._view(layout, movedim=pb.Movedim(source=src, destination=dst))
+        return self._view(layout, requests.movedim(src, dst))
 
     def expand(self, *sizes: Any) -> Tensor:
         """Returns a new view of the ``self`` tensor with singleton dimensions expanded to a larger
@@ -1155,7 +744,7 @@ class Tensor(NoMath):
         with torch_errors():
             target = shape_args(sizes)
             layout = self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
-        return self._view(layout, expand=pb.Expand(shape=target))
+        return self._view(layout, requests.expand(target))
 
     def expand_as(self, other: Any) -> Tensor:
         """Expand this tensor to the same size as ``other``.
@@ -1185,9 +774,9 @@ class Tensor(NoMath):
         with torch_errors():
             layout = self._meta.layout.squeeze(dim)
         if dim is None:
-            return self._view(layout, squeeze=pb.Squeeze())
+            return self._view(layout, requests.squeeze(None))
         dims = [dim] if isinstance(dim, builtins.int) else list(dim)
-        return self._view(layout, squeeze=pb.Squeeze(dims=pb.IntList(values=dims)))
+        return self._view(layout, requests.squeeze(dims))
 
     def unsqueeze(self, dim: builtins.int) -> Tensor:
         """Returns a new tensor with a dimension of size one inserted at the specified position.
@@ -1199,7 +788,7 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.unsqueeze(dim)
-        return self._view(layout, unsqueeze=pb.Unsqueeze(dim=dim))
+        return self._view(layout, requests.unsqueeze(dim))
 
     def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
         """Flattens ``self`` by reshaping it into a one-dimensional tensor.
@@ -1219,7 +808,7 @@ class Tensor(NoMath):
         if viewed is self._meta.layout and self.ndim > 0:
             return self  # start_dim == end_dim: torch returns self
         if viewed is not None:
-            return self._view(viewed, flatten=pb.Flatten(start_dim=start_dim, end_dim=end_dim))
+            return self._view(viewed, requests.flatten(start_dim, end_dim))
         # torch.flatten reshapes, and a reshape that cannot view copies
         # the flattened shape: the layout engine's flatten of a contiguous tensor (always a view)
         flat = Layout.contiguous(tuple(self.shape)).flatten(start_dim, end_dim)
@@ -1236,7 +825,7 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.unflatten(dim, sizes)
-        return self._view(layout, unflatten=pb.Unflatten(dim=dim, sizes=list(sizes)))
+        return self._view(layout, requests.unflatten(dim, list(sizes)))
 
     def split(self, split_size_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         """Splits the tensor into chunks. Each chunk is a view of the original tensor.
@@ -1259,18 +848,16 @@ class Tensor(NoMath):
         with torch_errors():
             parts = self._meta.layout.split(split_size_or_sections, dim)
         if isinstance(split_size_or_sections, builtins.int):
-            op = pb.Split(split_size=split_size_or_sections, dim=dim)
-            return tuple(self._views(parts, split=op))
+            return tuple(self._views(parts, requests.split(split_size_or_sections, dim)))
         sections = list(split_size_or_sections)
-        if len(sections) > _MAX_SECTIONS:  # more than a Split may list: a view per part
+        if len(sections) > MAX_SECTIONS:  # more than a Split may list: a view per part
             return self._strided_views(parts)
-        op = pb.Split(sections=pb.IntList(values=sections), dim=dim)
-        return tuple(self._views(parts, split=op))
+        return tuple(self._views(parts, requests.split_sections(sections, dim)))
 
     def tensor_split(self, indices_or_sections: Any, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         """mirrors torch.Tensor.tensor_split: an int (sections), a sequence of split
         indices, or a long tensor of either (0-dim: sections; 1-dim: indices)."""
-        arg = _split_arg(indices_or_sections, self.ndim)
+        arg = split_arg(indices_or_sections, self.ndim)
         with torch_errors():
             parts = self._meta.layout.tensor_split(arg, dim)
         return self._split_views(parts, dim)
@@ -1278,7 +865,7 @@ class Tensor(NoMath):
     def _split_along(self, name: builtins.str, indices_or_sections: Any) -> tuple[Tensor, ...]:
         arg = indices_or_sections
         if not isinstance(arg, (builtins.int, np.integer)):
-            arg = _ints(arg)
+            arg = ints(arg)
         with torch_errors():
             parts = getattr(self._meta.layout, name)(
                 operator.index(arg) if isinstance(arg, np.integer) else arg
@@ -1326,11 +913,10 @@ class Tensor(NoMath):
         tiled = False
         with contextlib.suppress(RuntimeError, IndexError, ValueError, TypeError):
             tiled = self._meta.layout.split(sizes, dim) == parts
-        if tiled and len(sizes) <= _MAX_SECTIONS:
-            op = pb.Split(sections=pb.IntList(values=sizes), dim=dim)
-            return tuple(self._views(parts, split=op))
+        if tiled and len(sizes) <= MAX_SECTIONS:
+            return tuple(self._views(parts, requests.split_sections(sizes, dim)))
         runs = [(size, len(list(run))) for size, run in itertools.groupby(sizes)] if tiled else []
-        if tiled and len(runs) <= _MAX_SECTIONS:  # tensor_split(n): two runs of equal parts
+        if tiled and len(runs) <= MAX_SECTIONS:  # tensor_split(n): two runs of equal parts
             return self._split_runs(runs, dim, len(parts))
         return self._strided_views(parts)
 
@@ -1371,8 +957,8 @@ class Tensor(NoMath):
 
     def _strided_view(self, layout: Layout) -> Tensor:
         """A handle on ``layout`` (computed here by the layout engine) as one as_strided."""
-        op = pb.AsStrided(size=layout.shape, stride=layout.stride, storage_offset=layout.offset)
-        return self._view(layout, as_strided=op)
+        op = requests.as_strided(layout.shape, layout.stride, layout.offset)
+        return self._view(layout, op)
 
     def unfold(self, dimension: builtins.int, size: builtins.int, step: builtins.int) -> Tensor:
         """Returns a view of the original tensor which contains all slices of size ``size`` from
@@ -1412,7 +998,7 @@ class Tensor(NoMath):
             return self._in_groups(count, piece, dim, lambda t, n: t.split(piece, dim))
         with torch_errors():
             parts = self._meta.layout.chunk(chunks, dim)
-        return tuple(self._views(parts, chunk=pb.Chunk(chunks=chunks, dim=dim)))
+        return tuple(self._views(parts, requests.chunk(chunks, dim)))
 
     def unbind(self, dim: builtins.int = 0) -> tuple[Tensor, ...]:
         """Removes a tensor dimension.
@@ -1429,7 +1015,7 @@ class Tensor(NoMath):
             return self._in_groups(count, 1, dim, lambda t, n: t.unbind(dim))
         with torch_errors():
             parts = self._meta.layout.unbind(dim)
-        return tuple(self._views(parts, unbind=pb.Unbind(dim=dim)))
+        return tuple(self._views(parts, requests.unbind(dim)))
 
     def _in_groups(
         self,
@@ -1476,7 +1062,7 @@ class Tensor(NoMath):
         """
         with torch_errors():
             layout = self._meta.layout.diagonal(offset, dim1, dim2)
-        return self._view(layout, diagonal=pb.Diagonal(offset=offset, dim1=dim1, dim2=dim2))
+        return self._view(layout, requests.diagonal(offset, dim1, dim2))
 
     def as_strided(
         self,
@@ -1504,8 +1090,7 @@ class Tensor(NoMath):
                 storage_elements=self._meta.storage_nbytes // itemsize,
                 itemsize=itemsize,
             )
-        op = pb.AsStrided(size=list(size), stride=list(stride), storage_offset=storage_offset)
-        return self._view(layout, as_strided=op)
+        return self._view(layout, requests.as_strided(list(size), list(stride), storage_offset))
 
     # ---- in-place view ops: this object takes a new handle; other handles are unchanged ----
 
@@ -1583,24 +1168,27 @@ class Tensor(NoMath):
         the server only registers a new handle on the same Storage. With pipelining (the default)
         that op is queued and the call does not wait for the server; without it, one View RPC.
         """
-        return self._view(self._meta.layout, detach=pb.Detach())
+        return self._view(self._meta.layout, requests.detach(), {"requires_grad": False})
 
     def requires_grad_(self, requires_grad: builtins.bool = True) -> Tensor:
         """In place, as torch: this object now carries the flag (the server holds it too).
         Pipelined, a metadata change like a view: queued, under a handle id chosen here."""
-        return self._set_requires_grad(pb.SetRequiresGrad(requires_grad=requires_grad))
+        return self._set_requires_grad(requires_grad)
 
-    def _set_requires_grad(self, op: pb.SetRequiresGrad) -> Tensor:
+    def _set_requires_grad(
+        self, requires_grad: builtins.bool, by_write: builtins.bool = False
+    ) -> Tensor:
+        """The flag, set in place (``by_write``: a value that requires grad was written in)."""
+        op = requests.set_requires_grad(requires_grad, by_write)
         if self._session.conn.pipelining:
             differentiable = self.dtype.is_floating_point or self.dtype.is_complex
-            if op.requires_grad and not op.by_write and not differentiable:
+            if requires_grad and not by_write and not differentiable:
                 raise errors.TensordRuntimeError(  # the server's check (kernels), made here
                     "only Tensors of floating point dtype can require gradients"
                 )
-            return self._become(self._view(self._meta.layout, set_requires_grad=op))
-        (meta,) = self._session.conn.call(
-            "View", pb.ViewRequest(handle=self.handle, set_requires_grad=op)
-        ).tensors
+            changes = {"requires_grad": requires_grad}
+            return self._become(self._view(self._meta.layout, op, changes))
+        (meta,) = self._session.conn.call("View", requests.view(self.handle, op)).tensors
         self._adopt(Meta.from_pb(meta))
         return self
 
@@ -1621,12 +1209,7 @@ class Tensor(NoMath):
         """
         if uses is not None and uses < 1:
             raise errors.InvalidArgumentError(f"share(uses=...) must be >= 1 or None, got {uses}")
-        request = pb.ShareRequest(
-            handle=self.handle,
-            uses=0 if uses is None else uses,
-            unlimited_uses=uses is None,
-            ttl_seconds=0.0 if ttl is None else ttl,
-        )
+        request = requests.share(self.handle, uses, ttl)
         token: str = self._session.conn.call("Share", request).token
         return token
 
@@ -1650,17 +1233,17 @@ class Tensor(NoMath):
         )
         with torch_errors():
             self._meta.layout.clone_layout(fmt)  # the rank check, before a round trip
-        return self._copy_op("Clone", pb.CloneRequest(handle=self.handle, memory_format=fmt))
+        return self._copy_op("Clone", requests.clone(self.handle, fmt))
 
     def contiguous(self, *args: Any, **kwargs: Any) -> Tensor:
         """torch's x.contiguous(memory_format=...): x itself when already so laid out."""
-        fmt = _keyword_memory_format("contiguous", args, kwargs)
+        fmt = keyword_memory_format("contiguous", args, kwargs)
         with torch_errors():
             copied = self._meta.layout.contiguous_layout(fmt)
         if copied is None:
             return self  # torch returns self
         if fmt == CONTIGUOUS_FORMAT:
-            return self._copy_op("Contiguous", pb.HandleRequest(handle=self.handle))
+            return self._copy_op("Contiguous", requests.handle(self.handle))
         # the Contiguous RPC knows one format; a copy in any other is exactly a clone
         return self.clone(memory_format=MemoryFormat(fmt))
 
@@ -1673,13 +1256,13 @@ class Tensor(NoMath):
         require_args("repeat", "repeats", sizes)
         repeats = shape_args(sizes)
         check_limit(len(repeats), "MAX_DIMS", "repeat() would make a tensor of {} dimensions")
-        return self._copy_op("Repeat", pb.RepeatRequest(handle=self.handle, repeats=repeats))
+        return self._copy_op("Repeat", requests.repeat(self.handle, repeats))
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:
         """torch's forms: to(device), to(dtype), to(device, dtype), to(other), copy=True,
         memory_format=..."""
-        fmt = _to_memory_format(args, kwargs)
-        device, dtype, copy = _parse_to(args, kwargs)
+        fmt = to_memory_format(args, kwargs)
+        device, dtype, copy = parse_to(args, kwargs)
         if fmt == PRESERVE_FORMAT:
             return self._to(device, dtype, copy)
         return self._to_format(device, dtype, copy, fmt)
@@ -1703,11 +1286,11 @@ class Tensor(NoMath):
         return moved.clone(memory_format=MemoryFormat(fmt))
 
     def _to(self, device: Any, dtype: DType | None, copy: builtins.bool) -> Tensor:
-        request = pb.ToRequest(
-            handle=self.handle,
-            device=device_name(device) if device is not None else "",
-            dtype=dtype.name if dtype is not None else "",
-            copy=copy,
+        request = requests.to(
+            self.handle,
+            device_name(device) if device is not None else "",
+            dtype.name if dtype is not None else "",
+            copy,
         )
         meta = self._session.conn.call("To", request)
         if meta.handle == self.handle:
@@ -1759,12 +1342,12 @@ class Tensor(NoMath):
         # (pipelined) copy_ would raise only at the next wait, far from this line
         if isinstance(src, np.ndarray):
             self._check_copy_from(src.shape)
-            if _local.write_array(self, self._session.local, self._meta.layout, src):
+            if transfers.write_array(self, self._session.local, self._meta.layout, src):
                 return self
         source = src if isinstance(src, Tensor) else self._upload_source(src)
         self._check_copy_from(source.shape)
         handle = own(self._client, source, 0)
-        self._write("Copy", pb.CopyRequest(dst=self.handle, src=handle))
+        self._write("Copy", "copy_", requests.copy(self.handle, handle))
         return self._written_from(src)
 
     def fill_(self, value: Any) -> Tensor:
@@ -1785,9 +1368,9 @@ class Tensor(NoMath):
                     "fill_ only supports 0-dimension value tensor but got tensor with "
                     f"{value.ndim} dimensions."
                 )
-            self._write("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value.item())))
+            self._write("Fill", "fill_", requests.fill(self.handle, value.item()))
             return self._written_from(value, any_dtype=True)
-        self._write("Fill", pb.FillRequest(handle=self.handle, value=scalar_pb(value)))
+        self._write("Fill", "fill_", requests.fill(self.handle, value))
         return self
 
     def zero_(self) -> Tensor:
@@ -1817,27 +1400,27 @@ class Tensor(NoMath):
     def _assign(self, key: Any, value: Any) -> None:
         """x[key] = value, where value may also be an array or a list (uploaded first)."""
         key = plain_index(key)
-        items = plain_index(_indexing.key_items(key, _is_tensor))
-        if _indexing.is_advanced(items, _is_tensor):
+        items = plain_index(_indexing.key_items(key, is_tensor))
+        if _indexing.is_advanced(items, is_tensor):
             self._advanced_put(items, value)
             return
         with torch_errors():
             target = self._meta.layout[key]
-        request = pb.SetItemRequest(handle=self.handle, index=index_items(key))
+        handle, index = self.handle, requests.index_items(key)
         if isinstance(value, Tensor):
             check_setitem_shape(target, value.shape, value.dtype)
-            request.src_handle = own(self._client, value, 0)
-        elif _is_number(value):
-            request.scalar.CopyFrom(scalar_pb(value))
-        elif isinstance(value, np.ndarray) and _local.write_array(
+            request = requests.set_item(handle, index, src=own(self._client, value, 0))
+        elif is_number(value):
+            request = requests.set_item(handle, index, value=value)
+        elif isinstance(value, np.ndarray) and transfers.write_array(
             self, self._session.local, self._meta.layout[key], value, setitem=True
         ):
             return  # written through the mapping, one memcpy
         else:  # an array or nested list: uploaded first, then copied in on the server
             source = self._upload_source(value)
             check_setitem_shape(target, source.shape, source.dtype)
-            request.src_handle = source.handle
-        self._write("SetItem", request)
+            request = requests.set_item(handle, index, src=source.handle)
+        self._write("SetItem", "__setitem__", request)
         self._written_from(value)
 
     def _written_from(self, value: Any, any_dtype: builtins.bool = False) -> Tensor:
@@ -1849,25 +1432,24 @@ class Tensor(NoMath):
         if not isinstance(value, Tensor) or not value.requires_grad or self.requires_grad:
             return self
         if any_dtype or self.dtype.is_floating_point or self.dtype.is_complex:
-            self._set_requires_grad(pb.SetRequiresGrad(requires_grad=True, by_write=True))
+            self._set_requires_grad(True, by_write=True)
         return self
 
-    def _write(self, method: str, request: Any) -> None:
-        """An in-place write: queued with pipelining (its result is this tensor), else one RPC."""
+    def _write(self, method: str, verb: str, request: Any) -> None:
+        """An in-place write of RPC ``method`` (``verb`` names it in an error): queued with
+        pipelining (its result is this tensor), else one RPC."""
         conn = self._session.conn
         if not conn.pipelining:
             conn.call(method, request)
             return
-        field = {"Copy": "copy", "Fill": "fill", "SetItem": "set_item"}[method]
-        what = {"Copy": "copy_", "Fill": "fill_", "SetItem": "__setitem__"}[method]
-        conn.enqueue(field, what, self._meta.handle, request)
+        conn.enqueue(method, verb, self._meta.handle, request)
 
     # ---- bytes to Python ----------------------------------------------------------------
 
     def _download(self) -> np.ndarray:
         """The elements in logical order, as a new NumPy array (any device)."""
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
-        fast = _local.read_array(self, self._session.local, self._meta.layout)
+        fast = transfers.read_array(self, self._session.local, self._meta.layout)
         if fast is not None:  # the stored values: a new array, made values in place
             if self._meta.conj:
                 np.conjugate(fast, out=fast)
@@ -1958,17 +1540,17 @@ class Tensor(NoMath):
             try:
                 self.numpy()  # raises numpy()'s own error for each of these
             except (RuntimeError, TypeError) as refusal:
-                raise ValueError(f"{_NO_COPY_AVOIDED} ({refusal})") from refusal
+                raise ValueError(f"{NO_COPY_AVOIDED} ({refusal})") from refusal
         np_dtype = dtypes.to_numpy_dtype(self.dtype)
         if dtype is not None and np.dtype(dtype) != np_dtype:
             raise ValueError(
-                f"{_NO_COPY_AVOIDED} (a {self.dtype} tensor as {np.dtype(dtype)} needs a cast)"
+                f"{NO_COPY_AVOIDED} (a {self.dtype} tensor as {np.dtype(dtype)} needs a cast)"
             )
         array = self._session.local_array(
             self.handle, self._meta.layout, np_dtype, self.untyped_storage().storage_id
         )
         if array is None:
-            raise ValueError(f"{_NO_COPY_AVOIDED} (no zero-copy: {self._session.local_reason()})")
+            raise ValueError(f"{NO_COPY_AVOIDED} (no zero-copy: {self._session.local_reason()})")
         return array
 
     def tolist(self) -> Any:
@@ -1978,7 +1560,7 @@ class Tensor(NoMath):
         device are read.  The bytes come from the server (a gRPC download, or one copy out of the
         server's mapped memory on the same host); the call waits for the ops queued before it.
         """
-        return _python_values(self._download(), self.dtype).tolist()
+        return python_values(self._download(), self.dtype).tolist()
 
     def item(self) -> Number:
         """Returns the value of this tensor as a standard Python number.
@@ -1994,7 +1576,7 @@ class Tensor(NoMath):
             raise errors.TensordRuntimeError(
                 f"a Tensor with {self.numel()} elements cannot be converted to Scalar"
             )
-        value: Number = _python_values(self._download(), self.dtype).reshape(()).item()
+        value: Number = python_values(self._download(), self.dtype).reshape(()).item()
         return value
 
     def __bool__(self) -> builtins.bool:
@@ -2130,25 +1712,22 @@ class Tensor(NoMath):
         an array, a torch tensor) uploaded first onto this tensor's device."""
         if isinstance(item, Tensor):
             return own(self._client, item, 0)
-        data = item.detach().cpu().numpy() if _is_tensor(item) else _indexing.index_data(item)
+        data = item.detach().cpu().numpy() if is_tensor(item) else _indexing.index_data(item)
         uploaded: Tensor = self._client.tensor(data, device=self.device)
         keep.append(uploaded)  # alive until the call is answered
         return uploaded.handle
 
-    def _advanced_items(
-        self, items: tuple[Any, ...], keep: list[Tensor]
-    ) -> list[pb.AdvancedIndexItem]:
-        return _indexing.advanced_items(
-            items, _is_tensor, lambda item: self._index_handle(item, keep)
+    def _advanced_items(self, items: tuple[Any, ...], keep: list[Tensor]) -> list[Any]:
+        return requests.advanced_items(
+            items, is_tensor, lambda item: self._index_handle(item, keep)
         )
 
     def _advanced_index(
         self, items: tuple[Any, ...], raw: builtins.bool = False, op: str = ""
     ) -> Tensor:
         keep: list[Tensor] = []
-        request = pb.AdvancedIndexRequest(
-            handle=self.handle, index=self._advanced_items(items, keep), raw=raw, op=op
-        )
+        handle = self.handle
+        request = requests.advanced_index(handle, self._advanced_items(items, keep), raw, op)
         return wrap(self._client, self._session, self._session.conn.call("AdvancedIndex", request))
 
     def _advanced_put(
@@ -2160,22 +1739,25 @@ class Tensor(NoMath):
         value_requires_grad: builtins.bool = False,
     ) -> None:
         keep: list[Tensor] = []
-        request = pb.AdvancedSetItemRequest(
-            handle=self.handle,
-            index=self._advanced_items(items, keep),
+        handle = self.handle
+        index = self._advanced_items(items, keep)
+        put = functools.partial(
+            requests.advanced_set_item,
+            handle,
+            index,
             raw=raw,
             accumulate=accumulate,
             value_requires_grad=value_requires_grad,
         )
         if isinstance(value, Tensor):
-            request.src_handle = own(self._client, value, 0)
-        elif _is_number(value):
-            request.scalar.CopyFrom(scalar_pb(value))
+            request = put(src=own(self._client, value, 0))
+        elif is_number(value):
+            request = put(value=value)
         else:  # a torch tensor keeps its dtype; an array or list takes this tensor's
-            dtype = None if _is_tensor(value) else self.dtype
+            dtype = None if is_tensor(value) else self.dtype
             source: Tensor = self._client.tensor(value, dtype=dtype, device=self.device)
             keep.append(source)
-            request.src_handle = source.handle
+            request = put(src=source.handle)
         # the handle's metadata after the write: it requires grad once a value did
         self._adopt(Meta.from_pb(self._session.conn.call("AdvancedSetItem", request)))
 
@@ -2219,7 +1801,7 @@ class Tensor(NoMath):
         """torch's masked_fill_: ``value`` (a number or a 0-dim tensor) where ``mask`` is True."""
         own(self._client, mask, 1)
         value_requires_grad = False
-        if _is_tensor(value):  # masked_fill__cpu checks the value, then the mask
+        if is_tensor(value):  # masked_fill__cpu checks the value, then the mask
             if value.ndim != 0:
                 raise errors.TensordRuntimeError(
                     "masked_fill_ only supports a 0-dimensional value tensor, but got tensor "
@@ -2265,12 +1847,12 @@ class Tensor(NoMath):
         Raises:
             TypeError: ``other`` is not a tensor (torch's text).
         """
-        _check_tensor_argument("is_same_size", "other", other)
+        check_tensor_argument("is_same_size", "other", other)
         return tuple(self.shape) == tuple(other.shape)
 
     def is_set_to(self, tensor: Any) -> builtins.bool:
         """torch's is_set_to: the same Storage, offset, sizes and strides (any dtype)."""
-        _check_tensor_argument("is_set_to", "tensor", tensor)
+        check_tensor_argument("is_set_to", "tensor", tensor)
         if not isinstance(tensor, Tensor):
             return False  # a torch tensor never shares a tensord Storage
         mine, theirs = self._meta.layout, tensor._meta.layout
@@ -2283,10 +1865,10 @@ class Tensor(NoMath):
     def resize_(self, *sizes: Any, memory_format: Any = None) -> Tensor:
         """torch's resize_: contiguous at the same offset (the layout kept when the size is);
         a Storage too small grows, seen by every handle on it."""
-        size = _resize_size(sizes)
+        size = resize_size(sizes)
         check_limit(len(size), "MAX_DIMS", "resize_() would make a tensor of {} dimensions")
         fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
-        request = pb.ResizeRequest(handle=self.handle, size=size, memory_format=fmt)
+        request = requests.resize(self.handle, size, fmt)
         self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
         return self
 
@@ -2300,7 +1882,7 @@ class Tensor(NoMath):
             the_template: The tensor whose size ``self`` takes (a tensord or torch tensor).
             memory_format: The result's memory format; None: contiguous.
         """
-        _check_tensor_argument("resize_as_", "the_template", the_template)
+        check_tensor_argument("resize_as_", "the_template", the_template)
         if memory_format is None:
             return self.resize_(tuple(the_template.shape))
         fmt = memory_format_name(memory_format, "resize_as_")
@@ -2311,16 +1893,23 @@ class Tensor(NoMath):
 
     def set_(
         self,
-        source: Any = _UNSET,
-        storage_offset: Any = _UNSET,
-        size: Any = _UNSET,
-        stride: Any = _UNSET,
+        source: Any = UNSET,
+        storage_offset: Any = UNSET,
+        size: Any = UNSET,
+        stride: Any = UNSET,
     ) -> Tensor:
         """torch's set_(), set_(tensor), set_(storage) and both with
         (storage_offset, size, stride=None): this handle views the source's Storage."""
-        request = _set_request(self.handle, source, storage_offset, size, stride)
-        if request.source:
-            own(self._client, source if isinstance(source, Tensor) else source._tensor, 0)
+        handle = self.handle
+        bound = parse_set(source, storage_offset, size, stride)
+        request = requests.set_storage(
+            handle,
+            None if bound.source is None else own(self._client, bound.source, 0),
+            source_is_storage=bound.source_is_storage,
+            storage_offset=bound.storage_offset,
+            size=bound.size,
+            stride=bound.stride,
+        )
         self._adopt(Meta.from_pb(self._session.conn.call("SetStorage", request)))
         return self
 
@@ -2360,287 +1949,7 @@ def complex_function(name: builtins.str, input: Any) -> Tensor:
     return input._complex_view(name)
 
 
-_T_DEPRECATED = (
-    "The use of `x.T` on tensors of dimension other than 2 to reverse their shape is deprecated "
-    "and it will throw an error in a future release. Consider `x.mT` to transpose batches of "
-    "matrices or `x.permute(*torch.arange(x.ndim - 1, -1, -1))` to reverse the dimensions of a "
-    "tensor."
-)
-_IDENTITY_0D = "{} is deprecated on 0-D tensors. This function is the identity in these cases."
-_CONJ_0D = "{} is deprecated on 0-D tensors. Consider using x.conj()."
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """A UserWarning, once per process, as torch's TORCH_WARN_ONCE."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def _is_tensor(value: Any) -> builtins.bool:
-    torch = sys.modules.get("torch")
-    return isinstance(value, Tensor) or (torch is not None and isinstance(value, torch.Tensor))
-
-
-def _dtype_of(value: Any) -> DType:
-    return value.dtype if isinstance(value, Tensor) else dtypes.from_torch(value.dtype)
-
-
-def _is_integral(dtype: DType) -> builtins.bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype is dtypes.bool)
-
-
-def _narrow_start(start: Any) -> builtins.int:
-    """narrow's Tensor start: a 0-dim integral tensor (its value).  mirrors ATen narrow_tensor."""
-    if start.ndim != 0 or not _is_integral(_dtype_of(start)):
-        raise errors.TensordRuntimeError("start must be an 0-dim integral Tensor.")
-    return builtins.int(start.item())
-
-
-# The sections one Split may list (Split.sections is an IntList, each at most this long).
-_MAX_SECTIONS = protocol.list_limit("IntList", "values")
-
-
-def _split_arg(value: Any, ndim: builtins.int) -> Any:
-    """tensor_split's indices_or_sections as an int or a tuple of ints.  A tensor must be a
-    long 0-dim (sections) or 1-dim (indices) tensor on the CPU; mirrors ATen tensor_split's
-    checks and their order."""
-    if isinstance(value, (builtins.int, np.integer)) and not isinstance(value, builtins.bool):
-        return operator.index(value)
-    if not _is_tensor(value):
-        return _ints(value)
-    if ndim == 0:
-        raise errors.TensordRuntimeError(
-            "tensor_split expected at least a 1-dimensional tensor, but got a tensor with 0 dims"
-        )
-    device = device_name(value.device)
-    if device != "cpu":
-        raise errors.TensordRuntimeError(
-            f"tensor_split expected tensor_indices_or_sections to be on cpu, but it's on {device}"
-        )
-    dtype = _dtype_of(value)
-    if dtype is not dtypes.int64:
-        raise errors.TensordRuntimeError(
-            "tensor_split expected tensor_indices_or_sections to have dtype of long, but got "
-            f"{dtype.scalar_type}"
-        )
-    if value.ndim not in (0, 1):
-        raise errors.TensordRuntimeError(
-            "tensor_split expected tensor_indices_or_sections to be a zero-dimensional or "
-            f"one-dimensional tensor, but got a tensor with {value.ndim} dims"
-        )
-    values = value.tolist()
-    return builtins.int(values) if value.ndim == 0 else tuple(builtins.int(v) for v in values)
-
-
-def _python_values(values: np.ndarray, dtype: DType) -> np.ndarray:
-    # bfloat16 is an ml_dtypes scalar type; tolist()/item() should give Python floats.
-    return values.astype(np.float32) if dtype is dtypes.bfloat16 else values
-
-
-def _keyword_memory_format(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """is_contiguous/contiguous: only the keyword memory_format (contiguous_format by
-    default; torch refuses None there, unlike clone's)."""
-    memory_format = kwargs.pop("memory_format", _DEFAULT)
-    no_positional_or_unknown(function, args, kwargs)
-    if memory_format is _DEFAULT:
-        return CONTIGUOUS_FORMAT
-    return memory_format_name(memory_format, function)
-
-
-_DEFAULT = object()  # "no memory_format given", which None is not for these methods
-
-
-# torch.Tensor.to's overloads: their positional and keyword parameters, and their text
-_TO_OVERLOADS = (
-    (4, ("device", "dtype", "non_blocking", "copy", "memory_format")),
-    (3, ("dtype", "non_blocking", "copy", "memory_format")),
-    (3, ("tensor", "non_blocking", "copy", "memory_format")),
-)
-_TO_SIGNATURES = (
-    " * (torch.device device = None, torch.dtype dtype = None, bool non_blocking = False, "
-    "bool copy = False, *, torch.memory_format memory_format = None)\n"
-    " * (torch.dtype dtype, bool non_blocking = False, bool copy = False, *, "
-    "torch.memory_format memory_format = None)\n"
-    " * (Tensor tensor, bool non_blocking = False, bool copy = False, *, "
-    "torch.memory_format memory_format = None)\n"
-)
-
-
-def _to_memory_format(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """to()'s memory_format keyword (None: preserve_format), popped from kwargs.
-
-    A value that is no memory format gets torch's argument parser's text: the one
-    overload's complaint when only one could take these arguments, else the list.
-    """
-    memory_format = kwargs.get("memory_format")
-    if memory_format is None or is_memory_format(memory_format):
-        kwargs.pop("memory_format", None)
-        return PRESERVE_FORMAT if memory_format is None else memory_format_name(memory_format, "to")
-    plausible = [
-        names
-        for max_positional, names in _TO_OVERLOADS
-        if len(args) <= max_positional and all(k in names for k in kwargs)
-    ]
-    if len(plausible) == 1:
-        memory_format_name(memory_format, "to")  # raises
-    given = [python_type_name(a) for a in args]
-    # torch lists the keywords in its hash map's order; for one keyword that is no matter
-    given += [f"{k}={python_type_name(v)}" for k, v in kwargs.items()]
-    described = ", ".join(given) + (", " if not args else "")
-    raise errors.TensordTypeError(
-        f"to() received an invalid combination of arguments - got ({described}), but "
-        f"expected one of:\n{_TO_SIGNATURES}"
-    )
-
-
-def _parse_to(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, DType | None, builtins.bool]:
-    """torch.Tensor.to's overloads -> (device or None, dtype or None, copy): the first
-    overload whose parameters take the arguments' types, else torch's TypeError."""
-    if len(args) > 4:
-        raise errors.TensordTypeError(
-            f"to() takes from 0 to 4 positional arguments but {len(args)} were given"
-        )
-    for _, names in _TO_OVERLOADS:
-        bound = _bind_to(names[:-1], args, kwargs)  # memory_format is read before
-        if bound is not None:
-            break
-    else:
-        raise _to_invalid_combination(args, kwargs)
-    other = bound.get("tensor")
-    if other is not None:
-        return other.device, other.dtype, builtins.bool(bound.get("copy", False))
-    device, dtype = bound.get("device"), bound.get("dtype")
-    if device is not None:
-        device_name(device)  # a malformed device string: torch's RuntimeError, here
-    copy = builtins.bool(bound.get("copy", False))
-    return device, (as_dtype(dtype) if dtype is not None else None), copy
-
-
-def _bind_to(
-    names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any] | None:
-    """The arguments bound to one of to()'s overloads, None where it does not take them:
-    a parameter's type checked as torch's argument parser checks it (None for the optional
-    device and dtype)."""
-    if len(args) > len(names) or any(k not in names[len(args) :] for k in kwargs):
-        return None
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    if names[0] != "device" and names[0] not in bound:  # the 2nd and 3rd overloads' first
-        return None
-    for name, value in bound.items():
-        if not _TO_PARAMETER_TAKES[name](value):
-            return None
-    return bound
-
-
-def _takes_device(value: Any) -> builtins.bool:
-    torch = sys.modules.get("torch")
-    return (
-        value is None
-        or isinstance(value, (str, np.integer))
-        or (isinstance(value, builtins.int) and not isinstance(value, builtins.bool))
-        or (torch is not None and isinstance(value, torch.device))
-    )
-
-
-_TO_PARAMETER_TAKES: dict[str, Callable[[Any], builtins.bool]] = {
-    "device": _takes_device,
-    "dtype": lambda value: value is None or _is_dtype(value),
-    "tensor": lambda value: isinstance(value, Tensor),
-    "non_blocking": lambda value: isinstance(value, (builtins.bool, np.bool_)),
-    "copy": lambda value: isinstance(value, (builtins.bool, np.bool_)),
-}
-
-
-def _parser_type_name(value: Any) -> str:
-    """A value's type as torch's parser names it; tensord's dtypes and devices stand for torch's."""
-    if isinstance(value, DType):
-        return "torch.dtype"
-    if isinstance(value, Device):
-        return "torch.device"
-    return "Tensor" if isinstance(value, Tensor) else python_type_name(value)
-
-
-def _to_invalid_combination(args: tuple[Any, ...], kwargs: dict[str, Any]) -> TypeError:
-    """torch's text for to() arguments no overload takes (its _argDesc: a trailing ", "
-    is cut only after positional arguments)."""
-    given = "".join(f"{_parser_type_name(a)}, " for a in args)
-    given += "".join(f"{k}={_parser_type_name(v)}, " for k, v in kwargs.items())
-    if args:
-        given = given[:-2]
-    return errors.TensordTypeError(
-        f"to() received an invalid combination of arguments - got ({given}), but "
-        f"expected one of:\n{_TO_SIGNATURES}"
-    )
-
-
-# ---- what the client and the same-host paths need of tensors ------------------------------
-
-
-# Pipelined views' handle ids: 16 random bytes each (the server's own format), drawn from
-# the OS this many at a time: one getrandom per view cost more than the rest of the view.
-_IDS_PER_DRAW = 256
-_random_ids: collections.deque[str] = collections.deque()
-# a fork child draws its own ids: the parent's would name the parent's next views
-os.register_at_fork(after_in_child=_random_ids.clear)
-
-
-# x[i]'s Index message for the small ints (read only: the flush copies it into its op)
-_INT_INDEXES: dict[builtins.int, pb.Index] = {}
-_INT_INDEX_CACHED = 1 << 12
-
-
-def _int_index(key: builtins.int) -> pb.Index:
-    index = _INT_INDEXES.get(key)
-    if index is None:
-        index = pb.Index(items=(pb.IndexItem(integer=key),))
-        if -_INT_INDEX_CACHED <= key < _INT_INDEX_CACHED:
-            _INT_INDEXES[key] = index
-    return index
-
-
-def _narrowing_index(key: Any, shape: tuple[builtins.int, ...]) -> builtins.bool:
-    """Whether a valid basic index only selects and narrows (ints, one Ellipsis, slices of
-    step 1 whose bounds are within the largest size): no new dim (None), no stride
-    multiplied by a step, no number past the server's request bounds; its view may be
-    elided."""
-    items = key if isinstance(key, tuple) else (key,)
-    largest = max(shape, default=0)
-
-    def within(bound: Any) -> builtins.bool:
-        return bound is None or (type(bound) is builtins.int and -largest <= bound <= largest)
-
-    return sum(item is Ellipsis for item in items) <= 1 and all(
-        type(item) is builtins.int
-        or item is Ellipsis
-        or (
-            isinstance(item, slice)
-            and item.step in (None, 1)
-            and within(item.start)
-            and within(item.stop)
-        )
-        for item in items
-    )
-
-
-def new_handle_id() -> str:
-    """A handle id this client chooses for a pipelined view: as secrets.token_urlsafe(16)."""
-    try:
-        return _random_ids.popleft()
-    except IndexError:
-        raw = secrets.token_bytes(16 * _IDS_PER_DRAW)
-        _random_ids.extend(
-            base64.urlsafe_b64encode(raw[i : i + 16]).rstrip(b"=").decode()
-            for i in range(0, len(raw), 16)
-        )
-        return _random_ids.popleft()
-
-
-def wrap(client: SessionClient, session: ClientSession, meta: pb.TensorMeta) -> Tensor:
+def wrap(client: SessionClient, session: ClientSession, meta: TensorMeta) -> Tensor:
     """A handle of ``client`` on the tensor the server described in ``meta``."""
     return Tensor(client, session, Meta.from_pb(meta))
 
@@ -2658,130 +1967,11 @@ def own(client: SessionClient, tensor: Any, position: int) -> str:
     return tensor.handle
 
 
-def _check_tensor_argument(method: str, name: str, value: Any) -> None:
-    if not _is_tensor(value):
-        raise errors.TensordTypeError(
-            f"{method}(): argument '{name}' (position 1) must be Tensor, not "
-            f"{python_type_name(value)}"
-        )
-
-
-def _resize_size(sizes: tuple[Any, ...]) -> list[builtins.int]:
-    """resize_'s size argument as torch's parser reads it: ints, or one sequence of them
-    (a 0-dim integer tensor counts as an int)."""
-    if not sizes:
-        raise errors.TensordTypeError('resize_() missing 1 required positional arguments: "size"')
-    one = sizes[0]
-    sequence = isinstance(one, Sequence) and not isinstance(one, str)
-    if len(sizes) == 1 and not sequence and _as_size_int(one) is None:
-        raise errors.TensordTypeError(
-            "resize_(): argument 'size' (position 1) must be tuple of ints, not "
-            f"{python_type_name(one)}"
-        )
-    values = one if len(sizes) == 1 and isinstance(one, Sequence) else sizes
-    out = []
-    for position, value in enumerate(values):
-        number = _as_size_int(value)
-        if number is None:
-            raise errors.TensordTypeError(
-                f"resize_(): argument 'size' failed to unpack the object at pos {position + 1} "
-                f'with error "type must be tuple of ints,but got {python_type_name(value)}"'
-            )
-        out.append(number)
-    return out
-
-
-def _as_size_int(value: Any) -> builtins.int | None:
-    if _is_int_like(value):
-        return builtins.int(value)
-    if isinstance(value, Tensor) and value.ndim == 0 and _is_integral(value.dtype):
-        return operator.index(value)
-    return None
-
-
-_SET_OVERLOADS = (
-    " * ()\n"
-    " * (torch.Storage source)\n"
-    " * (torch.Storage source, int storage_offset, tuple of ints size, tuple of ints stride = None)\n"
-    " * (Tensor source)\n"
-    " * (Tensor source, int storage_offset, tuple of ints size, tuple of ints stride = None)\n"
-)
-
-
-def _set_request(
-    handle: str, source: Any, storage_offset: Any, size: Any, stride: Any
-) -> pb.SetStorageRequest:
-    """set_'s overloads, as torch's parser picks one (its TypeError when none fits)."""
-    given = [a for a in (source, storage_offset, size, stride) if a is not _UNSET]
-    source, storage_offset, size, stride = (
-        None if a is _UNSET else a for a in (source, storage_offset, size, stride)
-    )
-    is_storage = isinstance(source, UntypedStorage) and source._tensor is not None
-    fits = not given
-    if isinstance(source, Tensor) or is_storage:
-        fits = (storage_offset is None and size is None and stride is None) or (
-            _is_int_like(storage_offset)
-            and _is_int_list(size)
-            and (stride is None or _is_int_list(stride))
-        )
-    if not fits:
-        got = ", ".join(python_type_name(a) for a in given)
-        if isinstance(source, UntypedStorage):
-            got = got.replace("UntypedStorage", "torch.storage.UntypedStorage", 1)
-        raise errors.TensordTypeError(
-            f"set_() received an invalid combination of arguments - got ({got}), but "
-            "expected one of:\n" + _SET_OVERLOADS
-        )
-    request = pb.SetStorageRequest(handle=handle)
-    if source is None:
-        return request
-    owner = source if isinstance(source, Tensor) else source._tensor
-    request.source = owner.handle
-    request.source_is_storage = is_storage
-    if size is not None:
-        request.storage_offset = builtins.int(storage_offset)
-        request.size.values.extend(builtins.int(n) for n in size)
-        if stride is not None:
-            request.stride.values.extend(builtins.int(n) for n in stride)
-    return request
-
-
-def _is_int_like(value: Any) -> builtins.bool:
-    return isinstance(value, (builtins.int, np.integer)) and not isinstance(value, builtins.bool)
-
-
-def _is_int_list(value: Any) -> builtins.bool:
-    return isinstance(value, Sequence) and all(_is_int_like(n) for n in value)
-
-
 def assign_data(tensor: Tensor, key: Any, data: Any) -> None:
     """``tensor[key] = data`` where ``data`` may also be an array or a list, uploaded in
     ``tensor``'s dtype (tensord.aio's ``await x.setitem(key, data)``; torch's own
     ``__setitem__`` takes only tensors and numbers)."""
     tensor._assign(key, data)
-
-
-def check_setitem_value(value: Any, dtype: DType, device_type: str) -> None:
-    """torch's valueToTensor: a tensor, a Python (or NumPy integer) int, a bool, a float or a
-    complex; NumPy float64/complex128 pass as subclasses of float/complex, other NumPy
-    scalars, arrays, lists and tuples raise its TypeError."""
-    if _is_tensor(value) or isinstance(
-        value, (builtins.bool, builtins.int, builtins.float, builtins.complex, np.integer)
-    ):
-        return
-    place = "" if device_type == "cpu" else f"{device_type}."
-    raise errors.TensordTypeError(
-        f"can't assign a {python_type_name(value)} to a torch.{place}{dtype.scalar_type}Tensor"
-    )
-
-
-def check_setitem_shape(target: Layout, value_shape: Sequence[int], value_dtype: DType) -> None:
-    """x[key] = value's shape check, as torch's copy_to makes it before any work (and the
-    server again): value's leading 1s dropped, the rest must expand to the slice."""
-    with torch_errors():
-        Layout.contiguous(strip_leading_ones(tuple(value_shape))).expand(
-            target.shape, type_name=value_dtype.legacy_type
-        )
 
 
 def layout_of(tensor: Tensor) -> Layout:

@@ -218,7 +218,8 @@ class CachingPool:
             pool = self._small if is_small_size(size) else self._large
             alloc_size = get_allocation_size(size)
             if self._beyond_any_room(size):
-                self._out_of_memory(self._oom_message(nbytes), size, stream)
+                figures = self._oom_figures(nbytes)
+                self._out_of_memory(self._oom_message(figures), figures, size, stream)
             # each block found must have room to commit its pages (_admit: always, unless
             # the capacity bounds committed bytes), else it goes back and the next path runs
             block = self._admit(self._get_free_block(pool, size, stream), size)
@@ -238,22 +239,26 @@ class CachingPool:
                     self._alloc_block(pool, alloc_size, stream, is_retry=True), size
                 )
             if block is None:
-                message = self._oom_message(nbytes)
+                figures = self._oom_figures(nbytes)  # as they stand before the extra paths
+                message = self._oom_message(figures)
                 block, note = self._beyond_torch_on_oom(pool, size, alloc_size, stream)
                 block = self._admit(block, size)
                 message += note
             if block is None and self._descriptor_refusal is not None:
                 self._out_of_descriptors(nbytes, self._descriptor_refusal)
             if block is None:
-                self._out_of_memory(message, size, stream)
+                self._out_of_memory(message, figures, size, stream)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
             return self._alloc_found_block(block, size, nbytes, split)
 
-    def _out_of_memory(self, message: str, size: int, stream: int) -> NoReturn:
-        """Count and record an out-of-memory, and raise it (the caller holds the lock)."""
+    def _out_of_memory(
+        self, message: str, figures: dict[str, Any], size: int, stream: int
+    ) -> NoReturn:
+        """Count and record an out-of-memory, and raise it with the pool's ``figures`` as its
+        details (the caller holds the lock)."""
         self._stats.num_ooms += 1
         self._record("oom", self.capacity - self._capacity_used(), size, stream)
-        raise OutOfMemoryError(message)
+        raise OutOfMemoryError(message, **figures)
 
     def _out_of_descriptors(self, nbytes: int, refusal: str) -> NoReturn:
         """Raise the failure of a malloc whose new segment found no descriptor: the pool
@@ -1157,18 +1162,32 @@ class CachingPool:
         gave the pool and other programs cannot have, what the thresholds measure."""
         return self._stats.reserved_bytes[ALL].current
 
-    def _oom_message(self, nbytes: int) -> str:
+    def _oom_figures(self, nbytes: int) -> dict[str, Any]:
+        """The pool's figures an out-of-memory of ``nbytes`` names: its message's numbers,
+        and the details of its OutOfMemoryError (tensord.errors)."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        reserved = self._capacity_used()  # committed bytes where those are what capacity bounds
+        return {
+            "device": str(self.device),
+            "requested_bytes": nbytes,
+            "capacity_bytes": self.capacity,
+            "free_bytes": max(self.capacity - reserved, 0),
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+        }
+
+    def _oom_message(self, figures: dict[str, Any]) -> str:
         """PyTorch's out-of-memory message, with tensord's names.
 
         PyTorch names the segment size it tried to reserve; the bytes the caller
         asked for are what an operator can act on, so those are named here.
         """
-        allocated = self._stats.allocated_bytes[ALL].current
-        reserved = self._capacity_used()  # committed bytes where those are what capacity bounds
+        nbytes, allocated = figures["requested_bytes"], figures["allocated_bytes"]
+        reserved = figures["reserved_bytes"]
         message = (
             f"{self.device} out of memory. Tried to allocate {format_size(nbytes)}. "
             f"Device {self.device} has a total capacity of {format_size(self.capacity)} "
-            f"of which {format_size(max(self.capacity - reserved, 0))} is free. "
+            f"of which {format_size(figures['free_bytes'])} is free. "
             f"Of the allocated memory {format_size(allocated)} is allocated by tensord, "
             f"and {format_size(reserved - allocated)} is reserved by tensord but unallocated."
         )

@@ -45,14 +45,14 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
-from tensord.protocol import AUTHORIZATION_KEY, ERROR_TYPE_KEY
+from tensord.protocol import AUTHORIZATION_KEY
 
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
@@ -329,7 +329,7 @@ class Calls:
         details = status.details_for(exc)
         if call is not None:
             call.ended(code, details)
-        await context.abort(code, details, ((ERROR_TYPE_KEY, status.error_type_for(exc)),))
+        await context.abort(code, details, status.trailers_for(exc))
 
     def observe_other(
         self,

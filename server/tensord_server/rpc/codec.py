@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import InvalidArgumentError
 from tensord.layout import COMPLEX_VIEW_OPS
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import grpc
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.protocol import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES
 
 from tensord_server.devices.descriptors import DescriptorBudget, raise_descriptor_limit

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from tensord._proto.tensord.v1 import tensord_pb2 as pb
+from tensord import schema as pb
 from tensord.errors import InvalidArgumentError, UnauthenticatedError
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
@@ -196,9 +196,7 @@ class TensordService:
             copies=copies,
             failed=True,
             failed_index=outcome.failed_index or 0,
-            error_type=status.error_type_for(exc),
-            error_message=status.details_for(exc),
-            error_code=status.status_for(exc).value[0],
+            **status.batch_error_fields(exc),
         )
 
     # -- factories ----------------------------------------------------------------

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from tensord.protocol import ERROR_TYPE_KEY
 
 from tensord_server.domain.call_gate import CallGate
 from tensord_server.rpc import status
@@ -41,7 +40,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(
         status.status_for(exc),
         status.details_for(exc),
-        ((ERROR_TYPE_KEY, status.error_type_for(exc)),),
+        status.trailers_for(exc),
     )
 
 

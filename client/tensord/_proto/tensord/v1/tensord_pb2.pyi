@@ -765,13 +765,14 @@ class BatchRequest(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[BatchOp, _Mapping]]] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
-    __slots__ = ("applied", "failed", "failed_index", "error_type", "error_message", "error_code", "copies")
+    __slots__ = ("applied", "failed", "failed_index", "error_type", "error_message", "error_code", "error_details", "copies")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     FAILED_INDEX_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_DETAILS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     applied: int
     failed: bool
@@ -779,8 +780,9 @@ class BatchResponse(_message.Message):
     error_type: str
     error_message: str
     error_code: int
+    error_details: str
     copies: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, applied: _Optional[int] = ..., failed: _Optional[bool] = ..., failed_index: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_code: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    def __init__(self, applied: _Optional[int] = ..., failed: _Optional[bool] = ..., failed_index: _Optional[int] = ..., error_type: _Optional[str] = ..., error_message: _Optional[str] = ..., error_code: _Optional[int] = ..., error_details: _Optional[str] = ..., copies: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class AdvancedIndexItem(_message.Message):
     __slots__ = ("basic", "tensor", "boolean")

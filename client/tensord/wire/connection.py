@@ -1,0 +1,898 @@
+"""A connection: one gRPC channel to one server, the session on it, and its queues.
+
+Everything a Client's tensors send goes through one :class:`Connection`: unary calls
+(each under the call deadline, its failure raised as :mod:`tensord.errors`' class by
+:mod:`tensord.wire.status`), raw-byte transfers (:mod:`tensord.wire.streams`), the
+pipelined ops and the batched releases (:mod:`tensord.wire.pipeline`), and the
+session's liveness (a KeepAlive stream, a new session when the server lost the old).
+The main thread's calls run on worker threads (:mod:`tensord.wire.worker`); a fork
+waits for the background ones (:mod:`tensord.wire.fork`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+import grpc.experimental
+
+from tensord import errors
+from tensord import schema as pb
+from tensord._proto.tensord.v1 import tensord_pb2_grpc
+from tensord.protocol import (
+    AUTHORIZATION_KEY,
+    BEARER,
+    MAX_MESSAGE_BYTES,
+    SESSION_KEY,
+    UPLOAD_HEADER_KEY,
+)
+from tensord.wire import requests
+from tensord.wire.address import Probe, probe, serve_hint
+from tensord.wire.config import CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT_S
+from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
+from tensord.wire.pipeline import (
+    PIPELINE_BATCH,
+    PIPELINE_BATCH_MAX,
+    CopyAnswered,
+    QueuedOp,
+    batch_parts,
+    describe,
+)
+from tensord.wire.status import batch_error, error_from_rpc, is_own_deadline
+from tensord.wire.status import call as _call
+from tensord.wire.streams import StreamWatchdog, WatchedStream, chunks, progressing
+from tensord.wire.worker import off_main_thread, track
+
+# The server's NOT_FOUND text for a session id it does not have (sessions.py).
+UNKNOWN_SESSION = "unknown session"
+
+# Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
+CHUNK_BYTES = 1 << 20
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A Download runs on its caller's thread: otherwise gRPC starts a "channel spin" thread
+    # per download that is still winding down when the caller forks next (tensord.wire.fork).
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+)
+# Dropped handles are sent in one Release per interval (or sooner once this many wait).
+RELEASE_INTERVAL_S = 0.05
+RELEASE_BATCH = 1024
+# the longest wait between heartbeats, whatever lease the server grants (one hour)
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
+# close() may run at exit or from a finalizer: it must not hang on a server that is gone.
+CLOSE_TIMEOUT_S = 5.0
+
+_UPLOAD_METHOD = "/tensord.v1.Tensord/Upload"
+_DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
+
+M = TypeVar("M")
+
+
+class BatchInFlight(NamedTuple):
+    """The Batch sent and not yet collected (one at a time: the server applies them in order)."""
+
+    future: grpc.Future
+    queued: list[QueuedOp]
+    released: list[str]
+    #: the copies' callbacks, in op order (BatchResponse.copies answers them)
+    answered: list[CopyAnswered]
+
+
+# A forked child inherits every Connection (its session id, its channel) but none of its
+# threads.  The session is the parent's: the child must never close, release or beat it.
+# Nor may the child touch the inherited gRPC channel: closing it there hangs (a gRPC core
+# thread that held its locks exists only in the parent).  So in the child every inherited
+# Connection refuses use, its close does nothing, and its channel is kept referenced for
+# the life of the process (deallocating a channel closes it).
+# This process's id, kept by the fork hook: every pipelined view asks whether its
+# connection was inherited, and os.getpid() is a system call each time.
+_PROCESS_ID = os.getpid()
+_INHERITED_CHANNELS: list[grpc.Channel] = []
+# every connection's channel, for the child to keep (the connection is held weakly)
+_CHANNELS: weakref.WeakKeyDictionary[Connection, grpc.Channel] = weakref.WeakKeyDictionary()
+
+
+def _after_fork_in_child() -> None:
+    global _PROCESS_ID
+    _PROCESS_ID = os.getpid()
+    _INHERITED_CHANNELS.extend(_CHANNELS.values())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def take(pending: collections.deque[str], limit: int) -> list[str]:
+    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
+    batch: list[str] = []
+    with contextlib.suppress(IndexError):
+        while len(batch) < limit:
+            batch.append(pending.popleft())
+    return batch
+
+
+def session_lost_message(session_id: str) -> str:
+    return (
+        f"this tensor's tensord session ({session_id[:8]}...) is gone: the server restarted or "
+        "the session expired, and the tensor's data went with it; the client has opened a new "
+        "session: tensors made from now on work, so make this one again"
+    )
+
+
+class Connection:
+    """A channel to one server, the session on it, and the background threads that keep it.
+
+    Thread-safe: gRPC channels are, and the session id only changes under ``_lock``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float,
+        call_timeout: float | None = DEFAULT_CALL_TIMEOUT_S,
+        client_name: str | None = None,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        pipelining: bool = True,
+    ) -> None:
+        self.address = address
+        #: queue views and in-place writes (tensord.wire.pipeline); False: one RPC each
+        self.pipelining = pipelining
+        self.tls = credentials is not None
+        #: every unary call's deadline and every transfer's idle limit (None: neither)
+        self.call_timeout = call_timeout
+        self._watchdog = StreamWatchdog(call_timeout) if call_timeout is not None else None
+        # close() and background releases: short, so exit never waits long on a hung server
+        self._close_timeout = min(CLOSE_TIMEOUT_S, call_timeout or CLOSE_TIMEOUT_S)
+        # connect() as a whole (the channel, then the session's opening calls) waits `timeout`
+        connect_deadline = time.monotonic() + timeout
+        # the process whose session this is; in any other (a fork child) it is inherited
+        self._pid = os.getpid()
+        # sent with every call, the session-less ones included
+        self._auth: tuple[tuple[str, str], ...] = (
+            ((AUTHORIZATION_KEY, f"{BEARER}{token}"),) if token else ()
+        )
+        # gRPC retries a refused connection until the timeout, and a server that never
+        # answers looks the same to it: a plain socket tells them apart first
+        probed = probe(address, timeout)
+        if probed is Probe.SILENT:
+            raise errors.UnavailableError(
+                f"no tensord server answers at {address}: the connection was neither "
+                f"accepted nor refused in {timeout:g} s (the host may be down, or a firewall "
+                f"drops it); check the address, or {serve_hint(address)}"
+            )
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        left = max(connect_deadline - time.monotonic(), 0.001)
+        try:
+            off_main_thread(lambda: grpc.channel_ready_future(self._channel).result(timeout=left))
+        except grpc.FutureTimeoutError:
+            off_main_thread(self._channel.close)
+            raise errors.UnavailableError(self._not_ready_message(probed, timeout)) from None
+        self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
+        self._upload = self._channel.stream_unary(
+            _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
+        )
+        self._download = self._channel.unary_stream(
+            _DOWNLOAD_METHOD,
+            request_serializer=pb.DownloadRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pending: collections.deque[str] = collections.deque()
+        # pipelining: ops queued in issue order (with a word each for errors), the Batch in
+        # flight (one at a time, so the server applies them in order) and the first error
+        # of a Batch, raised at the next call that waits
+        self._queue: list[QueuedOp | None] = []  # None: a dead view's place (elided)
+        self._queue_lock = threading.Lock()
+        # dead-view elision: each queued view that may be elided (one result, an op the
+        # server cannot refuse on a live base) whose id no later op and no caller has read
+        # yet -> its place in _queue; such a view dropped before its flush is never sent
+        self._elidable: dict[str, int] = {}
+        self._send_lock = threading.Lock()
+        # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
+        self._inflight: BatchInFlight | None = None
+        self._async_error: errors.TensordError | None = None
+        # the last Batch answered (set by gRPC's callback): _busy() compares it with _inflight's
+        self._answered_batch: grpc.Future | None = None
+        #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
+        #: hands it to an executor so a view never blocks the event loop
+        self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
+        # same-host zero copy (tensord.local): ended exports, sent in batches like handles
+        self._pending_exports: collections.deque[str] = collections.deque()
+        self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
+        name = client_name or f"pid {os.getpid()} on {socket.gethostname()}"
+        try:
+            self.server_info: pb.ServerInfoResponse = self._opening_call(
+                "ServerInfo", requests.server_info(), connect_deadline, timeout
+            )
+            session = self._opening_call(
+                "OpenSession", requests.open_session(name), connect_deadline, timeout
+            )
+        except BaseException:
+            off_main_thread(self._channel.close)
+            raise
+        self.session_id: str = session.session_id
+        self.lease_seconds: float = session.lease_seconds or 10.0
+        self.grace_seconds: float = session.grace_seconds
+        LIVE_CONNECTIONS.add(self)
+        _CHANNELS[self] = self._channel
+        self._keepalive_call: Any = None  # the KeepAlive stream in progress
+        self._keepalive = threading.Thread(
+            target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
+        )
+        self._flusher = threading.Thread(
+            target=self._flush_forever, name="tensord-release", daemon=True
+        )
+        self._keepalive.start()
+        self._flusher.start()
+
+    def _not_ready_message(self, probed: Probe, timeout: float) -> str:
+        """Why the channel was not ready in ``timeout``, as far as the probe tells."""
+        if self.tls:  # a failed TLS handshake looks the same as a server that is hung
+            tls = (
+                "if its certificate is the problem, check that root_certificates sign it and "
+                "that it names this host"
+            )
+        else:
+            tls = (
+                "if it serves TLS (`tensord serve --tls-cert`), connect with tls=True, or "
+                'root_certificates="ca.pem" for a private CA'
+            )
+        if probed is Probe.ACCEPTED:
+            return (
+                f"something at {self.address} accepted the connection but did not complete a "
+                f"gRPC handshake in {timeout:g} s: a tensord server that is hung or "
+                "overloaded, or no gRPC server (a dashboard's or metrics' HTTP port?); "
+                f"{tls}"
+            )
+        return (
+            f"no tensord server answers at {self.address} (waited {timeout:g} s); "
+            f"{serve_hint(self.address)}; {tls}"
+        )
+
+    def _opening_call(
+        self, method: str, request: Any, connect_deadline: float, connect_timeout: float
+    ) -> Any:
+        """A session-less call of connect(), within what is left of its ``timeout``."""
+        left = max(connect_deadline - time.monotonic(), 0.001)
+        try:
+            return self._unary(method, request, session=False, timeout=min(left, self._deadline()))
+        except errors.DeadlineExceededError:
+            raise errors.DeadlineExceededError(
+                f"the tensord server at {self.address} accepted the connection but did not "
+                f"answer {method} in time (connect timeout {connect_timeout:g} s, call_timeout "
+                f"{self._describe_call_timeout()}); it may be hung or overloaded"
+            ) from None
+
+    # ---- calls ---------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return math.inf if self.call_timeout is None else self.call_timeout
+
+    def _describe_call_timeout(self) -> str:
+        return "none" if self.call_timeout is None else f"{self.call_timeout:g} s"
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SESSION_KEY, self.session_id), *self._auth)
+
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that connected: the session is the parent's."""
+        return self._pid != _PROCESS_ID
+
+    def _check_open(self) -> None:
+        if self.inherited:
+            raise errors.InheritedClientError(
+                f"this tensord client (session of process {self._pid}) was inherited through "
+                f"fork(): process {os.getpid()} cannot use its parent's session or the "
+                "parent's tensors; call tensord.connect() in this process for its own session"
+            )
+        if self._closed.is_set():
+            raise errors.UnavailableError(f"this tensord client ({self.address}) is closed")
+
+    def holds_session(self, session_id: str) -> bool:
+        """Whether a tensor made in ``session_id`` can be used through this connection now."""
+        return not self.inherited and session_id == self.session_id
+
+    def check_session(self, session_id: str) -> None:
+        """Raise the typed error for a tensor of an inherited or a lost session."""
+        self._check_open()
+        if session_id != self.session_id:
+            raise errors.SessionLostError(session_lost_message(session_id))
+
+    def _unary(
+        self,
+        method: str,
+        request: Any,
+        *,
+        session: bool = True,
+        timeout: float | None = None,
+        sync: bool = True,
+        orphaned: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
+        ``orphaned``: see :func:`tensord.wire.worker.off_main_thread`."""
+        self._check_open()
+        return off_main_thread(
+            functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
+        )
+
+    def _unary_now(
+        self, method: str, request: Any, session: bool, timeout: float | None, sync: bool
+    ) -> Any:
+        stub_method = getattr(self._stub, method)
+        deadline = self.call_timeout if timeout is None else timeout
+        grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
+        metadata = self.metadata() if session else self._auth
+
+        def send() -> Any:
+            try:
+                return stub_method(request, metadata=metadata, timeout=grpc_timeout)
+            except grpc.RpcError as err:
+                if grpc_timeout is None or not is_own_deadline(err):
+                    raise  # the server's own word, a DeadlineExceededError among them
+                raise errors.DeadlineExceededError(
+                    f"{method}: the tensord server at {self.address} did not answer within "
+                    f"{grpc_timeout:g} s ({error_from_rpc(err)}); it may be hung or overloaded "
+                    f"(the deadline is connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
+                ) from None
+
+        if not session:
+            return _call(send)
+        return self._in_session(metadata[0][1], send, sync=sync)
+
+    def _in_session(self, session_id: str, fn: Callable[[], M], sync: bool = True) -> M:
+        """Run a call sent in ``session_id``; "unknown session" means it was lost.
+
+        The server restarted, or reaped the session after its grace: a new session
+        replaces it at once (so new tensors work) and the caller learns its tensors
+        are gone from a SessionLostError, not from an "unknown handle" later.
+        """
+        if self.local is not None:  # a consumer's GPU writes complete before the server's op
+            self.local.before_call()
+        if self.pipelining and sync:
+            # what was queued first is applied first; dropped handles wait for the flusher,
+            # as without pipelining: a temporary's handle read just before this call
+            # (`call(..., x.zeros(1).handle)`) must outlive it
+            self.synchronize(releases=False)
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            exc = error_from_rpc(err, self.address)
+            if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
+                self._replace_session(session_id)
+                raise errors.SessionLostError(session_lost_message(session_id)) from None
+            raise exc from None
+
+    def call(self, method: str, request: Any, orphaned: Callable[[Any], None] | None = None) -> Any:
+        """One unary call in this session (``method`` as named in the proto); ``orphaned``
+        gets its answer if an interrupt took the caller away first (see off_main_thread)."""
+        return self._unary(method, request, orphaned=orphaned)
+
+    def call_local(
+        self, work: Callable[[str], M | None], orphaned: Callable[[M], None] | None = None
+    ) -> M | None:
+        """``work(session_id)``: a request to this server that is no gRPC call (the same-host
+        export channel), with every guarantee a call gives: a closed or inherited client
+        raises, imported GPU memory is synchronized and the ops queued before it are applied
+        first (their error raised), off the main thread; ``orphaned`` gets a result an
+        interrupt took the caller away from.  ``work`` answers None to have the caller use
+        gRPC instead."""
+        self._check_open()
+
+        def run() -> M | None:
+            if self.local is not None:
+                self.local.before_call()
+            if self.pipelining:
+                self.synchronize(releases=False)
+            return work(self.session_id)
+
+        def drop(result: M | None) -> None:
+            if result is not None and orphaned is not None:
+                orphaned(result)
+
+        return off_main_thread(run, drop)
+
+    def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
+        """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
+        self._check_open()
+        chunk = self.server_info.chunk_bytes or CHUNK_BYTES
+        metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
+
+        def send() -> pb.TensorMeta:
+            stream = WatchedStream()
+            pieces = progressing(chunks(data.cast("B"), chunk), stream)
+            call = self._upload.future(pieces, metadata=metadata)
+            with self._watched(stream, call):
+                try:
+                    meta: pb.TensorMeta = call.result()
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    if stream.cancelled:
+                        raise self._stalled(f"Upload of {header.nbytes} bytes") from None
+                    raise
+            return meta
+
+        return off_main_thread(lambda: self._in_session(metadata[0][1], send))
+
+    def download_into(self, handle: str, out: memoryview) -> None:
+        """Fill ``out`` (a writable byte buffer of the tensor's nbytes) with its elements."""
+        self._check_open()
+        request = requests.download(handle, CHUNK_BYTES)
+
+        metadata = self.metadata()
+
+        def receive() -> int:
+            pos = 0
+            stream = WatchedStream()
+            call = self._download(request, metadata=metadata)
+            with self._watched(stream, call):
+                try:
+                    for piece in call:
+                        stream.progressed()
+                        end = pos + len(piece)
+                        if end > len(out):
+                            raise errors.InternalError(
+                                f"download of {handle} sent more than the {len(out)} bytes expected"
+                            )
+                        out[pos:end] = piece
+                        pos = end
+                except grpc.RpcError:
+                    if stream.cancelled:
+                        raise self._stalled(f"Download of {handle}") from None
+                    raise
+            return pos
+
+        received = off_main_thread(lambda: self._in_session(metadata[0][1], receive))
+        if received != len(out):
+            raise errors.InternalError(
+                f"download of {handle} ended after {received} of {len(out)} bytes"
+            )
+
+    @contextlib.contextmanager
+    def _watched(self, stream: WatchedStream, call: grpc.Future) -> Iterator[None]:
+        """Run a transfer under the idle watchdog; an unfinished call is cancelled after it
+        (an error or an interrupt mid-stream must not leave the server sending)."""
+        track(call)
+        try:
+            if self._watchdog is None:
+                yield
+            else:
+                with self._watchdog.watch(stream, call):
+                    yield
+        finally:
+            call.cancel()  # a no-op on a finished call
+
+    def _stalled(self, what: str) -> errors.DeadlineExceededError:
+        return errors.DeadlineExceededError(
+            f"{what}: no data moved to or from the tensord server at {self.address} for "
+            f"{self._describe_call_timeout()} (call_timeout), so the transfer was cancelled; "
+            "the server may be hung or overloaded"
+        )
+
+    # ---- pipelining (tensord.wire.pipeline) -----------------------------------------
+
+    def enqueue(
+        self,
+        method: str,
+        verb: str,
+        handle: str,
+        message: Any,
+        results: tuple[str, ...] = (),
+        copied: CopyAnswered | None = None,
+        elidable: bool = False,
+    ) -> None:
+        """Queue the op of RPC ``method`` (its request ``message``) on ``handle``, its result
+        known here; sent in order in the next Batch, which builds its BatchOp
+        (:func:`tensord.wire.requests.batch`).  ``verb`` names the op in its error; of a
+        "View", it is the ViewRequest field ``message`` goes in.  ``copied``: for an op that makes a new Storage, called with what the
+        server issued once the Batch is answered (the Storage's id and address are the server's).
+        ``elidable``: a view of one result that the server cannot refuse while its input is
+        live (no room beyond its input's, no new dims or strides): dropped before it is
+        sent, and unused, it is removed from the queue with its release (:meth:`queue_release`)."""
+        # not _check_open() again: every caller took ``handle`` through Tensor.handle, which did
+        with self._queue_lock:
+            queue = self._queue
+            elidable_views = self._elidable
+            if elidable_views:
+                elidable_views.pop(handle, None)  # its input is used now: that view must go
+            # tuple.__new__: NamedTuple's own __new__ is a Python call, and this runs per view
+            queue.append(tuple.__new__(QueuedOp, (method, verb, handle, message, results, copied)))
+            if elidable:
+                elidable_views[results[0]] = len(queue) - 1
+            queued = len(queue)
+        if queued >= PIPELINE_BATCH and (queued >= PIPELINE_BATCH_MAX or not self._busy()):
+            if self.flush_scheduler is None:
+                self._flush(wait=False)
+            else:
+                self.flush_scheduler(lambda: self._flush(wait=False))
+
+    def _busy(self) -> bool:
+        """Whether a Batch is in flight and not answered yet (the server still works on it)."""
+        inflight = self._inflight
+        return inflight is not None and self._answered_batch is not inflight.future
+
+    def _batch_answered(self, future: grpc.Future) -> None:
+        # gRPC's done() takes the call's Condition, which a view (enqueue, on the main
+        # thread) must not: a signal there could leave it held; one store is atomic
+        self._answered_batch = future
+
+    def synchronize(self, releases: bool = True) -> None:
+        """Send what is queued and wait until the server applied it; raise the first error
+        a queued op met since the last wait (the error names that op)."""
+        self._flush(wait=True, releases=releases)
+        error, self._async_error = self._async_error, None
+        if error is not None:
+            raise error
+
+    def _flush(self, wait: bool, releases: bool = True) -> None:
+        # all of it off the main thread, its lock included: an interrupted caller leaves
+        # the Batch to be sent and answered on the worker, in order with the next ones
+        off_main_thread(functools.partial(self._flush_now, wait, releases))
+
+    def _flush_now(self, wait: bool, releases: bool) -> None:
+        with self._send_lock:
+            self._collect()  # at most one Batch in flight: the server applies them in order
+            with self._queue_lock:
+                queued = [op for op in self._queue if op is not None]
+                self._queue = []
+                self._elidable.clear()  # sent now: past eliding
+            # releases after the ops queued so far: a handle dropped was issued before it
+            released = self._take_pending() if releases else []
+            if not (queued or released) or self._closed.is_set() or self.inherited:
+                return
+            parts = batch_parts(queued, released)
+            for index, (part, part_released) in enumerate(parts):
+                if index and not self._collect():
+                    # the part before failed: the ops after it are skipped, as they are
+                    # after a failed op in one Batch; the releases wait for the next one
+                    self._requeue_releases(released)
+                    return
+                self._send_batch(part, part_released)
+            if wait:
+                self._collect()
+
+    def _send_batch(self, queued: list[QueuedOp], released: list[str]) -> None:
+        """Send one Batch of ``queued`` then ``released`` (the caller holds _send_lock and
+        collected the Batch before)."""
+        answered = [op.copied for op in queued if op.copied is not None]
+        request = requests.batch(queued, released)
+        if self.local is not None:
+            self.local.before_call()
+        timeout = None if self.call_timeout is None else self.call_timeout
+        future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
+        self._inflight = BatchInFlight(future, queued, released, answered)
+        future.add_done_callback(self._batch_answered)
+
+    def _take_pending(self) -> list[str]:
+        batch: list[str] = []
+        with contextlib.suppress(IndexError):
+            while len(batch) < PIPELINE_BATCH * 4 and self._pending:
+                batch.append(self._pending.popleft())
+        return batch
+
+    def _collect(self) -> bool:
+        """Wait for the Batch in flight; keep its first error for the next wait.  Whether
+        it was applied whole (True when none was in flight)."""
+        if self._inflight is None:
+            return True
+        future, queued, released, answered = self._inflight
+        self._inflight = None
+        try:
+            response = future.result()
+        except grpc.RpcError as err:
+            self._keep_error(error_from_rpc(err, self.address))
+            return False
+        for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
+            copied(meta)
+        if response.failed:
+            index = response.failed_index
+            ops = len(queued) + bool(released)  # the releases ride last, in one op
+            if released and index < ops - 1:  # skipped
+                self._requeue_releases(released)
+            what = describe(queued, bool(released), index)
+            skipped = ops - index - 1
+            self._keep_error(
+                batch_error(
+                    response,
+                    f"{response.error_message} (pipelined op {what} failed on the server; "
+                    f"the {skipped} op(s) queued after it in the same batch were skipped)",
+                )
+            )
+            return False
+        return True
+
+    def _requeue_releases(self, released: list[str]) -> None:
+        """Handles whose release a Batch skipped (an op before it failed) go back to the
+        queue: without this they kept their Storages until the session ended.  Not after
+        an RPC error: the next Batch would fail too, and flush_releases loops while any wait."""
+        if not self._closed.is_set():
+            self._pending.extend(released)
+
+    def _keep_error(self, error: errors.TensordError) -> None:
+        if self._async_error is None:  # the first error is the one that explains the rest
+            self._async_error = error
+
+    # ---- releases (batched) --------------------------------------------------------
+
+    def handle_used(self, handle: str) -> None:
+        """``handle`` was read (Tensor.handle: for another op, a call, a share, a name): a
+        queued view that issues it must be sent, even once its tensor is dropped."""
+        if handle in self._elidable:
+            with self._queue_lock:
+                self._elidable.pop(handle, None)
+
+    def queue_release(self, handle: str) -> None:
+        """Called from finalizers: must never block or raise, so it only appends, or elides
+        a dead view: when ``handle`` is a queued view's that nothing used (see enqueue),
+        that view and its release are never sent.  It only tries the queue's lock (a
+        finalizer may run in a thread holding it), and releases as usual when it is taken."""
+        # after close the session has freed them all; an inherited session is not ours to free
+        if self._closed.is_set() or self.inherited:
+            return
+        if handle in self._elidable and self._queue_lock.acquire(blocking=False):
+            try:
+                index = self._elidable.pop(handle, None)
+                if index is not None:
+                    queue = self._queue
+                    if index == len(queue) - 1:
+                        queue.pop()  # the commonest case: a view dropped at once
+                    else:
+                        queue[index] = None  # the places of the others stay as they are
+                    return
+            finally:
+                self._queue_lock.release()
+        self._pending.append(handle)
+
+    def queue_export_release(self, export_id: str) -> None:
+        """Called from array finalizers and DLPack deleters: only appends, like queue_release."""
+        if not self._closed.is_set():
+            self._pending_exports.append(export_id)
+
+    def _export_releases(self, batch: list[str]) -> pb.ReleaseExportsRequest:
+        """ReleaseExports of ``batch``, with the segments mapped and the imports closed here."""
+        mapped = self.local.mapped_segments() if self.local is not None else []
+        closed = self.local.close_idle_imports() if self.local is not None else []
+        return requests.release_exports(batch, mapped, closed)
+
+    def _carried_releases(self) -> list[str]:
+        """Handle releases a call may carry, applied before it (EmptyExport): only when every
+        op queued before is applied, so no carried handle is one a queued op has yet to issue."""
+        if self.inherited or self._closed.is_set():
+            return []
+        if not self.pipelining:
+            return take(self._pending, RELEASE_BATCH)
+        with self._send_lock:
+            self._collect()  # the Batch in flight issued its handles
+            with self._queue_lock:
+                if any(op is not None for op in self._queue):
+                    return []  # queued since: the flusher sends them in order
+                return self._take_pending()
+
+    def empty_export(self, empty: pb.EmptyRequest, carry_releases: bool) -> pb.EmptyExportResponse:
+        """Empty then Export of the new tensor in one call (a same-host upload).
+
+        ``carry_releases``: the handles and exports dropped before it are released first,
+        in the same call, so the new tensor reuses the warm pages they free (fresh host pages
+        cost about ten times the copy: `del x; x = client.tensor(a)` in a loop) without the
+        round trips of a flush.  A failed call queues them again: the server may never have
+        run it (UNIMPLEMENTED from an older server, UNAVAILABLE), and releasing an id twice
+        is harmless (ids are random and never reused; unknown ones are ignored)."""
+        # on a worker as a whole: an interrupt must not drop the releases it took
+        return off_main_thread(
+            functools.partial(self._empty_export_now, empty, carry_releases),
+            self._release_empty_export,
+        )
+
+    def _release_empty_export(self, response: pb.EmptyExportResponse) -> None:
+        """An EmptyExport answer its interrupted caller never saw: its tensor and export."""
+        if response.export.export_id:
+            self.queue_export_release(response.export.export_id)
+        if response.export.tensor.handle:
+            self.queue_release(response.export.tensor.handle)
+
+    def _empty_export_now(
+        self, empty: pb.EmptyRequest, carry_releases: bool
+    ) -> pb.EmptyExportResponse:
+        if self.pipelining:
+            self.synchronize(releases=False)  # ops queued before it are applied first
+        handles: list[str] = []
+        exports: list[str] = []
+        if carry_releases and not self.inherited:
+            handles = self._carried_releases()
+            exports = take(self._pending_exports, RELEASE_BATCH)
+        request = requests.empty_export(
+            empty, handles, self._export_releases(exports) if exports else None
+        )
+        try:
+            response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
+        except BaseException:
+            if not self._closed.is_set():  # else the session's end frees them
+                self._pending.extendleft(reversed(handles))
+                self._pending_exports.extendleft(reversed(exports))
+            raise
+        return response
+
+    def flush_export_releases(self) -> None:
+        while self._pending_exports and not self.inherited:
+            batch: list[str] = []
+            with contextlib.suppress(IndexError):
+                while len(batch) < RELEASE_BATCH:
+                    batch.append(self._pending_exports.popleft())
+            if batch and not self._closed.is_set():
+                request = self._export_releases(batch)
+                with contextlib.suppress(errors.TensordError):  # the session's end frees them
+                    response = self._unary(
+                        "ReleaseExports", request, timeout=CLOSE_TIMEOUT_S, sync=False
+                    )
+                    if self.local is not None:
+                        self.local.unmap_gone(list(response.gone_segments))
+
+    def flush_releases(self) -> None:
+        self.flush_export_releases()
+        if self.pipelining:  # in order with the queued ops; an op's error waits for a sync
+            self._flush(wait=True)
+            while self._pending and not self.inherited and not self._closed.is_set():
+                self._flush(wait=True)
+            return
+        while self._pending and not self.inherited:
+            batch: list[str] = []
+            with contextlib.suppress(IndexError):  # another flusher emptied the deque
+                while len(batch) < RELEASE_BATCH:
+                    batch.append(self._pending.popleft())
+            if batch and not self._closed.is_set():
+                # A failed release is harmless: the session's close or grace frees them anyway.
+                with contextlib.suppress(errors.TensordError):
+                    self._unary("Release", requests.release(batch), timeout=self._close_timeout)
+
+    def _flush_forever(self) -> None:
+        while not self._closed.wait(RELEASE_INTERVAL_S):
+            with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
+                if self.pipelining:
+                    # queued ops and releases in one ordered Batch: a release sent alone
+                    # could overtake the queued view that issues its handle
+                    self.flush_export_releases()
+                    if not self._busy():  # else what is queued goes in one Batch after it
+                        self._flush(wait=False)
+                else:
+                    self.flush_releases()
+
+    # ---- the session's liveness ------------------------------------------------------
+
+    def _heartbeat_forever(self) -> None:
+        """Keep the session connected through a KeepAlive stream open as long as the client.
+
+        The server counts the session alive while the stream is open, however busy it is:
+        gRPC ends the stream when this process exits or its connection breaks or stops
+        answering the transport's pings, so no beat has to win the server's CPU in time.
+        A stream that breaks (the server restarting, a network blip) is reopened at the
+        next tick, after a unary Heartbeat that renews the lease meanwhile and finds a
+        session the server no longer knows (reaped after its grace), which is replaced by
+        a new one, its handles gone.
+        """
+        # the lease is the server's word: a third of a huge one is past what a thread can
+        # wait (OverflowError), and beating more often than needed costs nothing
+        interval = min(max(self.lease_seconds / 3.0, 0.05), MAX_HEARTBEAT_INTERVAL_S)
+        while not self._closed.is_set():
+            with contextlib.suppress(Exception):  # never let a background thread die loudly
+                self._keep_stream_open(self.session_id, interval)
+            if self._closed.wait(interval):
+                return
+            with FORK_GATE.busy():
+                self._beat(interval)
+
+    def _keep_stream_open(self, session_id: str, interval: float) -> None:
+        """Hold a KeepAlive stream of ``session_id`` until it ends or the client closes."""
+
+        def beats() -> Iterator[pb.Heartbeat]:
+            yield requests.heartbeat()
+            while not self._closed.wait(interval) and self.session_id == session_id:
+                with FORK_GATE.busy():  # spans the send of the beat yielded
+                    yield requests.heartbeat()
+
+        with FORK_GATE.busy():
+            if self._closed.is_set():
+                return
+            answers = self._stub.KeepAlive(
+                beats(), metadata=((SESSION_KEY, session_id), *self._auth)
+            )
+            self._keepalive_call = answers
+        for _ in answers:
+            pass
+
+    def _beat(self, interval: float) -> None:
+        if self._closed.is_set():
+            return
+        beat_session = self.session_id
+        try:
+            self._stub.Heartbeat(
+                requests.heartbeat(),
+                metadata=((SESSION_KEY, beat_session), *self._auth),
+                timeout=max(interval, 1.0),
+            )
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND and not self._closed.is_set():
+                self._replace_session(beat_session)
+        except Exception:  # never let a background thread die loudly
+            pass
+
+    def _replace_session(self, lost_id: str) -> None:
+        """A new session for one the server no longer has (its handles are gone with it).
+
+        Once per lost session: whoever comes second (the heartbeat or a call) finds it
+        replaced already.  Tensors of the lost one then raise SessionLostError.
+        """
+        off_main_thread(functools.partial(self._replace_session_now, lost_id))
+
+    def _replace_session_now(self, lost_id: str) -> None:
+        request = requests.open_session(f"pid {os.getpid()} on {socket.gethostname()} (reopened)")
+        with self._lock:
+            if self.session_id != lost_id or self._closed.is_set():
+                return
+            if self.local is not None:  # the server freed what the lost session mapped
+                self.local.make_private()
+            with contextlib.suppress(grpc.RpcError):
+                response = self._stub.OpenSession(
+                    request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
+                )
+                self.session_id = response.session_id
+
+    # ---- closing ---------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        # Inherited (run by the child's exit hook or finalizers): the parent's session stays
+        # open and its channel untouched; the Event's lock may have been held by a parent
+        # thread at the fork, so not even that is set.
+        if self._closed.is_set() or self.inherited:
+            return
+        off_main_thread(self._close_now)
+
+    def _close_now(self) -> None:
+        if self._closed.is_set():  # closed by another thread meanwhile
+            return
+        # One short deadline for all of it, so exit never hangs on a hung server.  No Release
+        # first: closing the session frees its handles, the pending ones included.
+        deadline = time.monotonic() + self._close_timeout
+        if self.pipelining:  # queued writes may reach Storages other sessions share
+            with contextlib.suppress(errors.TensordError, grpc.RpcError):
+                self._flush(wait=True)
+            self._async_error = None  # the session ends: nothing waits for its ops any more
+        if self.local is not None:  # while the pool's memory there is still this session's
+            self.local.make_private()
+        with contextlib.suppress(errors.TensordError):
+            self._unary(
+                "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
+            )
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        # a beat or a release in flight has its own deadline, and closing the channel
+        # cancels it: the threads are daemons, so no need to wait them out
+        if self._keepalive_call is not None:  # its beats end with _closed; end it now
+            with contextlib.suppress(Exception):
+                self._keepalive_call.cancel()
+        self._keepalive.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self._pending.clear()
+        self._pending_exports.clear()
+        if self.local is not None:  # its socket: the session's end made its key useless
+            self.local.close_channel()
+        self._channel.close()

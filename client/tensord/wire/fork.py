@@ -1,0 +1,120 @@
+"""Fork safety: no SDK thread is inside gRPC, and none is starting or ending, at a fork.
+
+os.fork() while another thread is inside gRPC, or while a thread is starting or ending,
+copies that half-done state into the child: a child could die of SIGSEGV in Python's
+own threading._after_fork, and with GRPC_ENABLE_FORK_SUPPORT=1 the parent could hang in
+gRPC's fork handlers.  So a fork waits, a bounded time, until no SDK thread is inside
+gRPC (and holds them out of it until the fork is done), and until the short-lived
+Python threads gRPC starts for the SDK's own calls have ended.
+
+A forked child inherits every Connection (its session id, its channel) but none of its
+threads; what the child may still do with one is the connection's own rule
+(:attr:`tensord.wire.connection.Connection.inherited`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Protocol
+
+# How long a fork waits for calls in flight on SDK threads: a beat or a release has a
+# deadline of a few seconds (a connection's close timeout), so this is reached only with
+# a hung server.
+FORK_QUIESCE_S = 5.0
+# How long it waits for gRPC's per-call Python threads (an upload's, connect()'s
+# connectivity poll, which checks every 0.2 s): they end in milliseconds once their call
+# is done; one that lives on belongs to a call still running, not worth waiting for.
+FORK_GRPC_THREADS_S = 0.5
+
+
+class ForkGate:
+    """Keeps the SDK's background threads out of gRPC while the process forks."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._busy = 0  # background threads inside gRPC now; _changed
+        self._forking = False  # a fork is under way; _changed
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a background thread's gRPC work: waits while a fork is under way."""
+        with self._changed:
+            while self._forking:
+                self._changed.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._busy -= 1
+                self._changed.notify_all()
+
+    def before_fork(self) -> None:
+        """Wait for the background calls in flight, and keep the lock through the fork:
+        no thread can then be halfway through the gate when the child is made."""
+        self._changed.acquire()
+        self._forking = True
+        deadline = time.monotonic() + FORK_QUIESCE_S
+        while self._busy and (left := deadline - time.monotonic()) > 0:
+            self._changed.wait(left)
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._changed.notify_all()
+        self._changed.release()
+
+    def after_fork_in_child(self) -> None:
+        """A fresh gate: the parent's is locked (by the forking thread) and counts the
+        parent's threads, none of which exists here."""
+        self._changed = threading.Condition(threading.Lock())
+        self._busy = 0
+        self._forking = False
+
+
+#: the one gate of this process (reset in place in a child, so importers keep it)
+FORK_GATE = ForkGate()
+
+
+class Forked(Protocol):
+    """What the fork hook asks of a live connection."""
+
+    @property
+    def inherited(self) -> bool: ...
+
+
+#: every Connection of this process that may be inside gRPC (weakly held)
+LIVE_CONNECTIONS: weakref.WeakSet[Forked] = weakref.WeakSet()
+
+
+def is_grpc_python_thread(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is one of gRPC's own Python threads (channel spin, request
+    consumer, connectivity poll): they all run a target made by grpc._cython.cygrpc, and
+    Thread keeps no public record of it."""
+    target = getattr(thread, "_target", None)
+    return getattr(target, "__module__", "") == "grpc._cython.cygrpc"
+
+
+def join_grpc_threads(timeout: float) -> None:
+    """Wait, at most ``timeout`` in all, for gRPC's Python threads to end."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and is_grpc_python_thread(thread):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+def _quiesce_before_fork() -> None:
+    FORK_GATE.before_fork()
+    if any(not connection.inherited for connection in list(LIVE_CONNECTIONS)):
+        join_grpc_threads(FORK_GRPC_THREADS_S)
+
+
+os.register_at_fork(
+    before=_quiesce_before_fork,
+    after_in_parent=FORK_GATE.after_fork_in_parent,
+    after_in_child=FORK_GATE.after_fork_in_child,
+)
