@@ -424,7 +424,7 @@ class ArangePlan:
 
 # arange computes this many elements at a time: its temporaries stay small whatever the size
 # (the output is a pool Storage, allocated first; a huge range must fail there, cleanly)
-ARANGE_CHUNK = 1 << 20
+ARANGE_CHUNK = 1 << 16
 
 # torch's CPU arange kernel (RangeFactoriesKernel.cpp, AVX2 build) writes whole pairs of
 # vectors of these many elements, each vector from its first element ``base`` as
@@ -475,7 +475,8 @@ def arange_fill(xp: Any, out: Any, plan: ArangePlan, dtype: DType) -> None:
         if plan.integral:
             values = plan.start + xp.arange(low, high, dtype=xp.int64) * plan.step
         else:
-            values = _arange_floats(xp, plan, dtype, low, high)
+            with quiet(xp):  # past a dtype's range the elements are inf, as torch's are
+                values = _arange_floats(xp, plan, dtype, low, high)
         if _gpu_bfloat16(xp, dtype):
             values = values.astype(xp.float32)  # assign rounds to bfloat16 (as ml_dtypes)
         else:
