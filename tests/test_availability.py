@@ -558,3 +558,71 @@ def test_the_executor_runs_a_paced_keys_calls_when_their_pause_ends() -> None:
             executor.shutdown()
 
     assert asyncio.run(scenario()) == [f"f{i}" for i in range(6)] + ["v"]
+
+
+def test_a_small_call_runs_on_the_loop_only_while_no_worker_is_busy() -> None:
+    """``inline`` work runs on the event loop's thread when nothing runs or waits (its turn
+    and CPU time still counted); beside a running call it waits for a worker like any."""
+    import asyncio
+
+    from tensord_server.rpc.executor import FairExecutor
+
+    async def scenario() -> tuple[str, str, str]:
+        executor = FairExecutor(2, "test-inline")
+        loop_thread = threading.current_thread().name
+        gate = threading.Event()
+        try:
+            alone = await executor.run("a", lambda: threading.current_thread().name, inline=True)
+            assert executor.queue.running == 0 and executor.queue.queued == 0
+            executor.queue.assert_invariants()
+            busy = asyncio.ensure_future(executor.run("b", lambda: gate.wait(5)))
+            await asyncio.sleep(0.05)
+            beside = await executor.run("a", lambda: threading.current_thread().name, inline=True)
+            gate.set()
+            await busy
+            executor.queue.assert_invariants()
+            return loop_thread, alone, beside
+        finally:
+            executor.shutdown()
+
+    loop_thread, alone, beside = asyncio.run(scenario())
+    assert alone == loop_thread
+    assert beside != loop_thread and beside.startswith("test-inline")
+
+
+def test_only_small_bounded_calls_are_taken_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view, a name and a release of an idle server run on its event loop; a view making a
+    tensor per part, a factory and a request over INLINE_REQUEST_BYTES go to a worker."""
+    from tensord_server.rpc import calls as calls_module
+    from tensord_server.rpc.grpc_server import create_server
+
+    ran: list[tuple[str, bool]] = []
+    answer = calls_module.Calls._answer
+
+    def recording(self: Any, method: Any, request: Any, call: Any) -> Any:
+        ran.append((method.name, threading.current_thread().name == "tensord-rpc"))
+        return answer(self, method, request, call)
+
+    monkeypatch.setattr(calls_module.Calls, "_answer", recording)
+    server, port = create_server("127.0.0.1:0", ("cpu=64MiB",))
+    try:
+        with tensord.connect(f"127.0.0.1:{port}", pipelining=False) as client:
+            x = client.arange(12)
+            ran.clear()
+            x.view(3, 4)
+            x.unbind(0)
+            client.put("n", x)
+            client.get("n")
+            client.delete("n")
+            client.zeros(4)
+            big = "b" * (calls_module.INLINE_REQUEST_BYTES + 10)
+            with pytest.raises(tensord.NotFoundError):
+                client.get(big)
+    finally:
+        server.stop(None).wait()
+    on_loop = {name: inline for name, inline in ran}
+    assert on_loop["View"] is False  # the last View was the unbind's
+    assert [inline for name, inline in ran if name == "View"] == [True, False]
+    assert on_loop["PutName"] and on_loop["DeleteName"]
+    assert [inline for name, inline in ran if name == "GetName"] == [True, False]
+    assert on_loop["Full"] is False

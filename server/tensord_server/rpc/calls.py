@@ -15,7 +15,9 @@
    Liveness calls (OpenSession, Heartbeat, CloseSession) have a pool of their own.
 4. **Work** on a worker thread: decode and bound the message
    (:func:`~tensord_server.rpc.codec.decode_message`), call the synchronous
-   :class:`~tensord_server.rpc.handlers.TensordService` method, encode the reply.
+   :class:`~tensord_server.rpc.handlers.TensordService` method, encode the reply.  A
+   small call of :data:`INLINE_WORK` (a view, a name, a release) does the same on the
+   event loop while no worker is busy or awaited, sparing two thread handoffs.
 5. **Answer**: the reply's bytes count against the key's undelivered-answer budget
    (``MAX_UNDELIVERED_ANSWER_BYTES``) until gRPC has delivered them, so a caller that does
    not read its answers is refused new calls instead of pinning their bytes in the server.
@@ -91,6 +93,30 @@ MAX_RECEIVE_BYTES = max(CONTROL_REQUEST_BYTES, MAX_CHUNK_BYTES)
 # (each only authenticates and takes the session table's lock: its cost is bounded).
 LIVENESS_METHODS = frozenset({"OpenSession", "Heartbeat", "CloseSession", "ServerInfo"})
 LIVENESS_WORKERS = 2
+# Calls whose work is a few table lookups bounded by their small request.  While no worker
+# is busy and none is waiting, such a call runs on the event loop itself: its two thread
+# handoffs would be most of its latency, and with the workers idle it takes nobody's turn.
+# A view that makes a tensor per part (split, chunk, unbind) goes to a worker.
+INLINE_REQUEST_BYTES = 1024
+_MANY_TENSOR_VIEWS = frozenset({"split", "chunk", "unbind"})
+
+
+def _always(request: Message) -> bool:
+    return True
+
+
+INLINE_WORK: dict[str, Callable[[Any], bool]] = {
+    "Release": _always,
+    "View": lambda request: request.WhichOneof("op") not in _MANY_TENSOR_VIEWS,
+    "GetName": _always,
+    "PutName": _always,
+    "DeleteName": _always,
+    "Share": _always,
+    "Revoke": _always,
+    "Attach": _always,
+    "Heartbeat": _always,
+    "ServerInfo": _always,
+}
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8
 HEALTH_READ_TIMEOUT_S = 2.0
@@ -375,8 +401,13 @@ class Calls:
             executor = self.liveness if method.liveness else self.work
             describe = self.describe(call)
             with self.budget.reserve(call.key, len(raw), describe):
+                request = self._small_request(method, raw)
+                if request is None:
+                    work = functools.partial(self._work, method, raw, call)
+                else:
+                    work = functools.partial(self._answer, method, request, call)
                 response, data = await executor.run(
-                    call.key, functools.partial(self._work, method, raw, call), describe
+                    call.key, work, describe, inline=request is not None
                 )
         except asyncio.CancelledError:
             raise
@@ -389,9 +420,24 @@ class Calls:
         return data
 
     def _work(self, method: Method, raw: bytes, call: Call) -> tuple[Message, bytes]:
-        request = decode_message(method.request_cls, raw)
+        return self._answer(method, decode_message(method.request_cls, raw), call)
+
+    def _answer(self, method: Method, request: Message, call: Call) -> tuple[Message, bytes]:
         response = getattr(self.service, method.name)(request, call)
         return response, response.SerializeToString()
+
+    @staticmethod
+    def _small_request(method: Method, raw: bytes) -> Message | None:
+        """The decoded request of a call small enough to run on the loop (INLINE_WORK),
+        else None (it is decoded on its worker, a bad one refused there)."""
+        small = INLINE_WORK.get(method.name)
+        if small is None or len(raw) > INLINE_REQUEST_BYTES:
+            return None
+        try:
+            request = decode_message(method.request_cls, raw)
+        except Exception:
+            return None
+        return request if small(request) else None
 
     async def _abort_observed(
         self,

@@ -1,10 +1,11 @@
 """Where a call's work runs: a bounded thread pool shared fairly, and a budget of request bytes.
 
-The asyncio server (:mod:`tensord_server.rpc.grpc_server`) runs no handler body on its event loop:
-each call's synchronous work (decode, domain call, encode) goes to a :class:`FairExecutor`,
-whose threads are handed out by :class:`~tensord_server.domain.fairness.FairQueue` (a key's
-calls take turns with every other key's).  A call that waits for a worker, for its request
-or for its reader holds no thread, only a coroutine.
+The asyncio server (:mod:`tensord_server.rpc.grpc_server`) hands each call's synchronous work
+(decode, domain call, encode) to a :class:`FairExecutor`, whose threads are handed out by
+:class:`~tensord_server.domain.fairness.FairQueue` (a key's calls take turns with every
+other key's).  A call that waits for a worker, for its request or for its reader holds no
+thread, only a coroutine.  Only a call whose work is a few lookups bounded by its small
+request runs on the event loop itself, and only while no worker is busy or awaited.
 
 :class:`RequestBudget` bounds the request bytes the server holds: a call reserves its
 request's bytes once read, until it ends, per key and in all, so a flood of large requests
@@ -54,19 +55,43 @@ class FairExecutor:
         for thread in self._threads:
             thread.start()
 
-    async def run(self, key: Hashable, fn: Callable[[], T], describe: str = "this caller") -> T:
+    async def run(
+        self,
+        key: Hashable,
+        fn: Callable[[], T],
+        describe: str = "this caller",
+        inline: bool = False,
+    ) -> T:
         """``fn()`` on a worker when ``key``'s turn comes; refused at once over the queue's
         limits.  A caller cancelled while waiting gives its turn back; one cancelled while
-        running lets ``fn`` finish (its work is bounded) and drops the result."""
+        running lets ``fn`` finish (its work is bounded) and drops the result.
+
+        ``inline``: ``fn`` is small (bounded well below a millisecond); when no call runs or
+        waits it runs at once on the calling (event loop) thread, its turn and its CPU time
+        counted as a worker's would be."""
         loop = asyncio.get_running_loop()
         job = _Job(key, fn, loop.create_future(), loop)
         self.queue.submit(key, job, describe)
+        if inline and self.queue.running == 0 and self.queue.queued == 1:
+            picked = self.queue.next()
+            if picked is not None and picked[1] is job:
+                return self._run_here(job)  # type: ignore[no-any-return]
+            if picked is not None:
+                self._jobs.put(picked[1])
         self._dispatch()
         try:
             return await job.result  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             self.queue.drop_waiting(key, job)  # not started: its turn goes back
             raise
+
+    def _run_here(self, job: _Job) -> Any:
+        started = time.thread_time()
+        try:
+            return job.fn()
+        finally:
+            self.queue.finished(job.key, time.thread_time() - started)
+            self._dispatch()
 
     def _dispatch(self) -> None:
         while (picked := self.queue.next()) is not None:
