@@ -23,6 +23,7 @@ from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
 MiB = 1 << 20
 ADAPTIVE = policy_named("adaptive")
 DECAY_S = ADAPTIVE.release_idle_s
+WARM_S = ADAPTIVE.warm_reserve_s
 WAIT_LIMIT_S = 10.0  # the one real wait below ends well before this unless something is broken
 
 
@@ -48,9 +49,10 @@ def background_pool(
     policy: PoolPolicy = ADAPTIVE,
     capacity: int = 1 << 30,
     backend: type[HostBackend] = HostBackend,
+    warm_reserve: int = 0,
 ) -> tuple[CachingPool, FakeClock, list[int]]:
-    """A pool as a server's (a doorbell: frees leave the work to drain()), on a fake clock;
-    the list counts the doorbell's rings."""
+    """A pool as a server's (a doorbell: frees leave the work to drain()), on a fake clock,
+    with a warm reserve of ``warm_reserve`` bytes; the list counts the doorbell's rings."""
     clock = FakeClock()
     pool = CachingPool(
         backend(total_bytes=1 << 30),
@@ -59,6 +61,7 @@ def background_pool(
         policy=policy,
         clock=clock,
     )
+    pool.warm_reserve = warm_reserve
     rings: list[int] = []
     pool.compaction_wanted = lambda: rings.append(1)
     return pool, clock, rings
@@ -209,21 +212,107 @@ def test_near_the_devices_edge_no_segment_is_kept() -> None:
         (512 * MiB, HostBackend, 2, 2),  # kept: not decayed yet
         (256 * MiB, CostlyChurnBackend, 2, 1),
     )
+    # the warm reserve changes none of it: near the edge it keeps nothing either
     for capacity, backend, after_free, after_compactor in cases:
-        pool, _, _ = background_pool(capacity=capacity, backend=backend)
-        live = pool.malloc(150 * MiB)
-        pool.free(pool.malloc(48 * MiB))  # 198 MiB reserved: above 0.75 x 256, not x 512
-        assert segments(pool) == after_free, (capacity, backend)
-        BackgroundCompactor([pool], lambda: False).drain(pool)
-        assert segments(pool) == after_compactor, (capacity, backend)
-        pool.free(live)
+        for reserve in (0, 1 << 30):
+            pool, _, _ = background_pool(capacity=capacity, backend=backend, warm_reserve=reserve)
+            live = pool.malloc(150 * MiB)
+            pool.free(pool.malloc(48 * MiB))  # 198 MiB reserved: above 0.75 x 256, not x 512
+            assert segments(pool) == after_free, (capacity, backend, reserve)
+            BackgroundCompactor([pool], lambda: False).drain(pool)
+            assert segments(pool) == after_compactor, (capacity, backend, reserve)
+            pool.free(live)
+            pool.assert_invariants()
+
+
+def test_the_warm_reserve_outlasts_the_decay_within_its_bytes_then_goes_back() -> None:
+    """A put after a pause of a few seconds (past release_idle_s) finds its segment warm:
+    the reserve keeps the most recently freed segments that fit its bytes for
+    warm_reserve_s, and never more; without it the same frees keep nothing past the decay."""
+    assert DECAY_S is not None and WARM_S is not None and WARM_S >= 10 * DECAY_S
+    for reserve in (0, 300 * MiB):
+        pool, clock, _ = background_pool(warm_reserve=reserve)
+        start = clock.now
+        for block in [pool.malloc(128 * MiB) for _ in range(3)]:
+            clock.now += 0.1
+            pool.free(block)
+        # nothing allocated, so keep_idle_fraction keeps only the last one freed; the reserve
+        # also the one before it (256 MiB), not the first (384 MiB > 300 MiB): that one went
+        # back on the last free, without waiting for its decay
+        assert segments(pool) == (2 if reserve else 1), reserve
+        compactor = BackgroundCompactor([pool], lambda: False)
+        clock.now = start + 0.3 + 2 * DECAY_S  # past release_idle_s: the decay alone is over
+        compactor.drain(pool)
+        stats = pool.memory_stats()
+        assert stats["reserved_bytes.all.current"] == (256 * MiB if reserve else 0), reserve
+        assert stats["reserved_bytes.all.current"] <= reserve
         pool.assert_invariants()
+        if not reserve:
+            assert compactor.until_idle_release() is None
+            continue
+        # the next wake-up: when the older of the two has been idle warm_reserve_s
+        delay = compactor.until_idle_release()
+        expected = start + 0.2 + WARM_S - clock.now + IDLE_RELEASE_MARGIN_S
+        assert delay is not None and abs(delay - expected) < 1e-9
+        clock.now = start + 0.25 + WARM_S
+        compactor.drain(pool)
+        assert segments(pool) == 1  # the older went back, the newer has 0.05 s to go
+        clock.now = start + 0.35 + WARM_S
+        compactor.drain(pool)
+        assert segments(pool) == 0 and compactor.until_idle_release() is None
+        pool.assert_invariants()
+
+
+def test_segments_beyond_the_warm_reserve_keep_the_decays_schedule() -> None:
+    """What does not fit the reserve goes back as release_idle_s says (here, with every
+    idle segment kept for it, once it has been idle that long), while the reserve's
+    segment stays warm until warm_reserve_s."""
+    assert DECAY_S is not None and WARM_S is not None
+    keep_all = dataclasses.replace(ADAPTIVE, keep_idle_fraction=None)
+    pool, clock, _ = background_pool(keep_all, warm_reserve=100 * MiB)
+    start = clock.now
+    first, second = pool.malloc(64 * MiB), pool.malloc(64 * MiB)
+    pool.free(first)
+    clock.now += 0.1
+    pool.free(second)  # the reserve holds it; 128 MiB would not fit: the first is outside
+    compactor = BackgroundCompactor([pool], lambda: False)
+    clock.now = start + DECAY_S / 2
+    compactor.drain(pool)
+    assert segments(pool) == 2  # both within their decay
+    clock.now = start + DECAY_S + 0.05  # the first's decay is over, not the second's
+    compactor.drain(pool)
+    assert segments(pool) == 1
+    clock.now = start + 0.1 + DECAY_S + 0.05  # the second is past it too, but warm
+    compactor.drain(pool)
+    assert segments(pool) == 1
+    clock.now = start + 0.15 + WARM_S
+    compactor.drain(pool)
+    assert segments(pool) == 0
+    pool.assert_invariants()
+
+
+def test_a_warm_segment_is_reused_and_its_idle_time_restarts() -> None:
+    """A put after the decay reuses the warm segment (no new segment, no page faults)."""
+    assert DECAY_S is not None and WARM_S is not None
+    pool, clock, _ = background_pool(warm_reserve=256 * MiB)
+    compactor = BackgroundCompactor([pool], lambda: False)
+    block = pool.malloc(256 * MiB)
+    for _ in range(3):
+        pool.free(block)
+        clock.now += 2 * DECAY_S
+        compactor.drain(pool)
+        block = pool.malloc(256 * MiB)
+    stats = pool.memory_stats()
+    assert stats["num_device_alloc"] == 1 and stats["num_device_free"] == 0
+    pool.free(block)
+    pool.assert_invariants()
 
 
 def test_without_a_background_compactor_idle_segments_go_back_at_once() -> None:
     """A replay (no compactor thread, no clock) stays deterministic: release is immediate."""
     pool, _, _ = background_pool()
     pool.compaction_wanted = None
+    pool.warm_reserve = 1 << 30  # a warm reserve changes nothing without a compactor either
     kept = pool.malloc(30 * MiB)
     for block in [pool.malloc(30 * MiB) for _ in range(3)]:
         pool.free(block)

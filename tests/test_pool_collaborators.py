@@ -8,6 +8,7 @@ purpose to see the pool's check name it.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable
 
 import pytest
@@ -125,6 +126,12 @@ def test_kept_segments_decay_and_stay_within_their_budget_most_recent_first() ->
     assert idle.kept(policy, 2.5, 40 * MiB) == {segments[2].address: 4.0}
     assert idle.beyond_budget(policy, unbudgeted, 40 * MiB) == [segments[1].address]
     assert idle.kept(policy, 2.5, 100 * MiB) == unbudgeted  # 50 MiB of budget: both
+    # a warm reserve of 50 MiB keeps the two most recent (30 + 20 MiB) warm_reserve_s
+    assert policy.warm_reserve_s == 30.0
+    assert idle.kept(policy, 2.5, 40 * MiB, reserve=50 * MiB) == {
+        segments[2].address: 32.0,
+        segments[1].address: 31.0,
+    }
     churn = IdleSegments(costly_churn=True)  # every one kept, whatever the budget
     for since, seg in enumerate(segments):
         churn.became_idle(seg, float(since), seg.size)
@@ -132,6 +139,63 @@ def test_kept_segments_decay_and_stay_within_their_budget_most_recent_first() ->
     idle.decommitted(segments[2], MiB)
     idle.left(segments[0])
     assert idle.committed == 49 * MiB and segments[0].address not in idle
+
+
+def test_the_warm_reserve_never_holds_more_than_its_bytes_most_recent_first() -> None:
+    """Random idle segments and reserves: the warm ones' committed bytes never exceed the
+    reserve, none has been idle warm_reserve_s, and, the most recently freed first, a
+    segment is warm exactly when it fits beside the warm ones freed after it."""
+    decay = ADAPTIVE.warm_reserve_s
+    assert decay is not None
+    rng = random.Random(0)
+    now = 60.0
+    for _ in range(300):
+        idle = IdleSegments(costly_churn=False)
+        since: dict[int, float] = {}
+        committed: dict[int, int] = {}
+        for index in range(rng.randint(1, 12)):
+            seg = segment((index + 1) << 32, rng.choice([2, 20, 64, 128, 256, 512]) * MiB)
+            since[seg.address] = rng.uniform(0.0, now)
+            committed[seg.address] = seg.size - rng.choice([0, MiB])  # some decommitted
+            idle.became_idle(seg, since[seg.address], committed[seg.address])
+        reserve = rng.choice([0, 100, 256, 300, 1024]) * MiB
+        warm = idle.warm(ADAPTIVE, now, reserve)
+        assert sum(committed[address] for address in warm) <= reserve
+        taken = 0
+        for address in sorted(since, key=since.__getitem__, reverse=True):
+            if now >= since[address] + decay:
+                assert address not in warm
+                continue
+            fits = taken + committed[address] <= reserve
+            assert (address in warm) == fits, (address, reserve)
+            if fits:
+                taken += committed[address]
+                assert warm[address] == since[address] + decay
+    no_reserve = dataclasses.replace(ADAPTIVE, warm_reserve_s=None)
+    assert idle.warm(no_reserve, now, 1 << 40) == {}
+
+
+def test_the_pools_check_names_a_warm_reserve_beyond_its_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool's check recomputes the reserve: one that holds more than its bytes (a
+    broken rule) is named."""
+    backend = DecommittingBackend([], total_bytes=None, page_size=PAGE, costly_churn=False)
+    pool = CachingPool(backend, policy=ADAPTIVE, relocator=None)
+    pool.compaction_wanted = lambda: None
+    pool.free(pool.malloc(64 * MiB))
+    pool.warm_reserve = 64 * MiB
+    pool.assert_invariants()
+
+    def every_segment(
+        self: IdleSegments, policy: object, now: float, reserve: int
+    ) -> dict[int, float]:
+        return dict.fromkeys(self, now + 1.0)  # a rule that ignores the reserve's bytes
+
+    monkeypatch.setattr(IdleSegments, "warm", every_segment)
+    pool.warm_reserve = 32 * MiB
+    with pytest.raises(AssertionError, match="the warm reserve holds"):
+        pool.assert_invariants()
 
 
 def test_the_pools_check_names_a_broken_idle_segment() -> None:

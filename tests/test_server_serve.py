@@ -17,7 +17,7 @@ from tensord._proto.tensord.v1 import tensord_pb2_grpc
 from tensord.errors import FailedPreconditionError
 from tensord_server.devices.table import DeviceSpec, DeviceTable, parse_bytes, parse_device_spec
 from tensord_server.domain.store import TensorStore
-from tensord_server.tools.serve import shown_address
+from tensord_server.tools.serve import configure_pools, shown_address
 
 
 def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
@@ -139,6 +139,33 @@ def test_parse_sizes_and_device_specs() -> None:
         parse_device_spec("gpu:0")
     assert shown_address("0.0.0.0:0", 1234) == "0.0.0.0:1234"
     assert shown_address("[::1]:0", 1234) == "[::1]:1234"
+
+
+def test_serve_gives_each_pool_its_policy_and_warm_reserve() -> None:
+    """--warm-reserve: by default 1/8 of each device's capacity, at most 1 GiB; a value
+    given applies to every device (0: none)."""
+    store = TensorStore(("cpu=256MiB",))
+    try:
+        configure_pools(store, "adaptive", None, record_history=False)
+        pool = store.devices.get("cpu").pool
+        assert pool.policy.name == "adaptive" and pool.warm_reserve == 32 << 20
+        configure_pools(store, "pytorch", 0, record_history=False)
+        assert pool.policy.name == "pytorch" and pool.warm_reserve == 0
+    finally:
+        store.close()
+    store = TensorStore(("cpu=64GiB",))  # a limit, not an allocation
+    try:
+        configure_pools(store, "adaptive", None, record_history=False)
+        assert store.devices.get("cpu").pool.warm_reserve == 1 << 30
+    finally:
+        store.close()
+
+
+def test_serve_refuses_a_warm_reserve_that_is_no_size() -> None:
+    result = run_serve("--address", "127.0.0.1:0", "--warm-reserve", "lots")
+    assert result.returncode == 2
+    assert "tensord serve: invalid size 'lots'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_device_table() -> None:

@@ -60,6 +60,7 @@ from tensord_server.pool.policy import (
     DEFAULT_POLICY,
     POLICIES,
     PoolPolicy,
+    default_warm_reserve,
     policy_named,
 )
 from tensord_server.pool.stats import DeviceStats, Stat, external_fragmentation, format_summary
@@ -97,6 +98,7 @@ __all__ = [
     "check_pool_invariants",
     "compact",
     "compact_step",
+    "default_warm_reserve",
     "evacuation_order",
     "external_fragmentation",
     "format_summary",

@@ -31,7 +31,8 @@ collaborator that owns its fields and invariants:
 - tight segments on the out-of-memory path, idle segments given back after a free
   (policy ``tight_segments``, ``release_threshold``);
 - idle segments kept for a while before they go back (policy ``release_idle_s``:
-  :class:`~.idle.IdleSegments`);
+  :class:`~.idle.IdleSegments`), a bounded warm reserve of them for longer (policy
+  ``warm_reserve_s``, the pool's ``warm_reserve`` bytes);
 - free page ranges of split segments given back to the device, the segment kept
   (policy ``decommit``, on backends that can: :class:`~.commit.CommitLedger`): then
   ``reserved_bytes`` counts committed bytes, capacity bounds committed bytes (free pages
@@ -172,6 +173,9 @@ class CachingPool:
         self.compaction_wanted: Callable[[], None] | None = None
         # beyond torch: seconds, for the policy's release_idle_s (injectable: tests)
         self.clock: Callable[[], float] = clock
+        # beyond torch: the bytes of wholly free segments kept warm for the policy's
+        # warm_reserve_s (tensord serve --warm-reserve); 0: no reserve (a replay's pool)
+        self.warm_reserve: int = 0
         # counts its waiters: the background compactor moves only while nobody waits
         self._lock = CountingLock()  # guards every field below, the collaborators' too
         self._small = BlockPool(is_small=True)
@@ -991,28 +995,35 @@ class CachingPool:
             and self.relocator is not None
         )
 
-    def _kept_idle_segments(self, budgeted: bool = True) -> dict[int, float]:
-        """The wholly free segments kept now (policy ``release_idle_s``): address -> the
-        clock() time from which they may go back.  Background compaction neither empties
-        nor fills them, nor counts them as excess; the out-of-memory paths ignore this.
-        Not ``budgeted``: those the policy's keep_idle_fraction would not keep included."""
+    def _kept_idle_segments(self) -> dict[int, float]:
+        """The wholly free segments kept now (policy ``release_idle_s``, and the warm
+        reserve's, ``warm_reserve_s``): address -> the clock() time from which they may go
+        back.  Background compaction neither empties nor fills them, nor counts them as
+        excess; the out-of-memory paths ignore this."""
         if not self._idle or not self._keeps_idle_segments() or self._near_the_edge():
             return {}
-        return self._idle.kept(self.policy, self.clock(), self._allocated(), budgeted)
+        return self._idle.kept(
+            self.policy, self.clock(), self._allocated(), reserve=self.warm_reserve
+        )
 
     def _release_unkept_idle_segments(self) -> bool:
         """Give back the wholly free segments beyond the kept ones' budget (policy
-        keep_idle_fraction): no copy, so cheap on a freeing call, and the room is back
-        before the compactor, woken, would come.  Whether any went back."""
+        keep_idle_fraction), the warm reserve's excepted: no copy, so cheap on a freeing
+        call, and the room is back before the compactor, woken, would come.  Whether any
+        went back."""
         if len(self._idle) <= 1:
             return False  # the most recently freed one is kept whatever its size
         if self._idle.all_within_budget(self.policy, self._allocated()):
             return False  # every idle segment together fits the budget (most frees)
-        unbudgeted = self._kept_idle_segments(budgeted=False)
+        policy, now, allocated = self.policy, self.clock(), self._allocated()
+        unbudgeted = self._idle.kept(policy, now, allocated, budgeted=False)
         if len(unbudgeted) <= 1:
             return False  # within any budget
+        warm = self._idle.warm(policy, now, self.warm_reserve)
         released = False
-        for address in self._idle.beyond_budget(self.policy, unbudgeted, self._allocated()):
+        for address in self._idle.beyond_budget(policy, unbudgeted, allocated):
+            if address in warm:
+                continue  # the warm reserve keeps it
             head = self._segments[address].head
             assert head is not None
             if self._releasable(head):
@@ -1424,6 +1435,11 @@ def check_pool_invariants(pool: CachingPool) -> None:
     # the collaborators first: the statistics below are checked against what they hold
     ledger.assert_invariants(pool._segments, pool._decommits())
     pool._idle.assert_invariants(pool._segments, ledger.committed_in)
+    warm = pool._idle.warm(pool.policy, pool.clock(), pool.warm_reserve)
+    held = sum(ledger.committed_in(pool._segments[address]) for address in warm)
+    assert held <= pool.warm_reserve, (
+        f"the warm reserve holds {held} committed bytes, beyond its {pool.warm_reserve}"
+    )
     pool._consolidation.assert_invariants()
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0

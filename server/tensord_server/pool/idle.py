@@ -10,6 +10,13 @@ bytes (the most recently freed one is kept whatever its size), except on a backe
 giving a segment back and reserving another costs more than keeping it
 (:func:`~.backend.costly_segment_churn`): there every idle segment is kept that long.
 
+A bounded *warm reserve* outlasts that decay (policy ``warm_reserve_s``): of the
+segments idle less than ``warm_reserve_s``, the most recently freed first, those whose
+committed bytes fit the owner's reserve together are kept until ``warm_reserve_s``
+after their last free, so a client's put after a pause of a few seconds finds its
+segment warm; the reserve never holds more than its bytes, and segments beyond it keep
+the schedule above.
+
 :class:`IdleSegments` records the idle segments and answers which are kept; whether the
 pool keeps any at all (a compactor runs, the device is not near its edge) is the pool's
 to say.  It takes no lock: the owning :class:`~.allocator.CachingPool` calls it with the
@@ -95,11 +102,17 @@ class IdleSegments:
         return None if self.costly_churn else policy.keep_idle_fraction
 
     def kept(
-        self, policy: PoolPolicy, now: float, allocated: int, budgeted: bool = True
+        self,
+        policy: PoolPolicy,
+        now: float,
+        allocated: int,
+        budgeted: bool = True,
+        reserve: int = 0,
     ) -> dict[int, float]:
         """The segments kept at ``now`` (the pool keeps some): address -> the clock() time
         from which each may go back.  Not ``budgeted``: those keep_idle_fraction would not
-        keep included."""
+        keep included.  With a ``reserve`` of bytes: the warm reserve's segments
+        (:meth:`warm`) too, each until the later of its two times."""
         decay = policy.release_idle_s
         if decay is None or not self._entries:
             return {}
@@ -108,7 +121,32 @@ class IdleSegments:
             for address, entry in self._entries.items()
             if now < entry.since + decay
         }
-        return self.within_budget(policy, kept, allocated) if budgeted else kept
+        if budgeted:
+            kept = self.within_budget(policy, kept, allocated)
+        for address, until in self.warm(policy, now, reserve).items():
+            kept[address] = max(until, kept.get(address, until))
+        return kept
+
+    def warm(self, policy: PoolPolicy, now: float, reserve: int) -> dict[int, float]:
+        """The warm reserve at ``now`` (policy ``warm_reserve_s``): of the segments idle
+        less than warm_reserve_s, the most recently freed first, each whose committed bytes
+        still fit in ``reserve`` bytes with those before it (one that does not is
+        skipped): address -> the clock() time from which it may go back.  Their committed
+        bytes together never exceed ``reserve``."""
+        decay = policy.warm_reserve_s
+        if decay is None or reserve <= 0 or policy.release_idle_s is None:
+            return {}
+        warm: dict[int, float] = {}
+        total = 0
+        recent_first = sorted(self._entries.items(), key=lambda item: -item[1].since)
+        for address, entry in recent_first:
+            until = entry.since + decay
+            if now >= until:
+                break  # the rest were freed earlier: decayed too
+            if total + entry.committed <= reserve:
+                total += entry.committed
+                warm[address] = until
+        return warm
 
     def within_budget(
         self, policy: PoolPolicy, kept: dict[int, float], allocated: int

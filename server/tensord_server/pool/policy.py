@@ -44,6 +44,18 @@ what the pool does *besides*:
   segments back at once, when the device needs the room.  None: idle segments go back
   as soon as a threshold says so.  Without a background compactor (a replay: no thread,
   no clock) a release is immediate, so a replay stays deterministic;
+- ``warm_reserve_s``: with ``release_idle_s``, a longer decay for a bounded *warm
+  reserve*: of the wholly free segments idle less than this, the most recently freed
+  first, those whose committed bytes fit the pool's ``warm_reserve`` bytes together (one
+  that does not fit is skipped) are kept this long after their last block was freed,
+  whatever keep_idle_fraction says, so a client that puts an array again after a pause of
+  a few seconds writes warm pages instead of faulting in a new segment's.  Beyond the
+  reserve, segments go back as ``release_idle_s`` and ``keep_idle_fraction`` say; the
+  reserve goes back once it has been idle this long, near the device's edge
+  (``keep_idle_below``) and on the out-of-memory and ``consolidate`` paths, as any kept
+  segment.  The pool's ``warm_reserve`` is 0 unless its owner sets it (``tensord serve
+  --warm-reserve``, by default :func:`default_warm_reserve` of each device), so a replay
+  sees no reserve.  None: no reserve;
 - ``keep_idle_below``: segments are kept (``release_idle_s``) only while reserved is
   at most this fraction of the device's capacity: near the device's edge a kept
   segment is room other requests need, so there a free that leaves reserved above the compactor's wake-up threshold gives idle
@@ -103,6 +115,7 @@ class PoolPolicy:
     background_min_slack: int | None = None  # None: min_slack
     background_wake_threshold: float | None = None  # None: background_threshold
     release_idle_s: float | None = None  # None: idle segments go back without delay
+    warm_reserve_s: float | None = None  # the warm reserve's decay; None: no reserve
     keep_idle_below: float = 0.75  # of capacity: above it no idle segment is kept
     keep_idle_fraction: float | None = None  # of allocated: the kept segments' bytes at most
     decommit: bool = False  # give free page ranges of split segments back (host backends)
@@ -136,6 +149,9 @@ ADAPTIVE = PoolPolicy(
     background_min_slack=8 * MiB,
     background_wake_threshold=1.10,
     release_idle_s=2.0,
+    # tens of seconds: a client's next put after a pause finds its segment warm, and an
+    # idle server still gives the reserve back within half a minute
+    warm_reserve_s=30.0,
     # kept segments, unbounded, would hold reserved / allocated above its target by
     # themselves; with the warm holes (decommit_wake_threshold) they stay within it
     keep_idle_fraction=0.15,
@@ -148,6 +164,18 @@ ADAPTIVE = PoolPolicy(
     # they are what the background compactor would copy Storages to close
     decommit_min_bytes=128 << 10,
 )
+
+# tensord serve's default warm reserve per device: this share of the device's capacity,
+WARM_RESERVE_SHARE = 1 / 8
+# ... at most this many bytes (a 256 MiB put's segment and a few more stay warm)
+WARM_RESERVE_MAX = 1 << 30
+
+
+def default_warm_reserve(capacity: int) -> int:
+    """The warm reserve ``tensord serve`` gives a device's pool of ``capacity`` bytes
+    (policy ``warm_reserve_s``): min(WARM_RESERVE_SHARE of it, WARM_RESERVE_MAX)."""
+    return min(int(capacity * WARM_RESERVE_SHARE), WARM_RESERVE_MAX)
+
 
 POLICIES: dict[str, PoolPolicy] = {p.name: p for p in (PYTORCH, OOM_COMPACTION, ADAPTIVE)}
 

@@ -19,7 +19,7 @@ from tensord.errors import FailedPreconditionError
 from tensord.protocol import DEFAULT_ADDRESS
 
 from tensord_server.devices.descriptors import raise_descriptor_limit
-from tensord_server.devices.table import resolve_specs
+from tensord_server.devices.table import parse_bytes, resolve_specs
 from tensord_server.domain.auth import load_tokens
 from tensord_server.domain.call_gate import (
     DEFAULT_MAX_WORKERS,
@@ -32,7 +32,14 @@ from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.share_tokens import DEFAULT_MAX_SHARE_TTL_S, DEFAULT_SHARE_TTL_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
-from tensord_server.pool import DEFAULT_POLICY, POLICIES, TRACE_MAX_ENTRIES, policy_named
+from tensord_server.pool import (
+    DEFAULT_POLICY,
+    POLICIES,
+    TRACE_MAX_ENTRIES,
+    default_warm_reserve,
+    policy_named,
+)
+from tensord_server.pool.policy import ADAPTIVE, WARM_RESERVE_MAX, WARM_RESERVE_SHARE
 from tensord_server.rpc.grpc_server import create_server
 from tensord_server.rpc.tls import server_credentials
 from tensord_server.tools import serve_observability  # observability hook
@@ -227,6 +234,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_POLICY})",
     )
     parser.add_argument(
+        "--warm-reserve",
+        metavar="BYTES",
+        help="bytes of wholly free segments each device's pool keeps warm for "
+        f"{ADAPTIVE.warm_reserve_s:g} s after their last free (policy adaptive), the most "
+        "recently freed first, so a put after a pause writes warm pages instead of faulting "
+        f"in new ones; 0: none (idle segments go back after {ADAPTIVE.release_idle_s:g} s) "
+        f"(default: 1/{round(1 / WARM_RESERVE_SHARE)} of the device's capacity, at most "
+        f"{WARM_RESERVE_MAX >> 30} GiB)",
+    )
+    parser.add_argument(
         "--record-history",
         action="store_true",
         help="record each pool's allocator events, as torch.cuda.memory._record_memory_history "
@@ -368,6 +385,22 @@ def read_auth_tokens(path: str) -> dict[str, str]:
         ) from None
 
 
+def configure_pools(
+    store: TensorStore, policy: str, warm_reserve: int | None, record_history: bool
+) -> None:
+    """Each device's pool as ``tensord serve`` runs it: ``policy`` (--policy), the warm
+    reserve (--warm-reserve; None: :func:`~tensord_server.pool.default_warm_reserve` of
+    the device's capacity) and the allocator history (--record-history)."""
+    for device in store.devices:
+        pool = device.pool
+        pool.policy = policy_named(policy)
+        pool.warm_reserve = (
+            default_warm_reserve(pool.capacity) if warm_reserve is None else warm_reserve
+        )
+        if record_history:
+            pool.record_memory_history(True)
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
     # at the usual soft limit (1024) a few hundred idle connections leave no descriptor for
@@ -421,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         tokens = read_auth_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
+        warm_reserve = None if args.warm_reserve is None else parse_bytes(args.warm_reserve)
         store = TensorStore(
             specs,
             session_grace=args.session_grace,
@@ -442,10 +476,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
-    for device in store.devices:
-        device.pool.policy = policy_named(args.policy)
-        if args.record_history:
-            device.pool.record_memory_history(True)
+    configure_pools(store, args.policy, warm_reserve, args.record_history)
     try:
         server, port = create_server(
             args.address, store=store, max_workers=args.max_workers, credentials=credentials
