@@ -26,9 +26,9 @@ baseline.  Then ``torch.from_dlpack`` of a 1 GiB tensor,
 first (maps the segment), warm (a capsule alive: the export is reused) and again once no
 capsule lives (a new Export, the segment still mapped), with the Export RPC's share,
 the bytes the pool allocated and the growth of this process's RSS; then a fresh-Export
-from_dlpack (over the session's export channel once its key is known), one Export on the
-channel alone, a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC,
-taking turns, median and best.  After the table, for each size, (a) and the SDK's
+from_dlpack (its Export over the session's call channel), one Export on the channel alone,
+a bare gRPC empty unary (bench_rpc.py's server) and tensord's empty RPC on the channel and
+over gRPC, taking turns, median and best.  After the table, for each size, (a) and the SDK's
 upload and download taking turns ``--rounds N`` times (default 9): the median and range
 of each round's ratio.  Targets: same-host transfers >= 0.7x
 np.copyto; from_dlpack of 1 GiB <= 1 ms with 0 bytes copied.
@@ -368,35 +368,35 @@ def fresh_export_against_empty_unaries(
 ) -> dict[str, list[float]]:
     """Seconds of a fresh-Export torch.from_dlpack (no capsule alive, segment mapped), a bare
     gRPC empty unary and tensord's empty RPC in the session, taking turns."""
-    channel = grpc.insecure_channel(bare_address)
-    bare_empty = channel.unary_unary("/bench.Raw/Empty")
+    bare = grpc.insecure_channel(bare_address)
+    bare_empty = bare.unary_unary("/bench.Raw/Empty")
     bare_empty(b"")
     conn = consumer._conn
     mapper = consumer._local
-    channel = mapper._channel  # the session's export channel, bound by now
+    channel = conn.call_channel  # the session's call channel, bound by now
     instance, mapped = mapper._mapped_hint
-    request = pb.ExportRequest(
-        handle=big.handle, server_instance=instance, mapped_segments=mapped
-    ).SerializeToString()
+    request = pb.ExportRequest(handle=big.handle, server_instance=instance, mapped_segments=mapped)
 
     def channel_round_trip() -> object:
-        """One Export request and answer on the channel alone (no array, no call scaffolding);
-        the export is released by the next flush."""
-        answer = channel.request(request, 5.0) if channel is not None else None
+        """One Export's frame and answer on the call channel alone (no array, no call
+        scaffolding); the export is released by the next flush."""
+        answer = channel.unary("Export", request, 5.0) if channel is not None else None
         if answer is None:
-            raise SystemExit(
-                f"the export channel did not answer ({channel and channel.last_reason})"
-            )
-        conn.queue_export_release(pb.ExportResponse.FromString(answer).export_id)
+            raise SystemExit(f"the call channel did not answer ({channel and channel.last_reason})")
+        conn.queue_export_release(answer.export_id)
         return answer
+
+    def grpc_release() -> object:
+        return conn._stub.Release(pb.ReleaseRequest(), metadata=conn.metadata(), timeout=5.0)
 
     rows: dict[str, Callable[[], object]] = {
         "torch.from_dlpack, fresh Export": lambda: torch.from_dlpack(big),
-        "export channel round trip (ExportChannel.request)": channel_round_trip,
+        "Export on the call channel alone (CallChannel.unary)": channel_round_trip,
         "bare gRPC empty unary (bench_rpc's server)": lambda: bare_empty(b""),
-        "tensord empty RPC Release([]) in the session": lambda: conn.call(
+        "tensord empty RPC Release([]) in the session (the call channel)": lambda: conn.call(
             "Release", pb.ReleaseRequest()
         ),
+        "tensord empty RPC Release([]) in the session over gRPC": grpc_release,
     }
     seconds: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(FRESH_EXPORT_CALLS):
@@ -406,7 +406,7 @@ def fresh_export_against_empty_unaries(
             result = fn()
             seconds[name].append(time.perf_counter() - start)
             del result
-    channel.close()
+    bare.close()
     return seconds
 
 
@@ -466,10 +466,8 @@ def from_dlpack(address: str, local: Any, bare_address: str) -> None:
         print(f"side by side, {FRESH_EXPORT_CALLS} calls each, taking turns (median / best ms):")
         for name, seconds in side_by_side.items():
             print(f"  {name}: {statistics.median(seconds) * 1e3:.3f} / {min(seconds) * 1e3:.3f}")
-        print(
-            f"  (Exports the export channel answered: {consumer._local.channel_exports}; "
-            "the rest took gRPC)"
-        )
+        answered = consumer._conn.call_channel.calls if consumer._conn.call_channel else 0
+        print(f"  (calls the call channel answered: {answered}; the rest took gRPC)")
     local.delete("bench-1g")
 
 

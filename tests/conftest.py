@@ -56,8 +56,10 @@ class RunningServer:
 
     @property
     def fd_socket(self) -> FdSocket:
-        """The server's fd socket (made on first use, as by the first Export)."""
-        return self.grpc_server.calls.service.fd_socket
+        """The server's fd socket (made as the server starts)."""
+        fd_socket = self.grpc_server.calls.fd_socket
+        assert fd_socket is not None
+        return fd_socket
 
     def stop(self) -> None:
         self.grpc_server.stop(STOP_GRACE_S).wait()

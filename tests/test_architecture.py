@@ -113,7 +113,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     ),
     "tensord.wire": (
         # what a connection is made of: none imports another layer of the wire
-        ("parts", ("$", "fork", "address", "config", "status", "pipeline")),
+        ("parts", ("$", "fork", "address", "config", "status", "pipeline", "channel")),
         # threads that run gRPC work, held out of it while the process forks
         ("threads", ("worker", "streams")),
         # the one builder of every request message

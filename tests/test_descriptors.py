@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import subprocess
 import sys
 import textwrap
@@ -187,10 +188,13 @@ def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(
         def __getattr__(self, name: str) -> Any:
             return getattr(listener, name)
 
+    queued = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with caplog.at_level(logging.WARNING, logger="tensord_server.rpc.fd_socket"):
         monkeypatch.setattr(fd, "_listener", NoDescriptors())
+        queued.connect(fd.path)  # the listener is readable from now on
         time.sleep(1.0)
         monkeypatch.undo()
+    queued.close()
     assert 1 <= len(tries) <= 1.0 / ACCEPT_POLL_S + 2
     said = [r.getMessage() for r in caplog.records if "out of file descriptors" in r.getMessage()]
     assert len(said) == 1, said

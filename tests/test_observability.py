@@ -180,27 +180,32 @@ def test_sessions_closed_and_lost_are_counted(
     assert samples[("tensord_sessions", (("state", "live"),))] == 0
 
 
-def test_export_channel_requests_are_counted(
+def test_call_channel_calls_are_counted_as_any_call(
     observed: tuple[RunningServer, HttpEndpoints],
 ) -> None:
-    """Exports on a session's export channel pass no gRPC interceptor: the metrics count
-    them apart, so an operator still sees every export."""
+    """Calls on a session's call channel pass no gRPC interceptor: they are observed as gRPC
+    calls are (by method and code), and counted apart too, so an operator sees both."""
     import tensord
-    import torch
 
     running, endpoints = observed
     url = f"http://127.0.0.1:{endpoints.port}/metrics"
-    with tensord.connect(running.address) as client:  # same host: mapping and channel
-        x = client.tensor(np.arange(1 << 16, dtype=np.float32))
-        for _ in range(3):  # each a fresh export: the first over gRPC, the others on the channel
-            alias = torch.from_dlpack(x)
-            assert float(alias[5]) == 5.0
-            del alias
-            client.flush()
+    with tensord.connect(running.address, pipelining=False) as client:  # same host
+        x = client.zeros(4)
+        before = scrape(url)
+        views = (("code", "OK"), ("method", "View"))
+        for _ in range(3):
+            x.view(2, 2)
+        with pytest.raises(tensord.errors.NotFoundError):
+            client.get("no-such-name")
         samples = scrape(url)
-        answered = samples[("tensord_export_channel_requests_total", (("outcome", "answered"),))]
-        assert answered == client._local.channel_exports >= 1
-        assert samples[("tensord_export_channels", ())] == 1
+        assert client._conn.call_channel.calls >= 4
+        key = ("tensord_rpc_requests_total", views)
+        assert samples[key] - before.get(key, 0) == 3
+        missing = ("tensord_rpc_requests_total", (("code", "NOT_FOUND"), ("method", "GetName")))
+        assert samples[missing] - before.get(missing, 0) == 1
+        calls = samples[("tensord_channel_calls_total", ())]
+        assert calls - before.get(("tensord_channel_calls_total", ()), 0) >= 4
+        assert samples[("tensord_call_channels", ())] == 1
 
 
 def test_every_grafana_query_names_a_metric_the_server_exports(

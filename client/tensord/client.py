@@ -83,7 +83,8 @@ def connect(
     server refuses the token, ValueError for unreadable root certificates.
 
     ``local`` (else ``$TENSORD_LOCAL``, default on): on the server's host, map its
-    memory for zero-copy DLPack and one-memcpy transfers, falling back to gRPC silently
+    memory for zero-copy DLPack and one-memcpy transfers, and send unary calls over the
+    session's call channel (a unix socket) rather than gRPC, falling back to gRPC silently
     when that is impossible; ``local=False`` always uses gRPC (README, "Same-host zero copy").
 
     ``pipelining`` (default on): views, ``detach`` and in-place writes (``fill_``,
@@ -188,6 +189,7 @@ class Client:
         local: bool | None = None,
         pipelining: bool = True,
     ) -> None:
+        same_host = local_wanted(local)
         self._conn = Connection(
             resolve_address(address),
             timeout=timeout,
@@ -195,8 +197,9 @@ class Client:
             token=resolve_token(token),
             credentials=resolve_tls(tls, root_certificates),
             pipelining=pipelining,
+            use_call_channel=same_host,
         )
-        self._local = LocalMapper(self._conn, local_wanted(local))
+        self._local = LocalMapper(self._conn, same_host)
         self._conn.local = self._local
         self._session = ClientSession(self._conn, self._local)
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at

@@ -2,7 +2,7 @@
 
 Metadata keys the two sides exchange beside the protobuf messages, the message size both
 sides configure their channels for, the address a client dials by default, how the
-fd socket's ticket splits, the export channel's framing, and the counts one request may
+fd socket's ticket splits, the call channel's framing, and the counts one request may
 name (the server refuses more before any work; the SDK splits what it can and refuses
 the rest at the call).  Pure: this module imports only the standard library's
 ``struct``, so both sides (and every layer) may use it.
@@ -117,14 +117,20 @@ def split_ticket(ticket: str) -> tuple[str, str]:
     return ticket[:TICKET_KEY_CHARS], ticket[TICKET_KEY_CHARS:]
 
 
-# The export channel on the same fd socket (a session's Exports without a gRPC round
-# trip): a connection binds with a line
-# ``CHANNEL_BIND`` + the session's key less its proof; then each request is a frame
-# (CHANNEL_FRAME_HEADER: its length, then an ExportRequest's bytes) and each answer a status
-# and a length (CHANNEL_ANSWER_HEADER) then an ExportResponse's bytes (CHANNEL_OK) or a short
-# reason (CHANNEL_USE_GRPC: the client asks through the Export RPC instead).
-CHANNEL_BIND = b"chan "
-CHANNEL_OK = 0
-CHANNEL_USE_GRPC = 1
-CHANNEL_FRAME_HEADER = struct.Struct("!I")
-CHANNEL_ANSWER_HEADER = struct.Struct("!BI")
+# The call channel on the same fd socket (a session's unary calls without gRPC): a connection
+# binds with a line ``CHANNEL_BIND`` + the session's key less its proof (OpenSession answers
+# the key), answered ``ok IDLE_S PROOF``; then each call is a frame, CALL_HEADER (a request
+# id, the call's deadline in milliseconds or 0 for none, the method's name length, the
+# request's length), the method's name as the schema spells it ("View") and the request's
+# bytes; each answer is ANSWER_HEADER (the request's id, the status code's value, the lengths
+# of the error message, the error type, the error details and the response) then those, the
+# error type and details being what the ``tensord-error-type`` and ``tensord-error-details``
+# trailers carry over gRPC.  An answer with request id CHANNEL_CLOSING answers no request: the
+# server closes the channel without having read one (idle, replaced, its session ended, the
+# server stopping), so a request sent meanwhile was never run and may go through gRPC.
+CHANNEL_BIND = b"call "
+CALL_HEADER = struct.Struct("!IIBI")
+ANSWER_HEADER = struct.Struct("!IBIHII")
+CHANNEL_CLOSING = 0
+#: the longest method name a call frame may carry
+MAX_METHOD_NAME_BYTES = 64

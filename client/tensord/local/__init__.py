@@ -4,7 +4,7 @@ Not API.  On the server's host a client maps the pool's memfd segments (or impor
 GPU's through CUDA IPC) and reads and writes tensors' bytes through the mapping instead
 of gRPC:
 
-  channel     the fd socket: a segment's descriptor for a ticket; the export channel
+  channel     the fd socket: a segment's descriptor for a ticket
   segments    mapped segments and exports (arrays over a pinned Storage)
   cuda_ipc    GPU segments imported through CUDA IPC (CuPy arrays)
   mapper      one client's mappings, imports and exports (LocalMapper)

@@ -38,12 +38,9 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from google.protobuf.message import DecodeError
-
 from tensord import errors
 from tensord import schema as pb
 from tensord.local import channel, cuda_ipc
-from tensord.local.channel import CHANNEL_TIMEOUT_S, ExportChannel
 from tensord.local.cuda_ipc import CudaExport, CudaImport
 from tensord.local.segments import Export, Segment
 from tensord.wire import requests
@@ -97,9 +94,6 @@ class LocalMapper:
         # what an Export says this client maps: (the server instance of the latest segment
         # mapped, at most MAX_MAPPED_HINTS of its segment ids); replaced whole under _lock
         self._mapped_hint: tuple[str, tuple[int, ...]] = ("", ())
-        # the session's export channel, learnt from a gRPC Export's answer
-        self._channel: ExportChannel | None = None
-        self.channel_exports = 0  # Exports the channel answered (the rest took gRPC)
 
     def disable(self, reason: str) -> None:
         self.enabled = False
@@ -156,61 +150,16 @@ class LocalMapper:
             return None if response is None else self._mapped(handle, response, reuse_key)
 
     def _call_export(self, request: pb.ExportRequest) -> pb.ExportResponse | None:
-        """One Export (released if an interrupt takes its caller away): on the session's
-        export channel if it answers, else through gRPC; None when the server cannot share
-        this memory (the reason kept in ``last_refusal``)."""
-        session_id = self._conn.session_id
-        orphaned = functools.partial(self._release_orphan, session_id)
-        channel = self._channel
-        if channel is not None:
-            exported = functools.partial(self._export_on_channel, channel, request)
-            answered: pb.ExportResponse | None = self._conn.call_local(exported, orphaned)
-            if answered is not None:
-                self.channel_exports += 1
-                return answered
+        """One Export (released if an interrupt takes its caller away; on the session's call
+        channel when it has one, as any call); None when the server cannot share this memory
+        (the reason kept in ``last_refusal``)."""
+        orphaned = functools.partial(self._release_orphan, self._conn.session_id)
         try:
             response: pb.ExportResponse = self._conn.call("Export", request, orphaned)
         except errors.FailedPreconditionError as exc:  # memory this server cannot share
             self.last_refusal = str(exc)
             return None
-        self._learn_channel(session_id, response)
         return response
-
-    def _export_on_channel(
-        self, channel: ExportChannel, request: pb.ExportRequest, session_id: str
-    ) -> pb.ExportResponse | None:
-        """(after what a call does first) The Export on ``channel`` if it is this session's
-        (a replaced session's key names the lost one) and it answers; None: use gRPC."""
-        if channel.session_id != session_id:
-            return None
-        timeout = min(CHANNEL_TIMEOUT_S, self._conn.call_timeout or CHANNEL_TIMEOUT_S)
-        answer = channel.request(request.SerializeToString(), timeout)
-        if answer is None:
-            return None
-        try:
-            response: pb.ExportResponse = pb.ExportResponse.FromString(answer)
-        except DecodeError:
-            channel.close()
-            return None
-        return response
-
-    def _learn_channel(self, session_id: str, response: pb.ExportResponse) -> None:
-        """Keep the export channel a gRPC Export in ``session_id`` answered (a new key: a new
-        session or server replaces the channel of the old one)."""
-        if not response.channel_key or not response.channel_socket:
-            return
-        current = self._channel
-        if (
-            current is not None
-            and current.key == response.channel_key
-            and current.path == response.channel_socket
-            and current.session_id == session_id
-            and current.pid == os.getpid()
-        ):
-            return
-        self._channel = ExportChannel(session_id, response.channel_key, response.channel_socket)
-        if current is not None:
-            current.close()
 
     def _release_orphan(self, session_id: str, response: pb.ExportResponse) -> None:
         """An Export answer its caller never saw (an interrupt took it away): released, and
@@ -248,7 +197,6 @@ class LocalMapper:
         if not self._empty_export:
             return self._empty_then_export(empty, carry_releases)
         unknown = False
-        session_id = self._conn.session_id
         try:
             response = self._conn.empty_export(empty, carry_releases)
         except errors.TensordError as exc:
@@ -267,7 +215,6 @@ class LocalMapper:
             self._empty_export = False  # a server older than EmptyExport: two calls
             return self._empty_then_export(empty, carry_releases)
         exported = response.export
-        self._learn_channel(session_id, exported)
         if not exported.tensor.handle or not exported.export_id:
             self.disable(f"the server's EmptyExport answered no tensor ({exported.tensor!r})")
             return None
@@ -493,12 +440,5 @@ class LocalMapper:
             self._segments.clear()
             self._reusable.clear()
             self._mapped_hint = ("", ())
-        self.close_channel()
         with contextlib.suppress(Exception):
             self.close_idle_imports()
-
-    def close_channel(self) -> None:
-        """Close the export channel (the client closes: its session, and so its key, ends)."""
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()

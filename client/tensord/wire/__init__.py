@@ -10,6 +10,7 @@ exceptions; none of them names a protobuf message.
   worker      the threads that run the main thread's gRPC calls (interrupt safety)
   streams     raw-byte chunks, and the watchdog of stalled transfers
   pipeline    a queued op (QueuedOp), the Batch sizes, cutting a queue into Batches
+  channel     the session's call channel: its unary calls over the server's fd socket
   requests    every request message, built from plain values
   connection  Connection: the channel, the session, the queues
 """

@@ -2,7 +2,8 @@
 
 Everything a Client's tensors send goes through one :class:`Connection`: unary calls
 (each under the call deadline, its failure raised as :mod:`tensord.errors`' class by
-:mod:`tensord.wire.status`), raw-byte transfers (:mod:`tensord.wire.streams`), the
+:mod:`tensord.wire.status`; on the server's host over the session's call channel,
+:mod:`tensord.wire.channel`, whenever it can take them), raw-byte transfers (:mod:`tensord.wire.streams`), the
 pipelined ops and the batched releases (:mod:`tensord.wire.pipeline`), and the
 session's liveness (a KeepAlive stream, a new session when the server lost the old).
 The main thread's calls run on worker threads (:mod:`tensord.wire.worker`); a fork
@@ -38,6 +39,7 @@ from tensord.protocol import (
 )
 from tensord.wire import requests
 from tensord.wire.address import Probe, probe, serve_hint
+from tensord.wire.channel import CallChannel, ChannelBroken
 from tensord.wire.config import CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT_S
 from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
 from tensord.wire.pipeline import (
@@ -79,10 +81,26 @@ _DOWNLOAD_METHOD = "/tensord.v1.Tensord/Download"
 M = TypeVar("M")
 
 
+class Settled:
+    """A Batch the call channel answered, in the shape of the gRPC future it stands for."""
+
+    def __init__(self, response: Any = None, error: errors.TensordError | None = None) -> None:
+        self._response = response
+        self._error = error
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._response
+
+    def add_done_callback(self, callback: Callable[[Settled], None]) -> None:
+        callback(self)
+
+
 class BatchInFlight(NamedTuple):
     """The Batch sent and not yet collected (one at a time: the server applies them in order)."""
 
-    future: grpc.Future
+    future: grpc.Future | Settled
     queued: list[QueuedOp]
     released: list[str]
     #: the copies' callbacks, in op order (BatchResponse.copies answers them)
@@ -145,6 +163,7 @@ class Connection:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         pipelining: bool = True,
+        use_call_channel: bool = True,
     ) -> None:
         self.address = address
         #: queue views and in-place writes (tensord.wire.pipeline); False: one RPC each
@@ -208,7 +227,7 @@ class Connection:
         self._inflight: BatchInFlight | None = None
         self._async_error: errors.TensordError | None = None
         # the last Batch answered (set by gRPC's callback): _busy() compares it with _inflight's
-        self._answered_batch: grpc.Future | None = None
+        self._answered_batch: grpc.Future | Settled | None = None
         #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
         #: hands it to an executor so a view never blocks the event loop
         self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
@@ -227,6 +246,11 @@ class Connection:
             off_main_thread(self._channel.close)
             raise
         self.session_id: str = session.session_id
+        #: the session's call channel (tensord.wire.channel), when the server offers one and
+        #: ``use_call_channel`` allows it: unary calls take it before gRPC
+        self.call_channel: CallChannel | None = None
+        self._wants_channel = use_call_channel
+        self._learn_channel(session)
         self.lease_seconds: float = session.lease_seconds or 10.0
         self.grace_seconds: float = session.grace_seconds
         LIVE_CONNECTIONS.add(self)
@@ -341,16 +365,16 @@ class Connection:
         metadata = self.metadata() if session else self._auth
 
         def send() -> Any:
+            if session:
+                answered = self._on_channel(method, request, metadata[0][1], grpc_timeout)
+                if answered is not None:
+                    return answered
             try:
                 return stub_method(request, metadata=metadata, timeout=grpc_timeout)
             except grpc.RpcError as err:
                 if grpc_timeout is None or not is_own_deadline(err):
                     raise  # the server's own word, a DeadlineExceededError among them
-                raise errors.DeadlineExceededError(
-                    f"{method}: the tensord server at {self.address} did not answer within "
-                    f"{grpc_timeout:g} s ({error_from_rpc(err)}); it may be hung or overloaded "
-                    f"(the deadline is connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
-                ) from None
+                raise self._no_answer(method, grpc_timeout, str(error_from_rpc(err))) from None
 
         if not session:
             return _call(send)
@@ -374,39 +398,66 @@ class Connection:
             return fn()
         except grpc.RpcError as err:
             exc = error_from_rpc(err, self.address)
-            if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
-                self._replace_session(session_id)
-                raise errors.SessionLostError(session_lost_message(session_id)) from None
-            raise exc from None
+        except errors.NotFoundError as err:  # a call channel's answer, read back already
+            exc = err
+        if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
+            self._replace_session(session_id)
+            raise errors.SessionLostError(session_lost_message(session_id)) from None
+        raise exc from None
+
+    # ---- the call channel (tensord.wire.channel) --------------------------------------
+
+    def _learn_channel(self, session: pb.OpenSessionResponse) -> None:
+        """Take the call channel an OpenSession answered (closing the one it replaces)."""
+        old = self.call_channel
+        self.call_channel = None
+        if self._wants_channel and session.channel_key and session.channel_socket:
+            self.call_channel = CallChannel(
+                session.session_id, session.channel_key, session.channel_socket
+            )
+        if old is not None:
+            old.close()
+
+    def _on_channel(self, method: str, request: Any, session_id: str, timeout: float | None) -> Any:
+        """The answer of a call in ``session_id`` on its call channel, or None: take gRPC
+        (no channel, or it could not take this call now).  The call's errors are raised as
+        gRPC's would read back."""
+        channel = self.call_channel
+        if channel is None or channel.session_id != session_id:
+            return None
+        try:
+            return channel.unary(method, request, timeout)
+        except errors.TensordError:  # the server's own word (a DeadlineExceededError among them)
+            raise
+        except TimeoutError:
+            assert timeout is not None
+            raise self._no_answer(method, timeout, "no answer on the call channel") from None
+        except ChannelBroken as exc:
+            raise errors.UnavailableError(
+                f"{method}: the connection to the tensord server at {self.address} broke "
+                f"during the call ({exc}); the server may have stopped"
+            ) from None
+
+    def _no_answer(self, method: str, timeout: float, why: str) -> errors.DeadlineExceededError:
+        return errors.DeadlineExceededError(
+            f"{method}: the tensord server at {self.address} did not answer within "
+            f"{timeout:g} s ({why}); it may be hung or overloaded "
+            f"(the deadline is connect()'s call_timeout, or ${CALL_TIMEOUT_ENV})"
+        )
+
+    def _batch_on_channel(self, request: pb.BatchRequest) -> Settled | None:
+        """A Batch its caller waits for at once, answered on the call channel; None: gRPC."""
+        timeout = self.call_timeout
+        try:
+            response = self._on_channel("Batch", request, self.session_id, timeout)
+        except errors.TensordError as exc:
+            return Settled(error=exc)
+        return None if response is None else Settled(response)
 
     def call(self, method: str, request: Any, orphaned: Callable[[Any], None] | None = None) -> Any:
         """One unary call in this session (``method`` as named in the proto); ``orphaned``
         gets its answer if an interrupt took the caller away first (see off_main_thread)."""
         return self._unary(method, request, orphaned=orphaned)
-
-    def call_local(
-        self, work: Callable[[str], M | None], orphaned: Callable[[M], None] | None = None
-    ) -> M | None:
-        """``work(session_id)``: a request to this server that is no gRPC call (the same-host
-        export channel), with every guarantee a call gives: a closed or inherited client
-        raises, imported GPU memory is synchronized and the ops queued before it are applied
-        first (their error raised), off the main thread; ``orphaned`` gets a result an
-        interrupt took the caller away from.  ``work`` answers None to have the caller use
-        gRPC instead."""
-        self._check_open()
-
-        def run() -> M | None:
-            if self.local is not None:
-                self.local.before_call()
-            if self.pipelining:
-                self.synchronize(releases=False)
-            return work(self.session_id)
-
-        def drop(result: M | None) -> None:
-            if result is not None and orphaned is not None:
-                orphaned(result)
-
-        return off_main_thread(run, drop)
 
     def upload(self, header: pb.UploadHeader, data: memoryview) -> pb.TensorMeta:
         """Stream ``data`` (bytes in logical order) as raw chunks; the server makes the tensor."""
@@ -526,7 +577,7 @@ class Connection:
         inflight = self._inflight
         return inflight is not None and self._answered_batch is not inflight.future
 
-    def _batch_answered(self, future: grpc.Future) -> None:
+    def _batch_answered(self, future: grpc.Future | Settled) -> None:
         # gRPC's done() takes the call's Condition, which a view (enqueue, on the main
         # thread) must not: a signal there could leave it held; one store is atomic
         self._answered_batch = future
@@ -562,19 +613,23 @@ class Connection:
                     # after a failed op in one Batch; the releases wait for the next one
                     self._requeue_releases(released)
                     return
-                self._send_batch(part, part_released)
+                # the last, when its caller waits for it at once: the call channel may take it
+                self._send_batch(part, part_released, wait and index == len(parts) - 1)
             if wait:
                 self._collect()
 
-    def _send_batch(self, queued: list[QueuedOp], released: list[str]) -> None:
+    def _send_batch(self, queued: list[QueuedOp], released: list[str], now: bool) -> None:
         """Send one Batch of ``queued`` then ``released`` (the caller holds _send_lock and
-        collected the Batch before)."""
+        collected the Batch before); ``now``: its caller waits for its answer at once, so the
+        call channel may answer it (a Batch left in flight goes through gRPC)."""
         answered = [op.copied for op in queued if op.copied is not None]
         request = requests.batch(queued, released)
         if self.local is not None:
             self.local.before_call()
-        timeout = None if self.call_timeout is None else self.call_timeout
-        future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
+        future: grpc.Future | Settled | None = self._batch_on_channel(request) if now else None
+        if future is None:
+            timeout = None if self.call_timeout is None else self.call_timeout
+            future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
         self._inflight = BatchInFlight(future, queued, released, answered)
         future.add_done_callback(self._batch_answered)
 
@@ -596,6 +651,9 @@ class Connection:
             response = future.result()
         except grpc.RpcError as err:
             self._keep_error(error_from_rpc(err, self.address))
+            return False
+        except errors.TensordError as exc:  # a Batch the call channel answered
+            self._keep_error(exc)
             return False
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
             copied(meta)
@@ -850,6 +908,7 @@ class Connection:
                     request, metadata=self._auth, timeout=max(self.lease_seconds, 1.0)
                 )
                 self.session_id = response.session_id
+                self._learn_channel(response)
 
     # ---- closing ---------------------------------------------------------------------
 
@@ -893,6 +952,7 @@ class Connection:
         self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
         self._pending_exports.clear()
-        if self.local is not None:  # its socket: the session's end made its key useless
-            self.local.close_channel()
+        channel, self.call_channel = self.call_channel, None
+        if channel is not None:  # the session's end made its key useless
+            channel.close()
         self._channel.close()

@@ -52,17 +52,25 @@ def error_from_rpc(err: grpc.RpcError, address: str | None = None) -> errors.Ten
     return exc
 
 
-def batch_error(response: pb.BatchResponse, message: str) -> errors.TensordError:
-    """The exception of a Batch answer's failed op, with ``message`` as its text."""
-    code = _CODES_BY_VALUE.get(response.error_code)
+def error_from_answer(
+    code_value: int, message: str, error_type: str, details: str
+) -> errors.TensordError:
+    """The exception of an error that arrived as four values (a status code's value, the
+    message, the ``tensord-error-type`` and ``tensord-error-details`` texts): what a call
+    channel's answer or a Batch's failed op carries instead of a status and its trailers."""
+    code = _CODES_BY_VALUE.get(code_value)
     exc = errors.read_back(
-        None if code is None else code.name,
-        response.error_type or None,
-        message,
-        response.error_details,
+        None if code is None else code.name, error_type or None, message, details
     )
     exc.grpc_code = code  # type: ignore[attr-defined]  # as error_from_rpc's
     return exc
+
+
+def batch_error(response: pb.BatchResponse, message: str) -> errors.TensordError:
+    """The exception of a Batch answer's failed op, with ``message`` as its text."""
+    return error_from_answer(
+        response.error_code, message, response.error_type, response.error_details
+    )
 
 
 def _trailers(call: grpc.Call | None) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """File descriptors: the server's limit, the reserve kept for segments, and the error when they run out.
 
 Every segment of the shared host pool holds two descriptors (its memfd, and the copy
-``mmap`` keeps of it), every fd-socket request and export channel one, every gRPC
+``mmap`` keeps of it), every fd-socket connection and call channel one, every gRPC
 connection one.  A process at its limit (EMFILE) cannot make a segment however much
 memory is free, so:
 

@@ -13,12 +13,13 @@ Storage of that segment.  Segments are never shared between tenants (each tenant
 on its own pool stream, see :meth:`StorageRegistry.stream_of`), so a ticket never reveals
 another tenant's byte.
 
-Each session may have an *export channel* on the same socket: a gRPC Export answers the
+Each session may have a *call channel* on the same socket: OpenSession answers the
 session's channel key (a locator, 192 secret bits and a proof, one per session, kept here
 beside the session), and a connection that presents locator and secret is bound to that
-session.  At most :data:`MAX_CHANNELS` channels are served at once (with tenants, at most
-:data:`MAX_CHANNELS_PER_TENANT` of them one tenant's) and one per session (a second bind
-of a session replaces its first); the session's end drops its key and closes its channel.
+session and carries its unary calls.  At most :data:`MAX_CHANNELS` channels are served at
+once (with tenants, at most :data:`MAX_CHANNELS_PER_TENANT` of them one tenant's) and one
+per session (a second bind of a session replaces its first); the session's end drops its
+key and closes its channel.
 This table keeps the keys and the bound channels; the socket's side (reading frames,
 sending descriptors, the idle close) is the rpc layer's transport.
 
@@ -59,13 +60,13 @@ TICKET_TTL_S = 30.0
 # Unredeemed tickets kept at most (the oldest are dropped beyond it): bounds the table
 # whatever a client does with its Exports.
 MAX_TICKETS = 4096
-# Export channels: threads serving a channel at once, the whole server (a bound
-# connection each, and a replaced one whose thread is still finishing a request: it counts
-# until that thread ends, else rebinding a session whose requests wait, on its session's lock
-# say, would start a thread per bind); a bind beyond it is refused ("no: ...") and its client
-# keeps using gRPC.  A session replacing its own channel may pass it by one meanwhile.
+# Call channels served at once, the whole server (a bound connection each, a descriptor and a
+# coroutine, and a replaced one still finishing its call: it counts until it ends, else
+# rebinding a session whose calls wait, on its session's lock say, would hold a connection
+# per bind); a bind beyond it is refused ("no: ...") and its client keeps using gRPC.  A
+# session replacing its own channel may pass it by one meanwhile.
 MAX_CHANNELS = 64
-# With tenants (``--auth-tokens``): channel threads one tenant may hold at once (counted as
+# With tenants (``--auth-tokens``): channels one tenant may hold at once (counted as
 # MAX_CHANNELS counts them), so that one tenant's sessions cannot take every channel and
 # leave the others only gRPC.
 MAX_CHANNELS_PER_TENANT = 16
@@ -144,23 +145,22 @@ class ExportTable:
         # CUDA IPC imports: segment id -> {session id: Exports answered with its handle}
         self._imports: dict[int, dict[str, int]] = {}
         self._import_sizes: dict[int, tuple[str, int]] = {}  # segment id -> (device, bytes)
-        # export channels
+        # call channels
         self._channel_keys: dict[str, ChannelKey] = {}  # locator -> key
         self._session_keys: dict[str, ChannelKey] = {}  # session id -> its key
         self._channels: dict[str, Channel] = {}  # session id -> its bound channel
-        # threads serving a channel (bound, or replaced and still finishing a request) per
-        # tenant, until they end: MAX_CHANNELS_PER_TENANT each, MAX_CHANNELS in all
-        self._channel_threads: collections.Counter[str] = collections.Counter()
-        # channel requests so far, by outcome ("answered", "use_grpc"): the metrics' count of
-        # the Exports no gRPC interceptor sees
-        self._channel_requests: collections.Counter[str] = collections.Counter()
+        # channels served (bound, or replaced and still finishing a call) per tenant, until
+        # they end: MAX_CHANNELS_PER_TENANT each, MAX_CHANNELS in all
+        self._served_channels: collections.Counter[str] = collections.Counter()
+        # calls the channels carried so far (the metrics' share of calls that took no gRPC)
+        self._channel_calls = 0
         sessions.end_listeners.append(self.session_ended)
         sessions.exports_of = self._live_exports
 
     # -- exports ------------------------------------------------------------------
 
     def export(
-        self, session: Session, handle: str, mapped: Container[int] = (), *, host_only: bool = False
+        self, session: Session, handle: str, mapped: Container[int] = ()
     ) -> tuple[Export, str, TensorRef]:
         """Hold the Storage of ``handle`` for the session; the export, a fd ticket and the
         tensor the handle named when it was looked up.  The answer describes that tensor,
@@ -171,8 +171,7 @@ class ExportTable:
         ``mapped``: segment ids the client says it maps already; an export in one of them
         gets no ticket ("": the client has the descriptor's mapping, and an unredeemed
         ticket would only crowd the table).  Trusting it grants nothing: a ticket is the
-        only thing withheld.  ``host_only``: a GPU Storage is refused (FailedPreconditionError)
-        before anything is exported (the channel leaves CUDA IPC to gRPC)."""
+        only thing withheld."""
         with self._lock:  # refused before any work; checked again where the export is added
             self.sessions.refuse_beyond_limit(session)
         ref = self.sessions.hold(session, handle)  # the export's own hold, kept past this call
@@ -184,9 +183,6 @@ class ExportTable:
                 f"the memory of {storage.device.name} ({storage.device.description}) cannot "
                 "be mapped by clients; use the gRPC transfers"
             )
-        if host_only and isinstance(backend, CudaBackend):
-            self.storages.release_hold(storage)
-            raise FailedPreconditionError("GPU exports take gRPC")
         block = storage.block  # fixed now: a held Storage never moves
         if isinstance(backend, CudaBackend):
             return self._export_cuda(session, storage, backend), "", ref
@@ -409,11 +405,11 @@ class ExportTable:
             raise KeyError("the segment is gone")
         return fd, entry.proof
 
-    # -- export channels ----------------------------------------------------------
+    # -- call channels ------------------------------------------------------------
 
     def channel_key(self, session: Session) -> str:
         """The session's channel key, made on first use ("" for a session that ended).
-        Called after the session's Export succeeded: a session that ended meanwhile keeps none."""
+        Called once the session is open: a session that ended meanwhile keeps none."""
         with self._lock:
             key = self._session_keys.get(session.id)
             if key is None:
@@ -442,9 +438,9 @@ class ExportTable:
             if key is None or not hmac.compare_digest(key.secret.encode(), secret.encode()):
                 raise NotFoundError("unknown channel key")
             replacing = key.session_id in self._channels  # may pass a bound by one
-            if self._channel_threads.total() - replacing >= MAX_CHANNELS:
+            if self._served_channels.total() - replacing >= MAX_CHANNELS:
                 raise ResourceExhaustedError(f"too many channels ({MAX_CHANNELS})")
-            if self.tenants and self._channel_threads[key.tenant] - replacing >= (
+            if self.tenants and self._served_channels[key.tenant] - replacing >= (
                 MAX_CHANNELS_PER_TENANT
             ):
                 raise ResourceExhaustedError(
@@ -453,7 +449,7 @@ class ExportTable:
             channel = Channel(key, wake)
             replaced = self._channels.get(key.session_id)
             self._channels[key.session_id] = channel
-            self._channel_threads[key.tenant] += 1  # until unbind_channel
+            self._served_channels[key.tenant] += 1  # until unbind_channel
         if replaced is not None:
             replaced.wake()  # its thread ends; its client falls back once, then reconnects
         return channel
@@ -463,27 +459,27 @@ class ExportTable:
         return self._channels.get(channel.key.session_id) is channel
 
     def unbind_channel(self, channel: Channel) -> None:
-        """Once per bound channel, when its thread stops serving it."""
+        """Once per bound channel, when the transport stops serving it."""
         tenant = channel.key.tenant
         with self._lock:
-            self._channel_threads[tenant] -= 1
-            if not self._channel_threads[tenant]:
-                del self._channel_threads[tenant]
+            self._served_channels[tenant] -= 1
+            if not self._served_channels[tenant]:
+                del self._served_channels[tenant]
             if self._channels.get(channel.key.session_id) is channel:
                 del self._channels[channel.key.session_id]
 
-    def count_channel_request(self, answered: bool) -> None:
-        """One channel request answered ("answered") or sent back to gRPC ("use_grpc")."""
+    def count_channel_call(self) -> None:
+        """One call came on a channel (it is observed as any call, by method and code)."""
         with self._lock:
-            self._channel_requests["answered" if answered else "use_grpc"] += 1
+            self._channel_calls += 1
 
-    def channel_stats(self) -> tuple[int, dict[str, int]]:
-        """Channels served now, and the channel's requests so far by outcome."""
+    def channel_stats(self) -> tuple[int, int]:
+        """Channels served now, and the calls they carried so far."""
         with self._lock:
-            return self._channel_threads.total(), dict(self._channel_requests)
+            return self._served_channels.total(), self._channel_calls
 
     def _forget_channel(self, session_id: str) -> None:
-        """Drop a session's key and wake its channel's thread (which then closes it)."""
+        """Drop a session's key and wake its channel (closed once its call, if any, ends)."""
         with self._lock:
             key = self._session_keys.pop(session_id, None)
             if key is not None:

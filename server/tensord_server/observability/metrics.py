@@ -195,20 +195,17 @@ class StoreCollector(Collector):
         yield from self._channel_metrics()
 
     def _channel_metrics(self) -> Iterator[Metric]:
-        """Same-host export channels: their Exports pass no gRPC interceptor."""
-        channels, requests = self.store.exports.channel_stats()
+        """Same-host call channels (their calls are counted with gRPC's, by method)."""
+        channels, calls = self.store.exports.channel_stats()
         yield GaugeMetricFamily(
-            "tensord_export_channels", "Same-host export channels served now", value=channels
+            "tensord_call_channels", "Same-host call channels served now", value=channels
         )
-        counted = CounterMetricFamily(
-            "tensord_export_channel_requests",
-            "Exports asked on a session's export channel, by outcome (use_grpc: the client "
-            "asked again through the Export RPC)",
-            labels=["outcome"],
+        yield CounterMetricFamily(
+            "tensord_channel_calls",
+            "Unary calls that came on a session's call channel rather than gRPC (also counted "
+            "in tensord_rpc_requests_total)",
+            value=calls,
         )
-        for outcome in ("answered", "use_grpc"):
-            counted.add_metric([outcome], float(requests.get(outcome, 0)))
-        yield counted
 
     def _tenant_metrics(self, devices: list[str]) -> Iterator[Metric]:
         ledger = self.store.storages.ledger
@@ -345,6 +342,9 @@ class Observer:
         tokens = self.store.auth_tokens
         if tokens is None:
             return ""
+        known = getattr(context, "tenant", None)  # authenticated already (rpc.calls' Call)
+        if known is not None:
+            return str(known)
         metadata = dict(context.invocation_metadata() or ())
         try:
             return auth.tenant_of(tokens, metadata.get(AUTHORIZATION_KEY))

@@ -7,7 +7,7 @@
 - :mod:`.other_services`: health and reflection under the rules of Tensord's own calls
 - :mod:`.status`: domain errors -> status codes and the error-type trailer (one table)
 - :mod:`.grpc_server`: ``create_server``: the gRPC server with health, reflection and TLS
-- :mod:`.fd_socket`: the same-host socket beside it: segment descriptors, export channels
+- :mod:`.fd_socket`: the same-host socket beside it: segment descriptors, call channels
 - :mod:`.tls`: server credentials from PEM files
 - :mod:`.binding`: why the listening address cannot be bound (in use, not this host's)
 """

@@ -29,6 +29,13 @@ connected for as long as gRPC keeps the stream open (its end is detected by gRPC
 the client closing it, the connection breaking, or the transport's keepalive pings going
 unanswered), so no amount of load on the server can make a live client's session lapse.
 
+A unary call that comes on a session's *call channel* (the same-host fd socket,
+:mod:`tensord_server.rpc.fd_socket`) takes the same steps in the same order
+(:meth:`Calls.channel_call`): its channel's bind stands for step 1 (the key names one
+session of one tenant), its frame's length is checked against the method's receive limit
+before a byte of it is read, and its answer carries the status code, message and trailers'
+values that gRPC's status would.
+
 Errors from any step leave through :func:`abort`, with the status of
 :mod:`tensord_server.rpc.status`.
 """
@@ -48,22 +55,19 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from tensord import schema as pb
-from tensord.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-)
-from tensord.protocol import AUTHORIZATION_KEY
+from tensord.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from tensord.protocol import AUTHORIZATION_KEY, SESSION_KEY
 
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
+from tensord_server.domain.exports import Channel
 from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message
-from tensord_server.rpc.executor import FairExecutor, RequestBudget
+from tensord_server.rpc.executor import FairExecutor, RequestBudget, within
+from tensord_server.rpc.fd_socket import CallFrame, ChannelConnection, FdSocket
 from tensord_server.rpc.handlers import SERVICE_NAME, TensordService
 
 log = logging.getLogger(__name__)
@@ -131,6 +135,11 @@ MAX_UNDELIVERED_ANSWER_BYTES = 256 << 20
 MAX_DOWNLOAD_CHUNK_BYTES = 1 << 20
 
 Metadatum = collections.namedtuple("Metadatum", "key value")
+DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ClientGone(ConnectionError):
+    """A call channel's client closed its connection before its request was read whole."""
 
 
 class CallAborted(Exception):
@@ -143,15 +152,39 @@ class CallAborted(Exception):
 
 class Call:
     """What a synchronous handler and the observer see of a call: the few methods of gRPC's
-    ServicerContext they use, answered from values taken on the event loop."""
+    ServicerContext they use, answered from values taken on the event loop (from gRPC's
+    context, or given: a call channel's)."""
 
-    __slots__ = ("_callbacks", "_code", "_details", "_done", "_metadata", "_peer", "key", "tenant")
+    __slots__ = (
+        "_callbacks",
+        "_code",
+        "_details",
+        "_done",
+        "_metadata",
+        "_peer",
+        "deadline",
+        "key",
+        "tenant",
+    )
 
-    def __init__(self, context: grpc.aio.ServicerContext, tenant: str | None, key: Hashable):
-        self._metadata = tuple(Metadatum(k, v) for k, v in context.invocation_metadata() or ())
-        self._peer = context.peer()
+    def __init__(
+        self,
+        context: grpc.aio.ServicerContext | None,
+        tenant: str | None,
+        key: Hashable,
+        metadata: tuple[Metadatum, ...] = (),
+        peer: str = "",
+    ):
+        if context is not None:
+            metadata = tuple(Metadatum(k, v) for k, v in context.invocation_metadata() or ())
+            peer = context.peer()
+        self._metadata = metadata
+        self._peer = peer
         self.tenant = tenant
         self.key = key
+        #: time.monotonic() past which the caller waits no more (a call channel's; gRPC ends
+        #: its own calls at their deadline); None: none
+        self.deadline: float | None = None
         self._done = False
         self._callbacks: list[Callable[[], None]] = []
         self._code: grpc.StatusCode | None = None
@@ -164,7 +197,7 @@ class Call:
         return str(self._peer)
 
     def is_active(self) -> bool:
-        return not self._done
+        return not self._done and (self.deadline is None or time.monotonic() < self.deadline)
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         """Run ``callback`` when the call ends (now, if it has ended already)."""
@@ -198,31 +231,6 @@ class Call:
                 log.exception("a call's end callback failed")
 
 
-async def within(awaitable: Awaitable[T], timeout: float, expired: str) -> T:
-    """``await awaitable``, or DeadlineExceededError(``expired``) after ``timeout`` seconds.
-
-    One timer on the loop (asyncio.wait_for makes a task per wait: this is every call's
-    read); at the deadline it cancels the waiting task, which turns into the error."""
-    task = asyncio.current_task()
-    assert task is not None
-    fired = []
-
-    def expire() -> None:
-        fired.append(True)
-        task.cancel()
-
-    timer = asyncio.get_running_loop().call_later(timeout, expire)
-    try:
-        return await awaitable
-    except asyncio.CancelledError:
-        if not fired:
-            raise
-        task.uncancel()
-        raise DeadlineExceededError(expired) from None
-    finally:
-        timer.cancel()
-
-
 def _metadata_value(metadata: Any, key: str) -> Any:
     for item_key, value in metadata or ():
         if item_key == key:
@@ -248,6 +256,15 @@ class Calls:
         self.work = FairExecutor(workers, "tensord")
         self.liveness = FairExecutor(LIVENESS_WORKERS, "tensord-liveness")
         self.budget = RequestBudget()
+        #: the fd socket (:meth:`open_fd_socket`, on the server's loop)
+        self.fd_socket: FdSocket | None = None
+        self.methods = _methods()
+        # what a call channel may carry: every unary method of the schema (streams take gRPC)
+        self._unary_methods = {
+            d.name: self.methods[d.name]
+            for d in pb.DESCRIPTOR.services_by_name["Tensord"].methods
+            if not (d.client_streaming or d.server_streaming)
+        }
         self._reads: dict[Hashable, _Readers] = {}
         self._answers: dict[Hashable, int] = {}
         # the KeepAlive streams' calls, ended first when the server stops
@@ -259,7 +276,8 @@ class Calls:
     def shutdown(self) -> None:
         self.work.shutdown()
         self.liveness.shutdown()
-        self.service.close()
+        if self.fd_socket is not None:
+            self.fd_socket.forget()  # (closed already on the loop, unless it never stopped)
 
     async def end_keepalives(self) -> None:
         """End every KeepAlive stream with UNAVAILABLE (the server is stopping: an open
@@ -292,6 +310,16 @@ class Calls:
 
     async def read(self, context: grpc.aio.ServicerContext, call: Call, method: Method) -> Any:
         """The next request message's bytes (EOF at the end of a stream), or an error."""
+        raw = await self._read_within(call, method, context.read)
+        if raw is not grpc.aio.EOF:
+            self.check_length(method, len(raw))
+        return raw
+
+    async def _read_within(
+        self, call: Call, method: Method, reading: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        """``await reading()`` in one of the key's READS_PER_KEY read slots, within the idle
+        timeout (a request that does not arrive in time: DeadlineExceededError)."""
         reads = self._reads.get(call.key)
         if reads is None:
             reads = self._reads[call.key] = _Readers(READS_PER_KEY)
@@ -299,8 +327,8 @@ class Calls:
         reads.users += 1
         try:
             async with reads.slots:
-                raw = await within(
-                    context.read(),
+                return await within(
+                    reading(),
                     timeout,
                     f"{method.name}: no request message for {timeout:g}s "
                     f"(--stream-idle-timeout {timeout:g})",
@@ -309,11 +337,14 @@ class Calls:
             reads.users -= 1
             if not reads.users:
                 del self._reads[call.key]
-        if raw is not grpc.aio.EOF and len(raw) > method.receive_limit:
+
+    @staticmethod
+    def check_length(method: Method, nbytes: int) -> None:
+        """A request longer than its method's receive limit is refused by its length."""
+        if nbytes > method.receive_limit:
             raise InvalidArgumentError(
-                f"a {method.name} request of {len(raw)} bytes; the limit is {method.receive_limit}"
+                f"a {method.name} request of {nbytes} bytes; the limit is {method.receive_limit}"
             )
-        return raw
 
     def check_answers(self, call: Call) -> None:
         held = self._answers.get(call.key, 0)
@@ -398,17 +429,9 @@ class Calls:
             raw = await self.read(context, call, method)
             if raw is grpc.aio.EOF:
                 raise InvalidArgumentError(f"a {method.name} call without its request message")
-            executor = self.liveness if method.liveness else self.work
             describe = self.describe(call)
             with self.budget.reserve(call.key, len(raw), describe):
-                request = self._small_request(method, raw)
-                if request is None:
-                    work = functools.partial(self._work, method, raw, call)
-                else:
-                    work = functools.partial(self._answer, method, request, call)
-                response, data = await executor.run(
-                    call.key, work, describe, inline=request is not None
-                )
+                response, data = await self._run(method, raw, call, describe)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -418,6 +441,19 @@ class Calls:
         call.ended(grpc.StatusCode.OK)
         self.observed(method.name, call, started, response)
         return data
+
+    def _run(
+        self, method: Method, raw: bytes, call: Call, describe: str
+    ) -> Awaitable[tuple[Message, bytes]]:
+        """The call's work, queued fairly under its key (liveness calls on their own pool);
+        a small one of INLINE_WORK may run on the loop (FairExecutor.run's ``inline``)."""
+        executor = self.liveness if method.liveness else self.work
+        request = self._small_request(method, raw)
+        if request is None:
+            work = functools.partial(self._work, method, raw, call)
+        else:
+            work = functools.partial(self._answer, method, request, call)
+        return executor.run(call.key, work, describe, inline=request is not None)
 
     def _work(self, method: Method, raw: bytes, call: Call) -> tuple[Message, bytes]:
         return self._answer(method, decode_message(method.request_cls, raw), call)
@@ -438,6 +474,92 @@ class Calls:
         except Exception:
             return None
         return request if small(request) else None
+
+    # -- calls on a session's call channel (the fd socket) -----------------------------------
+
+    def open_fd_socket(self) -> None:
+        """Make the fd socket on the running loop (the server's): descriptors for tickets and
+        the sessions' call channels.  Without it (no private directory could be made, say)
+        same-host clients use gRPC for everything."""
+        try:
+            self.fd_socket = FdSocket(self.store.exports, self)
+        except OSError as exc:
+            log.warning("no fd socket (same-host clients will use gRPC only): %s", exc)
+            return
+        self.service.fd_socket = self.fd_socket
+
+    async def close_fd_socket(self, grace: float | None) -> None:
+        if self.fd_socket is not None:
+            await self.fd_socket.aclose(grace)
+
+    async def channel_call(
+        self, channel: Channel, conn: ChannelConnection, frame: CallFrame
+    ) -> None:
+        """One unary call that came on a session's call channel, through :meth:`unary`'s
+        steps in its order: the channel's bind stands for authentication (its session's
+        tenant, the key gRPC would use: the tenant, or without tenants the connection), the
+        frame's length is checked against the method's receive limit before a byte of the
+        request is read, the bytes are reserved and read in one of the key's read slots,
+        the same handler runs on the same executor, and an error answers the status code,
+        message and trailers gRPC would carry.  The client's deadline, if it sent one,
+        bounds the wait as gRPC's does (``Call.is_active`` turns false at it)."""
+        started = time.perf_counter()
+        tenant = channel.key.tenant
+        key = ("tenant", tenant) if self.store.auth_tokens is not None else ("peer", conn.peer)
+        session = (Metadatum(SESSION_KEY, channel.key.session_id),)
+        call = Call(None, tenant, key, session, conn.peer)
+        if frame.timeout is not None:
+            call.deadline = time.monotonic() + frame.timeout
+        idle_timeout = self.store.gate.idle_timeout
+        try:
+            method = self._unary_methods.get(frame.method)
+            if method is None:
+                raise CallAborted(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"{frame.method!r} is no unary method of {SERVICE_NAME} (streams take gRPC)",
+                )
+            self.check_answers(call)
+            self.check_length(method, frame.nbytes)
+            describe = self.describe(call)
+            with self.budget.reserve(call.key, frame.nbytes, describe):
+                try:
+                    raw = await self._read_within(
+                        call, method, functools.partial(conn.read_request, frame.nbytes)
+                    )
+                except OSError as exc:  # the client went mid-request: nobody to answer
+                    call.ended(grpc.StatusCode.CANCELLED)
+                    self.observed(method.name, call, started)
+                    call.terminated()
+                    raise ClientGone(str(exc)) from None
+                work = self._run(method, raw, call, describe)
+                if frame.timeout is not None:
+                    work = within(work, frame.timeout, f"{method.name}: deadline exceeded")
+                response, data = await work
+        except (asyncio.CancelledError, ClientGone):
+            raise
+        except Exception as exc:
+            if call.deadline is not None and time.monotonic() >= call.deadline:
+                # past the client's deadline: what gRPC answers then (its own status, no
+                # trailer), which the client reads as its deadline passing
+                code, message, error_type, details = DEADLINE, "Deadline Exceeded", "", ""
+            else:
+                code, message, error_type, details = status.error_fields(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error in a tensord handler", exc_info=exc)
+            call.ended(code, message)
+            self.observed(frame.method, call, started)
+            call.terminated()
+            await conn.answer(
+                frame.request_id, code.value[0], message, error_type, details, b"", idle_timeout
+            )
+            return
+        self.hold_answer(call, len(data))  # until written: a reader that does not read
+        call.ended(grpc.StatusCode.OK)
+        self.observed(method.name, call, started, response)
+        try:
+            await conn.answer(frame.request_id, 0, "", "", "", data, idle_timeout)
+        finally:
+            call.terminated()
 
     async def _abort_observed(
         self,
@@ -684,12 +806,7 @@ class Calls:
         table = {}
         for descriptor in pb.DESCRIPTOR.services_by_name["Tensord"].methods:
             name = descriptor.name
-            method = Method(
-                name,
-                getattr(pb, descriptor.input_type.name),
-                RECEIVE_LIMITS[name],
-                name in LIVENESS_METHODS,
-            )
+            method = self.methods[name]
             behavior = functools.partial(behaviors.get(name, self.unary), method)
             factory = (
                 grpc.stream_stream_rpc_method_handler
@@ -711,6 +828,19 @@ class Calls:
         return grpc.method_handlers_generic_handler(
             HEALTH_SERVICE, {"Check": check, "Watch": watch}
         )
+
+
+def _methods() -> dict[str, Method]:
+    """Every method the schema declares, by name, with its request type and limits."""
+    return {
+        descriptor.name: Method(
+            descriptor.name,
+            getattr(pb, descriptor.input_type.name),
+            RECEIVE_LIMITS[descriptor.name],
+            descriptor.name in LIVENESS_METHODS,
+        )
+        for descriptor in pb.DESCRIPTOR.services_by_name["Tensord"].methods
+    }
 
 
 class _Readers:

@@ -13,7 +13,8 @@ is refused (RESOURCE_EXHAUSTED) instead of queued (how many a key reads at once 
 in :mod:`tensord_server.rpc.calls`).
 
 Both are used from the event loop's thread only (no locks); the pool's threads only run
-the functions handed to them.
+the functions handed to them.  :func:`within` bounds any wait on the loop (a request's
+read, a reader, a call channel's frame) by one timer.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tensord.errors import ResourceExhaustedError
+from tensord.errors import DeadlineExceededError, ResourceExhaustedError
 
 from tensord_server.domain.fairness import FairQueue
 
@@ -188,3 +189,28 @@ class RequestBudget:
 
     def reserved_by(self, key: Hashable) -> int:
         return self._by_key.get(key, 0)
+
+
+async def within(awaitable: Awaitable[T], timeout: float, expired: str) -> T:
+    """``await awaitable``, or DeadlineExceededError(``expired``) after ``timeout`` seconds.
+
+    One timer on the loop (asyncio.wait_for makes a task per wait: this is every call's
+    read); at the deadline it cancels the waiting task, which turns into the error."""
+    task = asyncio.current_task()
+    assert task is not None
+    fired = []
+
+    def expire() -> None:
+        fired.append(True)
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        task.uncancel()
+        raise DeadlineExceededError(expired) from None
+    finally:
+        timer.cancel()

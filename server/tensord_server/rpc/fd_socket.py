@@ -1,26 +1,37 @@
-"""The fd socket: same-host zero copy's transport, beside the gRPC server.
+"""The fd socket: the same-host transport beside the gRPC server, served on its event loop.
 
 A unix socket in a fresh private directory that hands out segment descriptors and carries
-the sessions' export channels; the books it answers from (tickets, channel keys, bound
-channels, exports) are the domain's :class:`~tensord_server.domain.exports.ExportTable`.
+the sessions' *call channels*; the books it answers from (tickets, channel keys, bound
+channels) are the domain's :class:`~tensord_server.domain.exports.ExportTable`.  Every
+connection is a coroutine on the gRPC server's event loop: one waiting for its client (its
+first line, a frame's bytes, its next call, a reader of its answer) holds its descriptor and
+a coroutine, never a thread.
 
 A connection sends one line.  A ticket's key: answered ``ok PROOF`` with the segment's
-descriptor (``SCM_RIGHTS``), or ``no: why``.  ``chan LOCATOR.SECRET``: the connection is
-bound to that key's session (answered ``ok IDLE_S PROOF``) and then carries Exports as
-frames: a 4-byte length and an ExportRequest's bytes in, a status byte, a 4-byte length and
-an ExportResponse's bytes (or, with status "use gRPC", a short reason) out.  This module
-only moves bytes: the rpc layer's :data:`ChannelHandler` parses, exports and encodes, as
-its Export handler does.  An idle channel closes after :data:`CHANNEL_IDLE_S`; whatever the
-channel refuses, the client asks again through gRPC, which raises the proper errors.
+descriptor (``SCM_RIGHTS``), or ``no: why``.  ``call LOCATOR.SECRET``: the connection is
+bound to that key's session (answered ``ok IDLE_S PROOF``) and then carries that session's
+unary calls, one at a time, as frames (:data:`tensord.protocol.CALL_HEADER` and
+``ANSWER_HEADER``).  This module only moves their bytes: the rpc layer's
+:class:`ChannelCalls` takes each call through the steps of its gRPC twin (the method's
+receive limit before a byte of the request is read, the request budget, the fair executor
+under the key gRPC would use, the same handler, the same status code, message and
+trailers).  A frame that breaks the framing (request id CHANNEL_CLOSING, a method name over
+MAX_METHOD_NAME_BYTES) closes the channel unanswered; so does a request refused before its
+bytes were read (answered first), since they would be taken for the next frame.  The
+server closes a channel idle for :data:`CHANNEL_IDLE_S`, one whose session ended or that a
+second bind of its session replaced, and every one at shutdown, each between two calls and
+saying so first (an answer with request id CHANNEL_CLOSING), so a request its client sent
+meanwhile is known unread and may go through gRPC.
 
 Without ``--auth-tokens`` the socket is 0600 in a 0700 directory and the peer's uid
 (SO_PEERCRED) must be the server's; with tenants it may be reached by any local user (0666
 in a 0711 directory): the ticket or the key, known only to its session, is the capability.
-A client on another host never gets a descriptor: the socket is local.
+A client on another host never gets a descriptor or a channel: the socket is local.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -28,284 +39,421 @@ import shutil
 import socket
 import struct
 import tempfile
-import threading
-import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
-from tensord.errors import NotFoundError, ResourceExhaustedError
+from tensord.errors import DeadlineExceededError, NotFoundError, ResourceExhaustedError
 from tensord.protocol import (
-    CHANNEL_ANSWER_HEADER,
+    ANSWER_HEADER,
+    CALL_HEADER,
     CHANNEL_BIND,
-    CHANNEL_FRAME_HEADER,
-    CHANNEL_OK,
-    CHANNEL_USE_GRPC,
+    CHANNEL_CLOSING,
+    MAX_METHOD_NAME_BYTES,
 )
 
 from tensord_server.devices.descriptors import is_descriptor_error, out_of_descriptors
 from tensord_server.domain.exports import Channel, ExportTable
-from tensord_server.domain.sessions import Session
+from tensord_server.rpc.executor import within
 
 log = logging.getLogger(__name__)
 
-# One fd request: a ticket line of at most this many bytes, within this many seconds.
+# A connection's first line (a ticket's key, a bind): at most this many bytes, all of it
+# within this many seconds of its accept (so are the rest of a frame after its first byte,
+# and a method's name).
 MAX_TICKET_LINE = 128
 FD_REQUEST_TIMEOUT_S = 2.0
-# Requests answered at once (a thread each), and per peer uid: a connection that sends
-# nothing holds one for at most FD_REQUEST_TIMEOUT_S and never delays another client's.
-# A connection beyond either bound is closed unanswered (its client falls back to gRPC).
-MAX_FD_HANDLERS = 16
-MAX_FD_HANDLERS_PER_PEER = 4
-# How often the accept loop checks for shutdown.
+# Connections accepted and not yet answered or bound, in all and per peer uid: each holds a
+# descriptor and a coroutine for at most FD_REQUEST_TIMEOUT_S.  A connection beyond either
+# bound is closed unanswered (its client uses gRPC).
+MAX_FD_HANDLERS = 64
+MAX_FD_HANDLERS_PER_PEER = 16
+# How long the socket stops accepting after an accept failed for want of descriptors (the
+# connection stays queued: retrying at once would spin until a descriptor is freed).
 ACCEPT_POLL_S = 0.2
+# Connections one wake-up of the listener accepts before other work on the loop has a turn.
+ACCEPTS_PER_WAKE = 64
 _SOCKET_NAME = "fd.sock"
-# A channel that carries no request for this long is closed (its client reconnects lazily;
-# the bind's answer tells it this number).
+# A channel that carries no call for this long is closed (its client reconnects lazily; the
+# bind's answer tells it this number).
 CHANNEL_IDLE_S = 30.0
-# One request frame: an ExportRequest (a handle, a server instance and at most the SDK's 256
-# mapped segment ids: about 3 KiB); a longer frame is refused and its channel closed.
-MAX_CHANNEL_REQUEST_BYTES = 16 << 10
-# Longest "use gRPC" reason sent back (the client only logs it).
-MAX_CHANNEL_REASON_BYTES = 256
-# What the rpc layer does with one channel request: (answer bytes, the id of the export it
-# made, released when the answer cannot be delivered).  Raises to say "use gRPC".
-ChannelHandler = Callable[[Session, bytes], tuple[bytes, str]]
+# Bytes asked of the kernel per read: a small frame arrives whole in one read; a large
+# request is read a piece of at most MAX_READ_BYTES at a time.
+READ_BYTES = 64 << 10
+MAX_READ_BYTES = 1 << 20
+# An answer longer than this goes out as two writes (its header, then its bytes unjoined).
+JOIN_ANSWER_BYTES = 64 << 10
+# At shutdown, how long channels in a call get to answer it when the stop gives no grace.
+CLOSE_WAIT_S = 0.5
+# What a channel's closing notice says (the client only logs it).
+_CLOSING_TEXT = b"the server closed the channel before reading another request"
+# The status code a closing notice carries: UNAVAILABLE's value (the transport speaks no gRPC).
+_UNAVAILABLE = 14
+
+
+@dataclass(frozen=True, slots=True)
+class CallFrame:
+    """One call's frame, its request's bytes not read yet."""
+
+    request_id: int
+    method: str
+    nbytes: int  # the request's length
+    timeout: float | None  # the client's deadline, in seconds from now (None: no deadline)
+
+
+class ChannelCalls(Protocol):
+    """What the rpc layer does with one call on a bound channel: reads its request through
+    ``conn.read_request`` (or refuses it unread) and answers it through ``conn.answer``."""
+
+    async def channel_call(
+        self, channel: Channel, conn: ChannelConnection, frame: CallFrame
+    ) -> None: ...
+
+
+class ChannelConnection:
+    """A connection of the fd socket: its non-blocking socket, the bytes read ahead of what
+    was asked (at most READ_BYTES beyond it), and once bound its channel's idle state.  Used
+    on the event loop only."""
+
+    __slots__ = ("_loop", "buffer", "idle", "peer", "request_read", "sock", "task", "woken")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str) -> None:
+        self._loop = loop
+        self.sock = sock
+        #: what the calls and the logs name this connection by (a channel's fairness key
+        #: without --auth-tokens, as a gRPC connection's peer is)
+        self.peer = peer
+        self.buffer = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self.idle = False  # waiting for the next call: a wake ends the wait at once
+        self.woken = False  # the server closes it once its call in progress (if any) ends
+        self.request_read = False  # the current frame's request bytes were taken
+
+    def wake(self) -> None:
+        """Close the channel: now if it waits for a call, else once its call is answered."""
+        self.woken = True
+        if self.idle and self.task is not None:
+            self.idle = False  # cancelled once: a second wake must not cancel what follows
+            self.task.cancel()
+
+    async def _fill(self, nbytes: int) -> None:
+        while len(self.buffer) < nbytes:
+            wanted = min(max(nbytes - len(self.buffer), READ_BYTES), MAX_READ_BYTES)
+            piece = await self._loop.sock_recv(self.sock, wanted)
+            if not piece:
+                raise ConnectionResetError("the client closed the connection")
+            self.buffer += piece
+
+    def _take(self, nbytes: int) -> bytes:
+        data = bytes(self.buffer[:nbytes])
+        del self.buffer[:nbytes]
+        return data
+
+    async def receive(self, nbytes: int, timeout: float, expired: str) -> bytes:
+        """Exactly ``nbytes``, all within ``timeout``; ConnectionResetError at the stream's
+        end, DeadlineExceededError(``expired``) past the time."""
+        if len(self.buffer) < nbytes:
+            await within(self._fill(nbytes), timeout, expired)
+        return self._take(nbytes)
+
+    async def read_request(self, nbytes: int) -> bytes:
+        """The current frame's request bytes (the caller bounds the wait)."""
+        self.request_read = True
+        if len(self.buffer) < nbytes:
+            await self._fill(nbytes)
+        return self._take(nbytes)
+
+    async def line(self) -> bytes | None:
+        """The first line, without its newline; None past MAX_TICKET_LINE bytes or at the
+        stream's end.  What follows it stays in the buffer (a bound channel's first frame)."""
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > MAX_TICKET_LINE:
+                return None
+            piece = await self._loop.sock_recv(self.sock, MAX_TICKET_LINE + 1 - len(self.buffer))
+            if not piece:
+                return None
+            self.buffer += piece
+        line, _, rest = bytes(self.buffer).partition(b"\n")
+        if len(line) > MAX_TICKET_LINE:
+            return None
+        self.buffer = bytearray(rest)
+        return line
+
+    async def next_header(self) -> bytes | None:
+        """The next call's header: it may begin CHANNEL_IDLE_S after the last answer, the
+        rest within FD_REQUEST_TIMEOUT_S; None when idle, woken or closed."""
+        if not self.buffer:
+            if self.woken:
+                return None
+            self.idle = True
+            timer = self._loop.call_later(CHANNEL_IDLE_S, self.wake)
+            try:
+                piece = await self._loop.sock_recv(self.sock, READ_BYTES)
+            except asyncio.CancelledError:
+                if not self.woken:
+                    raise  # the server's own cancellation (shutdown)
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                return None
+            finally:
+                self.idle = False
+                timer.cancel()
+            if not piece:
+                return None
+            self.buffer += piece
+        return await self.receive(
+            CALL_HEADER.size, FD_REQUEST_TIMEOUT_S, "a call frame's header came too slowly"
+        )
+
+    async def send(self, data: bytes | memoryview, timeout: float) -> None:
+        await within(self._loop.sock_sendall(self.sock, data), timeout, "a reader too slow")
+
+    async def answer(
+        self,
+        request_id: int,
+        code: int,
+        message: str,
+        error_type: str,
+        details: str,
+        body: bytes,
+        timeout: float,
+    ) -> None:
+        """One call's answer (``code``: the status code's value, 0 for OK), all of it written
+        within ``timeout`` (a reader slower than that loses its channel)."""
+        texts = (message.encode(), error_type.encode(), details.encode())
+        header = ANSWER_HEADER.pack(request_id, code, *(len(t) for t in texts), len(body))
+        head = header + b"".join(texts)
+        if len(body) <= JOIN_ANSWER_BYTES:
+            await self.send(head + body, timeout)
+        else:
+            await self.send(head, timeout)
+            await self.send(body, timeout)
+
+    def say_closing(self) -> None:
+        """Tell the client no request of its is being read (best effort, never waits)."""
+        notice = ANSWER_HEADER.pack(CHANNEL_CLOSING, _UNAVAILABLE, len(_CLOSING_TEXT), 0, 0, 0)
+        with contextlib.suppress(OSError):
+            self.sock.send(notice + _CLOSING_TEXT)
 
 
 class FdSocket:
-    """The listening socket, its accept thread and a thread per request or bound channel.
-    Thread-safe; ``_lock`` guards ``_handlers`` only."""
+    """The listening socket and a coroutine per connection, on the loop that made it (make
+    it there); its fields are the loop's only.  ``calls`` answers the channels' calls."""
 
-    def __init__(self, exports: ExportTable, channel_handler: ChannelHandler) -> None:
+    def __init__(self, exports: ExportTable, calls: ChannelCalls) -> None:
         self.exports = exports
-        self.channel_handler = channel_handler
+        self.calls = calls
         self.tenants = exports.tenants
+        self._loop = asyncio.get_running_loop()
         self._dir = tempfile.mkdtemp(prefix="tensord-shm-")  # 0700
         self.path = os.path.join(self._dir, _SOCKET_NAME)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        if self.tenants:  # any local user may ask; the ticket is the capability
-            os.chmod(self._dir, 0o711)
-            os.chmod(self.path, 0o666)
-        else:  # the server's user only (and SO_PEERCRED checks it again)
-            os.chmod(self.path, 0o600)
-        self._listener.listen(64)
-        self._listener.settimeout(ACCEPT_POLL_S)
-        self._stop = threading.Event()
-        self._short_of_descriptors = False  # the accept loop's only: a shortage is logged once
-        self._lock = threading.Lock()
-        self._handlers: dict[int, int] = {}  # peer uid -> requests being answered
-        self._thread = threading.Thread(target=self._serve, name="tensord-fd", daemon=True)
-        self._thread.start()
+        try:
+            self._listener.bind(self.path)
+            if self.tenants:  # any local user may ask; the ticket or the key is the capability
+                os.chmod(self._dir, 0o711)
+                os.chmod(self.path, 0o666)
+            else:  # the server's user only (and SO_PEERCRED checks it again)
+                os.chmod(self.path, 0o600)
+            self._listener.listen(64)
+            self._listener.setblocking(False)
+        except BaseException:
+            self._listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._closed = False
+        self._short_of_descriptors = False  # a shortage is logged once until an accept works
+        self._handlers: dict[int, int] = {}  # peer uid -> connections not yet answered or bound
+        self._connections: set[ChannelConnection] = set()
+        self._served = 0  # channels bound so far: each one's peer name
+        self._loop.add_reader(self._listener.fileno(), self._accept)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
+    # -- accepting ---------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_WAKE):
             try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
-                if self._stop.is_set():
-                    return
-                if is_descriptor_error(exc):
-                    # the connection stays queued and the listener readable: retrying at
-                    # once would spin until a descriptor is freed
-                    self._refuse_for_descriptors(exc)
-                continue
+                if not self._closed and is_descriptor_error(exc):
+                    self._pause_for_descriptors(exc)
+                return
             self._short_of_descriptors = False
             try:
-                creds = conn.getsockopt(
+                sock.setblocking(False)
+                creds = sock.getsockopt(
                     socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
                 )
                 _pid, uid, _gid = struct.unpack("3i", creds)
             except OSError:
-                conn.close()
+                sock.close()
                 continue
             if not self._take_handler(uid):
-                conn.close()
+                sock.close()
                 continue
-            threading.Thread(
-                target=self._handle, args=(conn, uid), name="tensord-fd-request", daemon=True
-            ).start()
+            conn = ChannelConnection(self._loop, sock, "fd-socket")
+            self._connections.add(conn)
+            conn.task = self._loop.create_task(self._serve(conn, uid))
 
-    def _refuse_for_descriptors(self, exc: OSError) -> None:
-        """The fd socket cannot accept for want of descriptors: say so (once until it
-        accepts again) and wait before the next try."""
+    def _pause_for_descriptors(self, exc: OSError) -> None:
+        """The socket cannot accept for want of descriptors: say so (once until it accepts
+        again) and try again after ACCEPT_POLL_S."""
         if not self._short_of_descriptors:
             self._short_of_descriptors = True
             log.warning("the fd socket cannot accept requests: %s", out_of_descriptors(exc))
-        self._stop.wait(ACCEPT_POLL_S)
+        self._loop.remove_reader(self._listener.fileno())
+        self._loop.call_later(ACCEPT_POLL_S, self._resume)
+
+    def _resume(self) -> None:
+        if not self._closed:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
 
     def _take_handler(self, uid: int) -> bool:
-        with self._lock:
-            if (
-                sum(self._handlers.values()) >= MAX_FD_HANDLERS
-                or self._handlers.get(uid, 0) >= MAX_FD_HANDLERS_PER_PEER
-            ):
-                return False
-            self._handlers[uid] = self._handlers.get(uid, 0) + 1
-            return True
+        if (
+            sum(self._handlers.values()) >= MAX_FD_HANDLERS
+            or self._handlers.get(uid, 0) >= MAX_FD_HANDLERS_PER_PEER
+        ):
+            return False
+        self._handlers[uid] = self._handlers.get(uid, 0) + 1
+        return True
 
-    def _handle(self, conn: socket.socket, uid: int) -> None:
+    def _release_handler(self, uid: int) -> None:
+        self._handlers[uid] -= 1
+        if not self._handlers[uid]:
+            del self._handlers[uid]
+
+    # -- one connection ------------------------------------------------------------------
+
+    async def _serve(self, conn: ChannelConnection, uid: int) -> None:
         channel: Channel | None = None
         try:
-            with contextlib.suppress(OSError):
-                channel = self._answer(conn, uid)
+            try:
+                channel = await within(
+                    self._answer(conn, uid), FD_REQUEST_TIMEOUT_S, "no fd request in time"
+                )
+            except (OSError, DeadlineExceededError):
+                return
+            finally:
+                self._release_handler(uid)
+            if channel is not None:  # bound: it carries its session's calls from now on
+                await self._serve_channel(conn, channel)
         finally:
-            with self._lock:
-                self._handlers[uid] -= 1
-                if not self._handlers[uid]:
-                    del self._handlers[uid]
-            if channel is None:
-                conn.close()
-        if channel is not None:  # a bound channel: this thread serves it (counted bound)
-            self._serve_channel(conn, channel)
+            self._connections.discard(conn)
+            conn.sock.close()
 
-    def _answer(self, conn: socket.socket, uid: int) -> Channel | None:
-        """One request: a ticket line in, ``ok`` with the descriptor (or ``no: why``) out; or
-        a channel bind (``chan KEY``): the channel once it is counted and bound."""
-        conn.settimeout(FD_REQUEST_TIMEOUT_S)
+    async def _answer(self, conn: ChannelConnection, uid: int) -> Channel | None:
+        """The first line: a ticket's key, answered ``ok PROOF`` with the descriptor (or
+        ``no: why``); or a channel bind (``call KEY``): the channel once counted and bound."""
         if not self.tenants and uid != os.getuid():
-            conn.sendall(b"no: only the server's user may map its memory\n")
+            await conn.send(
+                b"no: only the server's user may map its memory\n", FD_REQUEST_TIMEOUT_S
+            )
             return None
-        line = b""
-        deadline = time.monotonic() + FD_REQUEST_TIMEOUT_S
-        while not line.endswith(b"\n") and len(line) <= MAX_TICKET_LINE:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            # each wait gets only the time left: a byte trickled just inside each full wait
-            # would hold this handler (a bind slot) for twice the bound
-            conn.settimeout(left)
-            piece = conn.recv(MAX_TICKET_LINE + 1 - len(line))
-            if not piece:
-                return None
-            line += piece
+        line = await conn.line()
+        if line is None:
+            return None
         if line.startswith(CHANNEL_BIND):
-            return self._bind(conn, line[len(CHANNEL_BIND) :].strip().decode("ascii", "replace"))
+            return await self._bind(
+                conn, line[len(CHANNEL_BIND) :].strip().decode("ascii", "replace")
+            )
         try:
             fd, proof = self.exports.redeem(line.strip().decode("ascii", "replace"))
         except KeyError as exc:
-            conn.sendall(f"no: {exc.args[0]}\n".encode())
+            await conn.send(f"no: {exc.args[0]}\n".encode(), FD_REQUEST_TIMEOUT_S)
             return None
         except OSError as exc:  # the segment's descriptor could not be duplicated
             if not is_descriptor_error(exc):
                 raise
-            conn.sendall(f"no: {out_of_descriptors(exc)}\n".encode())
+            await conn.send(f"no: {out_of_descriptors(exc)}\n".encode(), FD_REQUEST_TIMEOUT_S)
             return None
         try:
-            socket.send_fds(conn, [f"ok {proof}\n".encode("ascii")], [fd])
+            # a fresh connection's buffer is empty: the short answer never waits for room
+            socket.send_fds(conn.sock, [f"ok {proof}\n".encode("ascii")], [fd])
         finally:
             os.close(fd)
         return None
 
-    def _bind(self, conn: socket.socket, text: str) -> Channel | None:
+    async def _bind(self, conn: ChannelConnection, text: str) -> Channel | None:
         """Bind ``conn`` to the session of key ``text``, answering ``ok IDLE_S PROOF`` or
-        ``no: why``; the bound channel, which this thread then serves."""
+        ``no: why``; the bound channel, which this coroutine then serves."""
         try:
-            channel = self.exports.bind_channel(text, lambda: _wake(conn))
+            channel = self.exports.bind_channel(text, lambda: self._wake(conn))
         except (NotFoundError, ResourceExhaustedError) as refusal:
-            conn.sendall(f"no: {refusal}\n".encode())
+            await conn.send(f"no: {refusal}\n".encode(), FD_REQUEST_TIMEOUT_S)
             return None
+        self._served += 1
+        conn.peer = f"fd-channel:{self._served}"
         try:
-            conn.sendall(f"ok {CHANNEL_IDLE_S:g} {channel.key.proof}\n".encode())
-        except OSError:
+            answer = f"ok {CHANNEL_IDLE_S:g} {channel.key.proof}\n".encode()
+            await conn.send(answer, FD_REQUEST_TIMEOUT_S)
+        except BaseException:
             self.exports.unbind_channel(channel)
             raise
         return channel
 
-    def _serve_channel(self, conn: socket.socket, channel: Channel) -> None:
-        """Answer the channel's requests, one at a time, until it is idle, closed or broken."""
+    def _wake(self, conn: ChannelConnection) -> None:
+        """(any thread) Close a channel: its session ended, or another bind replaced it."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: the channel is gone too
+            self._loop.call_soon_threadsafe(conn.wake)
+
+    async def _serve_channel(self, conn: ChannelConnection, channel: Channel) -> None:
+        """Answer the channel's calls, one at a time, until it is idle, closed or broken."""
         try:
-            with conn, contextlib.suppress(OSError):
-                while not self._stop.is_set() and self.exports.serves(channel):
-                    request = _read_frame(conn)
-                    if request is None or not self._answer_frame(conn, channel, request):
-                        return
+            while not conn.woken and self.exports.serves(channel):
+                header = await conn.next_header()
+                if header is None:
+                    break
+                request_id, deadline_ms, name_bytes, nbytes = CALL_HEADER.unpack(header)
+                if request_id == CHANNEL_CLOSING or name_bytes > MAX_METHOD_NAME_BYTES:
+                    return  # no frame of a client of this protocol: closed unanswered
+                name = await conn.receive(
+                    name_bytes, FD_REQUEST_TIMEOUT_S, "a call frame's method came too slowly"
+                )
+                frame = CallFrame(
+                    request_id,
+                    name.decode("ascii", "replace"),
+                    nbytes,
+                    deadline_ms / 1000 if deadline_ms else None,
+                )
+                conn.request_read = False
+                self.exports.count_channel_call()
+                await self.calls.channel_call(channel, conn, frame)
+                if not conn.request_read:
+                    return  # refused unread: its bytes would be taken for the next frame
+            conn.say_closing()
+        except (OSError, DeadlineExceededError):
+            pass  # broken, or too slow: closed (its client's call fails or takes gRPC)
         finally:
             self.exports.unbind_channel(channel)
 
-    def _answer_frame(self, conn: socket.socket, channel: Channel, request: bytes) -> bool:
-        """One Export on the channel; False when the channel must close."""
-        try:  # what every call does first: the session's lookup, which renews its lease
-            session = self.exports.sessions.get(channel.key.session_id, channel.key.tenant)
-        except NotFoundError:
-            self._send_counted(conn, CHANNEL_USE_GRPC, b"unknown session")
-            return False
-        try:
-            answer, export_id = self.channel_handler(session, request)
-        except Exception as exc:  # the client asks again through gRPC, which raises it
-            reason = f"{type(exc).__name__}: {exc}".encode()[:MAX_CHANNEL_REASON_BYTES]
-            self._send_counted(conn, CHANNEL_USE_GRPC, reason)
-            return True
-        try:
-            self._send_counted(conn, CHANNEL_OK, answer)
-        except OSError:
-            # never delivered: nobody else would end it
-            self.exports.release(session, [export_id])
-            raise
-        return True
+    # -- closing -------------------------------------------------------------------------
 
-    def _send_counted(self, conn: socket.socket, status: int, payload: bytes) -> None:
-        """Answer one channel request, counted by its outcome for the metrics."""
-        self.exports.count_channel_request(status == CHANNEL_OK)
-        _send_answer(conn, status, payload)
-
-    def close(self) -> None:
-        """Stop accepting and remove the socket's directory (the channels close with the
-        export table, or as their connections end)."""
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        self._thread.join(timeout=ACCEPT_POLL_S * 5)
+    async def aclose(self, grace: float | None) -> None:
+        """Stop accepting and close every connection (a channel in a call answers it first,
+        within ``grace``), then remove the socket's directory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._listener.fileno())
+        self._listener.close()
+        connections = list(self._connections)
+        for conn in connections:
+            conn.wake()
+        tasks = [c.task for c in connections if c.task is not None]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=grace or CLOSE_WAIT_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-
-def _wake(conn: socket.socket) -> None:
-    """Make the thread blocked in ``conn``'s recv return (close() alone would not wake it);
-    that thread closes it."""
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
-
-
-def _receive_exactly(conn: socket.socket, nbytes: int, deadline: float) -> bytes | None:
-    """``nbytes`` from ``conn`` before ``deadline``; None at its end or past the deadline."""
-    data = bytearray()
-    while len(data) < nbytes:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        conn.settimeout(left)
-        piece = conn.recv(nbytes - len(data))
-        if not piece:
-            return None
-        data += piece
-    return bytes(data)
-
-
-def _read_frame(conn: socket.socket) -> bytes | None:
-    """The next request of a channel: waits CHANNEL_IDLE_S for it to begin, then
-    FD_REQUEST_TIMEOUT_S for the rest; None when idle, closed, late or too long (the
-    last answered "use gRPC" first)."""
-    try:
-        header = _receive_exactly(
-            conn, CHANNEL_FRAME_HEADER.size, time.monotonic() + CHANNEL_IDLE_S
-        )
-    except TimeoutError:
-        return None
-    if header is None:
-        return None
-    (length,) = CHANNEL_FRAME_HEADER.unpack(header)
-    if length > MAX_CHANNEL_REQUEST_BYTES:
-        _send_answer(
-            conn, CHANNEL_USE_GRPC, f"frame over {MAX_CHANNEL_REQUEST_BYTES} bytes".encode()
-        )
-        return None
-    try:
-        return _receive_exactly(conn, length, time.monotonic() + FD_REQUEST_TIMEOUT_S)
-    except TimeoutError:
-        return None
-
-
-def _send_answer(conn: socket.socket, status: int, payload: bytes) -> None:
-    conn.settimeout(FD_REQUEST_TIMEOUT_S)
-    conn.sendall(CHANNEL_ANSWER_HEADER.pack(status, len(payload)) + payload)
+    def forget(self) -> None:
+        """(any thread, once the loop is gone) Remove the socket's directory if :meth:`aclose`
+        never ran."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -125,7 +125,7 @@ class AsyncServer:
 
         async def stop() -> None:
             await self.calls.end_keepalives()  # an open one would hold the whole grace
-            await self._server.stop(grace)
+            await asyncio.gather(self._server.stop(grace), self.calls.close_fd_socket(grace))
 
         stopping = asyncio.run_coroutine_threadsafe(stop(), self._loop)
 
@@ -190,6 +190,7 @@ def create_server(
         else:
             port = server.add_secure_port(address, credentials)
         await server.start()
+        calls.open_fd_socket()  # on this loop: its connections are coroutines here
         return server, port
 
     def run() -> None:

@@ -6,20 +6,20 @@ its request, and queues it fairly before a worker runs it).  The three streaming
 split into the steps a worker runs between the stream's messages (:meth:`upload_sink`,
 :meth:`download_chunks`, :meth:`keepalive_session`), so no worker waits on a client.  Any
 exception a handler lets escape becomes a status code in :mod:`tensord_server.rpc.status`,
-the one place that decides.
+the one place that decides.  A unary call that came on a session's call channel (the
+same-host fd socket) runs the same method, with a context of the same shape.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Container, Iterator
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from tensord import schema as pb
-from tensord.errors import InvalidArgumentError, UnauthenticatedError
+from tensord.errors import FailedPreconditionError, InvalidArgumentError, UnauthenticatedError
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
@@ -71,23 +71,9 @@ class TensordService:
 
     def __init__(self, store: TensorStore) -> None:
         self.store = store
-        # same-host zero copy's socket: made on the first Export (it is a thread and a dir)
-        self._fd_socket: FdSocket | None = None
-        self._fd_socket_lock = threading.Lock()
-
-    @property
-    def fd_socket(self) -> FdSocket:
-        """The fd socket (segment descriptors, the sessions' export channels)."""
-        with self._fd_socket_lock:
-            if self._fd_socket is None:
-                self._fd_socket = FdSocket(self.store.exports, self._channel_export)
-            return self._fd_socket
-
-    def close(self) -> None:
-        """Stop the fd socket, if one was made (the server stopped taking calls)."""
-        with self._fd_socket_lock:
-            if self._fd_socket is not None:
-                self._fd_socket.close()
+        #: same-host zero copy's and the call channels' socket (the rpc layer makes it on
+        #: the server's event loop; None where it could not)
+        self.fd_socket: FdSocket | None = None
 
     def _tenant(self, context: Any) -> str:
         return str(context.tenant)  # authenticated before the call was read (rpc.calls)
@@ -139,11 +125,15 @@ class TensordService:
         session, resumed = sessions.open(
             request.client_name, request.resume_session_id, self._tenant(context)
         )
+        fd_socket = self.fd_socket
+        key = self.store.exports.channel_key(session) if fd_socket is not None else ""
         return pb.OpenSessionResponse(
             session_id=session.id,
             lease_seconds=sessions.lease,
             grace_seconds=sessions.grace,
             resumed=resumed,
+            channel_key=key,
+            channel_socket=fd_socket.path if key and fd_socket is not None else "",
         )
 
     @_unary
@@ -443,31 +433,18 @@ class TensordService:
         mapped = request.mapped_segments if same_server else ()
         return self._export(session, request.handle, mapped)
 
-    def _channel_export(self, session: Session, data: bytes) -> tuple[bytes, str]:
-        """An Export that came on the session's export channel (the channel found
-        the session by its key and renewed its lease): what Export does, with a worker counted
-        as for any call; its answer's bytes and the export's id.  Any error: the client asks
-        again through gRPC (GPU exports always do)."""
-        with self.store.gate.call():
-            request = decode_message(pb.ExportRequest, data)  # bounded as a gRPC request is
-            same_server = request.server_instance == self.store.exports.instance
-            mapped = request.mapped_segments if same_server else ()
-            response = self._export(session, request.handle, mapped, on_channel=True)
-            return response.SerializeToString(), response.export_id
-
     def _export(
-        self,
-        session: Session,
-        handle: str,
-        mapped: Container[int] = (),
-        on_channel: bool = False,
+        self, session: Session, handle: str, mapped: Container[int] = ()
     ) -> pb.ExportResponse:
-        """``on_channel``: host memory only, and no channel key (the client has it)."""
         table = self.store.exports
-        # ref: no second lookup
-        export, ticket, ref = table.export(session, handle, mapped, host_only=on_channel)
-        key = "" if on_channel else table.channel_key(session)
-        path = self.fd_socket.path
+        export, ticket, ref = table.export(session, handle, mapped)  # ref: no second lookup
+        path = self.fd_socket.path if self.fd_socket is not None else ""
+        if ticket and not path:  # host memory, and no socket to hand its descriptor over
+            table.release(session, [export.id])
+            raise FailedPreconditionError(
+                "this server has no fd socket: clients cannot map its memory; use the gRPC "
+                "transfers"
+            )
         return pb.ExportResponse(
             export_id=export.id,
             segment_id=export.segment_id,
@@ -479,8 +456,6 @@ class TensordService:
             ipc_handle=export.ipc_handle,
             server_instance=table.instance,
             tensor=encode_meta(Issued(handle, ref)),
-            channel_key=key,
-            channel_socket=path if key else "",
         )
 
     @_unary

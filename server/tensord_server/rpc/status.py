@@ -51,6 +51,12 @@ def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
     return ((ERROR_TYPE_KEY, errors.type_name(exc)),)
 
 
+def error_fields(exc: BaseException) -> tuple[grpc.StatusCode, str, str, str]:
+    """(status code, message, error type, details JSON): what an error's status and its
+    trailers carry, as four values (a call channel's answer sends them so)."""
+    return status_for(exc), details_for(exc), errors.type_name(exc), errors.details_json(exc)
+
+
 def batch_error_fields(exc: BaseException) -> dict[str, Any]:
     """A failed Batch op's error as BatchResponse's fields: what a status and its trailers
     would carry for it."""

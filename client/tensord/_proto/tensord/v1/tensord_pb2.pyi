@@ -97,16 +97,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "lease_seconds", "grace_seconds", "resumed")
+    __slots__ = ("session_id", "lease_seconds", "grace_seconds", "resumed", "channel_key", "channel_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_seconds: float
     grace_seconds: float
     resumed: bool
-    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., grace_seconds: _Optional[float] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    channel_key: str
+    channel_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., grace_seconds: _Optional[float] = ..., resumed: _Optional[bool] = ..., channel_key: _Optional[str] = ..., channel_socket: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_at",)
@@ -669,7 +673,7 @@ class ExportRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
-    __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor", "channel_key", "channel_socket")
+    __slots__ = ("export_id", "segment_id", "segment_nbytes", "storage_byte_offset", "device", "fd_socket", "ticket", "ipc_handle", "server_instance", "tensor")
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -680,8 +684,6 @@ class ExportResponse(_message.Message):
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
-    CHANNEL_KEY_FIELD_NUMBER: _ClassVar[int]
-    CHANNEL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     export_id: str
     segment_id: int
     segment_nbytes: int
@@ -692,9 +694,7 @@ class ExportResponse(_message.Message):
     ipc_handle: bytes
     server_instance: str
     tensor: TensorMeta
-    channel_key: str
-    channel_socket: str
-    def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., channel_key: _Optional[str] = ..., channel_socket: _Optional[str] = ...) -> None: ...
+    def __init__(self, export_id: _Optional[str] = ..., segment_id: _Optional[int] = ..., segment_nbytes: _Optional[int] = ..., storage_byte_offset: _Optional[int] = ..., device: _Optional[str] = ..., fd_socket: _Optional[str] = ..., ticket: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., server_instance: _Optional[str] = ..., tensor: _Optional[_Union[TensorMeta, _Mapping]] = ...) -> None: ...
 
 class ReleaseExportsRequest(_message.Message):
     __slots__ = ("export_ids", "mapped_segments", "closed_imports")
