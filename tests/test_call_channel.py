@@ -304,9 +304,9 @@ def test_a_channel_call_is_queued_under_the_key_grpc_uses(
     run = work.run
     keys: list[Any] = []
 
-    async def recorded(key: Any, *args: Any) -> Any:
+    async def recorded(key: Any, *args: Any, **kwargs: Any) -> Any:
         keys.append(key)
-        return await run(key, *args)
+        return await run(key, *args, **kwargs)
 
     monkeypatch.setattr(work, "run", recorded)
     with tensord.connect(running.address, token="token-a", pipelining=False) as client:
