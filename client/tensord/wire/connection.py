@@ -147,6 +147,9 @@ class Connection:
         pipelining: bool = True,
     ) -> None:
         self.address = address
+        #: the cluster node this connection's server is, for a client's peer (else None):
+        #: a server that stops answering then raises NodeLostError
+        self.node: str | None = None
         #: queue views and in-place writes (tensord.wire.pipeline); False: one RPC each
         self.pipelining = pipelining
         self.tls = credentials is not None
@@ -373,7 +376,7 @@ class Connection:
         try:
             return fn()
         except grpc.RpcError as err:
-            exc = error_from_rpc(err, self.address)
+            exc = error_from_rpc(err, self.address, self.node)
             if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
                 self._replace_session(session_id)
                 raise errors.SessionLostError(session_lost_message(session_id)) from None
@@ -595,7 +598,7 @@ class Connection:
         try:
             response = future.result()
         except grpc.RpcError as err:
-            self._keep_error(error_from_rpc(err, self.address))
+            self._keep_error(error_from_rpc(err, self.address, self.node))
             return False
         for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
             copied(meta)
