@@ -64,6 +64,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pool", ("tensord_server.pool",)),
     ("devices", ("tensord_server.devices",)),
     ("domain", ("tensord_server.domain",)),
+    # membership and the shared namespace in etcd: implements the domain's NameDirectory
+    ("cluster", ("tensord_server.cluster",)),
     # metrics, the dashboard and logs: read the domain and the pools; rpc installs the interceptor
     ("observability", ("tensord_server.observability",)),
     ("rpc", ("tensord_server.rpc",)),
@@ -89,7 +91,17 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         # rules and counting: no tensor state
         (
             "rules",
-            ("$", "auth", "limits", "paging", "quotas", "kernels", "fairness", "call_gate"),
+            (
+                "$",
+                "auth",
+                "limits",
+                "paging",
+                "quotas",
+                "kernels",
+                "fairness",
+                "call_gate",
+                "directory",
+            ),
         ),
         # the state every op touches: Storages, the compactor moving them, sessions' handles
         ("state", ("storage", "compactor", "sessions")),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +35,7 @@ from tensord.memory_format import memory_format_name, python_type_name
 from tensord.protocol import MAX_PAGE_SIZE
 from tensord.tensor import Tensor, download, layout_of, own, wrap
 from tensord.wire import requests
+from tensord.wire import status as wire_status
 from tensord.wire.config import (
     CALL_TIMEOUT_FROM_ENV,
     CallTimeoutFromEnv,
@@ -190,6 +192,18 @@ class Client:
         pipelining: bool = True,
     ) -> None:
         same_host = local_wanted(local)
+        # what a session this client opens on another node of a cluster is given
+        self._options: dict[str, Any] = {
+            "timeout": timeout,
+            "call_timeout": call_timeout,
+            "token": token,
+            "tls": tls,
+            "root_certificates": root_certificates,
+            "local": local,
+            "pipelining": pipelining,
+        }
+        self._peers: dict[str, Client] = {}  # node id -> this client's session there
+        self._peers_lock = threading.Lock()
         self._conn = Connection(
             resolve_address(address),
             timeout=timeout,
@@ -236,7 +250,12 @@ class Client:
         private memory at the same addresses (also when the server is found to have lost
         the session).  A ``torch.from_dlpack`` or NumPy alias taken earlier keeps working
         on its own copy of the bytes it last saw, and never reaches pool memory the server
-        may give to another session: writes through it stay in this process."""
+        may give to another session: writes through it stay in this process.
+        Sessions this client opened on other nodes of a cluster close too."""
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
         self._closer()
 
     def flush(self) -> None:
@@ -554,8 +573,16 @@ class Client:
         return revoked
 
     def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
-        """Name a tensor server-wide; the name keeps its Storage alive until ``delete``."""
+        """Name a tensor server-wide; the name keeps its Storage alive until ``delete``.
+
+        In a cluster the name is the cluster's (one per tenant across the nodes); a tensor
+        on another node (one ``get`` brought from there) is named on its own node."""
         name = _text("name", name)
+        owner = tensor.client if isinstance(tensor, Tensor) else self
+        peer = next((p for p in self._peers.values() if p is owner), None)
+        if peer is not None and peer is not self:
+            peer.put(name, tensor, overwrite)
+            return
         handle = own(self, tensor, 0)
         self._call("PutName", requests.put_name(name, handle, overwrite))
 
@@ -565,10 +592,19 @@ class Client:
 
         The handle shares the named tensor's Storage: no bytes are copied.  One RPC.
 
+        In a cluster, a name another node holds is that node's tensor: the client opens its
+        own session there (once, when first needed) and the handle lives on that node;
+        if the node is lost, its tensors raise ``tensord.NodeLostError``.
+
         Raises:
             NotFoundError: no tensor has that name.
         """
-        return self._wrap(self._call("GetName", requests.get_name(_text("name", name))))
+        request = requests.get_name(_text("name", name))
+        try:
+            return self._wrap(self._call("GetName", request))
+        except errors.OwnedElsewhereError as redirect:
+            peer = self._peer(redirect)
+            return peer._wrap(peer._call("GetName", request))  # followed once
 
     def delete(self, name: str) -> None:
         """Remove the name ``name``; its Storage lives on while a handle still holds it.
@@ -576,7 +612,63 @@ class Client:
         Raises:
             NotFoundError: no tensor has that name.
         """
-        self._call("DeleteName", requests.delete_name(_text("name", name)))
+        request = requests.delete_name(_text("name", name))
+        try:
+            self._call("DeleteName", request)
+        except errors.OwnedElsewhereError as redirect:
+            self._peer(redirect)._call("DeleteName", request)  # followed once
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The live nodes of the cluster this client's server joined, sorted by id.
+
+        Returns:
+            A dict per node: its ``node`` id, ``address``, ``devices`` (each a dict of
+                ``device`` and ``capacity_bytes``), ``version``, ``incarnation`` (new
+                each time the node joins) and ``self`` (True for this client's server).
+
+        Raises:
+            FailedPreconditionError: the server is not part of a cluster.
+            ClusterUnavailableError: the server cannot reach etcd now.
+        """
+        answer = self._call("ListNodes", requests.list_nodes())
+        return [
+            {
+                "node": n.node,
+                "address": n.address,
+                "devices": [
+                    {"device": d.device, "capacity_bytes": d.capacity_bytes} for d in n.devices
+                ],
+                "version": n.version,
+                "incarnation": n.incarnation,
+                "self": n.node == answer.node,
+            }
+            for n in answer.nodes
+        ]
+
+    def _peer(self, redirect: errors.OwnedElsewhereError) -> Client:
+        """This client's session on the node ``redirect`` names, opened on first use with
+        this client's own options (token, TLS, timeouts)."""
+        node, address = redirect.node or "", redirect.address or ""
+        with self._peers_lock:
+            peer = self._peers.get(node)
+            if peer is not None and peer.address == address and not peer.closed:
+                return peer
+        try:
+            peer = Client(address, **self._options)
+        except errors.UnavailableError as exc:
+            raise wire_status.node_lost(node, address, str(exc)) from None
+        peer._conn.node = node
+        with self._peers_lock:
+            current = self._peers.get(node)
+            chosen: Client = peer
+            spare: Client | None = current
+            if current is not None and current.address == address and not current.closed:
+                chosen, spare = current, peer  # another thread opened one meanwhile
+            else:
+                self._peers[node] = peer
+        if spare is not None:
+            spare.close()
+        return chosen
 
     def names(self) -> list[str]:
         """The names of this tenant's tensors, sorted (fetched a page at a time)."""

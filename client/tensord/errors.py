@@ -203,6 +203,32 @@ class DeadlineExceededError(UnavailableError, TimeoutError):
     status_code = "DEADLINE_EXCEEDED"
 
 
+class OwnedElsewhereError(NotFoundError):
+    """A name another node of the cluster owns: ``node`` (its ``--node-id``) and ``address``
+    (where its clients connect) say which.  The SDK follows it once, to a session it opens
+    on that node; code that talks to the wire itself can do the same."""
+
+    detail_fields = ("node", "address")
+    node: str | None
+    address: str | None
+
+
+class NodeLostError(UnavailableError):
+    """A tensor (or name) on a node of the cluster that is gone: it stopped answering, or
+    left the cluster.  The tensor's data went with it (Ray's OwnerDiedError); the other
+    nodes, and what they hold, serve on.  ``node`` and ``address`` say which it was."""
+
+    detail_fields = ("node", "address")
+    node: str | None
+    address: str | None
+
+
+class ClusterUnavailableError(UnavailableError):
+    """A cluster operation (a name, the node list) while the server cannot reach etcd.
+
+    Local operations go on: tensors, views, copies and transfers on this node."""
+
+
 class InternalError(TensordError, RuntimeError):
     """A server-side bug; the server keeps serving."""
 

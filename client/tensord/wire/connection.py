@@ -166,6 +166,9 @@ class Connection:
         use_call_channel: bool = True,
     ) -> None:
         self.address = address
+        #: the cluster node this connection's server is, for a client's peer (else None):
+        #: a server that stops answering then raises NodeLostError
+        self.node: str | None = None
         #: queue views and in-place writes (tensord.wire.pipeline); False: one RPC each
         self.pipelining = pipelining
         self.tls = credentials is not None
@@ -397,7 +400,7 @@ class Connection:
         try:
             return fn()
         except grpc.RpcError as err:
-            exc = error_from_rpc(err, self.address)
+            exc = error_from_rpc(err, self.address, self.node)
         except errors.NotFoundError as err:  # a call channel's answer, read back already
             exc = err
         if isinstance(exc, errors.NotFoundError) and str(exc) == UNKNOWN_SESSION:
@@ -650,7 +653,7 @@ class Connection:
         try:
             response = future.result()
         except grpc.RpcError as err:
-            self._keep_error(error_from_rpc(err, self.address))
+            self._keep_error(error_from_rpc(err, self.address, self.node))
             return False
         except errors.TensordError as exc:  # a Batch the call channel answered
             self._keep_error(exc)

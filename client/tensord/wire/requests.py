@@ -434,6 +434,10 @@ def server_info() -> pb.ServerInfoRequest:
     return pb.ServerInfoRequest()
 
 
+def list_nodes() -> pb.ListNodesRequest:
+    return pb.ListNodesRequest()
+
+
 # ---- the session and its queues (the connection's own) -------------------------------------
 
 

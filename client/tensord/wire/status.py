@@ -28,15 +28,19 @@ def error_class(code: grpc.StatusCode | None, error_type: str | None) -> type[er
     return errors.error_class(None if code is None else code.name, error_type)
 
 
-def error_from_rpc(err: grpc.RpcError, address: str | None = None) -> errors.TensordError:
+def error_from_rpc(
+    err: grpc.RpcError, address: str | None = None, node: str | None = None
+) -> errors.TensordError:
     """Turn a failed call into the matching tensord exception, keeping the server's message
     and details.  gRPC's own UNAVAILABLE (no server at ``address`` any more: no trailer)
-    says so, gRPC's text after it."""
+    says so, gRPC's text after it; for the cluster's ``node`` it is a NodeLostError."""
     call = err if isinstance(err, grpc.Call) else None
     code = call.code() if call is not None else None
     message = (call.details() if call is not None else None) or str(err)
     trailers = _trailers(call)
     error_type = trailers.get(ERROR_TYPE_KEY)
+    if code is grpc.StatusCode.UNAVAILABLE and node is not None and error_type is None:
+        return node_lost(node, address or "?", message)
     if code is grpc.StatusCode.UNAVAILABLE and address is not None and error_type is None:
         message = (
             f"cannot reach the tensord server at {address}: is the server running? "
@@ -49,6 +53,17 @@ def error_from_rpc(err: grpc.RpcError, address: str | None = None) -> errors.Ten
         trailers.get(ERROR_DETAILS_KEY, ""),
     )
     exc.grpc_code = code  # type: ignore[attr-defined]  # kept for callers who want it
+    return exc
+
+
+def node_lost(node: str, address: str, why: str) -> errors.NodeLostError:
+    """The error for a tensor on the cluster's ``node`` that no longer answers."""
+    exc = errors.NodeLostError(
+        f"node {node!r} of the cluster ({address}) is lost: its tensors are gone with it ({why})",
+        node=node,
+        address=address,
+    )
+    exc.grpc_code = grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]  # as below
     return exc
 
 

@@ -5,15 +5,26 @@ server's shutdown), whatever the session that put it does; any session of the sa
 gets a handle on it by name.  Names are per tenant: another tenant's name is NOT_FOUND, as
 if it did not exist, and ``--max-names-per-tenant`` bounds how many one tenant keeps.
 A listing goes a page at a time, sorted (:mod:`tensord_server.domain.paging`).
+
+In a cluster (:meth:`TensorNames.join`) a name is unique per tenant across every node:
+``put`` claims it in the cluster's :class:`~tensord_server.domain.directory.NameDirectory`
+first, ``get`` and ``delete`` of a name another node holds raise OwnedElsewhereError
+naming it, and the listing is the cluster's.  The tensor stays on the node that put it.
 """
 
 from __future__ import annotations
 
 import bisect
 
-from tensord.errors import AlreadyExistsError, NotFoundError, ResourceExhaustedError
+from tensord.errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    OwnedElsewhereError,
+    ResourceExhaustedError,
+)
 
 from tensord_server.domain import paging
+from tensord_server.domain.directory import NameDirectory
 from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.sessions import Session, SessionManager
 from tensord_server.domain.storage import StorageRegistry, TensorRef
@@ -68,53 +79,124 @@ class TensorNames:
         # aside while a request waits here
         self._lock = CountingLock()
         self._names: dict[str, TenantNames] = {}  # tenant -> its names
+        # in a cluster: the directory, and the revision of this node's claim of each name
+        # it holds ((tenant, name) -> revision; a change heard of later than it wins)
+        self.directory: NameDirectory | None = None
+        self._claims: dict[tuple[str, str], int] = {}
+
+    def join(self, directory: NameDirectory) -> None:
+        """Share the namespace with a cluster's other nodes from now on (before serving)."""
+        self.directory = directory
+        directory.on_name_lost(self.forget)
 
     def put(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
         """Keep ``handle``'s tensor under ``name`` for the session's tenant."""
         if not name:
             raise ValueError("a tensor name must not be empty")
+        old = None
         with self._lock:
             ref = self.sessions.reference(session, handle)  # the name's own reference
-            names = self._names.get(session.tenant)
-            old = names.refs.get(name) if names is not None else None
-            held = len(names.refs) if names is not None else 0
-            refusal: Exception | None = None
-            if old is not None and not overwrite:
-                refusal = AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
-            elif old is None and self.max_names is not None and held >= self.max_names:
-                refusal = ResourceExhaustedError(
-                    f"this tenant has {held} named tensors, the limit "
-                    f"(--max-names-per-tenant {self.max_names}); delete some first"
-                )
+            refusal = self._refusal(session.tenant, name, overwrite)
+            if refusal is None and self.directory is None:
+                old = self._names.setdefault(session.tenant, TenantNames()).refs.get(name)
+                self._names[session.tenant].add(name, ref)
+        if refusal is None and self.directory is not None:
+            # the claim is a round trip to the cluster: made outside the lock, it is the
+            # cluster's create-if-absent that settles two puts of one name
+            try:
+                revision = self.directory.claim(session.tenant, name, overwrite)
+            except Exception as exc:
+                refusal = exc
             else:
-                self._names.setdefault(session.tenant, TenantNames()).add(name, ref)
+                with self._lock:
+                    old = self._names.setdefault(session.tenant, TenantNames()).refs.get(name)
+                    self._names[session.tenant].add(name, ref)
+                    key = (session.tenant, name)
+                    self._claims[key] = max(revision, self._claims.get(key, 0))
         if refusal is not None:
             self.storages.decref(ref.storage)
             raise refusal
         if old is not None:
             self.storages.decref(old.storage)
 
+    def _refusal(self, tenant: str, name: str, overwrite: bool) -> Exception | None:
+        """Why this node refuses to put ``name`` (None: it does not).  Under the lock."""
+        names = self._names.get(tenant)
+        old = names.refs.get(name) if names is not None else None
+        held = len(names.refs) if names is not None else 0
+        if old is not None and not overwrite:
+            return AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
+        if old is None and self.max_names is not None and held >= self.max_names:
+            return ResourceExhaustedError(
+                f"this tenant has {held} named tensors, the limit "
+                f"(--max-names-per-tenant {self.max_names}); delete some first"
+            )
+        return None
+
+    def _elsewhere(self, tenant: str, name: str) -> Exception:
+        """The error for a name this node does not hold: where it is, if the cluster has it."""
+        owner = self.directory.owner(tenant, name) if self.directory is not None else None
+        if owner is None or self.directory is None or owner.node == self.directory.node:
+            return NotFoundError(f"no tensor named {name!r}")
+        return OwnedElsewhereError(
+            f"the tensor named {name!r} is on node {owner.node!r} ({owner.address})",
+            node=owner.node,
+            address=owner.address,
+        )
+
+    def forget(self, tenant: str, name: str | None, revision: int | None) -> None:
+        """Drop a name this node no longer owns in the cluster, unless its own claim is
+        newer than ``revision``; ``name`` None: every name (the membership lapsed)."""
+        with self._lock:
+            if name is None:
+                refs = [ref for names in self._names.values() for ref in names.refs.values()]
+                self._names.clear()
+                self._claims.clear()
+            else:
+                claim = self._claims.get((tenant, name))
+                names = self._names.get(tenant)
+                if claim is None or names is None or (revision is not None and claim >= revision):
+                    return
+                del self._claims[(tenant, name)]
+                ref = names.pop(name)
+                if not names.refs:
+                    del self._names[tenant]
+                refs = [ref] if ref is not None else []
+        for ref in refs:
+            self.storages.decref(ref.storage)
+
     def get(self, session: Session, name: str) -> Issued:
         """A new handle in ``session`` on the tensor named ``name`` in its tenant."""
         with self._lock:
             names = self._names.get(session.tenant)
             ref = names.refs.get(name) if names is not None else None
-            if ref is None:
-                raise NotFoundError(f"no tensor named {name!r}")
-            self.storages.incref(ref.storage)  # a hold for register()
+            if ref is not None:
+                self.storages.incref(ref.storage)  # a hold for register()
+        if ref is None:
+            raise self._elsewhere(session.tenant, name)
         try:
             return Issued(self.sessions.register(session, ref), ref)
         finally:
             self.storages.decref(ref.storage)
 
     def delete(self, name: str, tenant: str = "") -> None:
+        if self.directory is not None:
+            with self._lock:
+                revision = self._claims.get((tenant, name))
+            if revision is None:
+                raise self._elsewhere(tenant, name)
+            # the cluster's record goes first: if it cannot, the name stays whole
+            self.directory.release(tenant, name, revision)
         with self._lock:
             names = self._names.get(tenant)
             ref = names.pop(name) if names is not None else None
             if names is not None and not names.refs:
                 del self._names[tenant]
-        if ref is None:
+            self._claims.pop((tenant, name), None)
+        if ref is None and self.directory is None:
             raise NotFoundError(f"no tensor named {name!r}")
+        if ref is None:
+            return  # the cluster's own record of the delete reached the table first
         self.storages.decref(ref.storage)
 
     def of(self, tenant: str = "") -> list[str]:
@@ -141,7 +223,12 @@ class TensorNames:
     ) -> tuple[list[str], bool]:
         """A tenant's names sorted after ``after`` (None: from the first), at most ``limit``
         of them and at most ``max_bytes`` of UTF-8 plus paging.ITEM_FRAMING_BYTES each (at
-        least one name however long: one fits any page); and whether more follow."""
+        least one name however long: one fits any page); and whether more follow.
+        In a cluster: the cluster's names."""
+        if self.directory is not None:
+            listed, more = self.directory.names(tenant, after, limit)
+            fitting = _fitting(listed, max_bytes)
+            return fitting, more or len(fitting) < len(listed)
         with self._lock:
             names = self._names.get(tenant)
             order = names.order if names is not None else []
@@ -165,5 +252,17 @@ class TensorNames:
         with self._lock:
             refs = [ref for names in self._names.values() for ref in names.refs.values()]
             self._names.clear()
+            self._claims.clear()
         for ref in refs:
             self.storages.decref(ref.storage)
+
+
+def _fitting(names: list[str], max_bytes: int) -> list[str]:
+    """The first of ``names`` whose UTF-8 plus paging.ITEM_FRAMING_BYTES each fit in
+    ``max_bytes`` (at least one)."""
+    used = 0
+    for count, name in enumerate(names):
+        used += len(name.encode()) + paging.ITEM_FRAMING_BYTES
+        if used > max_bytes and count:
+            return names[:count]
+    return names

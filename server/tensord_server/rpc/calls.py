@@ -121,6 +121,9 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "Heartbeat": _always,
     "ServerInfo": _always,
 }
+# Name calls that wait on the cluster's directory (a round trip to etcd) once the server
+# joined one: never on the loop then.
+CLUSTER_WORK = frozenset({"GetName", "PutName", "DeleteName"})
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8
 HEALTH_READ_TIMEOUT_S = 2.0
@@ -462,12 +465,13 @@ class Calls:
         response = getattr(self.service, method.name)(request, call)
         return response, response.SerializeToString()
 
-    @staticmethod
-    def _small_request(method: Method, raw: bytes) -> Message | None:
+    def _small_request(self, method: Method, raw: bytes) -> Message | None:
         """The decoded request of a call small enough to run on the loop (INLINE_WORK),
         else None (it is decoded on its worker, a bad one refused there)."""
         small = INLINE_WORK.get(method.name)
         if small is None or len(raw) > INLINE_REQUEST_BYTES:
+            return None
+        if method.name in CLUSTER_WORK and self.service.store.names.directory is not None:
             return None
         try:
             request = decode_message(method.request_cls, raw)

@@ -388,6 +388,28 @@ class TensordService:
         names, token = self.store.names.page(session.tenant, request.page_size, request.page_token)
         return pb.ListNamesResponse(names=names, next_page_token=token)
 
+    @_unary
+    def ListNodes(self, request: pb.ListNodesRequest, context: Any) -> pb.ListNodesResponse:
+        self._session(context)
+        directory = self.store.names.directory
+        if directory is None:
+            raise FailedPreconditionError(
+                "this server is not part of a cluster (tensord serve --cluster etcd://...)"
+            )
+        return pb.ListNodesResponse(
+            node=directory.node,
+            nodes=[
+                pb.NodeInfo(
+                    node=n.node,
+                    address=n.address,
+                    devices=[pb.DeviceInfo(device=d, capacity_bytes=c) for d, c in n.devices],
+                    version=n.version,
+                    incarnation=n.incarnation,
+                )
+                for n in directory.nodes()
+            ],
+        )
+
     # -- the pool -------------------------------------------------------------------
 
     @_unary

@@ -14,10 +14,18 @@ import socket
 import sys
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from tensord.errors import FailedPreconditionError
 from tensord.protocol import DEFAULT_ADDRESS
 
+from tensord_server.cluster import (
+    DEFAULT_CLUSTER_LEASE_S,
+    MIN_CLUSTER_LEASE_S,
+    check_node_id,
+    parse_duration,
+    parse_endpoints,
+)
 from tensord_server.devices.descriptors import raise_descriptor_limit
 from tensord_server.devices.table import parse_bytes, resolve_specs
 from tensord_server.domain.auth import load_tokens
@@ -43,6 +51,9 @@ from tensord_server.pool.policy import ADAPTIVE, WARM_RESERVE_MAX, WARM_RESERVE_
 from tensord_server.rpc.grpc_server import create_server
 from tensord_server.rpc.tls import server_credentials
 from tensord_server.tools import serve_observability  # observability hook
+
+if TYPE_CHECKING:
+    from tensord_server.cluster.node import ClusterNode
 
 # In-flight calls get this long to finish after SIGTERM/SIGINT before they are cancelled.
 SHUTDOWN_GRACE_S = 5.0
@@ -257,6 +268,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="listen on a non-loopback address without --auth-tokens (anyone who can reach "
         "it can use it)",
     )
+    parser.add_argument(
+        "--node-id",
+        metavar="NAME",
+        help="this server's name in its cluster (letters, digits, '_', '.', '-'; needs --cluster)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="etcd://HOST:PORT[,HOST:PORT...]",
+        help="join the cluster kept in this etcd (needs --node-id and the 'cluster' extra): "
+        "names become one namespace per tenant across the nodes (default: a server alone)",
+    )
+    parser.add_argument(
+        "--cluster-lease",
+        default=f"{DEFAULT_CLUSTER_LEASE_S:g}s",
+        metavar="DURATION",
+        help="the etcd lease this node's membership and names are bound to: a lost node's "
+        "names vanish within it, plus a third of it (e.g. 10s, 2500ms; at least "
+        f"{MIN_CLUSTER_LEASE_S:g}s) (default: {DEFAULT_CLUSTER_LEASE_S:g}s)",
+    )
+    parser.add_argument(
+        "--cluster-advertise",
+        metavar="HOST:PORT",
+        help="the address other nodes' clients reach this server at (default: --address "
+        "with its real port; its host if it names one)",
+    )
     # observability hook: --metrics-address, --dashboard-address, --log-format, ...
     serve_observability.add_arguments(parser)
 
@@ -401,6 +437,65 @@ def configure_pools(
             pool.record_memory_history(True)
 
 
+def cluster_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the cluster's flags (None: nothing)."""
+    if args.cluster is None:
+        if args.node_id is not None:
+            return "--node-id needs --cluster"
+        return None
+    if args.node_id is None:
+        return "--cluster needs --node-id NAME"
+    if args.address.startswith("unix:") and args.cluster_advertise is None:
+        return "--cluster on a unix: socket needs --cluster-advertise HOST:PORT"
+    try:
+        check_node_id(args.node_id)
+        parse_endpoints(args.cluster)
+        lease = parse_duration(args.cluster_lease)
+    except ValueError as exc:
+        return str(exc)
+    if lease < MIN_CLUSTER_LEASE_S:
+        return f"--cluster-lease must be at least {MIN_CLUSTER_LEASE_S:g}s, got {lease:g}s"
+    return None
+
+
+def advertised_address(args: argparse.Namespace, port: int) -> str:
+    """Where other nodes' clients reach this server: --cluster-advertise, else --address
+    with its real port (a wildcard host: this machine's name)."""
+    if args.cluster_advertise is not None:
+        return str(args.cluster_advertise)
+    host = listen_host(args.address)
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def join_cluster(args: argparse.Namespace, store: TensorStore, port: int) -> ClusterNode | None:
+    """Register this server in --cluster's etcd and share its name table (None without
+    --cluster: etcd's client is imported only here)."""
+    if args.cluster is None:
+        return None
+    try:
+        from tensord_server.cluster.node import ClusterNode
+    except ImportError as exc:
+        raise RuntimeError(
+            f"{exc}: install the cluster extra (pip install 'tensord[cluster]')"
+        ) from None
+    node = ClusterNode(
+        args.node_id,
+        advertised_address(args, port),
+        parse_endpoints(args.cluster),
+        parse_duration(args.cluster_lease),
+        [(d.name, d.pool.capacity) for d in store.devices],
+    )
+    try:
+        node.join()
+    except BaseException:
+        node.close()
+        raise
+    store.names.join(node)
+    return node
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)  # observability hook
     # at the usual soft limit (1024) a few hundred idle connections leave no descriptor for
@@ -442,6 +537,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("tensord serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    problem = cluster_problem(args)
+    if problem is not None:
+        print(f"tensord serve: {problem}", file=sys.stderr)
         return 2
     problem = serve_observability.check_arguments(args, is_loopback)  # observability hook
     if problem is not None:
@@ -488,11 +587,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensord serve: {text}", file=sys.stderr)
         store.close()
         return 2
+    try:
+        node = join_cluster(args, store, port)
+    except (OSError, RuntimeError, ConnectionError) as exc:
+        print(f"tensord serve: cannot join the cluster: {exc}", file=sys.stderr)
+        server.stop(None)
+        store.close()
+        return 2
     try:  # observability hook: the metrics and dashboard endpoints
         endpoints = serve_observability.start_endpoints(args, store)
     except (OSError, ValueError) as exc:
         print(f"tensord serve: cannot serve metrics or the dashboard: {exc}", file=sys.stderr)
         server.stop(None)
+        if node is not None:
+            node.close()
         store.close()
         return 2
 
@@ -511,9 +619,13 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     for endpoint in endpoints:  # observability hook
         print(f"tensord http on {serve_observability.describe(endpoint, tls)}", flush=True)
+    if node is not None:
+        print(f"tensord node {node.node} joined {args.cluster} as {node.address}", flush=True)
     while not stop.wait(1.0):  # a timed wait keeps signal delivery prompt
         pass
     log.info("stopping: in-flight calls get %.3gs", SHUTDOWN_GRACE_S)
+    if node is not None:  # first: the others stop sending this node's names' readers here
+        node.close()
     server.stop(SHUTDOWN_GRACE_S).wait()
     for endpoint in endpoints:  # observability hook
         endpoint.close()

@@ -604,6 +604,32 @@ class ListNamesResponse(_message.Message):
     next_page_token: str
     def __init__(self, names: _Optional[_Iterable[str]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node", "address", "devices", "version", "incarnation")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    version: str
+    incarnation: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., version: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("node", "nodes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, node: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
 class DeviceRequest(_message.Message):
     __slots__ = ("device",)
     DEVICE_FIELD_NUMBER: _ClassVar[int]

@@ -179,6 +179,11 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.FromString,
                 _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/tensord.v1.Tensord/ListNodes',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
         self.MemoryStats = channel.unary_unary(
                 '/tensord.v1.Tensord/MemoryStats',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
@@ -444,6 +449,18 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodes(self, request, context):
+        """---- the cluster (tensord serve --cluster) ---------------------------------------
+        The live members of the cluster this server joined, sorted by node id;
+        FAILED_PRECONDITION on a server that joined none, UNAVAILABLE
+        (ClusterUnavailableError) while it cannot reach etcd. In a cluster, GetName and
+        DeleteName of a name another node holds fail NOT_FOUND with the error type
+        OwnedElsewhereError, whose details name the node and its address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MemoryStats(self, request, context):
         """---- the pool ----------------------------------------------------------------
         """
@@ -694,6 +711,11 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.ListNames,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.SerializeToString,
             ),
             'MemoryStats': grpc.unary_unary_rpc_method_handler(
                     servicer.MemoryStats,
@@ -1539,6 +1561,33 @@ class Tensord:
             '/tensord.v1.Tensord/ListNames',
             tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/ListNodes',
+            tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,270 @@
+"""This server as a member of a cluster: its registration, its lease, its names in etcd.
+
+etcd's keys (values are JSON):
+
+- ``/tensord/v1/nodes/<node>``: the member (address, devices, version, incarnation),
+  bound to the node's lease;
+- ``/tensord/v1/names/<tenant>/<name>``: the node holding the tensor named ``name``
+  for ``tenant`` (percent-encoded, so a tenant cannot reach into another's keys), bound
+  to the owner's lease.
+
+A lease lapses when its node stops renewing it (killed, partitioned, paused): etcd then
+deletes the member and every name it held at once.  Two threads of the node's own keep
+it (no request can hold them up): one renews the lease every third of its TTL, and
+re-registers, as a new incarnation, after a lapse; one watches the names, so a name
+another node takes over (``put(..., overwrite=True)``) or deletes stops keeping its
+tensor alive here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import quote, unquote
+
+from tensord.errors import AlreadyExistsError, ClusterUnavailableError
+from tensord.protocol import VERSION
+
+from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
+from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
+
+PREFIX = b"/tensord/v1/"
+NODES = PREFIX + b"nodes/"
+NAMES = PREFIX + b"names/"
+# A lease is renewed this many times per TTL: a renewal lost on the way leaves two more.
+RENEWALS_PER_LEASE = 3
+# After a failed watch, wait this long before watching again.
+WATCH_RETRY_S = 0.5
+
+log = logging.getLogger("tensord.cluster")
+
+
+def name_key(tenant: str, name: str) -> bytes:
+    return NAMES + quote(tenant, safe="").encode() + b"/" + name.encode()
+
+
+def tenant_prefix(tenant: str) -> bytes:
+    return NAMES + quote(tenant, safe="").encode() + b"/"
+
+
+def split_name_key(key: bytes) -> tuple[str, str]:
+    """(tenant, name) of a name's key."""
+    tenant, _, name = key[len(NAMES) :].partition(b"/")
+    return unquote(tenant.decode()), name.decode()
+
+
+class NodeIdTakenError(RuntimeError):
+    """Another live member already registered under this --node-id."""
+
+
+class ClusterNode:
+    """One member of a tensord cluster (a :class:`NameDirectory` for the name table).
+
+    Invariants: ``_lease`` is the lease the member record and every name this node claimed
+    are bound to (None between a lapse and the next registration: claims are refused);
+    ``_incarnation`` changes with each registration."""
+
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        endpoints: list[str],
+        lease_s: float,
+        devices: Iterable[tuple[str, int]],
+    ) -> None:
+        self._node = node
+        self.address = address
+        self.lease_s = lease_s
+        self.ttl = max(1, round(lease_s))  # etcd's TTLs are whole seconds
+        self.devices = tuple(devices)
+        self.etcd = Etcd(endpoints)
+        self._lock = threading.Lock()
+        self._lease: int | None = None
+        self._incarnation = ""
+        self._lost: list[NameLost] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- membership --------------------------------------------------------------------
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    def join(self) -> None:
+        """Register (ClusterUnavailableError, NodeIdTakenError) and start the threads that
+        keep the lease and watch the names."""
+        self._register()
+        for target, what in ((self._keep_alive_forever, "lease"), (self._watch_forever, "watch")):
+            thread = threading.Thread(target=target, name=f"tensord-cluster-{what}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _register(self) -> None:
+        lease = self.etcd.grant(self.ttl)
+        incarnation = uuid.uuid4().hex
+        record = {
+            "node": self._node,
+            "address": self.address,
+            "devices": [list(device) for device in self.devices],
+            "version": VERSION,
+            "incarnation": incarnation,
+        }
+        created, _, held = self.etcd.create(
+            NODES + self._node.encode(), json.dumps(record).encode(), lease
+        )
+        if not created:
+            self.etcd.revoke(lease)
+            other = json.loads(held) if held else {}
+            raise NodeIdTakenError(
+                f"--node-id {self._node!r} is taken by a live member at "
+                f"{other.get('address', '?')}; pick another, or wait for its lease to lapse"
+            )
+        with self._lock:
+            self._lease, self._incarnation = lease, incarnation
+        log.info("joined the cluster as %s (incarnation %s)", self._node, incarnation)
+
+    def _keep_alive_forever(self) -> None:
+        interval = self.lease_s / RENEWALS_PER_LEASE
+        renewed = time.monotonic()
+        while not self._stop.wait(interval):
+            with self._lock:
+                lease = self._lease
+            try:
+                if lease is None:
+                    self._register()
+                    renewed = time.monotonic()
+                    continue
+                if self.etcd.keep_alive(lease) > 0:
+                    renewed = time.monotonic()
+                    continue
+                self._lapsed("etcd no longer has this node's lease")
+            except (ClusterUnavailableError, NodeIdTakenError) as exc:
+                if lease is not None and time.monotonic() - renewed >= self.lease_s:
+                    self._lapsed(str(exc))
+                else:
+                    log.warning("cluster: %s", exc)
+
+    def _lapsed(self, why: str) -> None:
+        """The lease is gone (or may be, unrenewed for a whole TTL): so are this node's
+        names in etcd; drop them here too, and register anew at the next renewal."""
+        with self._lock:
+            if self._lease is None:
+                return
+            self._lease = None
+        log.warning("cluster: this node's membership lapsed (%s); its names are gone", why)
+        for callback in self._lost:
+            callback("", None, None)
+
+    def _claim_lease(self) -> int:
+        with self._lock:
+            lease = self._lease
+        if lease is None:
+            raise ClusterUnavailableError(
+                f"node {self._node!r} is not a member of the cluster now (its lease lapsed; "
+                "it registers again once etcd answers)"
+            )
+        return lease
+
+    # ---- the names (NameDirectory) -------------------------------------------------------
+
+    def on_name_lost(self, callback: NameLost) -> None:
+        self._lost.append(callback)
+
+    def _record(self) -> bytes:
+        return json.dumps(
+            {"node": self._node, "address": self.address, "incarnation": self._incarnation}
+        ).encode()
+
+    def claim(self, tenant: str, name: str, overwrite: bool) -> int:
+        lease = self._claim_lease()
+        key = name_key(tenant, name)
+        if overwrite:
+            return self.etcd.put(key, self._record(), lease)
+        created, revision, held = self.etcd.create(key, self._record(), lease)
+        if not created:
+            owner = json.loads(held).get("node", "?") if held else "?"
+            raise AlreadyExistsError(
+                f"name {name!r} already exists (on node {owner!r}) (pass overwrite=True)"
+            )
+        return revision
+
+    def release(self, tenant: str, name: str, revision: int) -> None:
+        self.etcd.delete_if(name_key(tenant, name), revision)
+
+    def owner(self, tenant: str, name: str) -> NameOwner | None:
+        held = self.etcd.get(name_key(tenant, name))
+        if held is None:
+            return None
+        record = json.loads(held)
+        return NameOwner(record["node"], record["address"])
+
+    def names(self, tenant: str, after: str | None, limit: int) -> tuple[list[str], bool]:
+        prefix = tenant_prefix(tenant)
+        start = prefix if after is None else prefix + after.encode() + b"\0"
+        found, more = self.etcd.range(start, prefix_end(prefix), limit=limit, keys_only=True)
+        return [key[len(prefix) :].decode() for key, _ in found], more
+
+    def nodes(self) -> list[NodeRecord]:
+        found, _ = self.etcd.range(NODES, prefix_end(NODES))
+        records = []
+        for _, value in found:
+            r = json.loads(value)
+            devices = tuple((str(d), int(c)) for d, c in r.get("devices", ()))
+            records.append(
+                NodeRecord(r["node"], r["address"], devices, r["version"], r["incarnation"])
+            )
+        return sorted(records)
+
+    def _watch_forever(self) -> None:
+        """Tell the name table of each name this node held that another node replaced or
+        deleted (the table keeps its own newer claims)."""
+        start = 0
+        while not self._stop.is_set():
+            try:
+                for events in self.etcd.watch(NAMES, start):
+                    for event in events:
+                        self._heard(event)
+                        start = int(event.kv.mod_revision) + 1
+            except CompactedError as exc:
+                log.warning("cluster: %s; watching from now on", exc)
+                start = 0
+            except ClusterUnavailableError as exc:
+                if not self._stop.is_set():
+                    log.warning("cluster: %s", exc)
+                    self._stop.wait(WATCH_RETRY_S)
+
+    def _heard(self, event: Any) -> None:
+        if event.type == event.PUT:
+            try:
+                if json.loads(event.kv.value).get("node") == self._node:
+                    return  # this node's own claim
+            except ValueError:
+                pass
+        tenant, name = split_name_key(bytes(event.kv.key))
+        for callback in self._lost:
+            callback(tenant, name, int(event.kv.mod_revision))
+
+    def close(self) -> None:
+        """Leave the cluster: revoke the lease (the member and its names vanish at once)."""
+        self._stop.set()
+        self.etcd.stop_watching()
+        with self._lock:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self.etcd.revoke(lease)
+            except ClusterUnavailableError as exc:
+                log.warning("cluster: leaving without revoking the lease: %s", exc)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self.etcd.close()
