@@ -27,12 +27,15 @@ import mmap
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import tensord
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import start_server
 
 MiB = 1 << 20
 PAGE = 4096
@@ -65,17 +68,6 @@ def taking_turns(cases: dict[str, tuple[np.ndarray, np.ndarray]], rounds: int) -
         nbytes = cases[name][0].nbytes
         median, best = nbytes / statistics.median(times) / 1e9, nbytes / min(times) / 1e9
         print(f"  {name}: median {median:.2f} GB/s, best {best:.2f}")
-
-
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    match = re.search(r"tensord listening on (\S+)", process.stdout.readline())
-    if not match:
-        process.kill()
-        raise SystemExit("server did not start")
-    return process, match.group(1)
 
 
 def cpu_model() -> str:

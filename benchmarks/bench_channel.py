@@ -19,30 +19,19 @@ and gRPC's median over the channel's.  Target: every row faster on the channel.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensord
 from tensord import schema as pb
 
-
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
-    process = subprocess.Popen(
-        [*command, "--device", "cpu=1GiB"], stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
-    match = re.search(r"tensord listening on (\S+)", process.stdout.readline())
-    if not match:
-        process.kill()
-        raise SystemExit("server did not start")
-    return process, match.group(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import start_server
 
 
 def rows(client: Any, pipelined: Any) -> dict[str, Callable[[], object]]:
@@ -71,7 +60,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
-    process, address = start_server()
+    process, address = start_server("--device", "cpu=1GiB")
     try:
         clients = {
             "channel": tensord.connect(address, pipelining=False),

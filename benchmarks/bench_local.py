@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,6 +58,9 @@ import torch
 from tensord import schema as pb
 from tensord.local import copies, host_cache
 from tensord.local.transfers import READ_SLICE_BYTES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import start_server
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 1024 * MiB)
@@ -115,19 +119,6 @@ def download_variants(shared: np.ndarray, repeats: int) -> dict[str, float]:
         ),
         "src sequential": best(sequential_source, repeats),
     }
-
-
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
-    process = subprocess.Popen(
-        [*command, "--device", "cpu=6GiB"], stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
-    match = re.search(r"tensord listening on (\S+)", process.stdout.readline())
-    if not match:
-        process.kill()
-        raise SystemExit("server did not start")
-    return process, match.group(1)
 
 
 def best(fn: Callable[[], object], repeats: int) -> float:
@@ -484,7 +475,7 @@ def main() -> int:
         f"{'available' if shmem_huge_pages_available(shmem) else 'NOT available (4 KiB pages)'}"
     )
     dlpack_only = "--dlpack-only" in sys.argv[1:]  # skip the transfers
-    server, address = start_server()
+    server, address = start_server("--device", "cpu=6GiB")
     bare, bare_address = start_bare_server()
     try:
         with tensord.connect(address) as local, tensord.connect(address, local=False) as remote:

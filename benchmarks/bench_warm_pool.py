@@ -14,14 +14,16 @@ the machine is shared, so the medians are the figures.
 
 from __future__ import annotations
 
-import re
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import tensord
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import start_server
 
 MiB = 1 << 20
 SIZES = (64 * MiB, 256 * MiB)
@@ -33,17 +35,6 @@ def arg(flag: str, default: float) -> float:
     """``flag X`` from the command line, else ``default``."""
     argv = sys.argv[1:]
     return float(argv[argv.index(flag) + 1]) if flag in argv[:-1] else default
-
-
-def start_server(*extra: str) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "tensord_server", "serve", "--address", "127.0.0.1:0"]
-    process = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    match = re.search(r"tensord listening on (\S+)", process.stdout.readline())
-    if not match:
-        process.kill()
-        raise SystemExit("server did not start")
-    return process, match.group(1)
 
 
 def timed_puts(client: tensord.Client, src: np.ndarray, rounds: int, pause: float) -> list[float]:
