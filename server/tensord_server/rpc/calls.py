@@ -451,12 +451,12 @@ class Calls:
         """The call's work, queued fairly under its key (liveness calls on their own pool);
         a small one of INLINE_WORK may run on the loop (FairExecutor.run's ``inline``)."""
         executor = self.liveness if method.liveness else self.work
-        request = self._small_request(method, raw)
+        request, small = self._decoded_here(method, raw)
         if request is None:
             work = functools.partial(self._work, method, raw, call)
         else:
             work = functools.partial(self._answer, method, request, call)
-        return executor.run(call.key, work, describe, inline=request is not None)
+        return executor.run(call.key, work, describe, inline=small)
 
     def _work(self, method: Method, raw: bytes, call: Call) -> tuple[Message, bytes]:
         return self._answer(method, decode_message(method.request_cls, raw), call)
@@ -465,19 +465,21 @@ class Calls:
         response = getattr(self.service, method.name)(request, call)
         return response, response.SerializeToString()
 
-    def _small_request(self, method: Method, raw: bytes) -> Message | None:
-        """The decoded request of a call small enough to run on the loop (INLINE_WORK),
-        else None (it is decoded on its worker, a bad one refused there)."""
+    def _decoded_here(self, method: Method, raw: bytes) -> tuple[Message | None, bool]:
+        """(the request decoded on the loop, whether its work is small enough to run there)
+        for a call of INLINE_WORK within INLINE_REQUEST_BYTES; (None, False) for any other,
+        decoded on its worker (a bad one is refused there).  A decoded request that is not
+        small goes to its worker as it is: it is not decoded twice."""
         small = INLINE_WORK.get(method.name)
         if small is None or len(raw) > INLINE_REQUEST_BYTES:
-            return None
+            return None, False
         if method.name in CLUSTER_WORK and self.service.store.names.directory is not None:
-            return None
+            return None, False
         try:
             request = decode_message(method.request_cls, raw)
         except Exception:
-            return None
-        return request if small(request) else None
+            return None, False
+        return request, small(request)
 
     # -- calls on a session's call channel (the fd socket) -----------------------------------
 
