@@ -125,15 +125,26 @@ def test_generated_traces_at_1_10x_peak_have_no_oom_under_the_default_policy(
     assert len(skipped) < len(SEEDS), "\n".join(skipped)
 
 
-# Every family has seeds whose trace OOMs at 1.01x (see docs/benchmarks.md's per-family
-# table): the free bytes at the first OOM lie in 1-2 MiB tails of segments rounded to 2 MiB,
-# and a move never makes a block larger, so no hole takes another segment's blocks.
-# strict: once the policy serves them, this fails and the mark goes.
-@pytest.mark.xfail(
-    strict=True,
-    reason="the default policy still OOMs at 1.01x on some generated traces of each family",
+# The families with seeds whose trace still OOMs at 1.01x (see docs/benchmarks.md's
+# per-family table): there the free bytes at the first OOM lie in 1-2 MiB tails of
+# segments rounded to 2 MiB and in the small pool's segments, and the device has too
+# little room left for a segment that would merge them.  strict: once the policy serves
+# a family, its case fails and the family leaves this set.
+OOM_AT_1_01 = frozenset({"kv_cache", "weights_activations", "small_bursts", "edge_mass_free"})
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            family,
+            marks=[pytest.mark.xfail(strict=True, reason="some seeds OOM at 1.01x")]
+            if family in OOM_AT_1_01
+            else [],
+        )
+        for family in sorted(FAMILIES)
+    ],
 )
-@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_generated_traces_at_1_01x_peak_have_no_oom_under_the_default_policy(
     family: str,
 ) -> None:
