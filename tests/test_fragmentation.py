@@ -268,6 +268,37 @@ def test_adaptive_merges_segment_tails_that_no_segment_gives_back_alone() -> Non
     assert "Compaction could release 0 bytes" in outcome[False]
 
 
+def test_adaptive_merges_small_segments_whose_holes_fit_no_block() -> None:
+    """Five 2 MiB small-pool segments, each two 0.75 MiB blocks and a 0.5 MiB hole, and
+    8 MiB left on 18 MiB: a 10 MiB request needs 2 MiB more.  No block fits another
+    segment's hole; four segments' blocks back to back in one 6 MiB segment give 2 MiB
+    back.  Without merging: OOM."""
+    outcome = {}
+    for merging in (True, False):
+        policy = dataclasses.replace(SEGMENT_BOUND, merge_segments=merging)
+        backend = HostBackend(total_bytes=HOST_BYTES)
+        owner = HoldingRelocator(backend)
+        pool = CachingPool(backend, capacity=18 * MiB, relocator=owner, policy=policy)
+        for i in range(10):
+            owner.add(f"s{i}", pool.malloc(3 * MiB // 4), seed=i)
+        assert pool.memory_stats()["segment.small_pool.current"] == 5
+        try:
+            owner.add("big", pool.malloc(10 * MiB), seed=20)
+        except OutOfMemoryError as exc:
+            outcome[merging] = str(exc)
+        else:
+            outcome[merging] = "served"
+        pool.assert_invariants()
+        owner.check_bytes()
+        if merging:
+            stats = pool.memory_stats()
+            assert stats["num_ooms"] == 0 and stats["compaction_moved_bytes"] == 6 * MiB
+            assert stats["segment.small_pool.current"] == 2  # the one left, the merged one
+            assert stats["reserved_bytes.all.current"] == 2 * MiB + 6 * MiB + 10 * MiB
+    assert outcome[True] == "served"
+    assert "Compaction could release 0 bytes" in outcome[False]
+
+
 def test_adaptive_gives_idle_segments_back_and_pytorch_keeps_them() -> None:
     reserved = {}
     for name in ("pytorch", "adaptive"):

@@ -801,7 +801,7 @@ class CachingPool:
         assert self.relocator is not None
         room = self._segment_capacity() - self._reserved()
         needed = alloc_size - room
-        if needed <= 0 or self._large.free_bytes() < needed:
+        if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
             return None, note
         result = merge(PoolMoves(self), self.relocator, self, needed, room)
         self._count_result(result)

@@ -564,7 +564,9 @@ def plan_repack(
     takes what is left when that is too little to split, so the block that goes last is
     one that was at least that large already (no block grows).  Empty when no block can
     go last, or where max_split_size would keep the new segment whole."""
-    if segment.is_small or new_size >= max_split_size:
+    if segment.is_small:
+        return plan_small_repack(segment, new_address, new_size)
+    if new_size >= max_split_size:
         return CompactionPlan((), (), 0)
     blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
     left_over = new_size - sum(request for _, _, request in blocks)
@@ -578,6 +580,21 @@ def plan_repack(
             return CompactionPlan((), (), 0)
         blocks.remove(fits[-1])
         blocks.append(fits[-1])
+    moves: list[Move] = []
+    cursor = new_address
+    for address, _, request in blocks:
+        moves.append(Move(address, cursor, request))
+        cursor += request
+    return CompactionPlan(tuple(moves), (segment.address,), segment.size)
+
+
+def plan_small_repack(segment: SegmentUsage, new_address: int, new_size: int) -> CompactionPlan:
+    """Every block of the small-pool ``segment`` moved, back to back, into a new empty
+    segment: each takes its rounded request (the rest of the segment, a multiple of
+    512 B, always splits off in the small pool).  Empty when they do not fit."""
+    blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
+    if sum(request for _, _, request in blocks) > new_size:
+        return CompactionPlan((), (), 0)
     moves: list[Move] = []
     cursor = new_address
     for address, _, request in blocks:
@@ -720,39 +737,38 @@ def plan_merge(
     *,
     max_moved: int | None = None,
     may_move: MayMove | None = None,
-    min_gain_per_moved: float = 0.0,
 ) -> tuple[tuple[SegmentUsage, ...], int] | None:
-    """The large-pool segments whose blocks, back to back in one new segment of at most
+    """The segments of one pool whose blocks, back to back in one new segment of at most
     ``room`` bytes, give back the most, and that segment's size; None when no group gives
-    back at least 2 MiB (or, with ``min_gain_per_moved``, that much per byte moved).
+    back at least 2 MiB.
 
-    Near the device's edge the free bytes are mostly segment tails: every large segment is
-    a multiple of 2 MiB and its blocks rarely are, so each one leaves up to 2 MiB that no
-    large request fits and no single repack gives back (its blocks round up to the same
-    size).  Together the tails of several segments are whole 2 MiB units: the group's
-    blocks in one segment of their rounded requests' total, rounded up to 2 MiB, give
-    back the sum of their sizes less that.  Segments are taken the most tail per byte of
-    blocks first (the most given back per byte copied) while the new segment fits
-    ``room`` (and the blocks ``max_moved``), all of one stream; the group is the run of
-    them, in that order, that gives back the most.
+    Near the device's edge the free bytes are mostly segment tails and small holes: every
+    segment is a multiple of 2 MiB and its blocks rarely are, so a large segment leaves
+    up to 2 MiB that no large request fits and no single repack gives back (its blocks
+    round up to the same size), and a small segment's hole may fit none of the blocks of
+    the others.  Together the free bytes of several segments are whole 2 MiB units: the
+    group's blocks in one segment of their rounded requests' total, rounded up to 2 MiB
+    (in the small pool too: a merged small segment may be larger than torch's 2 MiB), give
+    back the sum of their sizes less that.  Segments are taken the most free bytes per
+    byte of blocks first (the most given back per byte copied) while the new segment fits
+    ``room`` (and the blocks ``max_moved``), all of one pool and stream; the group is the
+    run of them, in that order, that gives back the most.
     """
-    by_stream: dict[int, list[SegmentUsage]] = {}
+    by_pool: dict[tuple[bool, int], list[SegmentUsage]] = {}
     for segment in segments:
-        if segment.is_small or not segment.movable or not segment.allocated:
+        if not segment.movable or not segment.allocated or segment.free_bytes == 0:
             continue
-        if segment.free_bytes == 0:
-            continue
-        by_stream.setdefault(segment.stream, []).append(segment)
+        by_pool.setdefault((segment.is_small, segment.stream), []).append(segment)
     best: tuple[tuple[SegmentUsage, ...], int] | None = None
     best_gain = ROUND_LARGE - 1
-    for candidates in by_stream.values():
+    for (small, _), candidates in by_pool.items():
         candidates.sort(key=lambda s: (-s.free_bytes / s.requested_bytes, s.address))
         group: list[SegmentUsage] = []
         sizes = requested = spare = 0  # spare: the most any block is larger than its request
         for segment in candidates:
             total = requested + segment.requested_bytes
             new_size = ROUND_LARGE * ((total + ROUND_LARGE - 1) // ROUND_LARGE)
-            if new_size > room or new_size >= max_split_size:
+            if new_size > room or (not small and new_size >= max_split_size):
                 continue
             if max_moved is not None and total > max_moved:
                 continue
@@ -763,12 +779,12 @@ def plan_merge(
             requested = total
             spare = max(spare, *(size - request for _, size, request in segment.allocated))
             gain = sizes - new_size
-            if len(group) < 2 or gain <= best_gain or gain < min_gain_per_moved * total:
+            if len(group) < 2 or gain <= best_gain:
                 continue
             # back to back, the last block takes what is left when that is too little to
             # split (:func:`plan_repack`): some block must have been that much larger
             left = new_size - total
-            if left == 0 or left > SMALL_SIZE or spare >= left:
+            if small or left == 0 or left > SMALL_SIZE or spare >= left:
                 best, best_gain = (tuple(group), new_size), gain
     return best
 
@@ -779,7 +795,7 @@ def merged_usage(group: Sequence[SegmentUsage]) -> SegmentUsage:
     return SegmentUsage(
         first.address,
         sum(s.size for s in group),
-        False,
+        first.is_small,
         first.stream,
         tuple(sorted(b for s in group for b in s.allocated)),
         (),
@@ -793,7 +809,6 @@ def merge(
     pool: Any,
     needed: int,
     room: int,
-    min_gain_per_moved: float = 0.0,
 ) -> CompactionResult:
     """Run :func:`plan_merge` until ``needed`` bytes went back (each merge gives the
     device room for the next): reserve the new segment (from ``room``, what the device
@@ -812,7 +827,6 @@ def merge(
                 target.max_split_size,
                 max_moved=budget,
                 may_move=target.may_move,
-                min_gain_per_moved=min_gain_per_moved,
             )
             if chosen is None:
                 break

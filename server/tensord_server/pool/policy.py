@@ -10,10 +10,10 @@ what the pool does *besides*:
   request rounded to 2 MiB instead of torch's 20 MiB shared segment for a 1-10 MiB
   request (what expandable segments achieve by mapping only what is used);
 - ``merge_segments``: on the out-of-memory path, when no segment can be emptied or
-  repacked alone, move the blocks of several large-pool segments, back to back, into one
-  new segment and release them: each segment's tail (its 2 MiB rounding) is too small
-  for a large request and too small to give back alone, several make whole 2 MiB units
-  (needs a relocator, and room on the device for the new segment);
+  repacked alone, move the blocks of several segments of one pool, back to back, into
+  one new segment and release them: each segment's tail (its 2 MiB rounding) or a small
+  segment's hole is too small for the request and too small to give back alone, several
+  make whole 2 MiB units (needs a relocator, and room on the device for the new segment);
 - ``consolidate``: before reserving a new segment that would leave the device less
   headroom (capacity - reserved) than the pool's free-but-reserved bytes, compact and
   repack (into holes of other segments and tight new segments) so those bytes go back
