@@ -4,9 +4,10 @@ The policy was tuned on the bundled traces; the generated families (``tools.trac
 are workloads it was not tuned on.  The property: on every generated trace, at a capacity
 of F x its peak allocated under PyTorch's rules, the default policy (every allocation
 movable, as ``tensord replay --compaction`` runs it) has 0 OOMs, or the test names the
-trace (family, seed) and its first OOM.  A capacity below the trace's floor
-(:func:`~tensord_server.tools.trace_gen.capacity_floor`: what the pool's rounding rules
-need whatever the policy) is skipped, with the arithmetic.
+trace (family, seed) and its first OOM.  F is 1.01 for every family (an expected failure
+for those that still OOM there) and each family's worst factor now.  A capacity below
+the trace's floor (:func:`~tensord_server.tools.trace_gen.capacity_floor`: what the
+pool's rounding rules need whatever the policy) is skipped, with the arithmetic.
 """
 
 from __future__ import annotations
@@ -116,11 +117,27 @@ def ooms_at(factor: float, family: str) -> tuple[list[str], list[str]]:
     return failures, skipped
 
 
+# Per family, the smallest factor of bench_fragmentation's ladder at which every seed of
+# SEEDS has 0 OOMs under the default policy (docs/benchmarks.md's table): a change that
+# needs more room on a family fails here; one that needs less lowers its entry.
+WORST_FACTOR = {
+    "transformer": 1.01,
+    "kv_cache": 1.05,
+    "weights_activations": 1.02,
+    "small_bursts": 1.10,
+    "edge_mass_free": 1.05,
+}
+
+
+def test_every_family_has_a_worst_factor() -> None:
+    assert set(WORST_FACTOR) == set(FAMILIES)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_generated_traces_at_1_10x_peak_have_no_oom_under_the_default_policy(
+def test_generated_traces_at_their_worst_factor_have_no_oom_under_the_default_policy(
     family: str,
 ) -> None:
-    failures, skipped = ooms_at(1.10, family)
+    failures, skipped = ooms_at(WORST_FACTOR[family], family)
     assert not failures, "\n".join(failures)
     assert len(skipped) < len(SEEDS), "\n".join(skipped)
 
