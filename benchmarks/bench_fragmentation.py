@@ -19,6 +19,15 @@ Per workload and policy:
 
     python benchmarks/bench_fragmentation.py [--seed N] [--json]
 
+Generated traces (``--synthetic SEEDS``): each family of ``tools.trace_gen`` (workloads
+the policies were not tuned on) over seeds 0..SEEDS-1, under PyTorch's rules and the
+default policy, every allocation movable: per family and policy the smallest factor of
+``FACTORS`` with 0 OOMs on every seed, each seed's smallest factor (min, median, max) and
+how many seeds have 0 OOMs at 1.01x (factors of each trace's peak allocated under
+PyTorch's rules):
+
+    python benchmarks/bench_fragmentation.py --synthetic 12
+
 Paired load tests (the policies' load-test targets): ``--loadtest-pairs N`` runs
 ``tensord loadtest -u USERS -t TIME --policy P`` for each policy of ``--policies``
 (default ``pytorch,adaptive``), alternating them N times so that the machine's load
@@ -89,7 +98,7 @@ from typing import Any
 import tensord
 from tensord.errors import OutOfMemoryError
 from tensord_server.data import bundled_trace, bundled_traces
-from tensord_server.pool import POLICIES
+from tensord_server.pool import DEFAULT_POLICY, POLICIES
 from tensord_server.tools.loadtest.workloads import (
     WORKLOADS,
     OpFailed,
@@ -104,6 +113,7 @@ from tensord_server.tools.replay import (
     ratio,
     replay,
 )
+from tensord_server.tools.trace_gen import FAMILIES, generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compaction import bimodal_steps, launch_serve
@@ -199,6 +209,73 @@ def markdown(rows: list[Row]) -> str:
             f"| {row.workload} | {row.policy} | {show(row.min_factor, '.2f')} "
             f"| {row.reserved_over_allocated:.3f} | {show(row.moved_per_allocated, '.4f')} "
             f"| {show(row.events_per_second, ',.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+# the policies the generated families are run under: PyTorch's rules and the default
+SYNTHETIC_POLICIES = ("pytorch", DEFAULT_POLICY)
+
+
+@dataclass
+class FamilyRow:
+    family: str
+    policy: str
+    seeds: int
+    worst_factor: float | None  # smallest factor with 0 OOMs on every seed (None: none)
+    factors: list[float | None]  # each seed's smallest factor with 0 OOMs
+    at_1_01: int  # seeds with 0 OOMs at 1.01x
+
+
+def smallest_factor(events: list[TraceEvent], peak: int, policy: str) -> float | None:
+    """The smallest of FACTORS at which ``events`` replays with 0 OOMs under ``policy``."""
+    for factor in FACTORS:
+        result = replay(
+            events,
+            capacity=int(factor * peak),
+            policy=policy,
+            compaction=True,
+            recorded_addresses=False,
+        )
+        if result.failed_allocs == 0:
+            return factor
+    return None
+
+
+def measure_families(seeds: int) -> list[FamilyRow]:
+    """Each generated family over seeds 0..seeds-1 (``tools.trace_gen``), under each of
+    SYNTHETIC_POLICIES, the factors of each trace's peak allocated under PyTorch's rules."""
+    rows = []
+    for family in FAMILIES:
+        traces = [generate(family, seed) for seed in range(seeds)]
+        peaks = [replay(t, recorded_addresses=False).peak_allocated_bytes for t in traces]
+        for policy in SYNTHETIC_POLICIES:
+            factors = [smallest_factor(t, p, policy) for t, p in zip(traces, peaks, strict=True)]
+            worst = None if None in factors else max(f for f in factors if f is not None)
+            at_1_01 = sum(1 for f in factors if f is not None and f <= 1.01)
+            rows.append(FamilyRow(family, policy, seeds, worst, factors, at_1_01))
+    return rows
+
+
+def families_markdown(rows: list[FamilyRow]) -> str:
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        "| family | policy | smallest factor, 0 OOMs on every seed | per seed: min-median-max "
+        "| seeds with 0 OOMs at 1.01x |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        known = sorted(f for f in row.factors if f is not None)
+        spread = (
+            f"{show(known[0])}-{show(known[len(known) // 2])}-{show(known[-1])}" if known else "-"
+        )
+        if len(known) < len(row.factors):
+            spread += f" ({len(row.factors) - len(known)} above {FACTORS[-1]:.2f})"
+        lines.append(
+            f"| {row.family} | {row.policy} | {show(row.worst_factor)} | {spread} "
+            f"| {row.at_1_01} of {row.seeds} |"
         )
     return "\n".join(lines)
 
@@ -586,6 +663,13 @@ def main() -> int:
     parser.add_argument(
         "--allocator-cost", action="store_true", help="CPU per malloc/free under each policy"
     )
+    parser.add_argument(
+        "--synthetic",
+        type=int,
+        default=0,
+        metavar="SEEDS",
+        help="the generated trace families over SEEDS seeds each, instead of the bundled traces",
+    )
     parser.add_argument("--policies", default="pytorch,adaptive")
     parser.add_argument("-u", "--users", type=int, default=50)
     parser.add_argument("-t", "--run-time", default="60s")
@@ -598,6 +682,12 @@ def main() -> int:
         parser.error("--concurrent runs load-test pairs: give --loadtest-pairs N")
     if args.allocator_cost:
         print(allocator_cost_markdown(policies))
+        return 0
+    if args.synthetic > 0:
+        families = measure_families(args.synthetic)
+        print(
+            json.dumps([asdict(r) for r in families]) if args.json else families_markdown(families)
+        )
         return 0
     if args.same_work_pairs > 0:
         same = paired_same_work(policies, args.same_work_pairs, args.users, args.steps)

@@ -236,6 +236,69 @@ def test_adaptive_gathers_free_blocks_before_the_device_is_too_full_to() -> None
     assert outcome == {True: "served", False: "oom"}
 
 
+def test_adaptive_merges_segment_tails_that_no_segment_gives_back_alone() -> None:
+    """Four 12 MiB segments, each a 10.25 MiB block and a 1.75 MiB tail, and 22 MiB left on
+    70 MiB: a 24 MiB request needs 2 MiB more.  No segment empties into the tails and none
+    repacks smaller alone (10.25 MiB rounds up to 12); two segments' blocks back to back in
+    one 22 MiB segment give 2 MiB back, and the request fits.  Without merging: OOM."""
+    outcome = {}
+    for merging in (True, False):
+        policy = dataclasses.replace(SEGMENT_BOUND, merge_segments=merging)
+        backend = HostBackend(total_bytes=HOST_BYTES)
+        owner = HoldingRelocator(backend)
+        pool = CachingPool(backend, capacity=70 * MiB, relocator=owner, policy=policy)
+        for i in range(4):
+            owner.add(f"t{i}", pool.malloc(10 * MiB + MiB // 4), seed=i)
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 48 * MiB
+        try:
+            owner.add("big", pool.malloc(24 * MiB), seed=9)
+        except OutOfMemoryError as exc:
+            outcome[merging] = str(exc)
+        else:
+            outcome[merging] = "served"
+        pool.assert_invariants()
+        owner.check_bytes()
+        if merging:
+            stats = pool.memory_stats()
+            assert stats["num_ooms"] == 0 and stats["compaction_moved_bytes"] == 20 * MiB + MiB // 2
+            # net, as a repack counts: two 12 MiB segments back for a 22 MiB one
+            assert stats["compaction_released_bytes"] == 2 * MiB
+            assert stats["reserved_bytes.all.current"] == 24 * MiB + 22 * MiB + 24 * MiB
+    assert outcome[True] == "served"
+    assert "Compaction could release 0 bytes" in outcome[False]
+
+
+def test_adaptive_merges_small_segments_whose_holes_fit_no_block() -> None:
+    """Five 2 MiB small-pool segments, each two 0.75 MiB blocks and a 0.5 MiB hole, and
+    8 MiB left on 18 MiB: a 10 MiB request needs 2 MiB more.  No block fits another
+    segment's hole; four segments' blocks back to back in one 6 MiB segment give 2 MiB
+    back.  Without merging: OOM."""
+    outcome = {}
+    for merging in (True, False):
+        policy = dataclasses.replace(SEGMENT_BOUND, merge_segments=merging)
+        backend = HostBackend(total_bytes=HOST_BYTES)
+        owner = HoldingRelocator(backend)
+        pool = CachingPool(backend, capacity=18 * MiB, relocator=owner, policy=policy)
+        for i in range(10):
+            owner.add(f"s{i}", pool.malloc(3 * MiB // 4), seed=i)
+        assert pool.memory_stats()["segment.small_pool.current"] == 5
+        try:
+            owner.add("big", pool.malloc(10 * MiB), seed=20)
+        except OutOfMemoryError as exc:
+            outcome[merging] = str(exc)
+        else:
+            outcome[merging] = "served"
+        pool.assert_invariants()
+        owner.check_bytes()
+        if merging:
+            stats = pool.memory_stats()
+            assert stats["num_ooms"] == 0 and stats["compaction_moved_bytes"] == 6 * MiB
+            assert stats["segment.small_pool.current"] == 2  # the one left, the merged one
+            assert stats["reserved_bytes.all.current"] == 2 * MiB + 6 * MiB + 10 * MiB
+    assert outcome[True] == "served"
+    assert "Compaction could release 0 bytes" in outcome[False]
+
+
 def test_adaptive_gives_idle_segments_back_and_pytorch_keeps_them() -> None:
     reserved = {}
     for name in ("pytorch", "adaptive"):

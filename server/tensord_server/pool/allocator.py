@@ -100,6 +100,7 @@ from tensord_server.pool.compaction import (
     blocks_may_move,
     compact,
     compact_step,
+    merge,
     repack,
     segment_shape,
 )
@@ -786,8 +787,28 @@ class CachingPool:
             return None, ""
         block, note = self._compact_and_retry(pool, alloc_size, stream)
         if block is None and policy.tight_segments:
-            return self._repack_and_retry(pool, alloc_size, stream, note)
+            block, note = self._repack_and_retry(pool, alloc_size, stream, note)
+        if block is None and policy.merge_segments:
+            return self._merge_and_retry(pool, alloc_size, stream, note)
         return block, note
+
+    def _merge_and_retry(
+        self, pool: BlockPool, alloc_size: int, stream: int, note: str
+    ) -> tuple[Block | None, str]:
+        """No single segment could be emptied or repacked: move the blocks of several
+        segments into one new segment (:func:`~.compaction.merge`: their tails together
+        are whole 2 MiB units) and reserve ``alloc_size`` again."""
+        assert self.relocator is not None
+        room = self._segment_capacity() - self._reserved()
+        needed = alloc_size - room
+        if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
+            return None, note
+        result = merge(PoolMoves(self), self.relocator, self, needed, room)
+        self._count_result(result)
+        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
+        if block is not None:
+            return block, ""
+        return None, note + f" Merging segments released {format_size(result.plan.released)}."
 
     def _repack_and_retry(
         self, pool: BlockPool, alloc_size: int, stream: int, note: str

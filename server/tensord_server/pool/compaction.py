@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from tensord_server.pool.blocks import (
     ROUND_LARGE,
+    SMALL_SIZE,
     Block,
     Segment,
     oversize_rules_allow,
@@ -563,7 +564,9 @@ def plan_repack(
     takes what is left when that is too little to split, so the block that goes last is
     one that was at least that large already (no block grows).  Empty when no block can
     go last, or where max_split_size would keep the new segment whole."""
-    if segment.is_small or new_size >= max_split_size:
+    if segment.is_small:
+        return plan_small_repack(segment, new_address, new_size)
+    if new_size >= max_split_size:
         return CompactionPlan((), (), 0)
     blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
     left_over = new_size - sum(request for _, _, request in blocks)
@@ -577,6 +580,21 @@ def plan_repack(
             return CompactionPlan((), (), 0)
         blocks.remove(fits[-1])
         blocks.append(fits[-1])
+    moves: list[Move] = []
+    cursor = new_address
+    for address, _, request in blocks:
+        moves.append(Move(address, cursor, request))
+        cursor += request
+    return CompactionPlan(tuple(moves), (segment.address,), segment.size)
+
+
+def plan_small_repack(segment: SegmentUsage, new_address: int, new_size: int) -> CompactionPlan:
+    """Every block of the small-pool ``segment`` moved, back to back, into a new empty
+    segment: each takes its rounded request (the rest of the segment, a multiple of
+    512 B, always splits off in the small pool).  Empty when they do not fit."""
+    blocks = sorted(segment.allocated, key=lambda b: (-b[2], b[0]))
+    if sum(request for _, _, request in blocks) > new_size:
+        return CompactionPlan((), (), 0)
     moves: list[Move] = []
     cursor = new_address
     for address, _, request in blocks:
@@ -705,4 +723,132 @@ def repack(target: MoveTarget, relocator: Relocator, pool: Any, needed: int) -> 
             target.release_segment(option.segment.address)
             evacuated.append(option.segment.address)
             released += option.gain
+    return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)
+
+
+# ---------------------------------------------------------------------------
+# Merging: several segments' blocks into one new segment
+
+
+def plan_merge(
+    segments: Sequence[SegmentUsage],
+    room: int,
+    max_split_size: int,
+    *,
+    max_moved: int | None = None,
+    may_move: MayMove | None = None,
+) -> tuple[tuple[SegmentUsage, ...], int] | None:
+    """The segments of one pool whose blocks, back to back in one new segment of at most
+    ``room`` bytes, give back the most, and that segment's size; None when no group gives
+    back at least 2 MiB.
+
+    Near the device's edge the free bytes are mostly segment tails and small holes: every
+    segment is a multiple of 2 MiB and its blocks rarely are, so a large segment leaves
+    up to 2 MiB that no large request fits and no single repack gives back (its blocks
+    round up to the same size), and a small segment's hole may fit none of the blocks of
+    the others.  Together the free bytes of several segments are whole 2 MiB units: the
+    group's blocks in one segment of their rounded requests' total, rounded up to 2 MiB
+    (in the small pool too: a merged small segment may be larger than torch's 2 MiB), give
+    back the sum of their sizes less that.  Segments are taken the most free bytes per
+    byte of blocks first (the most given back per byte copied) while the new segment fits
+    ``room`` (and the blocks ``max_moved``), all of one pool and stream; the group is the
+    run of them, in that order, that gives back the most.
+    """
+    by_pool: dict[tuple[bool, int], list[SegmentUsage]] = {}
+    for segment in segments:
+        if not segment.movable or not segment.allocated or segment.free_bytes == 0:
+            continue
+        by_pool.setdefault((segment.is_small, segment.stream), []).append(segment)
+    best: tuple[tuple[SegmentUsage, ...], int] | None = None
+    best_gain = ROUND_LARGE - 1
+    for (small, _), candidates in by_pool.items():
+        candidates.sort(key=lambda s: (-s.free_bytes / s.requested_bytes, s.address))
+        group: list[SegmentUsage] = []
+        sizes = requested = spare = 0  # spare: the most any block is larger than its request
+        for segment in candidates:
+            total = requested + segment.requested_bytes
+            new_size = ROUND_LARGE * ((total + ROUND_LARGE - 1) // ROUND_LARGE)
+            if new_size > room or (not small and new_size >= max_split_size):
+                continue
+            if max_moved is not None and total > max_moved:
+                continue
+            if may_move is not None and not may_move(segment):
+                continue
+            group.append(segment)
+            sizes += segment.size
+            requested = total
+            spare = max(spare, *(size - request for _, size, request in segment.allocated))
+            gain = sizes - new_size
+            if len(group) < 2 or gain <= best_gain:
+                continue
+            # back to back, the last block takes what is left when that is too little to
+            # split (:func:`plan_repack`): some block must have been that much larger
+            left = new_size - total
+            if small or left == 0 or left > SMALL_SIZE or spare >= left:
+                best, best_gain = (tuple(group), new_size), gain
+    return best
+
+
+def merged_usage(group: Sequence[SegmentUsage]) -> SegmentUsage:
+    """``group`` as one segment holding all its allocated blocks (for :func:`plan_repack`)."""
+    first = group[0]
+    return SegmentUsage(
+        first.address,
+        sum(s.size for s in group),
+        first.is_small,
+        first.stream,
+        tuple(sorted(b for s in group for b in s.allocated)),
+        (),
+        True,
+    )
+
+
+def merge(
+    target: MoveTarget,
+    relocator: Relocator,
+    pool: Any,
+    needed: int,
+    room: int,
+) -> CompactionResult:
+    """Run :func:`plan_merge` until ``needed`` bytes went back (each merge gives the
+    device room for the next): reserve the new segment (from ``room``, what the device
+    has left), move the group's blocks into it back to back (:func:`plan_repack`), release
+    the group's segments.  A move that finds no room to commit its destination ends it,
+    releasing what it emptied."""
+    moves: list[Move] = []
+    evacuated: list[int] = []
+    released = moved = 0
+    with relocator.relocation(pool) as movable:
+        while released < needed:
+            budget = None if target.max_moved is None else target.max_moved - moved
+            chosen = plan_merge(
+                target.candidate_segments(movable),
+                room,
+                target.max_split_size,
+                max_moved=budget,
+                may_move=target.may_move,
+            )
+            if chosen is None:
+                break
+            group, new_size = chosen
+            usage = merged_usage(group)
+            address = target.reserve_segment(usage, new_size)
+            if address is None:
+                break
+            plan = plan_repack(usage, address, new_size, target.max_split_size)
+            nbytes, ran = execute_moves(target, plan.moves, movable)
+            moved += nbytes
+            moves.extend(plan.moves[:ran])
+            addresses = [s.address for s in group]
+            if ran < len(plan.moves):
+                emptied, nbytes = release_emptied(target, addresses)
+                evacuated.extend(emptied)
+                released += nbytes
+                break
+            for segment_address in addresses:
+                target.release_segment(segment_address)
+            evacuated.extend(addresses)
+            gain = usage.size - new_size
+            released += gain
+            room += gain
     return CompactionResult(CompactionPlan(tuple(moves), tuple(evacuated), released), moved)

@@ -9,6 +9,11 @@ what the pool does *besides*:
 - ``tight_segments``: on the out-of-memory path, before compacting, reserve only the
   request rounded to 2 MiB instead of torch's 20 MiB shared segment for a 1-10 MiB
   request (what expandable segments achieve by mapping only what is used);
+- ``merge_segments``: on the out-of-memory path, when no segment can be emptied or
+  repacked alone, move the blocks of several segments of one pool, back to back, into
+  one new segment and release them: each segment's tail (its 2 MiB rounding) or a small
+  segment's hole is too small for the request and too small to give back alone, several
+  make whole 2 MiB units (needs a relocator, and room on the device for the new segment);
 - ``consolidate``: before reserving a new segment that would leave the device less
   headroom (capacity - reserved) than the pool's free-but-reserved bytes, compact and
   repack (into holes of other segments and tight new segments) so those bytes go back
@@ -105,6 +110,7 @@ class PoolPolicy:
     compact_on_oom: bool = False  # compact where torch would be out of memory
     tight_segments: bool = False  # on the OOM path, segments of the request rounded to 2 MiB
     consolidate: bool = False  # compact and repack before reserving near the device's edge
+    merge_segments: bool = False  # on the OOM path, several segments' blocks into one new one
     release_threshold: float | None = None  # above it a free gives idle segments back
     compact_threshold: float | None = None  # above it a free compacts (or wakes the compactor)
     min_slack: int = 16 * MiB  # up to this much unallocated: no release, compaction, consolidation
@@ -142,6 +148,7 @@ ADAPTIVE = PoolPolicy(
     "adaptive",
     compact_on_oom=True,
     tight_segments=True,
+    merge_segments=True,
     consolidate=True,
     release_threshold=1.10,
     compact_threshold=1.15,

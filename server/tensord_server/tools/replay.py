@@ -26,6 +26,10 @@ holds movable between events (:class:`TraceRelocator`: the trace's "Storages" ar
 never in use while the pool works) and defaults the policy to the server's
 (``adaptive``).  ``--capacity-factor F`` sizes the device at F x the trace's peak
 allocated (PyTorch's, from its stats file, else a first unlimited replay's).
+
+``--synthetic FAMILY --seed N`` replays a generated trace instead of a file
+(:mod:`tensord_server.tools.trace_gen`: the same events for the same family and seed
+anywhere); ``--save FILE`` writes the events replayed as a ``.events.json.gz``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from tensord.errors import OutOfMemoryError
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_traces, resolve_trace
 from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory
 from tensord_server.pool import DEFAULT_POLICY, POLICIES, Block, CachingPool, policy_named
+from tensord_server.tools.trace_gen import FAMILIES, generate
 
 # One trace event: (action, addr, size, stream), as in the bundled traces.
 TraceEvent = tuple[str, int, int, int]
@@ -131,6 +136,13 @@ def load_trace(path: str | Path) -> list[TraceEvent]:
     if isinstance(data, dict) or (data and isinstance(data[0], dict)):
         return events_from_snapshot(data)
     return [(str(a), int(addr), int(size), int(stream)) for a, addr, size, stream in data]
+
+
+def save_trace(path: str | Path, events: Iterable[TraceEvent]) -> None:
+    """Write ``events`` as a gzipped JSON list of ``[action, addr, size, stream]``, the
+    format :func:`load_trace` reads (and the bundled traces have)."""
+    with gzip.open(path, "wt") as handle:
+        json.dump([list(event) for event in events], handle)
 
 
 def trace_stem(path: str | Path) -> str:
@@ -240,6 +252,9 @@ class ReplayResult:
     failed_allocs: int  # allocations that raised OutOfMemoryError
     policy: str = "pytorch"  # the pool policy's name
     compaction: bool = False  # whether allocations could move
+    # the first allocation that raised OutOfMemoryError: its trace address, bytes and the
+    # error's message (None: none did)
+    first_oom: tuple[int, int, str] | None = None
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -317,6 +332,7 @@ def replay(
     )
     live = relocator.live  # trace address -> our Block (compaction repoints it)
     unmatched = failed = 0
+    first_oom: tuple[int, int, str] | None = None
     malloc, free = pool.malloc, pool.free
     # a look at the clock every PROGRESS_CHUNK events when progress is reported, else none
     pieces: Iterable[Sequence[TraceEvent]] = (
@@ -331,8 +347,10 @@ def replay(
             if action == "alloc":
                 try:
                     live[addr] = malloc(size, stream)
-                except OutOfMemoryError:
+                except OutOfMemoryError as exc:
                     failed += 1
+                    if first_oom is None:
+                        first_oom = (addr, size, str(exc))
             elif action == "free_completed":
                 block = live.pop(addr, None)
                 if block is None:
@@ -344,7 +362,9 @@ def replay(
             progress(done)
     seconds = time.perf_counter() - start
     stats = pool.memory_stats()
-    return ReplayResult(len(events), seconds, stats, unmatched, failed, policy, compaction)
+    return ReplayResult(
+        len(events), seconds, stats, unmatched, failed, policy, compaction, first_oom
+    )
 
 
 def peak_allocated(
@@ -381,6 +401,12 @@ def summary(result: ReplayResult, pytorch: dict[str, Any] | None) -> dict[str, A
             int(stats["compaction_moved_bytes"]), int(stats["allocated_bytes.all.allocated"])
         ),
         "unmatched_frees": result.unmatched_frees,
+        # the first allocation that ran out of memory, or None
+        "first_oom": (
+            None
+            if result.first_oom is None
+            else dict(zip(("addr", "size", "message"), result.first_oom, strict=True))
+        ),
         "events": result.events,
         "seconds": result.seconds,
         "events_per_second": result.events_per_second,
@@ -432,6 +458,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_TRACE_NAME}); a file wins over a name",
     )
     parser.add_argument("--list", action="store_true", help="list the bundled traces and exit")
+    parser.add_argument(
+        "--synthetic",
+        choices=sorted(FAMILIES),
+        default=None,
+        metavar="FAMILY",
+        help="replay a generated trace of FAMILY instead of a file (one of "
+        f"{', '.join(sorted(FAMILIES))})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the generated trace's seed (--synthetic; default 0)"
+    )
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the events replayed to FILE, a gzipped JSON list any replay reads",
+    )
     capacity = parser.add_mutually_exclusive_group()
     capacity.add_argument("--capacity", type=int, default=None, help="device capacity in bytes")
     capacity.add_argument(
@@ -476,12 +520,22 @@ def run(args: argparse.Namespace) -> int:
         for name in bundled_traces():
             print(name)
         return 0
-    try:
-        path = resolve_trace(args.trace)
-        events = load_trace(path)
-    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
-        print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
-        return 2
+    path: Path | None = None
+    if args.synthetic is not None:
+        events = generate(args.synthetic, args.seed)
+    else:
+        try:
+            path = resolve_trace(args.trace)
+            events = load_trace(path)
+        except (OSError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+            print(f"tensord replay: cannot read {args.trace}: {exc}", file=sys.stderr)
+            return 2
+    if args.save is not None:
+        try:
+            save_trace(args.save, events)
+        except OSError as exc:
+            print(f"tensord replay: cannot write {args.save}: {exc}", file=sys.stderr)
+            return 2
 
     def progress(label: str = "") -> ProgressLines | None:
         if args.progress_interval <= 0 or not events:
@@ -494,7 +548,12 @@ def run(args: argparse.Namespace) -> int:
             print("tensord replay: --capacity-factor must be > 0", file=sys.stderr)
             return 2
         sizing = progress("finding the peak allocated: ")
-        capacity = int(args.capacity_factor * peak_allocated(path, events, sizing))
+        peak = (
+            replay(events, progress=sizing).peak_allocated_bytes
+            if path is None
+            else peak_allocated(path, events, sizing)
+        )
+        capacity = int(args.capacity_factor * peak)
     policy = args.policy or (DEFAULT_POLICY if args.compaction else "pytorch")
     result = replay(
         events,
@@ -505,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
         compaction=args.compaction,
         progress=progress(),
     )
-    pytorch = load_pytorch_stats(path)
+    pytorch = None if path is None else load_pytorch_stats(path)
     if args.json:
         print(json.dumps(summary(result, pytorch)))
     else:
