@@ -31,6 +31,7 @@ from tensord_server.domain.ops.copies import Copies
 from tensord_server.domain.ops.factories import Factories
 from tensord_server.domain.ops.indexing import Indexing
 from tensord_server.domain.ops.resizing import Resizing
+from tensord_server.domain.ops.tiering import Tiering
 from tensord_server.domain.ops.transfers import Transfers
 from tensord_server.domain.ops.views import Views
 from tensord_server.domain.ops.writes import Writes
@@ -128,6 +129,14 @@ class TensorStore:
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
+        # spills above the high watermark, and prefetches, off the request path
+        self.spiller = Spiller(
+            self.storages,
+            list(self.devices),
+            spill_workers=spill_workers,
+            restore_workers=restore_workers,
+        )
+        self.tiering = Tiering(self.ops, self.spiller)
         self.batches = Batches(
             self.sessions, self.views, self.copies, self.writes, max_batch_elements
         )
@@ -142,13 +151,6 @@ class TensorStore:
         # compaction after a free, off the freeing call (policies with a compact_threshold);
         # it steps aside while any request waits for a lock one of its moves takes
         self.compactor = BackgroundCompactor([d.pool for d in self.devices], self._contended)
-        # spills above the high watermark, and prefetches, off the request path
-        self.spiller = Spiller(
-            self.storages,
-            list(self.devices),
-            spill_workers=spill_workers,
-            restore_workers=restore_workers,
-        )
 
     def _make_tiers(self, host_tier: int | None, disk_tier: tuple[str, int] | None) -> list[Tier]:
         """Each device's TierChain in the registry; every tier made (closed at close())."""
