@@ -339,6 +339,7 @@ class DiskTier(Tier):
         safe = "".join(c if c.isalnum() else "-" for c in device)
         self.path = self.directory / f"{SCRATCH_PREFIX}{safe}-{os.getpid()}{SCRATCH_SUFFIX}"
         self._extents = ExtentAllocator(capacity)
+        self._writing = 0  # bytes of extents handed out whose writes are under way
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -357,19 +358,23 @@ class DiskTier(Tier):
 
     def store(self, data: Any, storage_id: str) -> Placement | None:
         nbytes = int(data.shape[0])
+        size = align_up(max(nbytes, 1))
         with self._lock:
             offset = self._extents.allocate(nbytes)
             if offset is None:
                 return None
+            self._writing += size
         try:
             value = self._write(offset, memoryview(data).cast("B"))
         except BaseException:
             with self._lock:
+                self._writing -= size
                 self._extents.free(offset)
                 self.stats.spill_failures += 1
             raise
         with self._lock:
-            self._count_store(align_up(max(nbytes, 1)), nbytes)
+            self._writing -= size
+            self._count_store(size, nbytes)
         return Placement(self, nbytes, value, offset=offset)
 
     def _write(self, offset: int, view: memoryview) -> int:
@@ -400,9 +405,11 @@ class DiskTier(Tier):
     def assert_invariants(self) -> None:
         with self._lock:
             self._extents.assert_invariants()
-            assert self.stats.current == self._extents.used <= self.stats.capacity, (
+            used = self._extents.used
+            assert self.stats.current + self._writing == used <= self.stats.capacity, (
                 self.stats,
-                self._extents.used,
+                self._writing,
+                used,
             )
 
     def close(self) -> None:
