@@ -7,6 +7,8 @@ import errno
 import fcntl
 import os
 import random
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +261,38 @@ def test_the_sweep_removes_a_dead_servers_file_and_keeps_a_live_ones(tmp_path: P
         assert sweep_scratch(tmp_path) == [held]  # its owner is gone
     finally:
         live.close()
+
+
+class SlowReads(ExtentIO):
+    """A disk whose reads take a while: concurrent restores overlap."""
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        time.sleep(0.05)
+        super().read_into(offset, out)
+
+
+def test_concurrent_ops_on_one_spilled_storage_wait_for_one_restore(tmp_path: Path) -> None:
+    registry, device, disk = registry_over(tmp_path, SlowReads)
+    try:
+        storage = fill_storage(registry, device, 2 << 20, 7)
+        assert registry.spill(device, 1) == 2 << 20
+        barrier = threading.Barrier(4)
+        seen: list[bool] = []
+
+        def op() -> None:
+            registry.hold(storage)
+            barrier.wait()
+            registry.ensure_resident([storage])
+            seen.append(bool(np.array_equal(storage.raw(), data(2 << 20, 7))))
+            registry.release_hold(storage)
+
+        threads = [threading.Thread(target=op) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert seen == [True] * 4
+        assert disk.figures()["tier.disk.num_restores"] == 1
+        assert disk.figures()["tier.disk.bytes.current"] == 0
+    finally:
+        disk.close()
