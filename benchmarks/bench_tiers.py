@@ -4,9 +4,10 @@
    pool and a disk tier in ``--dir`` (default: the system's temporary directory): Storages
    of 2, 16 and 64 MiB, ``--bytes`` of them per size, spilled all at once
    (``StorageRegistry.spill``: copy to an extent with its checksum, repoint, free the
-   block), then held and restored (``ensure_resident``: allocate, read, verify).  Beside
-   each: the same bytes written sequentially (``os.pwrite``, one call per buffer) to a
-   preallocated file on the same filesystem, then read back (``os.preadv``): the ratio is
+   block), then held and restored (``ensure_resident``: allocate, read, verify), over one
+   disk tier that lives for every round, as a server's does.  Beside each: the same bytes
+   written sequentially (``os.pwrite``, one call per buffer) to one preallocated file on
+   the same filesystem, then read back (``os.preadv``) into warm buffers: the ratio is
    tensord's rate over the raw one (target >= 0.8).  Rounds interleave the two after one
    untimed round of each, and the table shows the median with tensord's range.
 
@@ -15,7 +16,9 @@
    hot set half the device; each round copies every hot tensor into the next
    (``copy_``, one read and one write each) and waits.  The same loop on a server whose pool
    holds everything (no tiers) is the baseline: the ratio of their steady rounds' times
-   (target <= 1.5); the first round, which faults the hot set in, is shown apart.
+   (target <= 1.5); the first round, which faults the hot set in, is shown apart, and the
+   steady rounds start once the background spiller brought the pool under its high
+   watermark again.
 
     python benchmarks/bench_tiers.py [--dir DIR] [--bytes 256MiB] [--rounds 3]
     python benchmarks/bench_tiers.py --quick
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 import tensord
 from tensord_server.devices.table import DeviceTable, parse_bytes
-from tensord_server.domain.storage import StorageRegistry
+from tensord_server.domain.storage import HIGH_WATERMARK, StorageRegistry
 from tensord_server.domain.store import TensorStore
 from tensord_server.domain.tiers import DiskTier, TierChain
 from tensord_server.rpc.grpc_server import create_server
@@ -44,74 +47,85 @@ MiB = 1 << 20
 SIZES = (2 * MiB, 16 * MiB, 64 * MiB)
 SPILL_TARGET = 0.8  # tensord's spill / restore rate over the raw file's, at least
 LOOP_TARGET = 1.5  # the oversubscribed loop's time over the resident one's, at most
+SETTLE_S = 10.0  # the longest wait for the spiller after the loop's first round
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def raw_round(directory: Path, buffers: list[np.ndarray]) -> tuple[float, float]:
-    """(write s, read s) of ``buffers`` to and from a preallocated file, sequentially."""
-    total = sum(b.nbytes for b in buffers)
-    path = directory / f"bench-raw-{os.getpid()}.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, total)
+class RawFile:
+    """The baseline: ``buffers`` written to and read from one preallocated file, in order."""
+
+    def __init__(self, directory: Path, buffers: list[np.ndarray]) -> None:
+        self.buffers = buffers
+        self.path = directory / f"bench-raw-{os.getpid()}.bin"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.posix_fallocate(self.fd, 0, sum(b.nbytes for b in buffers))
+        self.outs = [np.zeros_like(b) for b in buffers]  # warm, as a restore's pool blocks
+
+    def round(self) -> tuple[float, float]:
+        """(write s, read s)."""
         started = time.perf_counter()
         offset = 0
-        for buffer in buffers:
-            os.pwrite(fd, memoryview(buffer), offset)
+        for buffer in self.buffers:
+            os.pwrite(self.fd, memoryview(buffer), offset)
             offset += buffer.nbytes
         wrote = time.perf_counter() - started
-        outs = [np.empty_like(b) for b in buffers]
-        for out in outs:
-            out[:] = 0  # fault the destination's pages in: a restore's pool block is warm
         started = time.perf_counter()
         offset = 0
-        for out in outs:
-            os.preadv(fd, [memoryview(out)], offset)
+        for out in self.outs:
+            os.preadv(self.fd, [memoryview(out)], offset)
             offset += out.nbytes
         read = time.perf_counter() - started
-        assert all(
-            np.array_equal(a[:: 1 << 16], b[:: 1 << 16]) for a, b in zip(outs, buffers, strict=True)
-        )
+        pairs = zip(self.outs, self.buffers, strict=True)
+        assert all(np.array_equal(a[:: 1 << 16], b[:: 1 << 16]) for a, b in pairs)
         return wrote, read
-    finally:
-        os.close(fd)
-        path.unlink()
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink()
 
 
-def tier_round(directory: Path, size: int, total: int) -> tuple[float, float]:
-    """(spill s, restore s) of ``total`` bytes of Storages of ``size`` through the registry."""
-    count = max(1, total // size)
-    (device,) = DeviceTable([f"cpu={2 * count * size + 64 * MiB}"])
-    registry = StorageRegistry()
-    disk = DiskTier(directory, count * size + MiB, device.name)
-    registry.tiers[device.name] = TierChain([disk])
-    try:
+class TierBench:
+    """Storages of ``size``, ``total`` bytes of them, over one registry and one disk tier
+    that live for every round (as a server's do)."""
+
+    def __init__(self, directory: Path, size: int, total: int) -> None:
+        self.count = max(1, total // size)
+        self.nbytes = self.count * size
+        (self.device,) = DeviceTable([f"cpu={2 * self.nbytes + 64 * MiB}"])
+        self.registry = StorageRegistry()
+        self.disk = DiskTier(directory, self.nbytes + MiB, self.device.name)
+        self.registry.tiers[self.device.name] = TierChain([self.disk])
         rng = np.random.default_rng(size)
-        storages = []
-        for _ in range(count):
-            storage = registry.allocate(device, size)
+        self.storages = []
+        for _ in range(self.count):
+            storage = self.registry.allocate(self.device, size)
             storage.raw()[:] = rng.integers(0, 256, size, dtype=np.uint8)
-            registry.incref(storage)  # a handle's reference
-            registry.release_hold(storage)
-            storages.append(storage)
+            self.registry.incref(storage)  # a handle's reference
+            self.registry.release_hold(storage)
+            self.storages.append(storage)
+
+    def round(self) -> tuple[float, float]:
+        """(spill s, restore s) of every Storage."""
+        registry = self.registry
         started = time.perf_counter()
-        moved = registry.spill(device, count * size)
+        moved = registry.spill(self.device, self.nbytes)
         spilled = time.perf_counter() - started
-        assert moved == count * size, (moved, count * size)
-        registry.hold_all(storages)
+        assert moved == self.nbytes, (moved, self.nbytes)
+        registry.hold_all(self.storages)
         started = time.perf_counter()
-        registry.ensure_resident(storages)
+        registry.ensure_resident(self.storages)
         restored = time.perf_counter() - started
-        registry.release_holds(storages)
-        for storage in storages:
-            registry.decref(storage)
+        registry.release_holds(self.storages)
         return spilled, restored
-    finally:
-        disk.close()
-        device.pool.empty_cache()  # the segments go back now, not when collected
+
+    def close(self) -> None:
+        for storage in self.storages:
+            self.registry.decref(storage)
+        self.disk.close()
+        self.device.pool.empty_cache()  # the segments go back now, not when collected
 
 
 def bench_spill(directory: Path, total: int, rounds: int) -> list[tuple[str, float, float]]:
@@ -129,15 +143,20 @@ def bench_spill(directory: Path, total: int, rounds: int) -> list[tuple[str, flo
             np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(count)
         ]
         spill, restore, write, read = [], [], [], []
-        tier_round(directory, size, nbytes)  # untimed: the page cache and the pool warm up
-        raw_round(directory, buffers)
-        for _ in range(rounds):
-            s, r = tier_round(directory, size, nbytes)
-            spill.append(gbps(nbytes, s))
-            restore.append(gbps(nbytes, r))
-            w, rd = raw_round(directory, buffers)
-            write.append(gbps(nbytes, w))
-            read.append(gbps(nbytes, rd))
+        tiers, raw = TierBench(directory, size, nbytes), RawFile(directory, buffers)
+        try:
+            tiers.round()  # untimed: the page cache, the file and the pool warm up
+            raw.round()
+            for _ in range(rounds):
+                s, r = tiers.round()
+                spill.append(gbps(nbytes, s))
+                restore.append(gbps(nbytes, r))
+                w, rd = raw.round()
+                write.append(gbps(nbytes, w))
+                read.append(gbps(nbytes, rd))
+        finally:
+            tiers.close()
+            raw.close()
         sp, rs = statistics.median(spill), statistics.median(restore)
         wr, rd = statistics.median(write), statistics.median(read)
         print(
@@ -178,6 +197,14 @@ def run_loop(device_bytes: int, tiers: bool, directory: Path, rounds: int) -> tu
             cold.fill_(1.0)
         client.synchronize()
         first = loop_round(hot, client)
+        # the first round's restores spilled just enough for themselves; the background
+        # spiller then takes the pool below its low watermark: steady rounds start after
+        pool = next(iter(store.devices)).pool
+        deadline = time.monotonic() + SETTLE_S
+        while pool.allocated_bytes > HIGH_WATERMARK * pool.capacity:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         later = [loop_round(hot, client) for _ in range(rounds)]
         return first, statistics.median(later)
     finally:

@@ -10,7 +10,7 @@ stores and loads bytes, and counts.
   the file's physical use is never above its capacity.
 - :class:`DiskTier`: one preallocated scratch file per device (``--disk-tier DIR=CAP``),
   every extent checksummed (zlib.crc32 of each ``IO_CHUNK_BYTES`` chunk, computed on the
-  tier's checksum thread while the chunks are written or read: crc32 runs at about the
+  tier's checksum threads while the chunks are written or read: crc32 runs at about the
   page cache's rate, so in line it would halve a spill's) and verified on load; a mismatch
   is :class:`~tensord.errors.SpillCorruptedError` naming the Storage.  The file is flocked by its owner; a server starting sweeps every
   unlocked scratch file of the directory (a killed server's), and removes its own at stop.
@@ -42,6 +42,9 @@ EXTENT_ALIGNMENT = 4096
 # Disk I/O moves this much per system call: large enough to run at the file's rate,
 # small enough that a checksum and a write of neighbouring chunks overlap.
 IO_CHUNK_BYTES = 8 << 20
+# Threads checksumming a disk tier's chunks (each chunk has its own crc32, so chunks are
+# checksummed side by side where cores are free).
+CHECKSUM_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 # The name every scratch file of a disk tier starts with (the sweep removes only these).
 SCRATCH_PREFIX = "tensord-spill-"
 SCRATCH_SUFFIX = ".tier"
@@ -359,7 +362,9 @@ class DiskTier(Tier):
         self._fd = fd
         self.io = io(fd)
         # checksums a chunk while the caller writes or reads the next (both let the GIL go)
-        self._checksums = ThreadPoolExecutor(1, thread_name_prefix="tensord-checksum")
+        self._checksums = ThreadPoolExecutor(
+            CHECKSUM_THREADS, thread_name_prefix="tensord-checksum"
+        )
 
     def store(self, data: Any, storage_id: str) -> Placement | None:
         nbytes = int(data.shape[0])
