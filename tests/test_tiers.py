@@ -486,3 +486,26 @@ def test_a_server_killed_mid_spill_restarts_and_sweeps_its_scratch(tmp_path: Pat
             process.wait(10)
         if process.stdout is not None and not process.stdout.closed:
             process.stdout.close()
+
+
+@pytest.mark.slow
+def test_the_tier_benchmark_runs_quick(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'client'}:{REPO / 'server'}"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_tiers.py"),
+            "--quick",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for row in ("2MiB", "16MiB", "64MiB", "tiered", "resident", "ratio"):
+        assert row in done.stdout
+    assert "nan" not in done.stdout
