@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from tensord.errors import OutOfMemoryError
+from tensord.protocol import MAX_RELEASE_HANDLES
 from tensord_server.domain.quotas import parse_quota
 from tensord_server.domain.tiers import SCRATCH_PREFIX, DiskTier
 from tensord_server.observability.metrics import StoreCollector
@@ -509,3 +510,16 @@ def test_the_tier_benchmark_runs_quick(tmp_path: Path) -> None:
     for row in ("2MiB", "16MiB", "64MiB", "tiered", "resident", "ratio"):
         assert row in done.stdout
     assert "nan" not in done.stdout
+
+
+def test_a_prefetch_is_bounded_by_the_release_limit(tiered: RunningServer) -> None:
+    client = remote(tiered.address)
+    try:
+        x = client.zeros(16)
+        session = tiered.daemon.sessions.peek(client.session_id)
+        assert session is not None
+        with pytest.raises(tensord.InvalidArgumentError, match="MAX_RELEASE_HANDLES"):
+            tiered.daemon.tiering.prefetch(session, [x.handle] * (MAX_RELEASE_HANDLES + 1))
+        assert client.prefetch([x] * 3) == 0  # resident: nothing to queue
+    finally:
+        client.close()

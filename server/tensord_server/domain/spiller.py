@@ -90,13 +90,21 @@ class Spiller:
         while not self._stop.is_set():
             self._wake.wait(POLL_S)
             self._wake.clear()
+            futile = False
             for device in self.devices[index :: self.spill_workers]:
                 if self._stop.is_set():
                     return
                 try:
-                    self.drain(device)
+                    freed = self.drain(device)
                 except Exception:  # a device or tier error: the Storage stayed put
                     log.exception("background spill on %s failed; it goes on", device.name)
+                    freed = 0
+                pool = device.pool
+                futile |= not freed and pool.allocated_bytes > HIGH_WATERMARK * pool.capacity
+            if futile:
+                # above the watermark with nothing that may move (held, pinned, exported,
+                # or every tier full): each look walks every Storage, so not at every doorbell
+                self._stop.wait(POLL_S)
 
     def drain(self, device: Device) -> int:
         """Spill ``device``'s pool down to LOW_WATERMARK if it is above HIGH_WATERMARK;
