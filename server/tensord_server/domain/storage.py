@@ -17,6 +17,13 @@ are counted apart from references for that: a held Storage never moves, and
 while the pool moves blocks it holds the registry's lock, so no hold starts; a
 background move copies without the lock and repoints the Storage only if no hold
 began meanwhile (``uses`` unchanged: :meth:`StorageRegistry.claim`).
+
+Tiers (:mod:`tensord_server.domain.tiers`) are the same move with another target: a
+spill copies an unheld, unpinned Storage to the host tier or a disk extent outside the
+lock, and repoints it there (freeing its block) only if no hold began meanwhile; a
+hold on a spilled Storage restores it first (:meth:`StorageRegistry.ensure_resident`,
+called by the session table once its lock is let go), so every op that touches bytes
+finds them in its pool.  A spilled Storage keeps its id, address and charge.
 """
 
 from __future__ import annotations
