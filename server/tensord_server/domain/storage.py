@@ -403,10 +403,15 @@ class StorageRegistry:
         it and the device has tiers, unheld Storages spill synchronously (bounded rounds)
         until it can; OutOfMemoryError naming each tier's use when every tier is full."""
         pool, stream = device.pool, self.stream_of(tenant)
+        chain = self.tiers.get(device.name)
+        if chain is not None:
+            # surely beyond the pool: spill first rather than walk its out-of-memory path
+            beyond = pool.allocated_bytes + round_size(nbytes) - pool.capacity
+            if beyond > 0:
+                self.spill(device, max(beyond, MIN_SPILL_BYTES))
         try:
             block = pool.malloc(nbytes, stream)
         except OutOfMemoryError as exc:
-            chain = self.tiers.get(device.name)
             if chain is None:
                 raise
             block = self._malloc_spilling(device, nbytes, stream, chain, exc)

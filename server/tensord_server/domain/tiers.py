@@ -31,7 +31,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,6 @@ class TierStats:
     restored_bytes: int = 0
     spill_failures: int = 0  # writes that failed (ENOSPC, EIO): the Storage stayed put
     corruptions: int = 0  # loads whose checksum did not match
-    extra: dict[str, int] = field(default_factory=dict)
 
     def items(self, name: str) -> dict[str, int]:
         prefix = f"tier.{name}."
