@@ -504,10 +504,10 @@ class StorageRegistry:
         """Copy a picked Storage to the first tier with room, outside the lock, and repoint
         it there if nobody held it meanwhile; its source stays until the copy is complete
         (a failed write leaves it where it was, counted by the tier).  The bytes freed."""
-        with self._lock:
-            uses = storage.uses
-            block = storage._block
-        if block is None or storage.holds or storage.pinned:
+        with self._lock:  # a hold from here on changes ``uses``: the move is dropped then
+            uses, block = storage.uses, storage._block
+            busy = bool(storage.holds or storage.pinned)
+        if block is None or busy:
             self._unpick(storage)
             return 0
         device = storage.device
