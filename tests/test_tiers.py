@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 )
 from tensord.errors import OutOfMemoryError
 from tensord.protocol import MAX_RELEASE_HANDLES
+from tensord_server.domain import spiller as spiller_module
 from tensord_server.domain.quotas import parse_quota
 from tensord_server.domain.tiers import SCRATCH_PREFIX, DiskTier
 from tensord_server.observability.metrics import StoreCollector
@@ -521,5 +522,22 @@ def test_a_prefetch_is_bounded_by_the_release_limit(tiered: RunningServer) -> No
         with pytest.raises(tensord.InvalidArgumentError, match="MAX_RELEASE_HANDLES"):
             tiered.daemon.tiering.prefetch(session, [x.handle] * (MAX_RELEASE_HANDLES + 1))
         assert client.prefetch([x] * 3) == 0  # resident: nothing to queue
+    finally:
+        client.close()
+
+
+def test_prefetches_past_the_queue_bound_are_dropped_holding_nothing(
+    tiered: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spiller_module, "MAX_QUEUED_PREFETCHES", 0)
+    client = remote(tiered.address)
+    try:
+        x = client.tensor(floats(MiB, 4))
+        (storage,) = storages_of(tiered)
+        tiered.daemon.storages.spill(storage.device, 1)
+        assert client.prefetch([x]) == 0  # over the bound: a hint dropped
+        assert tiered.daemon.spiller.dropped_prefetches == 1
+        assert storage.holds == 0 and not storage.resident
+        assert np.array_equal(x.numpy(), floats(MiB, 4))  # the read restores it itself
     finally:
         client.close()

@@ -30,6 +30,9 @@ ROUND_BYTES = 256 << 20  # the most one round of background spills moves (then i
 DEFAULT_SPILL_WORKERS = 1
 DEFAULT_RESTORE_WORKERS = 2
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for a spill in progress
+# Prefetches queued and not yet done, server-wide: a hint past it is dropped (each queued
+# one holds its Storage, and the queue's memory, until its restore ran).
+MAX_QUEUED_PREFETCHES = 65536
 
 
 class Spiller:
@@ -56,7 +59,9 @@ class Spiller:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._restorer: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # guards _restorer
+        self._lock = threading.Lock()  # guards _restorer and _queued
+        self._queued = 0  # prefetches submitted and not yet done
+        self.dropped_prefetches = 0  # hints dropped past MAX_QUEUED_PREFETCHES
 
     def start(self) -> None:
         if self._threads or not self.devices:
@@ -83,7 +88,7 @@ class Spiller:
         with self._lock:
             restorer, self._restorer = self._restorer, None
         if restorer is not None:
-            restorer.shutdown(wait=True, cancel_futures=True)
+            restorer.shutdown(wait=True)  # each queued one releases its hold when done
 
     def _run(self, index: int) -> None:
         # with several spill workers, worker i looks after devices i, i+n, ...
@@ -124,18 +129,26 @@ class Spiller:
             self.rounds += 1
         return freed
 
-    def prefetch(self, storages: Sequence[Storage]) -> None:
+    def prefetch(self, storages: Sequence[Storage]) -> int:
         """Restore ``storages`` on the restore workers; each is held by the caller, and its
         hold is released here once it is back (or its restore failed: the op that needs it
-        will try again and raise)."""
+        will try again and raise), or at once for a hint past MAX_QUEUED_PREFETCHES.  The
+        count queued."""
         with self._lock:
             if self._restorer is None:
                 self._restorer = ThreadPoolExecutor(
                     self.restore_workers, thread_name_prefix="tensord-restore"
                 )
             restorer = self._restorer
-        for storage in storages:
+            room = max(0, MAX_QUEUED_PREFETCHES - self._queued)
+            queued, dropped = list(storages[:room]), list(storages[room:])
+            self._queued += len(queued)
+            self.dropped_prefetches += len(dropped)
+        if dropped:
+            self.storages.release_holds(dropped)
+        for storage in queued:
             restorer.submit(self._restore_one, storage)
+        return len(queued)
 
     def _restore_one(self, storage: Storage) -> None:
         try:
@@ -144,3 +157,5 @@ class Spiller:
             log.warning("prefetch of %r failed: %s", storage, exc)
         finally:
             self.storages.release_hold(storage)
+            with self._lock:
+                self._queued -= 1

@@ -25,7 +25,8 @@ class Tiering:
         self.spiller = spiller
 
     def prefetch(self, session: Session, handles: Sequence[str]) -> int:
-        """Queue a restore of each spilled Storage of ``handles``; the count queued."""
+        """Queue a restore of each spilled Storage of ``handles``; the count queued (a hint
+        past the server's queue bound is dropped: the op that needs it restores it)."""
         if len(handles) > MAX_RELEASE_HANDLES:
             raise InvalidArgumentError(
                 f"a prefetch names {len(handles)} handles, more than MAX_RELEASE_HANDLES "
@@ -37,8 +38,7 @@ class Tiering:
                 {id(r.storage): r.storage for r in refs if not r.storage.resident}.values()
             )
             storages.hold_all(spilled)  # the restore workers' own, released by them
-        self.spiller.prefetch(spilled)
-        return len(spilled)
+        return self.spiller.prefetch(spilled)
 
     def pin(self, session: Session, handle: str, pinned: bool) -> None:
         """Keep the handle's Storage on its device (restored first), or let it spill again."""
