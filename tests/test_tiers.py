@@ -222,6 +222,36 @@ def test_the_host_tier_takes_spills_before_the_disk(tmp_path: Path) -> None:
         running.stop()
 
 
+def test_a_full_host_tier_demotes_its_least_recently_used_to_the_disk(tmp_path: Path) -> None:
+    running = start_server(
+        devices=("cpu=64MiB",), host_tier=16 * MiB, disk_tier=(str(tmp_path), 128 * MiB)
+    )
+    client = remote(running.address)
+    try:
+        kept = [client.tensor(floats(MiB, seed)) for seed in range(8)]  # 32 MiB
+        storages = running.daemon.storages
+        device = storages_of(running)[0].device
+        (host,) = running.daemon.spiller.host_tiers
+        storages.spill(device, 16 * MiB)  # the host tier, full
+        assert host.figures()["tier.host.bytes.current"] == 16 * MiB
+        # the spiller takes it from above 85 % to below 70 %, the oldest first, to the disk
+        assert wait_until(lambda: host.figures()["tier.host.bytes.current"] <= 0.70 * 16 * MiB)
+        on_disk = [
+            s for s in storages_of(running) if s.placement and s.placement.tier.name == "disk"
+        ]
+        assert on_disk and all(s.nbytes == 4 * MiB for s in on_disk)
+        oldest = min(storages_of(running), key=lambda s: s.last_use)
+        assert oldest.placement is not None and oldest.placement.tier.name == "disk"
+        stats = client.memory_stats()
+        assert stats["tier.host.storages.current"] + stats["tier.disk.storages.current"] == 4
+        for seed, x in enumerate(kept):
+            assert np.array_equal(x.numpy(), floats(MiB, seed))
+        assert client.memory_stats()["tier.host.bytes.current"] == 0
+    finally:
+        client.close()
+        running.stop()
+
+
 def test_a_tenant_over_its_share_spills_first(tmp_path: Path) -> None:
     tokens = {"token-a": "a", "token-b": "b"}
     running = start_server(
@@ -283,7 +313,8 @@ class Entry:
 
 class TieredModel(RuleBasedStateMachine):
     """Creates, views, writes, reads, releases, shares and pins tensors in a 24 MiB pool
-    over a small disk tier; values always equal the model's, whatever moved."""
+    over a small host tier (which the spiller demotes from) and a disk tier; values always
+    equal the model's, whatever moved and wherever to."""
 
     server: RunningServer
     client: Any
@@ -359,10 +390,13 @@ class TieredModel(RuleBasedStateMachine):
                 assert storage.resident, storage
 
     @invariant()
-    def the_disk_stays_within_its_cap(self) -> None:
+    def the_tiers_stay_within_their_caps(self) -> None:
         disk = disk_of(self.server)
         disk.assert_invariants()
         assert disk.figures()["tier.disk.bytes.peak"] <= disk.stats.capacity
+        for tier in self.server.daemon.tiers:
+            figures = tier.figures()
+            assert figures[f"tier.{tier.name}.bytes.peak"] <= tier.stats.capacity
 
     def teardown(self) -> None:
         for entry in self.live:
@@ -374,7 +408,9 @@ class TieredModel(RuleBasedStateMachine):
 
 @pytest.mark.slow
 def test_values_equal_a_numpy_model_through_every_move(tmp_path: Path) -> None:
-    running = start_server(devices=("cpu=24MiB",), disk_tier=(str(tmp_path), 96 * MiB))
+    running = start_server(
+        devices=("cpu=24MiB",), host_tier=6 * MiB, disk_tier=(str(tmp_path), 96 * MiB)
+    )
     client = remote(running.address)
     TieredModel.server, TieredModel.client = running, client
     try:
@@ -389,6 +425,7 @@ def test_values_equal_a_numpy_model_through_every_move(tmp_path: Path) -> None:
         )
         stats = client.memory_stats()
         assert stats["tier.disk.num_spills"] > 0  # the pressure really moved Storages
+        assert stats["tier.host.num_spills"] > 0
     finally:
         client.close()
         running.stop()

@@ -4,7 +4,9 @@ An allocation that leaves a pool with tiers above ``HIGH_WATERMARK`` of its capa
 the spiller's doorbell (``StorageRegistry.spill_wanted``); its thread then spills that
 pool's least recently used movable Storages (``StorageRegistry.spill``: not held, not
 exported, not pinned; a tenant over its share first) down to ``LOW_WATERMARK``, a bounded
-round at a time, and looks again every ``POLL_S`` besides.  An allocation that would fail
+round at a time, and looks again every ``POLL_S`` besides; a host tier above another
+tier is kept between the same watermarks of its own limit, its least recently used
+Storages demoted to the tier below (``StorageRegistry.demote``).  An allocation that would fail
 does not wait for it: it spills synchronously for itself (``StorageRegistry.malloc``).
 
 Restores a client asks for ahead of use (``x.prefetch()``) run on their own workers
@@ -21,7 +23,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from tensord_server.devices.table import Device
-from tensord_server.domain.storage import HIGH_WATERMARK, Storage, StorageRegistry
+from tensord_server.domain.storage import (
+    HIGH_WATERMARK,
+    LOW_WATERMARK,
+    Storage,
+    StorageRegistry,
+)
+from tensord_server.domain.tiers import HostTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,12 @@ class Spiller:
             raise ValueError("the spill and restore workers must each be at least 1")
         self.storages = storages
         self.devices = [d for d in devices if d.name in storages.tiers]
+        # the host tiers above another tier: kept under their watermarks by demotion
+        self.host_tiers: list[Tier] = []
+        for chain in storages.tiers.values():
+            for tier in chain.tiers[:-1]:
+                if isinstance(tier, HostTier) and tier not in self.host_tiers:
+                    self.host_tiers.append(tier)
         self.spill_workers = spill_workers
         self.restore_workers = restore_workers
         self.rounds = 0  # background rounds that moved something
@@ -106,6 +120,12 @@ class Spiller:
                     freed = 0
                 pool = device.pool
                 futile |= not freed and pool.allocated_bytes > HIGH_WATERMARK * pool.capacity
+            if index == 0:
+                for tier in self.host_tiers:
+                    try:
+                        self.demote(tier)
+                    except Exception:
+                        log.exception("demotion from the host tier failed; it goes on")
             if futile:
                 # above the watermark with nothing that may move (held, pinned, exported,
                 # or every tier full): each look walks every Storage, so not at every doorbell
@@ -128,6 +148,16 @@ class Spiller:
             freed += step
             self.rounds += 1
         return freed
+
+    def demote(self, tier: Tier) -> int:
+        """Move Storages from ``tier`` down to the next tier of their devices while it is
+        above HIGH_WATERMARK of its capacity, down to LOW_WATERMARK; the bytes moved."""
+        figures = tier.figures()
+        current = figures[f"tier.{tier.name}.bytes.current"]
+        capacity = figures[f"tier.{tier.name}.capacity_bytes"]
+        if current <= HIGH_WATERMARK * capacity:
+            return 0
+        return self.storages.demote(tier, current - int(LOW_WATERMARK * capacity))
 
     def prefetch(self, storages: Sequence[Storage]) -> int:
         """Restore ``storages`` on the restore workers; each is held by the caller, and its

@@ -51,7 +51,7 @@ from tensord.layout import Layout
 from tensord_server.devices.table import Device
 from tensord_server.domain import limits
 from tensord_server.domain.quotas import TenantLedger
-from tensord_server.domain.tiers import Placement, TierChain
+from tensord_server.domain.tiers import Placement, Tier, TierChain
 from tensord_server.pool import Block, CachingPool, CountingLock, round_size
 
 log = logging.getLogger(__name__)
@@ -546,6 +546,64 @@ class StorageRegistry:
             device.pool.free(block)
             return storage.nbytes
         return 0
+
+    def demote(self, tier: Tier, want: int) -> int:
+        """Move the least recently used Storages resting on ``tier`` (the host tier) one
+        tier down their device's chain (the disk), until ``want`` bytes left ``tier``;
+        the bytes moved.  Each move keeps its source until the target is written, and
+        holds the Storage's ``restoring`` event meanwhile, so an op needing it waits for
+        the move and then restores it from wherever it went."""
+        with self._lock:
+            resting = [
+                s
+                for s in self._storages.values()
+                if s.placement is not None and s.placement.tier is tier and s.restoring is None
+            ]
+            resting.sort(key=lambda s: s.last_use)
+            picked, total = [], 0
+            for storage in resting:
+                if total >= want:
+                    break
+                below = self._tier_below(storage, tier)
+                if below is None:
+                    continue
+                storage.refs += 1
+                storage.restoring = threading.Event()
+                picked.append((storage, below))
+                total += storage.nbytes
+        moved = 0
+        for storage, below in picked:
+            moved += self._demote_one(storage, below)
+        return moved
+
+    def _tier_below(self, storage: Storage, tier: Tier) -> Tier | None:
+        chain = self.tiers.get(storage.device.name)
+        if chain is None or tier not in chain.tiers:
+            return None
+        index = chain.tiers.index(tier)
+        return chain.tiers[index + 1] if index + 1 < len(chain.tiers) else None
+
+    def _demote_one(self, storage: Storage, below: Tier) -> int:
+        source = storage.placement
+        assert source is not None, storage
+        placement = None
+        try:
+            placement = below.store(np.frombuffer(source.buffer, dtype=np.uint8), storage.id)
+        except OSError as exc:  # ENOSPC, EIO: counted by the tier; the Storage stays
+            log.warning("demoting %r failed: %s; it stays on the host tier", storage, exc)
+        finally:
+            with self._lock:
+                event, storage.restoring = storage.restoring, None
+                if placement is not None:
+                    storage.placement = placement
+                last = self._decref_locked(storage)  # at zero: the placement now set goes
+            if event is not None:
+                event.set()
+        assert last is None, storage  # a spilled Storage has no block to give back
+        if placement is None:
+            return 0
+        source.tier.release(source)
+        return storage.nbytes
 
     def ensure_resident(self, storages: Sequence[Storage]) -> None:
         """Bring every spilled one of ``storages`` (the caller holds each) back to its
