@@ -296,3 +296,28 @@ def test_concurrent_ops_on_one_spilled_storage_wait_for_one_restore(tmp_path: Pa
         assert disk.figures()["tier.disk.bytes.current"] == 0
     finally:
         disk.close()
+
+
+def test_a_failed_demotion_keeps_the_host_copy(tmp_path: Path) -> None:
+    (device,) = DeviceTable(["cpu=48MiB"])
+    registry = StorageRegistry()
+    host = HostTier(8 << 20)
+    disk = DiskTier(tmp_path, 64 << 20, device.name, io=lambda fd: FailingIO(fd, errno.EIO))
+    registry.tiers[device.name] = TierChain([host, disk])
+    try:
+        storages = [fill_storage(registry, device, 2 << 20, seed) for seed in range(3)]
+        assert registry.spill(device, 6 << 20) == 6 << 20
+        assert all(s.placement is not None and s.placement.tier is host for s in storages)
+        assert registry.demote(host, 6 << 20) == 0  # every disk write failed
+        assert all(s.placement is not None and s.placement.tier is host for s in storages)
+        assert all(s.restoring is None for s in storages)
+        assert disk.figures()["tier.disk.num_spill_failures"] == 3
+        registry.hold_all(storages)
+        registry.ensure_resident(storages)
+        for seed, storage in enumerate(storages):
+            assert np.array_equal(storage.raw(), data(2 << 20, seed))
+        registry.release_holds(storages)
+        assert host.figures()["tier.host.bytes.current"] == 0
+        disk.assert_invariants()
+    finally:
+        disk.close()
