@@ -104,7 +104,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
             ),
         ),
         # the state every op touches: Storages, the compactor moving them, sessions' handles
-        ("state", ("storage", "compactor", "sessions")),
+        ("state", ("tiers", "storage", "compactor", "spiller", "sessions")),
         # the op families, built on ops.context; none reaches a table above it
         ("ops", ("ops",)),
         # the tables a session keeps beyond its handles, and the reports over all of them

@@ -32,7 +32,7 @@ from tensord.local.copies import parallel_copyto
 from tensord.local.mapper import LocalMapper, local_wanted
 from tensord.local.segments import Export
 from tensord.memory_format import memory_format_name, python_type_name
-from tensord.protocol import MAX_PAGE_SIZE
+from tensord.protocol import MAX_PAGE_SIZE, MAX_RELEASE_HANDLES
 from tensord.tensor import Tensor, download, layout_of, own, wrap
 from tensord.wire import requests
 from tensord.wire import status as wire_status
@@ -733,6 +733,16 @@ class Client:
             token = response.next_page_token
             if not token:
                 return snapshot
+
+    def prefetch(self, tensors: Iterable[Tensor]) -> int:
+        """Hint that ``tensors`` are used soon: the server starts restoring those whose
+        Storages it spilled to a lower tier, off this call; the count it queued."""
+        handles = [t.handle for t in tensors]
+        queued = 0
+        for start in range(0, len(handles), MAX_RELEASE_HANDLES):
+            chunk = handles[start : start + MAX_RELEASE_HANDLES]
+            queued += int(self._call("Prefetch", requests.prefetch(chunk)).queued)
+        return queued
 
     def empty_cache(self, device: Any = "cpu") -> int:
         """Return cached, unused segments to the device; the bytes released."""

@@ -229,6 +229,18 @@ class ClusterUnavailableError(UnavailableError):
     Local operations go on: tensors, views, copies and transfers on this node."""
 
 
+class SpillCorruptedError(TensordError, RuntimeError):
+    """The bytes of a Storage the server had spilled to a lower tier (its host buffer or
+    its disk file) did not match their checksum when read back: ``storage_id`` names the
+    Storage and ``tier`` the tier.  The server never hands out such bytes; the Storage stays
+    where it is, unreadable, and everything else serves on."""
+
+    status_code = "DATA_LOSS"
+    detail_fields = ("storage_id", "tier")
+    storage_id: str | None
+    tier: str | None
+
+
 class InternalError(TensordError, RuntimeError):
     """A server-side bug; the server keeps serving."""
 

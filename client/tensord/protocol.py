@@ -76,6 +76,7 @@ MAX_REQUEST_ITEMS = 32768
 LIST_LIMITS: dict[str, tuple[int, str]] = {
     "CatRequest.handles": (MAX_CAT_INPUTS, "MAX_CAT_INPUTS"),
     "ReleaseRequest.handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
+    "PrefetchRequest.handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
     "EmptyExportRequest.release_handles": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
     "ReleaseExportsRequest.export_ids": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),
     "ReleaseExportsRequest.closed_imports": (MAX_RELEASE_HANDLES, "MAX_RELEASE_HANDLES"),

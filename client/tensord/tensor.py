@@ -1213,6 +1213,27 @@ class Tensor(TensorBase, NoMath):
         token: str = self._session.conn.call("Share", request).token
         return token
 
+    # ---- the tiers below the pool ------------------------------------------------------
+
+    def prefetch(self) -> Tensor:
+        """A hint that this tensor is used soon: if the server spilled its Storage to a
+        lower tier (``tensord serve --host-tier``/``--disk-tier``), it starts bringing it back
+        to its device now, off this call.  Returns self."""
+        self._session.conn.call("Prefetch", requests.prefetch([self.handle]))
+        return self
+
+    def pin_to_device(self) -> Tensor:
+        """Keep this tensor's Storage on its device: restored now if spilled, never spilled
+        until :meth:`unpin_from_device` or its last reference goes (every handle on the
+        Storage sees it pinned).  Returns self."""
+        self._session.conn.call("PinToDevice", requests.pin_to_device(self.handle, True))
+        return self
+
+    def unpin_from_device(self) -> Tensor:
+        """Let this tensor's Storage spill again (:meth:`pin_to_device`).  Returns self."""
+        self._session.conn.call("PinToDevice", requests.pin_to_device(self.handle, False))
+        return self
+
     # ---- copies and writes on the server ----------------------------------------------
 
     def _copy_op(self, method: str, request: Any) -> Tensor:

@@ -458,6 +458,14 @@ def release(handles: Iterable[str]) -> pb.ReleaseRequest:
     return pb.ReleaseRequest(handles=handles)
 
 
+def prefetch(handles: Iterable[str]) -> pb.PrefetchRequest:
+    return pb.PrefetchRequest(handles=handles)
+
+
+def pin_to_device(handle: str, pinned: bool) -> pb.PinToDeviceRequest:
+    return pb.PinToDeviceRequest(handle=handle, pinned=pinned)
+
+
 def download(handle: str, chunk_bytes: builtins.int) -> pb.DownloadRequest:
     return pb.DownloadRequest(handle=handle, chunk_bytes=chunk_bytes)
 

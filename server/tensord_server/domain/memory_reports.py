@@ -72,6 +72,7 @@ class MemoryReports:
         imported, imported_bytes = self.exports.import_stats(dev.name)
         stats["exports.imported_segments.current"] = imported  # held open by CUDA IPC clients
         stats["exports.imported_bytes.current"] = imported_bytes
+        stats.update(self.storages.tier_figures(dev))  # tier.* (a device with tiers only)
         return stats
 
     def memory_summary(self, device: str) -> str:

@@ -475,13 +475,21 @@ class SessionManager:
             return self._lookup(session, handle)
 
     @contextmanager
-    def held(self, session: Session, *handles: str) -> Iterator[list[TensorRef]]:
+    def held(
+        self, session: Session, *handles: str, restore: bool = True
+    ) -> Iterator[list[TensorRef]]:
         """The tensors of ``handles``, their Storages kept alive and in place (compaction
-        never moves a held Storage) until the block ends."""
+        never moves a held Storage, nor does a spill) until the block ends; spilled ones
+        restored to their devices first unless not ``restore`` (the caller reads no bytes:
+        a view)."""
         with session.lock:
             refs = [self._lookup(session, h) for h in handles]
             self.storages.hold_all([ref.storage for ref in refs])
         try:
+            # a spilled one comes back first (outside the session's lock: a restore may
+            # allocate, and spill others to make room)
+            if restore:
+                self.storages.ensure_resident([ref.storage for ref in refs])
             yield refs
         finally:
             self.storages.release_holds([ref.storage for ref in refs])
@@ -493,6 +501,11 @@ class SessionManager:
         with session.lock:
             ref = self._lookup(session, handle)
             self.storages.hold(ref.storage)
+        try:
+            self.storages.ensure_resident([ref.storage])  # spilled: back first
+        except BaseException:
+            self.storages.release_hold(ref.storage)
+            raise
         return ref
 
     def reference(

@@ -17,26 +17,44 @@ are counted apart from references for that: a held Storage never moves, and
 while the pool moves blocks it holds the registry's lock, so no hold starts; a
 background move copies without the lock and repoints the Storage only if no hold
 began meanwhile (``uses`` unchanged: :meth:`StorageRegistry.claim`).
+
+Tiers (:mod:`tensord_server.domain.tiers`) are the same move with another target: a
+spill copies an unheld, unpinned Storage to the host tier or a disk extent outside the
+lock, and repoints it there (freeing its block) only if no hold began meanwhile; a
+hold on a spilled Storage restores it first (:meth:`StorageRegistry.ensure_resident`,
+called by the session table once its lock is let go), so every op that touches bytes
+finds them in its pool.  A spilled Storage keeps its id, address and charge.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import secrets
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tensord.dtypes import DType
-from tensord.errors import InternalError, PermissionDeniedError, ResourceExhaustedError
+from tensord.errors import (
+    InternalError,
+    OutOfMemoryError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device
 from tensord_server.domain import limits
 from tensord_server.domain.quotas import TenantLedger
+from tensord_server.domain.tiers import Placement, Tier, TierChain
 from tensord_server.pool import Block, CachingPool, CountingLock, round_size
+
+log = logging.getLogger(__name__)
 
 # The first virtual address handed out (non-zero, like a real pointer) and the alignment
 # of each one (torch's allocators align blocks to 512 B).
@@ -44,6 +62,16 @@ ADDRESS_SPACE_BASE = 1 << 40
 ADDRESS_ALIGNMENT = 512
 # Addresses stay below this (TensorMeta.storage_data_ptr is a uint64; int64 for torch users).
 ADDRESS_SPACE_END = 1 << 63
+
+# Spill watermarks, shares of a device pool's capacity (as Mooncake, LMCache and Ray use):
+# allocated bytes above HIGH wake the background spiller, which spills down to LOW.
+HIGH_WATERMARK = 0.85
+LOW_WATERMARK = 0.70
+# An allocation that would fail spills synchronously, at most this many rounds (each
+# spilling twice the last's bytes, from the request's own size up), then fails.
+SYNC_SPILL_ROUNDS = 6
+# The least a round of spills frees (fewer, bigger holes for the pool to reuse).
+MIN_SPILL_BYTES = 2 << 20
 
 
 class _Hole:
@@ -205,25 +233,33 @@ def charge_for(nbytes: int) -> int:
 
 
 class Storage:
-    """Untyped bytes: one block of one device's pool.
+    """Untyped bytes: one block of one device's pool, or (spilled) one tier's placement.
 
     Invariants: ``0 <= holds <= refs``, both guarded by the registry's lock;
-    ``block`` is allocated in ``device.pool`` exactly while ``refs > 0``
-    (``freed`` after); ``block`` changes only under the registry's lock: by
-    compaction while ``holds == 0``, or by a grow swapping in the block the
-    op holding it filled outside the lock (``StorageRegistry.grow``).
+    exactly one of ``block`` (its pool's) and ``placement`` (a lower tier's) is
+    where its bytes are while ``refs > 0`` (``freed`` after); ``block`` is
+    allocated in ``device.pool`` exactly while the Storage is resident; it changes
+    only under the registry's lock: by compaction while ``holds == 0``, by a
+    grow swapping in the block the op holding it filled outside the lock
+    (``StorageRegistry.grow``), by a spill (``holds == 0``, not ``pinned``) or a
+    restore (its caller holds it).  A held Storage is always resident.
     """
 
     __slots__ = (
+        "_block",
         "address",
-        "block",
         "device",
         "freed",
         "holds",
         "id",
+        "last_use",
         "nbytes",
+        "pinned",
+        "placement",
         "refs",
+        "restoring",
         "tenant",
+        "tiering",
         "uses",
     )
 
@@ -233,7 +269,7 @@ class Storage:
         self.id = secrets.token_hex(8)  # equal for every handle on it, in every session
         self.address = address  # what clients see as data_ptr: fixed for its life
         self.device: Device = device
-        self.block: Block = block
+        self._block: Block | None = block
         self.nbytes: int = nbytes
         self.tenant: str = tenant  # who created it, and is charged its block
         self.refs: int = 0  # handles + share tokens + names + holds
@@ -241,6 +277,33 @@ class Storage:
         # holds ever taken: a grow copying outside the lock sees whether any began meanwhile
         self.uses: int = 0
         self.freed: bool = False
+        # where the bytes rest when not in the pool (None: resident, ``block`` holds them)
+        self.placement: Placement | None = None
+        self.pinned: bool = False  # kept on its device: never spilled (x.pin_memory_tier())
+        self.last_use: int = 0  # the registry's clock at its last hold (LRU order of spills)
+        # set while one thread restores it; the others wait on it for that one restore
+        self.restoring: threading.Event | None = None
+        self.tiering: bool = False  # a spill copies it now: compaction leaves it alone
+
+    @property
+    def block(self) -> Block:
+        """Its block in the pool; only a resident Storage has one (a held one is)."""
+        block = self._block
+        if block is None:
+            raise InternalError(f"the bytes of spilled {self!r} were used without restoring it")
+        return block
+
+    @block.setter
+    def block(self, block: Block) -> None:
+        self._block = block
+
+    @property
+    def resident(self) -> bool:
+        return self._block is not None
+
+    def resident_block(self) -> Block | None:
+        """Its block, or None while spilled (for readers that hold nothing: a report)."""
+        return self._block
 
     @property
     def charge(self) -> int:
@@ -259,9 +322,10 @@ class Storage:
         self.device.backend.write(self.block.segment.memory, self.block.offset + offset, data)
 
     def __repr__(self) -> str:
+        where = "" if self.placement is None else f", on the {self.placement.tier.name} tier"
         return (
             f"Storage({self.id}, {self.device.name}, {self.nbytes} bytes, "
-            f"refs={self.refs}, holds={self.holds})"
+            f"refs={self.refs}, holds={self.holds}{where})"
         )
 
 
@@ -294,6 +358,13 @@ class StorageRegistry:
         # their own stream, so no segment ever holds two tenants' Storages (a same-host
         # client maps whole segments); "" (no authentication) keeps stream 0
         self._streams: dict[str, int] = {"": 0}
+        # device name -> the tiers under its pool (none: an allocation that cannot be served
+        # is an OutOfMemoryError at once, as before tiers)
+        self.tiers: dict[str, TierChain] = {}
+        self._clock = 0  # ticks at every hold: each Storage's last_use, the spills' LRU order
+        # the background spiller's doorbell (a leaf: it only sets an event), rung when an
+        # allocation leaves a pool with tiers above HIGH_WATERMARK
+        self.spill_wanted: Callable[[], None] | None = None
 
     def allocate(self, device: Device, nbytes: int, tenant: str = "") -> Storage:
         """A new Storage charged to ``tenant``; ResourceExhaustedError over its quota."""
@@ -301,7 +372,7 @@ class StorageRegistry:
         # refuse before the pool evicts cached segments or compacts for a request that cannot
         # be kept anyway; the charge below settles races between one tenant's requests
         self.ledger.precheck(tenant, device.name, charge)
-        block = device.pool.malloc(nbytes, self.stream_of(tenant))  # OutOfMemoryError: no undo
+        block = self.malloc(device, nbytes, tenant)  # OutOfMemoryError: no undo
         storage = Storage(device, block, nbytes, tenant)
         storage.refs = storage.holds = 1
         try:
@@ -314,10 +385,285 @@ class StorageRegistry:
                     raise
                 self._storages[storage.id] = storage
                 self._by_block[block] = storage
+                storage.last_use = self._tick()
         except BaseException:
             device.pool.free(block)
             raise
         return storage
+
+    # -- tiers ----------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        """(lock held) The next tick of the LRU clock."""
+        self._clock += 1
+        return self._clock
+
+    def malloc(self, device: Device, nbytes: int, tenant: str) -> Block:
+        """A block of ``device``'s pool for ``tenant``'s Storage; when the pool cannot serve
+        it and the device has tiers, unheld Storages spill synchronously (bounded rounds)
+        until it can; OutOfMemoryError naming each tier's use when every tier is full."""
+        pool, stream = device.pool, self.stream_of(tenant)
+        chain = self.tiers.get(device.name)
+        if chain is not None:
+            # surely beyond the pool: spill first rather than walk its out-of-memory path
+            beyond = pool.allocated_bytes + round_size(nbytes) - pool.capacity
+            if beyond > 0:
+                self.spill(device, max(beyond, MIN_SPILL_BYTES))
+        try:
+            block = pool.malloc(nbytes, stream)
+        except OutOfMemoryError as exc:
+            if chain is None:
+                raise
+            block = self._malloc_spilling(device, nbytes, stream, chain, exc)
+        self._check_watermark(device)
+        return block
+
+    def _malloc_spilling(
+        self, device: Device, nbytes: int, stream: int, chain: TierChain, error: Exception
+    ) -> Block:
+        want = max(nbytes, MIN_SPILL_BYTES)
+        for _ in range(SYNC_SPILL_ROUNDS):
+            if not self.spill(device, want):
+                break
+            try:
+                return device.pool.malloc(nbytes, stream)
+            except OutOfMemoryError as exc:
+                error = exc
+            want *= 2
+        details = getattr(error, "details", {})
+        raise OutOfMemoryError(
+            f"{error} Every tier below it is full or holds nothing that may move: "
+            f"{chain.describe()}.",
+            **details,
+        ) from None
+
+    def _check_watermark(self, device: Device) -> None:
+        pool = device.pool
+        if (
+            self.spill_wanted is not None
+            and device.name in self.tiers
+            and pool.allocated_bytes > HIGH_WATERMARK * pool.capacity
+        ):
+            self.spill_wanted()
+
+    def above_low_watermark(self, device: Device) -> int:
+        """Bytes allocated in ``device``'s pool beyond LOW_WATERMARK (0 when below)."""
+        pool = device.pool
+        return max(0, pool.allocated_bytes - int(LOW_WATERMARK * pool.capacity))
+
+    def spill(self, device: Device, want: int) -> int:
+        """Move the least recently used Storages of ``device`` that nobody holds, no
+        export maps and nobody pinned down a tier until ``want`` bytes are free (or none
+        is left to move), a tenant over its share of the pool first; the bytes freed."""
+        chain = self.tiers.get(device.name)
+        if chain is None or want <= 0:
+            return 0
+        with self._lock:
+            picked = self._spill_candidates(device, want)
+        freed = 0
+        for index, storage in enumerate(picked):
+            try:
+                freed += self._spill_one(storage, chain)
+            except BaseException:
+                for rest in picked[index + 1 :]:
+                    self._unpick(rest)
+                raise
+        return freed
+
+    def _spill_candidates(self, device: Device, want: int) -> list[Storage]:
+        """(lock held) The Storages to spill for ``want`` bytes, each marked ``tiering``
+        with one more reference (so none is freed while its bytes are copied)."""
+        resident = [s for s in self._storages.values() if s.device is device and s.resident]
+        per_tenant: dict[str, int] = {}
+        for storage in resident:
+            per_tenant[storage.tenant] = per_tenant.get(storage.tenant, 0) + storage.nbytes
+        share = device.pool.capacity / max(1, len(per_tenant))  # a fair share each
+        movable = [
+            s for s in resident if s.holds == 0 and not s.pinned and not s.tiering and s.nbytes
+        ]
+        # a tenant over its share first, then the least recently used
+        movable.sort(key=lambda s: (per_tenant[s.tenant] <= share, s.last_use))
+        picked, total = [], 0
+        for storage in movable:
+            if total >= want:
+                break
+            storage.tiering = True
+            storage.refs += 1
+            picked.append(storage)
+            total += storage.nbytes
+        return picked
+
+    def _unpick(self, storage: Storage) -> None:
+        with self._lock:
+            storage.tiering = False
+            block = self._decref_locked(storage)
+        if block is not None:
+            storage.device.pool.free(block)
+
+    def _spill_one(self, storage: Storage, chain: TierChain) -> int:
+        """Copy a picked Storage to the first tier with room, outside the lock, and repoint
+        it there if nobody held it meanwhile; its source stays until the copy is complete
+        (a failed write leaves it where it was, counted by the tier).  The bytes freed."""
+        with self._lock:  # a hold from here on changes ``uses``: the move is dropped then
+            uses, block = storage.uses, storage._block
+            busy = bool(storage.holds or storage.pinned)
+        if block is None or busy:
+            self._unpick(storage)
+            return 0
+        device = storage.device
+        placement = None
+        try:
+            data = _host_bytes(storage, block)
+            for tier in chain.tiers:
+                placement = tier.store(data, storage.id)
+                if placement is not None:
+                    break
+        except OSError as exc:  # ENOSPC, EIO: counted by the tier; the Storage stays
+            log.warning("spilling %r failed: %s; it stays on %s", storage, exc, device.name)
+        except BaseException:
+            self._unpick(storage)
+            raise
+        with self._lock:
+            storage.tiering = False
+            moved = (
+                placement is not None
+                and not storage.freed
+                and storage.holds == 0
+                and storage.uses == uses
+                and not storage.pinned
+                and storage._block is block
+            )
+            if moved:
+                del self._by_block[block]
+                storage._block = None
+                storage.placement = placement
+            last = self._decref_locked(storage)
+        if placement is not None and not moved:
+            placement.tier.release(placement)  # used meanwhile: the copy may be stale
+        if last is not None:
+            device.pool.free(last)
+        if moved:
+            device.pool.free(block)
+            return storage.nbytes
+        return 0
+
+    def demote(self, tier: Tier, want: int) -> int:
+        """Move the least recently used Storages resting on ``tier`` (the host tier) one
+        tier down their device's chain (the disk), until ``want`` bytes left ``tier``;
+        the bytes moved.  Each move keeps its source until the target is written, and
+        holds the Storage's ``restoring`` event meanwhile, so an op needing it waits for
+        the move and then restores it from wherever it went."""
+        with self._lock:
+            resting = [
+                s
+                for s in self._storages.values()
+                if s.placement is not None and s.placement.tier is tier and s.restoring is None
+            ]
+            resting.sort(key=lambda s: s.last_use)
+            picked, total = [], 0
+            for storage in resting:
+                if total >= want:
+                    break
+                below = self._tier_below(storage, tier)
+                if below is None:
+                    continue
+                storage.refs += 1
+                storage.restoring = threading.Event()
+                picked.append((storage, below))
+                total += storage.nbytes
+        moved = 0
+        for storage, below in picked:
+            moved += self._demote_one(storage, below)
+        return moved
+
+    def _tier_below(self, storage: Storage, tier: Tier) -> Tier | None:
+        chain = self.tiers.get(storage.device.name)
+        if chain is None or tier not in chain.tiers:
+            return None
+        index = chain.tiers.index(tier)
+        return chain.tiers[index + 1] if index + 1 < len(chain.tiers) else None
+
+    def _demote_one(self, storage: Storage, below: Tier) -> int:
+        source = storage.placement
+        assert source is not None, storage
+        placement = None
+        try:
+            placement = below.store(np.frombuffer(source.buffer, dtype=np.uint8), storage.id)
+        except OSError as exc:  # ENOSPC, EIO: counted by the tier; the Storage stays
+            log.warning("demoting %r failed: %s; it stays on the host tier", storage, exc)
+        finally:
+            with self._lock:
+                event, storage.restoring = storage.restoring, None
+                if placement is not None:
+                    storage.placement = placement
+                last = self._decref_locked(storage)  # at zero: the placement now set goes
+            if event is not None:
+                event.set()
+        assert last is None, storage  # a spilled Storage has no block to give back
+        if placement is None:
+            return 0
+        source.tier.release(source)
+        return storage.nbytes
+
+    def ensure_resident(self, storages: Sequence[Storage]) -> None:
+        """Bring every spilled one of ``storages`` (the caller holds each) back to its
+        device, verified; concurrent callers on one Storage wait for one restore."""
+        for storage in storages:
+            if storage._block is None:
+                self._restore(storage)
+
+    def _restore(self, storage: Storage) -> None:
+        device = storage.device
+        while True:
+            with self._lock:
+                if storage._block is not None:
+                    return
+                event = storage.restoring
+                owner = event is None
+                if event is None:
+                    event = storage.restoring = threading.Event()
+                placement = storage.placement
+            if not owner:
+                event.wait()
+                continue
+            try:
+                assert placement is not None, storage
+                block = self.malloc(device, storage.nbytes, storage.tenant)
+                try:
+                    _load(placement, storage, block)
+                except BaseException:
+                    device.pool.free(block)
+                    raise
+                with self._lock:
+                    storage._block = block
+                    storage.placement = None
+                    self._by_block[block] = storage
+                    storage.last_use = self._tick()
+                placement.tier.release(placement)
+                placement.tier.count_restore(storage.nbytes)
+                return
+            finally:
+                with self._lock:
+                    storage.restoring = None
+                event.set()
+
+    def set_pinned(self, storage: Storage, pinned: bool) -> None:
+        """Keep ``storage`` on its device (the caller holds it: it is resident) or let it
+        spill again."""
+        with self._lock:
+            storage.pinned = pinned
+
+    def tier_figures(self, device: Device) -> dict[str, int]:
+        """memory_stats()'s ``tier.*`` keys of ``device`` (none without tiers)."""
+        chain = self.tiers.get(device.name)
+        if chain is None:
+            return {}
+        figures = chain.figures()
+        with self._lock:
+            live = [s for s in self._storages.values() if s.device is device]
+            figures["tier.device.storages.current"] = sum(1 for s in live if s.resident)
+            figures["tier.device.pinned.current"] = sum(1 for s in live if s.pinned)
+        return figures
 
     @property
     def lock_waiters(self) -> int:
@@ -343,6 +689,7 @@ class StorageRegistry:
             storage.refs += 1
             storage.holds += 1
             storage.uses += 1
+            storage.last_use = self._tick()
 
     def hold_all(self, storages: Sequence[Storage]) -> None:
         """:meth:`hold` of each, under one acquisition of the lock (a call over thousands of
@@ -355,6 +702,7 @@ class StorageRegistry:
                 storage.refs += 1
                 storage.holds += 1
                 storage.uses += 1
+                storage.last_use = self._tick()
 
     def release_holds(self, storages: Sequence[Storage]) -> None:
         """:meth:`release_hold` of each, under one acquisition of the lock."""
@@ -397,10 +745,16 @@ class StorageRegistry:
             return None
         storage.freed = True
         del self._storages[storage.id]
-        del self._by_block[storage.block]
         self._addresses.give_back(storage.address, storage.nbytes)
         self.ledger.refund(storage.tenant, storage.device.name, storage.charge)
-        return storage.block
+        block = storage._block
+        if block is None:  # spilled: its placement goes (a tier's lock comes after this one)
+            placement, storage.placement = storage.placement, None
+            if placement is not None:
+                placement.tier.release(placement)
+            return None
+        del self._by_block[block]
+        return block
 
     def grow(self, storage: Storage, nbytes: int, tenant: str, own_holds: int = 1) -> None:
         """``storage`` now has ``nbytes`` (more than it had): torch's resize_bytes_cpu.  Every
@@ -427,7 +781,7 @@ class StorageRegistry:
         delta = charge_for(nbytes) - charge_for(old_nbytes)
         self.ledger.grow(storage.tenant, device.name, delta)  # before any work for it
         try:
-            block = device.pool.malloc(nbytes, self.stream_of(storage.tenant))
+            block = self.malloc(device, nbytes, storage.tenant)
             try:
                 new = device.backend.view(block.segment.memory, block.offset, nbytes)
                 _copy_grown(new, storage.raw())  # held by the caller: the block stays put
@@ -547,6 +901,28 @@ class RefCounts:
             storage.device.pool.free(block)
 
 
+def _host_bytes(storage: Storage, block: Block) -> Any:
+    """A spill's source: the block's bytes as a 1-D uint8 host array (zero-copy on the cpu
+    device; a GPU's are read to the host first)."""
+    backend = storage.device.backend
+    if storage.device.xp is np:
+        return backend.view(block.segment.memory, block.offset, storage.nbytes)
+    data = backend.read(block.segment.memory, block.offset, storage.nbytes)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _load(placement: Placement, storage: Storage, block: Block) -> None:
+    """A restore: the placement's bytes into ``block``, verified."""
+    backend = storage.device.backend
+    if storage.device.xp is np:
+        out = backend.view(block.segment.memory, block.offset, storage.nbytes)
+        placement.tier.load(placement, out, storage.id)
+        return
+    staging = np.empty(storage.nbytes, dtype=np.uint8)
+    placement.tier.load(placement, staging, storage.id)
+    backend.write(block.segment.memory, block.offset, staging.data)
+
+
 def _copy_grown(new: Any, old: Any) -> None:
     """A grown Storage's bytes: the old ones first, zeros after (uint8 arrays of one device)."""
     new[: old.shape[0]] = old
@@ -628,7 +1004,12 @@ class MovableBlocks(Mapping[Block, Callable[[Block], None]]):
         if not isinstance(block, Block):
             return None
         storage = self._registry._by_block.get(block)
-        if storage is None or storage.device.pool is not self._pool or storage.holds:
+        if (
+            storage is None
+            or storage.device.pool is not self._pool
+            or storage.holds
+            or storage.tiering
+        ):
             return None
         return storage
 

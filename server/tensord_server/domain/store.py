@@ -12,6 +12,7 @@ background (the reaper, the compactor).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from tensord_server.devices.table import DeviceSpec, DeviceTable
 from tensord_server.domain import limits, paging
@@ -30,6 +31,7 @@ from tensord_server.domain.ops.copies import Copies
 from tensord_server.domain.ops.factories import Factories
 from tensord_server.domain.ops.indexing import Indexing
 from tensord_server.domain.ops.resizing import Resizing
+from tensord_server.domain.ops.tiering import Tiering
 from tensord_server.domain.ops.transfers import Transfers
 from tensord_server.domain.ops.views import Views
 from tensord_server.domain.ops.writes import Writes
@@ -40,7 +42,13 @@ from tensord_server.domain.share_tokens import (
     DEFAULT_SHARE_TTL_S,
     ShareTokens,
 )
+from tensord_server.domain.spiller import (
+    DEFAULT_RESTORE_WORKERS,
+    DEFAULT_SPILL_WORKERS,
+    Spiller,
+)
 from tensord_server.domain.storage import StorageRegistry
+from tensord_server.domain.tiers import DiskTier, HostTier, Tier, TierChain, sweep_scratch
 
 
 class TensorStore:
@@ -66,6 +74,10 @@ class TensorStore:
         max_share_ttl: float = DEFAULT_MAX_SHARE_TTL_S,
         max_op_elements: int | None = limits.DEFAULT_MAX_OP_ELEMENTS,
         max_batch_elements: int | None = limits.DEFAULT_MAX_BATCH_ELEMENTS,
+        host_tier: int | None = None,
+        disk_tier: tuple[str, int] | None = None,
+        spill_workers: int = DEFAULT_SPILL_WORKERS,
+        restore_workers: int = DEFAULT_RESTORE_WORKERS,
     ) -> None:
         self.devices = DeviceTable(devices)
         # worker accounting (create_server tells it the real worker count); without tenants
@@ -83,6 +95,9 @@ class TensorStore:
             None if auth_tokens is None else auth_tokens.values(),
         )
         self.storages = StorageRegistry(TenantLedger(table))
+        # the tiers under the pools (tensord serve --host-tier, --disk-tier): one host
+        # buffer budget shared by every device, one scratch file per device
+        self.tiers: list[Tier] = self._make_tiers(host_tier, disk_tier)
         # compaction (tensord serve --no-compaction turns it off): on the out-of-memory
         # path the pools may move unheld Storages, which the registry repoints
         for device in self.devices:
@@ -114,6 +129,14 @@ class TensorStore:
         # with tenants, empty() zero-fills: no tenant reads bytes another tenant freed
         self.factories = Factories(self.ops, scrub_empty=self.auth_tokens is not None)
         self.transfers = Transfers(self.ops)
+        # spills above the high watermark, and prefetches, off the request path
+        self.spiller = Spiller(
+            self.storages,
+            list(self.devices),
+            spill_workers=spill_workers,
+            restore_workers=restore_workers,
+        )
+        self.tiering = Tiering(self.ops, self.spiller)
         self.batches = Batches(
             self.sessions, self.views, self.copies, self.writes, max_batch_elements
         )
@@ -129,6 +152,33 @@ class TensorStore:
         # it steps aside while any request waits for a lock one of its moves takes
         self.compactor = BackgroundCompactor([d.pool for d in self.devices], self._contended)
 
+    def _make_tiers(self, host_tier: int | None, disk_tier: tuple[str, int] | None) -> list[Tier]:
+        """Each device's TierChain in the registry; every tier made (closed at close())."""
+        made: list[Tier] = []
+        host = HostTier(host_tier) if host_tier else None
+        if host is not None:
+            made.append(host)
+        directory = None
+        if disk_tier is not None:
+            directory = Path(disk_tier[0])
+            if not directory.is_dir():
+                raise ValueError(f"--disk-tier: {directory} is not a directory")
+            sweep_scratch(directory)  # a killed server's scratch files
+        try:
+            for device in self.devices:
+                chain: list[Tier] = [host] if host is not None else []
+                if directory is not None and disk_tier is not None:
+                    disk = DiskTier(directory, disk_tier[1], device.name)
+                    made.append(disk)
+                    chain.append(disk)
+                if chain:
+                    self.storages.tiers[device.name] = TierChain(chain)
+        except BaseException:
+            for tier in made:
+                tier.close()
+            raise
+        return made
+
     def _contended(self) -> bool:
         """Whether a request waits for a lock a background compaction step takes."""
         return bool(
@@ -142,11 +192,15 @@ class TensorStore:
     def start(self) -> None:
         self.sessions.start_reaper()
         self.compactor.start()
+        self.spiller.start()
 
     def close(self) -> None:
         """Stop the reaper and the compactor and release everything (after the gRPC server
         stopped)."""
         self.compactor.close()
+        self.spiller.close()
         self.sessions.shutdown()  # the sessions' share tokens and exports end with them
         self.names.close()
         self.exports.close()
+        for tier in self.tiers:  # scratch: the disk tiers' files go
+            tier.close()

@@ -82,7 +82,11 @@ def device_view(store: TensorStore, device_name: str) -> dict[str, Any]:
     """One device's segments and blocks, each allocated block with its tenant."""
     device = store.devices.get(device_name)
     snapshot = device.pool.memory_snapshot()
-    tenant_at = {s.block.address: s.tenant for s in store.storages.live() if s.device is device}
+    tenant_at = {
+        block.address: s.tenant
+        for s in store.storages.live()
+        if s.device is device and (block := s.resident_block()) is not None
+    }
     stats = device.pool.memory_stats()
     segments = []
     blocks_shown = 0

@@ -105,6 +105,8 @@ POOL_GAUGES = (
     ("allocation.all.current", "tensord_pool_allocations", "Allocated blocks"),
     ("inactive_split.all.current", "tensord_pool_inactive_split_blocks", "Free split blocks"),
     ("storages.live", "tensord_pool_storages", "Live Storages on the device"),
+    ("tier.disk.bytes.current", "tensord_tier_disk_bytes", "Bytes of Storages on the disk tier"),
+    ("tier.host.bytes.current", "tensord_tier_host_bytes", "Bytes of Storages on the host tier"),
     (
         "exports.storages.current",
         "tensord_exported_storages",
@@ -136,6 +138,23 @@ POOL_COUNTERS = (
     ("num_decommits", "tensord_pool_decommits", "Free page ranges given back to the device"),
     ("num_device_alloc", "tensord_pool_device_allocs", "Segments reserved from the device"),
     ("num_device_free", "tensord_pool_device_frees", "Segments released to the device"),
+    # the tiers below the pool (a device with --host-tier / --disk-tier; 0 without)
+    ("tier.disk.spilled_bytes", "tensord_tier_disk_spilled_bytes", "Bytes spilled to disk"),
+    ("tier.disk.restored_bytes", "tensord_tier_disk_restored_bytes", "Bytes restored from disk"),
+    ("tier.disk.num_spills", "tensord_tier_disk_spills", "Storages spilled to the disk tier"),
+    ("tier.disk.num_restores", "tensord_tier_disk_restores", "Storages restored from disk"),
+    (
+        "tier.disk.num_spill_failures",
+        "tensord_tier_disk_spill_failures",
+        "Spills to disk that failed (ENOSPC, EIO): the Storage stayed put",
+    ),
+    (
+        "tier.disk.num_corruptions",
+        "tensord_tier_disk_corruptions",
+        "Restores from disk whose checksum did not match",
+    ),
+    ("tier.host.spilled_bytes", "tensord_tier_host_spilled_bytes", "Bytes spilled to host"),
+    ("tier.host.restored_bytes", "tensord_tier_host_restored_bytes", "Bytes restored from host"),
 )
 
 

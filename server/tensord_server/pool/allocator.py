@@ -347,6 +347,11 @@ class CachingPool:
         return self._lock.waiting
 
     @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the blocks allocated now (no lock): what the tiers' watermarks measure."""
+        return self._allocated()
+
+    @property
     def reserved_bytes(self) -> int:
         """Bytes of the segments reserved now, decommitted pages included (no lock): under a
         commit cap up to the policy's virtual_capacity_factor x capacity."""

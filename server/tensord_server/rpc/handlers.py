@@ -445,6 +445,19 @@ class TensordService:
             released_bytes=self.store.memory_reports.empty_cache(request.device)
         )
 
+    # -- the tiers ----------------------------------------------------------------
+
+    @_unary
+    def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchResponse:
+        session = self._session(context)
+        queued = self.store.tiering.prefetch(session, list(request.handles))
+        return pb.PrefetchResponse(queued=queued)
+
+    @_unary
+    def PinToDevice(self, request: pb.PinToDeviceRequest, context: Any) -> pb.PinToDeviceResponse:
+        self.store.tiering.pin(self._session(context), request.handle, request.pinned)
+        return pb.PinToDeviceResponse()
+
     # -- same-host zero copy ----------------------------------------------------------
 
     @_unary

@@ -38,6 +38,7 @@ from tensord_server.domain.limits import DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX
 from tensord_server.domain.quotas import parse_quota
 from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.share_tokens import DEFAULT_MAX_SHARE_TTL_S, DEFAULT_SHARE_TTL_S
+from tensord_server.domain.spiller import DEFAULT_RESTORE_WORKERS, DEFAULT_SPILL_WORKERS
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import configure_logging  # observability hook
 from tensord_server.pool import (
@@ -293,8 +294,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the address other nodes' clients reach this server at (default: --address "
         "with its real port; its host if it names one)",
     )
+    parser.add_argument(
+        "--host-tier",
+        metavar="LIMIT",
+        help="host memory, outside every pool, that Storages spill to when a device pool is "
+        "past its high watermark or an allocation would fail, e.g. 64GiB (shared by the "
+        "devices; on a cpu-only server the same RAM, beside the pool's limit) (default: none)",
+    )
+    parser.add_argument(
+        "--disk-tier",
+        metavar="DIR=LIMIT",
+        help="a preallocated scratch file of LIMIT bytes per device in DIR that Storages "
+        "spill to below the host tier, checksummed; swept at start, removed at stop, e.g. "
+        "/scratch=8GiB (default: none)",
+    )
+    parser.add_argument(
+        "--spill-workers",
+        type=int,
+        default=DEFAULT_SPILL_WORKERS,
+        metavar="N",
+        help=f"threads spilling in the background (default: {DEFAULT_SPILL_WORKERS})",
+    )
+    parser.add_argument(
+        "--restore-workers",
+        type=int,
+        default=DEFAULT_RESTORE_WORKERS,
+        metavar="N",
+        help=f"threads restoring prefetched Storages (default: {DEFAULT_RESTORE_WORKERS})",
+    )
     # observability hook: --metrics-address, --dashboard-address, --log-format, ...
     serve_observability.add_arguments(parser)
+
+
+def parse_disk_tier(text: str) -> tuple[str, int]:
+    """``--disk-tier DIR=LIMIT`` -> (DIR, bytes); ValueError naming the flag."""
+    directory, sep, limit = text.rpartition("=")
+    if not sep or not directory:
+        raise ValueError(f"--disk-tier {text!r}: expected DIR=LIMIT, e.g. /scratch=8GiB")
+    nbytes = parse_bytes(limit)
+    if nbytes <= 0:
+        raise ValueError(f"--disk-tier {text!r}: its limit must be above 0")
+    return directory, nbytes
+
+
+def parse_host_tier(text: str) -> int:
+    nbytes = parse_bytes(text)
+    if nbytes <= 0:
+        raise ValueError(f"--host-tier {text!r}: its limit must be above 0")
+    return nbytes
 
 
 class UnresolvableHostError(ValueError):
@@ -522,6 +569,8 @@ def run(args: argparse.Namespace) -> int:
         "max_streams_per_tenant",
         "max_op_elements",
         "max_batch_elements",
+        "spill_workers",
+        "restore_workers",
     ):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -554,6 +603,8 @@ def run(args: argparse.Namespace) -> int:
         tokens = read_auth_tokens(args.auth_tokens) if args.auth_tokens is not None else None
         quotas = [parse_quota(text) for text in args.quotas]
         warm_reserve = None if args.warm_reserve is None else parse_bytes(args.warm_reserve)
+        host_tier = None if args.host_tier is None else parse_host_tier(args.host_tier)
+        disk_tier = None if args.disk_tier is None else parse_disk_tier(args.disk_tier)
         store = TensorStore(
             specs,
             session_grace=args.session_grace,
@@ -571,6 +622,10 @@ def run(args: argparse.Namespace) -> int:
             max_share_ttl=args.max_share_ttl,
             max_op_elements=args.max_op_elements,
             max_batch_elements=args.max_batch_elements,
+            host_tier=host_tier,
+            disk_tier=disk_tier,
+            spill_workers=args.spill_workers,
+            restore_workers=args.restore_workers,
         )
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
@@ -617,6 +672,8 @@ def run(args: argparse.Namespace) -> int:
     warning = cleartext_warning(args.address, tokens is not None, tls)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
+    for name, chain in sorted(store.storages.tiers.items()):
+        print(f"tensord tiers under {name}: {chain.describe()}", flush=True)
     for endpoint in endpoints:  # observability hook
         print(f"tensord http on {serve_observability.describe(endpoint, tls)}", flush=True)
     if node is not None:

@@ -15,6 +15,7 @@ kernel -> issue a handle (:meth:`OpContext.issue`).
 ``resizing.py``     resize_, set_ (a handle re-pointed in place, a Storage grown)
 ``transfers.py``    upload and download of raw bytes
 ``batch.py``        a pipelined Batch: queued views, writes and releases, in order
+``tiering.py``      tier hints: prefetch spilled Storages, pin a Storage to its device
 ==================  =================================================================
 
 The :class:`~tensord_server.domain.store.TensorStore` makes one object of each family

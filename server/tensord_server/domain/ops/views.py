@@ -128,10 +128,12 @@ class Views:
         """``chosen``: the results' ids, as a pipelined client chose them; a view
         registers them directly.  A flatten that copies ignores them (its caller renames)."""
         sessions = self.ops.sessions
-        with sessions.held(session, handle) as (ref,):  # metadata only: no kernel context
+        # metadata only: no kernel context, and a spilled Storage stays where it is
+        with sessions.held(session, handle, restore=False) as (ref,):
             check_view_cost(ref.layout, op, lambda wanted: sessions.check_room(session, wanted))
             results = apply_view(ref, op)
             if results is None:  # flatten of a non-viewable tensor copies, as reshape does
+                self.ops.storages.ensure_resident([ref.storage])
                 return [reshape_copy(self.ops, session, ref, flattened_shape(ref.layout.shape, op))]
             handles = self.ops.sessions.register_all(session, results, chosen)
             return [Issued(h, r) for h, r in zip(handles, results, strict=True)]

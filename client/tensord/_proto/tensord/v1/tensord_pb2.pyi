@@ -688,6 +688,30 @@ class EmptyCacheResponse(_message.Message):
     released_bytes: int
     def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, handles: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
+class PinToDeviceRequest(_message.Message):
+    __slots__ = ("handle", "pinned")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    pinned: bool
+    def __init__(self, handle: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PinToDeviceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ExportRequest(_message.Message):
     __slots__ = ("handle", "server_instance", "mapped_segments")
     HANDLE_FIELD_NUMBER: _ClassVar[int]

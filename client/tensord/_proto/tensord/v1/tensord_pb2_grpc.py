@@ -204,6 +204,16 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/tensord.v1.Tensord/Prefetch',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.PinToDevice = channel.unary_unary(
+                '/tensord.v1.Tensord/PinToDevice',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.PinToDeviceRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.PinToDeviceResponse.FromString,
+                _registered_method=True)
         self.Export = channel.unary_unary(
                 '/tensord.v1.Tensord/Export',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ExportRequest.SerializeToString,
@@ -488,6 +498,25 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """---- the tiers below the pools (tensord serve --host-tier, --disk-tier) -----------
+        A hint that the handles' Storages are used soon: the spilled ones are queued for a
+        restore to their devices on the server's restore workers; the call does not wait for
+        them (an op on one waits for its restore). A view needs no restore; any op reading or
+        writing bytes restores first. At most MAX_RELEASE_HANDLES handles.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinToDevice(self, request, context):
+        """pinned: the handle's Storage is restored if spilled and kept on its device until
+        unpinned or freed; false: it may spill again. Only its own tenant may pin it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Export(self, request, context):
         """---- Same-host zero copy -------------------------------------------------------
         Pins the handle's Storage (compaction never moves it, quotas still charge it) and
@@ -736,6 +765,16 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.EmptyCache,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.PrefetchRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'PinToDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinToDevice,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.PinToDeviceRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.PinToDeviceResponse.SerializeToString,
             ),
             'Export': grpc.unary_unary_rpc_method_handler(
                     servicer.Export,
@@ -1696,6 +1735,60 @@ class Tensord:
             '/tensord.v1.Tensord/EmptyCache',
             tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.EmptyCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/Prefetch',
+            tensord_dot_v1_dot_tensord__pb2.PrefetchRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinToDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/PinToDevice',
+            tensord_dot_v1_dot_tensord__pb2.PinToDeviceRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.PinToDeviceResponse.FromString,
             options,
             channel_credentials,
             insecure,

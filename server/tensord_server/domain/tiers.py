@@ -1,0 +1,450 @@
+"""The tiers below a device's pool: a host buffer and a disk extent file.
+
+A Storage lives in exactly one place at a time: its device's pool, the host tier or an
+extent of the disk tier (:class:`Placement` says which, and where).  The registry
+(:class:`~tensord_server.domain.storage.StorageRegistry`) moves it; this module only
+stores and loads bytes, and counts.
+
+- :class:`ExtentAllocator`: first fit over the free extents of one file, in address
+  order, coalesced on every free; every extent aligned to :data:`EXTENT_ALIGNMENT`, so
+  the file's physical use is never above its capacity.
+- :class:`DiskTier`: one preallocated scratch file per device (``--disk-tier DIR=CAP``),
+  every extent checksummed (zlib.crc32 of each ``IO_CHUNK_BYTES`` chunk, computed on the
+  tier's checksum threads while the chunks are written or read: crc32 runs at about the
+  page cache's rate, so in line it would halve a spill's) and verified on load; a mismatch
+  is :class:`~tensord.errors.SpillCorruptedError` naming the Storage.  The file is flocked by its owner; a server starting sweeps every
+  unlocked scratch file of the directory (a killed server's), and removes its own at stop.
+- :class:`HostTier`: plain host buffers outside every pool, under one cap
+  (``--host-tier CAP``); on a GPU host it is the level between the device and the disk,
+  on a cpu-only server the same RAM, outside the pool's own limit.
+
+Lock order: the registry's lock, then a tier's own (a tier never calls the registry).
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import os
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensord.errors import SpillCorruptedError
+
+# Extents start and end on this boundary (a page: aligned I/O, and no two extents share one).
+EXTENT_ALIGNMENT = 4096
+# Disk I/O moves this much per system call: large enough to run at the file's rate,
+# small enough that a checksum and a write of neighbouring chunks overlap.
+IO_CHUNK_BYTES = 8 << 20
+# Threads checksumming a disk tier's chunks (each chunk has its own crc32, so chunks are
+# checksummed side by side where cores are free).
+CHECKSUM_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+# The name every scratch file of a disk tier starts with (the sweep removes only these).
+SCRATCH_PREFIX = "tensord-spill-"
+SCRATCH_SUFFIX = ".tier"
+
+
+def align_up(nbytes: int, alignment: int = EXTENT_ALIGNMENT) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+class ExtentAllocator:
+    """Aligned extents of a file of ``capacity`` bytes: first fit, coalesced.  Not
+    thread-safe (its tier's lock guards it).
+
+    Invariants (:meth:`assert_invariants`): the free extents are sorted by offset, never
+    empty, never adjacent (a free merges with both neighbours), never overlapping any
+    used one; every offset and size is aligned; used + free == capacity.
+    """
+
+    def __init__(self, capacity: int, alignment: int = EXTENT_ALIGNMENT) -> None:
+        if capacity < 0 or capacity % alignment:
+            raise ValueError(f"capacity {capacity} is not a multiple of {alignment}")
+        self.capacity = capacity
+        self.alignment = alignment
+        self._starts: list[int] = [0] if capacity else []  # free extents' offsets, sorted
+        self._sizes: list[int] = [capacity] if capacity else []  # ... and their sizes
+        self._used: dict[int, int] = {}  # offset -> size of each extent handed out
+        self.used = 0
+        self.peak = 0
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a new extent of at least ``nbytes``; None when none fits."""
+        size = align_up(max(nbytes, 1), self.alignment)
+        for index, free in enumerate(self._sizes):
+            if free >= size:
+                offset = self._starts[index]
+                if free == size:
+                    del self._starts[index], self._sizes[index]
+                else:
+                    self._starts[index] += size
+                    self._sizes[index] -= size
+                self._used[offset] = size
+                self.used += size
+                self.peak = max(self.peak, self.used)
+                return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        size = self._used.pop(offset)  # KeyError: not an extent handed out
+        self.used -= size
+        index = bisect.bisect_left(self._starts, offset)
+        if index < len(self._starts) and offset + size == self._starts[index]:
+            size += self._sizes[index]  # merge the free extent after
+            del self._starts[index], self._sizes[index]
+        if index > 0 and self._starts[index - 1] + self._sizes[index - 1] == offset:
+            self._sizes[index - 1] += size  # merge into the free extent before
+            return
+        self._starts.insert(index, offset)
+        self._sizes.insert(index, size)
+
+    def largest_free(self) -> int:
+        return max(self._sizes, default=0)
+
+    def assert_invariants(self) -> None:
+        spans = sorted(
+            [(s, n, "free") for s, n in zip(self._starts, self._sizes, strict=True)]
+            + [(s, n, "used") for s, n in self._used.items()]
+        )
+        assert self._starts == sorted(self._starts), self._starts
+        end = 0
+        previous = ""
+        for start, size, kind in spans:
+            assert size > 0 and start % self.alignment == 0 and size % self.alignment == 0, (
+                start,
+                size,
+            )
+            assert start == end, ("gap or overlap", start, end, spans)
+            assert not (kind == previous == "free"), ("adjacent free extents", start, spans)
+            end, previous = start + size, kind
+        assert end == self.capacity, (end, self.capacity)
+        assert self.used == sum(self._used.values()), (self.used, self._used)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a spilled Storage's bytes rest: ``tier`` (a :class:`HostTier` or
+    :class:`DiskTier`), its extent's ``offset`` (disk) or buffer (host), and the
+    checksums of its ``nbytes`` bytes (one per ``IO_CHUNK_BYTES`` chunk)."""
+
+    tier: Tier
+    nbytes: int
+    checksum: tuple[int, ...]
+    offset: int = 0
+    buffer: Any = None
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One tier's figures (memory_stats()'s ``tier.<name>.*``); its tier's lock guards them."""
+
+    capacity: int
+    current: int = 0  # bytes of Storages resting here (aligned extents for the disk)
+    peak: int = 0
+    storages: int = 0
+    spills: int = 0  # Storages moved here
+    restores: int = 0  # Storages moved back to their device from here
+    spilled_bytes: int = 0
+    restored_bytes: int = 0
+    spill_failures: int = 0  # writes that failed (ENOSPC, EIO): the Storage stayed put
+    corruptions: int = 0  # loads whose checksum did not match
+
+    def items(self, name: str) -> dict[str, int]:
+        prefix = f"tier.{name}."
+        return {
+            prefix + "capacity_bytes": self.capacity,
+            prefix + "bytes.current": self.current,
+            prefix + "bytes.peak": self.peak,
+            prefix + "storages.current": self.storages,
+            prefix + "num_spills": self.spills,
+            prefix + "num_restores": self.restores,
+            prefix + "spilled_bytes": self.spilled_bytes,
+            prefix + "restored_bytes": self.restored_bytes,
+            prefix + "num_spill_failures": self.spill_failures,
+            prefix + "num_corruptions": self.corruptions,
+        }
+
+
+class Tier:
+    """What the registry asks of a tier: store, load (verified), release; thread-safe."""
+
+    name = ""
+
+    def __init__(self, capacity: int) -> None:
+        self._lock = threading.Lock()
+        self.stats = TierStats(capacity)
+
+    def store(self, data: Any, storage_id: str) -> Placement | None:
+        """Copy ``data`` (a 1-D uint8 array) here; None when there is no room.  Raises
+        OSError when the copy failed (nothing is kept then)."""
+        raise NotImplementedError
+
+    def load(self, placement: Placement, out: Any, storage_id: str) -> None:
+        """Copy the bytes back into ``out`` (a 1-D uint8 array), verified; raises
+        SpillCorruptedError on a checksum mismatch, OSError on a failed read."""
+        raise NotImplementedError
+
+    def release(self, placement: Placement) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give everything back (the server stops)."""
+
+    def describe(self) -> str:
+        with self._lock:
+            return f"{self.name} tier {self.stats.current} of {self.stats.capacity} bytes"
+
+    def _count_store(self, size: int, nbytes: int) -> None:
+        stats = self.stats
+        stats.current += size
+        stats.peak = max(stats.peak, stats.current)
+        stats.storages += 1
+        stats.spills += 1
+        stats.spilled_bytes += nbytes
+
+    def _count_release(self, size: int) -> None:
+        self.stats.current -= size
+        self.stats.storages -= 1
+
+    def count_restore(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.restores += 1
+            self.stats.restored_bytes += nbytes
+
+    def figures(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.items(self.name)
+
+
+def chunks(view: memoryview) -> list[memoryview]:
+    """``view`` in ``IO_CHUNK_BYTES`` pieces (one empty piece for no bytes)."""
+    return [view[start : start + IO_CHUNK_BYTES] for start in range(0, len(view), IO_CHUNK_BYTES)]
+
+
+def checksum(data: Any) -> tuple[int, ...]:
+    """zlib.crc32 of each chunk of a 1-D uint8 array (it releases the GIL)."""
+    return tuple(zlib.crc32(chunk) for chunk in chunks(memoryview(data).cast("B")))
+
+
+def _corrupted(storage_id: str, tier: str) -> SpillCorruptedError:
+    return SpillCorruptedError(
+        f"the bytes of Storage {storage_id} read back from the {tier} tier do not match "
+        "their checksum: they were changed or lost while spilled (the Storage keeps them "
+        "there; it cannot be read)",
+        storage_id=storage_id,
+        tier=tier,
+    )
+
+
+class HostTier(Tier):
+    """Host buffers outside every pool, ``capacity`` bytes in all."""
+
+    name = "host"
+
+    def store(self, data: Any, storage_id: str) -> Placement | None:
+        nbytes = int(data.shape[0])
+        with self._lock:
+            if self.stats.current + nbytes > self.stats.capacity:
+                return None
+            self.stats.current += nbytes  # reserved before the copy, outside the lock
+        try:
+            buffer = bytearray(memoryview(data).cast("B"))
+        except BaseException:
+            with self._lock:
+                self.stats.current -= nbytes
+                self.stats.spill_failures += 1
+            raise
+        placement = Placement(self, nbytes, checksum(buffer), buffer=buffer)
+        with self._lock:
+            self.stats.current -= nbytes
+            self._count_store(nbytes, nbytes)
+        return placement
+
+    def load(self, placement: Placement, out: Any, storage_id: str) -> None:
+        view = memoryview(out).cast("B")
+        view[:] = placement.buffer
+        if checksum(view) != placement.checksum:
+            with self._lock:
+                self.stats.corruptions += 1
+            raise _corrupted(storage_id, self.name)
+
+    def release(self, placement: Placement) -> None:
+        with self._lock:
+            self._count_release(placement.nbytes)
+
+
+class ExtentIO:
+    """The file under a :class:`DiskTier`: positioned writes and reads (tests replace it
+    with one that fails as a full or broken disk does)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, offset: int, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            written = os.pwrite(self.fd, data[done:], offset + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "short write to the disk tier")
+            done += written
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        done = 0
+        while done < len(out):
+            read = os.preadv(self.fd, [out[done:]], offset + done)
+            if read <= 0:
+                raise OSError(errno.EIO, "short read from the disk tier")
+            done += read
+
+
+def sweep_scratch(directory: Path) -> list[Path]:
+    """Remove the scratch files of ``directory`` no live server holds (a killed one's:
+    its flock went with it); the paths removed."""
+    removed = []
+    for path in sorted(directory.glob(f"{SCRATCH_PREFIX}*{SCRATCH_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # a live server's file
+            continue
+        try:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+class DiskTier(Tier):
+    """One preallocated scratch file of ``capacity`` bytes in ``directory`` for one device,
+    its extents checksummed."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        device: str,
+        io: Callable[[int], ExtentIO] = ExtentIO,
+    ) -> None:
+        capacity = capacity // EXTENT_ALIGNMENT * EXTENT_ALIGNMENT
+        super().__init__(capacity)
+        self.directory = Path(directory)
+        safe = "".join(c if c.isalnum() else "-" for c in device)
+        self.path = self.directory / f"{SCRATCH_PREFIX}{safe}-{os.getpid()}{SCRATCH_SUFFIX}"
+        self._extents = ExtentAllocator(capacity)
+        self._writing = 0  # bytes of extents handed out whose writes are under way
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, capacity) if capacity else None
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise  # ENOSPC: the directory cannot hold the cap
+                os.ftruncate(fd, capacity)  # a filesystem without fallocate: sparse
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self._fd = fd
+        self.io = io(fd)
+        # checksums a chunk while the caller writes or reads the next (both let the GIL go)
+        self._checksums = ThreadPoolExecutor(
+            CHECKSUM_THREADS, thread_name_prefix="tensord-checksum"
+        )
+
+    def store(self, data: Any, storage_id: str) -> Placement | None:
+        nbytes = int(data.shape[0])
+        size = align_up(max(nbytes, 1))
+        with self._lock:
+            offset = self._extents.allocate(nbytes)
+            if offset is None:
+                return None
+            self._writing += size
+        try:
+            value = self._write(offset, memoryview(data).cast("B"))
+        except BaseException:
+            with self._lock:
+                self._writing -= size
+                self._extents.free(offset)
+                self.stats.spill_failures += 1
+            raise
+        with self._lock:
+            self._writing -= size
+            self._count_store(size, nbytes)
+        return Placement(self, nbytes, value, offset=offset)
+
+    def _write(self, offset: int, view: memoryview) -> tuple[int, ...]:
+        pieces = chunks(view)
+        sums = [self._checksums.submit(zlib.crc32, piece) for piece in pieces]
+        try:
+            for index, piece in enumerate(pieces):
+                self.io.write(offset + index * IO_CHUNK_BYTES, piece)
+        finally:
+            values = tuple(future.result() for future in sums)
+        return values
+
+    def load(self, placement: Placement, out: Any, storage_id: str) -> None:
+        sums: list[Future[int]] = []
+        try:
+            for index, piece in enumerate(chunks(memoryview(out).cast("B"))):
+                self.io.read_into(placement.offset + index * IO_CHUNK_BYTES, piece)
+                sums.append(self._checksums.submit(zlib.crc32, piece))
+        finally:
+            values = tuple(future.result() for future in sums)
+        if values != placement.checksum:
+            with self._lock:
+                self.stats.corruptions += 1
+            raise _corrupted(storage_id, self.name)
+
+    def release(self, placement: Placement) -> None:
+        with self._lock:
+            self._extents.free(placement.offset)
+            self._count_release(align_up(max(placement.nbytes, 1)))
+
+    def assert_invariants(self) -> None:
+        with self._lock:
+            self._extents.assert_invariants()
+            used = self._extents.used
+            assert self.stats.current + self._writing == used <= self.stats.capacity, (
+                self.stats,
+                self._writing,
+                used,
+            )
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._checksums.shutdown(wait=True)
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = -1
+
+
+@dataclass
+class TierChain:
+    """The tiers under one device, top first (host, then disk): a spill goes to the first
+    with room."""
+
+    tiers: list[Tier]
+
+    def describe(self) -> str:
+        return "; ".join(tier.describe() for tier in self.tiers) or "no tiers"
+
+    def figures(self) -> dict[str, int]:
+        result: dict[str, int] = {}
+        for tier in self.tiers:
+            result.update(tier.figures())
+        return result

@@ -1,0 +1,323 @@
+"""The disk tier's parts, in process: the extent allocator's invariants, checksummed
+extents, a disk that fails (ENOSPC, EIO), a corrupted extent, the scratch sweep."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensord.errors import OutOfMemoryError, SpillCorruptedError
+from tensord_server.devices.table import DeviceTable
+from tensord_server.domain.storage import StorageRegistry
+from tensord_server.domain.tiers import (
+    EXTENT_ALIGNMENT,
+    SCRATCH_PREFIX,
+    DiskTier,
+    ExtentAllocator,
+    ExtentIO,
+    HostTier,
+    TierChain,
+    sweep_scratch,
+)
+
+A = EXTENT_ALIGNMENT
+
+
+# ---- the extent allocator ---------------------------------------------------------------
+
+
+def test_first_fit_splits_and_a_free_coalesces_with_both_neighbours() -> None:
+    extents = ExtentAllocator(8 * A)
+    a, b, c = (extents.allocate(A) for _ in range(3))
+    assert (a, b, c) == (0, A, 2 * A)
+    assert extents.allocate(1) == 3 * A  # one byte takes one aligned unit
+    extents.free(b)  # type: ignore[arg-type]
+    assert extents.allocate(A + 1) == 4 * A  # the hole at A is too small: first fit after
+    extents.free(a)  # type: ignore[arg-type]
+    extents.free(c)  # type: ignore[arg-type]
+    extents.assert_invariants()
+    assert extents.allocate(3 * A) == 0  # a, b and c coalesced into one free extent
+    extents.assert_invariants()
+
+
+def test_the_allocator_refuses_what_does_not_fit_and_counts_its_peak() -> None:
+    extents = ExtentAllocator(4 * A)
+    assert extents.allocate(4 * A) == 0
+    assert extents.allocate(1) is None
+    assert extents.used == extents.peak == 4 * A
+    extents.free(0)
+    assert extents.used == 0 and extents.peak == 4 * A
+    assert extents.largest_free() == 4 * A
+    with pytest.raises(KeyError):
+        extents.free(0)  # not handed out (twice freed)
+
+
+def test_the_invariants_check_catches_a_broken_free_list() -> None:
+    extents = ExtentAllocator(4 * A)
+    extents.allocate(A)
+    extents._sizes[0] += A  # an overlap with the used extent
+    with pytest.raises(AssertionError):
+        extents.assert_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * A)), max_size=60), st.randoms())
+def test_the_allocator_keeps_its_invariants_under_any_sequence(
+    steps: list[tuple[bool, int]], rnd: random.Random
+) -> None:
+    extents = ExtentAllocator(32 * A)
+    live: dict[int, int] = {}
+    for allocate, nbytes in steps:
+        if allocate or not live:
+            offset = extents.allocate(nbytes)
+            if offset is None:
+                assert extents.largest_free() < -(-nbytes // A) * A
+            else:
+                for other, size in live.items():  # never overlaps a live extent
+                    assert offset + nbytes <= other or other + size <= offset
+                live[offset] = nbytes
+        else:
+            offset = rnd.choice(sorted(live))
+            extents.free(offset)
+            del live[offset]
+        extents.assert_invariants()
+        assert extents.used <= extents.capacity
+
+
+# ---- the disk tier ------------------------------------------------------------------------
+
+
+def data(nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_an_extent_reads_back_verified_and_the_file_never_passes_its_cap(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 64 * A, "cpu")
+    try:
+        assert tier.path.stat().st_size == 64 * A  # preallocated to its cap
+        stored = [(tier.store(data(n, n), f"s{n}"), n) for n in (1, 5000, 3 * A)]
+        for placement, n in stored:
+            assert placement is not None
+            out = np.empty(n, dtype=np.uint8)
+            tier.load(placement, out, f"s{n}")
+            assert np.array_equal(out, data(n, n))
+        tier.assert_invariants()
+        assert tier.store(data(64 * A), "big") is None  # no room: nothing written
+        assert tier.path.stat().st_size == 64 * A
+        for placement, _ in stored:
+            tier.release(placement)  # type: ignore[arg-type]
+        assert tier.figures()["tier.disk.bytes.current"] == 0
+        assert tier.figures()["tier.disk.bytes.peak"] == A + 2 * A + 3 * A
+    finally:
+        tier.close()
+    assert not tier.path.exists()  # scratch: removed at stop
+
+
+def test_a_corrupted_extent_is_the_typed_error_naming_the_storage(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 16 * A, "cpu")
+    try:
+        placement = tier.store(data(3 * A), "abc123")
+        assert placement is not None
+        with open(tier.path, "r+b") as f:  # one flipped byte inside the extent
+            f.seek(placement.offset + 100)
+            byte = f.read(1)
+            f.seek(placement.offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(SpillCorruptedError, match="abc123") as raised:
+            tier.load(placement, np.empty(3 * A, dtype=np.uint8), "abc123")
+        assert raised.value.storage_id == "abc123" and raised.value.tier == "disk"
+        assert tier.figures()["tier.disk.num_corruptions"] == 1
+    finally:
+        tier.close()
+
+
+def test_a_changed_host_buffer_is_the_typed_error_too() -> None:
+    tier = HostTier(1 << 20)
+    placement = tier.store(data(1000), "h1")
+    assert placement is not None
+    placement.buffer[7] ^= 1
+    with pytest.raises(SpillCorruptedError, match="h1"):
+        tier.load(placement, np.empty(1000, dtype=np.uint8), "h1")
+
+
+class FailingIO(ExtentIO):
+    """A disk that fails every write after the first ``good`` with ``code``."""
+
+    def __init__(self, fd: int, code: int = errno.ENOSPC, good: int = 0) -> None:
+        super().__init__(fd)
+        self.code = code
+        self.good = good
+
+    def write(self, offset: int, view: memoryview) -> None:
+        if self.good <= 0:
+            raise OSError(self.code, os.strerror(self.code))
+        self.good -= 1
+        super().write(offset, view)
+
+
+def registry_over(tmp_path: Path, io: Any = ExtentIO, capacity: str = "cpu=48MiB") -> Any:
+    device = next(iter(DeviceTable([capacity])))
+    registry = StorageRegistry()
+    disk = DiskTier(tmp_path, 256 << 20, device.name, io=io)
+    registry.tiers[device.name] = TierChain([disk])
+    return registry, device, disk
+
+
+def fill_storage(registry: StorageRegistry, device: Any, nbytes: int, seed: int) -> Any:
+    storage = registry.allocate(device, nbytes)
+    storage.raw()[:] = data(nbytes, seed)
+    registry.incref(storage)  # a handle's reference, beside the creating op's hold
+    registry.release_hold(storage)
+    return storage
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_a_failing_disk_leaves_every_storage_where_it_was_and_counts(
+    tmp_path: Path, code: int
+) -> None:
+    registry, device, disk = registry_over(tmp_path, lambda fd: FailingIO(fd, code), "cpu=24MiB")
+    try:
+        kept = [fill_storage(registry, device, 4 << 20, seed) for seed in range(4)]
+        assert registry.spill(device, 8 << 20) == 0  # every write failed
+        assert all(s.resident and s.placement is None for s in kept)
+        figures = disk.figures()
+        assert figures["tier.disk.num_spill_failures"] >= 1
+        assert figures["tier.disk.bytes.current"] == 0
+        disk.assert_invariants()
+        with pytest.raises(OutOfMemoryError, match="disk tier 0 of") as raised:
+            for _ in range(8):  # more than the pool holds: no tier takes anything
+                kept.append(registry.allocate(device, 4 << 20))
+        assert raised.value.device == "cpu"
+        for seed, storage in enumerate(kept[:4]):
+            registry.hold(storage)
+            assert np.array_equal(storage.raw(), data(4 << 20, seed))  # not a byte lost
+            registry.release_hold(storage)
+    finally:
+        disk.close()
+
+
+def test_a_spill_restores_verified_and_corruption_names_the_storage(tmp_path: Path) -> None:
+    registry, device, disk = registry_over(tmp_path)
+    try:
+        storages = [fill_storage(registry, device, 2 << 20, seed) for seed in range(4)]
+        assert registry.spill(device, 8 << 20) == 8 << 20
+        assert not any(s.resident for s in storages)
+        victim = storages[1]
+        assert victim.placement is not None
+        with open(disk.path, "r+b") as f:
+            f.seek(victim.placement.offset + 12345)
+            f.write(b"\x00\x01\x02\x03")
+        registry.hold_all(storages)
+        with pytest.raises(SpillCorruptedError) as raised:
+            registry.ensure_resident(storages)
+        assert raised.value.storage_id == victim.id
+        assert not victim.resident  # it stays where it was: never silent data
+        registry.ensure_resident([s for s in storages if s is not victim])
+        for seed, storage in enumerate(storages):
+            if storage is not victim:
+                assert np.array_equal(storage.raw(), data(2 << 20, seed))
+        registry.release_holds(storages)
+        for storage in storages:
+            registry.decref(storage)
+        disk.assert_invariants()
+        assert disk.figures()["tier.disk.bytes.current"] == 0  # the freed extent went too
+    finally:
+        disk.close()
+
+
+# ---- the scratch sweep --------------------------------------------------------------------
+
+
+def test_the_sweep_removes_a_dead_servers_file_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    dead = tmp_path / f"{SCRATCH_PREFIX}cpu-99999.tier"
+    dead.write_bytes(b"x" * 100)
+    other = tmp_path / "unrelated.tier"
+    other.write_bytes(b"y")
+    live = DiskTier(tmp_path, 4 * A, "cpu")
+    try:
+        assert sweep_scratch(tmp_path) == [dead]
+        assert live.path.exists() and other.exists() and not dead.exists()
+        # a file another server's tier holds (its flock: a lock of another open file
+        # description, as another process's is) is live: kept
+        held = tmp_path / f"{SCRATCH_PREFIX}cuda-0-1.tier"
+        held.write_bytes(b"z")
+        fd = os.open(held, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert sweep_scratch(tmp_path) == []
+            assert held.exists()
+        finally:
+            os.close(fd)
+        assert sweep_scratch(tmp_path) == [held]  # its owner is gone
+    finally:
+        live.close()
+
+
+class SlowReads(ExtentIO):
+    """A disk whose reads take a while: concurrent restores overlap."""
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        time.sleep(0.05)
+        super().read_into(offset, out)
+
+
+def test_concurrent_ops_on_one_spilled_storage_wait_for_one_restore(tmp_path: Path) -> None:
+    registry, device, disk = registry_over(tmp_path, SlowReads)
+    try:
+        storage = fill_storage(registry, device, 2 << 20, 7)
+        assert registry.spill(device, 1) == 2 << 20
+        barrier = threading.Barrier(4)
+        seen: list[bool] = []
+
+        def op() -> None:
+            registry.hold(storage)
+            barrier.wait()
+            registry.ensure_resident([storage])
+            seen.append(bool(np.array_equal(storage.raw(), data(2 << 20, 7))))
+            registry.release_hold(storage)
+
+        threads = [threading.Thread(target=op) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert seen == [True] * 4
+        assert disk.figures()["tier.disk.num_restores"] == 1
+        assert disk.figures()["tier.disk.bytes.current"] == 0
+    finally:
+        disk.close()
+
+
+def test_a_failed_demotion_keeps_the_host_copy(tmp_path: Path) -> None:
+    (device,) = DeviceTable(["cpu=48MiB"])
+    registry = StorageRegistry()
+    host = HostTier(8 << 20)
+    disk = DiskTier(tmp_path, 64 << 20, device.name, io=lambda fd: FailingIO(fd, errno.EIO))
+    registry.tiers[device.name] = TierChain([host, disk])
+    try:
+        storages = [fill_storage(registry, device, 2 << 20, seed) for seed in range(3)]
+        assert registry.spill(device, 6 << 20) == 6 << 20
+        assert all(s.placement is not None and s.placement.tier is host for s in storages)
+        assert registry.demote(host, 6 << 20) == 0  # every disk write failed
+        assert all(s.placement is not None and s.placement.tier is host for s in storages)
+        assert all(s.restoring is None for s in storages)
+        assert disk.figures()["tier.disk.num_spill_failures"] == 3
+        registry.hold_all(storages)
+        registry.ensure_resident(storages)
+        for seed, storage in enumerate(storages):
+            assert np.array_equal(storage.raw(), data(2 << 20, seed))
+        registry.release_holds(storages)
+        assert host.figures()["tier.host.bytes.current"] == 0
+        disk.assert_invariants()
+    finally:
+        disk.close()
