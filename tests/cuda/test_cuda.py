@@ -318,7 +318,7 @@ def test_two_processes_share_a_gpu_storage_through_torch_from_dlpack(
     import textwrap
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     values = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
     x = c.zeros(64, 48, device=GPU)
     x.copy_(c.tensor(values + 1, device=GPU))  # a copy queued on the server's stream

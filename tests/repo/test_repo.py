@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:
@@ -40,6 +40,18 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_readme_server_command_uses_the_console_script() -> None:
     commands = readme_commands()
     assert any(c.endswith("tensord serve") for c in commands), commands
+
+
+def test_every_test_folder_is_on_the_pytest_pythonpath() -> None:
+    """The tests live in folders by layer and import the shared helpers and each other's
+    modules by bare name: a folder missing from pytest's ``pythonpath`` would import only
+    when pytest happened to collect one of its files first."""
+    import tomllib
+
+    pytest_options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]
+    on_path = set(pytest_options["ini_options"]["pythonpath"])
+    folders = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")}
+    assert folders - on_path == set(), "add these to pythonpath in pyproject.toml"
 
 
 # The Python trees the linters hold to the project's style (README's code blocks are prose).

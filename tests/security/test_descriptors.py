@@ -33,7 +33,7 @@ from tensord_server.devices.shm import segment_error
 from tensord_server.pool import BackendOutOfDescriptors, BackendOutOfMemory
 from tensord_server.rpc.fd_socket import ACCEPT_POLL_S
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 CHILD_TIMEOUT_S = 60
 

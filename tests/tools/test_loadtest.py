@@ -29,7 +29,7 @@ from tensord_server.rpc.grpc_server import create_server
 from tensord_server.tools.loadtest import runner as loadtest
 from tensord_server.tools.loadtest import workloads
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- a real server in this process ----------------------------------------------------
@@ -652,7 +652,7 @@ def test_the_top_level_locustfile_runs_the_packages_users() -> None:
     """`locust -f loadtest/locustfile.py` from a checkout finds the very user classes
     `tensord loadtest` runs (one source, no copy).  In a child: Locust's import
     monkey-patches the process (gevent)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     probe = (
         "import importlib.util, json, sys\n"
         "from locust import User\n"

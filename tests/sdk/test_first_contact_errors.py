@@ -347,7 +347,7 @@ def test_max_streams_leaves_a_quarter_of_the_workers_as_security_md_says(
 
 # ---- the Docker image's default command, run without docker ---------------------------------
 
-DOCKERFILE = Path(__file__).resolve().parent.parent / "Dockerfile"
+DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
 
 
 def dockerfile_serve_args() -> list[str]:

@@ -12,7 +12,7 @@ compaction and decommit counters, fragmentation, and digests of every placement,
 behaviour keeps every one of them.
 
 A change meant to alter the pool's behaviour records the figures again:
-``PYTHONPATH=client:server python tests/test_pool_figures.py`` (and says why in its commit).
+``PYTHONPATH=client:server python tests/pool/test_pool_figures.py`` (and says why in its commit).
 """
 
 from __future__ import annotations

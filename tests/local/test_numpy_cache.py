@@ -20,7 +20,7 @@ import tensord
 import torch
 from tensord.local import host_cache, transfers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ELEMENTS = transfers.MIN_FAST_BYTES // 4  # float32: the smallest same-host download
 
 

@@ -342,7 +342,7 @@ def load_record_script() -> object:
     """scripts/record_trace.py as a module (scripts/ is not a package)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "record_trace.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "record_trace.py"
     spec = importlib.util.spec_from_file_location("record_trace", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

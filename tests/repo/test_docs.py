@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 
 
@@ -218,7 +218,7 @@ def notebook_lines(text: str) -> list[str]:
 
 def test_the_notebook_check_finds_each_kind() -> None:
     # the tracker's words are put together from pieces, so that this file names no issue
-    # number itself (tests/test_repo.py holds every tracked file to that)
+    # number itself (tests/repo/test_repo.py holds every tracked file to that)
     issue = "iss" + "ue"
     for line in (
         f"Load-test targets of {issue} 18 (`tensord loadtest`)",

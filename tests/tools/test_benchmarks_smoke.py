@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import tensord
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH_PEERS = REPO / "benchmarks" / "bench_peers.py"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -263,7 +263,7 @@ def test_conjugating_views_of_complex_tensors_are_conjugate_transposes(
     x = client.zeros(2, 2, dtype=tensord.complex64)
     assert not x.mT.is_conj()  # no conjugate in mT
     for op in (lambda v: v.mH, lambda v: v.H, lambda v: v.adjoint()):
-        assert op(x).is_conj()  # torch's lazy conjugate (tests/test_complex_views.py)
+        assert op(x).is_conj()  # torch's lazy conjugate (tests/parity/test_complex_views.py)
 
 
 # ---- 4. in-place view ops ----------------------------------------------------------------

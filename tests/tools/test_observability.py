@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensord_server.observability import HttpEndpoints
 from tensord_server.observability.logs import JsonFormatter
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 

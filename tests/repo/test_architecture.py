@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROOTS = {
     "tensord": REPO / "client" / "tensord",
     "tensord_server": REPO / "server" / "tensord_server",

@@ -33,7 +33,7 @@ from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.quotas import QuotaSpec
 from test_compaction import BIG_ELEMENTS, POOL, fragment, random_tensor, segments_of, storage_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 

@@ -163,7 +163,7 @@ def test_setitem_from_scalar_and_tensor(client: tensord.Client) -> None:
 
 def test_dropped_tensors_are_released_in_batches(fresh_server: Any) -> None:
     # one RPC per view, releases in Release calls: the unpipelined path (pipelining batches
-    # views and releases together, tests/test_pipelining.py)
+    # views and releases together, tests/sdk/test_pipelining.py)
     with tensord.connect(fresh_server.address, pipelining=False) as client:
         baseline = client_allocated(client)
         calls: list[str] = []
@@ -345,7 +345,7 @@ def test_admin_cli(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_readme_quick_start_runs(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     (code,) = re.findall(r"```python\n(.+?)```", readme, flags=re.DOTALL)
     monkeypatch.setenv("TENSORD_ADDRESS", server.address)
     exec(compile(code, "README.md", "exec"), {})

@@ -719,7 +719,7 @@ def test_a_free_below_the_wake_threshold_keeps_idle_segments_cached() -> None:
     the doorbell only above background_wake_threshold (1.10), and then only down to it,
     so a loaded server keeps a bounded idle cache instead of reserving a new segment (a
     new memfd and its page faults, on a host) right after giving one back.  (Without
-    release_idle_s: with it the free gives nothing back, tests/test_idle_release.py.)"""
+    release_idle_s: with it the free gives nothing back, tests/pool/test_idle_release.py.)"""
     backend = HostBackend(total_bytes=HOST_BYTES)
     policy = dataclasses.replace(policy_named("adaptive"), release_idle_s=None)
     pool = CachingPool(backend, relocator=HoldingRelocator(backend), policy=policy)
