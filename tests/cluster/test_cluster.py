@@ -144,6 +144,7 @@ def test_the_cluster_flags_grammar() -> None:
             check_node_id(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "said"),
     [
@@ -163,6 +164,7 @@ def test_serve_refuses_bad_cluster_flags(args: list[str], said: str) -> None:
     assert said in done.stderr
 
 
+@pytest.mark.slow
 def test_serve_without_a_reachable_etcd_does_not_start() -> None:
     done = run_serve(
         "--address", "127.0.0.1:0", "--device", "cpu=64MiB",
@@ -175,6 +177,7 @@ def test_serve_without_a_reachable_etcd_does_not_start() -> None:
 # ---- the member, in this process ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_etcd
 def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> None:
     from tensord_server.cluster.node import ClusterNode, NodeIdTakenError
@@ -217,6 +220,7 @@ def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> Non
     probe.close()
 
 
+@pytest.mark.slow
 @needs_etcd
 def test_a_lapsed_lease_drops_the_names_and_registers_anew(etcd: EtcdServer) -> None:
     from tensord_server.cluster.node import ClusterNode

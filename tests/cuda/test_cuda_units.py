@@ -70,6 +70,7 @@ def test_device_names() -> None:
 # without CuPy
 
 
+@pytest.mark.slow
 def test_importing_never_imports_cupy() -> None:
     code = (
         "import sys\n"

@@ -253,6 +253,7 @@ def test_errors(call: Callable[[], object], exc: type[BaseException], message: s
         assert str(info.value) == message
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_error_texts_match_torch() -> None:
     """The texts above are torch 2.13's own: replay the same calls on real tensors."""

@@ -470,6 +470,7 @@ def run_chain(rng: random.Random, state: State, length: int) -> None:
 seeds = st.integers(0, 2**32 - 1)
 
 
+@pytest.mark.slow
 @settings(BASE_SETTINGS, max_examples=13000)
 @given(seed=seeds)
 def test_random_chains_match_torch(seed: int) -> None:
@@ -483,6 +484,7 @@ def test_random_chains_match_torch(seed: int) -> None:
     run_chain(rng, random_start(rng), rng.randint(1, MAX_CHAIN))
 
 
+@pytest.mark.slow
 @settings(BASE_SETTINGS, max_examples=3000)
 @given(state=start_states(), seed=seeds)
 def test_single_ops_match_torch(state: State, seed: int) -> None:
@@ -490,6 +492,7 @@ def test_single_ops_match_torch(state: State, seed: int) -> None:
     run_chain(random.Random(seed), state, 1)
 
 
+@pytest.mark.slow
 @settings(BASE_SETTINGS, max_examples=5000)
 @given(state=start_states(), seed=seeds)
 def test_view_and_reshape_match_torch(state: State, seed: int) -> None:
@@ -508,6 +511,7 @@ def test_view_and_reshape_match_torch(state: State, seed: int) -> None:
             check_same(t_res, o_res, f"reshape {shape}")
 
 
+@pytest.mark.slow  # counts the cases of the slow differential tests above
 def test_case_count() -> None:
     """Runs last (file order): the differential cases above add up to at least 20,000."""
     if set(CASES) != {"chains", "single", "view"}:

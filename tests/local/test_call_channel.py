@@ -760,6 +760,7 @@ def test_threads_calling_at_once_each_get_their_own_answer(server: Any) -> None:
             client.delete(f"thread-{i}")
 
 
+@pytest.mark.slow
 def test_a_forked_child_never_uses_its_parents_channel(server: Any) -> None:
     out = run_parent(
         server.address,

@@ -52,6 +52,7 @@ def test_an_unreferenced_array_is_reused_with_the_new_bytes(
     assert cache.cached() == (1, first.nbytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "alias",
     [
@@ -155,6 +156,7 @@ def test_the_default_bound_is_an_eighth_of_memory_within_its_limits() -> None:
     assert host_cache.default_numpy_cache_bytes() == host_cache.NUMPY_CACHE_DEFAULT_BYTES
 
 
+@pytest.mark.slow
 def test_a_1_gib_download_reuses_its_destination_under_the_default_bound(
     client: Any, monkeypatch: Any
 ) -> None:

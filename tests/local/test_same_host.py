@@ -59,6 +59,7 @@ def test_cpu_segments_are_memfds_the_server_maps(server: Any) -> None:
     assert isinstance(server.daemon.devices.get("cpu").backend, SharedHostBackend)
 
 
+@pytest.mark.slow
 def test_another_process_writes_through_torch_from_dlpack_of_a_transposed_narrowed_view(
     server: Any, client: Any
 ) -> None:
@@ -463,6 +464,7 @@ def storage_of_handle(daemon: Any, client: Any, tensor: Any) -> Any:
     return daemon.sessions.lookup(session, tensor.handle).storage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [1, 1 << 16, -(1 << 16)], ids=["1", "64Ki", "-64Ki"])
 def test_a_copy_between_two_clients_mappings_of_one_segment_sees_the_overlap(
     server: Any, shift: int
@@ -764,6 +766,7 @@ def test_releases_carried_by_an_empty_export_the_server_never_ran_are_sent_again
         assert dropped_handle not in session.handles  # released, not lost with the call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slice_bytes", [1, 4096, 100_000, 1 << 40])
 def test_numpy_copies_out_of_the_mapping_in_slices_for_any_view(
     client: Any, monkeypatch: Any, slice_bytes: int
@@ -956,6 +959,7 @@ class _QueuedThenRaises:
         self.pool.shutdown(wait=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "error",
     [RuntimeError("can't start new thread"), KeyboardInterrupt()],
@@ -1066,6 +1070,7 @@ def test_ended_exports_unmap_segments_the_server_released(fresh_server: Any) -> 
         assert client._local.mapped_count() == 1  # only the new small segment's
 
 
+@pytest.mark.slow
 def test_compaction_skips_exported_storages_and_moves_them_once_released(make_server: Any) -> None:
     running = make_server(devices=(POOL,))
     daemon = running.daemon
@@ -1096,6 +1101,7 @@ def test_compaction_skips_exported_storages_and_moves_them_once_released(make_se
         stub.close()
 
 
+@pytest.mark.slow
 def test_a_killed_consumers_pins_are_dropped_after_the_grace(make_server: Any) -> None:
     running = make_server(lease=0.5, session_grace=0.2)
     with tensord.connect(running.address) as client:
@@ -1279,6 +1285,7 @@ def test_an_export_reaching_past_its_segment_falls_back_to_grpc(
         x.__dlpack__()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answered_first", [False, True], ids=["mid-call", "just-answered"])
 @pytest.mark.parametrize("call", ["dlpack", "upload"])
 def test_an_export_whose_caller_was_interrupted_is_released(

@@ -38,6 +38,7 @@ def strided_arrays(draw: st.DrawFn) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(array=strided_arrays(), chunk=st.integers(1, 200))
 def test_gather_plan_pieces_are_the_logical_bytes_in_chunks(array: np.ndarray, chunk: int) -> None:
@@ -57,6 +58,7 @@ def test_gather_plan_pieces_are_the_logical_bytes_in_chunks(array: np.ndarray, c
     )
 
 
+@pytest.mark.slow
 def test_gather_plan_of_a_huge_expanded_view_is_lazy_and_chunk_sized() -> None:
     # 2**44 elements of one float: the plan is a generator of 1 MiB row ranges
     plan = kernels.gather_plan((2**24, 2**20), 4, 1 << 20)

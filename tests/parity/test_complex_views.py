@@ -133,6 +133,7 @@ CHAIN_OPS: list[tuple[str, Callable[[Any], Any]]] = [
 ]
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_random_chains_of_complex_views_match_torch(
@@ -300,6 +301,7 @@ def fmt_of(v: Any) -> Any:
     return tensord.channels_last if isinstance(v, tensord.Tensor) else torch.channels_last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, _ in READS])
 @pytest.mark.parametrize("bit", ["conj", "neg"])
 def test_reads_through_a_lazy_bit_match_torch(client: tensord.Client, name: str, bit: str) -> None:
@@ -389,6 +391,7 @@ def mask_of(v: Any) -> Any:
     return v.client.tensor(rows) if isinstance(v, tensord.Tensor) else torch.tensor(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, _ in WRITES])
 @pytest.mark.parametrize("target", ["conj", "neg", "conj source"])
 def test_writes_through_a_lazy_bit_match_torch(
@@ -540,6 +543,7 @@ def overlapping(v: Any, bit: str, shape: tuple[int, ...], stride: tuple[int, ...
     return view.conj() if bit == "conj" else view.conj().imag
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, _ in OVERLAPPING_READS])
 @pytest.mark.parametrize("bit", ["conj", "neg"])
 @settings(HYPOTHESIS, max_examples=10)
@@ -568,6 +572,7 @@ LOGICAL_SHAPE = (2048, 2048)
 BOUNDED_TEMPORARY_BYTES = 2 << 20  # the Storage's 256 KiB (a span of it) and gRPC's own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stride", [(1, 1), (1, 15)], ids=["a few elements", "the whole Storage"])
 @pytest.mark.parametrize("name", [n for n, _ in OVERLAPPING_READS])
 @pytest.mark.parametrize("bit", ["conj", "neg"])
@@ -659,6 +664,7 @@ def host_views(draw: st.DrawFn) -> np.ndarray:
     )
 
 
+@pytest.mark.slow
 @settings(HYPOTHESIS, max_examples=300)
 @given(
     array=host_views(),

@@ -369,6 +369,7 @@ def _apply(x: Any, name: str, args: tuple[Any, ...]) -> Any:
     return result[-1] if isinstance(result, tuple) else result
 
 
+@pytest.mark.slow
 @settings(
     max_examples=25,
     deadline=None,

@@ -16,6 +16,7 @@ def _torch_values(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.float64).numpy() if t.dtype == torch.float16 else t.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Casting complex values to real discards")
 @pytest.mark.parametrize("source", ["complex64", "complex128"])
 @pytest.mark.parametrize("target", DTYPES)
@@ -208,6 +209,7 @@ def arange_args(draw, dtypes_: tuple[str, ...]):  # type: ignore[no-untyped-def]
     return start, end, sign * step, draw(st.sampled_from(dtypes_))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(args=arange_args(FLOAT_ARANGE_DTYPES + INT_ARANGE_DTYPES))
 def test_arange_kernel_matches_torch_bit_for_bit(args) -> None:  # type: ignore[no-untyped-def]
@@ -242,6 +244,7 @@ def test_arange_over_the_wire_matches_torch(client, args) -> None:  # type: igno
     assert ours == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", INT_ARANGE_DTYPES)
 def test_integer_arange_with_float_bounds_matches_torch(client, dtype: str) -> None:
     # int64 counts from truncated bounds (a fractional step is a ValueError); the other

@@ -41,6 +41,7 @@ def test_copy_of_a_shape_that_does_not_broadcast_raises_at_the_call(
     assert x.tolist() == [[0.0] * 3] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [(...,), (0,), (slice(None), 1)])
 @pytest.mark.parametrize("src_shape", COPY_SOURCES)
 def test_setitem_of_a_shape_that_does_not_expand_raises_at_the_call(
@@ -82,6 +83,7 @@ FACTORIES: dict[str, Callable[[Any, tuple[int, ...], Any], Any]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FACTORIES)
 @pytest.mark.parametrize("size", [(2**64,), (3, 2**63), (-(2**63) - 1, 2)])
 def test_a_size_past_int64_raises_torchs_type_error(
@@ -95,6 +97,7 @@ def test_a_size_past_int64_raises_torchs_type_error(
     assert str(expected).startswith(str(caught.value).removesuffix('"') + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FACTORIES)
 @pytest.mark.parametrize("size", [(2**62,), (2**31, 2**31), (2**63 - 1,)])
 def test_a_storage_past_int64_bytes_raises_torchs_runtime_error(
@@ -134,6 +137,7 @@ DTYPE_TAKERS: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DTYPE_TAKERS)
 @pytest.mark.parametrize("dtype", ["float32", np.float32, np.dtype("float32"), 5])
 def test_a_factory_refuses_a_dtype_that_is_no_torch_dtype_as_torch(
@@ -153,6 +157,7 @@ def test_arange_refuses_a_string_dtype_with_a_type_error(client: Any) -> None:
         client.arange(2, dtype=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DTYPE_TAKERS)
 @pytest.mark.parametrize(
     ("dtype", "expected"),
@@ -221,6 +226,7 @@ def dtype_and_values(make: Callable[[], Any]) -> tuple[str, Any] | str:
     return str(result.dtype).rpartition(".")[2], values
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Casting complex values to real")
 @pytest.mark.parametrize("value", NUMPY_AND_PYTHON_SCALARS, ids=repr)
 @pytest.mark.parametrize("into", ["int32", "bool", "float16", "complex64"])
@@ -255,6 +261,7 @@ def test_a_numpy_integer_past_int64_is_refused_as_torchs_parser_refuses_it(
     assert_raises_like(expected, lambda: eager.zeros(2).fill_(value))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bool", "complex64", "complex128", "uint16"])
 @pytest.mark.parametrize("bounds", [(5,), (0, 5, 0), (5, 0), (0.0, float("inf"))])
 def test_arange_of_a_dtype_with_no_kernel_raises_torchs_not_implemented_error(
@@ -295,6 +302,7 @@ TO_ARGUMENTS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "kwargs"), TO_ARGUMENTS, ids=repr)
 def test_to_refuses_a_bad_argument_as_torch(
     client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

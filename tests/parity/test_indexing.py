@@ -190,6 +190,7 @@ def make_key(spec: list[tuple[Any, ...]], side: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_getitem_matches_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -203,6 +204,7 @@ def test_getitem_matches_torch(client: tensord.Client, data: st.DataObject) -> N
         assert same_storage(ours, x) == (theirs._base is not None)
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_setitem_matches_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -266,6 +268,7 @@ KEYS: list[Callable[[Any], Any]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", range(len(KEYS)))
 def test_getitem_cases_match_torch(client: tensord.Client, key: int) -> None:
     x, t = client.arange(24.0).view(2, 3, 4), torch.arange(24.0).view(2, 3, 4)
@@ -326,6 +329,7 @@ def test_index_select_matches_torch(client: tensord.Client, data: st.DataObject)
         assert_same_tensor(*result)
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_masked_select_and_fill_match_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -354,6 +358,7 @@ def test_masked_select_and_fill_match_torch(client: tensord.Client, data: st.Dat
     np.testing.assert_array_equal(base_x.numpy(), base_t.numpy())
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_index_put_matches_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -445,6 +450,7 @@ REFUSED_VALUES: list[Callable[[], Any]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", range(len(REFUSED_VALUES)))
 @pytest.mark.parametrize("key", [(slice(None), 1), [0, 1], False, 7])
 def test_setitem_refuses_what_torch_refuses_before_reading_the_key(
@@ -507,6 +513,7 @@ ZERO_DIM_MASK_CASES: list[Callable[[Any, Any, Any], Any]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(ZERO_DIM_MASK_CASES)))
 @pytest.mark.parametrize("truth", [True, False])
 def test_index_put_with_only_zero_dim_masks_matches_torch(
@@ -522,6 +529,7 @@ def test_index_put_with_only_zero_dim_masks_matches_torch(
     np.testing.assert_array_equal(x.numpy(), t.numpy())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex64", "bool"])
 @pytest.mark.parametrize("grad", [True, False])
 def test_masked_fill_value_that_requires_grad_makes_x_require_grad(
@@ -562,6 +570,7 @@ BASIC_WRITES_OF_A_GRAD_VALUE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelining", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "complex64", "int64", "bool"])
 @pytest.mark.parametrize("case", list(BASIC_WRITES_OF_A_GRAD_VALUE))

@@ -86,6 +86,7 @@ def _both(torch_call: Callable[[], Any], our_call: Callable[[], Any]) -> tuple[A
 # -- the layout engine -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=1500)
 @given(case=strided())
 def test_layout_formats_match_torch(case: tuple[tuple[int, ...], tuple[int, ...], int]) -> None:
@@ -118,6 +119,7 @@ def test_layout_formats_match_torch(case: tuple[tuple[int, ...], tuple[int, ...]
             assert aliases == (layout.suggest_memory_format() == name), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ndim", [2, 3, 4, 5, 6])
 def test_memory_format_strides_match_torch_empty(ndim: int) -> None:
     for shape in itertools.product((0, 1, 2, 3), repeat=ndim):
@@ -158,6 +160,7 @@ def _same_tensor(ours: Any, ours_in: Any, theirs: Any, theirs_in: Any, what: str
         )
 
 
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=60)
 @given(case=strided())
 def test_sdk_formats_match_torch(
@@ -222,6 +225,7 @@ class Foo:
 NOT_FORMATS = ["channels_last", 1, True, 2.0, np.int64(1), Foo(), None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", NOT_FORMATS, ids=lambda v: type(v).__name__)
 def test_not_a_memory_format_raises_torchs_type_error(client: tensord.Client, value: Any) -> None:
     t = torch.zeros(2, 3, 4, 5)

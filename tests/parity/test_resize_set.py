@@ -157,6 +157,7 @@ class Ours:
         return getattr(self.client, name, None) or getattr(tensord, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(RESIZE_CASES)))
 def test_resize_cases_match_torch(client: tensord.Client, case: int) -> None:
     t, x = torch.arange(6.0), client.arange(6.0)
@@ -236,6 +237,7 @@ SET_CASES: list[Callable[[Any, Any, Any], Any]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(SET_CASES)))
 def test_set_cases_match_torch(client: tensord.Client, case: int) -> None:
     t, x = torch.zeros(2), client.zeros(2)

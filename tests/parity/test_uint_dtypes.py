@@ -127,6 +127,7 @@ def unpipelined(server: Any) -> Any:
         yield client
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("name", UNSIGNED)
 def test_unsigned_dtypes_match_torch(unpipelined: tensord.Client, name: str, case: int) -> None:
@@ -157,6 +158,7 @@ def test_unsigned_numpy_and_dlpack_round_trip(client: tensord.Client, name: str)
     assert client.tensor(torch.from_numpy(values)).tolist() == values.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelining", [True, False])
 @pytest.mark.parametrize("dtype", ["int64", "uint16", "uint64", "bool"])
 def test_requires_grad_of_a_non_float_tensor_is_torchs_error(
@@ -173,6 +175,7 @@ def test_requires_grad_of_a_non_float_tensor_is_torchs_error(
         assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["uint64", "int64", "int32", "float32", "bool", "complex64"])
 @pytest.mark.parametrize("value", [2**63, 2**64 - 1, 2**64, 2**70, -(2**63) - 1])
 def test_python_ints_past_int64_as_fill_values_are_torchs(
@@ -223,6 +226,7 @@ def test_a_barebones_unsigned_mask_in_masked_fill_names_its_c10_type(
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args", [(2**63,), (0, 2**63), (0, 10, 2**63), (2**64 - 1,), (2**63, 2**63 + 2)]
 )

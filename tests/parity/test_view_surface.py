@@ -92,6 +92,7 @@ def dim(data: st.DataObject, ndim: int) -> int:
 # ---- 1. splitting ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_splits_match_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -130,6 +131,7 @@ def test_tensor_split_takes_a_long_tensor(client: tensord.Client) -> None:
 # ---- 2. shape ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(data=st.data())
 def test_shape_ops_match_torch(client: tensord.Client, data: st.DataObject) -> None:
@@ -239,6 +241,7 @@ def torch_warnings_in_a_fresh_process() -> list[list[str]]:
     return result
 
 
+@pytest.mark.slow
 def test_T_and_friends_warn_once_as_torch(client: tensord.Client) -> None:
     from tensord import _args
 
@@ -276,6 +279,7 @@ IN_PLACE: list[tuple[str, tuple[Any, ...]]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "args"), IN_PLACE)
 def test_in_place_view_ops_change_only_the_handle_itself(
     client: tensord.Client, name: str, args: tuple[Any, ...]

@@ -357,6 +357,7 @@ pool_ops = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     derandomize=True,
     database=None,
@@ -583,6 +584,7 @@ def ledger_matches_blocks(daemon: Any, tenant: str = "") -> None:
     assert daemon.storages.ledger.usage(tenant, "cpu").storages == len(live)
 
 
+@pytest.mark.slow
 def test_fragmentation_ooms_without_compaction(make_server: Any) -> None:
     running = make_server(devices=(POOL,), compaction=False)
     pool = running.daemon.devices.get("cpu").pool
@@ -603,6 +605,7 @@ def test_fragmentation_ooms_without_compaction(make_server: Any) -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_fragmentation_succeeds_with_compaction_and_every_handle_reads_right(
     make_server: Any,
 ) -> None:
@@ -677,6 +680,7 @@ def segments_of(daemon: Any, stub: SessionStub, kept: dict[int, Any]) -> list[li
     return [groups[address] for address in sorted(groups)]
 
 
+@pytest.mark.slow
 def test_pinned_storages_never_move(make_server: Any) -> None:
     """An op in flight (a hold) or a download streaming keeps its Storage in place: with one
     in each segment compaction gives up; with the first segment held it empties another."""
@@ -768,6 +772,7 @@ def test_a_move_leaves_the_ledger_alone_whatever_block_serves_a_storage() -> Non
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
+@pytest.mark.slow
 def test_concurrent_clients_while_compacting(make_server: Any) -> None:
     """Clients upload, download and release while another's 12 MiB requests compact the
     pool: afterwards the invariants hold, the ledger is exact and every byte is right."""
@@ -846,6 +851,7 @@ def test_concurrent_clients_while_compacting(make_server: Any) -> None:
         owner.close()
 
 
+@pytest.mark.slow
 def test_serve_no_compaction_flag(tmp_path: Path) -> None:
     """`tensord serve --no-compaction` under a policy that does not decommit is torch's
     allocator: the fragmentation OOMs (under `adaptive` the holes' pages go back and the

@@ -596,6 +596,7 @@ def apply_checked_steps(
         assert len(pool._decommit_candidates) <= 2 * free_blocks + 65
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ALL, DECOMMIT_EAGER]))
 def test_random_sequences_with_decommits_keep_invariants_bytes_and_pages(
@@ -624,6 +625,7 @@ DECOMMIT_NARROW = dataclasses.replace(
 )
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(steps=ops, policy=st.sampled_from([ADAPTIVE, DECOMMIT_ON_DEMAND, DECOMMIT_NARROW]))
 def test_committed_bytes_never_exceed_capacity_on_a_tight_device(
@@ -679,6 +681,7 @@ def server_steps(rng: random.Random, count: int) -> list[tuple[str, int]]:
     return steps
 
 
+@pytest.mark.slow
 def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -106,6 +106,7 @@ ops = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     derandomize=True,
     database=None,
@@ -577,6 +578,7 @@ def half_freed_background_pool(
     return pool, owner
 
 
+@pytest.mark.slow
 def test_the_compactor_starts_no_move_while_a_request_waits() -> None:
     """Deterministic: while ``contended()`` says a request waits, the compactor polls and
     moves nothing; it finishes the compaction once nobody waits."""

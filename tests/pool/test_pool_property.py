@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError
@@ -47,6 +48,7 @@ def check_live_blocks(pool: CachingPool, live: list[Block]) -> None:
     assert stats["reserved_bytes.all.current"] <= pool.capacity
 
 
+@pytest.mark.slow
 @settings(
     derandomize=True,
     database=None,

@@ -177,6 +177,7 @@ def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_replays_what_tensord_snapshot_wrote(tmp_path: Path) -> None:
     # a snapshot of a server held no trace (the server recorded none), and a file not named
     # .pickle was read as JSON: replay refused tensord's own snapshots
@@ -214,6 +215,7 @@ def test_cli_replays_what_tensord_snapshot_wrote(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_snapshot_without_history_says_how_to_record_one(server: Any, tmp_path: Path) -> None:
     snapshot = tmp_path / "snap.pickle"
     wrote = run_tool("snapshot", "--address", server.address, "-o", str(snapshot))
@@ -223,6 +225,7 @@ def test_a_snapshot_without_history_says_how_to_record_one(server: Any, tmp_path
     assert replayed.returncode == 2 and "tensord serve --record-history" in replayed.stderr
 
 
+@pytest.mark.slow
 def test_a_long_replay_shows_progress_on_stderr(tmp_path: Path) -> None:
     # a replay of millions of events said nothing until its end
     from tensord_server.tools.replay import PROGRESS_CHUNK
@@ -263,6 +266,7 @@ def test_the_resnet50_trace_and_its_pytorch_figures_are_bundled() -> None:
         assert stats is not None and stats["workload"] == "resnet50_train", variant
 
 
+@pytest.mark.slow
 def test_cli_replays_a_bundled_trace_by_name_from_any_folder(tmp_path: Path) -> None:
     named = subprocess.run(
         [sys.executable, "-m", "tensord_server", "replay", "resnet50_train", "--json"],
@@ -382,6 +386,7 @@ def test_record_trace_turns_allocator_events_into_trace_events() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_record_trace_records_a_real_training_step(tmp_path: Path) -> None:
     import torch
 

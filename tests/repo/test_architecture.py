@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {
     "tensord": REPO / "client" / "tensord",
@@ -276,16 +278,19 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+@pytest.mark.slow
 def test_the_import_graph_has_no_cycles() -> None:
     cycles = strongly_connected(import_graph())
     assert not cycles, f"import cycles (lazy imports included): {cycles}"
 
 
+@pytest.mark.slow
 def test_every_module_belongs_to_a_layer() -> None:
     for name in modules():
         layer_of(name)
 
 
+@pytest.mark.slow
 def test_no_module_imports_a_layer_above_it() -> None:
     mods = modules()
     upward = []
@@ -327,6 +332,7 @@ def grpc_imports(mods: dict[str, Module]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
     """A thin gRPC layer over a domain that knows nothing of gRPC: the status codes, the call
     contexts and the interceptors live in rpc/; in the SDK, everything gRPC is the wire's."""
@@ -362,6 +368,7 @@ def imported_aliases(module: Module, line: int) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_tensor_client_and_session_never_import_the_schema() -> None:
     """Tensor (and the client, and what a tensor holds of it) keep torch's surface and hand
     plain values to tensord.wire.requests, which builds every message."""
@@ -394,6 +401,7 @@ def inner_layer_crossings(graph: dict[str, set[str]]) -> list[str]:
     return crossings
 
 
+@pytest.mark.slow
 def test_the_domain_and_rpc_packages_keep_their_inner_layers() -> None:
     """Inside the domain the op families never reach the tables above them nor the store
     that builds them; inside rpc the handlers never reach the calls or the server; inside
@@ -439,6 +447,7 @@ def names_defined_in(tree: ast.Module) -> set[str]:
     return defined
 
 
+@pytest.mark.slow
 def test_no_private_member_is_used_across_modules() -> None:
     mods = modules()
     known = set(mods)
@@ -465,6 +474,7 @@ def test_no_private_member_is_used_across_modules() -> None:
     assert not crossings, "private members used outside their module:\n" + "\n".join(crossings)
 
 
+@pytest.mark.slow
 def test_the_checks_see_what_they_claim() -> None:
     """The checks above would pass on an empty graph: make sure they read the real one."""
     graph = import_graph()
@@ -521,6 +531,7 @@ GRPC_FREE_IMPORTS = (
 )
 
 
+@pytest.mark.slow
 def test_the_layers_below_rpc_load_no_grpc_when_imported() -> None:
     # one fresh interpreter per module: each must stand alone
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(root.parent) for root in ROOTS.values())}
@@ -537,6 +548,7 @@ def test_the_layers_below_rpc_load_no_grpc_when_imported() -> None:
         assert result.returncode == 0, f"import {module} loads gRPC:\n{result.stderr}"
 
 
+@pytest.mark.slow
 def test_tensord_s_lazy_names_are_its_public_names_and_its_type_checked_imports() -> None:
     """``tensord/__init__``: the table __getattr__ imports from, ``__all__``, and the
     ``if TYPE_CHECKING:`` imports type checkers and the API reference read name the same."""

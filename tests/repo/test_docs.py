@@ -42,6 +42,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
     for page in (
         "index.html",
@@ -55,6 +56,7 @@ def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
         assert (site / page).is_file(), page
 
 
+@pytest.mark.slow
 def test_the_api_reference_is_built_from_the_docstrings(site: Path) -> None:
     tensor = (site / "reference" / "api" / "tensor.html").read_text()
     client = (site / "reference" / "api" / "client.html").read_text()
@@ -65,6 +67,7 @@ def test_the_api_reference_is_built_from_the_docstrings(site: Path) -> None:
     assert ":::" not in tensor + client  # no directive left unrendered
 
 
+@pytest.mark.slow
 def test_the_limits_page_is_security_md_s_table(site: Path) -> None:
     page = (site / "reference" / "limits.html").read_text()
     assert "--8&lt;--" not in page and "--8<--" not in page
@@ -133,6 +136,7 @@ def test_the_external_fetch_check_finds_each_kind() -> None:
     assert external_fetches(quiet) == []
 
 
+@pytest.mark.slow
 def test_the_site_fetches_nothing_from_the_internet(site: Path) -> None:
     found = {}
     for path in site.rglob("*"):
@@ -146,6 +150,7 @@ def test_the_site_fetches_nothing_from_the_internet(site: Path) -> None:
 # -- generated pages -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_cli_reference_is_fresh() -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gen_cli_reference.py"), "--check"],
@@ -185,6 +190,7 @@ def python_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.+?)```", (DOCS / page).read_text(), flags=re.DOTALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_the_examples_of_the_page_run(
     page: str, server: Any, monkeypatch: pytest.MonkeyPatch

@@ -63,7 +63,8 @@ PYTHON_TREES = ("client", "server", "tests", "benchmarks", "scripts", "loadtest"
     [
         ("ruff", "check", "."),
         ("ruff", "format", "--check", *PYTHON_TREES),
-        ("mypy",),  # its files and strictness are configured in pyproject.toml
+        # its files and strictness are configured in pyproject.toml; half a minute
+        pytest.param(("mypy",), marks=pytest.mark.slow),
     ],
     ids=["ruff-check", "ruff-format", "mypy"],
 )

@@ -47,6 +47,7 @@ async def test_aio_error_surfaces_at_the_next_await(server: Any) -> None:
         assert await x.tolist() == [0, 0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_aio_never_blocks_the_loop(server: Any, monkeypatch: Any) -> None:
     """Thousands of views (several full queues) and waits from many tasks: no call that

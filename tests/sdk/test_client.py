@@ -35,6 +35,7 @@ def test_upload_and_download_beyond_the_default_message_limit(client: tensord.Cl
     np.testing.assert_array_equal(x[:, ::3, 5].numpy(), array[:, ::3, 5])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [d for d in dtypes.ALL_DTYPES], ids=lambda d: d.name)
 def test_every_dtype_round_trips(client: tensord.Client, dtype: dtypes.DType) -> None:
     t = (torch.arange(-3, 9).view(3, 4) % 5).to(dtypes.to_torch(dtype))
@@ -200,6 +201,7 @@ def test_close_ends_the_session_and_frees_its_memory(fresh_server: Any) -> None:
         del kept
 
 
+@pytest.mark.slow
 def test_heartbeats_keep_an_idle_session_past_many_leases(make_server: Any) -> None:
     server = make_server(lease=0.3, session_grace=0.1)
     with tensord.connect(server.address) as client:

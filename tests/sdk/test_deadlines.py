@@ -148,6 +148,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[BaseException | None, float]:
 # ---- unary calls ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_unary_call_to_a_hung_server_raises_deadline_exceeded_after_call_timeout(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -161,6 +162,7 @@ def test_a_unary_call_to_a_hung_server_raises_deadline_exceeded_after_call_timeo
     assert server.address in str(error)
 
 
+@pytest.mark.slow
 def test_call_timeout_none_waits_for_the_answer(fake: Callable[..., FakeServer]) -> None:
     server = fake("MemoryStats")
     client = tensord.connect(server.address, call_timeout=None)
@@ -175,6 +177,7 @@ def test_call_timeout_none_waits_for_the_answer(fake: Callable[..., FakeServer])
     client.close()
 
 
+@pytest.mark.slow
 def test_the_call_timeout_comes_from_the_environment(
     fake: Callable[..., FakeServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,6 +219,7 @@ def test_connect_to_a_server_that_never_answers_fails_within_its_timeout(
 # ---- transfers: an idle limit, not a total deadline ----------------------------------
 
 
+@pytest.mark.slow
 def test_a_download_that_stops_mid_stream_raises_after_the_idle_timeout(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -228,6 +232,7 @@ def test_a_download_that_stops_mid_stream_raises_after_the_idle_timeout(
     assert 0.4 <= took < 3.0
 
 
+@pytest.mark.slow
 def test_a_slow_download_that_keeps_moving_outlives_the_idle_timeout(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -241,6 +246,7 @@ def test_a_slow_download_that_keeps_moving_outlives_the_idle_timeout(
     np.testing.assert_array_equal(values, expected)
 
 
+@pytest.mark.slow
 def test_an_upload_the_server_stops_reading_raises_after_the_idle_timeout(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -252,6 +258,7 @@ def test_an_upload_the_server_stops_reading_raises_after_the_idle_timeout(
     assert 0.4 <= took < 3.0
 
 
+@pytest.mark.slow
 def test_call_timeout_none_lets_a_stalled_download_wait(fake: Callable[..., FakeServer]) -> None:
     server = fake(stall_after=1)
     client = tensord.connect(server.address, call_timeout=None)
@@ -285,6 +292,7 @@ def test_close_on_a_hung_server_returns_within_a_bound(
     assert client.closed
 
 
+@pytest.mark.slow
 def test_interpreter_exit_does_not_hang_on_a_hung_server(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -309,6 +317,7 @@ def test_interpreter_exit_does_not_hang_on_a_hung_server(
     assert time.monotonic() - start < 15.0  # start-up, 0.5 s for the call, 0.5 s to close
 
 
+@pytest.mark.slow
 def test_the_cli_fails_with_a_clear_message_on_a_hung_server(
     fake: Callable[..., FakeServer],
 ) -> None:
@@ -327,6 +336,7 @@ def test_the_cli_fails_with_a_clear_message_on_a_hung_server(
     assert "did not answer ServerInfo in time" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_fails_within_its_timeout_on_a_server_hung_in_memory_stats(
     fake: Callable[..., FakeServer],
 ) -> None:

@@ -71,6 +71,7 @@ def test_a_remote_host_is_told_to_serve_on_it_with_tokens() -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_silent_address_fails_within_the_connect_timeout_and_says_why() -> None:
     # A full accept queue drops new SYNs, as a firewall does: neither accepted nor refused.
     with socket.socket() as listener, contextlib.ExitStack() as held:
@@ -92,6 +93,7 @@ def test_a_silent_address_fails_within_the_connect_timeout_and_says_why() -> Non
     assert "neither accepted nor refused in 1 s" in text
 
 
+@pytest.mark.slow
 def test_a_server_that_accepts_but_never_answers_is_not_called_missing() -> None:
     with socket.socket() as hung:  # listening, never accepting: the kernel completes TCP
         hung.bind(("127.0.0.1", 0))
@@ -194,6 +196,7 @@ def test_a_missing_token_says_how_the_sdk_passes_one(monkeypatch: pytest.MonkeyP
         server.stop()
 
 
+@pytest.mark.slow
 def test_serve_refuses_more_streams_than_the_workers_leave_naming_both_flags() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--max-workers", "4", "--max-streams", "5")
     assert result.returncode == 2
@@ -202,6 +205,7 @@ def test_serve_refuses_more_streams_than_the_workers_leave_naming_both_flags() -
     assert "tensord listening" not in result.stdout
 
 
+@pytest.mark.slow
 def test_tensord_aio_works_after_a_plain_import_tensord(server: Any) -> None:
     script = (
         "import asyncio, sys, tensord\n"
@@ -241,6 +245,7 @@ def _augmented_add(x: Any) -> None:
     x += 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("math", "says"),
     [
@@ -267,6 +272,7 @@ def test_an_operator_raises_a_type_error_saying_what_to_use(
     assert x.tolist() == [1.0, 1.0, 1.0]  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sum", "mean", "add_", "add", "mul_", "max", "exp"])
 def test_a_math_method_raises_an_attribute_error_saying_what_to_use(client: Any, name: str) -> None:
     x = client.ones(3)
@@ -318,6 +324,7 @@ def port_in_use() -> Iterator[int]:
         yield taken.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_on_a_port_in_use_says_address_already_in_use() -> None:
     with port_in_use() as port:
         result = run_serve("--address", f"127.0.0.1:{port}")
@@ -369,6 +376,7 @@ def test_the_images_default_command_listens_beyond_the_container_only_with_token
     assert "--insecure-allow-remote" not in args
 
 
+@pytest.mark.slow
 def test_the_images_default_command_without_its_tokens_file_says_how_to_provide_it() -> None:
     args = dockerfile_serve_args()
     assert not Path(option(args, "--auth-tokens")).exists()  # as in a first `docker run`
@@ -380,6 +388,7 @@ def test_the_images_default_command_without_its_tokens_file_says_how_to_provide_
     assert "tensord listening" not in result.stdout
 
 
+@pytest.mark.slow
 def test_the_images_default_command_with_its_tokens_file_serves(tmp_path: Path) -> None:
     args = dockerfile_serve_args()
     tokens = tmp_path / "tensord_tokens"

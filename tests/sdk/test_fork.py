@@ -75,6 +75,7 @@ def run_parent(
     return result.stdout.split()
 
 
+@pytest.mark.slow
 def test_children_that_exit_normally_leave_the_parent_session_alone(
     client: tensord.Client,
 ) -> None:
@@ -94,6 +95,7 @@ def test_children_that_exit_normally_leave_the_parent_session_alone(
     assert out == ["0"] * FORKS
 
 
+@pytest.mark.slow
 def test_a_child_using_an_inherited_tensor_gets_a_clear_error(client: tensord.Client) -> None:
     out = run_parent(
         client.address,
@@ -117,6 +119,7 @@ def test_a_child_using_an_inherited_tensor_gets_a_clear_error(client: tensord.Cl
     assert out == ["0"] * FORKS
 
 
+@pytest.mark.slow
 def test_a_child_that_connects_gets_its_own_session(client: tensord.Client) -> None:
     out = run_parent(
         client.address,
@@ -136,6 +139,7 @@ def test_a_child_that_connects_gets_its_own_session(client: tensord.Client) -> N
     assert out == ["0"] * FORKS
 
 
+@pytest.mark.slow
 def test_multiprocessing_fork_workers(client: tensord.Client) -> None:
     out = run_parent(
         client.address,
@@ -166,6 +170,7 @@ def test_multiprocessing_fork_workers(client: tensord.Client) -> None:
     assert out == ["0"] * 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grpc_fork_support", [False, True], ids=["plain", "grpc-fork-support"])
 def test_forking_a_busy_client_many_times_never_crashes_or_hangs(
     client: tensord.Client, grpc_fork_support: bool
@@ -196,6 +201,7 @@ def test_forking_a_busy_client_many_times_never_crashes_or_hangs(
     assert out == [f"0x{STRESS_FORKS}"]
 
 
+@pytest.mark.slow
 def test_a_child_makes_its_own_copy_pool_for_same_host_transfers(
     client: tensord.Client,
 ) -> None:

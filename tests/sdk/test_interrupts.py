@@ -125,6 +125,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(ROUNDS))
 def test_an_interrupted_call_leaves_the_client_working(make_server: Any, mode: str) -> None:
     server = make_server(lease=LEASE_S)

@@ -129,6 +129,7 @@ def test_many_threads_share_one_client(client: Any) -> None:
     np.testing.assert_array_equal(x.numpy(), expected)
 
 
+@pytest.mark.slow
 def test_killed_client_with_ops_queued_leaks_nothing(make_server: Any, wait_until: Any) -> None:
     server = make_server(lease=0.5, session_grace=0.2)
     before = server_allocated(server)

@@ -25,6 +25,7 @@ def _refused_at_the_call(client: tensord.Client, call: Callable[[], Any], limit:
     assert client.zeros(3).fill_(2).tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "op",
     [
@@ -58,6 +59,7 @@ def test_a_view_op_returning_more_tensors_than_one_request_may_matches_torch(
         assert a.tolist() == b.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "op",
     [lambda x: x.unbind(0), lambda x: x.split(1), lambda x: x.chunk(400000)],
@@ -76,6 +78,7 @@ def test_a_view_op_past_the_sessions_handle_limit_fails_at_the_call(
         assert client.zeros(3).fill_(2).tolist() == [2.0, 2.0, 2.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "call",
     [

@@ -56,6 +56,7 @@ def _idle_upload(stub: SessionStub, release: threading.Event) -> grpc.Future:
     return upload.future(chunks(), metadata=metadata)
 
 
+@pytest.mark.slow
 def test_idle_uploads_cannot_starve_other_clients_of_their_session(small_server) -> None:
     daemon, address = small_server
     release = threading.Event()
@@ -179,6 +180,7 @@ def test_a_heartbeat_never_waits_on_the_tables_or_a_compaction(small_server) -> 
         stub.close()
 
 
+@pytest.mark.slow
 def test_a_download_whose_consumer_stops_reading_is_cancelled(small_server, wait_until) -> None:
     daemon, address = small_server
     with open_channel(address) as channel:

@@ -162,6 +162,7 @@ def test_the_name_limit_per_tenant_is_resource_exhausted(make_server) -> None:
         assert sorted(alice.names()) == ["b", "c"]
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_limit_below_one() -> None:
     for flag in (
         "--max-handles-per-session",
@@ -172,12 +173,14 @@ def test_serve_refuses_a_limit_below_one() -> None:
         assert result.returncode == 2 and f"{flag} must be >= 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_remote_bind_without_authentication() -> None:
     result = run_serve("--address", "0.0.0.0:0")
     assert result.returncode == 2
     assert "--auth-tokens" in result.stderr and "--insecure-allow-remote" in result.stderr
 
 
+@pytest.mark.slow
 def test_serve_says_which_mode_it_runs_in(tmp_path) -> None:
     from tensord_server.tools.serve import is_loopback, mode_line
 

@@ -72,6 +72,7 @@ def test_stalled_calls_without_a_token_are_refused_before_their_request(auth_ser
             hold.set()
 
 
+@pytest.mark.slow
 def test_stalled_calls_hold_no_thread_and_starve_no_session(auth_server) -> None:
     """A tenant's calls whose request never comes wait as coroutines: no worker, no
     liveness thread; other tenants connect, and their idle sessions live on."""
@@ -146,6 +147,7 @@ def test_every_method_has_a_receive_limit_within_grpcs() -> None:
     assert limits["Heartbeat"] < limits["View"] == limits["Batch"] < limits["Upload"]
 
 
+@pytest.mark.slow
 def test_one_tenants_heavy_calls_cannot_reap_another_tenants_idle_session(auth_server) -> None:
     """8 threads of 65,536-input Cats starved another tenant's heartbeats through the GIL
     (reaped at --lease 3); the session now lives while its KeepAlive stream does."""
@@ -192,6 +194,7 @@ def _cat_inputs() -> int:
     return int(MAX_CAT_INPUTS)
 
 
+@pytest.mark.slow
 def test_a_session_whose_client_vanishes_is_still_reaped(auth_server) -> None:
     """The KeepAlive stream keeps only a live client: its end makes the session lost."""
     with open_channel(auth_server.address) as channel:
@@ -380,6 +383,7 @@ def test_an_answer_held_after_its_call_ended_is_released_at_once() -> None:
     assert ran == [1]
 
 
+@pytest.mark.slow
 def test_downloads_a_tenant_never_reads_hold_their_stream_slots_and_small_chunks() -> None:
     """Unread Downloads of 16 MiB chunks grew the server ~770 MB per round: the idle timeout
     handed their slots back while gRPC still held the chunks written to them."""

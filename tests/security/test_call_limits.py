@@ -241,6 +241,7 @@ def test_a_failed_batch_skips_the_batches_of_the_same_flush_after_it(
     assert x.tolist() == [0.0] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelining", [True, False])
 def test_a_long_split_chunk_or_unbind_is_sent_in_groups_with_torchs_results(
     server: Any, pipelining: bool

@@ -519,6 +519,7 @@ def run_requests(
 WARMUP_S = 2.0
 
 
+@pytest.mark.slow
 def test_small_requests_cannot_ask_for_unbounded_work() -> None:
     process, address = start_serve_process(*SERVE_ARGS)
     try:

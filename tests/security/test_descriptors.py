@@ -170,6 +170,7 @@ def test_the_fd_socket_says_it_is_out_of_descriptors(
         channel.receive_segment_fd(answer.fd_socket, answer.ticket, answer.segment_nbytes)
 
 
+@pytest.mark.slow
 def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(
     fresh_server: Any, monkeypatch: Any, caplog: Any
 ) -> None:
@@ -200,6 +201,7 @@ def test_the_fd_socket_waits_for_descriptors_rather_than_spinning(
     assert len(said) == 1, said
 
 
+@pytest.mark.slow
 def test_serve_raises_its_soft_descriptor_limit_to_the_hard_limit() -> None:
     """`tensord serve` started with a soft limit of 256 runs with the hard limit, and logs it."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

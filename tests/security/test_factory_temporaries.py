@@ -36,6 +36,7 @@ def store() -> Iterator[tuple[TensorStore, Session]]:
         daemon.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", FLOATING)
 def test_a_floating_arange_holds_little_outside_the_pool(
     store: tuple[TensorStore, Session], dtype: str

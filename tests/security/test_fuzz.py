@@ -278,6 +278,7 @@ def _victim_bytes(victim: SessionStub, metas: list[pb.TensorMeta]) -> list[bytes
     return [b"".join(victim.download_bytes(m.handle)) for m in metas]
 
 
+@pytest.mark.slow
 def test_fuzzing_every_rpc_breaks_nothing(make_server) -> None:
     # a quota below the pool's capacity: fuzzed sizes hit both refusals
     server = make_server(
@@ -365,6 +366,7 @@ def _storage_ids(result: Any) -> set[str]:
     return set()
 
 
+@pytest.mark.slow
 def test_another_tenants_secrets_open_nothing(make_server) -> None:
     """Mallory (a valid token of her own) fuzzes every RPC with alice's handles, share token,
     name and session id as strings and session ids.  A cross-tenant read is any answer

@@ -116,6 +116,7 @@ PATHS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_temporaries_stay_a_small_multiple_of_the_chunk(
     store: tuple[TensorStore, Session], small_chunk: None, path: str

@@ -7,6 +7,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from conftest import SessionStub as Stub
 from conftest import open_channel, run_serve
@@ -142,6 +143,7 @@ def test_ops_touching_too_many_elements_are_refused(make_server) -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_serve_takes_max_op_elements() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--device", "cpu", "--max-op-elements", "0")
     assert result.returncode == 2 and "--max-op-elements must be >= 1" in result.stderr

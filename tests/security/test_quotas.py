@@ -219,6 +219,7 @@ def test_the_wildcard_quota_applies_without_auth(make_server) -> None:
         assert client.memory_stats()["tenant.quota_bytes"] == 64 * KIB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("quota", "message"),
     [

@@ -19,6 +19,7 @@ def test_other_addresses(address: str) -> None:
     assert not is_loopback(address)
 
 
+@pytest.mark.slow
 def test_a_name_is_judged_by_where_it_points_and_an_unresolvable_one_is_refused() -> None:
     # 127.example.invalid looked loopback to a prefix test; .invalid never resolves
     with pytest.raises(UnresolvableHostError, match=r"127\.example\.invalid"):

@@ -116,11 +116,13 @@ def test_roots_may_be_pem_bytes_or_come_from_the_environment(
         assert client.arange(2).tolist() == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server: TlsServer) -> None:
     with pytest.raises(tensord.UnavailableError, match="connect with tls=True"):
         tensord.connect(tls_server.address, token="tok-alice", tls=False, timeout=REFUSED_TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_a_certificate_the_client_does_not_trust_is_refused(
     tls_server: TlsServer, tmp_path: Path
 ) -> None:
@@ -142,6 +144,7 @@ def test_tls_does_not_replace_the_token(tls_server: TlsServer) -> None:
         tensord.connect(tls_server.address, root_certificates=tls_server.certs.cert, token="nope")
 
 
+@pytest.mark.slow
 def test_a_tls_client_cannot_talk_to_a_plaintext_server(server, certs: CertFiles) -> None:
     with pytest.raises(tensord.UnavailableError):
         tensord.connect(server.address, root_certificates=certs.cert, timeout=REFUSED_TIMEOUT_S)
@@ -154,6 +157,7 @@ def test_bad_client_tls_arguments(certs: CertFiles, tmp_path: Path) -> None:
         tensord.connect("127.0.0.1:1", root_certificates=tmp_path / "missing.pem")
 
 
+@pytest.mark.slow
 def test_serve_with_tls_says_so_and_serves(certs: CertFiles) -> None:
     process, address = start_serve_process(
         "--address", "127.0.0.1:0", "--device", "cpu=64MiB",
@@ -170,6 +174,7 @@ def test_serve_with_tls_says_so_and_serves(certs: CertFiles) -> None:
     assert process.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -206,6 +211,7 @@ def test_tokens_in_clear_text_on_a_network_address_are_warned_about() -> None:
     assert mode_line("0.0.0.0:1", authenticated=True, tls=True).endswith(", TLS")
 
 
+@pytest.mark.slow
 def test_a_silent_connection_does_not_hold_up_an_https_scrape(
     certs: CertFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,6 +6,7 @@ import threading
 
 import grpc
 import numpy as np
+import pytest
 from tensord import schema as pb
 
 THREADS = 8
@@ -42,6 +43,7 @@ def _mixed_ops(session, seed: int, failures: list[BaseException]) -> None:
         failures.append(exc)
 
 
+@pytest.mark.slow
 def test_eight_threads_of_mixed_ops(make_server, open_session) -> None:
     server = make_server()
     pool = server.daemon.devices.get("cpu").pool

@@ -182,6 +182,7 @@ def raising(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
     yield planted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__name__)
 def test_each_class_a_server_raises_reaches_the_caller_as_itself(
     client: tensord.Client, raising: list[BaseException], cls: type[errors.TensordError]

@@ -68,6 +68,7 @@ def test_a_client_killed_mid_upload_leaves_nothing_allocated(make_server) -> Non
         device.pool.assert_invariants()
 
 
+@pytest.mark.slow
 def test_a_cut_connection_keeps_handles_through_the_grace_and_loses_them_after(
     make_server,
 ) -> None:
@@ -100,6 +101,7 @@ def test_a_cut_connection_keeps_handles_through_the_grace_and_loses_them_after(
     assert server_allocated(server) == 0
 
 
+@pytest.mark.slow
 def test_sigterm_lets_an_inflight_upload_finish(tmp_path) -> None:
     """SIGTERM while an upload is half sent: the upload finishes within the grace.  The
     signal goes only once the server has the call (its tensor allocated: before that a

@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 from tensord_server.observability.logs import JsonFormatter, LogWriter
 
 LINE = "x" * 500
@@ -133,6 +134,7 @@ def test_a_message_and_its_exception_are_made_when_logged() -> None:
     assert "KeyError" in json.loads(json_line)["exception"]
 
 
+@pytest.mark.slow
 def test_the_process_exits_with_a_stalled_reader() -> None:
     """At exit the queue is written out for at most LOG_FLUSH_S; a reader that never
     reads again does not keep the process (logging's own exit took the handler's lock

@@ -40,6 +40,7 @@ def run_child(address: str, code: str, *args: str, timeout: float = 60.0) -> str
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_storage_by_token(client: tensord.Client) -> None:
     x = client.zeros(4, 5)
     token = x.share()
@@ -62,6 +63,7 @@ def test_two_processes_share_a_storage_by_token(client: tensord.Client) -> None:
     assert float(again) == 42.0
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_storage_by_name(client: tensord.Client) -> None:
     name = f"test-share-{os.getpid()}-{time.monotonic_ns()}"
     run_child(
@@ -83,6 +85,7 @@ def test_two_processes_share_a_storage_by_name(client: tensord.Client) -> None:
         client.get(name)
 
 
+@pytest.mark.slow
 def test_a_killed_client_returns_all_its_memory_after_the_grace(make_server: Any) -> None:
     # the SDK heartbeats at lease/3: a killed client is lost once its short lease lapses,
     # and released half a second (the grace) later
@@ -124,6 +127,7 @@ def test_a_killed_client_returns_all_its_memory_after_the_grace(make_server: Any
         )
 
 
+@pytest.mark.slow
 def test_eight_threads_through_one_client_leave_the_server_consistent(fresh_server: Any) -> None:
     failures: list[BaseException] = []
     with tensord.connect(fresh_server.address) as client:

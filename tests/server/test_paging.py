@@ -90,6 +90,7 @@ def _refused(session: SessionStub, request: Any) -> str:
 # ---- names ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_names_answer_never_exceeds_the_page_bytes_however_many_and_long_the_names(
     make_server: Callable[..., Any], open_session: Callable[..., Any]
 ) -> None:
@@ -129,6 +130,7 @@ def test_page_size_defaults_and_caps(
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "page_size must be >= 0" in details
 
 
+@pytest.mark.slow
 def test_paging_lists_every_name_once_while_names_come_and_go(
     make_server: Callable[..., Any], open_session: Callable[..., Any]
 ) -> None:
@@ -240,6 +242,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_aio_names_and_snapshot_fetch_every_page(
     make_server: Callable[..., Any],
@@ -268,6 +271,7 @@ def _json_round_trip(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
+@pytest.mark.slow
 def test_snapshot_pages_stay_under_the_page_bytes_and_join_to_the_whole(
     make_server: Callable[..., Any], open_session: Callable[..., Any]
 ) -> None:
@@ -344,6 +348,7 @@ def _joined(pages: list[tuple[bytes, str]]) -> dict[str, Any]:
     return snapshot
 
 
+@pytest.mark.slow
 def test_a_recorded_trace_is_paged_after_the_segments_and_ends_at_the_snapshot() -> None:
     pool = CachingPool(BookkeepingBackend(), record_history=True)
     live = [pool.malloc(512) for _ in range(15_000)]  # ~30,000 trace entries: 3 MB of JSON

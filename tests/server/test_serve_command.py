@@ -20,6 +20,7 @@ from tensord_server.domain.store import TensorStore
 from tensord_server.tools.serve import configure_pools, shown_address
 
 
+@pytest.mark.slow
 def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -49,6 +50,7 @@ def test_serve_answers_health_and_reflection_and_exits_0_on_sigterm() -> None:
         process.communicate(timeout=10)
 
 
+@pytest.mark.slow
 def test_a_server_that_logs_a_lot_keeps_answering() -> None:
     """At debug every call is a log line (a refusal's with its ~500-byte message): a thousand
     of them outgrow a pipe's 64 KiB.  With its stderr a pipe nobody reads, the server used
@@ -75,6 +77,7 @@ def test_a_server_that_logs_a_lot_keeps_answering() -> None:
     assert "Empty RESOURCE_EXHAUSTED" in err and "stopping: in-flight calls" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_serve_on_a_unix_socket(tmp_path) -> None:
     path = tmp_path / "tensord.sock"
     process, address = start_serve_process("--address", f"unix:{path}")
@@ -93,6 +96,7 @@ def test_serve_on_a_unix_socket(tmp_path) -> None:
         process.communicate(timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("device", "needle"), [("cuda:0", "CuPy"), ("tpu", "unknown device")])
 def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
     env = os.environ.copy()
@@ -109,6 +113,7 @@ def test_serve_refuses_devices_it_cannot_open(device, needle) -> None:
     assert needle in result.stderr
 
 
+@pytest.mark.slow
 def test_serve_refuses_fewer_than_one_worker_without_a_traceback() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--max-workers", "0")
     assert result.returncode == 2
@@ -161,6 +166,7 @@ def test_serve_gives_each_pool_its_policy_and_warm_reserve() -> None:
         store.close()
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_warm_reserve_that_is_no_size() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--warm-reserve", "lots")
     assert result.returncode == 2

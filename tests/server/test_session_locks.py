@@ -178,6 +178,7 @@ def test_serve_sets_the_gil_switch_interval_it_is_given() -> None:
         sys.setswitchinterval(before)
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_lease_a_busy_servers_heartbeats_could_miss() -> None:
     # a heartbeat waits up to one switch interval per busy thread: a lease of 0.1 s with
     # threads running 1 s each before a handoff would drop live sessions
@@ -195,6 +196,7 @@ def test_serve_refuses_a_lease_a_busy_servers_heartbeats_could_miss() -> None:
         sys.setswitchinterval(before)
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_gil_switch_interval_out_of_range() -> None:
     result = run_serve("--address", "127.0.0.1:0", "--gil-switch-interval", "0")
     assert result.returncode == 2

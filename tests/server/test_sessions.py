@@ -101,6 +101,7 @@ class _KeepAlive:
         self._reader.join(10)
 
 
+@pytest.mark.slow
 def test_lost_stream_then_grace_releases_everything(make_server, open_session, wait_until) -> None:
     server = make_server(session_grace=0.3, lease=60.0)
     before = _allocated(server)
@@ -137,6 +138,7 @@ def test_a_vanished_keepalive_client_is_a_normal_end_of_stream(
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
+@pytest.mark.slow
 def test_unary_heartbeat_renews_the_lease(make_server, open_session) -> None:
     server = make_server(session_grace=0.1, lease=0.3)
     session = open_session(server.address)

@@ -15,6 +15,7 @@ from tensord_server.domain import share_tokens
 MIB = 1 << 20
 
 
+@pytest.mark.slow
 def test_share_attach_drop_twenty_times_leaves_nothing_allocated(
     server, client, wait_until
 ) -> None:
@@ -69,6 +70,7 @@ def test_revoke_frees_the_storage_and_only_the_issuer_may(server, client) -> Non
     assert client_allocated(client) == before
 
 
+@pytest.mark.slow
 def test_a_token_expires(server, client, wait_until) -> None:
     before = client_allocated(client)
     x = client.zeros(1024)

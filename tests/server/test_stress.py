@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import server_allocated, wait_until
 from tensord_server.domain.quotas import QuotaSpec
 
@@ -117,6 +118,7 @@ STRESS_POOL = 64 << 20
 STRESS_QUOTA = QuotaSpec("*", "cpu", STRESS_POOL // 2)
 
 
+@pytest.mark.slow
 def test_clients_by_processes_and_threads_leave_a_consistent_pool(make_server) -> None:
     server = make_server(
         devices=(f"cpu={STRESS_POOL}",),

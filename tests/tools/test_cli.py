@@ -48,6 +48,7 @@ def test_help_imports_no_subcommand() -> None:
     assert loaded.isdisjoint(HEAVY), sorted(loaded & set(HEAVY))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "imports"),
     [
@@ -73,6 +74,7 @@ def test_subcommand_options_still_parse() -> None:
     assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_stats_into_a_closed_pipe_exits_quietly(server: RunningServer) -> None:
     # `tensord stats | head`: the reader is gone before the command writes.
     with subprocess.Popen(
@@ -89,6 +91,7 @@ def test_stats_into_a_closed_pipe_exits_quietly(server: RunningServer) -> None:
     assert stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
 
 
+@pytest.mark.slow
 def test_summary_of_a_host_pool_speaks_of_no_gpu(server: RunningServer) -> None:
     # the cpu pool's table said "CUDA OOMs", "cudaMalloc retries", "GPU reserved memory"
     result = subprocess.run(

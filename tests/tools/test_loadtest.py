@@ -99,6 +99,7 @@ def wait_for_allocated(client: Any, target: int, timeout_steps: int = 100) -> in
 
 
 # -- workloads -------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
 def test_each_workload_runs_clean_and_gives_everything_back(gib_server: Running, name: str) -> None:
     log = Log()
@@ -120,6 +121,7 @@ class Sequence:
         self.calls.append((op, nbytes, "expected" if expected else type(exc).__name__))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
 def test_a_seed_makes_a_workload_choose_alike_run_after_run(gib_server: Running, name: str) -> None:
     """tensord loadtest --seed: a user seeded alike (workload_rng) makes the same calls with
@@ -494,6 +496,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
 
 
 # -- one short run of the whole thing -------------------------------------------------
+@pytest.mark.slow
 def test_short_headless_run_has_no_unexpected_failures_and_leaks_nothing(tmp_path: Path) -> None:
     # find_spec, not importorskip: importing locust monkey-patches threading and
     # sockets with gevent inside this process, and every later gRPC test hangs.
@@ -544,6 +547,7 @@ def _tail(path: Path) -> str:
     return path.read_text()[-4000:] if path.exists() else ""
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_leaves_no_empty_results_folder(tmp_path: Path) -> None:
     # nothing answers at the address: the run fails before writing anything, and left an
     # empty folder (and its parents) behind
@@ -586,6 +590,7 @@ def test_progress_lines_read_the_stats_history_as_it_grows(tmp_path: Path) -> No
     )
 
 
+@pytest.mark.slow
 def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tensord_server", "loadtest", "--workloads", "kv,nope"]
     result = subprocess.run(
@@ -595,6 +600,7 @@ def test_an_unknown_workload_is_refused_before_anything_starts(tmp_path: Path) -
     assert "unknown workload 'nope'" in result.stderr
 
 
+@pytest.mark.slow
 def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tensord_server", "loadtest", "--trace", "no-such-trace"]
     result = subprocess.run(
@@ -648,6 +654,7 @@ def test_ratios_under_load_skip_the_samples_while_users_arrive_or_leave(tmp_path
     assert summary["mean_reserved_over_allocated"] == pytest.approx(1.1)
 
 
+@pytest.mark.slow
 def test_the_top_level_locustfile_runs_the_packages_users() -> None:
     """`locust -f loadtest/locustfile.py` from a checkout finds the very user classes
     `tensord loadtest` runs (one source, no copy).  In a child: Locust's import

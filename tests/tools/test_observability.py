@@ -284,6 +284,7 @@ def read_lines_until(stream: Any, prefix: str, into: list[str], timeout: float =
     return found[0]
 
 
+@pytest.mark.slow
 def test_serve_with_auth_shows_metrics_to_operators_only_and_logs_json(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("op-token ops\nalice-token alice\n")
@@ -331,6 +332,7 @@ def test_serve_with_auth_shows_metrics_to_operators_only_and_logs_json(tmp_path:
     assert any(e["method"] == "Upload" and e["tenant"] == "alice" for e in access), err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -451,6 +453,7 @@ def save_screenshot(driver: Any, name: str) -> None:
         (Path(folder) / name).write_bytes(base64.b64decode(shot["data"]))
 
 
+@pytest.mark.slow
 def test_dashboard_in_a_browser_shows_segments_and_updates(browser: Any, tmp_path: Path) -> None:
     running = start_server(
         devices=("cpu=256MiB",),
@@ -518,6 +521,7 @@ def test_dashboard_in_a_browser_shows_segments_and_updates(browser: Any, tmp_pat
         running.stop()
 
 
+@pytest.mark.slow
 def test_dashboard_shows_an_idle_cache_as_idle(browser: Any) -> None:
     # every tensor freed, 3 segments cached: the page said "fragmentation 0.524" beside
     # segments labelled "0 B", and the no-auth tenant's blocks were the fragmentation red
@@ -590,6 +594,7 @@ def test_refusals_of_the_gate_are_counted() -> None:
     assert samples[("tensord_rpc_requests_total", counted)] == 1
 
 
+@pytest.mark.slow
 def test_an_idle_http_connection_is_closed(
     observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -640,6 +645,7 @@ def connection_threads(port: int) -> int:
     return sum(t.name == f"tensord-http-connection:{port}" for t in threading.enumerate())
 
 
+@pytest.mark.slow
 def test_a_trickled_request_is_closed_at_its_deadline_while_a_scrape_is_answered(
     observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -720,6 +726,7 @@ def test_a_request_longer_than_its_bound_is_closed_unanswered(
         assert closed_unanswered(sock)
 
 
+@pytest.mark.slow
 def test_an_answer_read_slowly_is_cut_at_its_deadline(
     observed: tuple[RunningServer, HttpEndpoints], monkeypatch: pytest.MonkeyPatch
 ) -> None:
