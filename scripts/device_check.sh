@@ -39,11 +39,11 @@ print("GPU float64 -> float32 of 1e-40, bits:", int(tiny.astype(cupy.float32).vi
 PY
 PYTEST=($PY -m pytest -p no:cacheprovider -W "ignore::UserWarning:cupy"
         -W "ignore::FutureWarning:cupy" -W "ignore::DeprecationWarning")
-echo "== pytest -m cuda (tests/test_cuda.py)"
-timeout 200 "${PYTEST[@]}" -m cuda -v --durations=5 tests/test_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log"
+echo "== pytest -m cuda (tests/cuda/test_cuda.py)"
+timeout 200 "${PYTEST[@]}" -m cuda -v --durations=5 tests/cuda/test_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log"
 echo "pytest exit: ${PIPESTATUS[0]}"
 echo "== the CUDA unit tests (fake CuPy) with the real one installed"
-timeout 60 "${PYTEST[@]}" -q tests/test_cuda_units.py 2>&1 | tail -15
+timeout 60 "${PYTEST[@]}" -q tests/cuda/test_cuda_units.py 2>&1 | tail -15
 echo "pytest exit: ${PIPESTATUS[0]}"
 echo "== benchmarks/bench_cuda.py"
 timeout 120 $PY benchmarks/bench_cuda.py --repeats 3 2>&1 | tee "$OUT/bench_cuda.log"

@@ -7,7 +7,7 @@ size inference, ``computeStride``, extents, broadcasting), :mod:`~tensord.layout
 :mod:`~tensord.layout.complex` (complex views and the lazy conjugate and negative
 bits).  Each function names the ATen / c10 function it mirrors; results, exception
 types and error texts match torch 2.13 eager (CPU) exactly —
-``tests/test_layout_vs_torch.py`` checks that against torch.
+``tests/layout/test_layout_vs_torch.py`` checks that against torch.
 
 Strides and offsets are in elements.  Exceptions are the plain built-ins torch
 raises (RuntimeError, IndexError, ValueError, TypeError); the service maps them

@@ -2,7 +2,7 @@
 ``computeStride``, storage extents and broadcasting, as pure functions over tuples.
 
 Each function names the ATen / c10 function it mirrors; results, exception types and
-error texts match torch 2.13 eager (CPU) exactly (``tests/test_layout_vs_torch.py``).
+error texts match torch 2.13 eager (CPU) exactly (``tests/layout/test_layout_vs_torch.py``).
 Strides and offsets are in elements.
 """
 

@@ -1,0 +1,383 @@
+"""Servers joined into one cluster through a real etcd (Debian's etcd-server on loopback ports).
+
+Units first (the flags' grammar, the refusals of ``tensord serve``), then the member against
+etcd in this process (claims, the watch, a lapsed lease), then three ``tensord serve``
+processes: a name put on one node read from a client of another, a node killed with
+SIGKILL, etcd stopped under running nodes.  Every test that needs etcd skips without it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensord
+from conftest import run_serve, start_serve_process, wait_until
+from tensord import errors
+from tensord_server.cluster import check_node_id, parse_duration, parse_endpoints
+
+ETCD = shutil.which("etcd")
+needs_etcd = pytest.mark.skipif(ETCD is None, reason="no etcd (apt-get install etcd-server)")
+# etcd answers its first call within this long of starting, or the test fails
+ETCD_STARTUP_S = 20.0
+# the lease the test nodes hold: etcd's shortest
+LEASE_S = 2.0
+TOKENS = "alice-token alice\nbob-token bob\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EtcdServer:
+    process: subprocess.Popen[bytes]
+    endpoint: str  # HOST:PORT of its client URL
+    data_dir: str
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.endpoint}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def start_etcd() -> EtcdServer:
+    """A one-member etcd on two free loopback ports with a temporary data dir; returns once
+    it answers a call (bounded by ETCD_STARTUP_S)."""
+    from tensord_server.cluster.etcd import Etcd
+
+    assert ETCD is not None
+    data = tempfile.mkdtemp(prefix="tensord-etcd-")
+    client, peer = free_port(), free_port()
+    process = subprocess.Popen(
+        [
+            ETCD,
+            "--name=test",
+            f"--data-dir={data}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=test=http://127.0.0.1:{peer}",
+            "--log-level=error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = EtcdServer(process, f"127.0.0.1:{client}", data)
+    probe = Etcd([server.endpoint], timeout=0.5)
+    deadline = time.monotonic() + ETCD_STARTUP_S
+    try:
+        while True:
+            try:
+                probe.range(b"/", b"\0", limit=1)
+                return server
+            except errors.ClusterUnavailableError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    server.stop()
+                    pytest.fail(f"etcd did not answer within {ETCD_STARTUP_S:g} s")
+                time.sleep(0.1)
+    finally:
+        probe.close()
+
+
+@pytest.fixture
+def make_etcd() -> Iterator[Callable[[], EtcdServer]]:
+    started: list[EtcdServer] = []
+
+    def make() -> EtcdServer:
+        started.append(start_etcd())
+        return started[-1]
+
+    yield make
+    for server in started:
+        server.stop()
+        shutil.rmtree(server.data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    if ETCD is None:
+        pytest.skip("no etcd (apt-get install etcd-server)")
+    server = start_etcd()
+    yield server
+    server.stop()
+    shutil.rmtree(server.data_dir, ignore_errors=True)
+
+
+# ---- the flags ------------------------------------------------------------------------
+
+
+def test_the_cluster_flags_grammar() -> None:
+    assert parse_endpoints("etcd://127.0.0.1:2379") == ["127.0.0.1:2379"]
+    assert parse_endpoints("etcd://a:1,b:2") == ["a:1", "b:2"]
+    for bad in ("http://a:1", "etcd://a", "etcd://a:1,:2", "etcd://a:99999"):
+        with pytest.raises(ValueError):
+            parse_endpoints(bad)
+    assert parse_duration("10s") == 10.0
+    assert parse_duration("2500ms") == 2.5
+    assert parse_duration("1m") == 60.0
+    assert parse_duration("3") == 3.0
+    for bad in ("", "ten", "10h", "-1s"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    assert check_node_id("gpu-7.rack2") == "gpu-7.rack2"
+    for bad in ("", "a/b", "-a", "x" * 64):
+        with pytest.raises(ValueError):
+            check_node_id(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--cluster", "etcd://127.0.0.1:1"], "--cluster needs --node-id"),
+        (["--node-id", "a"], "--node-id needs --cluster"),
+        (["--node-id", "a", "--cluster", "127.0.0.1:1"], "--cluster must be etcd://"),
+        (["--node-id", "a/b", "--cluster", "etcd://127.0.0.1:1"], "--node-id must be"),
+        (
+            ["--node-id", "a", "--cluster", "etcd://127.0.0.1:1", "--cluster-lease", "1s"],
+            "--cluster-lease must be at least 2s",
+        ),
+    ],
+)
+def test_serve_refuses_bad_cluster_flags(args: list[str], said: str) -> None:
+    done = run_serve("--address", "127.0.0.1:0", "--device", "cpu=64MiB", *args)
+    assert done.returncode == 2
+    assert said in done.stderr
+
+
+@pytest.mark.slow
+def test_serve_without_a_reachable_etcd_does_not_start() -> None:
+    done = run_serve(
+        "--address", "127.0.0.1:0", "--device", "cpu=64MiB",
+        "--node-id", "a", "--cluster", f"etcd://127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "cannot join the cluster" in done.stderr and "cannot reach etcd" in done.stderr
+
+
+# ---- the member, in this process ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> None:
+    from tensord_server.cluster.node import ClusterNode, NodeIdTakenError
+
+    lost: list[tuple[str, str | None, int | None]] = []
+    a = ClusterNode("unit-a", "127.0.0.1:1", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    b = ClusterNode("unit-b", "127.0.0.1:2", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    a.join()
+    b.join()
+    try:
+        a.on_name_lost(lambda *change: lost.append(change))
+        assert [n.node for n in a.nodes() if n.node.startswith("unit-")] == ["unit-a", "unit-b"]
+        revision = a.claim("t/1", "x", overwrite=False)
+        assert b.owner("t/1", "x") == ("unit-a", "127.0.0.1:1")
+        assert b.owner("t/2", "x") is None  # another tenant's (even one that looks nested)
+        with pytest.raises(errors.AlreadyExistsError, match="on node 'unit-a'"):
+            b.claim("t/1", "x", overwrite=False)
+        a.claim("t/1", "y", overwrite=False)
+        assert b.names("t/1", None, 10) == (["x", "y"], False)
+        assert b.names("t/1", None, 1) == (["x"], True)
+        assert b.names("t/1", "x", 10) == (["y"], False)
+        taken = b.claim("t/1", "x", overwrite=True)
+        assert taken > revision
+        assert wait_until(lambda: ("t/1", "x", taken) in lost, timeout=5)
+        assert a.owner("t/1", "x") == ("unit-b", "127.0.0.1:2")
+        a.release("t/1", "x", revision)  # no longer a's claim: nothing is deleted
+        assert a.owner("t/1", "x") is not None
+        b.release("t/1", "x", taken)
+        assert a.owner("t/1", "x") is None
+        with pytest.raises(NodeIdTakenError, match=r"taken by a live member at 127\.0\.0\.1:1"):
+            ClusterNode("unit-a", "127.0.0.1:3", [etcd.endpoint], LEASE_S, []).join()
+    finally:
+        a.close()
+        b.close()
+    from tensord_server.cluster.etcd import Etcd
+    from tensord_server.cluster.node import name_key
+
+    probe = Etcd([etcd.endpoint])
+    assert probe.get(name_key("t/1", "y")) is None  # the revoked lease took a's names at once
+    probe.close()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_a_lapsed_lease_drops_the_names_and_registers_anew(etcd: EtcdServer) -> None:
+    from tensord_server.cluster.node import ClusterNode
+
+    lost: list[tuple[str, str | None, int | None]] = []
+    node = ClusterNode("unit-lapse", "127.0.0.1:1", [etcd.endpoint], LEASE_S, [])
+    node.join()
+    try:
+        node.on_name_lost(lambda *change: lost.append(change))
+        node.claim("t", "kept", overwrite=False)
+        first = node.incarnation
+        lease = node._lease
+        assert lease is not None
+        node.etcd.revoke(lease)  # as etcd does when the lease lapses
+        assert node.owner("t", "kept") is None
+        assert wait_until(lambda: ("", None, None) in lost, timeout=5)
+        assert wait_until(lambda: node.incarnation != first, timeout=5)
+        records = {n.node: n for n in node.nodes()}
+        assert records["unit-lapse"].incarnation == node.incarnation
+    finally:
+        node.close()
+
+
+# ---- three servers ----------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    name: str
+    process: subprocess.Popen[str]
+    address: str
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def tokens_file() -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "tokens"
+        path.write_text(TOKENS)
+        yield str(path)
+
+
+def start_nodes(etcd: EtcdServer, tokens: str, names: str = "abc") -> list[Node]:
+    nodes = []
+    for name in names:
+        process, address = start_serve_process(
+            "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--auth-tokens", tokens,
+            "--node-id", f"{name}-{os.getpid()}", "--cluster", etcd.url,
+            "--cluster-lease", f"{LEASE_S:g}s",
+        )  # fmt: skip
+        nodes.append(Node(name, process, address))
+    return nodes
+
+
+@pytest.fixture
+def three_nodes(etcd: EtcdServer, tokens_file: str) -> Iterator[list[Node]]:
+    nodes = start_nodes(etcd, tokens_file)
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def connect(node: Node, tenant: str = "alice") -> Any:
+    return tensord.connect(node.address, token=f"{tenant}-token", local=False, call_timeout=10)
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_name_put_on_one_node_is_read_from_another(three_nodes: list[Node]) -> None:
+    a, _, c = three_nodes
+    with connect(a) as on_a, connect(c) as on_c, connect(c, "bob") as bob_on_c:
+        assert [n["node"] for n in on_c.nodes()] == [f"{x}-{os.getpid()}" for x in "abc"]
+        assert [n["self"] for n in on_c.nodes()] == [False, False, True]
+        data = np.arange(24, dtype=np.float32).reshape(4, 6) * 1.5
+        x = on_a.tensor(data)
+        on_a.put("weights", x.t())  # a strided view: the name keeps its layout
+        got = on_c.get("weights")  # the redirect, followed once
+        assert got.client.address == a.address  # a handle on a's Storage
+        assert got.shape == (6, 4) and got.stride() == (1, 6)
+        np.testing.assert_array_equal(got.numpy(), data.T)
+        assert got.numpy().tobytes() == data.T.tobytes()
+        with pytest.raises(errors.AlreadyExistsError, match="already exists"):
+            on_c.put("weights", on_c.zeros(2))  # one namespace: c may not claim it too
+        with pytest.raises(errors.NotFoundError):
+            bob_on_c.get("weights")  # tenants stay apart across nodes
+        on_c.put("bias", on_c.ones(3))
+        assert on_a.names() == ["bias", "weights"]
+        assert bob_on_c.names() == []
+        on_c.put("weights", got, overwrite=True)  # a's tensor, named again on a
+        on_c.put("weights", on_c.zeros(5), overwrite=True)  # now c holds the name
+        assert wait_until(lambda: on_a.get("weights").shape == (5,), timeout=5)
+        on_a.delete("bias")  # c's name, deleted through a
+        with pytest.raises(errors.NotFoundError):
+            on_c.get("bias")
+        assert on_a.names() == ["weights"]
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_killed_node_takes_its_names_and_the_others_serve_on(three_nodes: list[Node]) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:
+        on_a.put("on-a", on_a.full((3,), 7.0))
+        on_b.put("on-b", on_b.arange(5))
+        held = on_c.get("on-b")  # a handle on b's Storage, through c's client
+        assert held.tolist() == [0, 1, 2, 3, 4]
+        b.process.send_signal(signal.SIGKILL)
+        b.process.wait(timeout=10)
+        killed = time.monotonic()
+        assert wait_until(lambda: "on-b" not in on_c.names(), timeout=LEASE_S * 2 + 3)
+        # within the lease, plus a keep-alive, plus etcd's expiry sweep
+        assert time.monotonic() - killed < LEASE_S + LEASE_S / 3 + 2.0
+        assert [n["node"] for n in on_c.nodes()] == [f"{x}-{os.getpid()}" for x in "ac"]
+        with pytest.raises(errors.NodeLostError) as lost:
+            held.tolist()
+        assert lost.value.node == f"b-{os.getpid()}" and lost.value.address == b.address
+        assert isinstance(lost.value, ConnectionError)
+        with pytest.raises(errors.NotFoundError):
+            on_a.get("on-b")
+        assert on_c.get("on-a").tolist() == [7.0, 7.0, 7.0]  # the others keep what they hold
+        on_c.put("after", on_c.ones(2))
+        assert on_a.get("after").tolist() == [1.0, 1.0]
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_without_etcd_local_operations_go_on_and_cluster_ones_fail_clearly(
+    make_etcd: Callable[[], EtcdServer], tokens_file: str
+) -> None:
+    etcd = make_etcd()
+    nodes = start_nodes(etcd, tokens_file, "ab")
+    try:
+        a, b = nodes
+        with connect(a) as on_a, connect(b) as on_b:
+            on_a.put("kept", on_a.arange(4))
+            assert on_b.get("kept").tolist() == [0, 1, 2, 3]
+            etcd.stop()
+            x = on_a.tensor([1.0, 2.0])  # local work: tensors, copies, views
+            assert x.clone().view(2, 1).tolist() == [[1.0], [2.0]]
+            assert on_a.get("kept").tolist() == [0, 1, 2, 3]  # a's own name: held here
+            with pytest.raises(errors.ClusterUnavailableError, match="cannot reach etcd"):
+                on_a.put("new", x)
+            with pytest.raises(errors.ClusterUnavailableError, match="cannot reach etcd"):
+                on_a.nodes()
+            with pytest.raises(errors.ClusterUnavailableError):
+                on_b.get("kept")  # b must ask etcd who holds it
+            assert on_a.tensor([3]).tolist() == [3]
+    finally:
+        for node in nodes:
+            node.stop()
