@@ -40,7 +40,7 @@ MiB = 1 << 20
 # a client that never maps the server's memory: its uploads leave no export behind (a
 # same-host client's do until its next batched release, and an export never moves)
 remote = functools.partial(tensord.connect, local=False)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
