@@ -92,7 +92,18 @@ class Tensor(TensorBase, NoMath):
     No math: ``x + 1`` or ``x.sum()`` raises a TypeError or AttributeError that says what
     to use instead (:mod:`tensord._no_math`)."""
 
-    __slots__ = ("__weakref__", "_client", "_meta", "_owned", "_session", "_session_id")
+    __slots__ = (
+        "__weakref__",
+        "_client",
+        "_held",
+        "_meta",
+        "_owned",
+        "_session",
+        "_session_id",
+    )
+    # what the tensor keeps alive beside its handle (a same-host get's export): set only
+    # then (keep_alive), so a view costs no store
+    _held: Any
 
     def __init__(self, client: SessionClient, session: ClientSession, meta: Meta) -> None:
         self._client = client  # tensors hold their client: it lives while they do
@@ -1965,6 +1976,11 @@ def own(client: SessionClient, tensor: Any, position: int) -> str:
             f"tensor {position} belongs to another tensord client ({tensor.client.address})"
         )
     return tensor.handle
+
+
+def keep_alive(tensor: Tensor, held: Any) -> None:
+    """Have ``tensor`` hold ``held`` for as long as it lives (a same-host get's export)."""
+    tensor._held = held
 
 
 def assign_data(tensor: Tensor, key: Any, data: Any) -> None:

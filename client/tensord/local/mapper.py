@@ -76,6 +76,7 @@ class LocalMapper:
         self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
         self.last_refusal = ""  # why the server last refused an Export
         self._empty_export = True  # false once the server turned EmptyExport down as unknown
+        self._get_export = True  # false once the server turned GetNameExport down as unknown
         # guards _segments, _imports and their counters; reentrant: an export's finalizer may
         # run on a collection triggered while this thread holds it
         self._lock = threading.RLock()
@@ -127,6 +128,73 @@ class LocalMapper:
             with self._lock:
                 self._reusable[(session_id, storage_id)] = weakref.ref(export)
         return export
+
+    def live_export(self, storage_id: str) -> Export | None:
+        """A live cpu export of the Storage ``storage_id`` in this session (one a DLPack
+        capsule or a same-host ``get`` holds), once the ops queued before are applied; None
+        when there is none (the caller exports)."""
+        if not self.enabled:
+            return None
+        session_id = self._conn.session_id
+        with self._lock:
+            ref = self._reusable.get((session_id, storage_id))
+        reused = ref() if ref is not None else None
+        if reused is None:
+            return None
+        # what a call would check and wait for: a closed, forked or replaced session
+        # raises, and ops queued before this call are applied before it sees the bytes
+        self._conn.check_session(session_id)
+        if self._conn.pipelining:
+            self._conn.synchronize(releases=False)
+        return reused
+
+    @property
+    def mapping(self) -> bool:
+        """Whether this client maps a segment of its server now: an export then costs one
+        call and no descriptor, whatever the transfer's size."""
+        return self.enabled and bool(self._segments)
+
+    def get_exported(self, name: str) -> tuple[pb.TensorMeta, Export | None] | None:
+        """GetName and an export of the new handle's host Storage in one call
+        (GetNameExport); the export None where the server did not export it or this client
+        cannot map it.  None: the server does not know the call (use GetName).  The export
+        is the Storage's reusable one (:meth:`live_export`, :meth:`shared_export`)."""
+        if not self._get_export:
+            return None
+        instance, mapped = self._mapped_hint
+        request = requests.get_name_export(name, instance, mapped)
+        session_id = self._conn.session_id
+        orphaned = functools.partial(self._release_got, session_id)
+        try:
+            response: pb.GetNameExportResponse = self._conn.call("GetNameExport", request, orphaned)
+        except errors.TensordError as exc:
+            if not is_unimplemented(exc):
+                raise
+            self._get_export = False  # a server older than GetNameExport
+            return None
+        meta = response.tensor
+        if not response.HasField("export"):
+            self.last_refusal = response.export_refusal or self.last_refusal
+            return meta, None
+        reuse_key = (session_id, meta.storage_id)
+        try:
+            export = self._mapped(meta.handle, response.export, reuse_key)
+        except SegmentForgotten:  # no ticket for an unmapped segment: not one to map
+            return meta, None
+        if not isinstance(export, Export):
+            if export is not None:
+                export.close()
+            return meta, None
+        with self._lock:
+            self._reusable[reuse_key] = weakref.ref(export)
+        return meta, export
+
+    def _release_got(self, session_id: str, response: pb.GetNameExportResponse) -> None:
+        """A GetNameExport answer its caller never saw: its handle and its export."""
+        if response.HasField("export"):
+            self._conn.queue_export_release(response.export.export_id)
+        if response.tensor.handle:
+            self._conn.queue_release(response.tensor.handle)
 
     def export(
         self, handle: str, *, reuse_key: tuple[str, str] | None = None

@@ -23,6 +23,8 @@ MAX_VIEW_RESULTS        tensors of a split/chunk/unbind 13-19        2,048   27-
 MAX_BATCH_RESULTS       tensors of a Batch's views      13-19        2,048   27-39
 MAX_BATCH_OPS           ops of a Batch: x[i] / writes   17 / 35-69   1,024   18 / 36-70
 MAX_INDEX_ITEMS         items of an index               3-5          129     < 1
+MAX_NAME_ITEMS          names of a PutNames, GetNames   15-40        1,024   15-41
+                        or DeleteNames
 MAX_REQUEST_ITEMS       list items of one request       0.5-1.6      32,768  16-52
 ======================  ==============================  ===========  ======  ==========
 
@@ -52,6 +54,7 @@ from tensord.protocol import (
     MAX_INDEX_ITEMS,
     MAX_LIST_LEN,
     MAX_MAPPED_SEGMENTS,
+    MAX_NAME_ITEMS,
     MAX_RELEASE_HANDLES,
     MAX_REQUEST_ITEMS,
     MAX_VIEW_RESULTS,
@@ -70,6 +73,7 @@ __all__ = [
     "MAX_INDEX_ITEMS",
     "MAX_LIST_LEN",
     "MAX_MAPPED_SEGMENTS",
+    "MAX_NAME_ITEMS",
     "MAX_RELEASE_HANDLES",
     "MAX_REQUEST_ITEMS",
     "MAX_VIEW_RESULTS",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from tensord import dtypes
+from tensord.errors import InvalidArgumentError
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device, activate
@@ -72,6 +73,38 @@ class Transfers:
                 f"holds {expected}"
             )
         return UploadSink(self.ops, session, self.ops.device(device), layout, dt, requires_grad)
+
+    def staged(
+        self, session: Session, handle: str, byte_offset: int, shape: Sequence[int], dtype: str
+    ) -> Issued:
+        """A new contiguous tensor of ``shape`` and ``dtype`` holding a copy of the bytes a
+        same-host client wrote into its staging tensor ``handle`` (a contiguous tensor of
+        its session), from ``byte_offset`` on; on the staging tensor's device."""
+        shape = kernels.check_shape(shape)
+        dt = dtypes.dtype_from_name(dtype)
+        layout = Layout.contiguous(shape)
+        nbytes = layout.numel * dt.itemsize
+        with self.ops.sessions.held(session, handle) as (ref,):
+            if not ref.layout.is_contiguous() or ref.conj or ref.neg:
+                raise InvalidArgumentError("a staging tensor must be contiguous, its bits plain")
+            have = ref.layout.numel * ref.dtype.itemsize
+            if byte_offset < 0 or byte_offset + nbytes > have:
+                raise InvalidArgumentError(
+                    f"staged bytes {byte_offset}..{byte_offset + nbytes} are not inside the "
+                    f"{have}-byte staging tensor"
+                )
+            self.ops.check_elements(layout.numel)
+            sink = UploadSink(self.ops, session, ref.device, layout, dt, False)
+            try:
+                if nbytes:
+                    block = ref.storage.block
+                    start = block.offset + ref.layout.offset * ref.dtype.itemsize + byte_offset
+                    with activate(ref.device):
+                        data = ref.device.backend.read(block.segment.memory, start, nbytes)
+                    sink.write(data)
+                return sink.finish()
+            finally:
+                sink.abort()  # after finish: nothing left to undo
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
         """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
