@@ -1,0 +1,304 @@
+"""Names on the server's host: a get that brings its export (one call to a mapped array), a
+put of arrays, torch tensors and lists staged through the mapping in one call, transfers of
+any size through the mapping once a segment is mapped, and deletes queued with the
+pipelined ops (torch is the oracle)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+import tensord
+import torch
+from tensord import schema as pb
+from tensord.errors import InvalidArgumentError, NotFoundError
+from tensord.local import transfers
+
+MiB = 1 << 20
+
+
+def record_calls(client: Any, monkeypatch: Any) -> list[str]:
+    """Every unary method the client calls from now on (through gRPC or its call channel;
+    a Batch is sent apart), and the streams, as "Upload" and "Download"."""
+    made: list[str] = []
+    unary_now = client._conn._unary_now
+    upload = client._conn.upload
+    download_into = client._conn.download_into
+
+    def unary(method: str, *args: Any) -> Any:
+        made.append(method)
+        return unary_now(method, *args)
+
+    def uploading(*args: Any) -> Any:
+        made.append("Upload")
+        return upload(*args)
+
+    def downloading(*args: Any) -> Any:
+        made.append("Download")
+        return download_into(*args)
+
+    monkeypatch.setattr(client._conn, "_unary_now", unary)
+    monkeypatch.setattr(client._conn, "upload", uploading)
+    monkeypatch.setattr(client._conn, "download_into", downloading)
+    return made
+
+
+def held_exports(server: Any) -> int:
+    return int(server.daemon.exports.stats("cpu")[0])
+
+
+# -- get -----------------------------------------------------------------------------------
+
+
+def test_a_same_host_get_and_from_dlpack_are_one_call(client: Any, monkeypatch: Any) -> None:
+    values = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    client.put("mapped-get", values)
+    calls = record_calls(client, monkeypatch)
+    x = client.get("mapped-get")
+    alias = np.from_dlpack(x)
+    first = float(alias[0, 0])
+    assert calls == ["GetNameExport"]
+    assert first == float(values[0, 0])
+    np.testing.assert_array_equal(alias, values)
+    assert torch.equal(torch.from_dlpack(x.t()), torch.from_numpy(values).t())
+    np.testing.assert_array_equal(x.numpy(), values)  # the held export: no call either
+    assert calls == ["GetNameExport"]
+    client.delete("mapped-get")
+
+
+def test_a_got_tensor_holds_its_export_until_it_goes(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    client.put("pinned-get", [1.0, 2.0, 3.0])
+    before = held_exports(server)
+    x = client.get("pinned-get")
+    assert held_exports(server) == before + 1
+    alias = torch.from_dlpack(x)
+    del x  # the capsule's array holds the export on
+    client.flush()
+    assert held_exports(server) == before + 1
+    assert alias.tolist() == [1.0, 2.0, 3.0]
+    del alias
+    client.flush()
+    assert held_exports(server) == before
+    client.delete("pinned-get")
+
+
+def test_a_get_sees_the_bytes_written_after_it_through_another_client(server: Any) -> None:
+    with tensord.connect(server.address) as writer, tensord.connect(server.address) as reader:
+        writer.put("shared-get", np.zeros(64, dtype=np.int32))
+        got = reader.get("shared-get")
+        mine = writer.get("shared-get")
+        mine[:8] = 5  # a queued write in the writer's session
+        writer.synchronize()
+        expected = torch.zeros(64, dtype=torch.int32)
+        expected[:8] = 5
+        assert torch.equal(torch.from_dlpack(got), expected)
+        writer.delete("shared-get")
+
+
+def test_a_get_without_the_mapping_is_one_get_name(server: Any, monkeypatch: Any) -> None:
+    with tensord.connect(server.address, local=False) as client:
+        client.put("remote-get", [[1, 2], [3, 4]])
+        calls = record_calls(client, monkeypatch)
+        x = client.get("remote-get")
+        assert calls == ["GetName"]
+        assert torch.equal(torch.tensor(x.tolist()), torch.tensor([[1, 2], [3, 4]]))
+        with pytest.raises(NotFoundError, match="no tensor named 'nothing'"):
+            client.get("nothing")
+        client.delete("remote-get")
+
+
+def test_a_missing_name_raises_on_the_one_call_path(client: Any) -> None:
+    with pytest.raises(NotFoundError, match="no tensor named 'not-there'"):
+        client.get("not-there")
+
+
+# -- put -----------------------------------------------------------------------------------
+
+
+DATA = {
+    "float64 array": np.linspace(-1.0, 1.0, 10),
+    "int16 array": np.arange(-6, 6, dtype=np.int16).reshape(3, 4),
+    "bool array": np.array([True, False, True]),
+    "transposed array": np.arange(12, dtype=np.float32).reshape(3, 4).T,
+    "float list": [[0.5, 1.5], [2.5, -3.25]],
+    "int list": [1, 2, 3],
+    "bool list": [True, False],
+    "scalar": 3.5,
+    "empty list": [],
+    "float16 torch": torch.arange(7, dtype=torch.float16) / 3,
+    "bfloat16 torch": torch.linspace(0, 1, 5, dtype=torch.bfloat16),
+    "complex torch": torch.tensor([1 + 2j, -3j]),
+    "strided torch": torch.arange(20).view(4, 5)[:, 1::2],
+}
+
+
+def _oracle(data: Any) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data.clone()  # torch.tensor(t) copies too (with a warning)
+    return torch.tensor(data)
+
+
+@pytest.mark.parametrize("kind", list(DATA))
+@pytest.mark.parametrize("local", [True, False], ids=["mapped", "grpc"])
+def test_put_of_data_equals_torch_tensor_of_it(server: Any, kind: str, local: bool) -> None:
+    data = DATA[kind]
+    expected = _oracle(data)
+    with tensord.connect(server.address, local=local) as client:
+        client.put("put-data", data, overwrite=True)
+        got = client.get("put-data")
+        client.delete("put-data")
+        assert got.dtype.name == str(expected.dtype).removeprefix("torch.")
+        assert got.shape == tuple(expected.shape)
+        assert got.is_contiguous()
+        if got.numel():  # the bytes, compared whole (bfloat16 and complex included)
+            values = torch.from_numpy(got.reshape(-1).view(tensord.uint8).numpy())
+            assert torch.equal(values, expected.contiguous().view(-1).view(torch.uint8))
+
+
+def test_a_small_put_is_one_staged_call_with_a_pooled_staging_tensor(
+    client: Any, monkeypatch: Any
+) -> None:
+    client.put("warm", [0.0])  # makes the staging tensor
+    calls = record_calls(client, monkeypatch)
+    values = np.arange(1024, dtype=np.float32)  # 4 KiB
+    client.put("staged", values)
+    client.put("staged", values * 2, overwrite=True)
+    assert calls == ["PutName", "PutName"]
+    np.testing.assert_array_equal(client.get("staged").numpy(), values * 2)
+    client.delete_many(["warm", "staged"])
+
+
+def test_a_put_above_the_staging_bound_uploads_then_names(client: Any, monkeypatch: Any) -> None:
+    values = np.arange((transfers.STAGED_PUT_BYTES // 4) + 1, dtype=np.int32)
+    calls = record_calls(client, monkeypatch)
+    client.put("big-put", values)
+    assert calls == ["EmptyExport", "PutName"]  # through the mapping, then named
+    np.testing.assert_array_equal(client.get("big-put").numpy(), values)
+    client.delete("big-put")
+
+
+def test_put_many_stages_what_fits_and_names_all_in_one_call(
+    client: Any, monkeypatch: Any
+) -> None:
+    big = np.ones(transfers.STAGED_PUT_BYTES // 4 - 1000, dtype=np.float32)  # most of it
+    small = [np.full(3000, i, dtype=np.float32) for i in range(3)]  # the third one won't fit
+    tensor = client.arange(4)
+    client.put("warm-many", [0])
+    calls = record_calls(client, monkeypatch)
+    client.put_many({"big": big, "s0": small[0], "s1": small[1], "s2": small[2], "t": tensor})
+    assert calls.count("PutNames") == 1 and "PutName" not in calls
+    got = client.get_many(["big", "s0", "s1", "s2", "t"])
+    for tensor_got, expected in zip(got, [big, *small, np.arange(4)], strict=True):
+        np.testing.assert_array_equal(tensor_got.numpy(), expected)
+    client.delete_many(["warm-many", "big", "s0", "s1", "s2", "t"])
+
+
+def test_putting_a_tensor_names_it_without_copying(client: Any) -> None:
+    x = client.zeros(4)
+    client.put("same-storage", x)
+    got = client.get("same-storage")
+    assert got.untyped_storage().storage_id == x.untyped_storage().storage_id
+    x.fill_(2.0)
+    assert got.tolist() == [2.0] * 4
+    client.delete("same-storage")
+
+
+def test_staged_bytes_are_bounded_by_the_staging_tensor_and_its_session(
+    server: Any, client: Any
+) -> None:
+    staging = client.zeros(16, dtype=tensord.uint8)
+
+    def staged(handle: str, offset: int, shape: tuple[int, ...], dtype: str = "float32") -> Any:
+        request = pb.PutNameRequest(
+            name="bad-staged",
+            staged=pb.StagedTensor(handle=handle, byte_offset=offset, shape=shape, dtype=dtype),
+        )
+        return client._conn.call("PutName", request)
+
+    with pytest.raises(InvalidArgumentError, match=re.escape("staged bytes 8..24 are not inside")):
+        staged(staging.handle, 8, (4,))
+    with pytest.raises(InvalidArgumentError, match="not inside"):
+        staged(staging.handle, -4, (1,))
+    with pytest.raises(InvalidArgumentError, match="must be contiguous"):
+        staged(staging.view(4, 4).t().handle, 0, (1,))
+    with pytest.raises(InvalidArgumentError, match="names a handle or staged bytes"):
+        client._conn.call(
+            "PutName",
+            pb.PutNameRequest(
+                name="bad-staged",
+                handle=staging.handle,
+                staged=pb.StagedTensor(handle=staging.handle, shape=(1,), dtype="uint8"),
+            ),
+        )
+    with tensord.connect(server.address) as other:
+        theirs = other.zeros(16, dtype=tensord.uint8)
+        with pytest.raises(NotFoundError, match="unknown handle"):
+            staged(theirs.handle, 0, (4,), "uint8")
+    assert "bad-staged" not in client.names()
+    staged(staging.handle, 4, (2, 2), "uint8")
+    assert client.get("bad-staged").tolist() == [[0, 0], [0, 0]]
+    client.delete("bad-staged")
+
+
+# -- the mapping at any size --------------------------------------------------------------
+
+
+def test_small_transfers_take_the_mapping_once_a_segment_is_mapped(
+    client: Any, monkeypatch: Any
+) -> None:
+    warm = client.tensor(np.zeros(transfers.MIN_FAST_BYTES // 4, dtype=np.float32))
+    assert client._local.mapping  # a segment is mapped now
+    calls = record_calls(client, monkeypatch)
+    values = np.arange(1024, dtype=np.float32)  # 4 KiB
+    x = client.tensor(values)
+    np.testing.assert_array_equal(x.numpy(), values)
+    x.copy_(values[::-1].copy())
+    np.testing.assert_array_equal(x.numpy(), values[::-1])
+    assert "Upload" not in calls and "Download" not in calls
+    assert calls.count("EmptyExport") == 1
+    del warm
+
+
+def test_small_transfers_stream_while_nothing_is_mapped(server: Any, monkeypatch: Any) -> None:
+    with tensord.connect(server.address) as client:
+        assert not client._local.mapping
+        calls = record_calls(client, monkeypatch)
+        x = client.tensor(np.arange(16, dtype=np.int64))
+        assert x.tolist() == list(range(16))
+        assert "Upload" in calls and "EmptyExport" not in calls
+
+
+# -- queued deletes ------------------------------------------------------------------------
+
+
+def test_a_delete_that_does_not_wait_is_queued_with_the_pipelined_ops(
+    client: Any, monkeypatch: Any
+) -> None:
+    x = client.zeros(3)
+    client.put("queued-delete", x)
+    calls = record_calls(client, monkeypatch)
+    x.fill_(1.0)
+    client.delete("queued-delete", wait=False)
+    client.delete_many(["nothing-1"], wait=False)
+    assert calls == []  # nothing sent yet
+    with pytest.raises(NotFoundError, match=r"no tensor named 'nothing-1' \(pipelined op delete"):
+        client.synchronize()
+    assert not {"DeleteName", "DeleteNames"} & set(calls)  # they went in the Batch
+    assert "queued-delete" not in client.names()
+    assert x.tolist() == [1.0, 1.0, 1.0]  # the write queued before it was applied
+
+
+def test_without_pipelining_a_delete_that_does_not_wait_is_a_call(
+    server: Any, monkeypatch: Any
+) -> None:
+    with tensord.connect(server.address, pipelining=False) as client:
+        client.put("unqueued", [1])
+        calls = record_calls(client, monkeypatch)
+        client.delete("unqueued", wait=False)
+        assert calls == ["DeleteName"]
+        with pytest.raises(NotFoundError):
+            client.delete("unqueued", wait=False)
