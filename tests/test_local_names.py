@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import tensord
 import torch
+from conftest import wait_until
 from tensord import schema as pb
-from tensord.errors import InvalidArgumentError, NotFoundError
+from tensord.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from tensord.local import transfers
+from tensord.protocol import MAX_STAGED_ITEMS
 
 MiB = 1 << 20
 
@@ -181,9 +183,7 @@ def test_a_put_above_the_staging_bound_uploads_then_names(client: Any, monkeypat
     client.delete("big-put")
 
 
-def test_put_many_stages_what_fits_and_names_all_in_one_call(
-    client: Any, monkeypatch: Any
-) -> None:
+def test_put_many_stages_what_fits_and_names_all_in_one_call(client: Any, monkeypatch: Any) -> None:
     big = np.ones(transfers.STAGED_PUT_BYTES // 4 - 1000, dtype=np.float32)  # most of it
     small = [np.full(3000, i, dtype=np.float32) for i in range(3)]  # the third one won't fit
     tensor = client.arange(4)
@@ -242,6 +242,40 @@ def test_staged_bytes_are_bounded_by_the_staging_tensor_and_its_session(
     staged(staging.handle, 4, (2, 2), "uint8")
     assert client.get("bad-staged").tolist() == [[0, 0], [0, 0]]
     client.delete("bad-staged")
+
+
+def test_staged_items_are_bounded_by_count_and_by_the_batch_budget(make_server: Any) -> None:
+    running = make_server(max_batch_elements=1000)
+    with tensord.connect(running.address) as client:
+        staging = client.zeros(4096, dtype=tensord.uint8)
+
+        def item(name: str, offset: int, numel: int) -> pb.PutNameRequest:
+            staged = pb.StagedTensor(
+                handle=staging.handle, byte_offset=offset, shape=(numel,), dtype="uint8"
+            )
+            return pb.PutNameRequest(name=name, staged=staged)
+
+        too_many = [item(f"s{i}", i, 1) for i in range(MAX_STAGED_ITEMS + 1)]
+        limit = f"exceeds the limit {MAX_STAGED_ITEMS} (limits.MAX_STAGED_ITEMS)"
+        with pytest.raises(InvalidArgumentError, match=re.escape(limit)):
+            client._conn.call("PutNames", pb.PutNamesRequest(items=too_many))
+        # 600 + 600 elements: the second crosses the batch's budget, nothing is named
+        over = [item("first", 0, 600), item("second", 600, 600)]
+        with pytest.raises(ResourceExhaustedError, match=r"item 1 \('second'\)"):
+            client._conn.call("PutNames", pb.PutNamesRequest(items=over))
+        assert client.names() == []
+        client.put("warm", [0])  # the client's staging tensor, kept for the next puts
+        client.delete("warm")
+        allocated = client.memory_allocated()
+        # the SDK stages MAX_STAGED_ITEMS items of a put_many and uploads the others
+        values = {f"v{i}": [i] for i in range(MAX_STAGED_ITEMS + 3)}
+        client.put_many(values)
+        got = client.get_many(list(values))
+        assert [t.item() for t in got] == list(range(MAX_STAGED_ITEMS + 3))
+        client.delete_many(list(values))
+        del got
+        client.flush()
+        assert wait_until(lambda: client.memory_allocated() <= allocated)
 
 
 # -- the mapping at any size --------------------------------------------------------------

@@ -61,6 +61,8 @@ MAX_BATCH_OPS = 1024
 MAX_BATCH_RESULTS = 2048
 #: items of one PutNames, GetNames or DeleteNames
 MAX_NAME_ITEMS = 1024
+#: items of one PutNames whose bytes are staged (each a new tensor made on the server)
+MAX_STAGED_ITEMS = 256
 #: items of one index (basic or advanced): each int, slice or tensor takes one of at most
 #: 64 dims and each None or bool adds one of at most 64, beside one Ellipsis, so a longer
 #: index is one torch refuses too

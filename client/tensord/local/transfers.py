@@ -19,6 +19,7 @@ from tensord.local import host_cache
 from tensord.local.copies import parallel_copyto
 from tensord.local.mapper import LocalMapper
 from tensord.local.segments import aliases_through_another_mapping
+from tensord.protocol import MAX_STAGED_ITEMS
 
 # Transfers smaller than this keep the gRPC path until the client maps a segment: before,
 # one Upload/Download call beats Empty + Export + receiving the segment's descriptor and
@@ -170,16 +171,18 @@ def staging_bytes(nbytes: int) -> int:
 
 def staged_offsets(sizes: list[int], limit: int = STAGED_PUT_BYTES) -> tuple[list[int | None], int]:
     """Where each of ``sizes`` goes in one staging tensor (None: it does not fit in
-    ``limit`` bytes beside the ones before it, and uploads), and the bytes they need."""
+    ``limit`` bytes beside the ones before it, or MAX_STAGED_ITEMS are placed already, and
+    uploads), and the bytes they need."""
     offsets: list[int | None] = []
-    used = 0
+    used = placed = 0
     for size in sizes:
         start = -(-used // STAGING_ALIGN) * STAGING_ALIGN
-        if start + size > limit:
+        if start + size > limit or placed == MAX_STAGED_ITEMS:
             offsets.append(None)
             continue
         offsets.append(start)
         used = start + size
+        placed += 1
     return offsets, used
 
 

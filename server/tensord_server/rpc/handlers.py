@@ -387,19 +387,22 @@ class TensordService:
         self, session: Session, items: Sequence[pb.PutNameRequest]
     ) -> pb.PutNamesResponse:
         """Name every item's tensor, all or none; a staged item's new tensor is made first
-        and its handle released after (its name holds it)."""
+        (at most MAX_STAGED_ITEMS of them, their elements charged to one batch budget, as a
+        Batch's ops) and its handle released after (its name holds it)."""
+        limits.check_staged_items(sum(item.HasField("staged") for item in items))
         made: list[str] = []
         try:
             named = []
-            for index, item in enumerate(items):
-                handle = item.handle
-                if item.HasField("staged"):
-                    try:
-                        handle = self._staged(session, item)
-                    except Exception as exc:
-                        raise item_error(index, item.name, exc) from None
-                    made.append(handle)
-                named.append(NameItem(item.name, handle, item.overwrite))
+            with limits.batch_budget(self.store.batches.max_batch_elements):
+                for index, item in enumerate(items):
+                    handle = item.handle
+                    if item.HasField("staged"):
+                        try:
+                            handle = self._staged(session, item)
+                        except Exception as exc:
+                            raise item_error(index, item.name, exc) from None
+                        made.append(handle)
+                    named.append(NameItem(item.name, handle, item.overwrite))
             self.store.names.put_many(session, named)
         finally:
             self.store.sessions.release(session, made)
