@@ -237,3 +237,19 @@ async def test_aio_batches(server: Any) -> None:
             await client.get_many(["aio-a", "aio-c"])
         await client.delete_many(["aio-a", "aio-b"])
         assert not {"aio-a", "aio-b"} & set(await client.names())
+
+
+def test_name_calls_are_classified_as_the_single_name_calls_are() -> None:
+    """Small batches run on the loop while the workers are idle, a staged put never does,
+    and in a cluster every name call waits on a worker (a round trip to etcd)."""
+    from tensord_server.rpc.calls import CLUSTER_WORK, INLINE_WORK
+
+    staged = pb.PutNameRequest(name="s", staged=pb.StagedTensor(handle="h", shape=[1]))
+    plain = pb.PutNameRequest(name="p", handle="h")
+    assert INLINE_WORK["PutName"](plain) and not INLINE_WORK["PutName"](staged)
+    assert INLINE_WORK["PutNames"](pb.PutNamesRequest(items=[plain, plain]))
+    assert not INLINE_WORK["PutNames"](pb.PutNamesRequest(items=[plain, staged]))
+    assert INLINE_WORK["GetNames"](pb.GetNamesRequest(names=["a"]))
+    assert INLINE_WORK["DeleteNames"](pb.DeleteNamesRequest(names=["a"]))
+    names = {"GetName", "PutName", "DeleteName", "GetNames", "PutNames", "DeleteNames"}
+    assert names | {"GetNameExport"} <= CLUSTER_WORK

@@ -693,16 +693,20 @@ class Client:
         """
         name = _text("name", name)
         try:
-            got = self._local.get_exported(name) if self._local.enabled else None
-            if got is not None:
-                meta, export = got
-                tensor = self._wrap(meta)
-                if export is not None:
-                    keep_alive(tensor, export)
-                return tensor
-            return self._wrap(self._call("GetName", requests.get_name(name)))
+            return self._get_here(name)
         except errors.OwnedElsewhereError as redirect:
-            return self._peer(redirect).get(name)  # followed once: it holds the name
+            return self._peer(redirect)._get_here(name)  # followed once
+
+    def _get_here(self, name: str) -> Tensor:
+        """``get`` from this client's own server (OwnedElsewhereError: another node's)."""
+        got = self._local.get_exported(name) if self._local.enabled else None
+        if got is None:
+            return self._wrap(self._call("GetName", requests.get_name(name)))
+        meta, export = got
+        tensor = self._wrap(meta)
+        if export is not None:
+            keep_alive(tensor, export)
+        return tensor
 
     def get_many(self, names: Iterable[str]) -> list[Tensor]:
         """``get`` of every name in one call (GetNames): this session's handles, in order.

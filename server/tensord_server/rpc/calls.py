@@ -120,6 +120,9 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "GetNames": _always,
     "PutNames": lambda request: not any(i.HasField("staged") for i in request.items),
     "DeleteNames": _always,
+    # a get and a host export (GPU tensors are never exported by it): table work, and the
+    # mapped segments it searches are bounded by INLINE_REQUEST_BYTES
+    "GetNameExport": _always,
     "Share": _always,
     "Revoke": _always,
     "Attach": _always,

@@ -17,7 +17,7 @@ from tensord_server.devices.table import Device, activate
 from tensord_server.domain import kernels
 from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
-from tensord_server.domain.storage import TensorRef
+from tensord_server.domain.storage import Storage, TensorRef
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -97,11 +97,8 @@ class Transfers:
             sink = UploadSink(self.ops, session, ref.device, layout, dt, False)
             try:
                 if nbytes:
-                    block = ref.storage.block
-                    start = block.offset + ref.layout.offset * ref.dtype.itemsize + byte_offset
-                    with activate(ref.device):
-                        data = ref.device.backend.read(block.segment.memory, start, nbytes)
-                    sink.write(data)
+                    start = ref.layout.offset * ref.dtype.itemsize + byte_offset
+                    sink.copy_from(ref.storage, start)
                 return sink.finish()
             finally:
                 sink.abort()  # after finish: nothing left to undo
@@ -171,6 +168,19 @@ class UploadSink:
         with activate(out.device):
             out.storage.write(self.received, chunk)
         self.received += len(chunk)
+
+    def copy_from(self, source: Storage, offset: int) -> None:
+        """All the tensor's bytes, from ``offset`` bytes into ``source`` (held by the caller,
+        on the same device), in one copy on the device."""
+        out = self._live()
+        if self.received:
+            raise ValueError("a copy_from fills a whole upload, from its first byte")
+        src, dst = source.block, out.storage.block
+        with activate(out.device):
+            out.device.backend.copy(
+                src.segment.memory, src.offset + offset, dst.segment.memory, dst.offset, self.nbytes
+            )
+        self.received = self.nbytes
 
     def finish(self) -> Issued:
         out = self._live()

@@ -474,8 +474,11 @@ class TensordServicer:
         order, at most MAX_NAME_ITEMS (1,024) items (more is INVALID_ARGUMENT before any work).
         All or nothing: when an item fails no name changes and no handle is issued, and the
         error is that item's own (its status code and type), its message prefixed
-        "item N ('name'): ". A name may appear once per request. In a cluster a name another
-        node holds fails its item with OwnedElsewhereError, as the single-name calls do.
+        "item N ('name'): ". A name may appear once in a PutNames or DeleteNames (a GetNames
+        of a name twice answers two handles). A PutNames stages at most MAX_STAGED_ITEMS (256)
+        items, their elements charged to one budget as a Batch's (--max-batch-elements). In a
+        cluster a name another node holds fails its item with OwnedElsewhereError, as the
+        single-name calls do.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
