@@ -6,6 +6,7 @@ pipelined ops (torch is the oracle)."""
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from conftest import wait_until
 from tensord import schema as pb
 from tensord.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from tensord.local import transfers
+from tensord.local.mapper import MAX_PREFETCHED, PREFETCH_HOLD_S
 from tensord.protocol import MAX_STAGED_ITEMS
 
 MiB = 1 << 20
@@ -70,22 +72,39 @@ def test_a_same_host_get_and_from_dlpack_are_one_call(client: Any, monkeypatch: 
     client.delete("mapped-get")
 
 
-def test_a_got_tensor_holds_its_export_until_it_goes(
-    server: Any, client: Any, monkeypatch: Any
-) -> None:
+def test_a_gets_export_is_held_for_the_reads_after_it_then_let_go(server: Any, client: Any) -> None:
     client.put("pinned-get", [1.0, 2.0, 3.0])
     before = held_exports(server)
     x = client.get("pinned-get")
     assert held_exports(server) == before + 1
-    alias = torch.from_dlpack(x)
-    del x  # the capsule's array holds the export on
+    alias = torch.from_dlpack(x)  # the array holds the export on past the hold
+    time.sleep(PREFETCH_HOLD_S)
+    assert wait_until(lambda: not client._local._prefetched)
     client.flush()
     assert held_exports(server) == before + 1
     assert alias.tolist() == [1.0, 2.0, 3.0]
     del alias
     client.flush()
     assert held_exports(server) == before
+    # unread, a got tensor's pin ends by itself: compaction may move its Storage again
+    y = client.get("pinned-get")
+    assert held_exports(server) == before + 1
+    assert wait_until(lambda: held_exports(server) == before, timeout=PREFETCH_HOLD_S + 5)
+    assert y.tolist() == [1.0, 2.0, 3.0]
     client.delete("pinned-get")
+
+
+def test_a_got_tensor_resizes_at_once_as_a_tensor_got_by_get_name_would(client: Any) -> None:
+    client.put("grows", np.arange(4, dtype=np.float32))
+    x = client.get("grows")  # its export held for the reads after it
+    x.resize_(64)  # a pin would refuse to grow the Storage: the held export goes first
+    assert x.shape == (64,) and x[:4].tolist() == [0.0, 1.0, 2.0, 3.0]
+    y = client.get("grows")
+    alias = np.from_dlpack(y)  # an alias the caller holds: torch's refusal, as before
+    with pytest.raises(RuntimeError, match="Trying to resize storage that is not resizable"):
+        y.resize_(1024)
+    del alias
+    client.delete("grows")
 
 
 def test_a_get_sees_the_bytes_written_after_it_through_another_client(server: Any) -> None:
@@ -336,3 +355,23 @@ def test_without_pipelining_a_delete_that_does_not_wait_is_a_call(
         assert calls == ["DeleteName"]
         with pytest.raises(NotFoundError):
             client.delete("unqueued", wait=False)
+
+
+def test_gets_hold_a_bounded_number_of_exports_and_a_full_session_still_gets(
+    make_server: Any,
+) -> None:
+    limit = 40
+    running = make_server(max_handles_per_session=limit)
+    with tensord.connect(running.address) as client:
+        names = [f"g{i}" for i in range(limit + 1)]
+        client.put_many({n: [i, i] for i, n in enumerate(names)})
+        got = [client.get(n) for n in names[: MAX_PREFETCHED + 4]]
+        assert len(client._local._prefetched) == MAX_PREFETCHED  # the oldest let go
+        # gets fill the session with handles as GetName's would: the held exports go when
+        # a get is refused for them, and it is made again without one
+        got += [client.get(n) for n in names[len(got) : limit]]
+        assert [t.tolist() for t in got[-2:]] == [[limit - 2] * 2, [limit - 1] * 2]
+        with pytest.raises(ResourceExhaustedError, match="max-handles-per-session"):
+            client.get(names[-1])
+        del got
+        client.delete_many(names)

@@ -33,7 +33,7 @@ from tensord.local.mapper import LocalMapper, local_wanted
 from tensord.local.segments import Export
 from tensord.memory_format import memory_format_name, python_type_name
 from tensord.protocol import MAX_PAGE_SIZE
-from tensord.tensor import Tensor, download, keep_alive, layout_of, own, wrap
+from tensord.tensor import Tensor, download, layout_of, own, wrap
 from tensord.wire import requests
 from tensord.wire import status as wire_status
 from tensord.wire.config import (
@@ -351,7 +351,15 @@ class Client:
         # exports of earlier transfers): the server frees their blocks first, so the upload
         # reuses warm pages
         carry = array.nbytes >= transfers.RELEASE_BEFORE_UPLOAD_BYTES
-        made = self._local.empty_exported(request, carry)
+        try:
+            made = self._local.empty_exported(request, carry)
+        except errors.ResourceExhaustedError as exc:
+            if array.nbytes >= transfers.MIN_FAST_BYTES:
+                raise
+            # a small upload takes an Upload when the session has no room for the export
+            # too (--max-handles-per-session): it needs only the handle
+            exc.__traceback__ = exc.__context__ = None
+            return None
         if made is None:
             return None
         meta, export = made
@@ -681,8 +689,8 @@ class Client:
 
         The handle shares the named tensor's Storage: no bytes are copied.  One RPC; on
         the server's host it also brings the Storage's export, so a ``np.from_dlpack`` or
-        ``x.numpy()`` of the tensor after it needs no other call (the tensor holds the
-        export, a pin that keeps compaction from moving its Storage, while it lives).
+        ``x.numpy()`` of the tensor soon after it needs no other call (the client holds
+        that export, a pin, for about a second, then lets it go unless an array uses it).
 
         In a cluster, a name another node holds is that node's tensor: the client opens its
         own session there (once, when first needed) and the handle lives on that node;
@@ -699,14 +707,19 @@ class Client:
 
     def _get_here(self, name: str) -> Tensor:
         """``get`` from this client's own server (OwnedElsewhereError: another node's)."""
-        got = self._local.get_exported(name) if self._local.enabled else None
+        try:
+            got = self._local.get_exported(name) if self._local.enabled else None
+        except errors.ResourceExhaustedError:
+            # the session is full, and what the client keeps for itself (the exports held
+            # for earlier gets' reads, the staging tensors of puts) among what fills it:
+            # they go, and the get is made again as GetName alone
+            if not (self._local.let_go(every=True) | self._stagings.clear()):
+                raise
+            self._conn.flush_releases()
+            got = None
         if got is None:
             return self._wrap(self._call("GetName", requests.get_name(name)))
-        meta, export = got
-        tensor = self._wrap(meta)
-        if export is not None:
-            keep_alive(tensor, export)
-        return tensor
+        return self._wrap(got[0])  # its export stays with the mapper for the reads after
 
     def get_many(self, names: Iterable[str]) -> list[Tensor]:
         """``get`` of every name in one call (GetNames): this session's handles, in order.

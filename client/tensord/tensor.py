@@ -92,18 +92,7 @@ class Tensor(TensorBase, NoMath):
     No math: ``x + 1`` or ``x.sum()`` raises a TypeError or AttributeError that says what
     to use instead (:mod:`tensord._no_math`)."""
 
-    __slots__ = (
-        "__weakref__",
-        "_client",
-        "_held",
-        "_meta",
-        "_owned",
-        "_session",
-        "_session_id",
-    )
-    # what the tensor keeps alive beside its handle (a same-host get's export): set only
-    # then (keep_alive), so a view costs no store
-    _held: Any
+    __slots__ = ("__weakref__", "_client", "_meta", "_owned", "_session", "_session_id")
 
     def __init__(self, client: SessionClient, session: ClientSession, meta: Meta) -> None:
         self._client = client  # tensors hold their client: it lives while they do
@@ -1880,8 +1869,16 @@ class Tensor(TensorBase, NoMath):
         check_limit(len(size), "MAX_DIMS", "resize_() would make a tensor of {} dimensions")
         fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
         request = requests.resize(self.handle, size, fmt)
+        self._let_go_of_storage()
         self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
         return self
+
+    def _let_go_of_storage(self) -> None:
+        """Before an op a pin would refuse (a Storage that grows): the export a same-host
+        get brought of this Storage goes now, unless an array still uses it."""
+        local = self._session.local
+        if local.let_go(self.untyped_storage().storage_id):
+            self._session.conn.flush_export_releases()
 
     def resize_as_(self, the_template: Any, memory_format: Any = None) -> Tensor:
         """Resizes the ``self`` tensor to be the same size as the specified ``the_template``.
@@ -1921,6 +1918,7 @@ class Tensor(TensorBase, NoMath):
             size=bound.size,
             stride=bound.stride,
         )
+        self._let_go_of_storage()
         self._adopt(Meta.from_pb(self._session.conn.call("SetStorage", request)))
         return self
 
@@ -1976,11 +1974,6 @@ def own(client: SessionClient, tensor: Any, position: int) -> str:
             f"tensor {position} belongs to another tensord client ({tensor.client.address})"
         )
     return tensor.handle
-
-
-def keep_alive(tensor: Tensor, held: Any) -> None:
-    """Have ``tensor`` hold ``held`` for as long as it lives (a same-host get's export)."""
-    tensor._held = held
 
 
 def assign_data(tensor: Tensor, key: Any, data: Any) -> None:

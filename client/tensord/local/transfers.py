@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tensord import dtypes
+from tensord import dtypes, errors
 from tensord.layout import Layout
 from tensord.local import host_cache
 from tensord.local.copies import parallel_copyto
@@ -67,7 +67,13 @@ def exported(mapper: LocalMapper | None, handle: str, storage_id: str = "") -> A
     if live is not None:
         yield live
         return
-    export = mapper.export(handle)
+    try:
+        export = mapper.export(handle)
+    except errors.ResourceExhaustedError as exc:
+        # a session with no room for an export (--max-handles-per-session): the gRPC path
+        # needs none.  (Its traceback's frames would hold the caller's until a collection.)
+        exc.__traceback__ = exc.__context__ = None
+        export = None
     try:
         yield export
     finally:
@@ -212,6 +218,9 @@ class StagingPool:
             self._free.sort(key=lambda s: s.nbytes, reverse=True)
             del self._free[STAGINGS_KEPT:]
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
+        """Drop the pooled staging tensors (their handles and exports are released as they
+        go); whether there were any."""
         with self._lock:
-            self._free = []
+            dropped, self._free = self._free, []
+        return bool(dropped)

@@ -46,11 +46,13 @@ NAMES_LISTING = "names"
 
 
 class NameItem(NamedTuple):
-    """One item of a batched put: the name, the handle it names, whether it may replace."""
+    """One item of a batched put: the name, the handle it names, whether it may replace;
+    or, with ``ref``, the tensor it names (one the caller made and holds, no handle)."""
 
     name: str
     handle: str
     overwrite: bool
+    ref: TensorRef | None = None
 
 
 def item_error(index: int, name: str, exc: Exception) -> Exception:
@@ -155,18 +157,20 @@ class TensorNames:
         if old is not None:
             self.storages.decref(old.storage)
 
-    def put_many(self, session: Session, items: Sequence[NameItem]) -> None:
-        """:meth:`put` of every item, all or none (an item that fails: item_error).  A name
-        may appear once."""
+    def put_many(
+        self, session: Session, items: Sequence[NameItem], *, itemized: bool = True
+    ) -> None:
+        """:meth:`put` of every item, all or none (an item that fails: item_error; its own
+        error when not ``itemized``, one item's put).  A name may appear once."""
         tenant = session.tenant
         refs: list[TensorRef] = []
         try:
             with self._lock:
-                self._check_puts(session, items, refs)
+                self._check_puts(session, items, refs, itemized)
                 if self.directory is None:
                     olds = self._add_all(tenant, items, refs)
             if self.directory is not None:
-                revisions = self._claim_all(tenant, items)
+                revisions = self._claim_all(tenant, items, itemized)
                 with self._lock:
                     olds = self._add_all(tenant, items, refs)
                     for item, revision in zip(items, revisions, strict=True):
@@ -180,7 +184,7 @@ class TensorNames:
             self.storages.decref(old.storage)
 
     def _check_puts(
-        self, session: Session, items: Sequence[NameItem], refs: list[TensorRef]
+        self, session: Session, items: Sequence[NameItem], refs: list[TensorRef], itemized: bool
     ) -> None:
         """(under the lock) Each item's checks in order, its name's reference appended to
         ``refs``: the first that fails raises its item_error."""
@@ -193,12 +197,18 @@ class TensorNames:
                 if item.name in seen:
                     raise InvalidArgumentError(f"name {item.name!r} appears twice in one request")
                 seen.add(item.name)
-                refs.append(self.sessions.reference(session, item.handle))
+                if item.ref is not None:
+                    self.storages.incref(item.ref.storage)
+                    refs.append(item.ref)
+                else:
+                    refs.append(self.sessions.reference(session, item.handle))
                 refusal = self._refusal(session.tenant, item.name, item.overwrite, added)
                 if refusal is not None:
                     raise refusal
                 added += names is None or item.name not in names.refs
             except Exception as exc:
+                if not itemized:
+                    raise
                 raise item_error(index, item.name, exc) from None
 
     def _add_all(
@@ -214,7 +224,7 @@ class TensorNames:
             names.add(item.name, ref)
         return olds
 
-    def _claim_all(self, tenant: str, items: Sequence[NameItem]) -> list[int]:
+    def _claim_all(self, tenant: str, items: Sequence[NameItem], itemized: bool) -> list[int]:
         """Claim every item's name in the cluster, in order; a claim refused takes back the
         claims made before it (:meth:`NameDirectory.release` of each) and raises its
         item_error."""
@@ -229,6 +239,8 @@ class TensorNames:
                         self.directory.release(tenant, made.name, revision)
                     except Exception:  # the cluster's watch settles what stays
                         break
+                if not itemized:
+                    raise
                 raise item_error(index, item.name, exc) from None
         return revisions
 

@@ -19,7 +19,12 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from tensord import schema as pb
-from tensord.errors import FailedPreconditionError, InvalidArgumentError, UnauthenticatedError
+from tensord.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
@@ -33,6 +38,7 @@ from tensord_server.domain.names import NameItem, item_error
 from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
+from tensord_server.domain.storage import TensorRef
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
@@ -374,9 +380,10 @@ class TensordService:
             return pb.PutNameResponse()
         made = self._staged(session, request)
         try:
-            self.store.names.put(session, request.name, made, request.overwrite)
+            item = NameItem(request.name, "", request.overwrite, made)
+            self.store.names.put_many(session, [item], itemized=False)
         finally:
-            self.store.sessions.release(session, [made])  # the name holds it
+            self.store.storages.release_hold(made.storage)  # the name holds it
         return pb.PutNameResponse()
 
     @_unary
@@ -388,33 +395,34 @@ class TensordService:
     ) -> pb.PutNamesResponse:
         """Name every item's tensor, all or none; a staged item's new tensor is made first
         (at most MAX_STAGED_ITEMS of them, their elements charged to one batch budget, as a
-        Batch's ops) and its handle released after (its name holds it)."""
+        Batch's ops; never issued: no handle counts for it) and its hold ended after (its
+        name holds it)."""
         limits.check_staged_items(sum(item.HasField("staged") for item in items))
-        made: list[str] = []
+        made: list[TensorRef] = []
         try:
             named = []
             with limits.batch_budget(self.store.batches.max_batch_elements):
                 for index, item in enumerate(items):
-                    handle = item.handle
+                    ref = None
                     if item.HasField("staged"):
                         try:
-                            handle = self._staged(session, item)
+                            ref = self._staged(session, item)
                         except Exception as exc:
                             raise item_error(index, item.name, exc) from None
-                        made.append(handle)
-                    named.append(NameItem(item.name, handle, item.overwrite))
+                        made.append(ref)
+                    named.append(NameItem(item.name, item.handle, item.overwrite, ref))
             self.store.names.put_many(session, named)
         finally:
-            self.store.sessions.release(session, made)
+            self.store.storages.release_holds([ref.storage for ref in made])
         return pb.PutNamesResponse()
 
-    def _staged(self, session: Session, item: pb.PutNameRequest) -> str:
+    def _staged(self, session: Session, item: pb.PutNameRequest) -> TensorRef:
         if item.handle:
             raise InvalidArgumentError("a PutNameRequest names a handle or staged bytes, not both")
         staged = item.staged
         return self.store.transfers.staged(
             session, staged.handle, staged.byte_offset, tuple(staged.shape), staged.dtype
-        ).handle
+        )
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
@@ -440,7 +448,9 @@ class TensordService:
         mapped = request.mapped_segments if same_server else ()
         try:
             export = self._export(session, issued.handle, mapped)
-        except FailedPreconditionError as exc:  # memory this server cannot share
+        except (FailedPreconditionError, ResourceExhaustedError) as exc:
+            # memory this server cannot share, or no room for an export under
+            # --max-handles-per-session: the get itself stands, as GetName's would
             return pb.GetNameExportResponse(tensor=tensor, export_refusal=str(exc))
         except BaseException:
             self.store.sessions.release(session, [issued.handle])  # never learned

@@ -76,10 +76,12 @@ class Transfers:
 
     def staged(
         self, session: Session, handle: str, byte_offset: int, shape: Sequence[int], dtype: str
-    ) -> Issued:
+    ) -> TensorRef:
         """A new contiguous tensor of ``shape`` and ``dtype`` holding a copy of the bytes a
         same-host client wrote into its staging tensor ``handle`` (a contiguous tensor of
-        its session), from ``byte_offset`` on; on the staging tensor's device."""
+        its session), from ``byte_offset`` on; on the staging tensor's device.  Not issued:
+        the caller gets it with a hold on its Storage (a name takes its own reference) and
+        ends the hold with ``storages.release_hold``."""
         shape = kernels.check_shape(shape)
         dt = dtypes.dtype_from_name(dtype)
         layout = Layout.contiguous(shape)
@@ -99,7 +101,7 @@ class Transfers:
                 if nbytes:
                     start = ref.layout.offset * ref.dtype.itemsize + byte_offset
                     sink.copy_from(ref.storage, start)
-                return sink.finish()
+                return sink.take()
             finally:
                 sink.abort()  # after finish: nothing left to undo
 
@@ -190,6 +192,14 @@ class UploadSink:
             issued = self._ops.issue(self._session, out)
         self.abort()  # the handle holds the Storage now: only the hold goes
         return issued
+
+    def take(self) -> TensorRef:
+        """The written tensor, not issued, its hold now the caller's."""
+        out = self._live()
+        if self.received != self.nbytes:
+            raise ValueError(f"upload ended after {self.received} of {self.nbytes} bytes")
+        self._out = None
+        return out
 
     def abort(self) -> None:
         """Give up the hold (idempotent): an unissued Storage returns to the pool."""
