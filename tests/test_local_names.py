@@ -6,6 +6,7 @@ pipelined ops (torch is the oracle)."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from conftest import wait_until
+from conftest import interrupted_after, wait_until
 from tensord import schema as pb
 from tensord.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from tensord.local import transfers
@@ -375,3 +376,28 @@ def test_gets_hold_a_bounded_number_of_exports_and_a_full_session_still_gets(
             client.get(names[-1])
         del got
         client.delete_many(names)
+
+
+def test_an_interrupted_staged_put_leaves_its_staging_tensor_to_no_later_put(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    client.put("warm-interrupted", [0.0])  # a pooled staging tensor
+    service = server.grpc_server.calls.service
+    put_name = service.PutName
+    release = threading.Event()
+
+    def slow(request: Any, context: Any) -> Any:
+        release.wait(10)
+        return put_name(request, context)
+
+    monkeypatch.setattr(service, "PutName", slow)
+    values = np.arange(100, dtype=np.float32)
+    with interrupted_after(0.2):
+        client.put("interrupted", values)  # the call goes on, on its worker
+    assert client._stagings.take(1, client.session_id) is None  # dropped, not pooled
+    monkeypatch.setattr(service, "PutName", put_name)
+    client.put("later", np.full(100, 7.0, dtype=np.float32))  # its own staging tensor
+    release.set()
+    assert wait_until(lambda: "interrupted" in client.names())
+    np.testing.assert_array_equal(client.get("interrupted").numpy(), values)
+    client.delete_many(["warm-interrupted", "interrupted", "later"])

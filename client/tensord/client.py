@@ -660,7 +660,15 @@ class Client:
                 self._call("PutName", named[0])
             else:
                 self._call("PutNames", requests.put_names(named))
-        finally:
+        except errors.TensordError:
+            if staging is not None:
+                self._stagings.give_back(staging)
+            raise
+        except BaseException:
+            # an interrupt: the call may still be running on its worker, reading the
+            # staging tensor, which no later put may write into: it is dropped
+            raise
+        else:
             if staging is not None:
                 self._stagings.give_back(staging)
 
