@@ -66,6 +66,14 @@ def test_a_refused_put_many_keeps_no_reference_and_changes_no_name(store: Tensor
     assert storage_a.refs == 3 and storage_b.refs == 1
 
 
+def test_empty_batches_change_nothing(store: TensorStore) -> None:
+    session, _ = store.sessions.open("empty")
+    store.names.put_many(session, [])
+    assert store.names.get_many(session, []) == []
+    store.names.delete_many([])
+    assert store.names._names == {}  # a tenant without names keeps no entry
+
+
 def test_put_many_counts_its_own_new_names_against_the_tenant_limit(store: TensorStore) -> None:
     session, _ = store.sessions.open("limit")
     handle, storage = _full(store, session, 1.0)

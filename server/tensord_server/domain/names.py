@@ -215,6 +215,8 @@ class TensorNames:
         self, tenant: str, items: Sequence[NameItem], refs: Sequence[TensorRef]
     ) -> list[TensorRef]:
         """(under the lock) Name every item's reference; the references they replaced."""
+        if not items:
+            return []  # (a tenant without names keeps no entry)
         names = self._names.setdefault(tenant, TenantNames())
         olds = []
         for item, ref in zip(items, refs, strict=True):
