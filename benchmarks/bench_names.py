@@ -48,12 +48,15 @@ def latency_rows(client: Any) -> dict[str, dict[str, Callable[[], object]]]:
     """Per-call rows: each a dict of way -> one call."""
     small = np.ones(4 * KiB // 4, dtype=np.float32)
     large = np.ones(MiB // 4, dtype=np.float32)
+    # one tensor per way: an export a get brought (held for the reads after it) would
+    # serve the other way's __dlpack__ of the same Storage
     client.put("bench-got", np.arange(1024, dtype=np.float32), overwrite=True)
+    client.put("bench-got-by-name", np.arange(1024, dtype=np.float32), overwrite=True)
+    by_name = tensord.schema.GetNameRequest(name="bench-got-by-name")
 
     def got_by_get_name() -> object:
         # the path before GetNameExport: GetName, then an Export at the first __dlpack__
-        x = client._wrap(client._call("GetName", tensord.schema.GetNameRequest(name="bench-got")))
-        return np.from_dlpack(x)[0]
+        return np.from_dlpack(client._wrap(client._call("GetName", by_name)))[0]
 
     return {
         "put 4 KiB": {
@@ -66,9 +69,7 @@ def latency_rows(client: Any) -> dict[str, dict[str, Callable[[], object]]]:
         },
         "get alone": {
             "one call": lambda: client.get("bench-got"),
-            "GetName": lambda: client._wrap(
-                client._call("GetName", tensord.schema.GetNameRequest(name="bench-got"))
-            ),
+            "GetName": lambda: client._wrap(client._call("GetName", by_name)),
         },
         "get + first byte": {
             "one call": lambda: np.from_dlpack(client.get("bench-got"))[0],
