@@ -78,6 +78,8 @@ def _unwrap(value: Any) -> Any:
         return value.sync_tensor
     if isinstance(value, (list, tuple)):
         return type(value)(_unwrap(v) for v in value)
+    if isinstance(value, dict):  # put_many's mapping
+        return {k: _unwrap(v) for k, v in value.items()}
     return value
 
 

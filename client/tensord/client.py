@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -216,6 +216,7 @@ class Client:
         self._local = LocalMapper(self._conn, same_host)
         self._conn.local = self._local
         self._session = ClientSession(self._conn, self._local)
+        self._stagings = transfers.StagingPool()  # small puts' staging tensors
         # A client dropped unclosed (and every tensor of it: they hold it) or still open at
         # exit closes its session, so the server frees its memory now rather than after the
         # grace.  The finalizer holds the connection, not the client.
@@ -256,6 +257,7 @@ class Client:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
+        self._stagings.clear()
         self._closer()
 
     def flush(self) -> None:
@@ -342,14 +344,22 @@ class Client:
     ) -> Tensor | None:
         """Same host: an empty tensor and its export in one call (EmptyExport), then one
         memcpy through the mapping (None: use gRPC)."""
-        if device != "cpu" or array.nbytes < transfers.MIN_FAST_BYTES or not self._local.enabled:
+        if device != "cpu" or not transfers.worth_mapping(self._local, array.nbytes):
             return None
         request = requests.empty(array.shape, dtype.name, device, requires_grad)
         # a large upload carries the releases queued before it (the tensors dropped, the
         # exports of earlier transfers): the server frees their blocks first, so the upload
         # reuses warm pages
         carry = array.nbytes >= transfers.RELEASE_BEFORE_UPLOAD_BYTES
-        made = self._local.empty_exported(request, carry)
+        try:
+            made = self._local.empty_exported(request, carry)
+        except errors.ResourceExhaustedError as exc:
+            if array.nbytes >= transfers.MIN_FAST_BYTES:
+                raise
+            # a small upload takes an Upload when the session has no room for the export
+            # too (--max-handles-per-session): it needs only the handle
+            exc.__traceback__ = exc.__context__ = None
+            return None
         if made is None:
             return None
         meta, export = made
@@ -572,25 +582,123 @@ class Client:
         revoked: bool = self._call("Revoke", requests.revoke(_text("token", token))).revoked
         return revoked
 
-    def put(self, name: str, tensor: Tensor, overwrite: bool = False) -> None:
+    def put(self, name: str, tensor: Any, overwrite: bool = False) -> None:
         """Name a tensor server-wide; the name keeps its Storage alive until ``delete``.
 
+        ``tensor`` is a tensor of this client (named as it is: no bytes move), or data
+        ``torch.tensor`` takes (a NumPy array, a torch tensor, a nested list): the name then
+        gets a new cpu tensor holding a copy, of the dtype ``torch.tensor(data)`` has.  On
+        the server's host data of at most 4 MiB is written into a pooled tensor through
+        the mapping and named in one call; larger data is uploaded, then named.
+
         In a cluster the name is the cluster's (one per tenant across the nodes); a tensor
-        on another node (one ``get`` brought from there) is named on its own node."""
+        on another node (one ``get`` brought from there) is named on its own node.
+
+        Raises:
+            AlreadyExistsError: the name exists and ``overwrite`` is False.
+        """
         name = _text("name", name)
-        owner = tensor.client if isinstance(tensor, Tensor) else self
-        peer = next((p for p in self._peers.values() if p is owner), None)
-        if peer is not None and peer is not self:
-            peer.put(name, tensor, overwrite)
-            return
-        handle = own(self, tensor, 0)
-        self._call("PutName", requests.put_name(name, handle, overwrite))
+        if isinstance(tensor, Tensor):
+            peer = next((p for p in self._peers.values() if p is tensor.client), None)
+            if peer is not None and peer is not self:
+                peer.put(name, tensor, overwrite)
+                return
+        self._put_items([(name, tensor)], overwrite, "PutName")
+
+    def put_many(self, tensors: Mapping[str, Any], overwrite: bool = False) -> None:
+        """``put`` of every ``name: tensor`` item of ``tensors`` in one call (PutNames).
+
+        All or nothing: when an item fails (a name that exists without ``overwrite``, a
+        tensor of another client, the tenant's name limit) no name changes, and the error
+        is that item's own, its text prefixed ``item N ('name'): ``.  At most
+        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) items, each name once (a mapping's
+        keys).  Data that is not a tensor is staged as ``put`` stages it (4 MiB in all; the
+        rest is uploaded first).  In a cluster every tensor must be on this client's node.
+        """
+        items = list(tensors.items())
+        check_limit(len(items), "MAX_NAME_ITEMS", "put_many() got {} items")
+        for name, _ in items:
+            _text("name", name)
+        if items:
+            self._put_items(items, overwrite, "PutNames")
+
+    def _put_items(self, items: list[tuple[str, Any]], overwrite: bool, method: str) -> None:
+        """Name each item's tensor (``method``: PutName for one, PutNames): a tensor as it
+        is, data staged where it fits, else uploaded; in one call."""
+        arrays: dict[int, tuple[np.ndarray, DType]] = {}
+        for index, (_, data) in enumerate(items):
+            if not isinstance(data, Tensor):
+                arrays[index] = _convert.as_array(data)
+        staging = None
+        offsets: dict[int, int] = {}
+        uploaded: list[Tensor] = []  # held until named
+        if arrays and self._local.enabled:
+            places, used = transfers.staged_offsets([a.nbytes for a, _ in arrays.values()])
+            offsets = {i: o for i, o in zip(arrays, places, strict=True) if o is not None}
+            staging = self._staging(used) if offsets else None
+            if staging is None:
+                offsets = {}
+        try:
+            named = []
+            for index, (name, data) in enumerate(items):
+                if index in offsets:
+                    assert staging is not None
+                    array, dt = arrays[index]
+                    staging.write(offsets[index], array)
+                    handle = own(self, staging.tensor, 0)
+                    named.append(
+                        requests.put_staged(
+                            name, handle, offsets[index], array.shape, dt.name, overwrite
+                        )
+                    )
+                    continue
+                if index in arrays:
+                    data = self._upload(*arrays[index], "cpu", False)
+                    uploaded.append(data)
+                named.append(requests.put_name(name, own(self, data, index), overwrite))
+            if method == "PutName":
+                self._call("PutName", named[0])
+            else:
+                self._call("PutNames", requests.put_names(named))
+        except errors.TensordError:
+            if staging is not None:
+                self._stagings.give_back(staging)
+            raise
+        except BaseException:
+            # an interrupt: the call may still be running on its worker, reading the
+            # staging tensor, which no later put may write into: it is dropped
+            raise
+        else:
+            if staging is not None:
+                self._stagings.give_back(staging)
+
+    def _staging(self, nbytes: int) -> transfers.Staging | None:
+        """A staging tensor of at least ``nbytes`` (pooled, else made: EmptyExport), or
+        None where this client cannot map the server's memory."""
+        session_id = self._conn.session_id
+        pooled = self._stagings.take(nbytes, session_id)
+        if pooled is not None:
+            return pooled
+        size = transfers.staging_bytes(nbytes)
+        made = self._local.empty_exported(requests.empty((size,), "uint8", "cpu", False), False)
+        if made is None:
+            return None
+        meta, export = made
+        tensor = self._wrap(meta)
+        if not isinstance(export, Export):
+            if export is not None:
+                export.close()
+            return None
+        return transfers.Staging(tensor, export, size, session_id)
 
     def get(self, name: str) -> Tensor:
         """This session's handle on the tensor named ``name`` (``put`` by any session of this
         tenant).
 
-        The handle shares the named tensor's Storage: no bytes are copied.  One RPC.
+        The handle shares the named tensor's Storage: no bytes are copied.  One RPC; on
+        the server's host it also brings the Storage's export, so a ``np.from_dlpack`` or
+        ``x.numpy()`` of the tensor soon after it needs no other call (the client holds
+        that export, a pin, for about a second, then lets it go unless an array uses it).
 
         In a cluster, a name another node holds is that node's tensor: the client opens its
         own session there (once, when first needed) and the handle lives on that node;
@@ -599,24 +707,90 @@ class Client:
         Raises:
             NotFoundError: no tensor has that name.
         """
-        request = requests.get_name(_text("name", name))
+        name = _text("name", name)
         try:
-            return self._wrap(self._call("GetName", request))
+            return self._get_here(name)
         except errors.OwnedElsewhereError as redirect:
-            peer = self._peer(redirect)
-            return peer._wrap(peer._call("GetName", request))  # followed once
+            return self._peer(redirect)._get_here(name)  # followed once
 
-    def delete(self, name: str) -> None:
+    def _get_here(self, name: str) -> Tensor:
+        """``get`` from this client's own server (OwnedElsewhereError: another node's)."""
+        try:
+            got = self._local.get_exported(name) if self._local.enabled else None
+        except errors.ResourceExhaustedError:
+            # the session is full, and what the client keeps for itself (the exports held
+            # for earlier gets' reads, the staging tensors of puts) among what fills it:
+            # they go, and the get is made again as GetName alone
+            if not (self._local.let_go(every=True) | self._stagings.clear()):
+                raise
+            self._conn.flush_releases()
+            got = None
+        if got is None:
+            return self._wrap(self._call("GetName", requests.get_name(name)))
+        return self._wrap(got[0])  # its export stays with the mapper for the reads after
+
+    def get_many(self, names: Iterable[str]) -> list[Tensor]:
+        """``get`` of every name in one call (GetNames): this session's handles, in order.
+
+        All or nothing: a name that does not exist raises its item's error (its text
+        prefixed ``item N ('name'): ``) and no handle is made.  At most
+        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  In a cluster, names another
+        node holds are got one by one from their nodes.
+        """
+        wanted = [_text("name", n) for n in names]
+        check_limit(len(wanted), "MAX_NAME_ITEMS", "get_many() got {} names")
+        if not wanted:
+            return []
+        try:
+            answer = self._conn.call("GetNames", requests.get_names(wanted), self._release_all_got)
+        except errors.OwnedElsewhereError:
+            return [self.get(n) for n in wanted]
+        return [self._wrap(meta) for meta in answer.tensors]
+
+    def _release_all_got(self, answer: Any) -> None:
+        """A GetNames answer its interrupted caller never saw: its handles go back."""
+        for meta in answer.tensors:
+            self._conn.queue_release(meta.handle)
+
+    def delete(self, name: str, *, wait: bool = True) -> None:
         """Remove the name ``name``; its Storage lives on while a handle still holds it.
+
+        ``wait=False`` with pipelining: the delete is queued with the views and writes and
+        sent in order with them, and returns at once; its error (a name that does not
+        exist, or in a cluster one another node holds) is raised at the next call that
+        waits for the server, naming it, as a queued write's.
 
         Raises:
             NotFoundError: no tensor has that name.
         """
-        request = requests.delete_name(_text("name", name))
+        name = _text("name", name)
+        request = requests.delete_name(name)
+        if not wait and self._conn.pipelining:
+            self._conn.enqueue("DeleteName", "delete", name, request)
+            return
         try:
             self._call("DeleteName", request)
         except errors.OwnedElsewhereError as redirect:
             self._peer(redirect)._call("DeleteName", request)  # followed once
+
+    def delete_many(self, names: Iterable[str], *, wait: bool = True) -> None:
+        """``delete`` of every name in one call (DeleteNames).
+
+        All or nothing: a name that does not exist (or appears twice) raises its item's
+        error, its text prefixed ``item N ('name'): ``, and no name is deleted.  At most
+        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  ``wait=False`` with
+        pipelining queues one delete per name, as ``delete`` does (each its own: not all
+        or nothing then).  In a cluster every name must be this client's node's: one
+        another node holds fails its item with OwnedElsewhereError (``delete`` follows it).
+        """
+        doomed = [_text("name", n) for n in names]
+        check_limit(len(doomed), "MAX_NAME_ITEMS", "delete_many() got {} names")
+        if not wait and self._conn.pipelining:
+            for name in doomed:
+                self._conn.enqueue("DeleteName", "delete", name, requests.delete_name(name))
+            return
+        if doomed:
+            self._call("DeleteNames", requests.delete_names(doomed))
 
     def nodes(self) -> list[dict[str, Any]]:
         """The live nodes of the cluster this client's server joined, sorted by id.

@@ -59,6 +59,10 @@ MAX_VIEW_RESULTS = 2048
 MAX_BATCH_OPS = 1024
 #: tensors the view ops of one Batch return together
 MAX_BATCH_RESULTS = 2048
+#: items of one PutNames, GetNames or DeleteNames
+MAX_NAME_ITEMS = 1024
+#: items of one PutNames whose bytes are staged (each a new tensor made on the server)
+MAX_STAGED_ITEMS = 256
 #: items of one index (basic or advanced): each int, slice or tensor takes one of at most
 #: 64 dims and each None or bool adds one of at most 64, beside one Ellipsis, so a longer
 #: index is one torch refuses too
@@ -88,6 +92,10 @@ LIST_LIMITS: dict[str, tuple[int, str]] = {
     "AdvancedSetItemRequest.index": (MAX_INDEX_ITEMS, "MAX_INDEX_ITEMS"),
     "BatchOp.results": (MAX_VIEW_RESULTS, "MAX_VIEW_RESULTS"),
     "BatchRequest.ops": (MAX_BATCH_OPS, "MAX_BATCH_OPS"),
+    "PutNamesRequest.items": (MAX_NAME_ITEMS, "MAX_NAME_ITEMS"),
+    "GetNamesRequest.names": (MAX_NAME_ITEMS, "MAX_NAME_ITEMS"),
+    "DeleteNamesRequest.names": (MAX_NAME_ITEMS, "MAX_NAME_ITEMS"),
+    "GetNameExportRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
 }
 _WIRE_LIMIT = (MAX_LIST_LEN, "MAX_LIST_LEN")
 

@@ -1890,8 +1890,16 @@ class Tensor(TensorBase, NoMath):
         check_limit(len(size), "MAX_DIMS", "resize_() would make a tensor of {} dimensions")
         fmt = "" if memory_format is None else memory_format_name(memory_format, "resize_")
         request = requests.resize(self.handle, size, fmt)
+        self._let_go_of_storage()
         self._adopt(Meta.from_pb(self._session.conn.call("Resize", request)))
         return self
+
+    def _let_go_of_storage(self) -> None:
+        """Before an op a pin would refuse (a Storage that grows): the export a same-host
+        get brought of this Storage goes now, unless an array still uses it."""
+        local = self._session.local
+        if local.let_go(self.untyped_storage().storage_id):
+            self._session.conn.flush_export_releases()
 
     def resize_as_(self, the_template: Any, memory_format: Any = None) -> Tensor:
         """Resizes the ``self`` tensor to be the same size as the specified ``the_template``.
@@ -1931,6 +1939,7 @@ class Tensor(TensorBase, NoMath):
             size=bound.size,
             stride=bound.stride,
         )
+        self._let_go_of_storage()
         self._adopt(Meta.from_pb(self._session.conn.call("SetStorage", request)))
         return self
 

@@ -330,6 +330,45 @@ def test_a_name_put_on_one_node_is_read_from_another(three_nodes: list[Node]) ->
 
 @needs_etcd
 @pytest.mark.slow
+def test_batched_names_in_a_cluster_act_as_the_single_name_calls(
+    etcd: EtcdServer, tokens_file: str
+) -> None:
+    nodes = start_nodes(etcd, tokens_file, "ab")
+    a, b = nodes
+    try:
+        with (
+            connect(a) as on_a,
+            connect(b) as on_b,
+            tensord.connect(b.address, token="alice-token", call_timeout=10) as same_host_b,
+        ):
+            on_a.put_many({"w1": on_a.ones(2), "w2": [1, 2]})
+            # a claim another node holds is refused, and the claims before it taken back
+            with pytest.raises(errors.AlreadyExistsError, match=r"item 1 \('w1'\)"):
+                on_b.put_many({"fresh": on_b.zeros(1), "w1": on_b.zeros(1)})
+            assert on_a.names() == ["w1", "w2"]
+            with pytest.raises(errors.NotFoundError):
+                on_a.get("fresh")
+            # names another node holds: got from that node, one by one
+            got = on_b.get_many(["w1", "w2"])
+            assert [t.tolist() for t in got] == [[1.0, 1.0], [1, 2]]
+            assert {t.client.address for t in got} == {a.address}
+            # the same-host get follows the redirect once, to a's one-call get
+            x = same_host_b.get("w2")
+            assert x.client.address == a.address
+            assert np.from_dlpack(x).tolist() == [1, 2]
+            with pytest.raises(errors.OwnedElsewhereError, match=r"item 0 \('w1'\)") as lost:
+                on_b.delete_many(["w1"])
+            assert lost.value.node == f"a-{os.getpid()}"
+            on_a.delete("w1", wait=False)  # queued, then applied at the next wait
+            on_a.delete_many(["w2"])
+            assert on_b.names() == []
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@needs_etcd
+@pytest.mark.slow
 def test_a_killed_node_takes_its_names_and_the_others_serve_on(three_nodes: list[Node]) -> None:
     a, b, c = three_nodes
     with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:

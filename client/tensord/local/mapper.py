@@ -35,6 +35,7 @@ import functools
 import mmap
 import os
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,14 @@ LOCAL_ENV = "TENSORD_LOCAL"
 # An Export names at most this many of the segments the client maps (the latest mapped):
 # an export in one of them needs no ticket.  Bounds the request's size.
 MAX_MAPPED_HINTS = 256
+# A same-host get's export is kept this long for the reads that follow the get (DLPack,
+# x.numpy(): no Export call), then let go unless an array uses it: a tensor kept unread
+# does not pin its Storage (a pin keeps compaction from moving it and resize_ from growing it).
+PREFETCH_HOLD_S = 1.0
+# ... and at most this many at once (the oldest let go first): each counts against
+# --max-handles-per-session while held (a get refused for the limit lets them all go and
+# is made again without one).
+MAX_PREFETCHED = 8
 
 
 def local_wanted(local: bool | None) -> bool:
@@ -76,6 +85,7 @@ class LocalMapper:
         self.reason = "same-host mapping is turned off (local=False or $TENSORD_LOCAL=0)"
         self.last_refusal = ""  # why the server last refused an Export
         self._empty_export = True  # false once the server turned EmptyExport down as unknown
+        self._get_export = True  # false once the server turned GetNameExport down as unknown
         # guards _segments, _imports and their counters; reentrant: an export's finalizer may
         # run on a collection triggered while this thread holds it
         self._lock = threading.RLock()
@@ -94,6 +104,9 @@ class LocalMapper:
         # what an Export says this client maps: (the server instance of the latest segment
         # mapped, at most MAX_MAPPED_HINTS of its segment ids); replaced whole under _lock
         self._mapped_hint: tuple[str, tuple[int, ...]] = ("", ())
+        # (session id, storage id) -> (when, the export a get brought): held PREFETCH_HOLD_S
+        # for the reads after the get (let_go); _lock
+        self._prefetched: dict[tuple[str, str], tuple[float, Export]] = {}
 
     def disable(self, reason: str) -> None:
         self.enabled = False
@@ -127,6 +140,100 @@ class LocalMapper:
             with self._lock:
                 self._reusable[(session_id, storage_id)] = weakref.ref(export)
         return export
+
+    def live_export(self, storage_id: str) -> Export | None:
+        """A live cpu export of the Storage ``storage_id`` in this session (one a DLPack
+        capsule or a same-host ``get`` holds), once the ops queued before are applied; None
+        when there is none (the caller exports)."""
+        if not self.enabled:
+            return None
+        session_id = self._conn.session_id
+        with self._lock:
+            ref = self._reusable.get((session_id, storage_id))
+        reused = ref() if ref is not None else None
+        if reused is None:
+            return None
+        # what a call would check and wait for: a closed, forked or replaced session
+        # raises, and ops queued before this call are applied before it sees the bytes
+        self._conn.check_session(session_id)
+        if self._conn.pipelining:
+            self._conn.synchronize(releases=False)
+        return reused
+
+    @property
+    def mapping(self) -> bool:
+        """Whether this client maps a segment of its server now: an export then costs one
+        call and no descriptor, whatever the transfer's size."""
+        return self.enabled and bool(self._segments)
+
+    def get_exported(self, name: str) -> tuple[pb.TensorMeta, Export | None] | None:
+        """GetName and an export of the new handle's host Storage in one call
+        (GetNameExport); the export None where the server did not export it or this client
+        cannot map it.  None: the server does not know the call (use GetName).  The export
+        is the Storage's reusable one (:meth:`live_export`, :meth:`shared_export`), held
+        here PREFETCH_HOLD_S for the reads that follow the get (:meth:`let_go`)."""
+        if not self._get_export:
+            return None
+        instance, mapped = self._mapped_hint
+        request = requests.get_name_export(name, instance, mapped)
+        session_id = self._conn.session_id
+        orphaned = functools.partial(self._release_got, session_id)
+        try:
+            response: pb.GetNameExportResponse = self._conn.call("GetNameExport", request, orphaned)
+        except errors.TensordError as exc:
+            if not is_unimplemented(exc):
+                raise
+            self._get_export = False  # a server older than GetNameExport
+            return None
+        meta = response.tensor
+        if not response.HasField("export"):
+            self.last_refusal = response.export_refusal or self.last_refusal
+            return meta, None
+        reuse_key = (session_id, meta.storage_id)
+        try:
+            export = self._mapped(meta.handle, response.export, reuse_key)
+        except SegmentForgotten:  # no ticket for an unmapped segment: not one to map
+            return meta, None
+        if not isinstance(export, Export):
+            if export is not None:
+                export.close()
+            return meta, None
+        with self._lock:
+            self._reusable[reuse_key] = weakref.ref(export)
+            self._prefetched.pop(reuse_key, None)  # put back last: the newest
+            self._prefetched[reuse_key] = (time.monotonic(), export)
+            spare = []  # dicts keep insertion order: the first is the oldest
+            while len(self._prefetched) > MAX_PREFETCHED:
+                spare.append(self._prefetched.pop(next(iter(self._prefetched))))
+        del spare  # an export let go is released once no array uses it
+        return meta, export
+
+    def let_go(self, storage_id: str | None = None, *, every: bool = False) -> bool:
+        """Stop holding the exports gets brought: of the Storage ``storage_id`` now (before
+        an op a pin would refuse), all of them (``every``: the session is full), or those
+        held PREFETCH_HOLD_S.  Whether one went (its release is queued once no array uses
+        it)."""
+        if not self._prefetched:
+            return False
+        with self._lock:
+            if every:
+                dropped = list(self._prefetched.values())
+                self._prefetched.clear()
+            elif storage_id is not None:
+                gone = self._prefetched.pop((self._conn.session_id, storage_id), None)
+                dropped = [] if gone is None else [gone]
+            else:
+                oldest = time.monotonic() - PREFETCH_HOLD_S
+                keys = [k for k, (when, _) in self._prefetched.items() if when < oldest]
+                dropped = [self._prefetched.pop(k) for k in keys]
+        return bool(dropped)  # (the exports' finalizers run as the list goes)
+
+    def _release_got(self, session_id: str, response: pb.GetNameExportResponse) -> None:
+        """A GetNameExport answer its caller never saw: its handle and its export."""
+        if response.HasField("export"):
+            self._conn.queue_export_release(response.export.export_id)
+        if response.tensor.handle:
+            self._conn.queue_release(response.tensor.handle)
 
     def export(
         self, handle: str, *, reuse_key: tuple[str, str] | None = None
@@ -429,6 +536,7 @@ class LocalMapper:
             self._live = weakref.WeakSet()
             self._segments.clear()
             self._reusable.clear()
+            self._prefetched.clear()
             self._mapped_hint = ("", ())
         for segment in live:
             segment.make_private()
@@ -439,6 +547,7 @@ class LocalMapper:
         with self._lock:
             self._segments.clear()
             self._reusable.clear()
+            self._prefetched.clear()
             self._mapped_hint = ("", ())
         with contextlib.suppress(Exception):
             self.close_idle_imports()

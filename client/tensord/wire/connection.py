@@ -823,6 +823,8 @@ class Connection:
     def _flush_forever(self) -> None:
         while not self._closed.wait(RELEASE_INTERVAL_S):
             with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
+                if self.local is not None:
+                    self.local.let_go()  # gets' exports held past their time go first
                 if self.pipelining:
                     # queued ops and releases in one ordered Batch: a release sent alone
                     # could overtake the queued view that issues its handle

@@ -415,6 +415,40 @@ def delete_name(name: str) -> pb.DeleteNameRequest:
     return pb.DeleteNameRequest(name=name)
 
 
+def put_staged(
+    name: str,
+    staging: str,
+    byte_offset: builtins.int,
+    shape: Sequence[builtins.int],
+    dtype: str,
+    overwrite: builtins.bool,
+) -> pb.PutNameRequest:
+    """A put of bytes staged at ``byte_offset`` of the tensor ``staging``."""
+    staged = pb.StagedTensor(handle=staging, byte_offset=byte_offset, shape=shape, dtype=dtype)
+    return pb.PutNameRequest(name=name, overwrite=overwrite, staged=staged)
+
+
+def put_names(items: Sequence[pb.PutNameRequest]) -> pb.PutNamesRequest:
+    return pb.PutNamesRequest(items=items)
+
+
+def get_names(names: Sequence[str]) -> pb.GetNamesRequest:
+    return pb.GetNamesRequest(names=names)
+
+
+def delete_names(names: Sequence[str]) -> pb.DeleteNamesRequest:
+    return pb.DeleteNamesRequest(names=names)
+
+
+def get_name_export(
+    name: str, server_instance: str, mapped_segments: Sequence[builtins.int]
+) -> pb.GetNameExportRequest:
+    """GetNameExport: the segments this client maps of ``server_instance`` need no ticket."""
+    return pb.GetNameExportRequest(
+        name=name, server_instance=server_instance, mapped_segments=mapped_segments
+    )
+
+
 def list_names(page_size: builtins.int, page_token: str) -> pb.ListNamesRequest:
     return pb.ListNamesRequest(page_size=page_size, page_token=page_token)
 
@@ -507,7 +541,13 @@ def empty_export(
 
 
 # The BatchOp field of each RPC a queued op stands for.
-_BATCH_FIELDS = {"Fill": "fill", "Copy": "copy", "SetItem": "set_item", "Reshape": "reshape"}
+_BATCH_FIELDS = {
+    "Fill": "fill",
+    "Copy": "copy",
+    "SetItem": "set_item",
+    "Reshape": "reshape",
+    "DeleteName": "delete_name",
+}
 
 
 def batch(queued: Sequence[QueuedOp], released: Sequence[str]) -> pb.BatchRequest:

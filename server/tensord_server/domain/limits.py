@@ -23,6 +23,9 @@ MAX_VIEW_RESULTS        tensors of a split/chunk/unbind 13-19        2,048   27-
 MAX_BATCH_RESULTS       tensors of a Batch's views      13-19        2,048   27-39
 MAX_BATCH_OPS           ops of a Batch: x[i] / writes   17 / 35-69   1,024   18 / 36-70
 MAX_INDEX_ITEMS         items of an index               3-5          129     < 1
+MAX_NAME_ITEMS          names of a PutNames, GetNames   6-15         1,024   6-16
+                        or DeleteNames
+MAX_STAGED_ITEMS        staged items of a PutNames      110-160      256     28-41
 MAX_REQUEST_ITEMS       list items of one request       0.5-1.6      32,768  16-52
 ======================  ==============================  ===========  ======  ==========
 
@@ -52,8 +55,10 @@ from tensord.protocol import (
     MAX_INDEX_ITEMS,
     MAX_LIST_LEN,
     MAX_MAPPED_SEGMENTS,
+    MAX_NAME_ITEMS,
     MAX_RELEASE_HANDLES,
     MAX_REQUEST_ITEMS,
+    MAX_STAGED_ITEMS,
     MAX_VIEW_RESULTS,
     named_list_limit,
 )
@@ -70,8 +75,10 @@ __all__ = [
     "MAX_INDEX_ITEMS",
     "MAX_LIST_LEN",
     "MAX_MAPPED_SEGMENTS",
+    "MAX_NAME_ITEMS",
     "MAX_RELEASE_HANDLES",
     "MAX_REQUEST_ITEMS",
+    "MAX_STAGED_ITEMS",
     "MAX_VIEW_RESULTS",
 ]
 
@@ -349,6 +356,14 @@ def batch_budget(limit: int | None) -> Iterator[None]:
         yield
     finally:
         _BATCH_BUDGET.reset(token)
+
+
+def check_staged_items(count: int) -> None:
+    if count > MAX_STAGED_ITEMS:
+        raise InvalidArgumentError(
+            f"a PutNames of {count} staged items exceeds the limit {MAX_STAGED_ITEMS} "
+            "(limits.MAX_STAGED_ITEMS)"
+        )
 
 
 def check_batch_ops(count: int) -> None:

@@ -6,21 +6,32 @@ gets a handle on it by name.  Names are per tenant: another tenant's name is NOT
 if it did not exist, and ``--max-names-per-tenant`` bounds how many one tenant keeps.
 A listing goes a page at a time, sorted (:mod:`tensord_server.domain.paging`).
 
+``put_many``, ``get_many`` and ``delete_many`` do many names under one acquisition of the
+table's lock, all or nothing: the first item that fails leaves every name as it was and
+raises that item's error, its text prefixed ``item N ('name'): `` (:func:`item_error`).
+
 In a cluster (:meth:`TensorNames.join`) a name is unique per tenant across every node:
 ``put`` claims it in the cluster's :class:`~tensord_server.domain.directory.NameDirectory`
 first, ``get`` and ``delete`` of a name another node holds raise OwnedElsewhereError
 naming it, and the listing is the cluster's.  The tensor stays on the node that put it.
+A batch's claims are one round trip each: a claim refused takes back the claims made
+before it, but an ``overwrite`` that took a name from another node is not given back,
+and a delete that cannot reach the cluster halfway leaves the names before it deleted.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from tensord.errors import (
     AlreadyExistsError,
+    InvalidArgumentError,
     NotFoundError,
     OwnedElsewhereError,
     ResourceExhaustedError,
+    TensordError,
 )
 
 from tensord_server.domain import paging
@@ -32,6 +43,34 @@ from tensord_server.pool import CountingLock
 
 # The listing's kind in its page tokens.
 NAMES_LISTING = "names"
+
+
+class NameItem(NamedTuple):
+    """One item of a batched put: the name, the handle it names, whether it may replace;
+    or, with ``ref``, the tensor it names (one the caller made and holds, no handle)."""
+
+    name: str
+    handle: str
+    overwrite: bool
+    ref: TensorRef | None = None
+
+
+def item_error(index: int, name: str, exc: Exception) -> Exception:
+    """``exc`` as the error of item ``index`` of a batch: the same class (so the same status
+    code and type) and the same facts, its text prefixed ``item N ('name'): ``."""
+    text = f"item {index} ({name!r}): {exc}"
+    if isinstance(exc, TensordError):
+        facts = {f: getattr(exc, f, None) for f in exc.detail_fields}
+        return type(exc)(text, **facts)
+    try:
+        return type(exc)(text)
+    except Exception:  # a class that takes other arguments: its kind, as a bad argument
+        return InvalidArgumentError(text)
+
+
+def _check_name(name: str) -> None:
+    if not name:
+        raise ValueError("a tensor name must not be empty")
 
 
 class TenantNames:
@@ -91,8 +130,7 @@ class TensorNames:
 
     def put(self, session: Session, name: str, handle: str, overwrite: bool) -> None:
         """Keep ``handle``'s tensor under ``name`` for the session's tenant."""
-        if not name:
-            raise ValueError("a tensor name must not be empty")
+        _check_name(name)
         old = None
         with self._lock:
             ref = self.sessions.reference(session, handle)  # the name's own reference
@@ -119,11 +157,101 @@ class TensorNames:
         if old is not None:
             self.storages.decref(old.storage)
 
-    def _refusal(self, tenant: str, name: str, overwrite: bool) -> Exception | None:
-        """Why this node refuses to put ``name`` (None: it does not).  Under the lock."""
+    def put_many(
+        self, session: Session, items: Sequence[NameItem], *, itemized: bool = True
+    ) -> None:
+        """:meth:`put` of every item, all or none (an item that fails: item_error; its own
+        error when not ``itemized``, one item's put).  A name may appear once."""
+        tenant = session.tenant
+        refs: list[TensorRef] = []
+        try:
+            with self._lock:
+                self._check_puts(session, items, refs, itemized)
+                if self.directory is None:
+                    olds = self._add_all(tenant, items, refs)
+            if self.directory is not None:
+                revisions = self._claim_all(tenant, items, itemized)
+                with self._lock:
+                    olds = self._add_all(tenant, items, refs)
+                    for item, revision in zip(items, revisions, strict=True):
+                        key = (tenant, item.name)
+                        self._claims[key] = max(revision, self._claims.get(key, 0))
+        except BaseException:
+            for ref in refs:
+                self.storages.decref(ref.storage)
+            raise
+        for old in olds:
+            self.storages.decref(old.storage)
+
+    def _check_puts(
+        self, session: Session, items: Sequence[NameItem], refs: list[TensorRef], itemized: bool
+    ) -> None:
+        """(under the lock) Each item's checks in order, its name's reference appended to
+        ``refs``: the first that fails raises its item_error."""
+        seen: set[str] = set()
+        names = self._names.get(session.tenant)
+        added = 0
+        for index, item in enumerate(items):
+            try:
+                _check_name(item.name)
+                if item.name in seen:
+                    raise InvalidArgumentError(f"name {item.name!r} appears twice in one request")
+                seen.add(item.name)
+                if item.ref is not None:
+                    self.storages.incref(item.ref.storage)
+                    refs.append(item.ref)
+                else:
+                    refs.append(self.sessions.reference(session, item.handle))
+                refusal = self._refusal(session.tenant, item.name, item.overwrite, added)
+                if refusal is not None:
+                    raise refusal
+                added += names is None or item.name not in names.refs
+            except Exception as exc:
+                if not itemized:
+                    raise
+                raise item_error(index, item.name, exc) from None
+
+    def _add_all(
+        self, tenant: str, items: Sequence[NameItem], refs: Sequence[TensorRef]
+    ) -> list[TensorRef]:
+        """(under the lock) Name every item's reference; the references they replaced."""
+        if not items:
+            return []  # (a tenant without names keeps no entry)
+        names = self._names.setdefault(tenant, TenantNames())
+        olds = []
+        for item, ref in zip(items, refs, strict=True):
+            old = names.refs.get(item.name)
+            if old is not None:
+                olds.append(old)
+            names.add(item.name, ref)
+        return olds
+
+    def _claim_all(self, tenant: str, items: Sequence[NameItem], itemized: bool) -> list[int]:
+        """Claim every item's name in the cluster, in order; a claim refused takes back the
+        claims made before it (:meth:`NameDirectory.release` of each) and raises its
+        item_error."""
+        assert self.directory is not None
+        revisions: list[int] = []
+        for index, item in enumerate(items):
+            try:
+                revisions.append(self.directory.claim(tenant, item.name, item.overwrite))
+            except Exception as exc:
+                for made, revision in zip(items, revisions, strict=False):
+                    try:
+                        self.directory.release(tenant, made.name, revision)
+                    except Exception:  # the cluster's watch settles what stays
+                        break
+                if not itemized:
+                    raise
+                raise item_error(index, item.name, exc) from None
+        return revisions
+
+    def _refusal(self, tenant: str, name: str, overwrite: bool, added: int = 0) -> Exception | None:
+        """Why this node refuses to put ``name`` (None: it does not), ``added`` new names of
+        the same request before it.  Under the lock."""
         names = self._names.get(tenant)
         old = names.refs.get(name) if names is not None else None
-        held = len(names.refs) if names is not None else 0
+        held = (len(names.refs) if names is not None else 0) + added
         if old is not None and not overwrite:
             return AlreadyExistsError(f"name {name!r} already exists (pass overwrite=True)")
         if old is None and self.max_names is not None and held >= self.max_names:
@@ -177,6 +305,76 @@ class TensorNames:
         try:
             return Issued(self.sessions.register(session, ref), ref)
         finally:
+            self.storages.decref(ref.storage)
+
+    def get_many(self, session: Session, names: Sequence[str]) -> list[Issued]:
+        """:meth:`get` of every name, all or none: new handles in ``session``, in order."""
+        refs: list[TensorRef] = []
+        missing = None
+        with self._lock:
+            table = self._names.get(session.tenant)
+            for index, name in enumerate(names):
+                ref = table.refs.get(name) if table is not None else None
+                if ref is None:
+                    missing = index
+                    break
+                refs.append(ref)
+            else:
+                for ref in refs:
+                    self.storages.incref(ref.storage)  # holds for register_all()
+        if missing is not None:
+            name = names[missing]
+            raise item_error(missing, name, self._elsewhere(session.tenant, name))
+        try:
+            handles = self.sessions.register_all(session, refs)
+        finally:
+            for ref in refs:
+                self.storages.decref(ref.storage)
+        return [Issued(h, r) for h, r in zip(handles, refs, strict=True)]
+
+    def delete_many(self, names: Sequence[str], tenant: str = "") -> None:
+        """:meth:`delete` of every name, all or none (a name may appear once)."""
+        with self._lock:
+            table = self._names.get(tenant)
+            failed: tuple[int, Exception | None] | None = None
+            seen: set[str] = set()
+            for index, name in enumerate(names):
+                if name in seen:
+                    failed = (
+                        index,
+                        InvalidArgumentError(f"name {name!r} appears twice in one request"),
+                    )
+                    break
+                seen.add(name)
+                held = (
+                    (tenant, name) in self._claims
+                    if self.directory is not None
+                    else table is not None and name in table.refs
+                )
+                if not held:
+                    failed = (index, None)
+                    break
+            revisions = [self._claims.get((tenant, n), 0) for n in names]
+        if failed is not None:
+            index, error = failed
+            raise item_error(index, names[index], error or self._elsewhere(tenant, names[index]))
+        if self.directory is not None:
+            for index, (name, revision) in enumerate(zip(names, revisions, strict=True)):
+                try:  # the cluster's records go first: one that cannot stays whole here
+                    self.directory.release(tenant, name, revision)
+                except Exception as exc:
+                    raise item_error(index, name, exc) from None
+        refs = []
+        with self._lock:
+            table = self._names.get(tenant)
+            for name in names:
+                ref = table.pop(name) if table is not None else None
+                self._claims.pop((tenant, name), None)
+                if ref is not None:
+                    refs.append(ref)
+            if table is not None and not table.refs:
+                del self._names[tenant]
+        for ref in refs:
             self.storages.decref(ref.storage)
 
     def delete(self, name: str, tenant: str = "") -> None:

@@ -137,13 +137,18 @@ class TensorStore:
             restore_workers=restore_workers,
         )
         self.tiering = Tiering(self.ops, self.spiller)
-        self.batches = Batches(
-            self.sessions, self.views, self.copies, self.writes, max_batch_elements
-        )
         # the listings' page tokens (names, snapshots): valid in this process only
         self.page_tokens = paging.PageTokens()
         self.names = TensorNames(
             self.sessions, self.storages, self.page_tokens, max_names=max_names_per_tenant
+        )
+        self.batches = Batches(
+            self.sessions,
+            self.views,
+            self.copies,
+            self.writes,
+            self.names.delete,
+            max_batch_elements,
         )
         self.memory_reports = MemoryReports(
             self.devices, self.storages, self.sessions, self.exports, self.page_tokens

@@ -113,8 +113,16 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "Release": _always,
     "View": lambda request: request.WhichOneof("op") not in _MANY_TENSOR_VIEWS,
     "GetName": _always,
-    "PutName": _always,
+    # a staged put copies its bytes: a worker's
+    "PutName": lambda request: not request.HasField("staged"),
     "DeleteName": _always,
+    # within INLINE_REQUEST_BYTES a batch names a few dozen names at most
+    "GetNames": _always,
+    "PutNames": lambda request: not any(i.HasField("staged") for i in request.items),
+    "DeleteNames": _always,
+    # a get and a host export (GPU tensors are never exported by it): table work, and the
+    # mapped segments it searches are bounded by INLINE_REQUEST_BYTES
+    "GetNameExport": _always,
     "Share": _always,
     "Revoke": _always,
     "Attach": _always,
@@ -123,7 +131,9 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
 }
 # Name calls that wait on the cluster's directory (a round trip to etcd) once the server
 # joined one: never on the loop then.
-CLUSTER_WORK = frozenset({"GetName", "PutName", "DeleteName"})
+CLUSTER_WORK = frozenset(
+    {"GetName", "PutName", "DeleteName", "GetNames", "PutNames", "DeleteNames", "GetNameExport"}
+)
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8
 HEALTH_READ_TIMEOUT_S = 2.0

@@ -177,6 +177,8 @@ def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
     if kind == "reshape":
         reshape = message.reshape
         return batch.QueuedReshape(reshape.handle, tuple(reshape.shape), tuple(message.results))
+    if kind == "delete_name":
+        return batch.QueuedDeleteName(message.delete_name.name)
     raise InvalidArgumentError("a BatchOp names no op")
 
 

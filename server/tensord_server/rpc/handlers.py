@@ -13,13 +13,18 @@ same-host fd socket) runs the same method, with a context of the same shape.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from tensord import schema as pb
-from tensord.errors import FailedPreconditionError, InvalidArgumentError, UnauthenticatedError
+from tensord.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
     SESSION_KEY,
@@ -29,9 +34,11 @@ from tensord.protocol import (
 
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import limits
+from tensord_server.domain.names import NameItem, item_error
 from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
+from tensord_server.domain.storage import TensorRef
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import (
@@ -368,8 +375,54 @@ class TensordService:
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
         session = self._session(context)
-        self.store.names.put(session, request.name, request.handle, request.overwrite)
+        if not request.HasField("staged"):
+            self.store.names.put(session, request.name, request.handle, request.overwrite)
+            return pb.PutNameResponse()
+        made = self._staged(session, request)
+        try:
+            item = NameItem(request.name, "", request.overwrite, made)
+            self.store.names.put_many(session, [item], itemized=False)
+        finally:
+            self.store.storages.release_hold(made.storage)  # the name holds it
         return pb.PutNameResponse()
+
+    @_unary
+    def PutNames(self, request: pb.PutNamesRequest, context: Any) -> pb.PutNamesResponse:
+        return self._put_names(self._session(context), request.items)
+
+    def _put_names(
+        self, session: Session, items: Sequence[pb.PutNameRequest]
+    ) -> pb.PutNamesResponse:
+        """Name every item's tensor, all or none; a staged item's new tensor is made first
+        (at most MAX_STAGED_ITEMS of them, their elements charged to one batch budget, as a
+        Batch's ops; never issued: no handle counts for it) and its hold ended after (its
+        name holds it)."""
+        limits.check_staged_items(sum(item.HasField("staged") for item in items))
+        made: list[TensorRef] = []
+        try:
+            named = []
+            with limits.batch_budget(self.store.batches.max_batch_elements):
+                for index, item in enumerate(items):
+                    ref = None
+                    if item.HasField("staged"):
+                        try:
+                            ref = self._staged(session, item)
+                        except Exception as exc:
+                            raise item_error(index, item.name, exc) from None
+                        made.append(ref)
+                    named.append(NameItem(item.name, item.handle, item.overwrite, ref))
+            self.store.names.put_many(session, named)
+        finally:
+            self.store.storages.release_holds([ref.storage for ref in made])
+        return pb.PutNamesResponse()
+
+    def _staged(self, session: Session, item: pb.PutNameRequest) -> TensorRef:
+        if item.handle:
+            raise InvalidArgumentError("a PutNameRequest names a handle or staged bytes, not both")
+        staged = item.staged
+        return self.store.transfers.staged(
+            session, staged.handle, staged.byte_offset, tuple(staged.shape), staged.dtype
+        )
 
     @_unary
     def GetName(self, request: pb.GetNameRequest, context: Any) -> pb.TensorMeta:
@@ -377,10 +430,44 @@ class TensordService:
         return self._reply(session, self.store.names.get(session, request.name))
 
     @_unary
+    def GetNames(self, request: pb.GetNamesRequest, context: Any) -> pb.GetNamesResponse:
+        session = self._session(context)
+        issued = self.store.names.get_many(session, list(request.names))
+        return pb.GetNamesResponse(tensors=self._replies(session, issued))
+
+    @_unary
+    def GetNameExport(
+        self, request: pb.GetNameExportRequest, context: Any
+    ) -> pb.GetNameExportResponse:
+        session = self._session(context)
+        issued = self.store.names.get(session, request.name)
+        tensor = self._reply(session, issued)
+        if issued.ref.device.name != "cpu":
+            return pb.GetNameExportResponse(tensor=tensor)
+        same_server = request.server_instance == self.store.exports.instance
+        mapped = request.mapped_segments if same_server else ()
+        try:
+            export = self._export(session, issued.handle, mapped)
+        except (FailedPreconditionError, ResourceExhaustedError) as exc:
+            # memory this server cannot share, or no room for an export under
+            # --max-handles-per-session: the get itself stands, as GetName's would
+            return pb.GetNameExportResponse(tensor=tensor, export_refusal=str(exc))
+        except BaseException:
+            self.store.sessions.release(session, [issued.handle])  # never learned
+            raise
+        return pb.GetNameExportResponse(tensor=tensor, export=export)
+
+    @_unary
     def DeleteName(self, request: pb.DeleteNameRequest, context: Any) -> pb.DeleteNameResponse:
         session = self._session(context)
         self.store.names.delete(request.name, session.tenant)
         return pb.DeleteNameResponse()
+
+    @_unary
+    def DeleteNames(self, request: pb.DeleteNamesRequest, context: Any) -> pb.DeleteNamesResponse:
+        session = self._session(context)
+        self.store.names.delete_many(list(request.names), session.tenant)
+        return pb.DeleteNamesResponse()
 
     @_unary
     def ListNames(self, request: pb.ListNamesRequest, context: Any) -> pb.ListNamesResponse:

@@ -66,7 +66,22 @@ class QueuedReshape:
     results: tuple[str, ...]  # the client-chosen id of the copy
 
 
-QueuedOp = QueuedView | QueuedFill | QueuedCopy | QueuedSetItem | QueuedRelease | QueuedReshape
+@dataclass(frozen=True)
+class QueuedDeleteName:
+    """A name's delete whose answer the client does not wait for (DeleteName's rules)."""
+
+    name: str
+
+
+QueuedOp = (
+    QueuedView
+    | QueuedFill
+    | QueuedCopy
+    | QueuedSetItem
+    | QueuedRelease
+    | QueuedReshape
+    | QueuedDeleteName
+)
 
 
 @dataclass(frozen=True)
@@ -112,9 +127,12 @@ class Batches:
         views: Views,
         copies: Copies,
         writes: Writes,
+        delete_name: Callable[[str, str], None],
         max_batch_elements: int | None,
     ) -> None:
         self.sessions = sessions
+        # (name, tenant): the name table's delete (a table above the op families, given)
+        self.delete_name = delete_name
         self.views = views
         self.copies = copies
         self.writes = writes
@@ -184,6 +202,8 @@ class Batches:
             self.writes.setitem(
                 session, op.handle, op.index, value=op.value, src_handle=op.src_handle
             )
+        elif isinstance(op, QueuedDeleteName):
+            self.delete_name(op.name, session.tenant)
         else:
             self.sessions.release(session, op.handles)
         return None

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from tensord import dtypes
+from tensord.errors import InvalidArgumentError
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device, activate
 from tensord_server.domain import kernels
 from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
-from tensord_server.domain.storage import TensorRef
+from tensord_server.domain.storage import Storage, TensorRef
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -72,6 +73,37 @@ class Transfers:
                 f"holds {expected}"
             )
         return UploadSink(self.ops, session, self.ops.device(device), layout, dt, requires_grad)
+
+    def staged(
+        self, session: Session, handle: str, byte_offset: int, shape: Sequence[int], dtype: str
+    ) -> TensorRef:
+        """A new contiguous tensor of ``shape`` and ``dtype`` holding a copy of the bytes a
+        same-host client wrote into its staging tensor ``handle`` (a contiguous tensor of
+        its session), from ``byte_offset`` on; on the staging tensor's device.  Not issued:
+        the caller gets it with a hold on its Storage (a name takes its own reference) and
+        ends the hold with ``storages.release_hold``."""
+        shape = kernels.check_shape(shape)
+        dt = dtypes.dtype_from_name(dtype)
+        layout = Layout.contiguous(shape)
+        nbytes = layout.numel * dt.itemsize
+        with self.ops.sessions.held(session, handle) as (ref,):
+            if not ref.layout.is_contiguous() or ref.conj or ref.neg:
+                raise InvalidArgumentError("a staging tensor must be contiguous, its bits plain")
+            have = ref.layout.numel * ref.dtype.itemsize
+            if byte_offset < 0 or byte_offset + nbytes > have:
+                raise InvalidArgumentError(
+                    f"staged bytes {byte_offset}..{byte_offset + nbytes} are not inside the "
+                    f"{have}-byte staging tensor"
+                )
+            self.ops.check_elements(layout.numel)
+            sink = UploadSink(self.ops, session, ref.device, layout, dt, False)
+            try:
+                if nbytes:
+                    start = ref.layout.offset * ref.dtype.itemsize + byte_offset
+                    sink.copy_from(ref.storage, start)
+                return sink.take()
+            finally:
+                sink.abort()  # after finish: nothing left to undo
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
         """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
@@ -139,6 +171,19 @@ class UploadSink:
             out.storage.write(self.received, chunk)
         self.received += len(chunk)
 
+    def copy_from(self, source: Storage, offset: int) -> None:
+        """All the tensor's bytes, from ``offset`` bytes into ``source`` (held by the caller,
+        on the same device), in one copy on the device."""
+        out = self._live()
+        if self.received:
+            raise ValueError("a copy_from fills a whole upload, from its first byte")
+        src, dst = source.block, out.storage.block
+        with activate(out.device):
+            out.device.backend.copy(
+                src.segment.memory, src.offset + offset, dst.segment.memory, dst.offset, self.nbytes
+            )
+        self.received = self.nbytes
+
     def finish(self) -> Issued:
         out = self._live()
         if self.received != self.nbytes:
@@ -147,6 +192,14 @@ class UploadSink:
             issued = self._ops.issue(self._session, out)
         self.abort()  # the handle holds the Storage now: only the hold goes
         return issued
+
+    def take(self) -> TensorRef:
+        """The written tensor, not issued, its hold now the caller's."""
+        out = self._live()
+        if self.received != self.nbytes:
+            raise ValueError(f"upload ended after {self.received} of {self.nbytes} bytes")
+        self._out = None
+        return out
 
     def abort(self) -> None:
         """Give up the hold (idempotent): an unissued Storage returns to the pool."""

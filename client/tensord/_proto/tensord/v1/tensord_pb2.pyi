@@ -559,18 +559,84 @@ class AttachRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class PutNameRequest(_message.Message):
-    __slots__ = ("name", "handle", "overwrite")
+    __slots__ = ("name", "handle", "overwrite", "staged")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     name: str
     handle: str
     overwrite: bool
-    def __init__(self, name: _Optional[str] = ..., handle: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    staged: StagedTensor
+    def __init__(self, name: _Optional[str] = ..., handle: _Optional[str] = ..., overwrite: _Optional[bool] = ..., staged: _Optional[_Union[StagedTensor, _Mapping]] = ...) -> None: ...
 
 class PutNameResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StagedTensor(_message.Message):
+    __slots__ = ("handle", "byte_offset", "shape", "dtype")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    byte_offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, handle: _Optional[str] = ..., byte_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PutNamesRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutNameRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutNameRequest, _Mapping]]] = ...) -> None: ...
+
+class PutNamesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetNamesRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetNamesResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class DeleteNamesRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteNamesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetNameExportRequest(_message.Message):
+    __slots__ = ("name", "server_instance", "mapped_segments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    server_instance: str
+    mapped_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetNameExportResponse(_message.Message):
+    __slots__ = ("tensor", "export", "export_refusal")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    tensor: TensorMeta
+    export: ExportResponse
+    export_refusal: str
+    def __init__(self, tensor: _Optional[_Union[TensorMeta, _Mapping]] = ..., export: _Optional[_Union[ExportResponse, _Mapping]] = ..., export_refusal: _Optional[str] = ...) -> None: ...
 
 class GetNameRequest(_message.Message):
     __slots__ = ("name",)
@@ -791,13 +857,14 @@ class EmptyExportResponse(_message.Message):
     def __init__(self, export: _Optional[_Union[ExportResponse, _Mapping]] = ..., released_exports: _Optional[_Union[ReleaseExportsResponse, _Mapping]] = ...) -> None: ...
 
 class BatchOp(_message.Message):
-    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "results")
+    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "delete_name", "results")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     SET_ITEM_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     RESHAPE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_NAME_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     view: ViewRequest
     fill: FillRequest
@@ -805,8 +872,9 @@ class BatchOp(_message.Message):
     set_item: SetItemRequest
     release: ReleaseRequest
     reshape: ReshapeRequest
+    delete_name: DeleteNameRequest
     results: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., delete_name: _Optional[_Union[DeleteNameRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
     __slots__ = ("ops",)

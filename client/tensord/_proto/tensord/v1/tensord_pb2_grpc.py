@@ -179,6 +179,26 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.FromString,
                 _registered_method=True)
+        self.PutNames = channel.unary_unary(
+                '/tensord.v1.Tensord/PutNames',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.PutNamesRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.PutNamesResponse.FromString,
+                _registered_method=True)
+        self.GetNames = channel.unary_unary(
+                '/tensord.v1.Tensord/GetNames',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.GetNamesRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.GetNamesResponse.FromString,
+                _registered_method=True)
+        self.DeleteNames = channel.unary_unary(
+                '/tensord.v1.Tensord/DeleteNames',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.DeleteNamesRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.DeleteNamesResponse.FromString,
+                _registered_method=True)
+        self.GetNameExport = channel.unary_unary(
+                '/tensord.v1.Tensord/GetNameExport',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.GetNameExportRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.GetNameExportResponse.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/tensord.v1.Tensord/ListNodes',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.SerializeToString,
@@ -459,6 +479,44 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutNames(self, request, context):
+        """Many names in one round trip: PutName, GetName and DeleteName of each item, in item
+        order, at most MAX_NAME_ITEMS (1,024) items (more is INVALID_ARGUMENT before any work).
+        All or nothing: when an item fails no name changes and no handle is issued, and the
+        error is that item's own (its status code and type), its message prefixed
+        "item N ('name'): ". A name may appear once in a PutNames or DeleteNames (a GetNames
+        of a name twice answers two handles). A PutNames stages at most MAX_STAGED_ITEMS (256)
+        items, their elements charged to one budget as a Batch's (--max-batch-elements). In a
+        cluster a name another node holds fails its item with OwnedElsewhereError, as the
+        single-name calls do.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNames(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteNames(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNameExport(self, request, context):
+        """A same-host get's one round trip: GetName, then Export of the new handle (Export's
+        rules, the request's mapped segments as ExportRequest's) when its Storage is in host
+        memory the server can share. The tensor is answered either way: an export refused
+        (a pinned host pool, no fd socket, a GPU tensor) answers no export and says why.
+        Only a client that maps the server's memory asks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListNodes(self, request, context):
         """---- the cluster (tensord serve --cluster) ---------------------------------------
         The live members of the cluster this server joined, sorted by node id;
@@ -554,8 +612,8 @@ class TensordServicer:
 
     def Batch(self, request, context):
         """Pipelining: an ordered list of ops the client queued (views, detach, fills, copies,
-        setitem, releases), applied in order in the caller's session. Result handles are
-        chosen by the client (BatchOp.results). The first op that fails stops the batch: the
+        setitem, releases, name deletes), applied in order in the caller's session. Result
+        handles are chosen by the client (BatchOp.results). The first op that fails stops the batch: the
         ops after it are skipped, and the answer names the failed op (OK status: the client
         raises it at its next call that waits for the server). At most limits.MAX_BATCH_OPS
         ops.
@@ -740,6 +798,26 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.ListNames,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.SerializeToString,
+            ),
+            'PutNames': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutNames,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.PutNamesRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.PutNamesResponse.SerializeToString,
+            ),
+            'GetNames': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNames,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.GetNamesRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.GetNamesResponse.SerializeToString,
+            ),
+            'DeleteNames': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteNames,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.DeleteNamesRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.DeleteNamesResponse.SerializeToString,
+            ),
+            'GetNameExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNameExport,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.GetNameExportRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.GetNameExportResponse.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -1600,6 +1678,114 @@ class Tensord:
             '/tensord.v1.Tensord/ListNames',
             tensord_dot_v1_dot_tensord__pb2.ListNamesRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ListNamesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutNames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/PutNames',
+            tensord_dot_v1_dot_tensord__pb2.PutNamesRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.PutNamesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/GetNames',
+            tensord_dot_v1_dot_tensord__pb2.GetNamesRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.GetNamesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteNames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/DeleteNames',
+            tensord_dot_v1_dot_tensord__pb2.DeleteNamesRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.DeleteNamesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNameExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/GetNameExport',
+            tensord_dot_v1_dot_tensord__pb2.GetNameExportRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.GetNameExportResponse.FromString,
             options,
             channel_credentials,
             insecure,
