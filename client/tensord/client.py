@@ -493,7 +493,7 @@ class Client:
     def _empty_like(
         self, function: str, other: Tensor, dtype: Any, device: Any, requires_grad: bool = False
     ) -> Tensor:
-        dt = _factory_dtype(function, dtype) or other.dtype
+        dt = _factory_dtype(function, dtype) or dtypes.canonical(other.dtype)
         dense = layout_of(other).dense_like()
         request = requests.empty(
             dense.shape,

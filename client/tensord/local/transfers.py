@@ -87,11 +87,11 @@ def write_array(
     if tensor.is_conj() or tensor.is_neg():
         return False  # values are not the stored bytes: the server writes their stored form
     try:
-        if dtypes.dtype_from_numpy(src.dtype) is not tensor.dtype:
+        if dtypes.dtype_from_numpy(src.dtype) is not dtypes.canonical(tensor.dtype):
             return False
     except (TypeError, ValueError, KeyError):
         return False
-    if max(src.nbytes, layout.numel * tensor.dtype.itemsize) < MIN_FAST_BYTES:
+    if max(src.nbytes, layout.numel * tensor.itemsize) < MIN_FAST_BYTES:
         return False
     shape = tuple(src.shape)
     if setitem:

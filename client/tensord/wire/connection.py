@@ -593,6 +593,13 @@ class Connection:
         if error is not None:
             raise error
 
+    def settle(self) -> None:
+        """:meth:`synchronize`, only when there is something to wait for (an op queued or
+        in flight, or an error kept): what a read of the pooled bytes needs first, at the
+        cost of three reads when there is none."""
+        if self._queue or self._inflight is not None or self._async_error is not None:
+            self.synchronize(releases=False)
+
     def _flush(self, wait: bool, releases: bool = True) -> None:
         # all of it off the main thread, its lock included: an interrupted caller leaves
         # the Batch to be sent and answered on the worker, in order with the next ones
