@@ -482,7 +482,10 @@ def test_the_sdk_imports_without_torch() -> None:
         "import sys, tensord; sys.modules['torch'] = None\n"
         "import tensord.tensor, tensord.client\n"
         "assert tensord.float32 == tensord.dtypes.float32 and tensord.as_torch({'a': 1}) == {'a': 1}\n"
-        "print(tensord.Tensor.__torch_function__ is not None)\n"
+        "try:\n"
+        "    tensord._torch.load_torch()\n"
+        "except TypeError as missing:\n"
+        "    print('needs torch (pip install torch)' in str(missing))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S, check=False

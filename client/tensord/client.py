@@ -311,7 +311,10 @@ class Client:
             warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
             if data.client is not self:  # another server or session: the bytes come across
                 copied = self._upload(
-                    download(data.detach()), data.dtype, device_name(device), False
+                    download(data.detach()),
+                    dtypes.canonical(data.dtype),
+                    device_name(device),
+                    False,
                 )
                 result = copied if dtype is None else copied.to(dtype=dtype)
                 return result.requires_grad_(True) if requires_grad else result

@@ -5,7 +5,8 @@ A :class:`DType` is a plain immutable record; the module constants mirror
 :func:`promote_types` / :func:`result_type` follow ``c10/core/ScalarType.cpp``
 and ``ATen/native/TypeProperties.cpp`` exactly, so that code written for torch
 gets the same result dtypes here.  torch itself is imported only by
-:func:`from_torch` / :func:`to_torch`.
+:func:`from_torch` / :func:`to_torch`; :func:`public` gives what a tensor's ``dtype``
+shows (torch's own once torch is imported) and :func:`canonical` reads either back.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class DType:
-    """One element type.  Instances are singletons: compare with ``==`` or ``is``."""
+    """One element type.  Instances are singletons: compare with ``==`` or ``is``.
+
+    Equal, both ways, to the ``torch.dtype`` of its name (``tensord.float32 ==
+    torch.float32``), which is what a tensor's ``dtype`` gives once torch is imported.  The
+    two hash differently (torch's hashes by identity): as dict keys, use one kind."""
 
     name: str  # "float32": torch's canonical name without the "torch." prefix
     itemsize: builtins.int  # bytes per element
