@@ -385,6 +385,23 @@ def test_load_state_dict_assign_runs_a_module_on_pooled_weights(client: tensord.
     assert state["weight"].tolist() == (local.weight * 2).tolist()
 
 
+def test_load_state_dict_of_tensord_tensors_copies_or_says_to_use_as_torch(
+    client: tensord.Client,
+) -> None:
+    torch.manual_seed(0)
+    local = torch.nn.Linear(4, 3)
+    state = {k: client.tensor(v) for k, v in local.state_dict().items()}
+    copied = torch.nn.Linear(4, 3)
+    copied.load_state_dict(state)  # without assign: torch copies into its own parameters
+    assert torch.equal(copied.weight, local.weight) and torch.equal(copied.bias, local.bias)
+    with pytest.raises(
+        RuntimeError, match=r"load_state_dict\(tensord.as_torch\(state\), assign=True\)"
+    ):
+        torch.nn.Linear(4, 3, device="meta").load_state_dict(state, assign=True)
+    with pytest.raises(TypeError, match=r"cannot be a torch\.nn\.Parameter"):
+        torch.nn.Parameter(state["weight"])
+
+
 # ---- dtypes and devices ------------------------------------------------------------------------
 
 

@@ -46,6 +46,13 @@ NO_ALIAS = (
 )
 
 
+NO_PARAMETER = (
+    "a tensord tensor cannot be a torch.nn.Parameter (a Module's parameters are torch "
+    "tensors): module.load_state_dict(tensord.as_torch(state), assign=True) gives the module "
+    "torch aliases of the pooled bytes, and load_state_dict(state) without assign copies them"
+)
+
+
 def set_torch_policy(policy: str) -> None:
     """What torch does with a tensord tensor it cannot alias (no same-host mapping).
 
@@ -120,6 +127,16 @@ class TorchInterop:
         return call(func, args, kwargs)
 
     __hash__ = object.__hash__  # __eq__ is torch's elementwise one; hashing stays identity
+
+    @property
+    def _is_param(self) -> bool:
+        # torch.nn.Parameter(data) marks a tensor-like ``data`` by setting this: a tensord
+        # tensor cannot be one (a Module registers torch tensors only), so say what can
+        return False
+
+    @_is_param.setter
+    def _is_param(self, value: bool) -> None:
+        raise errors.TensordTypeError(NO_PARAMETER)
 
     if not TYPE_CHECKING:
 
