@@ -218,6 +218,30 @@ def test_torch_reads_the_writes_queued_before_it(client: tensord.Client) -> None
     assert x[1000:].sum().item() == 3000.0 and x.sum().item() == 2.0 * 990 + 10 + 3000.0
 
 
+def test_torch_waits_for_queued_writes_only(client: tensord.Client) -> None:
+    x = client.zeros(4, 4)
+    x.sum()
+    conn = x._session.conn  # the SDK's own connection, its waits counted here
+    waits = []
+    original = conn.synchronize
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        waits.append(args)
+        original(*args, **kwargs)
+
+    conn.synchronize = counted
+    try:
+        for row in range(4):
+            assert (x[row] + 1).tolist() == [1.0] * 4  # a queued view writes nothing: no wait
+            assert x.t()[row].sum().item() == 0.0
+        assert waits == []
+        x[1:].fill_(2.0)  # a queued write: torch's next read waits for it, once
+        assert x.sum().item() == 24.0 and x[0].sum().item() == 0.0
+        assert len(waits) == 1
+    finally:
+        conn.synchronize = original
+
+
 def test_one_export_per_storage_however_many_ops(client: tensord.Client) -> None:
     x = client.tensor(VALUES.numpy())
     views = [x, x.t(), x[1], x.reshape(12)]

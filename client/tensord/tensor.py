@@ -1584,21 +1584,23 @@ class Tensor(TensorBase, TorchInterop):
         session, meta = self._session, self._meta
         if not session.local.enabled:
             return None
-        handle = self.handle
+        # the Storage's bytes are all torch needs: a view's handle is not read (a queued
+        # view that nothing names is never sent)
+        session.conn.check_session(self._session_id)
         storage_id = meta.storage.id
         base = session.torch_bases.get(storage_id)
         if base is None:
-            export = session.local.shared_export(handle, storage_id)
+            export = session.local.shared_export(self.handle, storage_id)
             if export is None or not hasattr(export, "storage_bytes"):
                 return None
-            base = torch.from_numpy(export.storage_bytes())  # keeps the export alive
+            base = _PooledBytes(torch.from_numpy(export.storage_bytes()))
             session.torch_bases[storage_id] = base
         session.conn.settle()
         dtype, layout = meta.dtype, meta.layout
         if meta.neg:
             alias = _negative_alias(base, dtype, layout)
         else:
-            alias = _typed(base, dtype).as_strided(layout.shape, layout.stride, layout.offset)
+            alias = base.typed(dtype).as_strided(layout.shape, layout.stride, layout.offset)
         if meta.conj:
             alias = alias.conj()
         if meta.requires_grad:
@@ -2044,17 +2046,30 @@ class Tensor(TensorBase, TorchInterop):
         return self.to(dtypes.bool)
 
 
-def _typed(base: Any, dtype: DType) -> Any:
-    """A Storage's torch bytes as elements of ``dtype`` (a torch view, no copy)."""
-    usable = base.numel() - base.numel() % dtype.itemsize
-    return base[:usable].view(dtypes.to_torch(dtype))
+class _PooledBytes:
+    """One Storage's mapped bytes in torch: a uint8 tensor over them (which keeps the
+    export alive) and its views as each dtype asked for, which each alias views."""
+
+    __slots__ = ("__weakref__", "_as", "data")
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self._as: dict[DType, Any] = {}
+
+    def typed(self, dtype: DType) -> Any:
+        """The bytes as elements of ``dtype`` (a torch view, no copy), made once."""
+        view = self._as.get(dtype)
+        if view is None:
+            usable = self.data.numel() - self.data.numel() % dtype.itemsize
+            view = self._as[dtype] = self.data[:usable].view(dtypes.to_torch(dtype))
+        return view
 
 
 # the complex dtype whose imaginary parts a real view with torch's negative bit reads
 _COMPLEX_OF = {dtypes.float32: dtypes.complex64, dtypes.float64: dtypes.complex128}
 
 
-def _negative_alias(base: Any, dtype: DType, layout: Layout) -> Any:
+def _negative_alias(base: _PooledBytes, dtype: DType, layout: Layout) -> Any:
     """A torch view with the negative bit (a conjugate's imaginary part, as x.conj().imag):
     the same in torch, the imaginary parts of a conjugated complex view of the Storage."""
     complex_dtype = _COMPLEX_OF.get(dtype)
@@ -2063,7 +2078,7 @@ def _negative_alias(base: Any, dtype: DType, layout: Layout) -> Any:
             "torch cannot compute on this view in place: its negative bit reads no complex "
             "elements torch could view; call x.resolve_neg() first for a copy"
         )
-    complex_view = _typed(base, complex_dtype).as_strided(
+    complex_view = base.typed(complex_dtype).as_strided(
         layout.shape, tuple(s // 2 for s in layout.stride), (layout.offset - 1) // 2
     )
     return complex_view.conj().imag
