@@ -27,6 +27,9 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "tensor_split", "transpose", "unbind", "unflatten", "unsqueeze", "view_as_complex",
         "view_as_real", "vsplit",
     ),
+    "tensord._torch": (
+        "as_torch", "set_torch_policy", "torch_policy",
+    ),
     "tensord.client": (
         "Client", "cat", "connect", "stack",
     ),
@@ -109,6 +112,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read: the same nam
         view_as_real,
         vsplit,
     )
+    from tensord._torch import as_torch, set_torch_policy, torch_policy
     from tensord.client import Client, cat, connect, stack
     from tensord.device import Device, Size
     from tensord.dtypes import (  # torch's dtype names: tensord.float32, tensord.bool, ...
@@ -221,6 +225,7 @@ __all__ = [
     "__version__",
     "adjoint",
     "as_strided",
+    "as_torch",
     "atleast_1d",
     "atleast_2d",
     "atleast_3d",
@@ -275,6 +280,7 @@ __all__ = [
     "resolve_neg",
     "result_type",
     "select",
+    "set_torch_policy",
     "short",
     "split",
     "squeeze",
@@ -283,6 +289,7 @@ __all__ = [
     "swapdims",
     "t",
     "tensor_split",
+    "torch_policy",
     "transpose",
     "uint8",
     "uint16",

@@ -201,7 +201,7 @@ def is_ours(value: Any) -> builtins.bool:
 
 
 def dtype_of(value: Any) -> DType:
-    dtype: DType = value.dtype if is_ours(value) else dtypes.from_torch(value.dtype)
+    dtype: DType = dtypes.canonical(value.dtype)
     return dtype
 
 
@@ -330,7 +330,7 @@ def parse_to(
         raise _to_invalid_combination(args, kwargs)
     other = bound.get("tensor")
     if other is not None:
-        return other.device, other.dtype, builtins.bool(bound.get("copy", False))
+        return other.device, dtypes.canonical(other.dtype), builtins.bool(bound.get("copy", False))
     device, dtype = bound.get("device"), bound.get("dtype")
     if device is not None:
         device_name(device)  # a malformed device string: torch's RuntimeError, here
@@ -456,7 +456,7 @@ def resize_size(sizes: tuple[Any, ...]) -> list[builtins.int]:
 def _as_size_int(value: Any) -> builtins.int | None:
     if _is_int_like(value):
         return builtins.int(value)
-    if is_ours(value) and value.ndim == 0 and is_integral(value.dtype):
+    if is_ours(value) and value.ndim == 0 and is_integral(dtype_of(value)):
         return operator.index(value)
     return None
 
@@ -545,5 +545,5 @@ def check_setitem_shape(target: Layout, value_shape: Sequence[int], value_dtype:
     server again): value's leading 1s dropped, the rest must expand to the slice."""
     with torch_errors():
         Layout.contiguous(strip_leading_ones(tuple(value_shape))).expand(
-            target.shape, type_name=value_dtype.legacy_type
+            target.shape, type_name=dtypes.canonical(value_dtype).legacy_type
         )

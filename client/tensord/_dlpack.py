@@ -102,7 +102,7 @@ def to_dlpack(
         )
     if stream is not None:
         raise BufferError("stream must be None for a cpu tensor")
-    bfloat16 = tensor.dtype is dtypes.bfloat16
+    bfloat16 = dtypes.canonical(tensor.dtype) is dtypes.bfloat16
     array: np.ndarray | None
     if copy:  # asked for a copy: the bytes downloaded, whatever the path
         values = tensor.numpy(force=True)
@@ -154,7 +154,7 @@ def _cuda_capsule(
             f"the server's {tensor.device} is cuda:{export.device_index} in this process: "
             "give both the same CUDA_VISIBLE_DEVICES"
         )
-    bfloat16 = tensor.dtype is dtypes.bfloat16
+    bfloat16 = dtypes.canonical(tensor.dtype) is dtypes.bfloat16
     np_dtype = np.dtype(np.uint16) if bfloat16 else dtypes.to_numpy_dtype(tensor.dtype)
     array: Any = export.array(np_dtype, layout)  # a CuPy array
     if copy:

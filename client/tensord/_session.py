@@ -7,6 +7,7 @@ cycle, and a tensor never reaches into its client's private members.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,11 +38,16 @@ class ClientSession:
 
     # no reference back to the Client: the Client holds this object, and a cycle would keep
     # a dropped Client (and its server session) alive until the garbage collector runs
-    __slots__ = ("conn", "local")
+    __slots__ = ("conn", "local", "torch_bases", "torch_holders")
 
     def __init__(self, conn: Connection, local: LocalMapper) -> None:
         self.conn = conn
         self.local = local
+        # storage id -> a torch uint8 tensor over that Storage's mapped bytes, which every
+        # torch alias of a tensor on it views (weak: it goes with the last tensor holding one)
+        self.torch_bases: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        # the tensors holding an alias (tensord.tensor drops theirs before a resize_ or set_)
+        self.torch_holders: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def local_export(self, handle: str) -> Export | CudaExport | None:
         """A same-host export of the Storage behind ``handle`` (None: use gRPC)."""

@@ -313,7 +313,10 @@ class Client:
             warnings.warn(_COPY_CONSTRUCT_WARNING, UserWarning, stacklevel=2)
             if data.client is not self:  # another server or session: the bytes come across
                 copied = self._upload(
-                    download(data.detach()), data.dtype, device_name(device), False
+                    download(data.detach()),
+                    dtypes.canonical(data.dtype),
+                    device_name(device),
+                    False,
                 )
                 result = copied if dtype is None else copied.to(dtype=dtype)
                 return result.requires_grad_(True) if requires_grad else result
@@ -503,7 +506,7 @@ class Client:
     def _empty_like(
         self, function: str, other: Tensor, dtype: Any, device: Any, requires_grad: bool = False
     ) -> Tensor:
-        dt = _factory_dtype(function, dtype) or other.dtype
+        dt = _factory_dtype(function, dtype) or dtypes.canonical(other.dtype)
         dense = layout_of(other).dense_like()
         request = requests.empty(
             dense.shape,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import math
 import re
+import sys
 from typing import Any
 
 from tensord import errors
@@ -29,7 +30,9 @@ class Size(tuple[int, ...]):
 
 
 class Device(str):
-    """torch.device as a string subclass: ``x.device == "cpu"`` and ``x.device.type`` both work."""
+    """torch.device as a string subclass: ``x.device == "cpu"``, ``x.device ==
+    torch.device("cpu")`` and ``x.device.type`` all work, and torch's device arguments take
+    it (they take strings)."""
 
     @property
     def type(self) -> str:
@@ -41,6 +44,20 @@ class Device(str):
         """The device index (``1`` of ``"cuda:1"``), or None when the string names none."""
         _, sep, index = self.partition(":")
         return builtins.int(index) if sep else None
+
+    def __eq__(self, other: object) -> builtins.bool:
+        # a string, and equal both ways to the torch.device of its name (torch.device's ==
+        # defers to this one); hashes as the string
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(other, torch.device):
+            return str.__eq__(self, str(other))
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> builtins.bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
 
     def __repr__(self) -> str:
         if self.index is None:

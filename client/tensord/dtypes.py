@@ -5,12 +5,14 @@ A :class:`DType` is a plain immutable record; the module constants mirror
 :func:`promote_types` / :func:`result_type` follow ``c10/core/ScalarType.cpp``
 and ``ATen/native/TypeProperties.cpp`` exactly, so that code written for torch
 gets the same result dtypes here.  torch itself is imported only by
-:func:`from_torch` / :func:`to_torch`.
+:func:`from_torch` / :func:`to_torch`; :func:`public` gives what a tensor's ``dtype``
+shows (torch's own once torch is imported) and :func:`canonical` reads either back.
 """
 
 from __future__ import annotations
 
 import builtins
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,7 +26,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class DType:
-    """One element type.  Instances are singletons: compare with ``==`` or ``is``."""
+    """One element type.  Instances are singletons: compare with ``==`` or ``is``.
+
+    Equal, both ways, to the ``torch.dtype`` of its name (``tensord.float32 ==
+    torch.float32``), which is what a tensor's ``dtype`` gives once torch is imported.  The
+    two hash differently (torch's hashes by identity): as dict keys, use one kind."""
 
     name: str  # "float32": torch's canonical name without the "torch." prefix
     itemsize: builtins.int  # bytes per element
@@ -41,6 +47,25 @@ class DType:
             f"numpy itemsize mismatch for {self.name}"
         )
         assert not (self.is_floating_point and self.is_complex), self.name
+
+    def __eq__(self, other: object) -> builtins.bool:
+        # equal to itself and, both ways (torch.dtype's == defers to this one), to the
+        # torch.dtype of its name
+        if isinstance(other, DType):
+            return self is other or self.name == other.name
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(other, torch.dtype):
+            name = _TORCH_NAMES.get(other)
+            if name is None:
+                try:
+                    name = from_torch(other).name
+                except TypeError:  # a torch dtype tensord has not (float8_e4m3fn, ...)
+                    return False
+            return name == self.name
+        return NotImplemented
+
+    def __hash__(self) -> builtins.int:
+        return hash(self.name)
 
     def __repr__(self) -> str:
         return f"tensord.{self.name}"
@@ -178,22 +203,57 @@ def dtype_from_numpy(dtype: Any) -> DType:
         raise TypeError(f"tensord has no dtype for numpy dtype {np_dtype}") from None
 
 
-def to_numpy_dtype(dtype: DType) -> np.dtype[Any]:
-    return dtype.numpy_dtype
+def to_numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    """The NumPy dtype of a DType or a torch.dtype."""
+    return canonical(dtype).numpy_dtype
+
+
+# torch.dtype -> its name, DType -> torch.dtype: filled on first use (torch imported then)
+_TORCH_NAMES: dict[Any, str] = {}
+_TO_TORCH: dict[DType, Any] = {}
 
 
 def from_torch(dtype: torch.dtype) -> DType:
     """``torch.float32`` -> ``tensord.float32``."""
-    return dtype_from_name(str(dtype))
+    name = _TORCH_NAMES.get(dtype)
+    if name is None:
+        result = dtype_from_name(str(dtype))
+        _TORCH_NAMES[dtype] = result.name
+        return result
+    return _BY_NAME[name]
 
 
 def to_torch(dtype: DType) -> torch.dtype:
     """``tensord.float32`` -> ``torch.float32`` (imports torch)."""
+    known: torch.dtype | None = _TO_TORCH.get(dtype)
+    if known is not None:
+        return known
     import torch
 
     result = getattr(torch, dtype.name)
     assert isinstance(result, torch.dtype), dtype
+    _TO_TORCH[dtype] = result
+    _TORCH_NAMES[result] = dtype.name
     return result
+
+
+def canonical(dtype: Any) -> DType:
+    """A tensord tensor's ``dtype`` as a DType: tensors give torch's own once torch is
+    imported (so that torch takes it), the SDK computes with tensord's."""
+    if isinstance(dtype, DType):
+        return dtype
+    return from_torch(dtype)
+
+
+def public(dtype: DType) -> Any:
+    """What ``x.dtype`` gives for a tensor of ``dtype``: the torch.dtype of that name once
+    torch is imported (torch's own arguments take only those), else the DType."""
+    result = _TO_TORCH.get(dtype)
+    if result is not None:
+        return result
+    if "torch" not in sys.modules:
+        return dtype
+    return to_torch(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -312,6 +372,9 @@ def result_type(*operands: Operand | Sequence[Operand]) -> DType:
             continue
         dtype = getattr(op, "dtype", None)
         ndim = getattr(op, "ndim", None)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(dtype, torch.dtype):
+            dtype = from_torch(dtype)
         if not isinstance(dtype, DType) or not isinstance(ndim, builtins.int):
             raise TypeError(
                 f"result_type() operands must be tensors or Python scalars, got {type(op).__name__}"

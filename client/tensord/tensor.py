@@ -61,8 +61,8 @@ from tensord._args import (
 )
 from tensord._convert import exact_dtype
 from tensord._meta import Meta, StorageInfo, TensorBase, UntypedStorage, new_handle_id
-from tensord._no_math import NoMath
 from tensord._session import ClientSession, SessionClient
+from tensord._torch import TorchInterop, load_torch, no_alias_error, torch_policy
 from tensord.device import Device, Size, device_name
 from tensord.dtypes import DType
 from tensord.layout import (
@@ -86,13 +86,22 @@ if TYPE_CHECKING:
     from tensord._meta import TensorMeta
 
 
-class Tensor(TensorBase, NoMath):
+class Tensor(TensorBase, TorchInterop):
     """A handle on a tensor in a tensord server, with torch.Tensor's names and return types.
 
-    No math: ``x + 1`` or ``x.sum()`` raises a TypeError or AttributeError that says what
-    to use instead (:mod:`tensord._no_math`)."""
+    tensord's own methods (views, copies, indexing) run on the server; torch's math
+    (``x + 1``, ``x.sum()``, ``torch.matmul(x, w)``, ``torch.nn.functional``) is torch's,
+    computed on an alias of the pooled bytes (:mod:`tensord._torch`)."""
 
-    __slots__ = ("__weakref__", "_client", "_meta", "_owned", "_session", "_session_id")
+    __slots__ = (
+        "__weakref__",
+        "_alias",
+        "_client",
+        "_meta",
+        "_owned",
+        "_session",
+        "_session_id",
+    )
 
     def __init__(self, client: SessionClient, session: ClientSession, meta: Meta) -> None:
         self._client = client  # tensors hold their client: it lives while they do
@@ -102,6 +111,8 @@ class Tensor(TensorBase, NoMath):
         self._session_id = session.conn.session_id
         # the handle this object releases when it goes (None: handed to another object)
         self._owned: str | None = meta.handle
+        # (meta, Storage's torch bytes, torch alias): the alias while meta is this tensor's
+        self._alias: tuple[Meta, Any, Any] | None = None
 
     def __del__(self) -> None:
         # Queue the handle's release (a deque append: never blocks or raises).  __del__, not
@@ -192,13 +203,14 @@ class Tensor(TensorBase, NoMath):
         return self._meta.layout.offset
 
     @property
-    def dtype(self) -> DType:
+    def dtype(self) -> Any:
         """The data type of the elements.
 
-        A ``tensord.DType`` (``tensord.float32``, ...), which stands for the ``torch.dtype`` of the
-        same name. Metadata the SDK keeps: no RPC.
+        Once torch is imported, the ``torch.dtype`` itself (``torch.float32``), which torch's own
+        arguments take (``torch.zeros(3, dtype=x.dtype)``); before, a ``tensord.DType``
+        (``tensord.float32``).  The two compare equal both ways. Metadata the SDK keeps: no RPC.
         """
-        return self._meta.dtype
+        return dtypes.public(self._meta.dtype)
 
     @property
     def device(self) -> Device:
@@ -275,7 +287,7 @@ class Tensor(TensorBase, NoMath):
 
         Metadata the SDK keeps: no RPC.
         """
-        return self.dtype.itemsize
+        return self._meta.dtype.itemsize
 
     @property
     def itemsize(self) -> builtins.int:
@@ -283,7 +295,7 @@ class Tensor(TensorBase, NoMath):
 
         Metadata the SDK keeps: no RPC.
         """
-        return self.dtype.itemsize
+        return self._meta.dtype.itemsize
 
     @property
     def nbytes(self) -> builtins.int:
@@ -291,7 +303,7 @@ class Tensor(TensorBase, NoMath):
 
         Defined to be ``numel() * element_size()``. Metadata the SDK keeps: no RPC.
         """
-        return self.numel() * self.dtype.itemsize
+        return self.numel() * self._meta.dtype.itemsize
 
     def data_ptr(self) -> builtins.int:
         """Returns the address of the first element of ``self`` tensor.
@@ -303,7 +315,7 @@ class Tensor(TensorBase, NoMath):
         # torch: the storage's address plus the offset in bytes; 0 (nullptr) with no elements
         if self.numel() == 0:
             return 0
-        return self._meta.storage_data_ptr + self._meta.layout.offset * self.dtype.itemsize
+        return self._meta.storage_data_ptr + self._meta.layout.offset * self._meta.dtype.itemsize
 
     def untyped_storage(self) -> UntypedStorage:
         """Returns the underlying ``UntypedStorage``.
@@ -413,7 +425,7 @@ class Tensor(TensorBase, NoMath):
         return self._view(layout, requests.view_shape(sizes))
 
     def _view_dtype(self, dtype: DType) -> Tensor:
-        old = self.dtype
+        old = self._meta.dtype
         with torch_errors():
             check_view_dtype_bits(self._meta.conj, self._meta.neg)
             layout = self._meta.layout.view_dtype(
@@ -470,7 +482,9 @@ class Tensor(TensorBase, NoMath):
         check_limit(layout.ndim, "MAX_DIMS", "the result would have {} dimensions")
         conn = self._session.conn
         storage = StorageInfo.pending(conn.synchronize)
-        meta = Meta(new_handle_id(), layout, self.dtype, self.device, self.requires_grad, storage)
+        meta = Meta(
+            new_handle_id(), layout, self._meta.dtype, self.device, self.requires_grad, storage
+        )
         request = requests.reshape(handle, sizes)
         conn.enqueue("Reshape", "reshape", handle, request, (meta.handle,), storage.answered)
         return Tensor(self._client, self._session, meta)
@@ -584,7 +598,7 @@ class Tensor(TensorBase, NoMath):
     def _matrix_view(self, name: builtins.str, zero_dim_warning: builtins.str) -> Tensor:
         # mT / mH / H / adjoint(): a transpose of the last two dims (of a real tensor)
         # mH / H / adjoint() of a complex tensor: the transpose's lazy conjugate, as torch's
-        conjugate = name != "mT" and self.dtype.is_complex
+        conjugate = name != "mT" and self._meta.dtype.is_complex
         if self.ndim == 0:
             warn_once(zero_dim_warning)
             return self.conj() if conjugate else self
@@ -646,7 +660,7 @@ class Tensor(TensorBase, NoMath):
     @property
     def real(self) -> Tensor:
         """torch's x.real: a view of the real parts; a real tensor's is the tensor itself."""
-        return self._complex_view("real") if self.dtype.is_complex else self
+        return self._complex_view("real") if self._meta.dtype.is_complex else self
 
     @property
     def imag(self) -> Tensor:
@@ -655,7 +669,7 @@ class Tensor(TensorBase, NoMath):
 
     def conj(self) -> Tensor:
         """torch's lazy conjugate: a view with the conjugate bit flipped (self if not complex)."""
-        return self._complex_view("conj") if self.dtype.is_complex else self
+        return self._complex_view("conj") if self._meta.dtype.is_complex else self
 
     def is_conj(self) -> builtins.bool:
         """Returns True if the conjugate bit of ``self`` is set to true.
@@ -681,11 +695,11 @@ class Tensor(TensorBase, NoMath):
 
     def conj_physical(self) -> Tensor:
         """The conjugated values in a new tensor (never a conjugate view); self if not complex."""
-        return self.conj().clone() if self.dtype.is_complex else self
+        return self.conj().clone() if self._meta.dtype.is_complex else self
 
     def conj_physical_(self) -> Tensor:
         """Conjugates the values in place (self if not complex): a copy_ from the conjugate."""
-        if self.dtype.is_complex:
+        if self._meta.dtype.is_complex:
             self.copy_(self.conj())
         return self
 
@@ -743,7 +757,7 @@ class Tensor(TensorBase, NoMath):
         require_args("expand", "size", sizes)
         with torch_errors():
             target = shape_args(sizes)
-            layout = self._meta.layout.expand(target, type_name=self.dtype.legacy_type)
+            layout = self._meta.layout.expand(target, type_name=self._meta.dtype.legacy_type)
         return self._view(layout, requests.expand(target))
 
     def expand_as(self, other: Any) -> Tensor:
@@ -1081,7 +1095,7 @@ class Tensor(TensorBase, NoMath):
         (the default) that op is queued and the call does not wait for the server; without it, one
         View RPC.
         """
-        itemsize = self.dtype.itemsize
+        itemsize = self._meta.dtype.itemsize
         with torch_errors():
             layout = self._meta.layout.as_strided(
                 size,
@@ -1181,7 +1195,7 @@ class Tensor(TensorBase, NoMath):
         """The flag, set in place (``by_write``: a value that requires grad was written in)."""
         op = requests.set_requires_grad(requires_grad, by_write)
         if self._session.conn.pipelining:
-            differentiable = self.dtype.is_floating_point or self.dtype.is_complex
+            differentiable = self._meta.dtype.is_floating_point or self._meta.dtype.is_complex
             if requires_grad and not by_write and not differentiable:
                 raise errors.TensordRuntimeError(  # the server's check (kernels), made here
                     "only Tensors of floating point dtype can require gradients"
@@ -1296,7 +1310,7 @@ class Tensor(TensorBase, NoMath):
         """
         layout = self._meta.layout
         same_device = device is None or Device(device_name(device)) == self.device
-        same_dtype = dtype is None or dtype is self.dtype
+        same_dtype = dtype is None or dtype is self._meta.dtype
         if same_device and same_dtype and not copy and layout.suggest_memory_format() == fmt:
             return self
         with torch_errors():
@@ -1413,7 +1427,7 @@ class Tensor(TensorBase, NoMath):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         # torch's valueToTensor refuses anything but a tensor or a number, before the key
-        check_setitem_value(value, self.dtype, self.device.type)
+        check_setitem_value(value, self._meta.dtype, self.device.type)
         if key is False:  # THPVariable_setitem returns at once: no shape check, no write
             return
         self._assign(key, value)
@@ -1452,7 +1466,7 @@ class Tensor(TensorBase, NoMath):
         of the Storage (torch's view base) keep theirs."""
         if not isinstance(value, Tensor) or not value.requires_grad or self.requires_grad:
             return self
-        if any_dtype or self.dtype.is_floating_point or self.dtype.is_complex:
+        if any_dtype or self._meta.dtype.is_floating_point or self._meta.dtype.is_complex:
             self._set_requires_grad(True, by_write=True)
         return self
 
@@ -1469,7 +1483,7 @@ class Tensor(TensorBase, NoMath):
 
     def _download(self) -> np.ndarray:
         """The elements in logical order, as a new NumPy array (any device)."""
-        np_dtype = dtypes.to_numpy_dtype(self.dtype)
+        np_dtype = dtypes.to_numpy_dtype(self._meta.dtype)
         fast = transfers.read_array(self, self._session.local, self._meta.layout)
         if fast is not None:  # the stored values: a new array, made values in place
             if self._meta.conj:
@@ -1545,6 +1559,85 @@ class Tensor(TensorBase, NoMath):
     def __dlpack_device__(self) -> tuple[builtins.int, builtins.int]:
         return _dlpack.dlpack_device(self)
 
+    # ---- torch computes on an alias (tensord._torch) -----------------------------------
+
+    def _torch_alias(self) -> tuple[Any, builtins.bool]:
+        """The torch tensor torch computes on in this tensor's place, and whether it is a
+        downloaded copy.  On the server's host an alias of the pooled bytes: a view of one
+        torch tensor over its Storage's mapping, made once per Storage (the export's round
+        trip) and kept on this tensor while its metadata and the client's Storages hold."""
+        session = self._session
+        cached = self._alias
+        if cached is not None and cached[0] is self._meta:
+            conn = session.conn
+            conn.check_session(self._session_id)
+            conn.settle()  # ops queued before this one are applied before torch reads
+            return cached[2], False
+        torch = load_torch()
+        meta = self._meta
+        if meta.device.type == "cuda":
+            # the export synchronizes the server's stream: made again for each use
+            return torch.from_dlpack(self), False
+        made = self._pooled_alias(torch)
+        if made is None:
+            if torch_policy() != "download":
+                raise no_alias_error(session.local_reason())
+            return self._downloaded_alias(torch), True
+        base, alias = made
+        self._alias = (meta, base, alias)
+        session.torch_holders.add(self)
+        return alias, False
+
+    def _pooled_alias(self, torch: Any) -> tuple[Any, Any] | None:
+        """A torch view of this tensor's elements over its Storage's mapped bytes, with the
+        torch tensor of the Storage's bytes it views (which holds the export), or None."""
+        session, meta = self._session, self._meta
+        if not session.local.enabled:
+            return None
+        # the Storage's bytes are all torch needs: a view's handle is not read (a queued
+        # view that nothing names is never sent)
+        session.conn.check_session(self._session_id)
+        storage_id = meta.storage.id
+        base = session.torch_bases.get(storage_id)
+        if base is None:
+            export = session.local.shared_export(self.handle, storage_id)
+            if export is None or not hasattr(export, "storage_bytes"):
+                return None
+            base = _PooledBytes(torch.from_numpy(export.storage_bytes()))
+            session.torch_bases[storage_id] = base
+        session.conn.settle()
+        dtype, layout = meta.dtype, meta.layout
+        if meta.neg:
+            alias = _negative_alias(base, dtype, layout)
+        else:
+            alias = base.typed(dtype).as_strided(layout.shape, layout.stride, layout.offset)
+        if meta.conj:
+            alias = alias.conj()
+        if meta.requires_grad:
+            alias = alias.detach().requires_grad_()
+        return base, alias
+
+    def _downloaded_alias(self, torch: Any) -> Any:
+        """A torch tensor of a downloaded copy of the elements (the "download" policy)."""
+        values = self._download()
+        if self._meta.dtype is dtypes.bfloat16:  # torch takes no NumPy bfloat16: its bits
+            copy = torch.from_numpy(values.view(np.uint16)).view(torch.bfloat16)
+        else:
+            copy = torch.from_numpy(values)
+        return copy.requires_grad_() if self._meta.requires_grad else copy
+
+    def _torch_written(self, alias: Any) -> None:
+        # an in-place op wrote the downloaded copy: its values go back into the pool
+        values = alias.detach().resolve_conj().resolve_neg()
+        if values.dtype == dtypes.to_torch(dtypes.bfloat16):
+            self.copy_(
+                values.view(dtypes.to_torch(dtypes.uint16))
+                .numpy()
+                .view(dtypes.bfloat16.numpy_dtype)
+            )
+        else:
+            self.copy_(values.numpy())
+
     def __array__(self, dtype: Any = None, copy: builtins.bool | None = None) -> np.ndarray:
         """NumPy's conversion protocol: a copy (``np.array``, ``np.asarray``), or with
         ``copy=False`` (``np.asarray(x, copy=False)``) an array aliasing the pooled bytes on
@@ -1562,10 +1655,10 @@ class Tensor(TensorBase, NoMath):
                 self.numpy()  # raises numpy()'s own error for each of these
             except (RuntimeError, TypeError) as refusal:
                 raise ValueError(f"{NO_COPY_AVOIDED} ({refusal})") from refusal
-        np_dtype = dtypes.to_numpy_dtype(self.dtype)
+        np_dtype = dtypes.to_numpy_dtype(self._meta.dtype)
         if dtype is not None and np.dtype(dtype) != np_dtype:
             raise ValueError(
-                f"{NO_COPY_AVOIDED} (a {self.dtype} tensor as {np.dtype(dtype)} needs a cast)"
+                f"{NO_COPY_AVOIDED} (a {self._meta.dtype} tensor as {np.dtype(dtype)} needs a cast)"
             )
         array = self._session.local_array(
             self.handle, self._meta.layout, np_dtype, self.untyped_storage().storage_id
@@ -1581,7 +1674,7 @@ class Tensor(TensorBase, NoMath):
         device are read.  The bytes come from the server (a gRPC download, or one copy out of the
         server's mapped memory on the same host); the call waits for the ops queued before it.
         """
-        return python_values(self._download(), self.dtype).tolist()
+        return python_values(self._download(), self._meta.dtype).tolist()
 
     def item(self) -> Number:
         """Returns the value of this tensor as a standard Python number.
@@ -1597,7 +1690,7 @@ class Tensor(TensorBase, NoMath):
             raise errors.TensordRuntimeError(
                 f"a Tensor with {self.numel()} elements cannot be converted to Scalar"
             )
-        value: Number = python_values(self._download(), self.dtype).reshape(()).item()
+        value: Number = python_values(self._download(), self._meta.dtype).reshape(()).item()
         return value
 
     def __bool__(self) -> builtins.bool:
@@ -1616,7 +1709,7 @@ class Tensor(TensorBase, NoMath):
         return builtins.float(self.item().real)
 
     def __index__(self) -> builtins.int:
-        if self.dtype.is_floating_point or self.dtype.is_complex or self.numel() != 1:
+        if self._meta.dtype.is_floating_point or self._meta.dtype.is_complex or self.numel() != 1:
             raise errors.TensordTypeError(
                 "only integer tensors of a single element can be converted to an index"
             )
@@ -1640,7 +1733,7 @@ class Tensor(TensorBase, NoMath):
             return f"<tensord.Tensor {self._meta.handle} of a lost or inherited session>"
         shape = tuple(self.shape)
         values = self._edge_values() if _format.summarize(shape) else self._download()
-        return _format.tensor_repr(values, shape, self.dtype, self.device, self.requires_grad)
+        return _format.tensor_repr(values, shape, self._meta.dtype, self.device, self.requires_grad)
 
     def _edge_values(self, dim: builtins.int = 0) -> np.ndarray:
         # Only the head and tail of each long dim, as torch's summary shows them.
@@ -1775,7 +1868,7 @@ class Tensor(TensorBase, NoMath):
         elif is_number(value):
             request = put(value=value)
         else:  # a torch tensor keeps its dtype; an array or list takes this tensor's
-            dtype = None if is_tensor(value) else self.dtype
+            dtype = None if is_tensor(value) else self._meta.dtype
             source: Tensor = self._client.tensor(value, dtype=dtype, device=self.device)
             keep.append(source)
             request = put(src=source.handle)
@@ -1795,7 +1888,7 @@ class Tensor(TensorBase, NoMath):
                 "index_select(): Index to scalar can have only 1 value, got "
                 f"{index.numel()} value(s)"
             )
-        if index.dtype not in (dtypes.int64, dtypes.int32):
+        if dtypes.canonical(index.dtype) not in (dtypes.int64, dtypes.int32):
             raise errors.TensordRuntimeError(
                 "index_select(): Expected dtype int32 or int64 for index"
             )
@@ -1808,13 +1901,13 @@ class Tensor(TensorBase, NoMath):
     def masked_select(self, mask: Tensor) -> Tensor:
         """torch.masked_select: the elements where ``mask`` (broadcast with self) is True, 1-D."""
         own(self._client, mask, 1)
-        if mask.dtype is not dtypes.bool:
+        if dtypes.canonical(mask.dtype) is not dtypes.bool:
             raise errors.TensordRuntimeError("masked_select: expected BoolTensor for mask")
         with torch_errors():
             shape = _indexing.infer_size(mask.shape, self.shape)
-        if self.dtype in dtypes.BAREBONES_UNSIGNED:  # torch 2.13 has no kernel for them
+        if self._meta.dtype in dtypes.BAREBONES_UNSIGNED:  # torch 2.13 has no kernel for them
             raise errors.TensordNotImplementedError(
-                f"\"masked_select\" not implemented for '{self.dtype.scalar_type}'"
+                f"\"masked_select\" not implemented for '{self._meta.dtype.scalar_type}'"
             )
         return self.expand(shape)._advanced_index((mask.expand(shape),))
 
@@ -1831,8 +1924,9 @@ class Tensor(TensorBase, NoMath):
             # torch's autograd: x requires grad after the fill when the value did
             value_requires_grad = builtins.bool(value.requires_grad)
             value = value.item()
-        if mask.dtype is not dtypes.bool:
-            name = dtypes.TYPE_META_NAMES.get(mask.dtype.name, mask.dtype.name)
+        if dtypes.canonical(mask.dtype) is not dtypes.bool:
+            mask_dtype = dtypes.canonical(mask.dtype)
+            name = dtypes.TYPE_META_NAMES.get(mask_dtype.name, mask_dtype.name)
             raise errors.TensordRuntimeError(
                 f"masked_fill_ only supports boolean masks, but got mask with dtype {name}"
             )
@@ -1895,11 +1989,17 @@ class Tensor(TensorBase, NoMath):
         return self
 
     def _let_go_of_storage(self) -> None:
-        """Before an op a pin would refuse (a Storage that grows): the export a same-host
-        get brought of this Storage goes now, unless an array still uses it."""
-        local = self._session.local
-        if local.let_go(self.untyped_storage().storage_id):
-            self._session.conn.flush_export_releases()
+        """Before an op a pin would refuse (a Storage that grows): this client's torch aliases
+        and the export a same-host get brought of this Storage go now (the server grows no
+        pinned Storage); each is made again at its next use.  An alias a caller still holds
+        (``as_torch``) or an array still using the get's export keeps its pin."""
+        session = self._session
+        for holder in list(session.torch_holders):
+            holder._alias = None
+        session.torch_holders.clear()
+        session.torch_bases.clear()
+        session.local.let_go(self.untyped_storage().storage_id)
+        session.conn.flush_export_releases()
 
     def resize_as_(self, the_template: Any, memory_format: Any = None) -> Tensor:
         """Resizes the ``self`` tensor to be the same size as the specified ``the_template``.
@@ -1967,6 +2067,44 @@ class Tensor(TensorBase, NoMath):
         that dtype already (as torch returns it).
         """
         return self.to(dtypes.bool)
+
+
+class _PooledBytes:
+    """One Storage's mapped bytes in torch: a uint8 tensor over them (which keeps the
+    export alive) and its views as each dtype asked for, which each alias views."""
+
+    __slots__ = ("__weakref__", "_as", "data")
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self._as: dict[DType, Any] = {}
+
+    def typed(self, dtype: DType) -> Any:
+        """The bytes as elements of ``dtype`` (a torch view, no copy), made once."""
+        view = self._as.get(dtype)
+        if view is None:
+            usable = self.data.numel() - self.data.numel() % dtype.itemsize
+            view = self._as[dtype] = self.data[:usable].view(dtypes.to_torch(dtype))
+        return view
+
+
+# the complex dtype whose imaginary parts a real view with torch's negative bit reads
+_COMPLEX_OF = {dtypes.float32: dtypes.complex64, dtypes.float64: dtypes.complex128}
+
+
+def _negative_alias(base: _PooledBytes, dtype: DType, layout: Layout) -> Any:
+    """A torch view with the negative bit (a conjugate's imaginary part, as x.conj().imag):
+    the same in torch, the imaginary parts of a conjugated complex view of the Storage."""
+    complex_dtype = _COMPLEX_OF.get(dtype)
+    if complex_dtype is None or layout.offset % 2 != 1 or any(s % 2 for s in layout.stride):
+        raise errors.TensordNotImplementedError(
+            "torch cannot compute on this view in place: its negative bit reads no complex "
+            "elements torch could view; call x.resolve_neg() first for a copy"
+        )
+    complex_view = base.typed(complex_dtype).as_strided(
+        layout.shape, tuple(s // 2 for s in layout.stride), (layout.offset - 1) // 2
+    )
+    return complex_view.conj().imag
 
 
 def complex_function(name: builtins.str, input: Any) -> Tensor:

@@ -185,7 +185,7 @@ def _arange_outcome(make) -> tuple:  # type: ignore[no-untyped-def, type-arg]
 
 def _ours_as_torch(t) -> torch.Tensor:  # type: ignore[no-untyped-def]
     array = t.numpy()
-    if t.dtype is tensord.bfloat16:
+    if t.dtype == tensord.bfloat16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(array.copy())
 

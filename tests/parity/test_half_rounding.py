@@ -34,7 +34,7 @@ def _our_bits(t: tensord.Tensor) -> np.ndarray:
 def test_the_server_casts_doubles_to_half_as_torch(client, ours, theirs) -> None:
     values = _doubles(1)
     x = client.tensor(values)
-    assert x.dtype is tensord.float64
+    assert x.dtype == tensord.float64
     expected = _bits(torch.from_numpy(values).to(theirs))
     np.testing.assert_array_equal(_our_bits(x.to(ours)), expected)
     y = client.empty(N, dtype=ours)

@@ -146,7 +146,7 @@ def _sdk_tensor(client: tensord.Client, shape: Any, stride: Any, offset: int) ->
 
 def _same_tensor(ours: Any, ours_in: Any, theirs: Any, theirs_in: Any, what: str = "") -> None:
     assert ours.shape == theirs.shape and ours.stride() == theirs.stride(), what
-    assert ours.dtype.name == str(theirs.dtype).removeprefix("torch.")
+    assert ours.dtype == theirs.dtype
     # a view of the input (the input itself) or a new tensor, as torch
     if theirs.numel():
         assert (ours.data_ptr() == ours_in.data_ptr()) == (

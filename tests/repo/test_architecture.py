@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tensord._convert",
             "tensord._format",
             "tensord._indexing",
-            "tensord._no_math",
+            "tensord._torch",
             "tensord._meta",
             "tensord._args",
         ),

@@ -40,7 +40,7 @@ def test_upload_and_download_beyond_the_default_message_limit(client: tensord.Cl
 def test_every_dtype_round_trips(client: tensord.Client, dtype: dtypes.DType) -> None:
     t = (torch.arange(-3, 9).view(3, 4) % 5).to(dtypes.to_torch(dtype))
     x = client.tensor(t)
-    assert x.dtype is dtype and tuple(x.shape) == (3, 4)
+    assert x.dtype == dtype and tuple(x.shape) == (3, 4)
     assert x.tolist() == t.tolist()
     assert x[1, 2].item() == t[1, 2].item()
     assert repr(x).replace("tensord.", "torch.") == repr(t)
@@ -54,7 +54,7 @@ def test_tensor_from_python_data_infers_dtypes_as_torch(client: tensord.Client) 
         assert x.tolist() == t.tolist()
         assert repr(x).replace("tensord.", "torch.") == repr(t)
     x = client.tensor([1, 2], dtype=tensord.dtypes.float64, requires_grad=True)
-    assert x.dtype is dtypes.float64 and x.requires_grad
+    assert x.dtype == dtypes.float64 and x.requires_grad
     with pytest.raises(RuntimeError, match="Can't call numpy"):
         x.numpy()
     assert x.detach().numpy().tolist() == [1.0, 2.0]
@@ -90,7 +90,7 @@ def test_factories_match_torch(client: tensord.Client) -> None:
         assert ours.dtype == dtypes.from_torch(theirs.dtype)
         assert ours.tolist() == theirs.tolist()
     e = client.empty(3, 4, dtype=tensord.dtypes.float16)
-    assert e.shape == (3, 4) and e.dtype is dtypes.float16 and e.is_contiguous()
+    assert e.shape == (3, 4) and e.dtype == dtypes.float16 and e.is_contiguous()
     p = client.arange(24).view(2, 3, 4).permute(2, 0, 1)
     like = client.empty_like(p)
     assert (
@@ -123,12 +123,12 @@ def test_to_forms_and_conversions(client: tensord.Client) -> None:
     assert x.to("cpu") is x and x.cpu() is x
     y = x.to("cpu", copy=True)
     assert y is not x and y.data_ptr() != x.data_ptr() and y.tolist() == x.tolist()
-    assert x.to(tensord.float16).dtype is dtypes.float16 is tensord.half
-    assert x.to("cpu", tensord.bool).dtype is tensord.bool
-    assert x.to(torch.float64).dtype is dtypes.float64
-    assert x.to("cpu", tensord.dtypes.int8).dtype is dtypes.int8
+    assert x.to(tensord.float16).dtype == dtypes.float16 is tensord.half
+    assert x.to("cpu", tensord.bool).dtype == tensord.bool
+    assert x.to(torch.float64).dtype == dtypes.float64
+    assert x.to("cpu", tensord.dtypes.int8).dtype == dtypes.int8
     assert x.to(dtype=tensord.dtypes.bool).tolist() == torch.arange(6).view(2, 3).bool().tolist()
-    assert x.to(x.float()).dtype is dtypes.float32
+    assert x.to(x.float()).dtype == dtypes.float32
     for method, dtype in [
         ("float", "float32"),
         ("double", "float64"),
@@ -137,7 +137,7 @@ def test_to_forms_and_conversions(client: tensord.Client) -> None:
         ("long", "int64"),
         ("bool", "bool"),
     ]:
-        assert getattr(x, method)().dtype.name == dtype
+        assert getattr(x, method)().dtype == getattr(tensord, dtype)
     assert x.float().t().tolist() == torch.arange(6).view(2, 3).float().t().tolist()
     with pytest.raises(tensord.FailedPreconditionError):
         x.cuda()
@@ -404,7 +404,7 @@ def test_metadata_reads_and_bad_views_make_no_rpc(
     monkeypatch.setattr(client._conn, "download_into", no_rpc)
     assert x.shape == (4, 2, 3) and x.size() == (4, 2, 3) and x.size(-1) == 3
     assert x.stride() == (1, 12, 4) and x.stride(0) == 1 and x.storage_offset() == 0
-    assert x.dtype is tensord.int64 and x.device == "cpu" and not x.is_cuda
+    assert x.dtype == tensord.int64 and x.device == "cpu" and not x.is_cuda
     assert not x.is_contiguous() and x.numel() == 24 and x.dim() == x.ndim == 3
     assert x.element_size() == x.itemsize == 8 and x.nbytes == 192 and len(x) == 4
     assert x.data_ptr() == x.untyped_storage().data_ptr() and x.untyped_storage().nbytes() == 192

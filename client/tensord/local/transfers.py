@@ -113,11 +113,11 @@ def write_array(
     if tensor.is_conj() or tensor.is_neg():
         return False  # values are not the stored bytes: the server writes their stored form
     try:
-        if dtypes.dtype_from_numpy(src.dtype) is not tensor.dtype:
+        if dtypes.dtype_from_numpy(src.dtype) is not dtypes.canonical(tensor.dtype):
             return False
     except (TypeError, ValueError, KeyError):
         return False
-    if not worth_mapping(mapper, max(src.nbytes, layout.numel * tensor.dtype.itemsize)):
+    if not worth_mapping(mapper, max(src.nbytes, layout.numel * tensor.itemsize)):
         return False
     shape = tuple(src.shape)
     if setitem:

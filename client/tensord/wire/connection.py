@@ -105,6 +105,8 @@ class BatchInFlight(NamedTuple):
     released: list[str]
     #: the copies' callbacks, in op order (BatchResponse.copies answers them)
     answered: list[CopyAnswered]
+    #: whether an op in it writes bytes (any but a view): a read of the pool waits for it
+    writes: bool
 
 
 # A forked child inherits every Connection (its session id, its channel) but none of its
@@ -220,6 +222,7 @@ class Connection:
         # flight (one at a time, so the server applies them in order) and the first error
         # of a Batch, raised at the next call that waits
         self._queue: list[QueuedOp | None] = []  # None: a dead view's place (elided)
+        self._queued_writes = 0  # the ops in _queue that write bytes (not views)
         self._queue_lock = threading.Lock()
         # dead-view elision: each queued view that may be elided (one result, an op the
         # server cannot refuse on a live base) whose id no later op and no caller has read
@@ -566,6 +569,8 @@ class Connection:
                 elidable_views.pop(handle, None)  # its input is used now: that view must go
             # tuple.__new__: NamedTuple's own __new__ is a Python call, and this runs per view
             queue.append(tuple.__new__(QueuedOp, (method, verb, handle, message, results, copied)))
+            if method != "View":
+                self._queued_writes += 1
             if elidable:
                 elidable_views[results[0]] = len(queue) - 1
             queued = len(queue)
@@ -593,6 +598,17 @@ class Connection:
         if error is not None:
             raise error
 
+    def settle(self) -> None:
+        """:meth:`synchronize`, only when a write is queued or in flight (or an error kept):
+        what a read of the pooled bytes needs first.  Views write no bytes: a queue of views
+        is left to its Batch, so torch on a fresh view costs no round trip."""
+        if self._async_error is not None or self._writes_pending():
+            self.synchronize(releases=False)
+
+    def _writes_pending(self) -> bool:
+        inflight = self._inflight
+        return self._queued_writes > 0 or (inflight is not None and inflight.writes)
+
     def _flush(self, wait: bool, releases: bool = True) -> None:
         # all of it off the main thread, its lock included: an interrupted caller leaves
         # the Batch to be sent and answered on the worker, in order with the next ones
@@ -604,6 +620,7 @@ class Connection:
             with self._queue_lock:
                 queued = [op for op in self._queue if op is not None]
                 self._queue = []
+                self._queued_writes = 0
                 self._elidable.clear()  # sent now: past eliding
             # releases after the ops queued so far: a handle dropped was issued before it
             released = self._take_pending() if releases else []
@@ -633,7 +650,8 @@ class Connection:
         if future is None:
             timeout = None if self.call_timeout is None else self.call_timeout
             future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
-        self._inflight = BatchInFlight(future, queued, released, answered)
+        writes = any(op.method != "View" for op in queued)
+        self._inflight = BatchInFlight(future, queued, released, answered, writes)
         future.add_done_callback(self._batch_answered)
 
     def _take_pending(self) -> list[str]:
@@ -648,7 +666,7 @@ class Connection:
         it was applied whole (True when none was in flight)."""
         if self._inflight is None:
             return True
-        future, queued, released, answered = self._inflight
+        future, queued, released, answered, _ = self._inflight
         self._inflight = None
         try:
             response = future.result()
