@@ -100,9 +100,11 @@ LIVENESS_WORKERS = 2
 # Calls whose work is a few table lookups bounded by their small request.  While no worker
 # is busy and none is waiting, such a call runs on the event loop itself: its two thread
 # handoffs would be most of its latency, and with the workers idle it takes nobody's turn.
-# A view that makes a tensor per part (split, chunk, unbind) goes to a worker.
+# A view that makes a tensor per part (split, chunk, unbind) goes to a worker, and so does
+# a flatten: one of a tensor no view can express copies it (up to --max-op-elements), and
+# the loop would be held for that copy.
 INLINE_REQUEST_BYTES = 1024
-_MANY_TENSOR_VIEWS = frozenset({"split", "chunk", "unbind"})
+_WORKER_VIEWS = frozenset({"split", "chunk", "unbind", "flatten"})
 
 
 def _always(request: Message) -> bool:
@@ -111,7 +113,7 @@ def _always(request: Message) -> bool:
 
 INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "Release": _always,
-    "View": lambda request: request.WhichOneof("op") not in _MANY_TENSOR_VIEWS,
+    "View": lambda request: request.WhichOneof("op") not in _WORKER_VIEWS,
     "GetName": _always,
     # a staged put copies its bytes: a worker's
     "PutName": lambda request: not request.HasField("staged"),
