@@ -263,6 +263,34 @@ def test_the_sweep_removes_a_dead_servers_file_and_keeps_a_live_ones(tmp_path: P
         live.close()
 
 
+def test_the_sweep_removes_only_its_users_regular_files_and_follows_no_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory may be shared (``/tmp``): whatever else matches the scratch name (a
+    directory, a link to someone's file, another user's file) is left as it is, and never
+    stops the server from starting."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "precious"
+    target.write_bytes(b"keep")
+    tier_dir = tmp_path / "tier"
+    tier_dir.mkdir()
+    (tier_dir / f"{SCRATCH_PREFIX}dir.tier").mkdir()
+    link = tier_dir / f"{SCRATCH_PREFIX}link.tier"
+    link.symlink_to(target)
+    dead = tier_dir / f"{SCRATCH_PREFIX}cpu-99999.tier"
+    dead.write_bytes(b"x")
+    assert sweep_scratch(tier_dir) == [dead]
+    assert link.is_symlink() and target.read_bytes() == b"keep"
+    assert (tier_dir / f"{SCRATCH_PREFIX}dir.tier").is_dir()
+    # a file of another user (as the server sees it: its owner is not the server's uid)
+    theirs = tier_dir / f"{SCRATCH_PREFIX}cpu-77777.tier"
+    theirs.write_bytes(b"theirs")
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(theirs).st_uid + 1)
+    assert sweep_scratch(tier_dir) == []
+    assert theirs.read_bytes() == b"theirs"
+
+
 class SlowReads(ExtentIO):
     """A disk whose reads take a while: concurrent restores overlap."""
 

@@ -13,7 +13,7 @@ stores and loads bytes, and counts.
   tier's checksum threads while the chunks are written or read: crc32 runs at about the
   page cache's rate, so in line it would halve a spill's) and verified on load; a mismatch
   is :class:`~tensord.errors.SpillCorruptedError` naming the Storage.  The file is flocked by its owner; a server starting sweeps every
-  unlocked scratch file of the directory (a killed server's), and removes its own at stop.
+  unlocked scratch file of the directory (a killed server's: a regular file of its user, never a link), and removes its own at stop.
 - :class:`HostTier`: plain host buffers outside every pool, under one cap
   (``--host-tier CAP``); on a GPU host it is the level between the device and the disk,
   on a cpu-only server the same RAM, outside the pool's own limit.
@@ -27,6 +27,7 @@ import bisect
 import errno
 import fcntl
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Callable
@@ -305,19 +306,29 @@ class ExtentIO:
 
 def sweep_scratch(directory: Path) -> list[Path]:
     """Remove the scratch files of ``directory`` no live server holds (a killed one's:
-    its flock went with it); the paths removed."""
+    its flock went with it); the paths removed.  The directory may be shared: only a
+    regular file of the server's own user is a scratch file (never a link, followed or
+    removed, nor another user's file), and one that cannot be opened is left as it is."""
     removed = []
     for path in sorted(directory.glob(f"{SCRATCH_PREFIX}*{SCRATCH_SUFFIX}")):
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, a link, a directory, another user's: not ours to remove
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # a live server's file
-            continue
-        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live server's file
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                continue  # replaced since it was opened: not the file looked at
             path.unlink(missing_ok=True)
             removed.append(path)
         finally:
