@@ -291,6 +291,22 @@ def test_the_sweep_removes_only_its_users_regular_files_and_follows_no_link(
     assert theirs.read_bytes() == b"theirs"
 
 
+def test_a_scratch_name_taken_in_the_directory_does_not_stop_a_tier(tmp_path: Path) -> None:
+    """Other users of a directory (`/tmp`) can make files of any name there: one at the name a
+    server would pick (its pid is no secret) must not stop it from starting, nor be used."""
+    squatted = tmp_path / f"{SCRATCH_PREFIX}cpu-{os.getpid()}.tier"
+    squatted.write_bytes(b"someone else's")
+    first = DiskTier(tmp_path, 4 * A, "cpu")
+    second = DiskTier(tmp_path, 4 * A, "cpu")  # a second store of this process, too
+    try:
+        assert len({first.path, second.path, squatted}) == 3
+        assert squatted.read_bytes() == b"someone else's"
+        assert first.path.name.startswith(SCRATCH_PREFIX) and first.path.suffix == ".tier"
+    finally:
+        first.close()
+        second.close()
+
+
 class SlowReads(ExtentIO):
     """A disk whose reads take a while: concurrent restores overlap."""
 

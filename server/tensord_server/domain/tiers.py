@@ -27,6 +27,7 @@ import bisect
 import errno
 import fcntl
 import os
+import secrets
 import stat
 import threading
 import zlib
@@ -49,6 +50,8 @@ CHECKSUM_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 # The name every scratch file of a disk tier starts with (the sweep removes only these).
 SCRATCH_PREFIX = "tensord-spill-"
 SCRATCH_SUFFIX = ".tier"
+# Random names a disk tier tries for its scratch file before it gives up.
+SCRATCH_NAME_TRIES = 8
 
 
 def align_up(nbytes: int, alignment: int = EXTENT_ALIGNMENT) -> int:
@@ -353,10 +356,20 @@ class DiskTier(Tier):
         super().__init__(capacity)
         self.directory = Path(directory)
         safe = "".join(c if c.isalnum() else "-" for c in device)
-        self.path = self.directory / f"{SCRATCH_PREFIX}{safe}-{os.getpid()}{SCRATCH_SUFFIX}"
         self._extents = ExtentAllocator(capacity)
         self._writing = 0  # bytes of extents handed out whose writes are under way
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # a name nobody can take first: the directory may be shared, and a pid is no secret
+        # (O_EXCL: never a file or a link someone made there)
+        for attempt in range(SCRATCH_NAME_TRIES):
+            self.path = self.directory / (
+                f"{SCRATCH_PREFIX}{safe}-{os.getpid()}-{secrets.token_hex(8)}{SCRATCH_SUFFIX}"
+            )
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                break
+            except FileExistsError:
+                if attempt == SCRATCH_NAME_TRIES - 1:
+                    raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
