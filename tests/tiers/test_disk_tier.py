@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError, SpillCorruptedError
 from tensord_server.devices.table import DeviceTable
+from tensord_server.domain import storage as storage_module
 from tensord_server.domain.storage import StorageRegistry
 from tensord_server.domain.tiers import (
     EXTENT_ALIGNMENT,
@@ -305,6 +306,28 @@ def test_a_scratch_name_taken_in_the_directory_does_not_stop_a_tier(tmp_path: Pa
     finally:
         first.close()
         second.close()
+
+
+def test_a_spill_of_tiny_storages_moves_a_bounded_number(tmp_path: Path) -> None:
+    """A spill's cost is per Storage (two lock acquisitions, a 4 KiB extent, a write): many
+    tiny Storages must not make one spill, an allocation's own included, move them all
+    (20,000 8-byte Storages took 2.65 s and 80 MB of disk for a 1 MiB ask)."""
+    registry, device, disk = registry_over(tmp_path)
+    try:
+        tiny = [fill_storage(registry, device, 8, seed) for seed in range(4096)]
+        want = 2 << 20
+        registry.spill(device, want)
+        moved = [s for s in tiny if not s.resident]
+        assert 0 < len(moved) <= want // storage_module.SPILL_COUNT_FLOOR_BYTES
+        registry.hold_all(moved)
+        registry.ensure_resident(moved)  # and they come back whole
+        assert all(np.array_equal(s.raw(), data(8, seed)) for seed, s in enumerate(tiny))
+        registry.release_holds(moved)
+        for storage in tiny:
+            registry.decref(storage)
+        disk.assert_invariants()
+    finally:
+        disk.close()
 
 
 class SlowReads(ExtentIO):
