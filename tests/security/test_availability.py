@@ -628,5 +628,45 @@ def test_only_small_bounded_calls_are_taken_on_the_loop(monkeypatch: pytest.Monk
     assert on_loop["View"] is False  # the last View was the unbind's
     assert [inline for name, inline in ran if name == "View"] == [True, False]
     assert on_loop["PutName"] and on_loop["DeleteName"]
-    assert [inline for name, inline in ran if name == "GetName"] == [True, False]
+    # a same-host client's get is a GetNameExport
+    gets = [inline for name, inline in ran if name in ("GetName", "GetNameExport")]
+    assert gets == [True, False]
     assert on_loop["Full"] is False
+
+
+def test_a_flatten_that_copies_is_never_taken_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A raw View flatten of a tensor no view can express copies it (up to
+    --max-op-elements): on the event loop that copy would hold every call waiting on the
+    loop for its whole length (the SDK sends such a flatten as a Reshape; a raw caller
+    need not)."""
+    from tensord_server.rpc import calls as calls_module
+    from tensord_server.rpc.grpc_server import create_server
+
+    ran: list[tuple[str, bool]] = []
+    answer = calls_module.Calls._answer
+
+    def recording(self: Any, method: Any, request: Any, call: Any) -> Any:
+        ran.append((method.name, threading.current_thread().name == "tensord-rpc"))
+        return answer(self, method, request, call)
+
+    monkeypatch.setattr(calls_module.Calls, "_answer", recording)
+    server, port = create_server("127.0.0.1:0", ("cpu=64MiB",))
+    try:
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = SessionStub(channel)
+            x = stub.upload(np.arange(12, dtype=np.int64).reshape(3, 4).T)
+            t = stub.View(
+                pb.ViewRequest(handle=x.handle, transpose=pb.Transpose(dim0=0, dim1=1)),
+                metadata=stub.md,
+            ).tensors[0]
+            ran.clear()
+            flat = stub.View(
+                pb.ViewRequest(handle=t.handle, flatten=pb.Flatten(start_dim=0, end_dim=-1)),
+                metadata=stub.md,
+            ).tensors[0]
+            assert list(flat.shape) == [12] and flat.handle != t.handle
+    finally:
+        server.stop(None).wait()
+    assert ran == [("View", False)]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from tensord_server.domain import spiller as spiller_module
 from tensord_server.domain.quotas import parse_quota
 from tensord_server.domain.tiers import SCRATCH_PREFIX, DiskTier
 from tensord_server.observability.metrics import StoreCollector
+from tensord_server.rpc import calls as calls_module
 
 MiB = 1 << 20
 # a client that never maps the server's memory: its uploads leave no export behind (a
@@ -578,3 +580,31 @@ def test_prefetches_past_the_queue_bound_are_dropped_holding_nothing(
         assert np.array_equal(x.numpy(), floats(MiB, 4))  # the read restores it itself
     finally:
         client.close()
+
+
+def test_a_same_host_get_of_a_spilled_name_restores_it_on_a_worker(
+    tiered: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetNameExport exports (so restores first) the named Storage: a restore from the disk
+    of a Storage as large as the pool, with the spills that make its room, must never run
+    on the event loop, where it would hold every other caller's calls."""
+    ran: list[tuple[str, bool]] = []
+    answer = calls_module.Calls._answer
+
+    def recording(self: Any, method: Any, request: Any, call: Any) -> Any:
+        ran.append((method.name, threading.current_thread().name == "tensord-rpc"))
+        return answer(self, method, request, call)
+
+    values = floats(MiB, 7)
+    with remote(tiered.address) as putter:  # no export holds what it uploads
+        putter.put("spilled", putter.tensor(values))
+    (storage,) = storages_of(tiered)
+    assert tiered.daemon.storages.spill(storage.device, 1) == 4 * MiB
+    assert not storage.resident
+    with tensord.connect(tiered.address, pipelining=False) as client:
+        monkeypatch.setattr(calls_module.Calls, "_answer", recording)
+        got = client.get("spilled")
+        assert storage.resident
+        assert np.array_equal(got.numpy(), values)
+    gets = [inline for name, inline in ran if name == "GetNameExport"]
+    assert gets == [False]

@@ -72,6 +72,10 @@ LOW_WATERMARK = 0.70
 SYNC_SPILL_ROUNDS = 6
 # The least a round of spills frees (fewer, bigger holes for the pool to reuse).
 MIN_SPILL_BYTES = 2 << 20
+# What each Storage a spill picks counts towards the bytes it wants, at least: a move costs
+# per Storage (two lock acquisitions, a 4 KiB extent, a write, a checksum), so one spill
+# moves at most want / this Storages however small they are.
+SPILL_COUNT_FLOOR_BYTES = 64 << 10
 
 
 class _Hole:
@@ -490,7 +494,8 @@ class StorageRegistry:
             storage.tiering = True
             storage.refs += 1
             picked.append(storage)
-            total += storage.nbytes
+            # the pool bytes its block gives back, and at least the floor (bounded count)
+            total += max(round_size(storage.nbytes), SPILL_COUNT_FLOOR_BYTES)
         return picked
 
     def _unpick(self, storage: Storage) -> None:

@@ -13,7 +13,7 @@ stores and loads bytes, and counts.
   tier's checksum threads while the chunks are written or read: crc32 runs at about the
   page cache's rate, so in line it would halve a spill's) and verified on load; a mismatch
   is :class:`~tensord.errors.SpillCorruptedError` naming the Storage.  The file is flocked by its owner; a server starting sweeps every
-  unlocked scratch file of the directory (a killed server's), and removes its own at stop.
+  unlocked scratch file of the directory (a killed server's: a regular file of its user, never a link), and removes its own at stop.
 - :class:`HostTier`: plain host buffers outside every pool, under one cap
   (``--host-tier CAP``); on a GPU host it is the level between the device and the disk,
   on a cpu-only server the same RAM, outside the pool's own limit.
@@ -27,6 +27,8 @@ import bisect
 import errno
 import fcntl
 import os
+import secrets
+import stat
 import threading
 import zlib
 from collections.abc import Callable
@@ -48,6 +50,8 @@ CHECKSUM_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 # The name every scratch file of a disk tier starts with (the sweep removes only these).
 SCRATCH_PREFIX = "tensord-spill-"
 SCRATCH_SUFFIX = ".tier"
+# Random names a disk tier tries for its scratch file before it gives up.
+SCRATCH_NAME_TRIES = 8
 
 
 def align_up(nbytes: int, alignment: int = EXTENT_ALIGNMENT) -> int:
@@ -305,19 +309,29 @@ class ExtentIO:
 
 def sweep_scratch(directory: Path) -> list[Path]:
     """Remove the scratch files of ``directory`` no live server holds (a killed one's:
-    its flock went with it); the paths removed."""
+    its flock went with it); the paths removed.  The directory may be shared: only a
+    regular file of the server's own user is a scratch file (never a link, followed or
+    removed, nor another user's file), and one that cannot be opened is left as it is."""
     removed = []
     for path in sorted(directory.glob(f"{SCRATCH_PREFIX}*{SCRATCH_SUFFIX}")):
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, a link, a directory, another user's: not ours to remove
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # a live server's file
-            continue
-        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live server's file
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                continue  # replaced since it was opened: not the file looked at
             path.unlink(missing_ok=True)
             removed.append(path)
         finally:
@@ -342,10 +356,20 @@ class DiskTier(Tier):
         super().__init__(capacity)
         self.directory = Path(directory)
         safe = "".join(c if c.isalnum() else "-" for c in device)
-        self.path = self.directory / f"{SCRATCH_PREFIX}{safe}-{os.getpid()}{SCRATCH_SUFFIX}"
         self._extents = ExtentAllocator(capacity)
         self._writing = 0  # bytes of extents handed out whose writes are under way
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # a name nobody can take first: the directory may be shared, and a pid is no secret
+        # (O_EXCL: never a file or a link someone made there)
+        for attempt in range(SCRATCH_NAME_TRIES):
+            self.path = self.directory / (
+                f"{SCRATCH_PREFIX}{safe}-{os.getpid()}-{secrets.token_hex(8)}{SCRATCH_SUFFIX}"
+            )
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                break
+            except FileExistsError:
+                if attempt == SCRATCH_NAME_TRIES - 1:
+                    raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:

@@ -100,9 +100,11 @@ LIVENESS_WORKERS = 2
 # Calls whose work is a few table lookups bounded by their small request.  While no worker
 # is busy and none is waiting, such a call runs on the event loop itself: its two thread
 # handoffs would be most of its latency, and with the workers idle it takes nobody's turn.
-# A view that makes a tensor per part (split, chunk, unbind) goes to a worker.
+# A view that makes a tensor per part (split, chunk, unbind) goes to a worker, and so does
+# a flatten: one of a tensor no view can express copies it (up to --max-op-elements), and
+# the loop would be held for that copy.
 INLINE_REQUEST_BYTES = 1024
-_MANY_TENSOR_VIEWS = frozenset({"split", "chunk", "unbind"})
+_WORKER_VIEWS = frozenset({"split", "chunk", "unbind", "flatten"})
 
 
 def _always(request: Message) -> bool:
@@ -111,7 +113,7 @@ def _always(request: Message) -> bool:
 
 INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "Release": _always,
-    "View": lambda request: request.WhichOneof("op") not in _MANY_TENSOR_VIEWS,
+    "View": lambda request: request.WhichOneof("op") not in _WORKER_VIEWS,
     "GetName": _always,
     # a staged put copies its bytes: a worker's
     "PutName": lambda request: not request.HasField("staged"),
@@ -121,7 +123,8 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     "PutNames": lambda request: not any(i.HasField("staged") for i in request.items),
     "DeleteNames": _always,
     # a get and a host export (GPU tensors are never exported by it): table work, and the
-    # mapped segments it searches are bounded by INLINE_REQUEST_BYTES
+    # mapped segments it searches are bounded by INLINE_REQUEST_BYTES (with tiers, a
+    # worker's: TIER_WORK)
     "GetNameExport": _always,
     "Share": _always,
     "Revoke": _always,
@@ -134,6 +137,10 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
 CLUSTER_WORK = frozenset(
     {"GetName", "PutName", "DeleteName", "GetNames", "PutNames", "DeleteNames", "GetNameExport"}
 )
+# Calls that may restore a spilled Storage (an export holds its bytes: a read from the disk
+# as large as the pool, and the spills that make its room) once the server has tiers:
+# never on the loop then.
+TIER_WORK = frozenset({"GetNameExport"})
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8
 HEALTH_READ_TIMEOUT_S = 2.0
@@ -484,6 +491,8 @@ class Calls:
         if small is None or len(raw) > INLINE_REQUEST_BYTES:
             return None, False
         if method.name in CLUSTER_WORK and self.service.store.names.directory is not None:
+            return None, False
+        if method.name in TIER_WORK and self.service.store.storages.tiers:
             return None, False
         try:
             request = decode_message(method.request_cls, raw)
