@@ -822,10 +822,33 @@ class Client:
             for n in answer.nodes
         ]
 
+    def node(self, node: str) -> Client:
+        """This client's session on ``node`` (its ``--node-id``) of the cluster: this client
+        itself for its own server's node, else a client on that node's advertised address,
+        opened on first use with this client's own options (token, TLS, timeouts) and
+        closed with this one.
+
+        Raises:
+            NotFoundError: no live node has that id.
+            NodeLostError: the node is listed but does not answer.
+        """
+        listed = {n["node"]: n for n in self.nodes()}
+        found = listed.get(node)
+        if found is None:
+            raise errors.NotFoundError(
+                f"no live node {node!r} in the cluster (live: {', '.join(sorted(listed))})"
+            )
+        if found["self"]:
+            return self
+        return self._peer_at(node, found["address"])
+
     def _peer(self, redirect: errors.OwnedElsewhereError) -> Client:
-        """This client's session on the node ``redirect`` names, opened on first use with
-        this client's own options (token, TLS, timeouts)."""
-        node, address = redirect.node or "", redirect.address or ""
+        """This client's session on the node ``redirect`` names."""
+        return self._peer_at(redirect.node or "", redirect.address or "")
+
+    def _peer_at(self, node: str, address: str) -> Client:
+        """This client's session on ``node`` at ``address``, opened on first use with this
+        client's own options (token, TLS, timeouts)."""
         with self._peers_lock:
             peer = self._peers.get(node)
             if peer is not None and peer.address == address and not peer.closed:

@@ -34,6 +34,8 @@ ETCD_STARTUP_S = 20.0
 # the lease the test nodes hold: etcd's shortest
 LEASE_S = 2.0
 TOKENS = "alice-token alice\nbob-token bob\n"
+# the nodes' shared secret for node-to-node calls (--cluster-token-file)
+CLUSTER_SECRET = "cluster-secret-0123456789"
 
 
 def free_port() -> int:
@@ -273,16 +275,27 @@ def tokens_file() -> Iterator[str]:
         yield str(path)
 
 
-def start_nodes(etcd: EtcdServer, tokens: str, names: str = "abc") -> list[Node]:
+def start_nodes(
+    etcd: EtcdServer, tokens: str, names: str = "abc", *extra: str, secret: str | None = None
+) -> list[Node]:
+    """``tensord serve`` nodes, each with ``extra`` flags; ``secret``: the cluster token file
+    (default: the tokens file's sibling ``cluster-token``, written here)."""
+    if secret is None:
+        secret = str(Path(tokens).with_name("cluster-token"))
+        Path(secret).write_text(CLUSTER_SECRET + "\n")
     nodes = []
     for name in names:
         process, address = start_serve_process(
-            "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--auth-tokens", tokens,
+            "--address", "127.0.0.1:0", "--device", "cpu=256MiB", "--auth-tokens", tokens,
             "--node-id", f"{name}-{os.getpid()}", "--cluster", etcd.url,
-            "--cluster-lease", f"{LEASE_S:g}s",
+            "--cluster-lease", f"{LEASE_S:g}s", "--cluster-token-file", secret, *extra,
         )  # fmt: skip
         nodes.append(Node(name, process, address))
     return nodes
+
+
+def node_id(node: Node) -> str:
+    return f"{node.name}-{os.getpid()}"
 
 
 @pytest.fixture
@@ -417,6 +430,135 @@ def test_without_etcd_local_operations_go_on_and_cluster_ones_fail_clearly(
             with pytest.raises(errors.ClusterUnavailableError):
                 on_b.get("kept")  # b must ask etcd who holds it
             assert on_a.tensor([3]).tolist() == [3]
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+# ---- copies between nodes, node calls ----------------------------------------------------
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_copy_to_another_node_is_the_source_bit_for_bit(three_nodes: list[Node]) -> None:
+    torch = pytest.importorskip("torch")
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(c) as on_c:
+        base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) * 0.25 - 7
+        x = on_a.tensor(base.numpy())
+        views = {
+            "contiguous": (x, base),
+            "strided": (x.transpose(0, 2)[1:, ::2], base.transpose(0, 2)[1:, ::2]),
+            "expanded": (x[0, :1].expand(5, 8), base[0, :1].expand(5, 8)),
+            "view(dtype)": (x.view(tensord.int32), base.view(torch.int32)),
+        }
+        for what, (view, oracle) in views.items():
+            moved = view.to(f"{node_id(b)}/cpu")
+            assert moved.client.address == b.address, what  # a handle on b, in its session
+            assert moved.shape == tuple(oracle.shape) and moved.is_contiguous(), what
+            got = np.asarray(moved.numpy())
+            want = oracle.contiguous().numpy()
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), what
+        assert x.numpy().tobytes() == base.numpy().tobytes()  # the source is intact
+        # a copy of a copy, onward to a third node; dtype too
+        y = x.to(f"{node_id(b)}/cpu").to(f"{node_id(c)}/cpu", torch.float64)
+        assert y.client.address == c.address
+        np.testing.assert_array_equal(y.numpy(), base.double().numpy())
+        # the copy is b's own: the name put of it lives on b
+        on_a.put("moved", x.to(f"{node_id(b)}/cpu"))
+        assert on_c.get("moved").client.address == b.address
+        with pytest.raises(errors.NotFoundError, match="no live node 'nowhere'"):
+            x.to("nowhere/cpu")
+        same = x.to(f"{node_id(a)}/cpu")  # this node's own: a local copy
+        assert same.client is on_a and same.handle != x.handle
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_node_calls_need_the_cluster_secret(three_nodes: list[Node]) -> None:
+    import grpc
+    from tensord import schema as pb
+    from tensord.protocol import (
+        NODE_TENANT_KEY,
+        NODE_TOKEN_KEY,
+        SESSION_KEY,
+        UPLOAD_HEADER_KEY,
+    )
+
+    _, b, _ = three_nodes
+    with connect(b) as on_b:
+        header = pb.UploadHeader(shape=[4], dtype="uint8", device="cpu", nbytes=4)
+        with grpc.insecure_channel(b.address) as channel:
+            upload = channel.stream_unary(
+                "/tensord.v1.Tensord/Upload",
+                request_serializer=bytes,
+                response_deserializer=pb.TensorMeta.FromString,
+            )
+
+            def send(*metadata: tuple[str, Any]) -> Any:
+                base = [
+                    (SESSION_KEY, on_b.session_id),
+                    (UPLOAD_HEADER_KEY, header.SerializeToString()),
+                ]
+                return upload(iter([b"\x01\x02\x03\x04"]), metadata=[*base, *metadata], timeout=10)
+
+            for metadata in (
+                [(NODE_TENANT_KEY, "alice")],  # no secret
+                [(NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, "wrong-secret-0123456789")],
+                # a tenant's token is no node credential
+                [(NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, "alice-token")],
+                [(NODE_TOKEN_KEY, CLUSTER_SECRET)],  # names no tenant
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    send(*metadata)
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, metadata
+                assert "node call refused" in refused.value.details()
+            # with the secret, as the tenant: the tenant's own session checks still apply
+            with pytest.raises(grpc.RpcError) as other:
+                send((NODE_TENANT_KEY, "bob"), (NODE_TOKEN_KEY, CLUSTER_SECRET))
+            assert other.value.code() is not grpc.StatusCode.OK
+            assert other.value.code() is not grpc.StatusCode.UNAUTHENTICATED
+            meta = send((NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, CLUSTER_SECRET))
+            assert meta.handle
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_node_without_the_secret_refuses_to_copy_and_to_be_copied_to(
+    etcd: EtcdServer, tokens_file: str
+) -> None:
+    other = str(Path(tokens_file).with_name("other-secret"))
+    Path(other).write_text("another-secret-0123456789\n")
+    a, b = start_nodes(etcd, tokens_file, "ab")
+    (c,) = start_nodes(etcd, tokens_file, "c", secret=other)
+    try:
+        with connect(a) as on_a, connect(c) as on_c:
+            x = on_a.arange(16)
+            with pytest.raises(errors.UnauthenticatedError, match="node call refused"):
+                x.to(f"{node_id(c)}/cpu")  # c holds another secret
+            with pytest.raises(errors.UnauthenticatedError, match="node call refused"):
+                on_c.arange(3).to(f"{node_id(b)}/cpu")
+            assert x.to(f"{node_id(b)}/cpu").tolist() == list(range(16))
+    finally:
+        for node in (a, b, c):
+            node.stop()
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_copy_to_another_node_obeys_its_limits(etcd: EtcdServer, tokens_file: str) -> None:
+    nodes = [
+        *start_nodes(etcd, tokens_file, "a"),
+        *start_nodes(etcd, tokens_file, "b", "--quota", "alice:cpu=1MiB"),
+    ]
+    a, b = nodes
+    try:
+        with connect(a) as on_a:
+            small = on_a.zeros(1024, dtype=tensord.uint8)
+            assert small.to(f"{node_id(b)}/cpu").shape == (1024,)
+            big = on_a.zeros(2 << 20, dtype=tensord.uint8)  # past alice's quota on b (and a)
+            with pytest.raises(errors.ResourceExhaustedError):
+                big.to(f"{node_id(b)}/cpu")
     finally:
         for node in nodes:
             node.stop()

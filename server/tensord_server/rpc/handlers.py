@@ -13,6 +13,7 @@ same-host fd socket) runs the same method, with a context of the same shape.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from tensord import schema as pb
 from tensord.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
@@ -51,6 +53,10 @@ from tensord_server.rpc.codec import (
     encode_meta,
 )
 from tensord_server.rpc.fd_socket import FdSocket
+from tensord_server.rpc.nodes import NodeLink
+
+# A cross-node copy's chunks: large, since each is one message between two servers.
+MAX_NODE_CHUNK_BYTES = 4 << 20
 
 M = TypeVar("M", bound=Message)
 
@@ -81,6 +87,8 @@ class TensordService:
         #: same-host zero copy's and the call channels' socket (the rpc layer makes it on
         #: the server's event loop; None where it could not)
         self.fd_socket: FdSocket | None = None
+        self._link: NodeLink | None = None
+        self._link_lock = threading.Lock()
 
     def _tenant(self, context: Any) -> str:
         return str(context.tenant)  # authenticated before the call was read (rpc.calls)
@@ -337,11 +345,17 @@ class TensordService:
             header.nbytes,
             header.requires_grad,
         )
+        sink.checksum_wanted = header.checksum
         return session, sink
 
-    def upload_finished(self, session: Session, sink: UploadSink) -> pb.TensorMeta:
+    def upload_finished(
+        self, session: Session, sink: UploadSink
+    ) -> tuple[pb.TensorMeta, int | None]:
+        """The new handle's reply, and the CRC-32 of its stored bytes when the header
+        asked for it (read back from the Storage before the handle is issued)."""
         with self.store.gate.call():
-            return self._reply(session, sink.finish())
+            checksum = sink.crc32() if sink.checksum_wanted else None
+            return self._reply(session, sink.finish()), checksum
 
     def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
@@ -496,6 +510,64 @@ class TensordService:
                 for n in directory.nodes()
             ],
         )
+
+    @_unary
+    def CopyToNode(self, request: pb.CopyToNodeRequest, context: Any) -> pb.TensorMeta:
+        """The tensor's bytes streamed from here to the node ``request.node`` (whose address
+        is etcd's, never the caller's), into the caller's session there; its handle there,
+        once the stored bytes' CRC-32 matched.  The source is only read."""
+        session = self._session(context)
+        directory = self.store.names.directory
+        if directory is None:
+            raise FailedPreconditionError(
+                "this server is not part of a cluster (tensord serve --cluster etcd://...)"
+            )
+        link = self.node_link()
+        if link is None:
+            raise FailedPreconditionError(
+                f"node {directory.node!r} has no cluster credential (--cluster-token-file): "
+                "it cannot copy to other nodes"
+            )
+        if request.node == directory.node:
+            raise InvalidArgumentError(
+                f"node {request.node!r} is this tensor's own node: use to({request.device!r})"
+            )
+        if not request.target_session_id or not request.device:
+            raise InvalidArgumentError("CopyToNode needs the device and the target session")
+        target = next((n for n in directory.nodes() if n.node == request.node), None)
+        if target is None:
+            raise NotFoundError(f"no live node {request.node!r} in the cluster")
+        ref = self.store.sessions.lookup(session, request.handle)
+        numel = ref.layout.numel
+        header = pb.UploadHeader(
+            shape=list(ref.layout.shape),
+            dtype=ref.dtype.name,
+            device=request.device,
+            nbytes=numel * ref.dtype.itemsize,
+            requires_grad=ref.requires_grad,
+        )
+        chunks = self.store.transfers.download(session, request.handle, MAX_NODE_CHUNK_BYTES)
+        try:
+            return link.send(
+                target.node,
+                target.address,
+                session.tenant,
+                request.target_session_id,
+                header,
+                chunks,
+            )
+        finally:
+            chunks.close()  # type: ignore[attr-defined]  # a generator: its hold ends
+
+    def node_link(self) -> NodeLink | None:
+        """The channels to the other nodes (None: this node has no cluster credential)."""
+        token = self.store.cluster_token
+        if token is None:
+            return None
+        with self._link_lock:
+            if self._link is None:
+                self._link = NodeLink(token)
+            return self._link
 
     # -- the pool -------------------------------------------------------------------
 
