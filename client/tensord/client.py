@@ -576,13 +576,28 @@ class Client:
     # ---- sharing -------------------------------------------------------------------------
 
     def attach(self, token: str) -> Tensor:
-        """This session's own handle on the Storage behind another session's ``x.share()``."""
-        return self._wrap(self._call("Attach", requests.attach(_text("token", token))))
+        """This session's own handle on the Storage behind another session's ``x.share()``.
+
+        In a cluster a token names the node it was made on: one of another node is
+        attached there (the client opens its session on that node once, and follows the
+        redirect to it), and the handle lives on that node."""
+        request = requests.attach(_text("token", token))
+        try:
+            return self._wrap(self._call("Attach", request))
+        except errors.OwnedElsewhereError as redirect:
+            peer = self._peer(redirect)
+            return peer._wrap(peer._call("Attach", request))  # followed once
 
     def revoke(self, token: str) -> bool:
         """End a share token this session issued now; False if it had already ended
-        (used up, expired or revoked)."""
-        revoked: bool = self._call("Revoke", requests.revoke(_text("token", token))).revoked
+        (used up, expired or revoked).  In a cluster, a token of another node is revoked
+        there, in this client's session on that node."""
+        request = requests.revoke(_text("token", token))
+        try:
+            answer = self._call("Revoke", request)
+        except errors.OwnedElsewhereError as redirect:
+            answer = self._peer(redirect)._call("Revoke", request)  # followed once
+        revoked: bool = answer.revoked
         return revoked
 
     def put(self, name: str, tensor: Any, overwrite: bool = False) -> None:

@@ -562,3 +562,34 @@ def test_a_copy_to_another_node_obeys_its_limits(etcd: EtcdServer, tokens_file: 
     finally:
         for node in nodes:
             node.stop()
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_share_token_routes_itself_to_its_node(three_nodes: list[Node]) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c, connect(b, "bob") as bob:
+        data = np.arange(12, dtype=np.int64).reshape(3, 4)
+        x = on_a.tensor(data)
+        token = x[1:].share(uses=2)
+        assert token.startswith(f"{node_id(a)}~")  # it names its node
+        got = on_b.attach(token)  # a client of b: redirected to a, once
+        assert got.client.address == a.address
+        np.testing.assert_array_equal(got.numpy(), data[1:])
+        got[0, 0] = -1  # the same Storage as x's, on a
+        got.client.synchronize()  # the write was queued on the session on a
+        assert x[1, 0].item() == -1
+        with pytest.raises(errors.NotFoundError):
+            bob.attach(token)  # another tenant, on the owner as on one node
+        assert on_c.attach(token).client.address == a.address  # the second and last use
+        with pytest.raises(errors.NotFoundError, match="used"):
+            on_b.attach(token)
+        again = on_a.arange(3).share(uses=None)
+        assert on_b.attach(again).tolist() == [0, 1, 2]
+        assert on_a.revoke(again) is True
+        with pytest.raises(errors.NotFoundError):
+            on_c.attach(again)
+        with pytest.raises(errors.NotFoundError, match="not in the cluster"):
+            on_b.attach("gone-node~" + again.partition("~")[2])
+        local = on_b.arange(2).share()
+        assert on_b.attach(local).client is on_b  # b's own token: no redirect

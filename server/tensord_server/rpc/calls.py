@@ -143,7 +143,18 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
 # Name calls that wait on the cluster's directory (a round trip to etcd) once the server
 # joined one: never on the loop then.
 CLUSTER_WORK = frozenset(
-    {"GetName", "PutName", "DeleteName", "GetNames", "PutNames", "DeleteNames", "GetNameExport"}
+    {
+        "GetName",
+        "PutName",
+        "DeleteName",
+        "GetNames",
+        "PutNames",
+        "DeleteNames",
+        "GetNameExport",
+        # a share token of another node: etcd says where that node is
+        "Attach",
+        "Revoke",
+    }
 )
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8

@@ -24,6 +24,7 @@ from tensord.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    OwnedElsewhereError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
@@ -55,6 +56,9 @@ from tensord_server.rpc.codec import (
 from tensord_server.rpc.fd_socket import FdSocket
 from tensord_server.rpc.nodes import NodeLink
 
+# Between a cluster's share token's node and the token itself: in neither a --node-id nor
+# a token (secrets.token_urlsafe).
+TOKEN_NODE_SEPARATOR = "~"
 # A cross-node copy's chunks: large, since each is one message between two servers.
 MAX_NODE_CHUNK_BYTES = 4 << 20
 
@@ -373,18 +377,45 @@ class TensordService:
         token, ttl = self.store.share_tokens.share(
             session, request.handle, uses, request.ttl_seconds or None
         )
+        directory = self.store.names.directory
+        if directory is not None:  # in a cluster a token carries its node: it routes itself
+            token = f"{directory.node}{TOKEN_NODE_SEPARATOR}{token}"
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
+
+    def _local_token(self, token: str) -> str:
+        """A share token as this node's table knows it: a token of another node of the
+        cluster is OwnedElsewhereError naming that node (the SDK follows it once, to the
+        owner, which checks the tenant as for any attach); one of a node no longer in the
+        cluster is NotFoundError."""
+        directory = self.store.names.directory
+        node, separator, local = token.partition(TOKEN_NODE_SEPARATOR)
+        if directory is None or not separator:
+            return token
+        if node == directory.node:
+            return local
+        owner = next((n for n in directory.nodes() if n.node == node), None)
+        if owner is None:
+            raise NotFoundError(
+                f"the share token's node {node!r} is not in the cluster (it was lost or "
+                "left): its tokens went with it"
+            )
+        raise OwnedElsewhereError(
+            f"the share token is node {node!r}'s ({owner.address})",
+            node=owner.node,
+            address=owner.address,
+        )
 
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
-        return pb.RevokeResponse(
-            revoked=self.store.share_tokens.revoke(self._session(context), request.token)
-        )
+        session = self._session(context)
+        token = self._local_token(request.token)
+        return pb.RevokeResponse(revoked=self.store.share_tokens.revoke(session, token))
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.share_tokens.attach(session, request.token))
+        token = self._local_token(request.token)
+        return self._reply(session, self.store.share_tokens.attach(session, token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
