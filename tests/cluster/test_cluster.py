@@ -49,6 +49,14 @@ class EtcdServer:
     process: subprocess.Popen[bytes]
     endpoint: str  # HOST:PORT of its client URL
     data_dir: str
+    command: tuple[str, ...] = ()
+
+    def restart(self) -> None:
+        """Start it again on its ports and data (after :meth:`stop`); returns once it answers."""
+        self.process = subprocess.Popen(
+            list(self.command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for_etcd(self)
 
     @property
     def url(self) -> str:
@@ -63,34 +71,37 @@ class EtcdServer:
 def start_etcd() -> EtcdServer:
     """A one-member etcd on two free loopback ports with a temporary data dir; returns once
     it answers a call (bounded by ETCD_STARTUP_S)."""
-    from tensord_server.cluster.etcd import Etcd
-
     assert ETCD is not None
     data = tempfile.mkdtemp(prefix="tensord-etcd-")
     client, peer = free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            ETCD,
-            "--name=test",
-            f"--data-dir={data}",
-            f"--listen-client-urls=http://127.0.0.1:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=test=http://127.0.0.1:{peer}",
-            "--log-level=error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    command = (
+        ETCD,
+        "--name=test",
+        f"--data-dir={data}",
+        f"--listen-client-urls=http://127.0.0.1:{client}",
+        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=test=http://127.0.0.1:{peer}",
+        "--log-level=error",
     )
-    server = EtcdServer(process, f"127.0.0.1:{client}", data)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = EtcdServer(process, f"127.0.0.1:{client}", data, command)
+    wait_for_etcd(server)
+    return server
+
+
+def wait_for_etcd(server: EtcdServer) -> None:
+    from tensord_server.cluster.etcd import Etcd
+
+    process = server.process
     probe = Etcd([server.endpoint], timeout=0.5)
     deadline = time.monotonic() + ETCD_STARTUP_S
     try:
         while True:
             try:
                 probe.range(b"/", b"\0", limit=1)
-                return server
+                return
             except errors.ClusterUnavailableError:
                 if time.monotonic() > deadline or process.poll() is not None:
                     server.stop()
@@ -593,3 +604,83 @@ def test_a_share_token_routes_itself_to_its_node(three_nodes: list[Node]) -> Non
             on_b.attach("gone-node~" + again.partition("~")[2])
         local = on_b.arange(2).share()
         assert on_b.attach(local).client is on_b  # b's own token: no redirect
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_paused_node_lapses_and_comes_back_as_a_new_incarnation(
+    three_nodes: list[Node],
+) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:
+        on_b.put("on-b", on_b.arange(4))
+        assert on_c.get("on-b").tolist() == [0, 1, 2, 3]
+        first = {n["node"]: n["incarnation"] for n in on_a.nodes()}[node_id(b)]
+        b.process.send_signal(signal.SIGSTOP)
+        try:
+            paused = time.monotonic()
+            assert wait_until(lambda: "on-b" not in on_c.names(), timeout=LEASE_S * 2 + 3)
+            assert time.monotonic() - paused < LEASE_S + LEASE_S / 3 + 2.0
+            assert node_id(b) not in [n["node"] for n in on_a.nodes()]
+            with pytest.raises(errors.NotFoundError):
+                on_a.get("on-b")  # gone with b's lease, on every other node
+            with pytest.raises(errors.NotFoundError, match="no live node"):
+                on_a.arange(2).to(f"{node_id(b)}/cpu")
+            on_a.put("during", on_a.ones(1))  # the others serve on
+            assert on_c.get("during").tolist() == [1.0]
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+
+        def rejoined() -> bool:
+            listed = {n["node"]: n["incarnation"] for n in on_a.nodes()}
+            return listed.get(node_id(b)) not in (None, first)
+
+        assert wait_until(rejoined, timeout=LEASE_S * 3 + 3)  # a new incarnation
+        assert wait_until(lambda: _absent(on_b, "on-b"), timeout=5)  # b dropped it too
+        on_b.put("after", on_b.full((2,), 3.0))  # and takes new names again
+        assert on_a.get("after").tolist() == [3.0, 3.0]
+        assert on_a.arange(3).to(f"{node_id(b)}/cpu").tolist() == [0, 1, 2]
+
+
+def _absent(client: Any, name: str) -> bool:
+    try:
+        client.get(name)
+    except errors.NotFoundError:
+        return True
+    return False
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_cluster_recovers_when_etcd_comes_back(
+    make_etcd: Callable[[], EtcdServer], tokens_file: str
+) -> None:
+    etcd = make_etcd()
+    nodes = start_nodes(etcd, tokens_file, "ab")
+    try:
+        a, b = nodes
+        with connect(a) as on_a, connect(b) as on_b:
+            on_a.put("before", on_a.arange(3))
+            etcd.stop()
+            with pytest.raises(errors.ClusterUnavailableError, match="cannot reach etcd"):
+                on_b.put("while-down", on_b.ones(1))
+            with pytest.raises(errors.ClusterUnavailableError):
+                on_a.arange(2).to(f"{node_id(b)}/cpu")  # where b is, etcd says
+            time.sleep(LEASE_S + 1)  # past a whole lease unrenewed: the nodes lapse
+            etcd.restart()
+
+            def serving() -> bool:
+                try:
+                    on_b.put("after", on_b.ones(2), overwrite=True)
+                except errors.ClusterUnavailableError:
+                    return False
+                return True
+
+            assert wait_until(serving, timeout=LEASE_S * 3 + 5)
+            assert wait_until(lambda: len(on_a.nodes()) == 2, timeout=LEASE_S * 3 + 5)
+            assert on_a.get("after").client.address == b.address
+            assert on_a.get("after").tolist() == [1.0, 1.0]
+            assert on_a.arange(2).to(f"{node_id(b)}/cpu").tolist() == [0, 1]
+    finally:
+        for node in nodes:
+            node.stop()
