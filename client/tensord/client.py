@@ -847,6 +847,10 @@ class Client:
             NotFoundError: no live node has that id.
             NodeLostError: the node is listed but does not answer.
         """
+        with self._peers_lock:
+            known = self._peers.get(node)
+        if known is not None and not known.closed:
+            return known  # a node lost since answers NodeLostError at its first call
         listed = {n["node"]: n for n in self.nodes()}
         found = listed.get(node)
         if found is None:

@@ -94,6 +94,8 @@ class NodeLink:
             meta, call = upload.with_call(iter(sent), metadata=metadata, timeout=timeout)
         except grpc.RpcError as err:
             raise _error(err, node, address) from None
+        finally:
+            sent.stop()
         trailers = {k: v for k, v in call.trailing_metadata() or ()}
         stored = trailers.get(CHECKSUM_KEY)
         if stored is None or int(stored) != sent.crc:
@@ -128,16 +130,28 @@ class NodeLink:
 
 
 class _Checksummed:
-    """The chunks of a stream, their CRC-32 kept as they go by."""
+    """The chunks of a stream, their CRC-32 kept as they go by.  gRPC reads them on a
+    thread of its own, which may still be reading when the call has failed: :meth:`stop`
+    waits out a read in progress and ends the stream, so the source can be closed."""
 
     def __init__(self, chunks: Iterable[bytes]) -> None:
-        self._chunks = chunks
+        self._chunks = iter(chunks)
+        self._lock = threading.Lock()
+        self._stopped = False
         self.crc = 0
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._chunks:
+        while True:
+            with self._lock:
+                chunk = None if self._stopped else next(self._chunks, None)
+            if chunk is None:
+                return
             self.crc = zlib.crc32(chunk, self.crc)
             yield chunk
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
 
 
 def _error(err: grpc.RpcError, node: str, address: str) -> errors.TensordError:
