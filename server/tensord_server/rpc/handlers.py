@@ -60,7 +60,7 @@ from tensord_server.rpc.nodes import NodeLink
 # a token (secrets.token_urlsafe).
 TOKEN_NODE_SEPARATOR = "~"
 # A cross-node copy's chunks: large, since each is one message between two servers.
-MAX_NODE_CHUNK_BYTES = 16 << 20
+MAX_NODE_CHUNK_BYTES = 4 << 20
 
 M = TypeVar("M", bound=Message)
 
