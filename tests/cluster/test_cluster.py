@@ -411,9 +411,14 @@ def test_a_killed_node_takes_its_names_and_the_others_serve_on(three_nodes: list
             held.tolist()
         assert lost.value.node == f"b-{os.getpid()}" and lost.value.address == b.address
         assert isinstance(lost.value, ConnectionError)
+        with pytest.raises(errors.NodeLostError, match="left the cluster") as gone:
+            on_a.get("on-b")  # not a name never made: one lost with its node
+        assert gone.value.node == f"b-{os.getpid()}" and gone.value.address == b.address
         with pytest.raises(errors.NotFoundError):
-            on_a.get("on-b")
+            on_a.get("never-made")
         assert on_c.get("on-a").tolist() == [7.0, 7.0, 7.0]  # the others keep what they hold
+        on_c.put("on-b", on_c.zeros(1))  # claimed again: no longer lost
+        assert on_a.get("on-b").tolist() == [0.0]
         on_c.put("after", on_c.ones(2))
         assert on_a.get("after").tolist() == [1.0, 1.0]
 
@@ -612,18 +617,24 @@ def test_a_paused_node_lapses_and_comes_back_as_a_new_incarnation(
     three_nodes: list[Node],
 ) -> None:
     a, b, c = three_nodes
-    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:
+    quick = tensord.connect(c.address, token="alice-token", local=False, call_timeout=1)
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c, quick:
         on_b.put("on-b", on_b.arange(4))
         assert on_c.get("on-b").tolist() == [0, 1, 2, 3]
+        held = quick.get("on-b")  # a handle on b's Storage
         first = {n["node"]: n["incarnation"] for n in on_a.nodes()}[node_id(b)]
         b.process.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
         try:
-            paused = time.monotonic()
+            # a paused node still holds its connections: a call waits out its timeout
+            with pytest.raises(errors.DeadlineExceededError):
+                held.tolist()
             assert wait_until(lambda: "on-b" not in on_c.names(), timeout=LEASE_S * 2 + 3)
             assert time.monotonic() - paused < LEASE_S + LEASE_S / 3 + 2.0
             assert node_id(b) not in [n["node"] for n in on_a.nodes()]
-            with pytest.raises(errors.NotFoundError):
+            with pytest.raises(errors.NodeLostError) as gone:
                 on_a.get("on-b")  # gone with b's lease, on every other node
+            assert gone.value.node == node_id(b)
             with pytest.raises(errors.NotFoundError, match="no live node"):
                 on_a.arange(2).to(f"{node_id(b)}/cpu")
             on_a.put("during", on_a.ones(1))  # the others serve on
