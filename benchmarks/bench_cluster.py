@@ -10,7 +10,9 @@ GB/s of (in turns, so a neighbour's load falls on each):
 - ``x.to("b/cpu")``: a streams the bytes to b (node call, CRC-32 on both sides);
 - ``x.to("cpu", copy=True)``: a copy on a itself (one memcpy on the server);
 - a raw loopback TCP transfer of the same bytes from this process to a child process
-  (``sendall`` into ``recv_into``; no gRPC, no checksum): the link's ceiling here.
+  (``sendall`` into ``recv_into``; no gRPC, no checksum): the link's ceiling here;
+- this client's own upload of the bytes to a (``a.tensor(data)``) and download of ``x``
+  (``x.numpy()``, not same-host): the server's transfer path a copy's stream runs on.
 
 Then the p50 and p99 latency of ``get(name)`` of a name a holds, from a client of a
 (local) and from a client of b (redirected: b asks etcd, answers OwnedElsewhereError, the
@@ -167,6 +169,8 @@ def main() -> None:
                     'x.to("b/cpu")': lambda x=x: x.to("b/cpu").handle,
                     'x.to("cpu", copy=True)': lambda x=x: x.to("cpu", copy=True).handle,
                     "raw loopback TCP": tcp,
+                    "client upload to a": lambda data=data: a.tensor(data).handle,
+                    "client download from a": lambda x=x: x.numpy().nbytes,
                 }
                 seconds = in_turns(cases, rounds)
                 conn.close()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -495,6 +496,7 @@ def test_node_calls_need_the_cluster_secret(three_nodes: list[Node]) -> None:
     import grpc
     from tensord import schema as pb
     from tensord.protocol import (
+        CHECKSUM_KEY,
         NODE_TENANT_KEY,
         NODE_TOKEN_KEY,
         SESSION_KEY,
@@ -536,6 +538,20 @@ def test_node_calls_need_the_cluster_secret(three_nodes: list[Node]) -> None:
             assert other.value.code() is not grpc.StatusCode.UNAUTHENTICATED
             meta = send((NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, CLUSTER_SECRET))
             assert meta.handle
+            # asked for it, the target answers the CRC-32 of the bytes it stored
+            header.checksum = True
+            meta, call = upload.with_call(
+                iter([b"\x01\x02", b"\x03\x04"]),
+                metadata=[
+                    (SESSION_KEY, on_b.session_id),
+                    (UPLOAD_HEADER_KEY, header.SerializeToString()),
+                    (NODE_TENANT_KEY, "alice"),
+                    (NODE_TOKEN_KEY, CLUSTER_SECRET),
+                ],
+                timeout=10,
+            )
+            trailers = dict(call.trailing_metadata())
+            assert int(trailers[CHECKSUM_KEY]) == zlib.crc32(b"\x01\x02\x03\x04")
 
 
 @needs_etcd
