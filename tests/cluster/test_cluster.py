@@ -158,6 +158,17 @@ def test_the_cluster_flags_grammar() -> None:
             check_node_id(bad)
 
 
+def test_a_device_of_another_node_is_named_as_torch_names_it() -> None:
+    from tensord._args import split_node_device
+
+    assert split_node_device("b/cpu") == ("b", "cpu")
+    assert split_node_device("gpu-7.rack2/cuda:1") == ("gpu-7.rack2", "cuda:1")
+    assert split_node_device("cpu") is None and split_node_device(None) is None
+    for bad in ("/cpu", "b/", "a/b/cpu", "b/gpu"):
+        with pytest.raises(RuntimeError):
+            split_node_device(bad)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "said"),
@@ -174,6 +185,27 @@ def test_the_cluster_flags_grammar() -> None:
 )
 def test_serve_refuses_bad_cluster_flags(args: list[str], said: str) -> None:
     done = run_serve("--address", "127.0.0.1:0", "--device", "cpu=64MiB", *args)
+    assert done.returncode == 2
+    assert said in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("secret", "said"),
+    [
+        ("short", "at least 16 characters"),
+        ("a-tenant-token-0123456789", "must not be a tenant's token"),
+    ],
+)
+def test_serve_refuses_a_weak_cluster_secret(tmp_path: Path, secret: str, said: str) -> None:
+    tokens, secret_file = tmp_path / "tokens", tmp_path / "secret"
+    tokens.write_text("a-tenant-token-0123456789 alice\n")
+    secret_file.write_text(secret + "\n")
+    done = run_serve(
+        "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--auth-tokens", str(tokens),
+        "--node-id", "a", "--cluster", "etcd://127.0.0.1:1",
+        "--cluster-token-file", str(secret_file),
+    )  # fmt: skip
     assert done.returncode == 2
     assert said in done.stderr
 
