@@ -43,7 +43,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "uint64",
     ),
     "tensord.errors": (
-        "AlreadyExistsError", "ClusterUnavailableError", "DeadlineExceededError",
+        "AlreadyExistsError", "ClusterUnavailableError", "CopyCorruptedError",
+        "DeadlineExceededError",
         "FailedPreconditionError", "InheritedClientError", "InternalError",
         "InvalidArgumentError", "NodeLostError", "NotFoundError", "OutOfMemoryError",
         "OwnedElsewhereError", "PermissionDeniedError", "ResourceExhaustedError",
@@ -146,6 +147,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read: the same nam
     from tensord.errors import (
         AlreadyExistsError,
         ClusterUnavailableError,
+        CopyCorruptedError,
         DeadlineExceededError,
         FailedPreconditionError,
         InheritedClientError,
@@ -197,6 +199,7 @@ __all__ = [
     "AlreadyExistsError",
     "Client",
     "ClusterUnavailableError",
+    "CopyCorruptedError",
     "DType",
     "DeadlineExceededError",
     "Device",

@@ -313,6 +313,20 @@ def to_memory_format(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     )
 
 
+def split_node_device(device: Any) -> tuple[str, str] | None:
+    """torch's ``"<worker>/<device>"`` form (``"b/cuda:1"``): (node, device) for a string
+    naming a device of another node of a cluster, None for any other device."""
+    if not isinstance(device, str) or "/" not in device:
+        return None
+    node, _, local = device.partition("/")
+    if not node or not local or "/" in local:
+        raise errors.TensordRuntimeError(
+            f"Invalid device string: '{device}' (a device of another node is 'NODE/DEVICE')"
+        )
+    device_name(local)  # a malformed device: torch's RuntimeError, here
+    return node, local
+
+
 def parse_to(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, DType | None, builtins.bool]:

@@ -32,6 +32,8 @@ class SessionClient(Protocol):
         self, data: Any, dtype: Any = None, device: Any = "cpu", requires_grad: bool = False
     ) -> Any: ...
 
+    def node(self, node: str) -> Any: ...
+
 
 class ClientSession:
     """One Client's connection state, handed to each of its tensors."""

@@ -576,13 +576,28 @@ class Client:
     # ---- sharing -------------------------------------------------------------------------
 
     def attach(self, token: str) -> Tensor:
-        """This session's own handle on the Storage behind another session's ``x.share()``."""
-        return self._wrap(self._call("Attach", requests.attach(_text("token", token))))
+        """This session's own handle on the Storage behind another session's ``x.share()``.
+
+        In a cluster a token names the node it was made on: one of another node is
+        attached there (the client opens its session on that node once, and follows the
+        redirect to it), and the handle lives on that node."""
+        request = requests.attach(_text("token", token))
+        try:
+            return self._wrap(self._call("Attach", request))
+        except errors.OwnedElsewhereError as redirect:
+            peer = self._peer(redirect)
+            return peer._wrap(peer._call("Attach", request))  # followed once
 
     def revoke(self, token: str) -> bool:
         """End a share token this session issued now; False if it had already ended
-        (used up, expired or revoked)."""
-        revoked: bool = self._call("Revoke", requests.revoke(_text("token", token))).revoked
+        (used up, expired or revoked).  In a cluster, a token of another node is revoked
+        there, in this client's session on that node."""
+        request = requests.revoke(_text("token", token))
+        try:
+            answer = self._call("Revoke", request)
+        except errors.OwnedElsewhereError as redirect:
+            answer = self._peer(redirect)._call("Revoke", request)  # followed once
+        revoked: bool = answer.revoked
         return revoked
 
     def put(self, name: str, tensor: Any, overwrite: bool = False) -> None:
@@ -822,10 +837,37 @@ class Client:
             for n in answer.nodes
         ]
 
+    def node(self, node: str) -> Client:
+        """This client's session on ``node`` (its ``--node-id``) of the cluster: this client
+        itself for its own server's node, else a client on that node's advertised address,
+        opened on first use with this client's own options (token, TLS, timeouts) and
+        closed with this one.
+
+        Raises:
+            NotFoundError: no live node has that id.
+            NodeLostError: the node is listed but does not answer.
+        """
+        with self._peers_lock:
+            known = self._peers.get(node)
+        if known is not None and not known.closed:
+            return known  # a node lost since answers NodeLostError at its first call
+        listed = {n["node"]: n for n in self.nodes()}
+        found = listed.get(node)
+        if found is None:
+            raise errors.NotFoundError(
+                f"no live node {node!r} in the cluster (live: {', '.join(sorted(listed))})"
+            )
+        if found["self"]:
+            return self
+        return self._peer_at(node, found["address"])
+
     def _peer(self, redirect: errors.OwnedElsewhereError) -> Client:
-        """This client's session on the node ``redirect`` names, opened on first use with
-        this client's own options (token, TLS, timeouts)."""
-        node, address = redirect.node or "", redirect.address or ""
+        """This client's session on the node ``redirect`` names."""
+        return self._peer_at(redirect.node or "", redirect.address or "")
+
+    def _peer_at(self, node: str, address: str) -> Client:
+        """This client's session on ``node`` at ``address``, opened on first use with this
+        client's own options (token, TLS, timeouts)."""
         with self._peers_lock:
             peer = self._peers.get(node)
             if peer is not None and peer.address == address and not peer.closed:

@@ -241,6 +241,16 @@ class SpillCorruptedError(TensordError, RuntimeError):
     tier: str | None
 
 
+class CopyCorruptedError(TensordError, RuntimeError):
+    """A cross-node copy (``x.to("b/cpu")``) whose bytes as stored on the target node did
+    not match the CRC-32 of the bytes the source node sent: ``node`` names the target.
+    Nothing was kept there; the source is as it was."""
+
+    status_code = "DATA_LOSS"
+    detail_fields = ("node",)
+    node: str | None
+
+
 class InternalError(TensordError, RuntimeError):
     """A server-side bug; the server keeps serving."""
 

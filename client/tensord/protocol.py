@@ -29,6 +29,14 @@ ERROR_TYPE_KEY = "tensord-error-type"
 ERROR_DETAILS_KEY = "tensord-error-details"
 #: request metadata of an Upload: its serialized UploadHeader (binary, hence ``-bin``)
 UPLOAD_HEADER_KEY = "tensord-upload-bin"
+#: request metadata of a node-to-node call (one node of a cluster calling another): the
+#: cluster's shared secret (--cluster-token-file), never a tenant's token
+NODE_TOKEN_KEY = "tensord-node-token"
+#: request metadata of a node-to-node call: the tenant the call acts for
+NODE_TENANT_KEY = "tensord-node-tenant"
+#: trailing metadata of an Upload whose header asked for a checksum: the CRC-32 of the
+#: bytes as stored, in decimal
+CHECKSUM_KEY = "tensord-crc32"
 #: gRPC message limit, both ways: any chunk, and large ViewResponses (split into pieces)
 MAX_MESSAGE_BYTES = 256 << 20
 #: the most items a listing's page holds (ListNames, MemorySnapshot): the server gives no

@@ -55,6 +55,7 @@ from tensord._args import (
     resize_size,
     shape_args,
     split_arg,
+    split_node_device,
     to_memory_format,
     torch_errors,
     warn_once,
@@ -1297,10 +1298,31 @@ class Tensor(TensorBase, TorchInterop):
         """torch's forms: to(device), to(dtype), to(device, dtype), to(other), copy=True,
         memory_format=..."""
         fmt = to_memory_format(args, kwargs)
+        remote = split_node_device(args[0] if args else kwargs.get("device"))
+        if remote is not None:  # "NODE/DEVICE": a copy on another node of the cluster
+            node, local = remote
+            if args:
+                args = (local, *args[1:])
+            else:
+                kwargs = {**kwargs, "device": local}
+            _, dtype, _ = parse_to(args, kwargs)
+            moved = self._to_node(node, local)
+            return moved if dtype is None or dtype is moved.dtype else moved.to(dtype)
         device, dtype, copy = parse_to(args, kwargs)
         if fmt == PRESERVE_FORMAT:
             return self._to(device, dtype, copy)
         return self._to_format(device, dtype, copy, fmt)
+
+    def _to_node(self, node: str, device: str) -> Tensor:
+        """A copy on ``node``'s ``device``, in this client's session there: one CopyToNode
+        call to this tensor's own node, which streams the bytes to that node itself (they
+        never pass through this process) and answers once their checksum matched there."""
+        target: Any = self._client.node(node)  # a tensord.Client
+        if target is self._client:
+            return self.to(device, copy=True)
+        request = requests.copy_to_node(self.handle, node, device, target.session_id)
+        meta = self._session.conn.call("CopyToNode", request)
+        return wrap(target, target._session, meta)
 
     def _to_format(self, device: Any, dtype: DType | None, copy: builtins.bool, fmt: str) -> Tensor:
         """to(..., memory_format=fmt) as To then Clone (the To RPC carries no format).

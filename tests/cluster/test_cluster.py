@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ ETCD_STARTUP_S = 20.0
 # the lease the test nodes hold: etcd's shortest
 LEASE_S = 2.0
 TOKENS = "alice-token alice\nbob-token bob\n"
+# the nodes' shared secret for node-to-node calls (--cluster-token-file)
+CLUSTER_SECRET = "cluster-secret-0123456789"
 
 
 def free_port() -> int:
@@ -47,6 +50,14 @@ class EtcdServer:
     process: subprocess.Popen[bytes]
     endpoint: str  # HOST:PORT of its client URL
     data_dir: str
+    command: tuple[str, ...] = ()
+
+    def restart(self) -> None:
+        """Start it again on its ports and data (after :meth:`stop`); returns once it answers."""
+        self.process = subprocess.Popen(
+            list(self.command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for_etcd(self)
 
     @property
     def url(self) -> str:
@@ -61,34 +72,37 @@ class EtcdServer:
 def start_etcd() -> EtcdServer:
     """A one-member etcd on two free loopback ports with a temporary data dir; returns once
     it answers a call (bounded by ETCD_STARTUP_S)."""
-    from tensord_server.cluster.etcd import Etcd
-
     assert ETCD is not None
     data = tempfile.mkdtemp(prefix="tensord-etcd-")
     client, peer = free_port(), free_port()
-    process = subprocess.Popen(
-        [
-            ETCD,
-            "--name=test",
-            f"--data-dir={data}",
-            f"--listen-client-urls=http://127.0.0.1:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=test=http://127.0.0.1:{peer}",
-            "--log-level=error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    command = (
+        ETCD,
+        "--name=test",
+        f"--data-dir={data}",
+        f"--listen-client-urls=http://127.0.0.1:{client}",
+        f"--advertise-client-urls=http://127.0.0.1:{client}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=test=http://127.0.0.1:{peer}",
+        "--log-level=error",
     )
-    server = EtcdServer(process, f"127.0.0.1:{client}", data)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = EtcdServer(process, f"127.0.0.1:{client}", data, command)
+    wait_for_etcd(server)
+    return server
+
+
+def wait_for_etcd(server: EtcdServer) -> None:
+    from tensord_server.cluster.etcd import Etcd
+
+    process = server.process
     probe = Etcd([server.endpoint], timeout=0.5)
     deadline = time.monotonic() + ETCD_STARTUP_S
     try:
         while True:
             try:
                 probe.range(b"/", b"\0", limit=1)
-                return server
+                return
             except errors.ClusterUnavailableError:
                 if time.monotonic() > deadline or process.poll() is not None:
                     server.stop()
@@ -144,6 +158,17 @@ def test_the_cluster_flags_grammar() -> None:
             check_node_id(bad)
 
 
+def test_a_device_of_another_node_is_named_as_torch_names_it() -> None:
+    from tensord._args import split_node_device
+
+    assert split_node_device("b/cpu") == ("b", "cpu")
+    assert split_node_device("gpu-7.rack2/cuda:1") == ("gpu-7.rack2", "cuda:1")
+    assert split_node_device("cpu") is None and split_node_device(None) is None
+    for bad in ("/cpu", "b/", "a/b/cpu", "b/gpu"):
+        with pytest.raises(RuntimeError):
+            split_node_device(bad)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "said"),
@@ -160,6 +185,27 @@ def test_the_cluster_flags_grammar() -> None:
 )
 def test_serve_refuses_bad_cluster_flags(args: list[str], said: str) -> None:
     done = run_serve("--address", "127.0.0.1:0", "--device", "cpu=64MiB", *args)
+    assert done.returncode == 2
+    assert said in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("secret", "said"),
+    [
+        ("short", "at least 16 characters"),
+        ("a-tenant-token-0123456789", "must not be a tenant's token"),
+    ],
+)
+def test_serve_refuses_a_weak_cluster_secret(tmp_path: Path, secret: str, said: str) -> None:
+    tokens, secret_file = tmp_path / "tokens", tmp_path / "secret"
+    tokens.write_text("a-tenant-token-0123456789 alice\n")
+    secret_file.write_text(secret + "\n")
+    done = run_serve(
+        "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--auth-tokens", str(tokens),
+        "--node-id", "a", "--cluster", "etcd://127.0.0.1:1",
+        "--cluster-token-file", str(secret_file),
+    )  # fmt: skip
     assert done.returncode == 2
     assert said in done.stderr
 
@@ -273,16 +319,27 @@ def tokens_file() -> Iterator[str]:
         yield str(path)
 
 
-def start_nodes(etcd: EtcdServer, tokens: str, names: str = "abc") -> list[Node]:
+def start_nodes(
+    etcd: EtcdServer, tokens: str, names: str = "abc", *extra: str, secret: str | None = None
+) -> list[Node]:
+    """``tensord serve`` nodes, each with ``extra`` flags; ``secret``: the cluster token file
+    (default: the tokens file's sibling ``cluster-token``, written here)."""
+    if secret is None:
+        secret = str(Path(tokens).with_name("cluster-token"))
+        Path(secret).write_text(CLUSTER_SECRET + "\n")
     nodes = []
     for name in names:
         process, address = start_serve_process(
-            "--address", "127.0.0.1:0", "--device", "cpu=64MiB", "--auth-tokens", tokens,
+            "--address", "127.0.0.1:0", "--device", "cpu=256MiB", "--auth-tokens", tokens,
             "--node-id", f"{name}-{os.getpid()}", "--cluster", etcd.url,
-            "--cluster-lease", f"{LEASE_S:g}s",
+            "--cluster-lease", f"{LEASE_S:g}s", "--cluster-token-file", secret, *extra,
         )  # fmt: skip
         nodes.append(Node(name, process, address))
     return nodes
+
+
+def node_id(node: Node) -> str:
+    return f"{node.name}-{os.getpid()}"
 
 
 @pytest.fixture
@@ -387,9 +444,14 @@ def test_a_killed_node_takes_its_names_and_the_others_serve_on(three_nodes: list
             held.tolist()
         assert lost.value.node == f"b-{os.getpid()}" and lost.value.address == b.address
         assert isinstance(lost.value, ConnectionError)
+        with pytest.raises(errors.NodeLostError, match="left the cluster") as gone:
+            on_a.get("on-b")  # not a name never made: one lost with its node
+        assert gone.value.node == f"b-{os.getpid()}" and gone.value.address == b.address
         with pytest.raises(errors.NotFoundError):
-            on_a.get("on-b")
+            on_a.get("never-made")
         assert on_c.get("on-a").tolist() == [7.0, 7.0, 7.0]  # the others keep what they hold
+        on_c.put("on-b", on_c.zeros(1))  # claimed again: no longer lost
+        assert on_a.get("on-b").tolist() == [0.0]
         on_c.put("after", on_c.ones(2))
         assert on_a.get("after").tolist() == [1.0, 1.0]
 
@@ -417,6 +479,267 @@ def test_without_etcd_local_operations_go_on_and_cluster_ones_fail_clearly(
             with pytest.raises(errors.ClusterUnavailableError):
                 on_b.get("kept")  # b must ask etcd who holds it
             assert on_a.tensor([3]).tolist() == [3]
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+# ---- copies between nodes, node calls ----------------------------------------------------
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_copy_to_another_node_is_the_source_bit_for_bit(three_nodes: list[Node]) -> None:
+    torch = pytest.importorskip("torch")
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(c) as on_c:
+        base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) * 0.25 - 7
+        x = on_a.tensor(base.numpy())
+        views = {
+            "contiguous": (x, base),
+            "strided": (x.transpose(0, 2)[1:, ::2], base.transpose(0, 2)[1:, ::2]),
+            "expanded": (x[0, :1].expand(5, 8), base[0, :1].expand(5, 8)),
+            "view(dtype)": (x.view(tensord.int32), base.view(torch.int32)),
+        }
+        for what, (view, oracle) in views.items():
+            moved = view.to(f"{node_id(b)}/cpu")
+            assert moved.client.address == b.address, what  # a handle on b, in its session
+            assert moved.shape == tuple(oracle.shape) and moved.is_contiguous(), what
+            got = np.asarray(moved.numpy())
+            want = oracle.contiguous().numpy()
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), what
+        assert x.numpy().tobytes() == base.numpy().tobytes()  # the source is intact
+        # a copy of a copy, onward to a third node; dtype too
+        y = x.to(f"{node_id(b)}/cpu").to(f"{node_id(c)}/cpu", torch.float64)
+        assert y.client.address == c.address
+        np.testing.assert_array_equal(y.numpy(), base.double().numpy())
+        # the copy is b's own: the name put of it lives on b
+        on_a.put("moved", x.to(f"{node_id(b)}/cpu"))
+        assert on_c.get("moved").client.address == b.address
+        with pytest.raises(errors.NotFoundError, match="no live node 'nowhere'"):
+            x.to("nowhere/cpu")
+        same = x.to(f"{node_id(a)}/cpu")  # this node's own: a local copy
+        assert same.client is on_a and same.handle != x.handle
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_node_calls_need_the_cluster_secret(three_nodes: list[Node]) -> None:
+    import grpc
+    from tensord import schema as pb
+    from tensord.protocol import (
+        CHECKSUM_KEY,
+        NODE_TENANT_KEY,
+        NODE_TOKEN_KEY,
+        SESSION_KEY,
+        UPLOAD_HEADER_KEY,
+    )
+
+    _, b, _ = three_nodes
+    with connect(b) as on_b:
+        header = pb.UploadHeader(shape=[4], dtype="uint8", device="cpu", nbytes=4)
+        with grpc.insecure_channel(b.address) as channel:
+            upload = channel.stream_unary(
+                "/tensord.v1.Tensord/Upload",
+                request_serializer=bytes,
+                response_deserializer=pb.TensorMeta.FromString,
+            )
+
+            def send(*metadata: tuple[str, Any]) -> Any:
+                base = [
+                    (SESSION_KEY, on_b.session_id),
+                    (UPLOAD_HEADER_KEY, header.SerializeToString()),
+                ]
+                return upload(iter([b"\x01\x02\x03\x04"]), metadata=[*base, *metadata], timeout=10)
+
+            for metadata in (
+                [(NODE_TENANT_KEY, "alice")],  # no secret
+                [(NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, "wrong-secret-0123456789")],
+                # a tenant's token is no node credential
+                [(NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, "alice-token")],
+                [(NODE_TOKEN_KEY, CLUSTER_SECRET)],  # names no tenant
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    send(*metadata)
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, metadata
+                assert "node call refused" in refused.value.details()
+            # with the secret, as the tenant: the tenant's own session checks still apply
+            with pytest.raises(grpc.RpcError) as other:
+                send((NODE_TENANT_KEY, "bob"), (NODE_TOKEN_KEY, CLUSTER_SECRET))
+            assert other.value.code() is not grpc.StatusCode.OK
+            assert other.value.code() is not grpc.StatusCode.UNAUTHENTICATED
+            meta = send((NODE_TENANT_KEY, "alice"), (NODE_TOKEN_KEY, CLUSTER_SECRET))
+            assert meta.handle
+            # asked for it, the target answers the CRC-32 of the bytes it stored
+            header.checksum = True
+            meta, call = upload.with_call(
+                iter([b"\x01\x02", b"\x03\x04"]),
+                metadata=[
+                    (SESSION_KEY, on_b.session_id),
+                    (UPLOAD_HEADER_KEY, header.SerializeToString()),
+                    (NODE_TENANT_KEY, "alice"),
+                    (NODE_TOKEN_KEY, CLUSTER_SECRET),
+                ],
+                timeout=10,
+            )
+            trailers = dict(call.trailing_metadata())
+            assert int(trailers[CHECKSUM_KEY]) == zlib.crc32(b"\x01\x02\x03\x04")
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_node_without_the_secret_refuses_to_copy_and_to_be_copied_to(
+    etcd: EtcdServer, tokens_file: str
+) -> None:
+    other = str(Path(tokens_file).with_name("other-secret"))
+    Path(other).write_text("another-secret-0123456789\n")
+    a, b = start_nodes(etcd, tokens_file, "ab")
+    (c,) = start_nodes(etcd, tokens_file, "c", secret=other)
+    try:
+        with connect(a) as on_a, connect(c) as on_c:
+            x = on_a.arange(16)
+            with pytest.raises(errors.UnauthenticatedError, match="node call refused"):
+                x.to(f"{node_id(c)}/cpu")  # c holds another secret
+            with pytest.raises(errors.UnauthenticatedError, match="node call refused"):
+                on_c.arange(3).to(f"{node_id(b)}/cpu")
+            assert x.to(f"{node_id(b)}/cpu").tolist() == list(range(16))
+    finally:
+        for node in (a, b, c):
+            node.stop()
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_copy_to_another_node_obeys_its_limits(etcd: EtcdServer, tokens_file: str) -> None:
+    nodes = [
+        *start_nodes(etcd, tokens_file, "a"),
+        *start_nodes(etcd, tokens_file, "b", "--quota", "alice:cpu=1MiB"),
+    ]
+    a, b = nodes
+    try:
+        with connect(a) as on_a:
+            small = on_a.zeros(1024, dtype=tensord.uint8)
+            assert small.to(f"{node_id(b)}/cpu").shape == (1024,)
+            big = on_a.zeros(2 << 20, dtype=tensord.uint8)  # past alice's quota on b (and a)
+            with pytest.raises(errors.ResourceExhaustedError):
+                big.to(f"{node_id(b)}/cpu")
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_share_token_routes_itself_to_its_node(three_nodes: list[Node]) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c, connect(b, "bob") as bob:
+        data = np.arange(12, dtype=np.int64).reshape(3, 4)
+        x = on_a.tensor(data)
+        token = x[1:].share(uses=2)
+        assert token.startswith(f"{node_id(a)}~")  # it names its node
+        got = on_b.attach(token)  # a client of b: redirected to a, once
+        assert got.client.address == a.address
+        np.testing.assert_array_equal(got.numpy(), data[1:])
+        got[0, 0] = -1  # the same Storage as x's, on a
+        got.client.synchronize()  # the write was queued on the session on a
+        assert x[1, 0].item() == -1
+        with pytest.raises(errors.NotFoundError):
+            bob.attach(token)  # another tenant, on the owner as on one node
+        assert on_c.attach(token).client.address == a.address  # the second and last use
+        with pytest.raises(errors.NotFoundError, match="used"):
+            on_b.attach(token)
+        again = on_a.arange(3).share(uses=None)
+        assert on_b.attach(again).tolist() == [0, 1, 2]
+        assert on_a.revoke(again) is True
+        with pytest.raises(errors.NotFoundError):
+            on_c.attach(again)
+        with pytest.raises(errors.NotFoundError, match="not in the cluster"):
+            on_b.attach("gone-node~" + again.partition("~")[2])
+        local = on_b.arange(2).share()
+        assert on_b.attach(local).client is on_b  # b's own token: no redirect
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_paused_node_lapses_and_comes_back_as_a_new_incarnation(
+    three_nodes: list[Node],
+) -> None:
+    a, b, c = three_nodes
+    quick = tensord.connect(c.address, token="alice-token", local=False, call_timeout=1)
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c, quick:
+        on_b.put("on-b", on_b.arange(4))
+        assert on_c.get("on-b").tolist() == [0, 1, 2, 3]
+        held = quick.get("on-b")  # a handle on b's Storage
+        first = {n["node"]: n["incarnation"] for n in on_a.nodes()}[node_id(b)]
+        b.process.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        try:
+            # a paused node still holds its connections: a call waits out its timeout
+            with pytest.raises(errors.DeadlineExceededError):
+                held.tolist()
+            assert wait_until(lambda: "on-b" not in on_c.names(), timeout=LEASE_S * 2 + 3)
+            assert time.monotonic() - paused < LEASE_S + LEASE_S / 3 + 2.0
+            assert node_id(b) not in [n["node"] for n in on_a.nodes()]
+            with pytest.raises(errors.NodeLostError) as gone:
+                on_a.get("on-b")  # gone with b's lease, on every other node
+            assert gone.value.node == node_id(b)
+            with pytest.raises(errors.NotFoundError, match="no live node"):
+                on_a.arange(2).to(f"{node_id(b)}/cpu")
+            on_a.put("during", on_a.ones(1))  # the others serve on
+            assert on_c.get("during").tolist() == [1.0]
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+
+        def rejoined() -> bool:
+            listed = {n["node"]: n["incarnation"] for n in on_a.nodes()}
+            return listed.get(node_id(b)) not in (None, first)
+
+        assert wait_until(rejoined, timeout=LEASE_S * 3 + 3)  # a new incarnation
+        assert wait_until(lambda: _absent(on_b, "on-b"), timeout=5)  # b dropped it too
+        on_b.put("after", on_b.full((2,), 3.0))  # and takes new names again
+        assert on_a.get("after").tolist() == [3.0, 3.0]
+        assert on_a.arange(3).to(f"{node_id(b)}/cpu").tolist() == [0, 1, 2]
+
+
+def _absent(client: Any, name: str) -> bool:
+    try:
+        client.get(name)
+    except errors.NotFoundError:
+        return True
+    return False
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_cluster_recovers_when_etcd_comes_back(
+    make_etcd: Callable[[], EtcdServer], tokens_file: str
+) -> None:
+    etcd = make_etcd()
+    nodes = start_nodes(etcd, tokens_file, "ab")
+    try:
+        a, b = nodes
+        with connect(a) as on_a, connect(b) as on_b:
+            on_a.put("before", on_a.arange(3))
+            etcd.stop()
+            with pytest.raises(errors.ClusterUnavailableError, match="cannot reach etcd"):
+                on_b.put("while-down", on_b.ones(1))
+            with pytest.raises(errors.ClusterUnavailableError):
+                on_a.arange(2).to(f"{node_id(b)}/cpu")  # where b is, etcd says
+            time.sleep(LEASE_S + 1)  # past a whole lease unrenewed: the nodes lapse
+            etcd.restart()
+
+            def serving() -> bool:
+                try:
+                    on_b.put("after", on_b.ones(2), overwrite=True)
+                except errors.ClusterUnavailableError:
+                    return False
+                return True
+
+            assert wait_until(serving, timeout=LEASE_S * 3 + 5)
+            assert wait_until(lambda: len(on_a.nodes()) == 2, timeout=LEASE_S * 3 + 5)
+            assert on_a.get("after").client.address == b.address
+            assert on_a.get("after").tolist() == [1.0, 1.0]
+            assert on_a.arange(2).to(f"{node_id(b)}/cpu").tolist() == [0, 1]
     finally:
         for node in nodes:
             node.stop()

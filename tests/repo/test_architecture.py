@@ -119,7 +119,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         # what a handler uses: the codec, the status table, the workers, the fd socket
         (
             "parts",
-            ("$", "codec", "status", "binding", "tls", "executor", "fd_socket"),
+            ("$", "codec", "status", "binding", "tls", "executor", "fd_socket", "nodes"),
         ),
         ("handlers", ("handlers", "other_services")),
         ("calls", ("calls",)),

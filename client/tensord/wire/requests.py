@@ -472,6 +472,14 @@ def list_nodes() -> pb.ListNodesRequest:
     return pb.ListNodesRequest()
 
 
+def copy_to_node(
+    handle: str, node: str, device: str, target_session_id: str
+) -> pb.CopyToNodeRequest:
+    return pb.CopyToNodeRequest(
+        handle=handle, node=node, device=device, target_session_id=target_session_id
+    )
+
+
 # ---- the session and its queues (the connection's own) -------------------------------------
 
 

@@ -178,14 +178,17 @@ class Etcd:
         answer = self.call("listing", lambda s: s.kv.Range(request, timeout=self.timeout))
         return [(bytes(kv.key), bytes(kv.value)) for kv in answer.kvs], bool(answer.more)
 
-    def watch(self, prefix: bytes, start_revision: int) -> Iterator[list[Any]]:
-        """The events (rpc.Event) under ``prefix`` from ``start_revision`` (0: now), a
-        revision's batch at a time, until :meth:`stop_watching` or etcd is lost (then
+    def watch(
+        self, prefix: bytes, start_revision: int, prev_kv: bool = False
+    ) -> Iterator[list[Any]]:
+        """The events (rpc.Event) under ``prefix`` from ``start_revision`` (0: now), each
+        with the key's value before it with ``prev_kv``, a revision's batch at a time, until :meth:`stop_watching` or etcd is lost (then
         ClusterUnavailableError; CompactedError for a start etcd has compacted away)."""
         stubs = self.stubs
         create = rpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision
-        )
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
+            prev_kv=prev_kv,
+        )  # fmt: skip
         ended = threading.Event()
 
         def requests() -> Iterator[Any]:

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote, unquote
@@ -40,6 +41,9 @@ NAMES = PREFIX + b"names/"
 RENEWALS_PER_LEASE = 3
 # After a failed watch, wait this long before watching again.
 WATCH_RETRY_S = 0.5
+# Names of lost nodes remembered (for NodeLostError rather than NotFoundError), the
+# oldest forgotten first.
+MAX_LOST_NAMES = 65_536
 
 log = logging.getLogger("tensord.cluster")
 
@@ -89,6 +93,8 @@ class ClusterNode:
         self._lost: list[NameLost] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # (tenant, name) -> the node it was on when that node's lease lapsed
+        self._lost_names: OrderedDict[tuple[str, str], NameOwner] = OrderedDict()
 
     # ---- membership --------------------------------------------------------------------
 
@@ -225,15 +231,22 @@ class ClusterNode:
             )
         return sorted(records)
 
+    def lost_owner(self, tenant: str, name: str) -> NameOwner | None:
+        with self._lock:
+            return self._lost_names.get((tenant, name))
+
     def _watch_forever(self) -> None:
         """Tell the name table of each name this node held that another node replaced or
-        deleted (the table keeps its own newer claims)."""
+        deleted (the table keeps its own newer claims); remember the names that went with
+        another node's lapsed lease."""
         start = 0
         while not self._stop.is_set():
             try:
-                for events in self.etcd.watch(NAMES, start):
+                for events in self.etcd.watch(PREFIX, start, prev_kv=True):
+                    self._heard_lapses(events)
                     for event in events:
-                        self._heard(event)
+                        if bytes(event.kv.key).startswith(NAMES):
+                            self._heard(event)
                         start = int(event.kv.mod_revision) + 1
             except CompactedError as exc:
                 log.warning("cluster: %s; watching from now on", exc)
@@ -242,6 +255,37 @@ class ClusterNode:
                 if not self._stop.is_set():
                     log.warning("cluster: %s", exc)
                     self._stop.wait(WATCH_RETRY_S)
+
+    def _heard_lapses(self, events: list[Any]) -> None:
+        """The names deleted in the same revision as their owner's member record: etcd
+        deleted them together when that owner's lease lapsed (a lost node, not a delete).
+        A name claimed again is no longer lost."""
+        gone: dict[int, set[str]] = {}  # revision -> members deleted at it
+        for event in events:
+            key = bytes(event.kv.key)
+            if event.type == event.DELETE and key.startswith(NODES):
+                node = key[len(NODES) :].decode()
+                if node != self._node:  # this node's own names: it dropped them itself
+                    gone.setdefault(int(event.kv.mod_revision), set()).add(node)
+        with self._lock:
+            for event in events:
+                key = bytes(event.kv.key)
+                if not key.startswith(NAMES):
+                    continue
+                tenant_name = split_name_key(key)
+                if event.type != event.DELETE:
+                    self._lost_names.pop(tenant_name, None)
+                    continue
+                try:
+                    record = json.loads(event.prev_kv.value)
+                except ValueError:
+                    continue
+                if record.get("node") in gone.get(int(event.kv.mod_revision), ()):
+                    owner = NameOwner(str(record["node"]), str(record.get("address", "?")))
+                    self._lost_names[tenant_name] = owner
+                    self._lost_names.move_to_end(tenant_name)
+                    while len(self._lost_names) > MAX_LOST_NAMES:
+                        self._lost_names.popitem(last=False)
 
     def _heard(self, event: Any) -> None:
         if event.type == event.PUT:

@@ -67,3 +67,30 @@ def tenant_of(tokens: Mapping[str, str], authorization: str | None) -> str:
     if tenant is None:
         raise UnauthenticatedError("invalid token")
     return tenant
+
+
+def node_tenant(cluster_token: str | None, presented: str | None, tenant: str | None) -> str:
+    """The tenant a node-to-node call acts for: the one it names, if it presents the
+    cluster's secret; UnauthenticatedError when this node has none, or it is missing or
+    wrong (a tenant's token never stands in for it)."""
+    if cluster_token is None:
+        raise UnauthenticatedError(
+            "node call refused: this node has no cluster credential (--cluster-token-file)"
+        )
+    if not presented or not hmac.compare_digest(cluster_token.encode(), presented.encode()):
+        raise UnauthenticatedError("node call refused: missing or invalid cluster credential")
+    if tenant is None:
+        raise UnauthenticatedError("node call refused: it names no tenant")
+    return tenant
+
+
+def load_cluster_token(path: str | Path, tenant_tokens: Mapping[str, str] | None) -> str:
+    """The cluster's secret from its file (the first line, stripped); ValueError when it is
+    empty, shorter than 16 characters, or one of the tenants' tokens."""
+    lines = Path(path).read_text().splitlines()
+    token = lines[0].strip() if lines else ""
+    if len(token) < 16:
+        raise ValueError("the cluster token file must hold a secret of at least 16 characters")
+    if tenant_tokens is not None and token in tenant_tokens:
+        raise ValueError("the cluster token must not be a tenant's token (--auth-tokens)")
+    return token

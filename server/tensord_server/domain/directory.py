@@ -70,6 +70,12 @@ class NameDirectory(Protocol):
         """The live members, sorted by id."""
         ...
 
+    def lost_owner(self, tenant: str, name: str) -> NameOwner | None:
+        """The node ``name`` was on when that node's membership lapsed (it was lost, not
+        deleted), as long as the name was not claimed again since; None otherwise.  Told
+        from what this node heard, so it may forget (a bounded memory)."""
+        ...
+
     def on_name_lost(self, callback: NameLost) -> None:
         """Have ``callback`` told of names this node no longer owns (replaced by another
         node's ``put(..., overwrite=True)``, deleted on another node, or lapsed)."""

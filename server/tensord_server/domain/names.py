@@ -28,6 +28,7 @@ from typing import NamedTuple
 from tensord.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
+    NodeLostError,
     NotFoundError,
     OwnedElsewhereError,
     ResourceExhaustedError,
@@ -264,6 +265,15 @@ class TensorNames:
     def _elsewhere(self, tenant: str, name: str) -> Exception:
         """The error for a name this node does not hold: where it is, if the cluster has it."""
         owner = self.directory.owner(tenant, name) if self.directory is not None else None
+        if owner is None and self.directory is not None:
+            lost = self.directory.lost_owner(tenant, name)
+            if lost is not None:
+                return NodeLostError(
+                    f"the tensor named {name!r} was on node {lost.node!r} ({lost.address}), "
+                    "which left the cluster (it stopped, or its lease lapsed): the tensor went with it",
+                    node=lost.node,
+                    address=lost.address,
+                )
         if owner is None or self.directory is None or owner.node == self.directory.node:
             return NotFoundError(f"no tensor named {name!r}")
         return OwnedElsewhereError(

@@ -114,6 +114,9 @@ class TensorStore:
         )
         # token -> tenant; None: no authentication, every caller is tenant ""
         self.auth_tokens = dict(auth_tokens) if auth_tokens is not None else None
+        #: the cluster's shared secret that node-to-node calls present (--cluster-token-file;
+        #: None: this node accepts none)
+        self.cluster_token: str | None = None
         # same-host zero copy's books (the fd socket that serves them is the rpc layer's)
         self.exports = ExportTable(
             self.storages, self.sessions, tenants=self.auth_tokens is not None

@@ -55,8 +55,19 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 from tensord import schema as pb
-from tensord.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from tensord.protocol import AUTHORIZATION_KEY, SESSION_KEY
+from tensord.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from tensord.protocol import (
+    AUTHORIZATION_KEY,
+    CHECKSUM_KEY,
+    NODE_TENANT_KEY,
+    NODE_TOKEN_KEY,
+    SESSION_KEY,
+)
 
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
@@ -135,7 +146,18 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
 # Name calls that wait on the cluster's directory (a round trip to etcd) once the server
 # joined one: never on the loop then.
 CLUSTER_WORK = frozenset(
-    {"GetName", "PutName", "DeleteName", "GetNames", "PutNames", "DeleteNames", "GetNameExport"}
+    {
+        "GetName",
+        "PutName",
+        "DeleteName",
+        "GetNames",
+        "PutNames",
+        "DeleteNames",
+        "GetNameExport",
+        # a share token of another node: etcd says where that node is
+        "Attach",
+        "Revoke",
+    }
 )
 # Calls that may restore a spilled Storage (an export holds its bytes: a read from the disk
 # as large as the pool, and the spills that make its room) once the server has tiers:
@@ -310,9 +332,20 @@ class Calls:
 
     def authenticate(self, context: grpc.aio.ServicerContext) -> tuple[str, Hashable]:
         """(tenant, fairness key); UnauthenticatedError before anything else is done."""
+        metadata = context.invocation_metadata()
+        node_token = _metadata_value(metadata, NODE_TOKEN_KEY)
+        node_for = _metadata_value(metadata, NODE_TENANT_KEY)
+        if node_token is not None or node_for is not None:
+            # another node, acting for a tenant: the tenant's own limits and share apply
+            tenant = auth.node_tenant(self.store.cluster_token, node_token, node_for)
+            if self.store.auth_tokens is None:
+                if tenant:
+                    raise UnauthenticatedError("node call refused: this node has no tenants")
+                return "", ("peer", context.peer())
+            return tenant, ("tenant", tenant)
         if self.store.auth_tokens is None:
             return "", ("peer", context.peer())  # one trust domain: each connection its share
-        tenant = self.tenant_of(context.invocation_metadata())
+        tenant = self.tenant_of(metadata)
         return tenant, ("tenant", tenant)
 
     def tenant_of(self, metadata: Any) -> str:
@@ -624,11 +657,13 @@ class Calls:
                         await self.work.run(
                             call.key, functools.partial(sink.write, chunk), describe
                         )
-                reply = await self.work.run(
+                reply, checksum = await self.work.run(
                     call.key,
                     functools.partial(self.service.upload_finished, session, sink),
                     describe,
                 )
+            if checksum is not None:
+                context.set_trailing_metadata(((CHECKSUM_KEY, str(checksum)),))
             data = reply.SerializeToString()
             self.hold_answer(call, len(data))
             call.ended(grpc.StatusCode.OK)

@@ -13,6 +13,7 @@ same-host fd socket) runs the same method, with a context of the same shape.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,8 @@ from tensord import schema as pb
 from tensord.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
+    OwnedElsewhereError,
     ResourceExhaustedError,
     UnauthenticatedError,
 )
@@ -51,6 +54,13 @@ from tensord_server.rpc.codec import (
     encode_meta,
 )
 from tensord_server.rpc.fd_socket import FdSocket
+from tensord_server.rpc.nodes import NodeLink
+
+# Between a cluster's share token's node and the token itself: in neither a --node-id nor
+# a token (secrets.token_urlsafe).
+TOKEN_NODE_SEPARATOR = "~"
+# A cross-node copy's chunks: large, since each is one message between two servers.
+MAX_NODE_CHUNK_BYTES = 4 << 20
 
 M = TypeVar("M", bound=Message)
 
@@ -81,6 +91,8 @@ class TensordService:
         #: same-host zero copy's and the call channels' socket (the rpc layer makes it on
         #: the server's event loop; None where it could not)
         self.fd_socket: FdSocket | None = None
+        self._link: NodeLink | None = None
+        self._link_lock = threading.Lock()
 
     def _tenant(self, context: Any) -> str:
         return str(context.tenant)  # authenticated before the call was read (rpc.calls)
@@ -337,11 +349,17 @@ class TensordService:
             header.nbytes,
             header.requires_grad,
         )
+        sink.checksum_wanted = header.checksum
         return session, sink
 
-    def upload_finished(self, session: Session, sink: UploadSink) -> pb.TensorMeta:
+    def upload_finished(
+        self, session: Session, sink: UploadSink
+    ) -> tuple[pb.TensorMeta, int | None]:
+        """The new handle's reply, and the CRC-32 of its stored bytes when the header
+        asked for it (read back from the Storage before the handle is issued)."""
         with self.store.gate.call():
-            return self._reply(session, sink.finish())
+            checksum = sink.crc32() if sink.checksum_wanted else None
+            return self._reply(session, sink.finish()), checksum
 
     def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
@@ -359,18 +377,45 @@ class TensordService:
         token, ttl = self.store.share_tokens.share(
             session, request.handle, uses, request.ttl_seconds or None
         )
+        directory = self.store.names.directory
+        if directory is not None:  # in a cluster a token carries its node: it routes itself
+            token = f"{directory.node}{TOKEN_NODE_SEPARATOR}{token}"
         return pb.ShareResponse(token=token, ttl_seconds=ttl)
+
+    def _local_token(self, token: str) -> str:
+        """A share token as this node's table knows it: a token of another node of the
+        cluster is OwnedElsewhereError naming that node (the SDK follows it once, to the
+        owner, which checks the tenant as for any attach); one of a node no longer in the
+        cluster is NotFoundError."""
+        directory = self.store.names.directory
+        node, separator, local = token.partition(TOKEN_NODE_SEPARATOR)
+        if directory is None or not separator:
+            return token
+        if node == directory.node:
+            return local
+        owner = next((n for n in directory.nodes() if n.node == node), None)
+        if owner is None:
+            raise NotFoundError(
+                f"the share token's node {node!r} is not in the cluster (it was lost or "
+                "left): its tokens went with it"
+            )
+        raise OwnedElsewhereError(
+            f"the share token is node {node!r}'s ({owner.address})",
+            node=owner.node,
+            address=owner.address,
+        )
 
     @_unary
     def Revoke(self, request: pb.RevokeRequest, context: Any) -> pb.RevokeResponse:
-        return pb.RevokeResponse(
-            revoked=self.store.share_tokens.revoke(self._session(context), request.token)
-        )
+        session = self._session(context)
+        token = self._local_token(request.token)
+        return pb.RevokeResponse(revoked=self.store.share_tokens.revoke(session, token))
 
     @_unary
     def Attach(self, request: pb.AttachRequest, context: Any) -> pb.TensorMeta:
         session = self._session(context)
-        return self._reply(session, self.store.share_tokens.attach(session, request.token))
+        token = self._local_token(request.token)
+        return self._reply(session, self.store.share_tokens.attach(session, token))
 
     @_unary
     def PutName(self, request: pb.PutNameRequest, context: Any) -> pb.PutNameResponse:
@@ -496,6 +541,64 @@ class TensordService:
                 for n in directory.nodes()
             ],
         )
+
+    @_unary
+    def CopyToNode(self, request: pb.CopyToNodeRequest, context: Any) -> pb.TensorMeta:
+        """The tensor's bytes streamed from here to the node ``request.node`` (whose address
+        is etcd's, never the caller's), into the caller's session there; its handle there,
+        once the stored bytes' CRC-32 matched.  The source is only read."""
+        session = self._session(context)
+        directory = self.store.names.directory
+        if directory is None:
+            raise FailedPreconditionError(
+                "this server is not part of a cluster (tensord serve --cluster etcd://...)"
+            )
+        link = self.node_link()
+        if link is None:
+            raise FailedPreconditionError(
+                f"node {directory.node!r} has no cluster credential (--cluster-token-file): "
+                "it cannot copy to other nodes"
+            )
+        if request.node == directory.node:
+            raise InvalidArgumentError(
+                f"node {request.node!r} is this tensor's own node: use to({request.device!r})"
+            )
+        if not request.target_session_id or not request.device:
+            raise InvalidArgumentError("CopyToNode needs the device and the target session")
+        target = next((n for n in directory.nodes() if n.node == request.node), None)
+        if target is None:
+            raise NotFoundError(f"no live node {request.node!r} in the cluster")
+        ref = self.store.sessions.lookup(session, request.handle)
+        numel = ref.layout.numel
+        header = pb.UploadHeader(
+            shape=list(ref.layout.shape),
+            dtype=ref.dtype.name,
+            device=request.device,
+            nbytes=numel * ref.dtype.itemsize,
+            requires_grad=ref.requires_grad,
+        )
+        chunks = self.store.transfers.download(session, request.handle, MAX_NODE_CHUNK_BYTES)
+        try:
+            return link.send(
+                target.node,
+                target.address,
+                session.tenant,
+                request.target_session_id,
+                header,
+                chunks,
+            )
+        finally:
+            chunks.close()  # type: ignore[attr-defined]  # a generator: its hold ends
+
+    def node_link(self) -> NodeLink | None:
+        """The channels to the other nodes (None: this node has no cluster credential)."""
+        token = self.store.cluster_token
+        if token is None:
+            return None
+        with self._link_lock:
+            if self._link is None:
+                self._link = NodeLink(token)
+            return self._link
 
     # -- the pool -------------------------------------------------------------------
 

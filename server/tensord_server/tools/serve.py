@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -28,7 +29,7 @@ from tensord_server.cluster import (
 )
 from tensord_server.devices.descriptors import raise_descriptor_limit
 from tensord_server.devices.table import parse_bytes, resolve_specs
-from tensord_server.domain.auth import load_tokens
+from tensord_server.domain.auth import load_cluster_token, load_tokens
 from tensord_server.domain.call_gate import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
@@ -293,6 +294,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="the address other nodes' clients reach this server at (default: --address "
         "with its real port; its host if it names one)",
+    )
+    parser.add_argument(
+        "--cluster-token-file",
+        metavar="PATH",
+        default=os.environ.get("TENSORD_CLUSTER_TOKEN_FILE"),
+        help="a file whose first line is the cluster's shared secret (16+ characters, not a "
+        "tenant's token): the credential of node-to-node calls (cross-node copies); a node "
+        "without it neither makes nor accepts them (default: $TENSORD_CLUSTER_TOKEN_FILE)",
     )
     parser.add_argument(
         "--host-tier",
@@ -601,6 +610,11 @@ def run(args: argparse.Namespace) -> int:
         )
         specs = resolve_specs(args.devices, pinned_host=not args.no_pinned_host)
         tokens = read_auth_tokens(args.auth_tokens) if args.auth_tokens is not None else None
+        cluster_token = (
+            load_cluster_token(args.cluster_token_file, tokens)
+            if args.cluster_token_file is not None and args.cluster is not None
+            else None
+        )
         quotas = [parse_quota(text) for text in args.quotas]
         warm_reserve = None if args.warm_reserve is None else parse_bytes(args.warm_reserve)
         host_tier = None if args.host_tier is None else parse_host_tier(args.host_tier)
@@ -630,6 +644,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, FailedPreconditionError) as exc:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
+    store.cluster_token = cluster_token
     configure_pools(store, args.policy, warm_reserve, args.record_history)
     try:
         server, port = create_server(

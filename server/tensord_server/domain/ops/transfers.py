@@ -7,6 +7,7 @@ a chunk at a time.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 from tensord import dtypes
@@ -162,6 +163,8 @@ class UploadSink:
         )
         self._out: TensorRef | None = TensorRef(storage, layout, dtype, requires_grad)
         self.received = 0
+        #: whether the caller wants :meth:`crc32` of the stored bytes (a node's copy)
+        self.checksum_wanted = False
 
     def write(self, chunk: bytes) -> None:
         out = self._live()
@@ -183,6 +186,20 @@ class UploadSink:
                 src.segment.memory, src.offset + offset, dst.segment.memory, dst.offset, self.nbytes
             )
         self.received = self.nbytes
+
+    def crc32(self) -> int:
+        """The CRC-32 of the bytes written, read back from the Storage a chunk at a time
+        (what is stored, not what arrived)."""
+        out = self._live()
+        block, backend = out.storage.block, out.device.backend
+        crc = 0
+        with activate(out.device):
+            for start in range(0, self.received, DEFAULT_CHUNK_BYTES):
+                size = min(DEFAULT_CHUNK_BYTES, self.received - start)
+                crc = zlib.crc32(
+                    backend.read(block.segment.memory, block.offset + start, size), crc
+                )
+        return crc
 
     def finish(self) -> Issued:
         out = self._live()

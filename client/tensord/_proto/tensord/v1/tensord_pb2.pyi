@@ -493,18 +493,20 @@ class SetItemRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., index: _Optional[_Iterable[_Union[IndexItem, _Mapping]]] = ..., scalar: _Optional[_Union[Scalar, _Mapping]] = ..., src_handle: _Optional[str] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("shape", "dtype", "device", "nbytes", "requires_grad")
+    __slots__ = ("shape", "dtype", "device", "nbytes", "requires_grad", "checksum")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     device: str
     nbytes: int
     requires_grad: bool
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., nbytes: _Optional[int] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+    checksum: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., nbytes: _Optional[int] = ..., requires_grad: _Optional[bool] = ..., checksum: _Optional[bool] = ...) -> None: ...
 
 class RawChunk(_message.Message):
     __slots__ = ("data",)
@@ -673,6 +675,18 @@ class ListNamesResponse(_message.Message):
 class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CopyToNodeRequest(_message.Message):
+    __slots__ = ("handle", "node", "device", "target_session_id")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    node: str
+    device: str
+    target_session_id: str
+    def __init__(self, handle: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node", "address", "devices", "version", "incarnation")

@@ -204,6 +204,11 @@ class TensordStub:
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.CopyToNode = channel.unary_unary(
+                '/tensord.v1.Tensord/CopyToNode',
+                request_serializer=tensord_dot_v1_dot_tensord__pb2.CopyToNodeRequest.SerializeToString,
+                response_deserializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
+                _registered_method=True)
         self.MemoryStats = channel.unary_unary(
                 '/tensord.v1.Tensord/MemoryStats',
                 request_serializer=tensord_dot_v1_dot_tensord__pb2.DeviceRequest.SerializeToString,
@@ -529,6 +534,17 @@ class TensordServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyToNode(self, request, context):
+        """A copy of the tensor (any view, packed in logical order) on another node of the
+        cluster, in the caller's session there: this node streams the bytes to that node's
+        Upload as a node call (the cluster credential, the tenant named, the target
+        session's limits), checks the CRC-32 the target computed over the stored bytes, and
+        answers the target's handle. The source stays as it was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MemoryStats(self, request, context):
         """---- the pool ----------------------------------------------------------------
         """
@@ -823,6 +839,11 @@ def add_TensordServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.FromString,
                     response_serializer=tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'CopyToNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyToNode,
+                    request_deserializer=tensord_dot_v1_dot_tensord__pb2.CopyToNodeRequest.FromString,
+                    response_serializer=tensord_dot_v1_dot_tensord__pb2.TensorMeta.SerializeToString,
             ),
             'MemoryStats': grpc.unary_unary_rpc_method_handler(
                     servicer.MemoryStats,
@@ -1813,6 +1834,33 @@ class Tensord:
             '/tensord.v1.Tensord/ListNodes',
             tensord_dot_v1_dot_tensord__pb2.ListNodesRequest.SerializeToString,
             tensord_dot_v1_dot_tensord__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyToNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensord.v1.Tensord/CopyToNode',
+            tensord_dot_v1_dot_tensord__pb2.CopyToNodeRequest.SerializeToString,
+            tensord_dot_v1_dot_tensord__pb2.TensorMeta.FromString,
             options,
             channel_credentials,
             insecure,
