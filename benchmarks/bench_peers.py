@@ -9,7 +9,7 @@
 Every peer is one producer process and one consumer process, started with spawn; the
 consumer opens its own client and never sees the producer's handles.  tensord: a server
 started here on 127.0.0.1 (``tensord serve``, as bench_local.py and bench_rpc.py do), the
-producer ``client.put(name, client.tensor(array))``, the consumer
+producer ``client.put(name, array)``, the consumer
 ``np.from_dlpack(client.get(name))``.  Ray: ``ray.init`` in the producer (a local
 instance on 127.0.0.1, no dashboard, usage stats off, an object store sized for the
 largest rows), ``ray.put(array)``; its consumer is an actor (a Ray worker process) that is
@@ -92,6 +92,12 @@ def small_names(count: int) -> list[str]:
     return [f"bench-peers-small-{i}" for i in range(count)]
 
 
+def chunks(names: list[str], size: int) -> Iterator[list[str]]:
+    """``names`` in runs of at most ``size`` (a batch call's item limit)."""
+    for start in range(0, len(names), size):
+        yield names[start : start + size]
+
+
 def source(sources: dict[int, np.ndarray], nbytes: int) -> np.ndarray:
     """The producer's array of ``nbytes`` (made once, outside any timing)."""
     if nbytes not in sources:
@@ -117,6 +123,7 @@ class TensordProducer:
 
         self.version = tensord.__version__
         self.client = tensord.connect(address)
+        self.batch = tensord.protocol.MAX_NAME_ITEMS
         self.sources: dict[int, np.ndarray] = {}
 
     def info(self) -> dict[str, Any]:
@@ -126,7 +133,7 @@ class TensordProducer:
     def put(self, key: str, nbytes: int) -> float:
         array = source(self.sources, nbytes)
         start = time.perf_counter()
-        self.client.put(key, self.client.tensor(array))
+        self.client.put(key, array)
         elapsed = time.perf_counter() - start
         self.client.flush()  # the dropped handle's release, outside the timing
         return elapsed
@@ -140,10 +147,11 @@ class TensordProducer:
         array, names, client = source(self.sources, SMALL), small_names(count), self.client
         start = time.perf_counter()
         if batched:
-            client.put_many({name: client.tensor(array) for name in names})
+            for chunk in chunks(names, self.batch):
+                client.put_many(dict.fromkeys(chunk, array))
         else:
             for name in names:
-                client.put(name, client.tensor(array))
+                client.put(name, array)
         elapsed = time.perf_counter() - start
         client.flush()
         return elapsed / count
@@ -156,7 +164,8 @@ class TensordProducer:
             return None
         start = time.perf_counter()
         if batched:
-            self.client.delete_many(names)
+            for chunk in chunks(names, self.batch):
+                self.client.delete_many(chunk)
         else:
             for name in names:
                 self.client.delete(name)
@@ -171,6 +180,7 @@ class TensordConsumer:
         import tensord
 
         self.client = tensord.connect(address)  # its own session: no producer handle
+        self.batch = tensord.protocol.MAX_NAME_ITEMS
         self.dlpack = True  # np.from_dlpack; x.numpy() once DLPack proves impossible here
 
     def info(self) -> dict[str, Any]:
@@ -198,7 +208,11 @@ class TensordConsumer:
         names, client = small_names(count), self.client
         start = time.perf_counter()
         if batched:
-            firsts = [int(self.array(x)[0]) for x in client.get_many(names)]
+            firsts = [
+                int(self.array(x)[0])
+                for chunk in chunks(names, self.batch)
+                for x in client.get_many(chunk)
+            ]
         else:
             firsts = [int(self.array(client.get(name))[0]) for name in names]
         elapsed = time.perf_counter() - start
