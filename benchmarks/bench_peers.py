@@ -26,9 +26,11 @@ reversed every other round), a value per round, the median and range of the roun
   unrecorded) and after every peer sat idle for ``--pause`` seconds (default 4);
 - get to first byte: from the name or ref to a NumPy array whose first byte was read;
 - 10,000 (``--objects``) 4 KiB puts, gets and deletes, one call each and batched (tensord's
-  ``put_many``, ``get_many``, ``delete_many`` where the Client has them, else "not
-  available"; Ray: ``ray.get(list)``, no batch put, so its batched put row is the loop
-  again; deletes drop the refs, which Ray frees asynchronously), per object;
+  ``put_many`` in runs of ``MAX_STAGED_ITEMS``, ``get_many`` and ``delete_many`` in runs of
+  ``MAX_NAME_ITEMS``, where the Client has them, else "not available"; Ray:
+  ``ray.get(list)``, no batch put, so its batched put row is the loop again; deletes drop
+  the refs, which Ray frees asynchronously, and tensord's are queued, ``wait=False``, the
+  flush after them untimed), per object;
 - the service's idle RSS (the tensord server; Ray's processes but its workers, the
   consumer actor among them), the CPU it takes while every peer is paused, and the
   anonymous RSS each small object adds to the service and to the producer (the objects'
@@ -124,6 +126,8 @@ class TensordProducer:
         self.version = tensord.__version__
         self.client = tensord.connect(address)
         self.batch = tensord.protocol.MAX_NAME_ITEMS
+        # a put_many stages at most this many arrays through the mapping (the rest upload)
+        self.staged = tensord.protocol.MAX_STAGED_ITEMS
         self.sources: dict[int, np.ndarray] = {}
 
     def info(self) -> dict[str, Any]:
@@ -147,7 +151,7 @@ class TensordProducer:
         array, names, client = source(self.sources, SMALL), small_names(count), self.client
         start = time.perf_counter()
         if batched:
-            for chunk in chunks(names, self.batch):
+            for chunk in chunks(names, self.staged):
                 client.put_many(dict.fromkeys(chunk, array))
         else:
             for name in names:
@@ -162,14 +166,18 @@ class TensordProducer:
             for name in names:  # the objects go all the same, untimed
                 self.client.delete(name)
             return None
+        # queued (wait=False), as Ray frees a dropped ref's object asynchronously; the
+        # flush after, untimed, waits until the server applied them and raises their errors
         start = time.perf_counter()
         if batched:
             for chunk in chunks(names, self.batch):
-                self.client.delete_many(chunk)
+                self.client.delete_many(chunk, wait=False)
         else:
             for name in names:
-                self.client.delete(name)
-        return (time.perf_counter() - start) / count
+                self.client.delete(name, wait=False)
+        elapsed = time.perf_counter() - start
+        self.client.flush()
+        return elapsed / count
 
     def close(self) -> None:
         self.client.close()
