@@ -737,18 +737,34 @@ class Client:
 
         All or nothing: a name that does not exist raises its item's error (its text
         prefixed ``item N ('name'): ``) and no handle is made.  At most
-        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  In a cluster, names another
-        node holds are got one by one from their nodes.
+        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  On the server's host the one
+        call also brings every Storage's export, held for the reads after it as ``get``'s
+        (none when the session has no room for them: the handles stand).  In a cluster,
+        names another node holds are got one by one from their nodes.
         """
         wanted = [_text("name", n) for n in names]
         check_limit(len(wanted), "MAX_NAME_ITEMS", "get_many() got {} names")
         if not wanted:
             return []
         try:
-            answer = self._conn.call("GetNames", requests.get_names(wanted), self._release_all_got)
+            answer = self._get_many_here(wanted)
         except errors.OwnedElsewhereError:
             return [self.get(n) for n in wanted]
         return [self._wrap(meta) for meta in answer.tensors]
+
+    def _get_many_here(self, names: list[str]) -> Any:
+        """GetNames on this client's own server; on its host with the exports in the same
+        answer (held for the reads after, as ``get``'s)."""
+        if self._local.enabled:
+            try:
+                return self._local.get_many_exported(names)
+            except errors.ResourceExhaustedError:
+                # the session is full, what the client keeps for itself among what fills
+                # it, as in _get_here: that goes, and the get is made again without exports
+                if not (self._local.let_go(every=True) | self._stagings.clear()):
+                    raise
+                self._conn.flush_releases()
+        return self._conn.call("GetNames", requests.get_names(names), self._release_all_got)
 
     def _release_all_got(self, answer: Any) -> None:
         """A GetNames answer its interrupted caller never saw: its handles go back."""

@@ -95,6 +95,46 @@ def test_a_gets_export_is_held_for_the_reads_after_it_then_let_go(server: Any, c
     client.delete("pinned-get")
 
 
+def test_a_same_host_get_many_brings_every_export_in_its_one_call(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    arrays = {f"many-{i}": np.arange(i, i + 6, dtype=np.float32).reshape(2, 3) for i in range(20)}
+    client.put_many({**arrays, "many-warm": [0.0]})
+    with tensord.connect(server.address) as reader:  # its own session: no handle of the put
+        reader.get("many-warm").numpy()  # maps the pool's segment
+        before = held_exports(server)
+        calls = record_calls(reader, monkeypatch)
+        got = reader.get_many(list(arrays))
+        assert held_exports(server) == before + len(arrays)
+        aliases = [np.from_dlpack(x) for x in got]
+        assert calls == ["GetNames"]
+        for alias, x, expected in zip(aliases, got, arrays.values(), strict=True):
+            np.testing.assert_array_equal(alias, expected)
+            assert torch.equal(torch.from_dlpack(x.t()), torch.from_numpy(expected).t())
+        assert calls == ["GetNames"]
+        del aliases, got
+        assert wait_until(lambda: not reader._local._prefetched, timeout=PREFETCH_HOLD_S + 5)
+        reader.flush()
+        assert wait_until(lambda: held_exports(server) <= before, timeout=5)
+    client.delete_many([*arrays, "many-warm"])
+
+
+def test_a_get_many_past_the_handle_limit_still_gets_without_exports(make_server: Any) -> None:
+    limit = 24
+    running = make_server(max_handles_per_session=limit)
+    with tensord.connect(running.address) as client:
+        names = [f"h{i}" for i in range(limit - 4)]
+        client.put_many({n: [i, i] for i, n in enumerate(names)})
+        client.flush()
+        # handles and exports together pass the limit: the exports are refused, the gets stand
+        got = client.get_many(names)
+        assert len(client._local._prefetched) == 0
+        assert "max-handles-per-session" in client._local.last_refusal
+        assert [t.tolist() for t in got] == [[i, i] for i in range(len(names))]
+        del got
+        client.delete_many(names)
+
+
 def test_a_got_tensor_resizes_at_once_as_a_tensor_got_by_get_name_would(client: Any) -> None:
     client.put("grows", np.arange(4, dtype=np.float32))
     x = client.get("grows")  # its export held for the reads after it

@@ -597,16 +597,26 @@ class PutNamesResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetNamesRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "export", "server_instance", "mapped_segments")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    export: bool
+    server_instance: str
+    mapped_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., export: _Optional[bool] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetNamesResponse(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "exports", "export_refusal")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    exports: _containers.RepeatedCompositeFieldContainer[ExportResponse]
+    export_refusal: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., exports: _Optional[_Iterable[_Union[ExportResponse, _Mapping]]] = ..., export_refusal: _Optional[str] = ...) -> None: ...
 
 class DeleteNamesRequest(_message.Message):
     __slots__ = ("names",)
