@@ -95,6 +95,34 @@ def test_a_gets_export_is_held_for_the_reads_after_it_then_let_go(server: Any, c
     client.delete("pinned-get")
 
 
+def test_a_got_tensor_dropped_unread_unpins_its_storage_with_its_release(
+    server: Any, client: Any
+) -> None:
+    client.put_many({"dropped-get": [1.0, 2.0], "dropped-many": [3.0]})
+    client.flush()
+    before = held_exports(server)
+    x = client.get("dropped-get")
+    kept = client.get("dropped-get")
+    assert held_exports(server) == before + 1
+    del x  # another tensor of the Storage keeps the hold
+    client.flush()
+    assert held_exports(server) == before + 1
+    del kept
+    client.flush()
+    assert held_exports(server) == before  # at once, not PREFETCH_HOLD_S later
+    got = client.get_many(["dropped-get", "dropped-many"])
+    assert held_exports(server) == before + 2
+    alias = np.from_dlpack(got[1])
+    del got
+    client.flush()
+    assert held_exports(server) == before + 1  # the array holds its own
+    assert alias.tolist() == [3.0]
+    del alias
+    client.flush()
+    assert held_exports(server) == before
+    client.delete_many(["dropped-get", "dropped-many"])
+
+
 def test_a_same_host_get_many_brings_every_export_in_its_one_call(
     server: Any, client: Any, monkeypatch: Any
 ) -> None:
@@ -384,6 +412,18 @@ def test_a_delete_that_does_not_wait_is_queued_with_the_pipelined_ops(
     assert not {"DeleteName", "DeleteNames"} & set(calls)  # they went in the Batch
     assert "queued-delete" not in client.names()
     assert x.tolist() == [1.0, 1.0, 1.0]  # the write queued before it was applied
+
+
+def test_a_delete_many_that_does_not_wait_is_one_queued_op_all_or_nothing(client: Any) -> None:
+    client.put_many({"dm-1": [1], "dm-2": [2]})
+    client.delete_many(["dm-1", "dm-missing"], wait=False)
+    assert len(client._conn._queue) == 1
+    with pytest.raises(NotFoundError, match=r"item 1 \('dm-missing'\)"):
+        client.synchronize()
+    assert {"dm-1", "dm-2"} <= set(client.names())  # neither deleted
+    client.delete_many(["dm-1", "dm-2"], wait=False)
+    client.synchronize()
+    assert not {"dm-1", "dm-2"} & set(client.names())
 
 
 def test_without_pipelining_a_delete_that_does_not_wait_is_a_call(

@@ -452,3 +452,20 @@ def test_a_flush_with_nothing_to_send_stays_on_the_main_thread(
     assert len(hops) == 1
     assert server.daemon.sessions.handle_count(session) == before + 1
     assert row.numpy().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_queued_name_deletes_are_split_into_batches_the_server_takes() -> None:
+    from tensord.protocol import MAX_NAME_ITEMS, MAX_REQUEST_ITEMS
+    from tensord.wire import pipeline, requests
+
+    names = [f"n{i}" for i in range(MAX_NAME_ITEMS)]
+    op = pipeline.QueuedOp(
+        "DeleteNames", "delete_many", "n0", requests.delete_names(names), (), None
+    )
+    count = MAX_REQUEST_ITEMS // MAX_NAME_ITEMS + 2
+    parts = pipeline.batch_parts([op] * count, [])
+    assert sum(len(part) for part, _ in parts) == count
+    for part, _ in parts:
+        assert sum(len(queued.message.names) for queued in part) <= pipeline.MAX_BATCH_NAMES
+        assert pipeline.MAX_BATCH_NAMES < MAX_REQUEST_ITEMS
+        assert requests.batch(part, []).ByteSize() > 0

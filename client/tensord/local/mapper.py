@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensord import errors
 from tensord import schema as pb
@@ -236,6 +236,23 @@ class LocalMapper:
                 spare.append(self._prefetched.pop(next(iter(self._prefetched))))
         del spare  # an export let go is released once no array uses it
         return export
+
+    def hold_while(self, tensor: Any, storage_id: str) -> None:
+        """The export a get brought for ``tensor`` (of the Storage ``storage_id``) is held
+        no longer than ``tensor`` lives: dropped unread, it unpins the Storage with its
+        handle's release (a name deleted next frees its memory for the next put, rather than
+        a second later), where only an array over it (which holds it itself) keeps it."""
+        key = (self._conn.session_id, storage_id)
+        with self._lock:
+            held = self._prefetched.get(key)
+        if held is not None:
+            weakref.finalize(tensor, self._tensor_gone, key, weakref.ref(held[1]))
+
+    def _tensor_gone(self, key: tuple[str, str], export: weakref.ref[Export]) -> None:
+        with self._lock:
+            held = self._prefetched.get(key)
+            gone = self._prefetched.pop(key) if held is not None and held[1] is export() else None
+        del gone  # (outside the lock: an export let go may end here, and its end locks)
 
     def let_go(self, storage_id: str | None = None, *, every: bool = False) -> bool:
         """Stop holding the exports gets brought: of the Storage ``storage_id`` now (before

@@ -558,6 +558,7 @@ _BATCH_FIELDS = {
     "SetItem": "set_item",
     "Reshape": "reshape",
     "DeleteName": "delete_name",
+    "DeleteNames": "delete_names",
 }
 
 

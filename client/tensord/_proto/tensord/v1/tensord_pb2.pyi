@@ -867,7 +867,7 @@ class EmptyExportResponse(_message.Message):
     def __init__(self, export: _Optional[_Union[ExportResponse, _Mapping]] = ..., released_exports: _Optional[_Union[ReleaseExportsResponse, _Mapping]] = ...) -> None: ...
 
 class BatchOp(_message.Message):
-    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "delete_name", "results")
+    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "delete_name", "delete_names", "results")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
@@ -875,6 +875,7 @@ class BatchOp(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     RESHAPE_FIELD_NUMBER: _ClassVar[int]
     DELETE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DELETE_NAMES_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     view: ViewRequest
     fill: FillRequest
@@ -883,8 +884,9 @@ class BatchOp(_message.Message):
     release: ReleaseRequest
     reshape: ReshapeRequest
     delete_name: DeleteNameRequest
+    delete_names: DeleteNamesRequest
     results: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., delete_name: _Optional[_Union[DeleteNameRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., delete_name: _Optional[_Union[DeleteNameRequest, _Mapping]] = ..., delete_names: _Optional[_Union[DeleteNamesRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
     __slots__ = ("ops",)
