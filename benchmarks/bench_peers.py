@@ -9,7 +9,7 @@
 Every peer is one producer process and one consumer process, started with spawn; the
 consumer opens its own client and never sees the producer's handles.  tensord: a server
 started here on 127.0.0.1 (``tensord serve``, as bench_local.py and bench_rpc.py do), the
-producer ``client.put(name, client.tensor(array))``, the consumer
+producer ``client.put(name, array)``, the consumer
 ``np.from_dlpack(client.get(name))``.  Ray: ``ray.init`` in the producer (a local
 instance on 127.0.0.1, no dashboard, usage stats off, an object store sized for the
 largest rows), ``ray.put(array)``; its consumer is an actor (a Ray worker process) that is
@@ -26,9 +26,11 @@ reversed every other round), a value per round, the median and range of the roun
   unrecorded) and after every peer sat idle for ``--pause`` seconds (default 4);
 - get to first byte: from the name or ref to a NumPy array whose first byte was read;
 - 10,000 (``--objects``) 4 KiB puts, gets and deletes, one call each and batched (tensord's
-  ``put_many``, ``get_many``, ``delete_many`` where the Client has them, else "not
-  available"; Ray: ``ray.get(list)``, no batch put, so its batched put row is the loop
-  again; deletes drop the refs, which Ray frees asynchronously), per object;
+  ``put_many`` in runs of ``MAX_STAGED_ITEMS``, ``get_many`` and ``delete_many`` in runs of
+  ``MAX_NAME_ITEMS``, where the Client has them, else "not available"; Ray:
+  ``ray.get(list)``, no batch put, so its batched put row is the loop again; deletes drop
+  the refs, which Ray frees asynchronously, and tensord's are queued, ``wait=False``, the
+  flush after them untimed), per object;
 - the service's idle RSS (the tensord server; Ray's processes but its workers, the
   consumer actor among them), the CPU it takes while every peer is paused, and the
   anonymous RSS each small object adds to the service and to the producer (the objects'
@@ -92,6 +94,12 @@ def small_names(count: int) -> list[str]:
     return [f"bench-peers-small-{i}" for i in range(count)]
 
 
+def chunks(names: list[str], size: int) -> Iterator[list[str]]:
+    """``names`` in runs of at most ``size`` (a batch call's item limit)."""
+    for start in range(0, len(names), size):
+        yield names[start : start + size]
+
+
 def source(sources: dict[int, np.ndarray], nbytes: int) -> np.ndarray:
     """The producer's array of ``nbytes`` (made once, outside any timing)."""
     if nbytes not in sources:
@@ -117,6 +125,9 @@ class TensordProducer:
 
         self.version = tensord.__version__
         self.client = tensord.connect(address)
+        self.batch = tensord.protocol.MAX_NAME_ITEMS
+        # a put_many stages at most this many arrays through the mapping (the rest upload)
+        self.staged = tensord.protocol.MAX_STAGED_ITEMS
         self.sources: dict[int, np.ndarray] = {}
 
     def info(self) -> dict[str, Any]:
@@ -126,7 +137,7 @@ class TensordProducer:
     def put(self, key: str, nbytes: int) -> float:
         array = source(self.sources, nbytes)
         start = time.perf_counter()
-        self.client.put(key, self.client.tensor(array))
+        self.client.put(key, array)
         elapsed = time.perf_counter() - start
         self.client.flush()  # the dropped handle's release, outside the timing
         return elapsed
@@ -140,10 +151,11 @@ class TensordProducer:
         array, names, client = source(self.sources, SMALL), small_names(count), self.client
         start = time.perf_counter()
         if batched:
-            client.put_many({name: client.tensor(array) for name in names})
+            for chunk in chunks(names, self.staged):
+                client.put_many(dict.fromkeys(chunk, array))
         else:
             for name in names:
-                client.put(name, client.tensor(array))
+                client.put(name, array)
         elapsed = time.perf_counter() - start
         client.flush()
         return elapsed / count
@@ -154,13 +166,18 @@ class TensordProducer:
             for name in names:  # the objects go all the same, untimed
                 self.client.delete(name)
             return None
+        # queued (wait=False), as Ray frees a dropped ref's object asynchronously; the
+        # flush after, untimed, waits until the server applied them and raises their errors
         start = time.perf_counter()
         if batched:
-            self.client.delete_many(names)
+            for chunk in chunks(names, self.batch):
+                self.client.delete_many(chunk, wait=False)
         else:
             for name in names:
-                self.client.delete(name)
-        return (time.perf_counter() - start) / count
+                self.client.delete(name, wait=False)
+        elapsed = time.perf_counter() - start
+        self.client.flush()
+        return elapsed / count
 
     def close(self) -> None:
         self.client.close()
@@ -171,6 +188,7 @@ class TensordConsumer:
         import tensord
 
         self.client = tensord.connect(address)  # its own session: no producer handle
+        self.batch = tensord.protocol.MAX_NAME_ITEMS
         self.dlpack = True  # np.from_dlpack; x.numpy() once DLPack proves impossible here
 
     def info(self) -> dict[str, Any]:
@@ -198,7 +216,11 @@ class TensordConsumer:
         names, client = small_names(count), self.client
         start = time.perf_counter()
         if batched:
-            firsts = [int(self.array(x)[0]) for x in client.get_many(names)]
+            firsts = [
+                int(self.array(x)[0])
+                for chunk in chunks(names, self.batch)
+                for x in client.get_many(chunk)
+            ]
         else:
             firsts = [int(self.array(client.get(name))[0]) for name in names]
         elapsed = time.perf_counter() - start

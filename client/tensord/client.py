@@ -745,25 +745,48 @@ class Client:
             got = None
         if got is None:
             return self._wrap(self._call("GetName", requests.get_name(name)))
-        return self._wrap(got[0])  # its export stays with the mapper for the reads after
+        tensor = self._wrap(got[0])  # its export stays with the mapper for the reads after
+        if got[1] is not None:
+            self._local.hold_while(tensor, got[0].storage_id)  # ... while the tensor lives
+        return tensor
 
     def get_many(self, names: Iterable[str]) -> list[Tensor]:
         """``get`` of every name in one call (GetNames): this session's handles, in order.
 
         All or nothing: a name that does not exist raises its item's error (its text
         prefixed ``item N ('name'): ``) and no handle is made.  At most
-        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  In a cluster, names another
-        node holds are got one by one from their nodes.
+        ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  On the server's host the one
+        call also brings every Storage's export, held for the reads after it as ``get``'s
+        (none when the session has no room for them: the handles stand).  In a cluster,
+        names another node holds are got one by one from their nodes.
         """
         wanted = [_text("name", n) for n in names]
         check_limit(len(wanted), "MAX_NAME_ITEMS", "get_many() got {} names")
         if not wanted:
             return []
         try:
-            answer = self._conn.call("GetNames", requests.get_names(wanted), self._release_all_got)
+            answer = self._get_many_here(wanted)
         except errors.OwnedElsewhereError:
             return [self.get(n) for n in wanted]
-        return [self._wrap(meta) for meta in answer.tensors]
+        tensors = [self._wrap(meta) for meta in answer.tensors]
+        if answer.exports:
+            for tensor, meta in zip(tensors, answer.tensors, strict=True):
+                self._local.hold_while(tensor, meta.storage_id)
+        return tensors
+
+    def _get_many_here(self, names: list[str]) -> Any:
+        """GetNames on this client's own server; on its host with the exports in the same
+        answer (held for the reads after, as ``get``'s)."""
+        if self._local.enabled:
+            try:
+                return self._local.get_many_exported(names)
+            except errors.ResourceExhaustedError:
+                # the session is full, what the client keeps for itself among what fills
+                # it, as in _get_here: that goes, and the get is made again without exports
+                if not (self._local.let_go(every=True) | self._stagings.clear()):
+                    raise
+                self._conn.flush_releases()
+        return self._conn.call("GetNames", requests.get_names(names), self._release_all_got)
 
     def _release_all_got(self, answer: Any) -> None:
         """A GetNames answer its interrupted caller never saw: its handles go back."""
@@ -797,18 +820,19 @@ class Client:
         All or nothing: a name that does not exist (or appears twice) raises its item's
         error, its text prefixed ``item N ('name'): ``, and no name is deleted.  At most
         ``tensord.protocol.MAX_NAME_ITEMS`` (1,024) names.  ``wait=False`` with
-        pipelining queues one delete per name, as ``delete`` does (each its own: not all
-        or nothing then).  In a cluster every name must be this client's node's: one
+        pipelining queues the one delete of them all, as ``delete`` queues its one (all or
+        nothing still; its error is raised at the next call that waits).  In a cluster every name must be this client's node's: one
         another node holds fails its item with OwnedElsewhereError (``delete`` follows it).
         """
         doomed = [_text("name", n) for n in names]
         check_limit(len(doomed), "MAX_NAME_ITEMS", "delete_many() got {} names")
-        if not wait and self._conn.pipelining:
-            for name in doomed:
-                self._conn.enqueue("DeleteName", "delete", name, requests.delete_name(name))
+        if not doomed:
             return
-        if doomed:
-            self._call("DeleteNames", requests.delete_names(doomed))
+        if not wait and self._conn.pipelining:
+            what = f"{doomed[0]!r} and {len(doomed) - 1} more" if len(doomed) > 1 else doomed[0]
+            self._conn.enqueue("DeleteNames", "delete_many", what, requests.delete_names(doomed))
+            return
+        self._call("DeleteNames", requests.delete_names(doomed))
 
     def nodes(self) -> list[dict[str, Any]]:
         """The live nodes of the cluster this client's server joined, sorted by id.

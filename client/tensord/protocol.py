@@ -104,6 +104,7 @@ LIST_LIMITS: dict[str, tuple[int, str]] = {
     "GetNamesRequest.names": (MAX_NAME_ITEMS, "MAX_NAME_ITEMS"),
     "DeleteNamesRequest.names": (MAX_NAME_ITEMS, "MAX_NAME_ITEMS"),
     "GetNameExportRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
+    "GetNamesRequest.mapped_segments": (MAX_MAPPED_SEGMENTS, "MAX_MAPPED_SEGMENTS"),
 }
 _WIRE_LIMIT = (MAX_LIST_LEN, "MAX_LIST_LEN")
 

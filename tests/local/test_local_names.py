@@ -95,6 +95,74 @@ def test_a_gets_export_is_held_for_the_reads_after_it_then_let_go(server: Any, c
     client.delete("pinned-get")
 
 
+def test_a_got_tensor_dropped_unread_unpins_its_storage_with_its_release(
+    server: Any, client: Any
+) -> None:
+    client.put_many({"dropped-get": [1.0, 2.0], "dropped-many": [3.0]})
+    client.flush()
+    before = held_exports(server)
+    x = client.get("dropped-get")
+    kept = client.get("dropped-get")
+    assert held_exports(server) == before + 1
+    del x  # another tensor of the Storage keeps the hold
+    client.flush()
+    assert held_exports(server) == before + 1
+    del kept
+    client.flush()
+    assert held_exports(server) == before  # at once, not PREFETCH_HOLD_S later
+    got = client.get_many(["dropped-get", "dropped-many"])
+    assert held_exports(server) == before + 2
+    alias = np.from_dlpack(got[1])
+    del got
+    client.flush()
+    assert held_exports(server) == before + 1  # the array holds its own
+    assert alias.tolist() == [3.0]
+    del alias
+    client.flush()
+    assert held_exports(server) == before
+    client.delete_many(["dropped-get", "dropped-many"])
+
+
+def test_a_same_host_get_many_brings_every_export_in_its_one_call(
+    server: Any, client: Any, monkeypatch: Any
+) -> None:
+    arrays = {f"many-{i}": np.arange(i, i + 6, dtype=np.float32).reshape(2, 3) for i in range(20)}
+    client.put_many({**arrays, "many-warm": [0.0]})
+    with tensord.connect(server.address) as reader:  # its own session: no handle of the put
+        reader.get("many-warm").numpy()  # maps the pool's segment
+        before = held_exports(server)
+        calls = record_calls(reader, monkeypatch)
+        got = reader.get_many(list(arrays))
+        assert held_exports(server) == before + len(arrays)
+        aliases = [np.from_dlpack(x) for x in got]
+        assert calls == ["GetNames"]
+        for alias, x, expected in zip(aliases, got, arrays.values(), strict=True):
+            np.testing.assert_array_equal(alias, expected)
+            assert torch.equal(torch.from_dlpack(x.t()), torch.from_numpy(expected).t())
+        assert calls == ["GetNames"]
+        del aliases, got
+        assert wait_until(lambda: not reader._local._prefetched, timeout=PREFETCH_HOLD_S + 5)
+        reader.flush()
+        assert wait_until(lambda: held_exports(server) <= before, timeout=5)
+    client.delete_many([*arrays, "many-warm"])
+
+
+def test_a_get_many_past_the_handle_limit_still_gets_without_exports(make_server: Any) -> None:
+    limit = 24
+    running = make_server(max_handles_per_session=limit)
+    with tensord.connect(running.address) as client:
+        names = [f"h{i}" for i in range(limit - 4)]
+        client.put_many({n: [i, i] for i, n in enumerate(names)})
+        client.flush()
+        # handles and exports together pass the limit: the exports are refused, the gets stand
+        got = client.get_many(names)
+        assert len(client._local._prefetched) == 0
+        assert "max-handles-per-session" in client._local.last_refusal
+        assert [t.tolist() for t in got] == [[i, i] for i in range(len(names))]
+        del got
+        client.delete_many(names)
+
+
 def test_a_got_tensor_resizes_at_once_as_a_tensor_got_by_get_name_would(client: Any) -> None:
     client.put("grows", np.arange(4, dtype=np.float32))
     x = client.get("grows")  # its export held for the reads after it
@@ -344,6 +412,18 @@ def test_a_delete_that_does_not_wait_is_queued_with_the_pipelined_ops(
     assert not {"DeleteName", "DeleteNames"} & set(calls)  # they went in the Batch
     assert "queued-delete" not in client.names()
     assert x.tolist() == [1.0, 1.0, 1.0]  # the write queued before it was applied
+
+
+def test_a_delete_many_that_does_not_wait_is_one_queued_op_all_or_nothing(client: Any) -> None:
+    client.put_many({"dm-1": [1], "dm-2": [2]})
+    client.delete_many(["dm-1", "dm-missing"], wait=False)
+    assert len(client._conn._queue) == 1
+    with pytest.raises(NotFoundError, match=r"item 1 \('dm-missing'\)"):
+        client.synchronize()
+    assert {"dm-1", "dm-2"} <= set(client.names())  # neither deleted
+    client.delete_many(["dm-1", "dm-2"], wait=False)
+    client.synchronize()
+    assert not {"dm-1", "dm-2"} & set(client.names())
 
 
 def test_without_pipelining_a_delete_that_does_not_wait_is_a_call(

@@ -423,3 +423,49 @@ def test_releases_in_a_batch_that_fails_before_them_are_sent_again(
         client.synchronize()
     client.synchronize()
     assert server.daemon.sessions.handle_count(session) == baseline
+
+
+def test_a_flush_with_nothing_to_send_stays_on_the_main_thread(
+    client: Any, server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read's settle with nothing queued or in flight costs no hop to the worker; one
+    with an op queued still sends it, and waits for it."""
+    from tensord.wire import connection
+
+    hops: list[Any] = []
+    real = connection.off_main_thread
+
+    def counted(work: Any, *args: Any) -> Any:
+        hops.append(work)
+        return real(work, *args)
+
+    x = client.zeros(4, 3)
+    client.synchronize()
+    monkeypatch.setattr(connection, "off_main_thread", counted)
+    client.synchronize()
+    client.flush()
+    assert hops == []
+    session = server.daemon.sessions.get(client.session_id)
+    before = server.daemon.sessions.handle_count(session)
+    row = x[1]
+    client.synchronize()
+    assert len(hops) == 1
+    assert server.daemon.sessions.handle_count(session) == before + 1
+    assert row.numpy().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_queued_name_deletes_are_split_into_batches_the_server_takes() -> None:
+    from tensord.protocol import MAX_NAME_ITEMS, MAX_REQUEST_ITEMS
+    from tensord.wire import pipeline, requests
+
+    names = [f"n{i}" for i in range(MAX_NAME_ITEMS)]
+    op = pipeline.QueuedOp(
+        "DeleteNames", "delete_many", "n0", requests.delete_names(names), (), None
+    )
+    count = MAX_REQUEST_ITEMS // MAX_NAME_ITEMS + 2
+    parts = pipeline.batch_parts([op] * count, [])
+    assert sum(len(part) for part, _ in parts) == count
+    for part, _ in parts:
+        assert sum(len(queued.message.names) for queued in part) <= pipeline.MAX_BATCH_NAMES
+        assert pipeline.MAX_BATCH_NAMES < MAX_REQUEST_ITEMS
+        assert requests.batch(part, []).ByteSize() > 0

@@ -181,6 +181,10 @@ def test_more_than_max_name_items_is_refused_by_the_sdk_and_the_server(
         ("PutNames", pb.PutNamesRequest(items=items)),
         ("GetNames", pb.GetNamesRequest(names=names)),
         ("DeleteNames", pb.DeleteNamesRequest(names=names)),
+        (
+            "Batch",
+            pb.BatchRequest(ops=[pb.BatchOp(delete_names=pb.DeleteNamesRequest(names=names))]),
+        ),
     ):
         with pytest.raises(InvalidArgumentError, match=re.escape(server_text)):
             client._conn.call(method, request)

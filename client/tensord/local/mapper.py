@@ -37,13 +37,15 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tensord import errors
 from tensord import schema as pb
 from tensord.local import channel, cuda_ipc
 from tensord.local.cuda_ipc import CudaExport, CudaImport
 from tensord.local.segments import Export, Segment
+from tensord.protocol import MAX_NAME_ITEMS
 from tensord.wire import requests
 from tensord.wire.status import is_unimplemented
 
@@ -189,24 +191,68 @@ class LocalMapper:
         if not response.HasField("export"):
             self.last_refusal = response.export_refusal or self.last_refusal
             return meta, None
+        export = self._hold_got(session_id, meta, response.export, MAX_PREFETCHED)
+        return meta, export
+
+    def get_many_exported(self, names: Sequence[str]) -> pb.GetNamesResponse:
+        """GetNames asking for an export of each new handle's host Storage in the same
+        call; the exports answered are mapped and held as :meth:`get_exported` holds its
+        one (all of them, up to MAX_NAME_ITEMS, for the reads that follow the get).  An
+        older server answers no exports (the reads then export each)."""
+        instance, mapped = self._mapped_hint
+        request = requests.get_names(names, export=True, instance=instance, mapped=mapped)
+        session_id = self._conn.session_id
+        orphaned = functools.partial(self._release_got_many, session_id)
+        response: pb.GetNamesResponse = self._conn.call("GetNames", request, orphaned)
+        if len(response.exports) != len(response.tensors):
+            for export in response.exports:  # never the case from a server that adds up
+                self._conn.queue_export_release(export.export_id)
+            self.last_refusal = response.export_refusal or self.last_refusal
+            return response
+        for meta, exported in zip(response.tensors, response.exports, strict=True):
+            self._hold_got(session_id, meta, exported, MAX_NAME_ITEMS)
+        return response
+
+    def _hold_got(
+        self, session_id: str, meta: pb.TensorMeta, exported: pb.ExportResponse, most: int
+    ) -> Export | None:
+        """A got tensor's export mapped, and held PREFETCH_HOLD_S beside at most ``most``
+        others (the oldest let go first); None where it is not one to map here."""
         reuse_key = (session_id, meta.storage_id)
         try:
-            export = self._mapped(meta.handle, response.export, reuse_key)
+            export = self._mapped(meta.handle, exported, reuse_key)
         except SegmentForgotten:  # no ticket for an unmapped segment: not one to map
-            return meta, None
+            return None
         if not isinstance(export, Export):
             if export is not None:
                 export.close()
-            return meta, None
+            return None
         with self._lock:
             self._reusable[reuse_key] = weakref.ref(export)
             self._prefetched.pop(reuse_key, None)  # put back last: the newest
             self._prefetched[reuse_key] = (time.monotonic(), export)
             spare = []  # dicts keep insertion order: the first is the oldest
-            while len(self._prefetched) > MAX_PREFETCHED:
+            while len(self._prefetched) > most:
                 spare.append(self._prefetched.pop(next(iter(self._prefetched))))
         del spare  # an export let go is released once no array uses it
-        return meta, export
+        return export
+
+    def hold_while(self, tensor: Any, storage_id: str) -> None:
+        """The export a get brought for ``tensor`` (of the Storage ``storage_id``) is held
+        no longer than ``tensor`` lives: dropped unread, it unpins the Storage with its
+        handle's release (a name deleted next frees its memory for the next put, rather than
+        a second later), where only an array over it (which holds it itself) keeps it."""
+        key = (self._conn.session_id, storage_id)
+        with self._lock:
+            held = self._prefetched.get(key)
+        if held is not None:
+            weakref.finalize(tensor, self._tensor_gone, key, weakref.ref(held[1]))
+
+    def _tensor_gone(self, key: tuple[str, str], export: weakref.ref[Export]) -> None:
+        with self._lock:
+            held = self._prefetched.get(key)
+            gone = self._prefetched.pop(key) if held is not None and held[1] is export() else None
+        del gone  # (outside the lock: an export let go may end here, and its end locks)
 
     def let_go(self, storage_id: str | None = None, *, every: bool = False) -> bool:
         """Stop holding the exports gets brought: of the Storage ``storage_id`` now (before
@@ -227,6 +273,13 @@ class LocalMapper:
                 keys = [k for k, (when, _) in self._prefetched.items() if when < oldest]
                 dropped = [self._prefetched.pop(k) for k in keys]
         return bool(dropped)  # (the exports' finalizers run as the list goes)
+
+    def _release_got_many(self, session_id: str, response: pb.GetNamesResponse) -> None:
+        """A GetNames answer its caller never saw: its handles and its exports."""
+        for export in response.exports:
+            self._conn.queue_export_release(export.export_id)
+        for meta in response.tensors:
+            self._conn.queue_release(meta.handle)
 
     def _release_got(self, session_id: str, response: pb.GetNameExportResponse) -> None:
         """A GetNameExport answer its caller never saw: its handle and its export."""

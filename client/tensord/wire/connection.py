@@ -610,9 +610,27 @@ class Connection:
         return self._queued_writes > 0 or (inflight is not None and inflight.writes)
 
     def _flush(self, wait: bool, releases: bool = True) -> None:
+        if self._idle(releases):
+            return  # nothing to send or wait for: no hop to the worker (a read's settle)
         # all of it off the main thread, its lock included: an interrupted caller leaves
         # the Batch to be sent and answered on the worker, in order with the next ones
         off_main_thread(functools.partial(self._flush_now, wait, releases))
+
+    def _idle(self, releases: bool) -> bool:
+        """Whether a flush has nothing to do: no op queued, no Batch in flight or being
+        sent, and (with ``releases``) no release pending.  Seen under _send_lock, which
+        every flush holds from taking the queue until it has sent it (and answered, when
+        it waits): an op taken but not yet in flight is never missed; a flush under way
+        answers False."""
+        if self._queue or self._inflight is not None or (releases and self._pending):
+            return False
+        lock = self._send_lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            return not (self._queue or self._inflight is not None or (releases and self._pending))
+        finally:
+            lock.release()
 
     def _flush_now(self, wait: bool, releases: bool) -> None:
         with self._send_lock:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tensord import schema as pb
-from tensord.protocol import MAX_BATCH_OPS, MAX_BATCH_RESULTS
+from tensord.protocol import MAX_BATCH_OPS, MAX_BATCH_RESULTS, MAX_NAME_ITEMS
 
 # Queued ops go to the server in one Batch once this many wait (or at the next call that
 # waits for the server, or within the connection's release interval).
@@ -25,6 +25,9 @@ PIPELINE_BATCH = 256
 # instead of a wait at every PIPELINE_BATCH ops; one op short of what a Batch may hold, so
 # that the flush's release rides in the same Batch.
 PIPELINE_BATCH_MAX = MAX_BATCH_OPS - 1
+# The names the queued delete_many ops of one Batch carry together: with its ops, view
+# results and releases well within the items a request may hold (MAX_REQUEST_ITEMS)
+MAX_BATCH_NAMES = 16 * MAX_NAME_ITEMS
 
 # What a queued op that makes a new Storage hears once its Batch is answered.
 CopyAnswered = Callable[[pb.TensorMeta], None]
@@ -52,18 +55,25 @@ def batch_parts(
     queued: list[QueuedOp], released: list[str]
 ) -> list[tuple[list[QueuedOp], list[str]]]:
     """``queued`` then one release of ``released``, in Batches the server takes: at most
-    MAX_BATCH_OPS ops and MAX_BATCH_RESULTS view results each (an op naming more goes
-    alone, and the server refuses it); the release rides in the last."""
+    MAX_BATCH_OPS ops, MAX_BATCH_RESULTS view results and MAX_BATCH_NAMES deleted names
+    each (an op naming more goes alone, and the server refuses it); the release rides in
+    the last."""
     parts: list[tuple[list[QueuedOp], list[str]]] = []
     part: list[QueuedOp] = []
-    results = 0
+    results = names = 0
     for op in queued:
         named = len(op.results)
-        if part and (len(part) == MAX_BATCH_OPS or results + named > MAX_BATCH_RESULTS):
+        doomed = len(op.message.names) if op.method == "DeleteNames" else 0
+        if part and (
+            len(part) == MAX_BATCH_OPS
+            or results + named > MAX_BATCH_RESULTS
+            or names + doomed > MAX_BATCH_NAMES
+        ):
             parts.append((part, []))
-            part, results = [], 0
+            part, results, names = [], 0, 0
         part.append(op)
         results += named
+        names += doomed
     if released and len(part) == MAX_BATCH_OPS:  # the release is one more op
         parts.append((part, []))
         part = []

@@ -432,8 +432,19 @@ def put_names(items: Sequence[pb.PutNameRequest]) -> pb.PutNamesRequest:
     return pb.PutNamesRequest(items=items)
 
 
-def get_names(names: Sequence[str]) -> pb.GetNamesRequest:
-    return pb.GetNamesRequest(names=names)
+def get_names(
+    names: Sequence[str],
+    export: bool = False,
+    instance: str = "",
+    mapped: Sequence[builtins.int] = (),
+) -> pb.GetNamesRequest:
+    """GetNames; ``export``: each Storage exported too (the segments this client maps of
+    server ``instance`` need no ticket)."""
+    if not export:
+        return pb.GetNamesRequest(names=names)
+    return pb.GetNamesRequest(
+        names=names, export=True, server_instance=instance, mapped_segments=mapped
+    )
 
 
 def delete_names(names: Sequence[str]) -> pb.DeleteNamesRequest:
@@ -555,6 +566,7 @@ _BATCH_FIELDS = {
     "SetItem": "set_item",
     "Reshape": "reshape",
     "DeleteName": "delete_name",
+    "DeleteNames": "delete_names",
 }
 
 

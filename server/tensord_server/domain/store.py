@@ -151,6 +151,7 @@ class TensorStore:
             self.copies,
             self.writes,
             self.names.delete,
+            self.names.delete_many,
             max_batch_elements,
         )
         self.memory_reports = MemoryReports(

@@ -179,6 +179,8 @@ def decode_batch_op(message: pb.BatchOp) -> batch.QueuedOp:
         return batch.QueuedReshape(reshape.handle, tuple(reshape.shape), tuple(message.results))
     if kind == "delete_name":
         return batch.QueuedDeleteName(message.delete_name.name)
+    if kind == "delete_names":
+        return batch.QueuedDeleteNames(tuple(message.delete_names.names))
     raise InvalidArgumentError("a BatchOp names no op")
 
 

@@ -478,7 +478,24 @@ class TensordService:
     def GetNames(self, request: pb.GetNamesRequest, context: Any) -> pb.GetNamesResponse:
         session = self._session(context)
         issued = self.store.names.get_many(session, list(request.names))
-        return pb.GetNamesResponse(tensors=self._replies(session, issued))
+        tensors = self._replies(session, issued)
+        if not request.export or any(i.ref.device.name != "cpu" for i in issued):
+            return pb.GetNamesResponse(tensors=tensors)
+        same_server = request.server_instance == self.store.exports.instance
+        mapped = request.mapped_segments if same_server else ()
+        exports: list[pb.ExportResponse] = []
+        try:
+            for one in issued:
+                exports.append(self._export(session, one.handle, mapped))
+        except (FailedPreconditionError, ResourceExhaustedError) as exc:
+            # as GetNameExport's: the gets stand, without their exports (all or none)
+            self.store.exports.release(session, [e.export_id for e in exports])
+            return pb.GetNamesResponse(tensors=tensors, export_refusal=str(exc))
+        except BaseException:
+            self.store.exports.release(session, [e.export_id for e in exports])
+            self.store.sessions.release(session, [one.handle for one in issued])  # never learned
+            raise
+        return pb.GetNamesResponse(tensors=tensors, exports=exports)
 
     @_unary
     def GetNameExport(

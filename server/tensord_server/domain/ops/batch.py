@@ -73,6 +73,14 @@ class QueuedDeleteName:
     name: str
 
 
+@dataclass(frozen=True)
+class QueuedDeleteNames:
+    """Names' deletes whose answer the client does not wait for (DeleteNames' rules: all
+    or none)."""
+
+    names: tuple[str, ...]
+
+
 QueuedOp = (
     QueuedView
     | QueuedFill
@@ -81,6 +89,7 @@ QueuedOp = (
     | QueuedRelease
     | QueuedReshape
     | QueuedDeleteName
+    | QueuedDeleteNames
 )
 
 
@@ -128,11 +137,13 @@ class Batches:
         copies: Copies,
         writes: Writes,
         delete_name: Callable[[str, str], None],
+        delete_names: Callable[[Sequence[str], str], None],
         max_batch_elements: int | None,
     ) -> None:
         self.sessions = sessions
         # (name, tenant): the name table's delete (a table above the op families, given)
         self.delete_name = delete_name
+        self.delete_names = delete_names
         self.views = views
         self.copies = copies
         self.writes = writes
@@ -204,6 +215,8 @@ class Batches:
             )
         elif isinstance(op, QueuedDeleteName):
             self.delete_name(op.name, session.tenant)
+        elif isinstance(op, QueuedDeleteNames):
+            self.delete_names(op.names, session.tenant)
         else:
             self.sessions.release(session, op.handles)
         return None

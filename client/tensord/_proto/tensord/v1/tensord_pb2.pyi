@@ -599,16 +599,26 @@ class PutNamesResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetNamesRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "export", "server_instance", "mapped_segments")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    export: bool
+    server_instance: str
+    mapped_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., export: _Optional[bool] = ..., server_instance: _Optional[str] = ..., mapped_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetNamesResponse(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "exports", "export_refusal")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    exports: _containers.RepeatedCompositeFieldContainer[ExportResponse]
+    export_refusal: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., exports: _Optional[_Iterable[_Union[ExportResponse, _Mapping]]] = ..., export_refusal: _Optional[str] = ...) -> None: ...
 
 class DeleteNamesRequest(_message.Message):
     __slots__ = ("names",)
@@ -871,7 +881,7 @@ class EmptyExportResponse(_message.Message):
     def __init__(self, export: _Optional[_Union[ExportResponse, _Mapping]] = ..., released_exports: _Optional[_Union[ReleaseExportsResponse, _Mapping]] = ...) -> None: ...
 
 class BatchOp(_message.Message):
-    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "delete_name", "results")
+    __slots__ = ("view", "fill", "copy", "set_item", "release", "reshape", "delete_name", "delete_names", "results")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     FILL_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
@@ -879,6 +889,7 @@ class BatchOp(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     RESHAPE_FIELD_NUMBER: _ClassVar[int]
     DELETE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DELETE_NAMES_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     view: ViewRequest
     fill: FillRequest
@@ -887,8 +898,9 @@ class BatchOp(_message.Message):
     release: ReleaseRequest
     reshape: ReshapeRequest
     delete_name: DeleteNameRequest
+    delete_names: DeleteNamesRequest
     results: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., delete_name: _Optional[_Union[DeleteNameRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, view: _Optional[_Union[ViewRequest, _Mapping]] = ..., fill: _Optional[_Union[FillRequest, _Mapping]] = ..., copy: _Optional[_Union[CopyRequest, _Mapping]] = ..., set_item: _Optional[_Union[SetItemRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reshape: _Optional[_Union[ReshapeRequest, _Mapping]] = ..., delete_name: _Optional[_Union[DeleteNameRequest, _Mapping]] = ..., delete_names: _Optional[_Union[DeleteNamesRequest, _Mapping]] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
     __slots__ = ("ops",)
