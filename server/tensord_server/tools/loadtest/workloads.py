@@ -164,13 +164,14 @@ class KVCache(Workload):
         if len(self.seqs) < self.max_sequences and (not self.seqs or rng.random() < 0.25):
             self._prefill()
             return
-        seq = rng.choice(self.seqs)
+        index = rng.randrange(len(self.seqs))
+        seq = self.seqs[index]
         if rng.random() < 0.03:  # preempted: dropped before it finished
-            self.seqs.remove(seq)
+            del self.seqs[index]  # by place: == on its tensors compares their elements
             return
         self._decode(seq)
         if seq["length"] >= seq["target"]:
-            self.seqs.remove(seq)
+            del self.seqs[index]
 
     def _prefill(self) -> None:
         prompt = self.rng.randint(16, 256)
