@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import tensord
+from tensord import _torch as torch_interop
 from tensord_server.data import bundled_traces
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.grpc_server import create_server
@@ -258,6 +259,35 @@ def test_sharing_users_read_each_others_tensors(gib_server: Running) -> None:
     assert log.failures == []
     assert {"share.put", "share.token"} <= log.kinds("ok")
     assert log.kinds("ok") & {"share.get.verify", "share.attach.verify"}
+
+
+def test_no_workload_lets_torch_compute(
+    gib_server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under Locust every user is a gevent greenlet, and a torch error raised in a greenlet
+    # kills the whole process with SIGSEGV: torch records a C++ backtrace for each error,
+    # and the unwinder walks past the greenlet's stack into stale frames.  The workloads
+    # drive the server through tensord's own calls only; == on tensors (list.remove,
+    # ``in``, dict comparison) would be torch's elementwise one.
+    used: list[str] = []
+
+    def refuse(func: Any, args: Any, kwargs: Any) -> Any:
+        used.append(getattr(func, "__name__", repr(func)))
+        raise AssertionError(f"a workload computed with torch: {used[-1]}")
+
+    monkeypatch.setattr(torch_interop, "call", refuse)
+    log = Log()
+    with tensord.connect(gib_server.address) as client:
+        kv = workloads.KVCache(client, log, rng=random.Random(1), run_id="t")
+        kv.max_sequences = 8  # more live sequences: a finished one is rarely the first
+        kv.start()
+        for _ in range(400):
+            kv.step()
+        kv.stop()
+    for name in sorted(set(workloads.WORKLOADS) - {"kv"}):
+        drive(gib_server.address, name, steps=25, log=log)
+    assert used == []
+    assert log.failures == []
 
 
 def test_a_full_pool_is_an_expected_error_not_a_failure(tiny_server: Running) -> None:

@@ -45,6 +45,10 @@ grpc_gevent.init_gevent()
 # session's KeepAlive stream holds one of those threads for its whole life: with
 # gevent's default of 10, the eleventh user stalls every call for seconds.
 gevent.get_hub().threadpool.maxsize = int(os.environ.get("TENSORD_GEVENT_THREADS", "1024"))
+# Every user is a greenlet, and any torch error raised in one (a broadcast that fails,
+# x == y of other shapes) kills this process with SIGSEGV: torch records a C++ backtrace
+# for each error, and the unwinder walks past the greenlet's stack into stale frames.
+# So the workloads never let torch compute on a tensor (see the tests).
 
 import contextlib  # noqa: E402
 import itertools  # noqa: E402
