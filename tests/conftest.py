@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -161,6 +162,31 @@ def interrupted_after(seconds: float | None = 0.05) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def run_client_child(
+    address: str, code: str, *args: str, imports: str = "", timeout: float = 60.0
+) -> str:
+    """Run ``code`` in a fresh interpreter with ``client`` connected to ``address`` (``sys``,
+    ``tensord`` and ``imports`` imported, ``args`` in ``sys.argv[2:]``); its stdout, stripped.
+    A non-zero exit fails the test with the child's stderr."""
+    modules = ", ".join(m for m in ("sys", "tensord", imports) if m)
+    prelude = f"import {modules}\nclient = tensord.connect(sys.argv[1])\n"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            prelude + textwrap.dedent(code) + "\nclient.close()\n",
+            address,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tensord
+from conftest import run_client_child
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -270,22 +270,7 @@ WAIT_S = 60.0
 
 def run_child(address: str, code: str, *args: str) -> str:
     """``code`` in a fresh interpreter with ``client`` connected (the server's host: mapped)."""
-    prelude = "import sys, json, tensord, torch\nclient = tensord.connect(sys.argv[1])\n"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            prelude + textwrap.dedent(code) + "\nclient.close()\n",
-            address,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
+    return run_client_child(address, code, *args, imports="json, torch", timeout=WAIT_S)
 
 
 @pytest.mark.slow

@@ -15,29 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 import tensord
-from conftest import client_allocated, wait_until
+from conftest import client_allocated, run_client_child, wait_until
 
 WAIT_S = 30.0  # bound on every poll below: far above what any of them needs
 
 
 def run_child(address: str, code: str, *args: str, timeout: float = 60.0) -> str:
     """Run ``code`` in a fresh interpreter with ``client`` connected; return its stdout."""
-    prelude = "import sys, tensord, numpy as np\nclient = tensord.connect(sys.argv[1])\n"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            prelude + textwrap.dedent(code) + "\nclient.close()\n",
-            address,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
+    return run_client_child(address, code, *args, imports="numpy as np", timeout=timeout)
 
 
 @pytest.mark.slow
