@@ -363,14 +363,10 @@ class Client:
             # too (--max-handles-per-session): it needs only the handle
             exc.__traceback__ = exc.__context__ = None
             return None
-        if made is None:
-            return None
-        meta, export = made
-        tensor = self._wrap(meta)
-        if not isinstance(export, Export):
-            if export is not None:
-                export.close()
+        exported = self._wrap_exported(made)
+        if exported is None:
             return None  # the tensor is dropped (released) and gRPC takes over
+        tensor, export = exported
         try:
             flat = array.reshape(-1).view(np.uint8)  # C-contiguous (as_array): no copy
             parallel_copyto(export.storage_bytes()[: array.nbytes], flat)
@@ -699,6 +695,14 @@ class Client:
             return pooled
         size = transfers.staging_bytes(nbytes)
         made = self._local.empty_exported(requests.empty((size,), "uint8", "cpu", False), False)
+        exported = self._wrap_exported(made)
+        if exported is None:
+            return None
+        return transfers.Staging(*exported, size, session_id)
+
+    def _wrap_exported(self, made: Any) -> tuple[Tensor, Export] | None:
+        """The tensor and cpu export an EmptyExport made, or None (its tensor dropped, so
+        released; any other kind of export closed) where it made no cpu export."""
         if made is None:
             return None
         meta, export = made
@@ -707,7 +711,7 @@ class Client:
             if export is not None:
                 export.close()
             return None
-        return transfers.Staging(tensor, export, size, session_id)
+        return tensor, export
 
     def get(self, name: str) -> Tensor:
         """This session's handle on the tensor named ``name`` (``put`` by any session of this

@@ -126,17 +126,10 @@ class LocalMapper:
         """
         if not self.enabled:
             return None
-        session_id = self._conn.session_id
-        with self._lock:
-            ref = self._reusable.get((session_id, storage_id))
-        reused = ref() if ref is not None else None
+        reused = self.live_export(storage_id)
         if reused is not None:
-            # what a call would check and wait for: a closed, forked or replaced session
-            # raises, and ops queued before this call are applied before it sees the bytes
-            self._conn.check_session(session_id)
-            if self._conn.pipelining:
-                self._conn.synchronize(releases=False)
             return reused
+        session_id = self._conn.session_id
         export = self.export(handle, reuse_key=(session_id, storage_id))
         if isinstance(export, Export) and export.meta.storage_id == storage_id:
             with self._lock:
