@@ -1,15 +1,23 @@
 """Tiered memory: spill and restore rates against the raw file, and an oversubscribed loop.
 
 1. Spill and restore, in this process, through the server's own StorageRegistry over a cpu
-   pool and a disk tier in ``--dir`` (default: the system's temporary directory): Storages
-   of 2, 16 and 64 MiB, ``--bytes`` of them per size, spilled all at once
-   (``StorageRegistry.spill``: copy to an extent with its checksum, repoint, free the
-   block), then held and restored (``ensure_resident``: allocate, read, verify), over one
-   disk tier that lives for every round, as a server's does.  Beside each: the same bytes
-   written sequentially (``os.pwrite``, one call per buffer) to one preallocated file on
-   the same filesystem, then read back (``os.preadv``) into warm buffers: the ratio is
-   tensord's rate over the raw one (target >= 0.8).  Rounds interleave the two after one
-   untimed round of each, and the table shows the median with tensord's range.
+   pool: Storages of 2, 16 and 64 MiB, ``--bytes`` of them per size, spilled all at once
+   (``StorageRegistry.spill``: copy to the tier with its checksum, repoint, free the
+   block), then held and restored (``ensure_resident``: allocate, copy back, verify), over
+   one tier that lives for every round, as a server's does.  Two tiers, each beside its
+   raw rate on the same bytes:
+
+   - disk (in ``--dir``, default the system's temporary directory): the raw side writes
+     the same bytes sequentially (``os.pwrite``, one call per buffer) to one preallocated
+     file on the same filesystem, then reads them back (``os.preadv``) into warm buffers.
+     Both files are written once before the timed rounds, so both sides' pages are in the
+     page cache alike.
+   - host: the raw side copies each buffer into a new host buffer (the old ones freed,
+     as a restore frees the tier's), then copies them back into warm buffers.
+
+   The ratio is tensord's rate over the raw one (target >= 0.8).  Rounds interleave the two
+   sides after one untimed round of each, and the table shows the median with tensord's
+   range.
 
 2. An oversubscribed loop through a real server and the SDK (``local=False``: every byte
    over gRPC, no same-host mapping): live data twice the device in Storages of 4 MiB, a
@@ -32,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +49,7 @@ import tensord
 from tensord_server.devices.table import DeviceTable, parse_bytes
 from tensord_server.domain.storage import HIGH_WATERMARK, StorageRegistry
 from tensord_server.domain.store import TensorStore
-from tensord_server.domain.tiers import DiskTier, TierChain
+from tensord_server.domain.tiers import DiskTier, HostTier, Tier, TierChain
 from tensord_server.rpc.grpc_server import create_server
 
 MiB = 1 << 20
@@ -87,17 +96,45 @@ class RawFile:
         self.path.unlink()
 
 
-class TierBench:
-    """Storages of ``size``, ``total`` bytes of them, over one registry and one disk tier
-    that live for every round (as a server's do)."""
+class RawCopy:
+    """The host tier's baseline: each of ``buffers`` copied into a new host buffer (the
+    last round's freed), then copied back into warm buffers."""
 
-    def __init__(self, directory: Path, size: int, total: int) -> None:
+    def __init__(self, buffers: list[np.ndarray]) -> None:
+        self.buffers = buffers
+        self.copies: list[np.ndarray] = []
+        self.outs = [np.zeros_like(b) for b in buffers]  # warm, as a restore's pool blocks
+
+    def round(self) -> tuple[float, float]:
+        """(copy-out s, copy-back s)."""
+        self.copies = []  # the last round's go, as restored Storages' host buffers do
+        started = time.perf_counter()
+        self.copies = [buffer.copy() for buffer in self.buffers]
+        copied = time.perf_counter() - started
+        started = time.perf_counter()
+        for out, copy in zip(self.outs, self.copies, strict=True):
+            np.copyto(out, copy)
+        back = time.perf_counter() - started
+        pairs = zip(self.outs, self.buffers, strict=True)
+        assert all(np.array_equal(a[:: 1 << 16], b[:: 1 << 16]) for a, b in pairs)
+        return copied, back
+
+    def close(self) -> None:
+        self.copies = []
+
+
+class TierBench:
+    """Storages of ``size``, ``total`` bytes of them, over one registry and one tier (made
+    by ``make_tier`` for the device's name and the bytes it must hold) that live for every
+    round (as a server's do)."""
+
+    def __init__(self, make_tier: Callable[[str, int], Tier], size: int, total: int) -> None:
         self.count = max(1, total // size)
         self.nbytes = self.count * size
         (self.device,) = DeviceTable([f"cpu={2 * self.nbytes + 64 * MiB}"])
         self.registry = StorageRegistry()
-        self.disk = DiskTier(directory, self.nbytes + MiB, self.device.name)
-        self.registry.tiers[self.device.name] = TierChain([self.disk])
+        self.tier = make_tier(self.device.name, self.nbytes + MiB)
+        self.registry.tiers[self.device.name] = TierChain([self.tier])
         rng = np.random.default_rng(size)
         self.storages = []
         for _ in range(self.count):
@@ -124,16 +161,22 @@ class TierBench:
     def close(self) -> None:
         for storage in self.storages:
             self.registry.decref(storage)
-        self.disk.close()
+        self.tier.close()
         self.device.pool.empty_cache()  # the segments go back now, not when collected
 
 
-def bench_spill(directory: Path, total: int, rounds: int) -> list[tuple[str, float, float]]:
+def bench_spill(
+    kind: str, directory: Path, total: int, rounds: int
+) -> list[tuple[str, float, float]]:
+    """One tier's table (``kind``: disk or host) against its raw rate; its rows' ratios."""
     rows = []
-    print(f"spill / restore of {total // MiB} MiB per size, {rounds} rounds, in {directory}")
+    raw_name = "raw write" if kind == "disk" else "raw copy"
+    back_name = "raw read" if kind == "disk" else "raw back"
+    where = f", in {directory}" if kind == "disk" else ""
+    print(f"\n{kind} tier: spill / restore of {total // MiB} MiB per size, {rounds} rounds{where}")
     header = (
-        f"{'size':>8} {'spill GB/s':>12} {'raw write':>12} {'ratio':>7}   "
-        f"{'restore GB/s':>12} {'raw read':>12} {'ratio':>7}"
+        f"{'size':>8} {'spill GB/s':>12} {raw_name:>12} {'ratio':>7}   "
+        f"{'restore GB/s':>12} {back_name:>12} {'ratio':>7}"
     )
     print(header)
     for size in SIZES:
@@ -143,7 +186,12 @@ def bench_spill(directory: Path, total: int, rounds: int) -> list[tuple[str, flo
             np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(count)
         ]
         spill, restore, write, read = [], [], [], []
-        tiers, raw = TierBench(directory, size, nbytes), RawFile(directory, buffers)
+        if kind == "disk":
+            tiers = TierBench(lambda device, cap: DiskTier(directory, cap, device), size, nbytes)
+            raw: RawFile | RawCopy = RawFile(directory, buffers)
+        else:
+            tiers = TierBench(lambda device, cap: HostTier(cap), size, nbytes)
+            raw = RawCopy(buffers)
         try:
             tiers.round()  # untimed: the page cache, the file and the pool warm up
             raw.round()
@@ -165,7 +213,7 @@ def bench_spill(directory: Path, total: int, rounds: int) -> list[tuple[str, flo
             f"   (spill {min(spill):.2f}-{max(spill):.2f}, restore "
             f"{min(restore):.2f}-{max(restore):.2f})"
         )
-        rows.append((f"{size // MiB}MiB", sp / wr, rs / rd))
+        rows.append((f"{kind} {size // MiB}MiB", sp / wr, rs / rd))
     return rows
 
 
@@ -242,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         total, device, rounds = 128 * MiB, 64 * MiB, 1
     print(f"uptime: {os.popen('uptime').read().strip()}")
-    rows = bench_spill(directory, total, rounds)
+    rows = bench_spill("disk", directory, total, rounds)
+    rows += bench_spill("host", directory, total, rounds)
     ratio = bench_loop(directory, device, max(rounds, 2))
     short = [name for name, sp, rs in rows if min(sp, rs) < SPILL_TARGET]
     print(
