@@ -236,6 +236,43 @@ def test_a_spill_restores_verified_and_corruption_names_the_storage(tmp_path: Pa
         disk.close()
 
 
+def fragmented(registry: StorageRegistry, device: Any) -> list[Any]:
+    """Ten 2 MiB Storages filling one 20 MiB segment, every other one freed: 10 MiB
+    allocated in a 24 MiB pool, yet no 12 MiB block fits without a spill."""
+    storages = [fill_storage(registry, device, 2 << 20, seed) for seed in range(10)]
+    for storage in storages[::2]:
+        registry.decref(storage)
+    return storages[1::2]
+
+
+def test_a_refusal_that_a_spill_serves_is_no_out_of_memory(tmp_path: Path) -> None:
+    registry, device, disk = registry_over(tmp_path, capacity="cpu=24MiB")
+    try:
+        kept = fragmented(registry, device)
+        big = registry.allocate(device, 12 << 20)  # the pool refuses; a spill serves it
+        assert disk.figures()["tier.disk.num_spills"] >= 1
+        assert device.pool.memory_stats()["num_ooms"] == 0
+        registry.release_hold(big)
+        registry.hold_all(kept)
+        registry.ensure_resident(kept)
+        for seed, storage in zip(range(1, 10, 2), kept, strict=True):
+            assert np.array_equal(storage.raw(), data(2 << 20, seed))
+        registry.release_holds(kept)
+    finally:
+        disk.close()
+
+
+def test_a_refusal_no_tier_can_serve_is_one_out_of_memory(tmp_path: Path) -> None:
+    registry, device, disk = registry_over(tmp_path, lambda fd: FailingIO(fd), "cpu=24MiB")
+    try:
+        fragmented(registry, device)
+        with pytest.raises(OutOfMemoryError):
+            registry.allocate(device, 12 << 20)  # every spill's write fails
+        assert device.pool.memory_stats()["num_ooms"] == 1  # one request, one count
+    finally:
+        disk.close()
+
+
 # ---- the scratch sweep --------------------------------------------------------------------
 
 

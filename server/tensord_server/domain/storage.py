@@ -414,7 +414,8 @@ class StorageRegistry:
             if beyond > 0:
                 self.spill(device, max(beyond, MIN_SPILL_BYTES))
         try:
-            block = pool.malloc(nbytes, stream)
+            # with tiers a refusal is not yet an out-of-memory: a spill may serve it
+            block = pool.malloc(nbytes, stream, count_oom=chain is None)
         except OutOfMemoryError as exc:
             if chain is None:
                 raise
@@ -430,10 +431,11 @@ class StorageRegistry:
             if not self.spill(device, want):
                 break
             try:
-                return device.pool.malloc(nbytes, stream)
+                return device.pool.malloc(nbytes, stream, count_oom=False)
             except OutOfMemoryError as exc:
                 error = exc
             want *= 2
+        device.pool.count_oom(nbytes, stream)  # the request's one out-of-memory
         details = getattr(error, "details", {})
         raise OutOfMemoryError(
             f"{error} Every tier below it is full or holds nothing that may move: "
