@@ -12,8 +12,8 @@
      file on the same filesystem, then reads them back (``os.preadv``) into warm buffers.
      Both files are written once before the timed rounds, so both sides' pages are in the
      page cache alike.
-   - host: the raw side copies each buffer into a new host buffer (the old ones freed,
-     as a restore frees the tier's), then copies them back into warm buffers.
+   - host: the raw side copies each buffer into a new host buffer, then copies it back
+     into a warm buffer and frees it (as a restore frees the tier's buffer).
 
    The ratio is tensord's rate over the raw one (target >= 0.8).  Rounds interleave the two
    sides after one untimed round of each, and the table shows the median with tensord's
@@ -28,7 +28,7 @@
    steady rounds start once the background spiller brought the pool under its high
    watermark again.
 
-    python benchmarks/bench_tiers.py [--dir DIR] [--bytes 256MiB] [--rounds 3]
+    python benchmarks/bench_tiers.py [--dir DIR] [--bytes 256MiB] [--rounds 5]
     python benchmarks/bench_tiers.py --quick
 """
 
@@ -97,8 +97,8 @@ class RawFile:
 
 
 class RawCopy:
-    """The host tier's baseline: each of ``buffers`` copied into a new host buffer (the
-    last round's freed), then copied back into warm buffers."""
+    """The host tier's baseline: each of ``buffers`` copied into a new host buffer, then
+    copied back into a warm buffer and let go (as a restore frees the tier's buffer)."""
 
     def __init__(self, buffers: list[np.ndarray]) -> None:
         self.buffers = buffers
@@ -107,13 +107,13 @@ class RawCopy:
 
     def round(self) -> tuple[float, float]:
         """(copy-out s, copy-back s)."""
-        self.copies = []  # the last round's go, as restored Storages' host buffers do
         started = time.perf_counter()
         self.copies = [buffer.copy() for buffer in self.buffers]
         copied = time.perf_counter() - started
         started = time.perf_counter()
-        for out, copy in zip(self.outs, self.copies, strict=True):
-            np.copyto(out, copy)
+        for index, out in enumerate(self.outs):
+            np.copyto(out, self.copies[index])
+            self.copies[index] = out  # the copy goes, as a restored Storage's host buffer
         back = time.perf_counter() - started
         pairs = zip(self.outs, self.buffers, strict=True)
         assert all(np.array_equal(a[:: 1 << 16], b[:: 1 << 16]) for a, b in pairs)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go")
     parser.add_argument("--bytes", default="256MiB", help="bytes spilled per Storage size")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="256MiB", help="the loop's device pool")
     parser.add_argument("--quick", action="store_true", help="small and fast: a smoke run")
     args = parser.parse_args(argv)

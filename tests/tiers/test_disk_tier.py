@@ -9,6 +9,7 @@ import os
 import random
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,14 @@ from tensord_server.domain import storage as storage_module
 from tensord_server.domain.storage import StorageRegistry
 from tensord_server.domain.tiers import (
     EXTENT_ALIGNMENT,
+    IO_CHUNK_BYTES,
     SCRATCH_PREFIX,
     DiskTier,
     ExtentAllocator,
     ExtentIO,
     HostTier,
     TierChain,
+    align_up,
     sweep_scratch,
 )
 
@@ -140,6 +143,45 @@ def test_a_corrupted_extent_is_the_typed_error_naming_the_storage(tmp_path: Path
         assert tier.figures()["tier.disk.num_corruptions"] == 1
     finally:
         tier.close()
+
+
+def test_each_chunk_has_zlibs_crc32_and_a_flip_in_a_later_piece_is_caught(
+    tmp_path: Path,
+) -> None:
+    """A store checksums its chunks piece by piece: the values must be each whole chunk's
+    CRC-32 (zlib's), and a flipped byte past the first piece of a later chunk must fail."""
+    nbytes = 2 * IO_CHUNK_BYTES + 5000
+    source = data(nbytes, 3)
+    expected = tuple(
+        zlib.crc32(source[start : start + IO_CHUNK_BYTES])
+        for start in range(0, nbytes, IO_CHUNK_BYTES)
+    )
+    host = HostTier(nbytes)
+    disk = DiskTier(tmp_path, align_up(nbytes), "cpu")
+    try:
+        placements = [tier.store(source, "c1") for tier in (host, disk)]
+        for placement in placements:
+            assert placement is not None and placement.checksum == expected
+            out = np.zeros(nbytes, dtype=np.uint8)
+            placement.tier.load(placement, out, "c1")
+            assert np.array_equal(out, source)
+        flip = IO_CHUNK_BYTES + 3 * (1 << 20) + 17  # the second chunk, its fourth MiB
+        host_placement, disk_placement = placements
+        assert host_placement is not None and disk_placement is not None
+        host_placement.buffer[flip] ^= 0x10
+        with open(disk.path, "r+b") as f:
+            f.seek(disk_placement.offset + flip)
+            byte = f.read(1)
+            f.seek(disk_placement.offset + flip)
+            f.write(bytes([byte[0] ^ 0x10]))
+        for placement in placements:
+            assert placement is not None
+            with pytest.raises(SpillCorruptedError, match="c1"):
+                placement.tier.load(placement, np.zeros(nbytes, dtype=np.uint8), "c1")
+        assert host.figures()["tier.host.num_corruptions"] == 1
+        assert disk.figures()["tier.disk.num_corruptions"] == 1
+    finally:
+        disk.close()
 
 
 def test_a_changed_host_buffer_is_the_typed_error_too() -> None:
