@@ -229,7 +229,7 @@ class CachingPool:
             # the capacity bounds committed bytes), else it goes back and the next path runs
             block = self._admit(self._get_free_block(pool, size, stream), size)
             if block is None and self._should_consolidate(alloc_size):
-                self._consolidate()
+                self._consolidate(alloc_size)
             if block is None:
                 block = self._admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
@@ -874,16 +874,24 @@ class CachingPool:
         headroom = self._segment_capacity() - self._reserved() - alloc_size
         return self._consolidation.should_consolidate(self.policy, self._slack(), headroom)
 
-    def _consolidate(self) -> None:
+    def _consolidate(self, alloc_size: int) -> None:
         """Give the pool's free blocks back to the device before it runs out: empty the
         least-used segments into holes elsewhere, then repack partly used ones into holes
-        and tight new segments, at most ``max_moved_bytes`` moved by each."""
+        and tight new segments, at most ``max_moved_bytes`` moved by each; and where the
+        room left after reserving ``alloc_size`` would not take another such segment
+        (policy ``consolidate_merges``), merge large-pool segments whose tails together
+        are whole 2 MiB units, while the device still has room for the merged segment."""
         assert self.relocator is not None
         budget = self.policy.max_moved_bytes
         result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
         self._count_result(result)
         result = repack(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
         self._count_result(result)
+        room = self._segment_capacity() - self._reserved()
+        if self.policy.consolidate_merges and room - alloc_size < alloc_size:
+            moves = PoolMoves(self, max_moved=budget)
+            result = merge(moves, self.relocator, self, self._slack(), room, large_only=True)
+            self._count_result(result)
 
     def _segment_shape(self, segment: Segment) -> SegmentShape:
         """Planning's view of ``segment``'s blocks: the kept one, or a fresh walk kept."""

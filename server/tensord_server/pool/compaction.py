@@ -737,6 +737,7 @@ def plan_merge(
     *,
     max_moved: int | None = None,
     may_move: MayMove | None = None,
+    large_only: bool = False,
 ) -> tuple[tuple[SegmentUsage, ...], int] | None:
     """The segments of one pool whose blocks, back to back in one new segment of at most
     ``room`` bytes, give back the most, and that segment's size; None when no group gives
@@ -752,11 +753,14 @@ def plan_merge(
     back the sum of their sizes less that.  Segments are taken the most free bytes per
     byte of blocks first (the most given back per byte copied) while the new segment fits
     ``room`` (and the blocks ``max_moved``), all of one pool and stream; the group is the
-    run of them, in that order, that gives back the most.
+    run of them, in that order, that gives back the most.  ``large_only``: the large
+    pool's segments alone.
     """
     by_pool: dict[tuple[bool, int], list[SegmentUsage]] = {}
     for segment in segments:
         if not segment.movable or not segment.allocated or segment.free_bytes == 0:
+            continue
+        if large_only and segment.is_small:
             continue
         by_pool.setdefault((segment.is_small, segment.stream), []).append(segment)
     best: tuple[tuple[SegmentUsage, ...], int] | None = None
@@ -809,12 +813,13 @@ def merge(
     pool: Any,
     needed: int,
     room: int,
+    large_only: bool = False,
 ) -> CompactionResult:
     """Run :func:`plan_merge` until ``needed`` bytes went back (each merge gives the
     device room for the next): reserve the new segment (from ``room``, what the device
     has left), move the group's blocks into it back to back (:func:`plan_repack`), release
     the group's segments.  A move that finds no room to commit its destination ends it,
-    releasing what it emptied."""
+    releasing what it emptied.  ``large_only``: :func:`plan_merge`'s."""
     moves: list[Move] = []
     evacuated: list[int] = []
     released = moved = 0
@@ -827,6 +832,7 @@ def merge(
                 target.max_split_size,
                 max_moved=budget,
                 may_move=target.may_move,
+                large_only=large_only,
             )
             if chosen is None:
                 break
