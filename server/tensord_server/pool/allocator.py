@@ -802,13 +802,15 @@ class CachingPool:
     ) -> tuple[Block | None, str]:
         """No single segment could be emptied or repacked: move the blocks of several
         segments into one new segment (:func:`~.compaction.merge`: their tails together
-        are whole 2 MiB units) and reserve ``alloc_size`` again."""
+        are whole 2 MiB units; its last block may leave a rest under 1 MiB free rather
+        than grow into it) and reserve ``alloc_size`` again."""
         assert self.relocator is not None
         room = self._segment_capacity() - self._reserved()
         needed = alloc_size - room
         if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
             return None, note
-        result = merge(PoolMoves(self), self.relocator, self, needed, room)
+        # the request waits: a merged segment may end in a free rest under 1 MiB
+        result = merge(PoolMoves(self), self.relocator, self, needed, room, exact=True)
         self._count_result(result)
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         if block is not None:
@@ -1352,7 +1354,9 @@ class PoolMoves(MoveTarget):
             raise KeyError(f"no allocated block at {address:#x}")
         return block
 
-    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
+    def allocate_in_place(
+        self, source: Block, destination: int, size: int, exact: bool = False
+    ) -> Block | None:
         pool = self.pool
         block_pool = source.pool
         assert block_pool is not None and source.allocated, source
@@ -1363,6 +1367,7 @@ class PoolMoves(MoveTarget):
             pool._note_decommit_candidate(target)  # making room may have popped its entry
             return None
         split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
+        split = split or (exact and target.size > size)
         return pool._alloc_found_block(target, size, source.requested_size, split)
 
     def move_bytes(self, source: Block, destination: Block) -> int:

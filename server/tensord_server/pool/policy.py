@@ -13,7 +13,9 @@ what the pool does *besides*:
   repacked alone, move the blocks of several segments of one pool, back to back, into
   one new segment and release them: each segment's tail (its 2 MiB rounding) or a small
   segment's hole is too small for the request and too small to give back alone, several
-  make whole 2 MiB units (needs a relocator, and room on the device for the new segment);
+  make whole 2 MiB units; the last block may leave a rest under 1 MiB of the new
+  segment free rather than grow into it (needs a relocator, and room on the device for
+  the new segment);
 - ``consolidate``: before reserving a new segment that would leave the device less
   headroom (capacity - reserved) than the pool's free-but-reserved bytes, compact and
   repack (into holes of other segments and tight new segments) so those bytes go back
