@@ -155,8 +155,8 @@ def test_generated_traces_at_their_worst_factor_have_no_oom_under_the_default_po
 OOM_AT_1_01 = {
     "kv_cache": (
         "seed 8 (floor 1.0075x): a 29.25 MiB K/V copy needs a 30 MiB segment with 26.76 MiB "
-        "left; the 3.24 MiB short are most of the 6.3 MiB free, 3.62 MiB of them in 64-832 "
-        "KiB small-pool holes of 17 segments and 2.69 MiB in one large tail"
+        "left; the 3.24 MiB short are most of the 6.3 MiB free, 3.62 MiB of them in "
+        "small-pool holes of up to 832 KiB in 17 segments and 2.69 MiB in one large tail"
     ),
     "weights_activations": (
         "7 of 12 seeds; seed 3: a 37.27 MiB weight needs a 38 MiB segment with 32.47 MiB "
