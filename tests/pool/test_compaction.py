@@ -248,8 +248,10 @@ def test_a_move_without_room_to_commit_ends_the_plan_and_keeps_every_byte(
     allocate = PoolMoves.allocate_in_place
     calls = itertools.count()
 
-    def refuse_the_third(self: PoolMoves, source: Block, destination: int, size: int) -> Any:
-        return None if next(calls) >= 2 else allocate(self, source, destination, size)
+    def refuse_the_third(
+        self: PoolMoves, source: Block, destination: int, size: int, exact: bool = False
+    ) -> Any:
+        return None if next(calls) >= 2 else allocate(self, source, destination, size, exact)
 
     monkeypatch.setattr(PoolMoves, "allocate_in_place", refuse_the_third)
     relocator = ToyRelocator()

@@ -269,6 +269,68 @@ def test_adaptive_merges_segment_tails_that_no_segment_gives_back_alone() -> Non
     assert "Compaction could release 0 bytes" in outcome[False]
 
 
+def test_adaptive_merges_tails_before_the_device_has_no_room_left_to() -> None:
+    """Ten 12 MiB segments, each a 10.25 MiB block and a 1.75 MiB tail (17.5 MiB free in
+    all), on 145 MiB: a 20 MiB request leaves 5 MiB, too little for another segment like
+    it, so consolidation merges pairs of segments (two blocks back to back in 22 MiB
+    instead of 24) while 25 MiB are still left for a merged one.  The 14 MiB request after
+    it then fits.  Without those merges no path serves it: no block fits a tail, no segment
+    repacks smaller alone (10.25 MiB rounds up to 12), and 5 MiB left take no merged
+    segment (22 MiB): OOM."""
+    outcome = {}
+    for merging in (True, False):
+        policy = dataclasses.replace(SEGMENT_BOUND, consolidate_merges=merging)
+        backend = HostBackend(total_bytes=HOST_BYTES)
+        owner = HoldingRelocator(backend)
+        pool = CachingPool(backend, capacity=145 * MiB, relocator=owner, policy=policy)
+        for i in range(10):
+            owner.add(f"t{i}", pool.malloc(10 * MiB + MiB // 4), seed=i)
+        assert pool.memory_stats()["reserved_bytes.all.current"] == 120 * MiB
+        owner.add("first", pool.malloc(20 * MiB), seed=10)
+        try:
+            owner.add("second", pool.malloc(14 * MiB), seed=11)
+        except OutOfMemoryError as exc:
+            outcome[merging] = str(exc)
+        else:
+            outcome[merging] = "served"
+        pool.assert_invariants()
+        owner.check_bytes()
+        stats = pool.memory_stats()
+        assert stats["reserved_bytes.all.peak"] <= pool.capacity
+        if merging:
+            assert stats["num_ooms"] == 0 and stats["compaction_released_bytes"] >= 10 * MiB
+    assert outcome[True] == "served"
+    assert "Merging segments released 0 bytes" in outcome[False]
+
+
+def test_a_merge_on_the_oom_path_leaves_a_rest_under_1_mib_free_rather_than_fail() -> None:
+    """Four 12 MiB segments, each a 10.75 MiB block and a 1.25 MiB tail, and 22 MiB left on
+    70 MiB: a 24 MiB request needs 2 MiB more.  Two blocks back to back take 21.5 MiB of a
+    22 MiB segment; the 0.5 MiB left is too little for malloc's rule to split off and
+    neither block may grow into it, so the second block takes its 10.75 MiB alone and the
+    rest stays free: two 12 MiB segments back for a 22 MiB one, and the request fits."""
+    policy = SEGMENT_BOUND
+    backend = HostBackend(total_bytes=HOST_BYTES)
+    owner = HoldingRelocator(backend)
+    pool = CachingPool(backend, capacity=70 * MiB, relocator=owner, policy=policy)
+    for i in range(4):
+        owner.add(f"t{i}", pool.malloc(10 * MiB + 3 * MiB // 4), seed=i)
+    owner.add("big", pool.malloc(24 * MiB), seed=9)
+    pool.assert_invariants()
+    owner.check_bytes()
+    stats = pool.memory_stats()
+    assert stats["num_ooms"] == 0 and stats["compaction_moved_bytes"] == 21 * MiB + MiB // 2
+    assert stats["reserved_bytes.all.current"] == 24 * MiB + 22 * MiB + 24 * MiB
+    assert all(
+        block.size == 10 * MiB + 3 * MiB // 4
+        for block in owner.blocks.values()
+        if block.size < 24 * MiB
+    )  # no moved block grew
+    merged = [s for s in pool._segments.values() if s.size == 22 * MiB]
+    assert len(merged) == 1
+    assert [(b.size, b.allocated) for b in merged[0].blocks()][-1] == (MiB // 2, False)
+
+
 def test_adaptive_merges_small_segments_whose_holes_fit_no_block() -> None:
     """Five 2 MiB small-pool segments, each two 0.75 MiB blocks and a 0.5 MiB hole, and
     8 MiB left on 18 MiB: a 10 MiB request needs 2 MiB more.  No block fits another

@@ -122,10 +122,10 @@ def ooms_at(factor: float, family: str) -> tuple[list[str], list[str]]:
 # needs more room on a family fails here; one that needs less lowers its entry.
 WORST_FACTOR = {
     "transformer": 1.01,
-    "kv_cache": 1.05,
+    "kv_cache": 1.03,
     "weights_activations": 1.02,
-    "small_bursts": 1.10,
-    "edge_mass_free": 1.05,
+    "small_bursts": 1.05,
+    "edge_mass_free": 1.03,
 }
 
 
@@ -142,12 +142,41 @@ def test_generated_traces_at_their_worst_factor_have_no_oom_under_the_default_po
     assert len(skipped) < len(SEEDS), "\n".join(skipped)
 
 
-# The families with seeds whose trace still OOMs at 1.01x (see docs/benchmarks.md's
-# per-family table): there the free bytes at the first OOM lie in 1-2 MiB tails of
-# segments rounded to 2 MiB and in the small pool's segments, and the device has too
-# little room left for a segment that would merge them.  strict: once the policy serves
-# a family, its case fails and the family leaves this set.
-OOM_AT_1_01 = frozenset({"kv_cache", "weights_activations", "small_bursts", "edge_mass_free"})
+# The families with seeds whose trace still OOMs at 1.01x (docs/benchmarks.md's per-family
+# table), each with its first OOM's arithmetic.  None of them is impossible there by the
+# pool's rounding: every seed's capacity_floor is below 1.01x its peak allocated (at most
+# 1.0075x, kv_cache seed 8; a capacity below it is skipped above), so these are the
+# policy's OOMs, held at WORST_FACTOR.  In each, the request needs a new segment, the
+# device has less room left than that segment, and the free bytes lie where no path can
+# gather them: in 1-2 MiB tails of segments rounded up to 2 MiB (whose blocks fit no
+# other tail), or in small-pool holes; a merge needs a new segment of the merged blocks
+# beside the ones it replaces.  strict: once the policy serves a family, its case fails
+# and the family leaves this map.
+OOM_AT_1_01 = {
+    "kv_cache": (
+        "seed 8 (floor 1.0075x): a 29.25 MiB K/V copy needs a 30 MiB segment with 26.76 MiB "
+        "left; the 3.24 MiB short are most of the 6.3 MiB free, 3.62 MiB of them in "
+        "small-pool holes of up to 832 KiB in 17 segments and 2.69 MiB in one large tail"
+    ),
+    "weights_activations": (
+        "7 of 12 seeds; seed 3: a 37.27 MiB weight needs a 38 MiB segment with 32.47 MiB "
+        "left, 5.53 MiB short; 13.13 MiB lie in the tails of 9 large segments (weights of "
+        "every size, each rounded up to 2 MiB) whose blocks fit no other tail, and merging "
+        "the two smallest of them (20 and 36 MiB) needs a 54 MiB segment"
+    ),
+    "small_bursts": (
+        "every seed; seed 1: a 538 KiB tensor needs a new 2 MiB small-pool segment with "
+        "1.76 MiB left; 7.6 MiB lie in five large-pool tails of 1.0-1.9 MiB (small blocks "
+        "never go there) and 0.33 MiB in small holes; merging the two smallest large "
+        "segments with tails needs a 30 MiB one, and with under 16 MiB free in segments "
+        "(min_slack) nothing consolidates before"
+    ),
+    "edge_mass_free": (
+        "6 of 12 seeds; seed 1: a 26.98 MiB tensor needs a 28 MiB segment with 23.67 MiB "
+        "left after merging gave back 2 MiB; 45 MiB lie in 35 large tails of 1.1-1.9 MiB "
+        "and no segment's blocks all fit the others' tails"
+    ),
+}
 
 
 @pytest.mark.parametrize(
@@ -155,7 +184,7 @@ OOM_AT_1_01 = frozenset({"kv_cache", "weights_activations", "small_bursts", "edg
     [
         pytest.param(
             family,
-            marks=[pytest.mark.xfail(strict=True, reason="some seeds OOM at 1.01x")]
+            marks=[pytest.mark.xfail(strict=True, reason=OOM_AT_1_01[family])]
             if family in OOM_AT_1_01
             else [],
         )

@@ -232,7 +232,7 @@ class CachingPool:
             # the capacity bounds committed bytes), else it goes back and the next path runs
             block = self._admit(self._get_free_block(pool, size, stream), size)
             if block is None and self._should_consolidate(alloc_size):
-                self._consolidate()
+                self._consolidate(alloc_size)
             if block is None:
                 block = self._admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
@@ -815,13 +815,15 @@ class CachingPool:
     ) -> tuple[Block | None, str]:
         """No single segment could be emptied or repacked: move the blocks of several
         segments into one new segment (:func:`~.compaction.merge`: their tails together
-        are whole 2 MiB units) and reserve ``alloc_size`` again."""
+        are whole 2 MiB units; its last block may leave a rest under 1 MiB free rather
+        than grow into it) and reserve ``alloc_size`` again."""
         assert self.relocator is not None
         room = self._segment_capacity() - self._reserved()
         needed = alloc_size - room
         if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
             return None, note
-        result = merge(PoolMoves(self), self.relocator, self, needed, room)
+        # the request waits: a merged segment may end in a free rest under 1 MiB
+        result = merge(PoolMoves(self), self.relocator, self, needed, room, exact=True)
         self._count_result(result)
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         if block is not None:
@@ -887,16 +889,24 @@ class CachingPool:
         headroom = self._segment_capacity() - self._reserved() - alloc_size
         return self._consolidation.should_consolidate(self.policy, self._slack(), headroom)
 
-    def _consolidate(self) -> None:
+    def _consolidate(self, alloc_size: int) -> None:
         """Give the pool's free blocks back to the device before it runs out: empty the
         least-used segments into holes elsewhere, then repack partly used ones into holes
-        and tight new segments, at most ``max_moved_bytes`` moved by each."""
+        and tight new segments, at most ``max_moved_bytes`` moved by each; and where the
+        room left after reserving ``alloc_size`` would not take another such segment
+        (policy ``consolidate_merges``), merge large-pool segments whose tails together
+        are whole 2 MiB units, while the device still has room for the merged segment."""
         assert self.relocator is not None
         budget = self.policy.max_moved_bytes
         result = compact(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
         self._count_result(result)
         result = repack(PoolMoves(self, max_moved=budget), self.relocator, self, self._slack())
         self._count_result(result)
+        room = self._segment_capacity() - self._reserved()
+        if self.policy.consolidate_merges and room - alloc_size < alloc_size:
+            moves = PoolMoves(self, max_moved=budget)
+            result = merge(moves, self.relocator, self, self._slack(), room, large_only=True)
+            self._count_result(result)
 
     def _segment_shape(self, segment: Segment) -> SegmentShape:
         """Planning's view of ``segment``'s blocks: the kept one, or a fresh walk kept."""
@@ -1357,7 +1367,9 @@ class PoolMoves(MoveTarget):
             raise KeyError(f"no allocated block at {address:#x}")
         return block
 
-    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
+    def allocate_in_place(
+        self, source: Block, destination: int, size: int, exact: bool = False
+    ) -> Block | None:
         pool = self.pool
         block_pool = source.pool
         assert block_pool is not None and source.allocated, source
@@ -1368,6 +1380,7 @@ class PoolMoves(MoveTarget):
             pool._note_decommit_candidate(target)  # making room may have popped its entry
             return None
         split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
+        split = split or (exact and target.size > size)
         return pool._alloc_found_block(target, size, source.requested_size, split)
 
     def move_bytes(self, source: Block, destination: Block) -> int:

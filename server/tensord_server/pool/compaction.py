@@ -82,6 +82,10 @@ class Move:
     source: int  # address of the allocated block that moves
     destination: int  # address of the free block it goes into, at the time of the move
     size: int  # the rounded request allocated there (the moved block's new size, if split)
+    # the block takes ``size`` bytes and the rest of the free block stays free even where
+    # malloc would not split it (under 1 MiB in the large pool): a merge's last block,
+    # which may not grow into the rest of its new segment
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,11 +337,14 @@ class MoveTarget(Protocol):
         """The allocated block starting at ``address``."""
         ...
 
-    def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
+    def allocate_in_place(
+        self, source: Block, destination: int, size: int, exact: bool = False
+    ) -> Block | None:
         """Allocate ``size`` at the front of the free block at ``destination``, as malloc would
-        have (split or not), for ``source``'s request: the new block, allocated; None when
-        the device has no room to commit its pages (a pool whose capacity bounds committed
-        bytes): the move, and the rest of its plan, cannot run."""
+        have (split or not; with ``exact`` split whenever the free block is larger), for
+        ``source``'s request: the new block, allocated; None when the device has no room to
+        commit its pages (a pool whose capacity bounds committed bytes): the move, and the
+        rest of its plan, cannot run."""
         ...
 
     def move_bytes(self, source: Block, destination: Block) -> int:
@@ -401,7 +408,7 @@ def execute_move(
     A failed copy frees the new block (owned by nothing yet) and the owner stays put.
     None: no room to commit the destination, nothing done."""
     old = target.allocated_block(move.source)
-    new = target.allocate_in_place(old, move.destination, move.size)
+    new = target.allocate_in_place(old, move.destination, move.size, move.exact)
     if new is None:
         return None
     assert new.size <= old.size and new.segment is not old.segment, (old, new)
@@ -556,14 +563,21 @@ def repacked_size(segment: SegmentUsage) -> int:
 
 
 def plan_repack(
-    segment: SegmentUsage, new_address: int, new_size: int, max_split_size: int
+    segment: SegmentUsage,
+    new_address: int,
+    new_size: int,
+    max_split_size: int,
+    *,
+    exact: bool = False,
 ) -> CompactionPlan:
     """Every block of the large-pool ``segment`` moved, back to back, into a new empty
     segment at ``new_address``: each takes its rounded request (the rest of the new
     segment is always over 1 MiB, so malloc's rule splits it), except the last, which
     takes what is left when that is too little to split, so the block that goes last is
     one that was at least that large already (no block grows).  Empty when no block can
-    go last, or where max_split_size would keep the new segment whole."""
+    go last (with ``exact``: the last takes its request alone, :attr:`Move.exact`, the
+    rest of the new segment left free), or where max_split_size would keep the new
+    segment whole."""
     if segment.is_small:
         return plan_small_repack(segment, new_address, new_size)
     if new_size >= max_split_size:
@@ -572,19 +586,25 @@ def plan_repack(
     left_over = new_size - sum(request for _, _, request in blocks)
     if left_over < 0:
         return CompactionPlan((), (), 0)
+    last_exact = False
     if left_over > 0 and not should_split(
         blocks[-1][2] + left_over, blocks[-1][2], False, max_split_size
     ):
         fits = [b for b in blocks if b[1] >= b[2] + left_over]
-        if not fits:
+        if fits:
+            blocks.remove(fits[-1])
+            blocks.append(fits[-1])
+        elif exact:
+            last_exact = True
+        else:
             return CompactionPlan((), (), 0)
-        blocks.remove(fits[-1])
-        blocks.append(fits[-1])
     moves: list[Move] = []
     cursor = new_address
     for address, _, request in blocks:
         moves.append(Move(address, cursor, request))
         cursor += request
+    if last_exact:
+        moves[-1] = replace(moves[-1], exact=True)
     return CompactionPlan(tuple(moves), (segment.address,), segment.size)
 
 
@@ -737,6 +757,8 @@ def plan_merge(
     *,
     max_moved: int | None = None,
     may_move: MayMove | None = None,
+    large_only: bool = False,
+    exact: bool = False,
 ) -> tuple[tuple[SegmentUsage, ...], int] | None:
     """The segments of one pool whose blocks, back to back in one new segment of at most
     ``room`` bytes, give back the most, and that segment's size; None when no group gives
@@ -752,11 +774,17 @@ def plan_merge(
     back the sum of their sizes less that.  Segments are taken the most free bytes per
     byte of blocks first (the most given back per byte copied) while the new segment fits
     ``room`` (and the blocks ``max_moved``), all of one pool and stream; the group is the
-    run of them, in that order, that gives back the most.
+    run of them, in that order, that gives back the most.  ``large_only``: the large
+    pool's segments alone.  ``exact``: a group whose blocks leave under 1 MiB at the end
+    of the new segment is taken even when no block was that much larger already (its
+    last block leaves that rest free, :attr:`Move.exact`, and a segment ends in a free
+    block no large request fits: on the out-of-memory path, where the request waits).
     """
     by_pool: dict[tuple[bool, int], list[SegmentUsage]] = {}
     for segment in segments:
         if not segment.movable or not segment.allocated or segment.free_bytes == 0:
+            continue
+        if large_only and segment.is_small:
             continue
         by_pool.setdefault((segment.is_small, segment.stream), []).append(segment)
     best: tuple[tuple[SegmentUsage, ...], int] | None = None
@@ -784,7 +812,7 @@ def plan_merge(
             # back to back, the last block takes what is left when that is too little to
             # split (:func:`plan_repack`): some block must have been that much larger
             left = new_size - total
-            if small or left == 0 or left > SMALL_SIZE or spare >= left:
+            if exact or small or left == 0 or left > SMALL_SIZE or spare >= left:
                 best, best_gain = (tuple(group), new_size), gain
     return best
 
@@ -809,12 +837,14 @@ def merge(
     pool: Any,
     needed: int,
     room: int,
+    large_only: bool = False,
+    exact: bool = False,
 ) -> CompactionResult:
     """Run :func:`plan_merge` until ``needed`` bytes went back (each merge gives the
     device room for the next): reserve the new segment (from ``room``, what the device
     has left), move the group's blocks into it back to back (:func:`plan_repack`), release
     the group's segments.  A move that finds no room to commit its destination ends it,
-    releasing what it emptied."""
+    releasing what it emptied.  ``large_only``, ``exact``: :func:`plan_merge`'s."""
     moves: list[Move] = []
     evacuated: list[int] = []
     released = moved = 0
@@ -827,6 +857,8 @@ def merge(
                 target.max_split_size,
                 max_moved=budget,
                 may_move=target.may_move,
+                large_only=large_only,
+                exact=exact,
             )
             if chosen is None:
                 break
@@ -835,7 +867,7 @@ def merge(
             address = target.reserve_segment(usage, new_size)
             if address is None:
                 break
-            plan = plan_repack(usage, address, new_size, target.max_split_size)
+            plan = plan_repack(usage, address, new_size, target.max_split_size, exact=exact)
             nbytes, ran = execute_moves(target, plan.moves, movable)
             moved += nbytes
             moves.extend(plan.moves[:ran])

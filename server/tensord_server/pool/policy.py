@@ -13,7 +13,9 @@ what the pool does *besides*:
   repacked alone, move the blocks of several segments of one pool, back to back, into
   one new segment and release them: each segment's tail (its 2 MiB rounding) or a small
   segment's hole is too small for the request and too small to give back alone, several
-  make whole 2 MiB units (needs a relocator, and room on the device for the new segment);
+  make whole 2 MiB units; the last block may leave a rest under 1 MiB of the new
+  segment free rather than grow into it (needs a relocator, and room on the device for
+  the new segment);
 - ``consolidate``: before reserving a new segment that would leave the device less
   headroom (capacity - reserved) than the pool's free-but-reserved bytes, compact and
   repack (into holes of other segments and tight new segments) so those bytes go back
@@ -21,6 +23,15 @@ what the pool does *besides*:
   free bytes left in the tails and holes of partly used segments are what later
   makes a large request fail (at most ``max_moved_bytes`` moved each time, and only
   with at least ``min_slack`` free-but-reserved bytes);
+- ``consolidate_merges``: with ``consolidate``, when the room the device would have left
+  after the reservation could not take another segment of its size, also merge
+  large-pool segments whose tails together are whole 2 MiB units (as
+  ``merge_segments`` does, within ``max_moved_bytes``), while the room for a merged
+  segment is still there: on the out-of-memory path that room is gone, a merged segment
+  must fit beside the ones it replaces, and tails of 1-2 MiB are what a request that
+  needs a new segment then fails on.  The small pool's segments are left alone here (a
+  merged one is larger than 2 MiB and goes back only once all its small blocks are
+  freed; the out-of-memory path still merges them);
 - ``release_threshold``: after a free, while reserved / allocated exceeds it, give
   back whole idle cached segments (torch's garbage_collection_threshold idea, for a
   pool other programs share; torch only gives memory back on OOM or empty_cache);
@@ -111,6 +122,7 @@ class PoolPolicy:
     tight_segments: bool = False  # on the OOM path, segments of the request rounded to 2 MiB
     consolidate: bool = False  # compact and repack before reserving near the device's edge
     merge_segments: bool = False  # on the OOM path, several segments' blocks into one new one
+    consolidate_merges: bool = False  # consolidation merges large-pool tails near the edge
     release_threshold: float | None = None  # above it a free gives idle segments back
     compact_threshold: float | None = None  # above it a free compacts (or wakes the compactor)
     min_slack: int = 16 * MiB  # up to this much unallocated: no release, compaction, consolidation
@@ -149,6 +161,7 @@ ADAPTIVE = PoolPolicy(
     compact_on_oom=True,
     tight_segments=True,
     merge_segments=True,
+    consolidate_merges=True,
     consolidate=True,
     release_threshold=1.10,
     compact_threshold=1.15,
