@@ -252,7 +252,8 @@ def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> Non
         a.release("t/1", "x", revision)  # no longer a's claim: nothing is deleted
         assert a.owner("t/1", "x") is not None
         b.release("t/1", "x", taken)
-        assert a.owner("t/1", "x") is None
+        # a answered b from memory: it does so until its watch tells of the delete
+        assert wait_until(lambda: a.owner("t/1", "x") is None, timeout=5)
         with pytest.raises(NodeIdTakenError, match=r"taken by a live member at 127\.0\.0\.1:1"):
             ClusterNode("unit-a", "127.0.0.1:3", [etcd.endpoint], LEASE_S, []).join()
     finally:
@@ -264,6 +265,47 @@ def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> Non
     probe = Etcd([etcd.endpoint])
     assert probe.get(name_key("t/1", "y")) is None  # the revoked lease took a's names at once
     probe.close()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_lookups_are_answered_from_the_watch_until_what_they_read_changes(
+    etcd: EtcdServer,
+) -> None:
+    from tensord_server.cluster.node import ClusterNode
+
+    a = ClusterNode("unit-ca", "127.0.0.1:1", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    b = ClusterNode("unit-cb", "127.0.0.1:2", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    a.join()
+    b.join()
+    reads: list[bytes] = []
+    listings: list[bytes] = []
+    read, listing = b.etcd.read, b.etcd.listing
+    b.etcd.read = lambda key: reads.append(key) or read(key)  # type: ignore[method-assign]
+    b.etcd.listing = lambda start, *more: listings.append(start) or listing(start, *more)  # type: ignore[method-assign]
+    try:
+        revision = a.claim("t", "x", overwrite=False)
+
+        def from_memory() -> bool:  # once b's watch started, a read is kept
+            reads.clear()
+            return b.owner("t", "x") == ("unit-ca", "127.0.0.1:1") and not reads
+
+        assert wait_until(from_memory, timeout=5)
+        for _ in range(5):
+            assert b.owner("t", "x") == ("unit-ca", "127.0.0.1:1")
+        assert reads == []  # from memory: no round trip to etcd
+        assert wait_until(lambda: "unit-ca" in [n.node for n in b.nodes()], timeout=5)
+        listings.clear()
+        assert "unit-ca" in [n.node for n in b.nodes()] and listings == []
+        a.release("t", "x", revision)
+        assert wait_until(lambda: b.owner("t", "x") is None, timeout=5)  # the watch dropped it
+        assert reads  # and the lookup read etcd again
+        a.close()  # a leaves: the members are read again, without it
+        assert wait_until(lambda: "unit-ca" not in [n.node for n in b.nodes()], timeout=5)
+        assert listings
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.slow
