@@ -166,10 +166,20 @@ class ClusterNode:
                     continue
                 self._lapsed("etcd no longer has this node's lease")
             except (ClusterUnavailableError, NodeIdTakenError) as exc:
+                if isinstance(exc, ClusterUnavailableError):
+                    self._rewatch()
                 if lease is not None and time.monotonic() - renewed >= self.lease_s:
                     self._lapsed(str(exc))
                 else:
                     log.warning("cluster: %s", exc)
+
+    def _rewatch(self) -> None:
+        """etcd did not answer a renewal: the watch may be as cut off and not know it yet
+        (a partition closes no connection), so nothing is answered from memory until it
+        is started again, and it is ended so that it is."""
+        self._owners.unwatched()
+        self._members.unwatched()
+        self.etcd.stop_watching()
 
     def _lapsed(self, why: str) -> None:
         """The lease is gone (or may be, unrenewed for a whole TTL): so are this node's
