@@ -433,6 +433,34 @@ def test_a_name_put_on_one_node_is_read_from_another(three_nodes: list[Node]) ->
 
 @needs_etcd
 @pytest.mark.slow
+def test_a_client_goes_straight_to_the_holder_a_redirect_sent_it_to(
+    three_nodes: list[Node],
+) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:
+        on_a.put("w", on_a.arange(3))
+        assert on_c.get("w").client.address == a.address  # the redirect, followed
+        # another node takes the name: the holder it was sends the client on
+        on_b.put("w", on_b.ones(2), overwrite=True)
+        assert wait_until(lambda: on_c.get("w").client.address == b.address, timeout=5)
+        assert on_c.get("w").tolist() == [1.0, 1.0]
+        on_b.delete("w")  # gone from its holder: the client's own node answers
+        assert wait_until(lambda: _absent(on_c, "w"), timeout=5)
+        # the client's own put: a get reads it at once, whatever it remembered
+        on_a.put("v", on_a.arange(2))
+        assert on_c.get("v").client.address == a.address
+        on_c.put("v", on_c.zeros(1), overwrite=True)
+        got = on_c.get("v")
+        assert got.client.address == c.address and got.tolist() == [0.0]
+        # a remembered holder answers without the client's own node, even a stopped one
+        on_a.put("u", on_a.arange(4))
+        assert on_c.get("u").client.address == a.address
+        c.stop()
+        assert on_c.get("u").tolist() == [0, 1, 2, 3]
+
+
+@needs_etcd
+@pytest.mark.slow
 def test_batched_names_in_a_cluster_act_as_the_single_name_calls(
     etcd: EtcdServer, tokens_file: str
 ) -> None:
