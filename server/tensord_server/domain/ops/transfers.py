@@ -141,9 +141,9 @@ class Transfers:
 
 
 def stored_crc32(backend: Backend, memory: DeviceMemory, offset: int, size: int, crc: int) -> int:
-    """zlib.crc32 of ``size`` stored bytes at ``offset`` of ``memory``, continuing ``crc``:
-    in place where the backend's view is host memory (zlib releases the GIL over it),
-    else over a host copy read a chunk at a time."""
+    """The CRC-32 of ``size`` stored bytes at ``offset`` of ``memory``, continuing ``crc``:
+    in place where the backend's view is host memory (the checksum releases the GIL over
+    it), else over a host copy read a chunk at a time."""
     view = backend.view(memory, offset, size)
     if isinstance(view, np.ndarray):
         return checksum.crc32(view.data, crc)
