@@ -14,6 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
@@ -106,6 +107,10 @@ def connect(
         pipelining=pipelining,
     )
 
+
+# Names whose holder (another node of a cluster) a client remembers, so that the next get
+# goes straight there; the least recently used are forgotten first.
+MAX_REMEMBERED_HOLDERS = 4096
 
 # torch.tensor(t)'s warning for a tensor argument (torch 2.13's text)
 _COPY_CONSTRUCT_WARNING = (
@@ -203,6 +208,9 @@ class Client:
             "pipelining": pipelining,
         }
         self._peers: dict[str, Client] = {}  # node id -> this client's session there
+        # name -> the node a redirect sent this client to for it, the least recently used
+        # first (guarded by _peers_lock, as _peers)
+        self._holders: OrderedDict[str, str] = OrderedDict()
         self._peers_lock = threading.Lock()
         self._conn = Connection(
             resolve_address(address),
@@ -639,6 +647,7 @@ class Client:
     def _put_items(self, items: list[tuple[str, Any]], overwrite: bool, method: str) -> None:
         """Name each item's tensor (``method``: PutName for one, PutNames): a tensor as it
         is, data staged where it fits, else uploaded; in one call."""
+        self._forget_holders(name for name, _ in items)  # a get reads this put's
         arrays: dict[int, tuple[np.ndarray, DType]] = {}
         for index, (_, data) in enumerate(items):
             if not isinstance(data, Tensor):
@@ -724,16 +733,58 @@ class Client:
 
         In a cluster, a name another node holds is that node's tensor: the client opens its
         own session there (once, when first needed) and the handle lives on that node;
-        if the node is lost, its tensors raise ``tensord.NodeLostError``.
+        if the node is lost, its tensors raise ``tensord.NodeLostError``.  The client
+        remembers the holder (up to ``MAX_REMEMBERED_HOLDERS`` names): the next ``get`` of
+        the name goes straight there, one call, and a holder that no longer has it sends
+        the client on (the redirect) or back to its own node (not found there).
 
         Raises:
             NotFoundError: no tensor has that name.
         """
         name = _text("name", name)
+        holder = self._remembered_holder(name)
+        if holder is not None:  # where a redirect sent this client before: straight there
+            try:
+                return holder._get_here(name)
+            except errors.OwnedElsewhereError as redirect:  # it moved: the holder says where
+                return self._follow(name, redirect)
+            except (errors.NotFoundError, errors.NodeLostError):
+                self._forget_holders((name,))  # gone from there: ask this client's node
         try:
             return self._get_here(name)
         except errors.OwnedElsewhereError as redirect:
-            return self._peer(redirect)._get_here(name)  # followed once
+            return self._follow(name, redirect)
+
+    def _follow(self, name: str, redirect: errors.OwnedElsewhereError) -> Tensor:
+        """``get`` of ``name`` from the node ``redirect`` names (followed once), which is
+        remembered as its holder for the next ``get``."""
+        peer = self._peer(redirect)
+        got = peer._get_here(name)
+        with self._peers_lock:
+            self._holders[name] = redirect.node or ""
+            self._holders.move_to_end(name)
+            while len(self._holders) > MAX_REMEMBERED_HOLDERS:
+                self._holders.popitem(last=False)
+        return got
+
+    def _remembered_holder(self, name: str) -> Client | None:
+        """This client's open session on the node last found holding ``name``, if any."""
+        with self._peers_lock:
+            node = self._holders.get(name)
+            if node is None:
+                return None
+            peer = self._peers.get(node)
+            if peer is None or peer.closed:
+                del self._holders[name]
+                return None
+            self._holders.move_to_end(name)
+            return peer
+
+    def _forget_holders(self, names: Iterable[str]) -> None:
+        """Forget where ``names`` were held (this client puts or deletes them itself)."""
+        with self._peers_lock:
+            for name in names:
+                self._holders.pop(name, None)
 
     def _get_here(self, name: str) -> Tensor:
         """``get`` from this client's own server (OwnedElsewhereError: another node's)."""
@@ -809,6 +860,7 @@ class Client:
             NotFoundError: no tensor has that name.
         """
         name = _text("name", name)
+        self._forget_holders((name,))
         request = requests.delete_name(name)
         if not wait and self._conn.pipelining:
             self._conn.enqueue("DeleteName", "delete", name, request)
@@ -830,6 +882,7 @@ class Client:
         """
         doomed = [_text("name", n) for n in names]
         check_limit(len(doomed), "MAX_NAME_ITEMS", "delete_many() got {} names")
+        self._forget_holders(doomed)
         if not doomed:
             return
         if not wait and self._conn.pipelining:

@@ -59,7 +59,6 @@ class EtcdServer:
         )
         wait_for_etcd(self)
 
-    @property
     def url(self) -> str:
         return f"etcd://{self.endpoint}"
 
@@ -252,7 +251,8 @@ def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> Non
         a.release("t/1", "x", revision)  # no longer a's claim: nothing is deleted
         assert a.owner("t/1", "x") is not None
         b.release("t/1", "x", taken)
-        assert a.owner("t/1", "x") is None
+        # a answered b from memory: it does so until its watch tells of the delete
+        assert wait_until(lambda: a.owner("t/1", "x") is None, timeout=5)
         with pytest.raises(NodeIdTakenError, match=r"taken by a live member at 127\.0\.0\.1:1"):
             ClusterNode("unit-a", "127.0.0.1:3", [etcd.endpoint], LEASE_S, []).join()
     finally:
@@ -264,6 +264,47 @@ def test_names_are_claimed_once_and_a_takeover_is_heard(etcd: EtcdServer) -> Non
     probe = Etcd([etcd.endpoint])
     assert probe.get(name_key("t/1", "y")) is None  # the revoked lease took a's names at once
     probe.close()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_lookups_are_answered_from_the_watch_until_what_they_read_changes(
+    etcd: EtcdServer,
+) -> None:
+    from tensord_server.cluster.node import ClusterNode
+
+    a = ClusterNode("unit-ca", "127.0.0.1:1", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    b = ClusterNode("unit-cb", "127.0.0.1:2", [etcd.endpoint], LEASE_S, [("cpu", 1 << 20)])
+    a.join()
+    b.join()
+    reads: list[bytes] = []
+    listings: list[bytes] = []
+    read, listing = b.etcd.read, b.etcd.listing
+    b.etcd.read = lambda key: reads.append(key) or read(key)  # type: ignore[method-assign]
+    b.etcd.listing = lambda start, *more: listings.append(start) or listing(start, *more)  # type: ignore[method-assign]
+    try:
+        revision = a.claim("t", "x", overwrite=False)
+
+        def from_memory() -> bool:  # once b's watch started, a read is kept
+            reads.clear()
+            return b.owner("t", "x") == ("unit-ca", "127.0.0.1:1") and not reads
+
+        assert wait_until(from_memory, timeout=5)
+        for _ in range(5):
+            assert b.owner("t", "x") == ("unit-ca", "127.0.0.1:1")
+        assert reads == []  # from memory: no round trip to etcd
+        assert wait_until(lambda: "unit-ca" in [n.node for n in b.nodes()], timeout=5)
+        listings.clear()
+        assert "unit-ca" in [n.node for n in b.nodes()] and listings == []
+        a.release("t", "x", revision)
+        assert wait_until(lambda: b.owner("t", "x") is None, timeout=5)  # the watch dropped it
+        assert reads  # and the lookup read etcd again
+        a.close()  # a leaves: the members are read again, without it
+        assert wait_until(lambda: "unit-ca" not in [n.node for n in b.nodes()], timeout=5)
+        assert listings
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.slow
@@ -320,10 +361,15 @@ def tokens_file() -> Iterator[str]:
 
 
 def start_nodes(
-    etcd: EtcdServer, tokens: str, names: str = "abc", *extra: str, secret: str | None = None
+    etcd: EtcdServer | EtcdCluster,
+    tokens: str,
+    names: str = "abc",
+    *extra: str,
+    secret: str | None = None,
 ) -> list[Node]:
-    """``tensord serve`` nodes, each with ``extra`` flags; ``secret``: the cluster token file
-    (default: the tokens file's sibling ``cluster-token``, written here)."""
+    """``tensord serve`` nodes, each with ``extra`` flags (a flag given again there wins);
+    ``secret``: the cluster token file (default: the tokens file's sibling
+    ``cluster-token``, written here)."""
     if secret is None:
         secret = str(Path(tokens).with_name("cluster-token"))
         Path(secret).write_text(CLUSTER_SECRET + "\n")
@@ -331,7 +377,7 @@ def start_nodes(
     for name in names:
         process, address = start_serve_process(
             "--address", "127.0.0.1:0", "--device", "cpu=256MiB", "--auth-tokens", tokens,
-            "--node-id", f"{name}-{os.getpid()}", "--cluster", etcd.url,
+            "--node-id", f"{name}-{os.getpid()}", "--cluster", etcd.url(),
             "--cluster-lease", f"{LEASE_S:g}s", "--cluster-token-file", secret, *extra,
         )  # fmt: skip
         nodes.append(Node(name, process, address))
@@ -383,6 +429,34 @@ def test_a_name_put_on_one_node_is_read_from_another(three_nodes: list[Node]) ->
         with pytest.raises(errors.NotFoundError):
             on_c.get("bias")
         assert on_a.names() == ["weights"]
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_a_client_goes_straight_to_the_holder_a_redirect_sent_it_to(
+    three_nodes: list[Node],
+) -> None:
+    a, b, c = three_nodes
+    with connect(a) as on_a, connect(b) as on_b, connect(c) as on_c:
+        on_a.put("w", on_a.arange(3))
+        assert on_c.get("w").client.address == a.address  # the redirect, followed
+        # another node takes the name: the holder it was sends the client on
+        on_b.put("w", on_b.ones(2), overwrite=True)
+        assert wait_until(lambda: on_c.get("w").client.address == b.address, timeout=5)
+        assert on_c.get("w").tolist() == [1.0, 1.0]
+        on_b.delete("w")  # gone from its holder: the client's own node answers
+        assert wait_until(lambda: _absent(on_c, "w"), timeout=5)
+        # the client's own put: a get reads it at once, whatever it remembered
+        on_a.put("v", on_a.arange(2))
+        assert on_c.get("v").client.address == a.address
+        on_c.put("v", on_c.zeros(1), overwrite=True)
+        got = on_c.get("v")
+        assert got.client.address == c.address and got.tolist() == [0.0]
+        # a remembered holder answers without the client's own node, even a stopped one
+        on_a.put("u", on_a.arange(4))
+        assert on_c.get("u").client.address == a.address
+        c.stop()
+        assert on_c.get("u").tolist() == [0, 1, 2, 3]
 
 
 @needs_etcd
@@ -476,8 +550,18 @@ def test_without_etcd_local_operations_go_on_and_cluster_ones_fail_clearly(
                 on_a.put("new", x)
             with pytest.raises(errors.ClusterUnavailableError, match="cannot reach etcd"):
                 on_a.nodes()
-            with pytest.raises(errors.ClusterUnavailableError):
-                on_b.get("kept")  # b must ask etcd who holds it
+
+            def b_asks_etcd() -> bool:
+                try:
+                    on_b.get("kept")
+                except errors.ClusterUnavailableError:
+                    return True
+                return False
+
+            # b answers who holds it from memory until it notices etcd is gone (its
+            # watch's connection closing, at the latest its next renewal failing); then
+            # it must ask etcd
+            assert wait_until(b_asks_etcd, timeout=LEASE_S + 3)
             assert on_a.tensor([3]).tolist() == [3]
     finally:
         for node in nodes:
@@ -743,3 +827,144 @@ def test_a_cluster_recovers_when_etcd_comes_back(
     finally:
         for node in nodes:
             node.stop()
+
+
+# ---- a three-member etcd ------------------------------------------------------------------
+
+# The lease the nodes hold while etcd elects a new leader: several elections long (etcd's
+# election timeout is 1 s), so that an election on a loaded machine does not lapse them.
+ELECTION_LEASE_S = 8.0
+# A new leader is elected, and the nodes have moved to it, within this long.
+ELECTION_S = 20.0
+
+
+@dataclass
+class EtcdCluster:
+    """etcd members on loopback ports, one raft cluster."""
+
+    members: list[EtcdServer]
+
+    def url(self, *first: EtcdServer) -> str:
+        """--cluster's URL: the ``first`` members' endpoints, then the others'."""
+        ordered = [*first, *(m for m in self.members if m not in first)]
+        return "etcd://" + ",".join(m.endpoint for m in ordered)
+
+    def leader(self) -> EtcdServer | None:
+        """The member a live member names as its leader (None: none is elected)."""
+        import grpc
+        from aetcd import rpc
+
+        ids: dict[int, EtcdServer] = {}
+        leader = 0
+        for member in self.members:
+            if member.process.poll() is not None:
+                continue
+            with grpc.insecure_channel(member.endpoint) as channel:
+                try:
+                    status = rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(), timeout=1)
+                except grpc.RpcError:
+                    continue
+            ids[int(status.header.member_id)] = member
+            leader = leader or int(status.leader)
+        return ids.get(leader)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+            shutil.rmtree(member.data_dir, ignore_errors=True)
+
+
+def start_etcd_cluster(size: int) -> EtcdCluster:
+    """``size`` etcd members forming one cluster; returns once each answers a call."""
+    assert ETCD is not None
+    ports = [(free_port(), free_port()) for _ in range(size)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    members = []
+    for i, (client, peer) in enumerate(ports):
+        data = tempfile.mkdtemp(prefix="tensord-etcd-")
+        command = (
+            ETCD, f"--name=m{i}", f"--data-dir={data}",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster={initial}", "--initial-cluster-state=new",
+            "--initial-cluster-token=tensord-test", "--log-level=error",
+        )  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        members.append(EtcdServer(process, f"127.0.0.1:{client}", data, command))
+    cluster = EtcdCluster(members)
+    try:
+        for member in members:  # each answers once a quorum has formed
+            wait_for_etcd(member)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@needs_etcd
+@pytest.mark.slow
+def test_names_and_copies_outlive_the_loss_of_etcds_leader(tokens_file: str) -> None:
+    cluster = start_etcd_cluster(3)
+    nodes: list[Node] = []
+    try:
+        assert wait_until(lambda: cluster.leader() is not None, timeout=ELECTION_S)
+        leader = cluster.leader()
+        assert leader is not None
+        follower = next(m for m in cluster.members if m is not leader)
+        # a talks to the leader first, b to a follower: a must move, b need not
+        for name, first in (("a", leader), ("b", follower)):
+            nodes += start_nodes(
+                cluster, tokens_file, name, "--cluster", cluster.url(first),
+                "--cluster-lease", f"{ELECTION_LEASE_S:g}s",
+            )  # fmt: skip
+        a, b = nodes
+        rng = np.random.default_rng(7)
+        with connect(a) as on_a, connect(b) as on_b:
+            held = {
+                f"{where}-{i}": rng.standard_normal((64, 33)).astype(np.float32)
+                for i in range(3)
+                for where in ("on-a", "on-b")
+            }
+            for name, values in held.items():
+                owner = on_a if name.startswith("on-a") else on_b
+                owner.put(name, owner.tensor(values))
+            members = {n["node"]: n["incarnation"] for n in on_a.nodes()}
+            payload = rng.integers(0, 256, 5 << 20, dtype=np.uint8)
+            source = on_a.tensor(payload)
+
+            leader.stop()  # SIGKILL: the raft leader and a's etcd endpoint
+
+            assert wait_until(lambda: cluster.leader() not in (None, leader), timeout=ELECTION_S)
+
+            def names_work() -> bool:
+                try:
+                    on_b.put("after", on_b.ones(4), overwrite=True)
+                    on_a.put("after-on-a", on_a.zeros(2), overwrite=True)
+                except errors.ClusterUnavailableError:
+                    return False
+                return True
+
+            assert wait_until(names_work, timeout=ELECTION_S)
+            # nothing lost: every name, from either node (the other one's by redirect)
+            for name, values in held.items():
+                for client in (on_a, on_b):
+                    got = client.get(name)
+                    assert got.client.address == (a if name.startswith("on-a") else b).address
+                    assert got.numpy().tobytes() == values.tobytes()
+            expected = sorted([*held, "after", "after-on-a"])
+            assert on_a.names() == expected and on_b.names() == expected
+            # the nodes kept their membership: no lease lapsed, no new incarnation
+            assert {n["node"]: n["incarnation"] for n in on_b.nodes()} == members
+            # copies both ways, bit for bit
+            copied = source.to(f"{node_id(b)}/cpu")
+            assert copied.client.address == b.address
+            assert copied.numpy().tobytes() == payload.tobytes()
+            back = on_b.get("on-b-0").to(f"{node_id(a)}/cpu")
+            assert back.client.address == a.address
+            assert back.numpy().tobytes() == held["on-b-0"].tobytes()
+    finally:
+        for node in nodes:
+            node.stop()
+        cluster.stop()

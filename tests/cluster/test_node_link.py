@@ -3,12 +3,14 @@ sends, and what it does when the target's stored bytes do not match."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from tensord import errors
 from tensord import schema as pb
@@ -19,7 +21,7 @@ from tensord.protocol import (
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
 )
-from tensord_server.rpc.nodes import NodeLink
+from tensord_server.rpc.nodes import CopyWindow, NodeLink
 
 SECRET = "link-secret-0123456789"
 
@@ -97,3 +99,66 @@ def test_a_target_that_does_not_answer_is_a_lost_node() -> None:
         assert lost.value.node == "b" and lost.value.address == "127.0.0.1:1"
     finally:
         link.close()
+
+
+def test_the_copy_window_holds_at_most_its_chunks_and_an_abort_frees_both_sides() -> None:
+    window = CopyWindow(2)
+    assert window.put(b"1") and window.put(b"2")
+    third: list[bool] = []
+    putter = threading.Thread(target=lambda: third.append(window.put(b"3")))
+    putter.start()
+    putter.join(timeout=0.2)
+    assert putter.is_alive() and not third  # full: the reader waits
+    chunks = iter(window)
+    assert next(chunks) == b"1"
+    putter.join(timeout=5)
+    assert third == [True]  # one taken: room for one more
+    window.close()
+    assert list(chunks) == [b"2", b"3"]  # closed: what waited is still sent
+
+    aborted = CopyWindow(1)
+    assert aborted.put(b"1")
+    blocked: list[bool] = []
+    putter = threading.Thread(target=lambda: blocked.append(aborted.put(b"2")))
+    putter.start()
+    aborted.abort()
+    putter.join(timeout=5)
+    assert blocked == [False] and list(aborted) == []  # dropped, and the stream ends
+
+
+def test_a_target_that_fails_mid_copy_stops_the_source_reading() -> None:
+    class Failing(Target):
+        def upload(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+            next(chunks)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota exceeded")
+            raise AssertionError("unreachable")
+
+    read = 0
+
+    def source() -> Iterator[bytes]:
+        nonlocal read
+        for _ in range(10_000):
+            read += 1
+            yield b"\x00" * (64 << 10)
+
+    server, address = serve(Failing(None))
+    link = NodeLink(SECRET)
+    nbytes = 10_000 << 16
+    header = pb.UploadHeader(shape=[nbytes], dtype="uint8", device="cpu", nbytes=nbytes)
+    try:
+        with pytest.raises(errors.ResourceExhaustedError, match="quota exceeded"):
+            link.send("b", address, "alice", "s", header, source())
+        assert read < 1_000  # the window and gRPC's buffers, not the whole tensor
+    finally:
+        link.close()
+        server.stop(None)
+
+
+def test_the_copy_checksum_is_zlibs_crc32_in_any_chunking() -> None:
+    from tensord_server.domain import checksum
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    crc = 0
+    for start in range(0, len(data), 1 << 20 | 12345):
+        crc = checksum.crc32(memoryview(data)[start : start + (1 << 20 | 12345)], crc)
+    assert crc == zlib.crc32(data) and checksum.IMPLEMENTATION in ("zlib-ng", "zlib")

@@ -103,6 +103,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                 "fairness",
                 "call_gate",
                 "directory",
+                "checksum",
             ),
         ),
         # the state every op touches: Storages, the compactor moving them, sessions' handles

@@ -28,6 +28,32 @@ MOD = rpc.Compare.MOD
 EQUAL = rpc.Compare.EQUAL
 
 
+class Read(NamedTuple):
+    """One key as read: its value (None: no such key), the revision it was last changed
+    at (0 for none) and the revision it was read at."""
+
+    value: bytes | None
+    revision: int
+    read_at: int
+
+
+class Listing(NamedTuple):
+    """A range as read: its keys and values, whether more follow, the newest revision any
+    of them was changed at, and the revision it was read at."""
+
+    kvs: list[tuple[bytes, bytes]]
+    more: bool
+    revision: int
+    read_at: int
+
+
+class Watched(NamedTuple):
+    """One answer of a watch: its header's revision and its events (rpc.Event)."""
+
+    revision: int
+    events: list[Any]
+
+
 class Stubs(NamedTuple):
     """One endpoint's channel and etcd's services on it."""
 
@@ -165,25 +191,40 @@ class Etcd:
 
     def get(self, key: bytes) -> bytes | None:
         """``key``'s value (None: no such key)."""
+        return self.read(key).value
+
+    def read(self, key: bytes) -> Read:
+        """``key``'s value, the revision it was last changed at, and the revision read at."""
         request = rpc.RangeRequest(key=key)
         answer = self.call("looking a name up", lambda s: s.kv.Range(request, timeout=self.timeout))
-        return bytes(answer.kvs[0].value) if answer.kvs else None
+        at = int(answer.header.revision)
+        if not answer.kvs:
+            return Read(None, 0, at)
+        return Read(bytes(answer.kvs[0].value), int(answer.kvs[0].mod_revision), at)
 
     def range(
         self, start: bytes, end: bytes, limit: int = 0, keys_only: bool = False
     ) -> tuple[list[tuple[bytes, bytes]], bool]:
         """The keys in ``[start, end)`` in key order, at most ``limit`` (0: all), with their
         values (empty with ``keys_only``); and whether more follow."""
+        listed = self.listing(start, end, limit, keys_only)
+        return listed.kvs, listed.more
+
+    def listing(self, start: bytes, end: bytes, limit: int = 0, keys_only: bool = False) -> Listing:
+        """:meth:`range` with the newest ``mod_revision`` among the keys listed and the
+        revision read at."""
         request = rpc.RangeRequest(key=start, range_end=end, limit=limit, keys_only=keys_only)
         answer = self.call("listing", lambda s: s.kv.Range(request, timeout=self.timeout))
-        return [(bytes(kv.key), bytes(kv.value)) for kv in answer.kvs], bool(answer.more)
+        kvs = [(bytes(kv.key), bytes(kv.value)) for kv in answer.kvs]
+        newest = max((int(kv.mod_revision) for kv in answer.kvs), default=0)
+        return Listing(kvs, bool(answer.more), newest, int(answer.header.revision))
 
-    def watch(
-        self, prefix: bytes, start_revision: int, prev_kv: bool = False
-    ) -> Iterator[list[Any]]:
+    def watch(self, prefix: bytes, start_revision: int, prev_kv: bool = False) -> Iterator[Watched]:
         """The events (rpc.Event) under ``prefix`` from ``start_revision`` (0: now), each
-        with the key's value before it with ``prev_kv``, a revision's batch at a time, until :meth:`stop_watching` or etcd is lost (then
-        ClusterUnavailableError; CompactedError for a start etcd has compacted away)."""
+        with the key's value before it with ``prev_kv``, a batch at a time, until
+        :meth:`stop_watching` or etcd is lost (then ClusterUnavailableError;
+        CompactedError for a start etcd has compacted away).  The first batch, with no
+        events, says the watch started: every change after its revision is to come."""
         stubs = self.stubs
         create = rpc.WatchCreateRequest(
             key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
@@ -204,8 +245,8 @@ class Etcd:
                     raise CompactedError(int(answer.compact_revision))
                 if answer.canceled:
                     raise ClusterUnavailableError(f"etcd ended the watch: {answer.cancel_reason}")
-                if answer.events:
-                    yield list(answer.events)
+                if answer.created or answer.events:
+                    yield Watched(int(answer.header.revision), list(answer.events))
         except grpc.RpcError as err:
             if isinstance(err, grpc.Call) and err.code() is grpc.StatusCode.CANCELLED:
                 return

@@ -14,6 +14,11 @@ it (no request can hold them up): one renews the lease every third of its TTL, a
 re-registers, as a new incarnation, after a lapse; one watches the names, so a name
 another node takes over (``put(..., overwrite=True)``) or deletes stops keeping its
 tensor alive here.
+
+The same watch keeps the node's lookups current (:mod:`tensord_server.cluster.cache`):
+the owner of a name another node holds, and the members, are read from etcd once and
+answered from memory until the watch tells of a change to them.  Such an answer may be a
+watch's delay behind etcd; it only ever sends a client to a node, which checks for itself.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from urllib.parse import quote, unquote
 from tensord.errors import AlreadyExistsError, ClusterUnavailableError
 from tensord.protocol import VERSION
 
+from tensord_server.cluster.cache import WatchedCache
 from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
 from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
 
@@ -44,6 +50,8 @@ WATCH_RETRY_S = 0.5
 # Names of lost nodes remembered (for NodeLostError rather than NotFoundError), the
 # oldest forgotten first.
 MAX_LOST_NAMES = 65_536
+# Owners of other nodes' names kept from earlier lookups (the least recently used go first).
+MAX_CACHED_OWNERS = 65_536
 
 log = logging.getLogger("tensord.cluster")
 
@@ -95,6 +103,9 @@ class ClusterNode:
         self._threads: list[threading.Thread] = []
         # (tenant, name) -> the node it was on when that node's lease lapsed
         self._lost_names: OrderedDict[tuple[str, str], NameOwner] = OrderedDict()
+        # a name's key -> its owner; NODES -> the members: both as the watch keeps them
+        self._owners: WatchedCache[NameOwner] = WatchedCache(MAX_CACHED_OWNERS)
+        self._members: WatchedCache[tuple[NodeRecord, ...]] = WatchedCache(1)
 
     # ---- membership --------------------------------------------------------------------
 
@@ -155,10 +166,20 @@ class ClusterNode:
                     continue
                 self._lapsed("etcd no longer has this node's lease")
             except (ClusterUnavailableError, NodeIdTakenError) as exc:
+                if isinstance(exc, ClusterUnavailableError):
+                    self._rewatch()
                 if lease is not None and time.monotonic() - renewed >= self.lease_s:
                     self._lapsed(str(exc))
                 else:
                     log.warning("cluster: %s", exc)
+
+    def _rewatch(self) -> None:
+        """etcd did not answer a renewal: the watch may be as cut off and not know it yet
+        (a partition closes no connection), so nothing is answered from memory until it
+        is started again, and it is ended so that it is."""
+        self._owners.unwatched()
+        self._members.unwatched()
+        self.etcd.stop_watching()
 
     def _lapsed(self, why: str) -> None:
         """The lease is gone (or may be, unrenewed for a whole TTL): so are this node's
@@ -194,6 +215,7 @@ class ClusterNode:
     def claim(self, tenant: str, name: str, overwrite: bool) -> int:
         lease = self._claim_lease()
         key = name_key(tenant, name)
+        self._owners.drop(key)  # this node's now, or another's it was told of
         if overwrite:
             return self.etcd.put(key, self._record(), lease)
         created, revision, held = self.etcd.create(key, self._record(), lease)
@@ -205,14 +227,23 @@ class ClusterNode:
         return revision
 
     def release(self, tenant: str, name: str, revision: int) -> None:
-        self.etcd.delete_if(name_key(tenant, name), revision)
+        key = name_key(tenant, name)
+        self._owners.drop(key)
+        self.etcd.delete_if(key, revision)
 
     def owner(self, tenant: str, name: str) -> NameOwner | None:
-        held = self.etcd.get(name_key(tenant, name))
-        if held is None:
-            return None
-        record = json.loads(held)
-        return NameOwner(record["node"], record["address"])
+        key = name_key(tenant, name)
+        cached = self._owners.get(key)
+        if cached is not None:
+            return cached
+        read = self.etcd.read(key)
+        if read.value is None:
+            return None  # not kept: a name put elsewhere just now is found at once
+        record = json.loads(read.value)
+        owner = NameOwner(record["node"], record["address"])
+        if owner.node != self._node:  # this node's own names are its table's
+            self._owners.store(key, owner, read.revision, read.read_at)
+        return owner
 
     def names(self, tenant: str, after: str | None, limit: int) -> tuple[list[str], bool]:
         prefix = tenant_prefix(tenant)
@@ -221,15 +252,20 @@ class ClusterNode:
         return [key[len(prefix) :].decode() for key, _ in found], more
 
     def nodes(self) -> list[NodeRecord]:
-        found, _ = self.etcd.range(NODES, prefix_end(NODES))
+        cached = self._members.get(NODES)
+        if cached is not None:
+            return list(cached)
+        listed = self.etcd.listing(NODES, prefix_end(NODES))
         records = []
-        for _, value in found:
+        for _, value in listed.kvs:
             r = json.loads(value)
             devices = tuple((str(d), int(c)) for d, c in r.get("devices", ()))
             records.append(
                 NodeRecord(r["node"], r["address"], devices, r["version"], r["incarnation"])
             )
-        return sorted(records)
+        records.sort()
+        self._members.store(NODES, tuple(records), listed.revision, listed.read_at)
+        return records
 
     def lost_owner(self, tenant: str, name: str) -> NameOwner | None:
         with self._lock:
@@ -242,12 +278,22 @@ class ClusterNode:
         start = 0
         while not self._stop.is_set():
             try:
-                for events in self.etcd.watch(PREFIX, start, prev_kv=True):
-                    self._heard_lapses(events)
-                    for event in events:
-                        if bytes(event.kv.key).startswith(NAMES):
+                for batch in self.etcd.watch(PREFIX, start, prev_kv=True):
+                    if not batch.events:  # started: the lookups may be kept from now on
+                        self._owners.watching(batch.revision)
+                        self._members.watching(batch.revision)
+                        continue
+                    self._heard_lapses(batch.events)
+                    for event in batch.events:
+                        key, revision = bytes(event.kv.key), int(event.kv.mod_revision)
+                        if key.startswith(NAMES):
+                            self._owners.changed(key, revision)
                             self._heard(event)
-                        start = int(event.kv.mod_revision) + 1
+                        elif key.startswith(NODES):
+                            self._members.changed(NODES, revision)
+                        start = revision + 1
+                    self._owners.heard(batch.revision)
+                    self._members.heard(batch.revision)
             except CompactedError as exc:
                 log.warning("cluster: %s; watching from now on", exc)
                 start = 0
@@ -255,6 +301,9 @@ class ClusterNode:
                 if not self._stop.is_set():
                     log.warning("cluster: %s", exc)
                     self._stop.wait(WATCH_RETRY_S)
+            finally:  # between two watches nothing is answered from memory
+                self._owners.unwatched()
+                self._members.unwatched()
 
     def _heard_lapses(self, events: list[Any]) -> None:
         """The names deleted in the same revision as their owner's member record: etcd

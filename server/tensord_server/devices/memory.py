@@ -52,6 +52,32 @@ BOOKKEEPING_DEFAULT_CAPACITY = 1 << 60
 BOOKKEEPING_BASE_ADDRESS = 0x7F00_0000_0000
 
 
+# Reads at least this large copy into their bytes object without the GIL (below it the
+# copy is shorter than handing it off).
+GIL_FREE_READ_BYTES = 256 << 10
+
+# CPython's own constructor of a bytes object whose contents are still to be written, as C
+# code makes one before it hands it out (PyBytes_FromStringAndSize with NULL).
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
+
+def copied_bytes(address: int, nbytes: int) -> bytes:
+    """A new bytes object holding the ``nbytes`` at ``address``, copied by ``memmove``,
+    which ctypes calls without the GIL: a large read's copy (into pages the allocator
+    fetches fresh, each one faulted in) lets the other threads run, where
+    ``ndarray.tobytes`` holds the GIL throughout.  The object is filled before anything
+    else can see it, as C code fills one."""
+    assert nbytes > 0 and address, f"copied_bytes of {nbytes} bytes at {address:#x}"
+    out: bytes = _new_bytes(None, nbytes)
+    ctypes.memmove(_bytes_data(out), address, nbytes)
+    return out
+
+
 def check_range(memory: DeviceMemory, offset: int, nbytes: int) -> None:
     """Refuse a byte range that leaves its segment (a server bug, never client input)."""
     if offset < 0 or nbytes < 0 or offset + nbytes > memory.nbytes:
@@ -167,7 +193,10 @@ class HostBackend:
         return array
 
     def read(self, memory: DeviceMemory, offset: int, nbytes: int) -> bytes:
-        return self.view(memory, offset, nbytes).tobytes()
+        view = self.view(memory, offset, nbytes)
+        if nbytes < GIL_FREE_READ_BYTES:
+            return view.tobytes()
+        return copied_bytes(int(view.ctypes.data), nbytes)
 
     def write(self, memory: DeviceMemory, offset: int, data: bytes | memoryview) -> None:
         source = np.frombuffer(data, dtype=np.uint8)

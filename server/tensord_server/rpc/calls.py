@@ -72,7 +72,11 @@ from tensord.protocol import (
 from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.exports import Channel
-from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from tensord_server.domain.ops.transfers import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    UploadSink,
+)
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import observer_for  # observability hook
 from tensord_server.rpc import status
@@ -648,15 +652,7 @@ class Calls:
                 session, sink = await self.work.run(
                     call.key, functools.partial(self.service.upload_sink, call), describe
                 )
-                while True:
-                    chunk = await self.read(context, call, method)
-                    if chunk is grpc.aio.EOF:
-                        break
-                    self.observer.uploaded.inc(len(chunk))
-                    with self.budget.reserve(call.key, len(chunk), describe):
-                        await self.work.run(
-                            call.key, functools.partial(sink.write, chunk), describe
-                        )
+                await self._write_chunks(context, call, method, sink, describe)
                 reply, checksum = await self.work.run(
                     call.key,
                     functools.partial(self.service.upload_finished, session, sink),
@@ -678,6 +674,38 @@ class Calls:
         finally:
             if sink is not None:
                 sink.abort()  # not issued: its Storage goes back (a no-op after finish)
+
+    async def _write_chunks(
+        self,
+        context: grpc.aio.ServicerContext,
+        call: Call,
+        method: Method,
+        sink: UploadSink,
+        describe: str,
+    ) -> None:
+        """Each chunk of an Upload written into ``sink`` on a worker while the next one is
+        read: one write at a time, in order, each within the budget of bytes in flight.
+        Returns (or raises) only once no write runs, so the sink may be finished or
+        aborted then."""
+        writing: asyncio.Future[None] | None = None  # the chunk before's, while this is read
+        try:
+            while True:
+                chunk = await self.read(context, call, method)
+                if writing is not None:
+                    # its error, if any, is the call's; a cancelled call still lets it end
+                    await asyncio.shield(writing)
+                    writing = None
+                if chunk is grpc.aio.EOF:
+                    return
+                self.observer.uploaded.inc(len(chunk))
+                writing = asyncio.ensure_future(self._write_chunk(call, sink, chunk, describe))
+        finally:
+            if writing is not None:  # the call failed while a write ran: it ends first
+                await asyncio.gather(writing, return_exceptions=True)
+
+    async def _write_chunk(self, call: Call, sink: UploadSink, chunk: bytes, describe: str) -> None:
+        with self.budget.reserve(call.key, len(chunk), describe):
+            await self.work.run(call.key, functools.partial(sink.write, chunk), describe)
 
     async def download(
         self, method: Method, requests: Any, context: grpc.aio.ServicerContext

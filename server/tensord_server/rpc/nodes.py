@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,9 +31,13 @@ from tensord.protocol import (
     UPLOAD_HEADER_KEY,
 )
 
+from tensord_server.domain import checksum
+
 # A copy's stream gets this long per MiB beyond its first minute (a slow link still ends).
 COPY_BASE_TIMEOUT_S = 60.0
 COPY_TIMEOUT_PER_MIB_S = 0.5
+# Chunks a copy's source reads ahead of the stream (each at most the copy's chunk size).
+COPY_WINDOW_CHUNKS = 4
 # The release of a copy that failed its checksum.
 RELEASE_TIMEOUT_S = 5.0
 _CHANNEL_OPTIONS = [
@@ -88,21 +92,34 @@ class NodeLink:
             *self._metadata(tenant, session_id),
             (UPLOAD_HEADER_KEY, header.SerializeToString()),
         ]
-        sent = _Checksummed(chunks)
         timeout = COPY_BASE_TIMEOUT_S + COPY_TIMEOUT_PER_MIB_S * (header.nbytes >> 20)
+        window = CopyWindow(COPY_WINDOW_CHUNKS)
+        call = upload.future(iter(window), metadata=metadata, timeout=timeout)
+        call.add_done_callback(lambda _: window.abort())  # a failed call stops the reads
         try:
-            meta, call = upload.with_call(iter(sent), metadata=metadata, timeout=timeout)
+            # this thread reads and checksums the next chunks while gRPC's sends the
+            # ones before: at most the window's chunks are read ahead of the link
+            crc = 0
+            for chunk in chunks:
+                crc = checksum.crc32(chunk, crc)
+                if not window.put(chunk):
+                    break  # the call ended: its result says why
+            window.close()
+            meta = call.result()
         except grpc.RpcError as err:
             raise _error(err, node, address) from None
+        except BaseException:
+            call.cancel()  # the target drops what it got
+            raise
         finally:
-            sent.stop()
+            window.abort()
         trailers = {k: v for k, v in call.trailing_metadata() or ()}
         stored = trailers.get(CHECKSUM_KEY)
-        if stored is None or int(stored) != sent.crc:
+        if stored is None or int(stored) != crc:
             self._release(address, tenant, session_id, meta.handle)
             raise errors.CopyCorruptedError(
                 f"the copy on node {node!r} ({address}) does not match the source: CRC-32 "
-                f"{stored} stored, {sent.crc} sent; nothing was kept",
+                f"{stored} stored, {crc} sent; nothing was kept",
                 node=node,
             )
         answered: pb.TensorMeta = meta
@@ -129,29 +146,56 @@ class NodeLink:
             channel.close()
 
 
-class _Checksummed:
-    """The chunks of a stream, their CRC-32 kept as they go by.  gRPC reads them on a
-    thread of its own, which may still be reading when the call has failed: :meth:`stop`
-    waits out a read in progress and ends the stream, so the source can be closed."""
+class CopyWindow:
+    """The chunks of a copy's stream between the thread that reads them from the source
+    and gRPC's thread that sends them: at most ``limit`` chunks wait, so the source's
+    extra memory is bounded whatever the tensor's size.
 
-    def __init__(self, chunks: Iterable[bytes]) -> None:
-        self._chunks = iter(chunks)
-        self._lock = threading.Lock()
-        self._stopped = False
-        self.crc = 0
+    Invariants (under ``_ready``): ``len(_chunks) <= limit``; once ``_aborted`` no chunk
+    waits and none is taken in; once ``_closed`` none is added."""
+
+    def __init__(self, limit: int) -> None:
+        assert limit >= 1, f"a copy window holds at least one chunk, got {limit}"
+        self.limit = limit
+        self._chunks: deque[bytes] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._aborted = False
+
+    def put(self, chunk: bytes) -> bool:
+        """Add ``chunk`` once there is room; False (not added): the stream was aborted."""
+        with self._ready:
+            assert not self._closed, "a chunk put after the copy window was closed"
+            self._ready.wait_for(lambda: self._aborted or len(self._chunks) < self.limit)
+            if self._aborted:
+                return False
+            self._chunks.append(chunk)
+            self._ready.notify_all()
+            return True
+
+    def close(self) -> None:
+        """No more chunks: the stream ends once the waiting ones are sent."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    def abort(self) -> None:
+        """End the stream now (idempotent): waiting chunks are dropped, a blocked put and
+        a blocked read return."""
+        with self._ready:
+            self._aborted = True
+            self._chunks.clear()
+            self._ready.notify_all()
 
     def __iter__(self) -> Iterator[bytes]:
         while True:
-            with self._lock:
-                chunk = None if self._stopped else next(self._chunks, None)
-            if chunk is None:
-                return
-            self.crc = zlib.crc32(chunk, self.crc)
+            with self._ready:
+                self._ready.wait_for(lambda: self._aborted or self._closed or self._chunks)
+                if self._aborted or not self._chunks:
+                    return
+                chunk = self._chunks.popleft()
+                self._ready.notify_all()
             yield chunk
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
 
 
 def _error(err: grpc.RpcError, node: str, address: str) -> errors.TensordError:

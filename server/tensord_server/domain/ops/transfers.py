@@ -7,18 +7,19 @@ a chunk at a time.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
 from tensord import dtypes
 from tensord.errors import InvalidArgumentError
 from tensord.layout import Layout
 
 from tensord_server.devices.table import Device, activate
-from tensord_server.domain import kernels
+from tensord_server.domain import checksum, kernels
 from tensord_server.domain.ops.context import Issued, OpContext
 from tensord_server.domain.sessions import Session
 from tensord_server.domain.storage import Storage, TensorRef
+from tensord_server.pool.backend import Backend, DeviceMemory
 
 # Raw-byte transfers move this much per message unless the client asks otherwise.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -139,6 +140,19 @@ class Transfers:
             )
 
 
+def stored_crc32(backend: Backend, memory: DeviceMemory, offset: int, size: int, crc: int) -> int:
+    """The CRC-32 of ``size`` stored bytes at ``offset`` of ``memory``, continuing ``crc``:
+    in place where the backend's view is host memory (the checksum releases the GIL over
+    it), else over a host copy read a chunk at a time."""
+    view = backend.view(memory, offset, size)
+    if isinstance(view, np.ndarray):
+        return checksum.crc32(view.data, crc)
+    for start in range(0, size, DEFAULT_CHUNK_BYTES):
+        piece = min(DEFAULT_CHUNK_BYTES, size - start)
+        crc = checksum.crc32(backend.read(memory, offset + start, piece), crc)
+    return crc
+
+
 class UploadSink:
     """An upload in progress: its Storage allocated and held (never moved by compaction),
     written chunk by chunk, issued by :meth:`finish`; :meth:`abort` frees it if it was not.
@@ -165,13 +179,25 @@ class UploadSink:
         self.received = 0
         #: whether the caller wants :meth:`crc32` of the stored bytes (a node's copy)
         self.checksum_wanted = False
+        self._crc = 0  # of the stored bytes [0, received), while checksum_wanted
 
     def write(self, chunk: bytes) -> None:
+        """Store ``chunk`` after the bytes before it; with ``checksum_wanted``, read it back
+        from the Storage into the running CRC-32 (while the next chunk is on its way)."""
         out = self._live()
         if self.received + len(chunk) > self.nbytes:
             raise ValueError(f"upload carried more than the declared {self.nbytes} bytes")
         with activate(out.device):
             out.storage.write(self.received, chunk)
+            if self.checksum_wanted:
+                block = out.storage.block
+                self._crc = stored_crc32(
+                    out.device.backend,
+                    block.segment.memory,
+                    block.offset + self.received,
+                    len(chunk),
+                    self._crc,
+                )
         self.received += len(chunk)
 
     def copy_from(self, source: Storage, offset: int) -> None:
@@ -188,18 +214,12 @@ class UploadSink:
         self.received = self.nbytes
 
     def crc32(self) -> int:
-        """The CRC-32 of the bytes written, read back from the Storage a chunk at a time
-        (what is stored, not what arrived)."""
-        out = self._live()
-        block, backend = out.storage.block, out.device.backend
-        crc = 0
-        with activate(out.device):
-            for start in range(0, self.received, DEFAULT_CHUNK_BYTES):
-                size = min(DEFAULT_CHUNK_BYTES, self.received - start)
-                crc = zlib.crc32(
-                    backend.read(block.segment.memory, block.offset + start, size), crc
-                )
-        return crc
+        """The CRC-32 of the bytes written, as each was read back from the Storage once
+        stored (what is stored, not what arrived); only with ``checksum_wanted`` set
+        before the first write."""
+        self._live()
+        assert self.checksum_wanted, "crc32() of an upload that did not want its checksum"
+        return self._crc
 
     def finish(self) -> Issued:
         out = self._live()
