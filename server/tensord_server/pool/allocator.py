@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 from tensord.errors import InvalidArgumentError, OutOfMemoryError, ResourceExhaustedError
 
@@ -532,7 +532,27 @@ class CachingPool:
     def assert_invariants(self) -> None:
         """Check every invariant written beside the fields; raise AssertionError naming the first broken."""
         with self._lock:
-            check_pool_invariants(self)
+            check_pool_invariants(self._parts())
+
+    def _parts(self) -> PoolParts:
+        """What the invariants are checked over (the caller holds the lock)."""
+        warm = self._idle.warm(self.policy, self.clock(), self.warm_reserve)
+        return PoolParts(
+            segments=self._segments,
+            small=self._small,
+            large=self._large,
+            stats=self._stats,
+            ledger=self._ledger,
+            decommits=self._decommits(),
+            idle=self._idle,
+            warm=warm.keys(),
+            warm_reserve=self.warm_reserve,
+            consolidation=self._consolidation,
+            shapes=self._shapes,
+            max_split_size=self.max_split_size,
+            capacity=self.capacity,
+            segment_capacity=self._segment_capacity(),
+        )
 
     # -- the malloc story -----------------------------------------------------
 
@@ -1172,6 +1192,87 @@ class CachingPool:
             return
         self._ledger.note_candidate(block)
 
+    # -- the pool's side of a compaction (PoolMoves's MoveSite; the caller holds the lock) --
+
+    def segments_by_address(self) -> list[Segment]:
+        """Every segment, by address."""
+        return [segment for _, segment in sorted(self._segments.items())]
+
+    def segment_shape(self, segment: Segment) -> SegmentShape:
+        """Planning's view of ``segment``'s blocks (kept between plans)."""
+        return self._segment_shape(segment)
+
+    def releasable_segment(self, segment: Segment) -> bool:
+        """Whether ``segment``, once wholly free, may go back to the device now."""
+        return self._releasable_segment(segment)
+
+    def kept_idle_addresses(self) -> Collection[int]:
+        """The addresses of the wholly free segments kept now (policy ``release_idle_s``)."""
+        return self._kept_idle_segments().keys()
+
+    def allocate_for_move(self, target: Block, size: int, requested: int) -> Block | None:
+        """Allocate ``size`` bytes (``requested`` asked for) at the front of the free block
+        ``target`` for a moved Storage, split off if worth it; None, ``target`` left free
+        and cached, when the device has no room to commit its pages."""
+        block_pool = target.pool
+        assert block_pool is not None and not target.allocated, target
+        block_pool.remove(target)
+        if self._caps_commit() and not self._admit_move(target, size):
+            block_pool.insert(target)
+            self._note_decommit_candidate(target)  # making room may have popped its entry
+            return None
+        split = should_split(target.size, size, block_pool.is_small, self.max_split_size)
+        return self._alloc_found_block(target, size, requested, split)
+
+    def free_moved(self, block: Block) -> None:
+        """Free the allocated ``block`` a Storage moved out of."""
+        self._free_allocated(block)
+
+    def release_free_segment(self, address: int) -> None:
+        """Give the wholly free segment at ``address`` back to the device."""
+        head = self._segments[address].head
+        assert head is not None and not head.allocated and not head.is_split(), head
+        self._release_block(head)
+
+    def free_segment_size(self, address: int) -> int | None:
+        """The size of the segment at ``address`` if it is wholly free and may go back now,
+        else None."""
+        segment = self._segments.get(address)
+        head = None if segment is None else segment.head
+        if head is None or head.allocated or head.is_split():
+            return None
+        return head.size if self._releasable(head) else None
+
+    def reserve_free_segment(self, is_small: bool, stream: int, size: int) -> int | None:
+        """Reserve a new segment of ``size`` bytes, its one block free and cached; its
+        address, or None when the device refuses."""
+        block_pool = self._small if is_small else self._large
+        block = self._alloc_block(block_pool, size, stream, is_retry=False)
+        if block is None:
+            return None
+        block_pool.insert(block)  # a new segment's block is free and cached until used
+        return block.address
+
+    @contextlib.contextmanager
+    def copying_from(self, segment: Segment) -> Iterator[None]:
+        """Let go of the lock while a move copies from ``segment``: meanwhile it neither
+        goes back to the device (its bytes are being read) nor is emptied by another
+        compaction.  The device's copy is complete when this ends."""
+        self._copying_from[segment] = self._copying_from.get(segment, 0) + 1
+        self._lock.release()
+        try:
+            yield
+            # a device's copy may be queued (CUDA: on the server stream): complete before
+            # the owner is repointed, so nothing reads the new block ahead of its bytes
+            wait = getattr(self.backend, "synchronize", None)
+            if wait is not None:
+                wait()
+        finally:
+            self._lock.acquire()
+            left = self._copying_from.pop(segment) - 1
+            if left:
+                self._copying_from[segment] = left
+
     # -- what tests inspect of the commit ledger --------------------------------------
 
     @property
@@ -1297,13 +1398,33 @@ class CachingPool:
 # The pool as compaction's MoveTarget
 
 
+class MoveSite(Protocol):
+    """What :class:`PoolMoves` needs of a pool: its segments, a free block taken for a moved
+    Storage, segments given back and reserved, a copy with the lock let go.  The caller
+    holds the pool's lock throughout (``copying_from`` lets go of it while it lasts)."""
+
+    backend: Backend
+    max_split_size: int
+
+    def segments_by_address(self) -> list[Segment]: ...
+    def segment_shape(self, segment: Segment) -> SegmentShape: ...
+    def releasable_segment(self, segment: Segment) -> bool: ...
+    def kept_idle_addresses(self) -> Collection[int]: ...
+    def allocate_for_move(self, target: Block, size: int, requested: int) -> Block | None: ...
+    def free_moved(self, block: Block) -> None: ...
+    def release_free_segment(self, address: int) -> None: ...
+    def free_segment_size(self, address: int) -> int | None: ...
+    def reserve_free_segment(self, is_small: bool, stream: int, size: int) -> int | None: ...
+    def copying_from(self, segment: Segment) -> contextlib.AbstractContextManager[None]: ...
+
+
 class PoolMoves(MoveTarget):
     """The narrow interface compaction executes a plan through, over one pool whose lock the
     caller holds.  ``max_moved`` bounds the bytes one plan may copy (None: no bound)."""
 
     def __init__(
         self,
-        pool: CachingPool,
+        pool: MoveSite,
         *,
         max_moved: int | None = None,
         hidden: Collection[int] = (),
@@ -1319,13 +1440,13 @@ class PoolMoves(MoveTarget):
 
     def candidate_segments(self, movable: Mapping[Block, object]) -> list[SegmentUsage]:
         pool = self.pool
-        self._segments = segments = [segment for _, segment in sorted(pool._segments.items())]
+        self._segments = segments = pool.segments_by_address()
         self._movable = movable
         visible = [s for s in segments if s.address not in self.hidden]
-        self._shapes = shapes = {s.address: pool._segment_shape(s) for s in visible}
+        self._shapes = shapes = {s.address: pool.segment_shape(s) for s in visible}
         return [
             shapes[s.address].usage
-            if pool._releasable_segment(s)
+            if pool.releasable_segment(s)
             else replace(shapes[s.address].usage, movable=False)
             for s in visible
         ]
@@ -1345,17 +1466,10 @@ class PoolMoves(MoveTarget):
         return block
 
     def allocate_in_place(self, source: Block, destination: int, size: int) -> Block | None:
-        pool = self.pool
         block_pool = source.pool
         assert block_pool is not None and source.allocated, source
         target = block_pool.free_blocks[destination]
-        block_pool.remove(target)
-        if pool._caps_commit() and not pool._admit_move(target, size):
-            block_pool.insert(target)
-            pool._note_decommit_candidate(target)  # making room may have popped its entry
-            return None
-        split = should_split(target.size, size, block_pool.is_small, pool.max_split_size)
-        return pool._alloc_found_block(target, size, source.requested_size, split)
+        return self.pool.allocate_for_move(target, size, source.requested_size)
 
     def move_bytes(self, source: Block, destination: Block) -> int:
         nbytes = source.requested_size
@@ -1369,8 +1483,7 @@ class PoolMoves(MoveTarget):
         return nbytes
 
     def allocated_block_now(self, address: int) -> Block | None:
-        pool = self.pool
-        self._segments = [segment for _, segment in sorted(pool._segments.items())]
+        self._segments = self.pool.segments_by_address()
         try:
             return self.allocated_block(address)
         except KeyError:
@@ -1388,7 +1501,7 @@ class PoolMoves(MoveTarget):
             or size < source.requested_size
             or target.segment is source.segment
             or target.stream != source.stream
-            or target.segment.address in pool._kept_idle_segments()
+            or target.segment.address in pool.kept_idle_addresses()
             or not oversize_rules_allow(target.size, size, pool.max_split_size)
         ):
             return None
@@ -1399,46 +1512,20 @@ class PoolMoves(MoveTarget):
 
     @contextlib.contextmanager
     def copying(self, source: Block) -> Iterator[None]:
-        pool = self.pool
-        segment = source.segment
-        pool._copying_from[segment] = pool._copying_from.get(segment, 0) + 1
-        pool._lock.release()
-        try:
+        with self.pool.copying_from(source.segment):
             yield
-            # a device's copy may be queued (CUDA: on the server stream): complete before
-            # the owner is repointed, so nothing reads the new block ahead of its bytes
-            wait = getattr(pool.backend, "synchronize", None)
-            if wait is not None:
-                wait()
-        finally:
-            pool._lock.acquire()
-            left = pool._copying_from.pop(segment) - 1
-            if left:
-                pool._copying_from[segment] = left
 
     def free_block(self, block: Block) -> None:
-        self.pool._free_allocated(block)
+        self.pool.free_moved(block)
 
     def release_segment(self, address: int) -> None:
-        head = self.pool._segments[address].head
-        assert head is not None and not head.allocated and not head.is_split(), head
-        self.pool._release_block(head)
+        self.pool.release_free_segment(address)
 
     def free_segment_size(self, address: int) -> int | None:
-        segment = self.pool._segments.get(address)
-        head = None if segment is None else segment.head
-        if head is None or head.allocated or head.is_split():
-            return None
-        return head.size if self.pool._releasable(head) else None
+        return self.pool.free_segment_size(address)
 
     def reserve_segment(self, like: SegmentUsage, size: int) -> int | None:
-        pool = self.pool
-        block_pool = pool._small if like.is_small else pool._large
-        block = pool._alloc_block(block_pool, size, like.stream, is_retry=False)
-        if block is None:
-            return None
-        block_pool.insert(block)  # a new segment's block is free and cached until used
-        return block.address
+        return self.pool.reserve_free_segment(like.is_small, like.stream, size)
 
 
 def tight_allocation_size(size: int, small: bool) -> int:
@@ -1453,30 +1540,48 @@ def tight_allocation_size(size: int, small: bool) -> int:
 # Invariants
 
 
-def check_pool_invariants(pool: CachingPool) -> None:
+class PoolParts(NamedTuple):
+    """What a pool's invariants are checked over: its state, and the bounds it is held to."""
+
+    segments: Mapping[int, Segment]  # segment address -> segment
+    small: BlockPool
+    large: BlockPool
+    stats: DeviceStats
+    ledger: CommitLedger
+    decommits: bool  # whether the policy decommits, on a backend that can
+    idle: IdleSegments
+    warm: Collection[int]  # the addresses of the segments the warm reserve keeps now
+    warm_reserve: int  # the bytes the warm reserve may hold
+    consolidation: Consolidation
+    shapes: Mapping[int, SegmentShape]  # segment address -> planning's kept shape
+    max_split_size: int
+    capacity: int  # what committed bytes may reach
+    segment_capacity: int  # what segment bytes may reach
+
+
+def check_pool_invariants(pool: PoolParts) -> None:
     """Every invariant of Segment, Block, BlockPool, the stats and the pool's collaborators
     (the commit ledger, the idle segments, consolidation); the caller holds the lock."""
-    stats = pool._stats
-    ledger = pool._ledger
+    stats = pool.stats
+    ledger = pool.ledger
     # the collaborators first: the statistics below are checked against what they hold
-    ledger.assert_invariants(pool._segments, pool._decommits())
-    pool._idle.assert_invariants(pool._segments, ledger.committed_in)
-    warm = pool._idle.warm(pool.policy, pool.clock(), pool.warm_reserve)
-    held = sum(ledger.committed_in(pool._segments[address]) for address in warm)
+    ledger.assert_invariants(pool.segments, pool.decommits)
+    pool.idle.assert_invariants(pool.segments, ledger.committed_in)
+    held = sum(ledger.committed_in(pool.segments[address]) for address in pool.warm)
     assert held <= pool.warm_reserve, (
         f"the warm reserve holds {held} committed bytes, beyond its {pool.warm_reserve}"
     )
-    pool._consolidation.assert_invariants()
+    pool.consolidation.assert_invariants()
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0
     free_seen = {SMALL_POOL: 0, LARGE_POOL: 0}
     decommitted = {SMALL_POOL: 0, LARGE_POOL: 0}
     previous_end = -1
-    for address, segment in sorted(pool._segments.items()):
+    for address, segment in sorted(pool.segments.items()):
         assert address == segment.address, (address, segment)
         assert segment.address >= previous_end, f"{segment} overlaps the segment before it"
         previous_end = segment.address + segment.size
-        block_pool = pool._small if segment.is_small else pool._large
+        block_pool = pool.small if segment.is_small else pool.large
         kind = block_pool.kind
         expected["segment"][kind] += 1
         expected["reserved_bytes"][kind] += ledger.committed_in(segment)
@@ -1521,7 +1626,7 @@ def check_pool_invariants(pool: CachingPool) -> None:
             cursor += block.size
             prev, block = block, block.next
         assert cursor == segment.address + segment.size, f"blocks of {segment} end at {cursor:#x}"
-    for block_pool in (pool._small, pool._large):
+    for block_pool in (pool.small, pool.large):
         keys = block_pool.keys
         assert all(keys[i] < keys[i + 1] for i in range(len(keys) - 1)), "pool keys not sorted"
         assert len(keys) == len(block_pool.free_blocks) == free_seen[block_pool.kind], (
@@ -1541,11 +1646,13 @@ def check_pool_invariants(pool: CachingPool) -> None:
     for kind in (SMALL_POOL, LARGE_POOL):
         assert stats.decommitted_bytes[kind].current == decommitted[kind], (kind, decommitted)
     assert stats.decommitted_bytes[ALL].current == sum(decommitted.values()), "decommitted"
-    assert pool._reserved() <= pool._segment_capacity(), "segments beyond their bound"
-    assert pool._committed() <= pool.capacity, "committed bytes beyond capacity"
-    for address, shape in pool._shapes.items():
-        assert address in pool._segments, f"a kept shape for no segment at {address:#x}"
-        fresh = segment_shape(pool._segments[address])
+    committed = stats.reserved_bytes[ALL].current
+    reserved = committed + stats.decommitted_bytes[ALL].current
+    assert reserved <= pool.segment_capacity, "segments beyond their bound"
+    assert committed <= pool.capacity, "committed bytes beyond capacity"
+    for address, shape in pool.shapes.items():
+        assert address in pool.segments, f"a kept shape for no segment at {address:#x}"
+        fresh = segment_shape(pool.segments[address])
         assert shape.usage == fresh.usage and shape.blocks == fresh.blocks, (
             f"the kept shape of the segment at {address:#x} is stale"
         )
