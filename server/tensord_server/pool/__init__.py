@@ -16,6 +16,7 @@
 - :mod:`.moves`: :class:`PoolMoves`, the pool as compaction's MoveTarget, over the narrow
   :class:`MoveSite` the pool gives it
 - :mod:`.invariants`: :func:`check_pool_invariants` over the :class:`PoolParts` a pool gives
+- :mod:`.history`: :class:`MemoryHistory`, the device trace of _record_memory_history
 - :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release,
   empty_cache) and the statistics, over the modules above under its one lock
 
@@ -43,7 +44,7 @@ from tensord_server.pool.blocks import (
     round_size,
     should_split,
 )
-from tensord_server.pool.cache import TRACE_MAX_ENTRIES, BlockCache
+from tensord_server.pool.cache import BlockCache
 from tensord_server.pool.compaction import (
     CompactionPlan,
     CompactionResult,
@@ -58,6 +59,7 @@ from tensord_server.pool.compaction import (
     place,
     plan_compaction,
 )
+from tensord_server.pool.history import TRACE_MAX_ENTRIES, MemoryHistory
 from tensord_server.pool.invariants import PoolParts, check_pool_invariants
 from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.moves import MoveSite, PoolMoves
@@ -92,6 +94,7 @@ __all__ = [
     "CountingLock",
     "DeviceMemory",
     "DeviceStats",
+    "MemoryHistory",
     "Move",
     "MoveSite",
     "MoveTarget",

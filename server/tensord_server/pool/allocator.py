@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
@@ -72,12 +71,12 @@ from tensord_server.pool.blocks import (
     round_size,
     should_split,
 )
-from tensord_server.pool.cache import TRACE_MAX_ENTRIES
 from tensord_server.pool.compaction import (
     MoveTarget,
     SegmentShape,
     compact_step,
 )
+from tensord_server.pool.history import TRACE_MAX_ENTRIES
 from tensord_server.pool.invariants import PoolParts, check_pool_invariants
 from tensord_server.pool.moves import PoolMoves
 from tensord_server.pool.pressure import PressureSteps
@@ -311,7 +310,7 @@ class CachingPool(PressureSteps):
         events go into the snapshot's device trace (a ring buffer of the last
         ``max_entries``), which ``tensord replay`` runs.  Enabling again starts afresh."""
         with self._lock:
-            self._trace = deque(maxlen=max_entries) if enabled else None
+            self._history.restart(max_entries if enabled else None)
 
     def memory_snapshot(self) -> dict[str, Any]:
         """torch.cuda.memory._snapshot()'s structure: picklable, readable by memory_viz."""
@@ -321,10 +320,10 @@ class CachingPool(PressureSteps):
                 segment_info(segment, index) for _, segment in sorted(self._segments.items())
             ]
             total_active = sum(info["active_size"] for info in segments)
-            self._record("snapshot", 0, total_active, 0)
+            self._history.record("snapshot", 0, total_active, 0)
             return {
                 "segments": segments,
-                "device_traces": [list(self._trace) if self._trace is not None else []],
+                "device_traces": [self._history.entries()],
                 "allocator_settings": self._allocator_settings(),
             }
 
@@ -332,8 +331,8 @@ class CachingPool(PressureSteps):
         """Start a paged snapshot: record its trace entry (as memory_snapshot does); the
         allocator settings, and the sequence number that ends this snapshot's trace."""
         with self._lock:
-            self._record("snapshot", 0, self._stats.allocated_bytes[ALL].current, 0)
-            return self._allocator_settings(), self._trace_recorded
+            self._history.record("snapshot", 0, self._stats.allocated_bytes[ALL].current, 0)
+            return self._allocator_settings(), self._history.recorded
 
     def snapshot_segments(
         self, after: int, after_block: int | None, max_segments: int, max_blocks: int
@@ -367,14 +366,7 @@ class CachingPool(PressureSteps):
         held, when the ring buffer dropped some), at most ``limit``: the first one's number
         and the entries."""
         with self._lock:
-            trace = self._trace
-            if trace is None:
-                return end, []
-            oldest = self._trace_recorded - len(trace)
-            first = max(start, oldest)
-            count = max(min(end - first, limit), 0)
-            offset = first - oldest
-            return first, [trace[offset + i] for i in range(count)]
+            return self._history.between(start, end, limit)
 
     def _allocator_settings(self) -> dict[str, Any]:
         unlimited = self.max_split_size == UNLIMITED_SPLIT_SIZE

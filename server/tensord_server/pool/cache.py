@@ -7,8 +7,8 @@ between them, each named after torch's: ``get_free_block``, ``alloc_block``,
 ``alloc_found_block``, ``free_block``, ``try_merge_blocks``, ``release_block``,
 ``release_available_cached_blocks``, ``release_cached_blocks``.  Beside them the commit
 cap (policy ``decommit``: the capacity bounds committed bytes, not segment bytes; the
-:class:`~.commit.CommitLedger` says which pages went back) and the trace
-``_record_memory_history`` keeps.
+:class:`~.commit.CommitLedger` says which pages went back); each step records its event
+in the pool's :class:`~.history.MemoryHistory`.
 
 It takes no lock and decides nothing beyond torch's rules: :class:`~.pressure.PressureSteps`
 adds what the pool does under pressure, :class:`~.allocator.CachingPool` the lock and the
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from tensord_server.pool.backend import (
     Backend,
@@ -48,6 +46,7 @@ from tensord_server.pool.compaction import (
     segment_shape,
 )
 from tensord_server.pool.consolidation import Consolidation
+from tensord_server.pool.history import TRACE_MAX_ENTRIES, MemoryHistory
 from tensord_server.pool.idle import IdleSegments
 from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.pages import Span
@@ -57,8 +56,6 @@ from tensord_server.pool.stats import (
     decrease,
     increase,
 )
-
-TRACE_MAX_ENTRIES = 100_000  # _record_memory_history's default max_entries (a ring buffer)
 
 
 class BlockCache:
@@ -129,10 +126,7 @@ class BlockCache:
         # not: a malloc that fails then says descriptors ran out, not memory
         self._descriptor_refusal: str | None = None
         # alloc/free/segment events in _snapshot()'s TraceEntry form, when recording
-        self._trace: deque[dict[str, Any]] | None = (
-            deque(maxlen=TRACE_MAX_ENTRIES) if record_history else None
-        )
-        self._trace_recorded = 0  # entries ever appended: the next entry's sequence number
+        self._history = MemoryHistory(TRACE_MAX_ENTRIES if record_history else None)
 
     # -- the malloc story ---------------------------------------------------------------------
 
@@ -175,7 +169,7 @@ class BlockCache:
         if alloc_size >= self.max_split_size:
             self._stats.oversize_segments.increase(1)
         self._stats.num_device_alloc += 1
-        self._record("segment_alloc", memory.address, alloc_size, stream)
+        self._history.record("segment_alloc", memory.address, alloc_size, stream)
         return block
 
     def _alloc_found_block(self, block: Block, size: int, requested: int, split: bool) -> Block:
@@ -222,7 +216,7 @@ class BlockCache:
         increase(stats.requested_bytes, kind, requested)
         if block.size >= self.max_split_size:
             stats.oversize_allocations.increase(1)
-        self._record("alloc", block.address, requested, block.stream)
+        self._history.record("alloc", block.address, requested, block.stream)
         return block
 
     # -- the free story -----------------------------------------------------------------------
@@ -234,7 +228,7 @@ class BlockCache:
         block.allocated = False
         decrease(self._stats.allocation, kind, 1)
         decrease(self._stats.allocated_bytes, kind, block.size)
-        self._record("free_requested", block.address, block.requested_size, block.stream)
+        self._history.record("free_requested", block.address, block.requested_size, block.stream)
         if block.size >= self.max_split_size:
             self._stats.oversize_allocations.decrease(1)
         self._free_block(block)
@@ -243,7 +237,7 @@ class BlockCache:
         """Mirrors free_block: merge with free neighbours, cache, move the inactive_split stats."""
         pool = block.pool
         assert pool is not None
-        self._record("free_completed", block.address, block.requested_size, block.stream)
+        self._history.record("free_completed", block.address, block.requested_size, block.stream)
         self._shapes.pop(block.segment.address, None)
         original_size = block.size
         requested = block.requested_size
@@ -323,7 +317,7 @@ class BlockCache:
         decrease(self._stats.reserved_bytes, pool.kind, block.size - decommitted)
         if block.size >= self.max_split_size:
             self._stats.oversize_segments.decrease(1)
-        self._record("segment_free", segment.address, block.size, block.stream)
+        self._history.record("segment_free", segment.address, block.size, block.stream)
 
     def _release_available_cached_blocks(self, pool: BlockPool, size: int, stream: int) -> bool:
         """Mirrors release_available_cached_blocks: free just enough oversize cached segments."""
@@ -521,20 +515,3 @@ class BlockCache:
         if shape is None:
             shape = self._shapes[segment.address] = segment_shape(segment)
         return shape
-
-    def _record(self, action: str, addr: int, size: int, stream: int) -> None:
-        """record_trace: one TraceEntry in _snapshot()'s form, when history is on."""
-        if self._trace is None:
-            return
-        address_key = "device_free" if action == "oom" else "addr"
-        self._trace_recorded += 1
-        self._trace.append(
-            {
-                "action": action,
-                address_key: addr,
-                "size": size,
-                "stream": stream,
-                "time_us": time.time_ns() // 1000,
-                "frames": [],
-            }
-        )

@@ -58,7 +58,7 @@ class PressureSteps(BlockCache):
         """Count and record an out-of-memory, and raise it with the pool's ``figures`` as its
         details (the caller holds the lock)."""
         self._stats.num_ooms += 1
-        self._record("oom", self.capacity - self._capacity_used(), size, stream)
+        self._history.record("oom", self.capacity - self._capacity_used(), size, stream)
         raise OutOfMemoryError(message, **figures)
 
     def _out_of_descriptors(self, nbytes: int, refusal: str) -> NoReturn:
