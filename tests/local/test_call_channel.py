@@ -674,14 +674,16 @@ def test_rebinding_a_session_whose_calls_block_never_passes_the_channel_bound(
     # A key's holder rebinds over and over, each channel left in a call (here waiting on its
     # session's lock, as behind a long Batch of that session): a replaced channel still in
     # its call counts against MAX_CHANNELS until it ends, else each rebind would hold one
-    # more connection of the server.
+    # more connection of the server.  The call is a worker's (Contiguous): one the loop may
+    # take itself while no worker is busy would wait for the lock on the loop, where no
+    # bind is answered meanwhile.
     monkeypatch.setattr(server_exports, "MAX_CHANNELS", 2)
     table = fresh_server.daemon.exports
     with open_channel(fresh_server.address) as grpc_channel:
         session = RawSession(grpc_channel)
         x = session.upload(np.zeros(8, dtype=np.float32))
         held = fresh_server.daemon.sessions.peek(session.session_id)
-        request = frame("Export", pb.ExportRequest(handle=x.handle).SerializeToString())
+        request = frame("Contiguous", pb.HandleRequest(handle=x.handle).SerializeToString())
         socks, lines = [], []
         held.lock.acquire()
         try:

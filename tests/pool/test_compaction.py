@@ -40,8 +40,8 @@ from tensord_server.pool import (
     Move,
     PoolMoves,
     SegmentUsage,
-    allocator,
     background_evacuation_order,
+    cache,
     compaction,
     evacuation_order,
     place,
@@ -478,7 +478,7 @@ def test_a_plan_walks_only_the_segments_changed_since_the_last(
         walked.append(segment.address)
         return compaction.segment_shape(segment)
 
-    monkeypatch.setattr(allocator, "segment_shape", counting_shape)
+    monkeypatch.setattr(cache, "segment_shape", counting_shape)
     with relocator.relocation(pool) as movable:
         PoolMoves(pool).candidate_segments(movable)
     assert sorted(walked) == sorted(pool._segments)  # the first plan walks every segment

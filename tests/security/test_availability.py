@@ -634,6 +634,48 @@ def test_only_small_bounded_calls_are_taken_on_the_loop(monkeypatch: pytest.Monk
     assert on_loop["Full"] is False
 
 
+def exports_on_the_loop(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> list[bool]:
+    """Whether each Export of an idle same-host client's reads ran on the event loop, on a
+    host-only server made to count as one with a GPU when ``gpu``."""
+    from tensord_server.rpc import calls as calls_module
+    from tensord_server.rpc.grpc_server import create_server
+
+    ran: list[tuple[str, bool]] = []
+    answer = calls_module.Calls._answer
+
+    def recording(self: Any, method: Any, request: Any, call: Any) -> Any:
+        ran.append((method.name, threading.current_thread().name == "tensord-rpc"))
+        return answer(self, method, request, call)
+
+    monkeypatch.setattr(calls_module.Calls, "_answer", recording)
+    if gpu:
+        monkeypatch.setattr(calls_module, "is_gpu", lambda device: True)
+    server, port = create_server("127.0.0.1:0", ("cpu=64MiB",))
+    try:
+        with tensord.connect(f"127.0.0.1:{port}", pipelining=False) as client:
+            n = 1 << 18  # 1 MiB of float32: read through the mapping, so exported
+            x = client.arange(n, dtype=tensord.float32)
+            ran.clear()
+            for _ in range(2):
+                assert np.array_equal(x.numpy(), np.arange(n, dtype=np.float32))
+    finally:
+        server.stop(None).wait()
+    return [inline for name, inline in ran if name == "Export"]
+
+
+def test_a_host_export_is_taken_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-host read's Export of host memory is table work, as a GetNameExport's: on an
+    idle server it runs on the event loop, sparing the two thread handoffs that were most
+    of a small download's time."""
+    assert exports_on_the_loop(monkeypatch, gpu=False) == [True, True]
+
+
+def test_an_export_is_a_workers_on_a_server_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Export of GPU memory waits for the server stream's queued work before it hands
+    out the IPC handle: on a server with a GPU no Export runs on the event loop."""
+    assert exports_on_the_loop(monkeypatch, gpu=True) == [False, False]
+
+
 def test_a_flatten_that_copies_is_never_taken_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

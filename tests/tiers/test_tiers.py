@@ -608,3 +608,36 @@ def test_a_same_host_get_of_a_spilled_name_restores_it_on_a_worker(
         assert np.array_equal(got.numpy(), values)
     gets = [inline for name, inline in ran if name == "GetNameExport"]
     assert gets == [False]
+
+
+def test_a_same_host_read_of_a_spilled_tensor_restores_it_on_a_worker(
+    tiered: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A same-host read exports (so restores first) the tensor's Storage: with tiers an
+    Export is a worker's, never the event loop's, as GetNameExport is."""
+    ran: list[tuple[str, bool]] = []
+    answer = calls_module.Calls._answer
+
+    def recording(self: Any, method: Any, request: Any, call: Any) -> Any:
+        ran.append((method.name, threading.current_thread().name == "tensord-rpc"))
+        return answer(self, method, request, call)
+
+    values = floats(MiB, 8)
+    with remote(tiered.address) as putter:  # no export holds what it uploads
+        putter.put("spilled", putter.tensor(values))
+    with tensord.connect(tiered.address, pipelining=False) as client:
+        got = client.get("spilled")
+        assert np.array_equal(got.numpy(), values)
+        del got
+        client.synchronize()  # the get's export and handle released
+        token = client.get("spilled").share()
+        client.synchronize()
+        (storage,) = storages_of(tiered)
+        wait_until(lambda: tiered.daemon.storages.spill(storage.device, 1) == 4 * MiB)
+        assert not storage.resident
+        attached = client.attach(token)
+        monkeypatch.setattr(calls_module.Calls, "_answer", recording)
+        assert np.array_equal(attached.numpy(), values)
+        assert storage.resident
+    exports = [inline for name, inline in ran if name == "Export"]
+    assert exports == [False]

@@ -9,18 +9,21 @@
 - :mod:`.commit`: the commit ledger, each segment's decommitted pages (policy ``decommit``)
 - :mod:`.idle`: the wholly free segments and which are kept (policy ``release_idle_s``)
 - :mod:`.consolidation`: when free bytes go back beyond PyTorch (the thresholds, the edge)
+- :mod:`.cache`: :class:`~.cache.BlockCache`, one device's blocks and segments and
+  PyTorch's steps over them (alloc_block, free_block, release_block, ...), the commit cap
+- :mod:`.pressure`: what a pool does under pressure beyond PyTorch (the out-of-memory
+  steps, consolidation, idle segments after a free) and its out-of-memory errors
+- :mod:`.moves`: :class:`PoolMoves`, the pool as compaction's MoveTarget, over the narrow
+  :class:`MoveSite` the pool gives it
+- :mod:`.invariants`: :func:`check_pool_invariants` over the :class:`PoolParts` a pool gives
+- :mod:`.history`: :class:`MemoryHistory`, the device trace of _record_memory_history
 - :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release,
-  empty_cache) and the statistics, calling the three above under its one lock
+  empty_cache) and the statistics, over the modules above under its one lock
 
 The names other layers use are re-exported here.
 """
 
-from tensord_server.pool.allocator import (
-    TRACE_MAX_ENTRIES,
-    CachingPool,
-    PoolMoves,
-    check_pool_invariants,
-)
+from tensord_server.pool.allocator import CachingPool
 from tensord_server.pool.backend import (
     NULL_MEMORY,
     SEGMENT_ALIGNMENT,
@@ -41,6 +44,7 @@ from tensord_server.pool.blocks import (
     round_size,
     should_split,
 )
+from tensord_server.pool.cache import BlockCache
 from tensord_server.pool.compaction import (
     CompactionPlan,
     CompactionResult,
@@ -55,7 +59,10 @@ from tensord_server.pool.compaction import (
     place,
     plan_compaction,
 )
+from tensord_server.pool.history import TRACE_MAX_ENTRIES, MemoryHistory
+from tensord_server.pool.invariants import PoolParts, check_pool_invariants
 from tensord_server.pool.locks import CountingLock
+from tensord_server.pool.moves import MoveSite, PoolMoves
 from tensord_server.pool.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -79,6 +86,7 @@ __all__ = [
     "BackendOutOfDescriptors",
     "BackendOutOfMemory",
     "Block",
+    "BlockCache",
     "BlockPool",
     "CachingPool",
     "CompactionPlan",
@@ -86,9 +94,12 @@ __all__ = [
     "CountingLock",
     "DeviceMemory",
     "DeviceStats",
+    "MemoryHistory",
     "Move",
+    "MoveSite",
     "MoveTarget",
     "PoolMoves",
+    "PoolParts",
     "PoolPolicy",
     "Relocator",
     "Segment",

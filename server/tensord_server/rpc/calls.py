@@ -79,6 +79,7 @@ from tensord_server.domain.ops.transfers import (
 )
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import observer_for  # observability hook
+from tensord_server.pool.stats import is_gpu
 from tensord_server.rpc import status
 from tensord_server.rpc.codec import decode_message
 from tensord_server.rpc.executor import FairExecutor, RequestBudget, within
@@ -141,6 +142,9 @@ INLINE_WORK: dict[str, Callable[[Any], bool]] = {
     # mapped segments it searches are bounded by INLINE_REQUEST_BYTES (with tiers, a
     # worker's: TIER_WORK)
     "GetNameExport": _always,
+    # an Export of host memory: the same table work as GetNameExport's, without the name
+    # (with tiers, a worker's: TIER_WORK; on a server with a GPU, a worker's: GPU_WORK)
+    "Export": _always,
     "Share": _always,
     "Revoke": _always,
     "Attach": _always,
@@ -166,7 +170,11 @@ CLUSTER_WORK = frozenset(
 # Calls that may restore a spilled Storage (an export holds its bytes: a read from the disk
 # as large as the pool, and the spills that make its room) once the server has tiers:
 # never on the loop then.
-TIER_WORK = frozenset({"GetNameExport"})
+TIER_WORK = frozenset({"GetNameExport", "Export"})
+# Calls that may wait for a GPU's queued work (an Export of GPU memory synchronizes the
+# server stream before it hands out the segment's IPC handle) once the server has a GPU:
+# never on the loop then.
+GPU_WORK = frozenset({"Export"})
 # Health Checks (which need no token) being read at once, in all; and how long one may take.
 UNAUTHENTICATED_READS = 8
 HEALTH_READ_TIMEOUT_S = 2.0
@@ -318,6 +326,8 @@ class Calls:
         # health Checks answer without a token: a few read at once, so their bodies (up to
         # gRPC's message limit) cannot pile up in the server
         self._unauthenticated_reads = asyncio.Semaphore(UNAUTHENTICATED_READS)
+        # fixed for the server's life: its device table is immutable
+        self._has_gpu = any(is_gpu(device.name) for device in store.devices)
 
     def shutdown(self) -> None:
         self.work.shutdown()
@@ -530,6 +540,8 @@ class Calls:
         if method.name in CLUSTER_WORK and self.service.store.names.directory is not None:
             return None, False
         if method.name in TIER_WORK and self.service.store.storages.tiers:
+            return None, False
+        if method.name in GPU_WORK and self._has_gpu:
             return None, False
         try:
             request = decode_message(method.request_cls, raw)
