@@ -45,6 +45,7 @@ from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
 from tensord.wire.pipeline import (
     PIPELINE_BATCH,
     PIPELINE_BATCH_MAX,
+    PIPELINE_QUEUE_MAX,
     CopyAnswered,
     QueuedOp,
     batch_parts,
@@ -265,6 +266,8 @@ class Connection:
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
+        # set when the queue is full: the flusher sends it at once, not at its next tick
+        self._flush_wanted = threading.Event()
         self._flusher = threading.Thread(
             target=self._flush_forever, name="tensord-release", daemon=True
         )
@@ -574,11 +577,15 @@ class Connection:
             if elidable:
                 elidable_views[results[0]] = len(queue) - 1
             queued = len(queue)
-        if queued >= PIPELINE_BATCH and (queued >= PIPELINE_BATCH_MAX or not self._busy()):
-            if self.flush_scheduler is None:
-                self._flush(wait=False)
-            else:
+        if queued < PIPELINE_BATCH:
+            return
+        if self.flush_scheduler is not None:
+            if queued >= PIPELINE_BATCH_MAX or not self._busy():
                 self.flush_scheduler(lambda: self._flush(wait=False))
+        elif queued >= PIPELINE_QUEUE_MAX:
+            self._flush(wait=False)  # the server far behind: wait for the Batches before
+        elif not self._flush_wanted.is_set():
+            self._flush_wanted.set()  # the flusher sends it (once its Batch before is answered)
 
     def _busy(self) -> bool:
         """Whether a Batch is in flight and not answered yet (the server still works on it)."""
@@ -857,8 +864,20 @@ class Connection:
                     self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
     def _flush_forever(self) -> None:
-        while not self._closed.wait(RELEASE_INTERVAL_S):
+        wanted = self._flush_wanted
+        while not self._closed.is_set():
+            full = wanted.wait(RELEASE_INTERVAL_S)
+            wanted.clear()
+            if self._closed.is_set():
+                return
             with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
+                if full and self.pipelining:
+                    # sent now, after the Batch in flight is answered (waited for here);
+                    # what the caller queued meanwhile is sent at once if it is full too
+                    self._flush(wait=False)
+                    if len(self._queue) >= PIPELINE_BATCH:
+                        wanted.set()
+                    continue
                 if self.local is not None:
                     self.local.let_go()  # gets' exports held past their time go first
                 if self.pipelining:
@@ -982,6 +1001,7 @@ class Connection:
                 "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
             )
         self._closed.set()
+        self._flush_wanted.set()  # the flusher sees the end now
         if self._watchdog is not None:
             self._watchdog.stop()
         # a beat or a release in flight has its own deadline, and closing the channel
