@@ -436,7 +436,8 @@ def test_a_flush_with_nothing_to_send_stays_on_the_main_thread(
     real = connection.off_main_thread
 
     def counted(work: Any, *args: Any) -> Any:
-        hops.append(work)
+        if threading.current_thread() is threading.main_thread():  # not the flusher's tick
+            hops.append(work)
         return real(work, *args)
 
     x = client.zeros(4, 3)
@@ -469,3 +470,35 @@ def test_queued_name_deletes_are_split_into_batches_the_server_takes() -> None:
         assert sum(len(queued.message.names) for queued in part) <= pipeline.MAX_BATCH_NAMES
         assert pipeline.MAX_BATCH_NAMES < MAX_REQUEST_ITEMS
         assert requests.batch(part, []).ByteSize() > 0
+
+
+def test_a_full_queue_is_sent_by_the_flusher_not_by_its_caller(
+    client: Any, server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop of queued deletes well past a Batch's size never waits for the server (no
+    flush runs on its thread: the flusher thread sends each full queue), and every delete
+    is applied by the next wait; only a queue of PIPELINE_QUEUE_MAX makes its caller send."""
+    from tensord.wire import connection, pipeline
+
+    count = 3 * pipeline.PIPELINE_BATCH_MAX
+    names = [f"full-queue-{i}" for i in range(count)]
+    one = np.ones(4, dtype=np.float32)
+    for start in range(0, count, 256):
+        client.put_many(dict.fromkeys(names[start : start + 256], one))
+    client.synchronize()
+    flushed_by: list[str] = []
+    real = connection.Connection._flush_now
+
+    def recorded(self: Any, wait: bool, releases: bool) -> None:
+        flushed_by.append(threading.current_thread().name)
+        real(self, wait, releases)
+
+    monkeypatch.setattr(connection.Connection, "_flush_now", recorded)
+    caller = threading.current_thread().name
+    monkeypatch.setattr(connection, "off_main_thread", lambda work, *args: work())
+    for name in names:
+        client.delete(name, wait=False)
+    assert caller not in flushed_by, flushed_by
+    client.synchronize()
+    assert not [n for n in client.names() if n.startswith("full-queue-")]
+    assert count < pipeline.PIPELINE_QUEUE_MAX

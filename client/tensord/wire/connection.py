@@ -45,6 +45,7 @@ from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
 from tensord.wire.pipeline import (
     PIPELINE_BATCH,
     PIPELINE_BATCH_MAX,
+    PIPELINE_QUEUE_MAX,
     CopyAnswered,
     QueuedOp,
     batch_parts,
@@ -265,6 +266,8 @@ class Connection:
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
+        # set when the queue is full: the flusher sends it at once, not at its next tick
+        self._flush_wanted = threading.Event()
         self._flusher = threading.Thread(
             target=self._flush_forever, name="tensord-release", daemon=True
         )
@@ -358,20 +361,50 @@ class Connection:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
         ``orphaned``: see :func:`tensord.wire.worker.off_main_thread`."""
         self._check_open()
+        channel = session and self.call_channel is not None
+        if channel and threading.current_thread() is threading.main_thread():
+            # the call channel's socket waits are ones a signal interrupts cleanly (the
+            # channel reads an interrupted call's answer for ``orphaned``): no worker's hop
+            answered = self._in_session(
+                self.session_id,
+                functools.partial(
+                    self._on_channel,
+                    method,
+                    request,
+                    self.session_id,
+                    self._timeout(timeout),
+                    orphaned,
+                ),
+                sync=sync,
+            )
+            if answered is not None:
+                return answered
+            channel = False  # gRPC, on a worker
         return off_main_thread(
-            functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
+            functools.partial(self._unary_now, method, request, session, timeout, sync, channel),
+            orphaned,
         )
 
+    def _timeout(self, timeout: float | None) -> float | None:
+        """A call's deadline in seconds: ``timeout``, else call_timeout (None: none)."""
+        deadline = self.call_timeout if timeout is None else timeout
+        return None if deadline is None or math.isinf(deadline) else deadline
+
     def _unary_now(
-        self, method: str, request: Any, session: bool, timeout: float | None, sync: bool
+        self,
+        method: str,
+        request: Any,
+        session: bool,
+        timeout: float | None,
+        sync: bool,
+        channel: bool = True,
     ) -> Any:
         stub_method = getattr(self._stub, method)
-        deadline = self.call_timeout if timeout is None else timeout
-        grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
+        grpc_timeout = self._timeout(timeout)
         metadata = self.metadata() if session else self._auth
 
         def send() -> Any:
-            if session:
+            if session and channel:
                 answered = self._on_channel(method, request, metadata[0][1], grpc_timeout)
                 if answered is not None:
                     return answered
@@ -424,7 +457,14 @@ class Connection:
         if old is not None:
             old.close()
 
-    def _on_channel(self, method: str, request: Any, session_id: str, timeout: float | None) -> Any:
+    def _on_channel(
+        self,
+        method: str,
+        request: Any,
+        session_id: str,
+        timeout: float | None,
+        orphaned: Callable[[Any], None] | None = None,
+    ) -> Any:
         """The answer of a call in ``session_id`` on its call channel, or None: take gRPC
         (no channel, or it could not take this call now).  The call's errors are raised as
         gRPC's would read back."""
@@ -432,7 +472,7 @@ class Connection:
         if channel is None or channel.session_id != session_id:
             return None
         try:
-            return channel.unary(method, request, timeout)
+            return channel.unary(method, request, timeout, orphaned)
         except errors.TensordError:  # the server's own word (a DeadlineExceededError among them)
             raise
         except TimeoutError:
@@ -574,11 +614,15 @@ class Connection:
             if elidable:
                 elidable_views[results[0]] = len(queue) - 1
             queued = len(queue)
-        if queued >= PIPELINE_BATCH and (queued >= PIPELINE_BATCH_MAX or not self._busy()):
-            if self.flush_scheduler is None:
-                self._flush(wait=False)
-            else:
+        if queued < PIPELINE_BATCH:
+            return
+        if self.flush_scheduler is not None:
+            if queued >= PIPELINE_BATCH_MAX or not self._busy():
                 self.flush_scheduler(lambda: self._flush(wait=False))
+        elif queued >= PIPELINE_QUEUE_MAX:
+            self._flush(wait=False)  # the server far behind: wait for the Batches before
+        elif not self._flush_wanted.is_set():
+            self._flush_wanted.set()  # the flusher sends it (once its Batch before is answered)
 
     def _busy(self) -> bool:
         """Whether a Batch is in flight and not answered yet (the server still works on it)."""
@@ -857,8 +901,20 @@ class Connection:
                     self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
     def _flush_forever(self) -> None:
-        while not self._closed.wait(RELEASE_INTERVAL_S):
+        wanted = self._flush_wanted
+        while not self._closed.is_set():
+            full = wanted.wait(RELEASE_INTERVAL_S)
+            wanted.clear()
+            if self._closed.is_set():
+                return
             with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
+                if full and self.pipelining:
+                    # sent now, after the Batch in flight is answered (waited for here);
+                    # what the caller queued meanwhile is sent at once if it is full too
+                    self._flush(wait=False)
+                    if len(self._queue) >= PIPELINE_BATCH:
+                        wanted.set()
+                    continue
                 if self.local is not None:
                     self.local.let_go()  # gets' exports held past their time go first
                 if self.pipelining:
@@ -982,6 +1038,7 @@ class Connection:
                 "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
             )
         self._closed.set()
+        self._flush_wanted.set()  # the flusher sees the end now
         if self._watchdog is not None:
             self._watchdog.stop()
         # a beat or a release in flight has its own deadline, and closing the channel

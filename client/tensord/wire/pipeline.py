@@ -21,10 +21,15 @@ from tensord.protocol import MAX_BATCH_OPS, MAX_BATCH_RESULTS, MAX_NAME_ITEMS
 # waits for the server, or within the connection's release interval).
 PIPELINE_BATCH = 256
 # While the Batch before is still on the server, a full queue keeps filling up to this many
-# ops before its caller waits: one larger Batch (fewer RPCs per op for a busy server)
-# instead of a wait at every PIPELINE_BATCH ops; one op short of what a Batch may hold, so
-# that the flush's release rides in the same Batch.
+# ops before it is sent: one larger Batch (fewer RPCs per op for a busy server) instead of
+# one at every PIPELINE_BATCH ops; one op short of what a Batch may hold, so that the
+# flush's release rides in the same Batch.
 PIPELINE_BATCH_MAX = MAX_BATCH_OPS - 1
+# A full queue is sent by the connection's flusher thread, never by the thread that queues:
+# a loop of views or queued deletes does not wait for the server while it keeps up.  Only a
+# queue this long (the server far behind) makes its caller wait for the Batches before,
+# which bounds what the client holds queued.
+PIPELINE_QUEUE_MAX = 16 * PIPELINE_BATCH_MAX
 # The names the queued delete_many ops of one Batch carry together: with its ops, view
 # results and releases well within the items a request may hold (MAX_REQUEST_ITEMS)
 MAX_BATCH_NAMES = 16 * MAX_NAME_ITEMS
