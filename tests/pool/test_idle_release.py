@@ -15,10 +15,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
+from tensord.local.transfers import STAGED_PUT_BYTES, staging_bytes
 from tensord_server.devices.memory import HostBackend
 from tensord_server.domain.compactor import IDLE_RELEASE_MARGIN_S, BackgroundCompactor
 from tensord_server.domain.store import TensorStore
-from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool import (
+    DEFAULT_POLICY,
+    Block,
+    CachingPool,
+    PoolPolicy,
+    default_warm_reserve,
+    policy_named,
+)
 
 MiB = 1 << 20
 ADAPTIVE = policy_named("adaptive")
@@ -337,3 +345,94 @@ def test_the_compactor_thread_wakes_up_to_give_a_kept_segment_back() -> None:
     finally:
         compactor.close()
     pool.assert_invariants()
+
+
+class PeersBenchPool:
+    """What bench_peers' tensord puts ask of a server's pool (`tensord serve --device
+    cpu=2GiB`, its default policy and warm reserve), on a fake clock, its compactor
+    looking whenever time passes (as its thread wakes when a kept segment may go back).
+
+    A same-host put of at most STAGED_PUT_BYTES writes a staging tensor the client keeps
+    (made once per size) and the server copies it into the named tensor; a larger one
+    allocates the named tensor itself.  A get allocates nothing; a delete frees."""
+
+    def __init__(self) -> None:
+        capacity = 2 << 30
+        self.clock = FakeClock()
+        self.pool = CachingPool(
+            HostBackend(total_bytes=capacity),
+            capacity=capacity,
+            relocator=NothingMoves(),
+            policy=policy_named(DEFAULT_POLICY),
+            clock=self.clock,
+        )
+        self.pool.warm_reserve = default_warm_reserve(capacity)  # as `tensord serve` sets it
+        self.pool.compaction_wanted = lambda: None
+        self.compactor = BackgroundCompactor([self.pool], lambda: False)
+        self.stagings: dict[int, Block] = {}
+
+    def wait(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.compactor.drain(self.pool)
+
+    def put(self, nbytes: int) -> Block:
+        if nbytes <= STAGED_PUT_BYTES:
+            size = staging_bytes(nbytes)
+            if size not in self.stagings:
+                self.stagings[size] = self.pool.malloc(size)
+        return self.pool.malloc(nbytes)
+
+    def segments_reserved(self) -> int:
+        return int(self.pool.memory_stats()["num_device_alloc"])
+
+
+def test_puts_after_a_pause_in_the_peers_benchmark_reserve_no_new_segment() -> None:
+    """bench_peers' put rows, tensord's side, two rounds: warm puts of each size, the other
+    peers' turns, then each size again after a 4 s pause (and its get after another), then
+    the small objects.  The bench revisits each size about every 30 s (four sizes, two
+    pauses each, the other peers' turns), so the last size's segment has been idle more
+    than 30 s when its paused put comes, beside the other sizes' segments: every paused
+    put must still find a warm segment (a new one is a new memfd whose every page faults
+    in: 83 ms instead of 8 ms at 64 MiB).  And the pool still gives all of it back once
+    left idle for the reserve's decay."""
+    assert WARM_S is not None and DECAY_S is not None
+    bench = PeersBenchPool()
+    sizes = (4 << 10, 1 * MiB, 64 * MiB, 256 * MiB)
+    repeats = {4 << 10: 15, 1 * MiB: 9, 64 * MiB: 5, 256 * MiB: 3}  # bench_peers.REPEATS
+    pause_s, others_warm_s, others_paused_s = 4.0, 2.0, 0.5
+    new_segments = []
+    for _ in range(2):
+        for nbytes in sizes:  # warm: one unrecorded put, then the recorded ones
+            for _ in range(1 + repeats[nbytes]):
+                block = bench.put(nbytes)
+                bench.wait(0.01)
+                bench.pool.free(block)
+            bench.wait(others_warm_s)
+        for nbytes in sizes:  # after a pause: tensord last, its segment the longest idle
+            bench.wait(pause_s + others_paused_s)
+            before = bench.segments_reserved()
+            block = bench.put(nbytes)
+            if bench.segments_reserved() != before:
+                new_segments.append(nbytes)
+            bench.wait(pause_s + others_paused_s)
+            bench.pool.free(block)
+        for _ in range(2):  # the small objects: put one by one, then batched; deleted
+            blocks = [bench.put(4 << 10) for _ in range(2_000)]
+            bench.wait(2.0)
+            for block in blocks:
+                bench.pool.free(block)
+            bench.wait(0.5)
+    assert new_segments == [], f"puts of {new_segments} bytes after a pause faulted in anew"
+    bench.pool.assert_invariants()
+    # left idle for the reserve's decay, the pool gives back the large segments and the
+    # small ones but what the compactor leaves (background_min_slack, beside the stagings')
+    bench.wait(WARM_S + IDLE_RELEASE_MARGIN_S)
+    stats = bench.pool.memory_stats()
+    slack = bench.pool.policy.background_min_slack
+    assert slack is not None and slack < 64 * MiB
+    assert stats["reserved_bytes.all.current"] <= 2 * MiB + slack
+    for block in bench.stagings.values():
+        bench.pool.free(block)
+    bench.wait(WARM_S + IDLE_RELEASE_MARGIN_S)
+    assert bench.pool.memory_stats()["reserved_bytes.all.current"] <= slack
+    bench.pool.assert_invariants()

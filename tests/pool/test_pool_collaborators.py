@@ -127,10 +127,10 @@ def test_kept_segments_decay_and_stay_within_their_budget_most_recent_first() ->
     assert idle.beyond_budget(policy, unbudgeted, 40 * MiB) == [segments[1].address]
     assert idle.kept(policy, 2.5, 100 * MiB) == unbudgeted  # 50 MiB of budget: both
     # a warm reserve of 50 MiB keeps the two most recent (30 + 20 MiB) warm_reserve_s
-    assert policy.warm_reserve_s == 30.0
+    assert policy.warm_reserve_s == 60.0
     assert idle.kept(policy, 2.5, 40 * MiB, reserve=50 * MiB) == {
-        segments[2].address: 32.0,
-        segments[1].address: 31.0,
+        segments[2].address: 62.0,
+        segments[1].address: 61.0,
     }
     churn = IdleSegments(costly_churn=True)  # every one kept, whatever the budget
     for since, seg in enumerate(segments):
@@ -148,7 +148,7 @@ def test_the_warm_reserve_never_holds_more_than_its_bytes_most_recent_first() ->
     decay = ADAPTIVE.warm_reserve_s
     assert decay is not None
     rng = random.Random(0)
-    now = 60.0
+    now = 2 * decay  # some segments idle longer than the decay, some not
     for _ in range(300):
         idle = IdleSegments(costly_churn=False)
         since: dict[int, float] = {}

@@ -147,13 +147,13 @@ def test_parse_sizes_and_device_specs() -> None:
 
 
 def test_serve_gives_each_pool_its_policy_and_warm_reserve() -> None:
-    """--warm-reserve: by default 1/8 of each device's capacity, at most 1 GiB; a value
+    """--warm-reserve: by default 1/4 of each device's capacity, at most 1 GiB; a value
     given applies to every device (0: none)."""
     store = TensorStore(("cpu=256MiB",))
     try:
         configure_pools(store, "adaptive", None, record_history=False)
         pool = store.devices.get("cpu").pool
-        assert pool.policy.name == "adaptive" and pool.warm_reserve == 32 << 20
+        assert pool.policy.name == "adaptive" and pool.warm_reserve == 64 << 20
         configure_pools(store, "pytorch", 0, record_history=False)
         assert pool.policy.name == "pytorch" and pool.warm_reserve == 0
     finally:

@@ -169,9 +169,11 @@ ADAPTIVE = PoolPolicy(
     background_min_slack=8 * MiB,
     background_wake_threshold=1.10,
     release_idle_s=2.0,
-    # tens of seconds: a client's next put after a pause finds its segment warm, and an
-    # idle server still gives the reserve back within half a minute
-    warm_reserve_s=30.0,
+    # a minute: a client that puts arrays of a few sizes in turn, with pauses of a few
+    # seconds between them, comes back to each size after tens of seconds (bench_peers'
+    # rows: four sizes, two 4 s pauses each and the other peers' turns, 30-35 s), and
+    # finds its segment warm; an idle server still gives the reserve back within a minute
+    warm_reserve_s=60.0,
     # kept segments, unbounded, would hold reserved / allocated above its target by
     # themselves; with the warm holes (decommit_wake_threshold) they stay within it
     keep_idle_fraction=0.15,
@@ -185,8 +187,11 @@ ADAPTIVE = PoolPolicy(
     decommit_min_bytes=128 << 10,
 )
 
-# tensord serve's default warm reserve per device: this share of the device's capacity,
-WARM_RESERVE_SHARE = 1 / 8
+# tensord serve's default warm reserve per device: this share of the device's capacity
+# (a 2 GiB pool keeps a 256 MiB put's segment and a 64 MiB one's beside it warm: with an
+# eighth, the 256 MiB one alone filled the reserve, and any segment freed after it pushed
+# it out),
+WARM_RESERVE_SHARE = 1 / 4
 # ... at most this many bytes (a 256 MiB put's segment and a few more stay warm)
 WARM_RESERVE_MAX = 1 << 30
 
