@@ -106,9 +106,12 @@ class CachingPool(PressureSteps):
 
     # -- public API ---------------------------------------------------------
 
-    def malloc(self, nbytes: int, stream: int = 0) -> Block:
+    def malloc(self, nbytes: int, stream: int = 0, *, count_oom: bool = True) -> Block:
         """Mirrors DeviceCachingAllocator::malloc.  Raises OutOfMemoryError (or, beyond torch,
-        ResourceExhaustedError where a new segment found no file descriptor)."""
+        ResourceExhaustedError where a new segment found no file descriptor).  With
+        ``count_oom`` False a refusal is neither counted in ``num_ooms`` nor recorded: the
+        caller may still serve the request (a spill makes room) and counts it with
+        :meth:`count_oom` only where it fails in the end."""
         if nbytes < 0:
             raise InvalidArgumentError(f"cannot allocate a negative number of bytes: {nbytes}")
         if nbytes == 0:
@@ -120,7 +123,7 @@ class CachingPool(PressureSteps):
             alloc_size = get_allocation_size(size)
             if self._beyond_any_room(size):
                 figures = self._oom_figures(nbytes)
-                self._out_of_memory(self._oom_message(figures), figures, size, stream)
+                self._out_of_memory(self._oom_message(figures), figures, size, stream, count_oom)
             # each block found must have room to commit its pages (_admit: always, unless
             # the capacity bounds committed bytes), else it goes back and the next path runs
             block = self._admit(self._get_free_block(pool, size, stream), size)
@@ -148,9 +151,15 @@ class CachingPool(PressureSteps):
             if block is None and self._descriptor_refusal is not None:
                 self._out_of_descriptors(nbytes, self._descriptor_refusal)
             if block is None:
-                self._out_of_memory(message, figures, size, stream)
+                self._out_of_memory(message, figures, size, stream, count_oom)
             split = should_split(block.size, size, pool.is_small, self.max_split_size)
             return self._alloc_found_block(block, size, nbytes, split)
+
+    def count_oom(self, nbytes: int, stream: int = 0) -> None:
+        """Count and record an out-of-memory that the caller raises for ``nbytes``, after
+        refusals it asked for with ``malloc(count_oom=False)`` (one request, one count)."""
+        with self._lock:
+            self._count_oom(round_size(nbytes), stream)
 
     def free(self, block: Block) -> None:
         """Mirrors DeviceCachingAllocator::free (no cross-stream uses: free completes at once)."""

@@ -53,13 +53,17 @@ class PressureSteps(BlockCache):
     # -- out of memory ------------------------------------------------------------------------
 
     def _out_of_memory(
-        self, message: str, figures: dict[str, Any], size: int, stream: int
+        self, message: str, figures: dict[str, Any], size: int, stream: int, count: bool
     ) -> NoReturn:
-        """Count and record an out-of-memory, and raise it with the pool's ``figures`` as its
-        details (the caller holds the lock)."""
+        """Count and record an out-of-memory (where ``count``), and raise it with the pool's
+        ``figures`` as its details (the caller holds the lock)."""
+        if count:
+            self._count_oom(size, stream)
+        raise OutOfMemoryError(message, **figures)
+
+    def _count_oom(self, size: int, stream: int) -> None:
         self._stats.num_ooms += 1
         self._history.record("oom", self.capacity - self._capacity_used(), size, stream)
-        raise OutOfMemoryError(message, **figures)
 
     def _out_of_descriptors(self, nbytes: int, refusal: str) -> NoReturn:
         """Raise the failure of a malloc whose new segment found no descriptor: the pool
