@@ -161,4 +161,4 @@ def test_the_copy_checksum_is_zlibs_crc32_in_any_chunking() -> None:
     crc = 0
     for start in range(0, len(data), 1 << 20 | 12345):
         crc = checksum.crc32(memoryview(data)[start : start + (1 << 20 | 12345)], crc)
-    assert crc == zlib.crc32(data) and checksum.IMPLEMENTATION in ("zlib-ng", "zlib")
+    assert crc == zlib.crc32(data)

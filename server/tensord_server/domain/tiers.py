@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from isal.isal_zlib import crc32
 from tensord.errors import SpillCorruptedError
+
+from tensord_server.domain.checksum import crc32
 
 # Extents start and end on this boundary (a page: aligned I/O, and no two extents share one).
 EXTENT_ALIGNMENT = 4096
