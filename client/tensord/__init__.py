@@ -62,6 +62,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
 }
 # fmt: on
 _MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+# tensord.dtypes' names of dtypes (the rest of its names are functions and the type)
+_DTYPE_NAMES = frozenset(_LAZY["tensord.dtypes"]) - {"DType", "promote_types", "result_type"}
 # The public submodules (any submodule is reached as an attribute on first use).
 _SUBMODULES = ("aio", "dtypes", "errors", "layout", "memory_format", "protocol", "schema")
 
@@ -183,6 +185,11 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
+        if module == "tensord.dtypes" and name in _DTYPE_NAMES:
+            # what x.dtype is: torch's own dtype once torch is imported (torch's arguments
+            # take only those: torch.zeros(3, dtype=tensord.float32)), else the DType; never
+            # kept, so an import of torch later is seen
+            return importlib.import_module(module).public(value)
     elif not name.startswith("__") and importlib.util.find_spec(f"tensord.{name}") is not None:
         value = importlib.import_module(f"tensord.{name}")  # tensord.aio, tensord.layout, ...
     else:

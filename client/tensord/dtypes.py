@@ -224,11 +224,15 @@ def from_torch(dtype: torch.dtype) -> DType:
 
 
 def to_torch(dtype: DType) -> torch.dtype:
-    """``tensord.float32`` -> ``torch.float32`` (imports torch)."""
+    """``tensord.dtypes.float32`` -> ``torch.float32`` (imports torch); a torch.dtype (what
+    ``tensord.float32`` is once torch is imported) as it is."""
     known: torch.dtype | None = _TO_TORCH.get(dtype)
     if known is not None:
         return known
     import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
 
     result = getattr(torch, dtype.name)
     assert isinstance(result, torch.dtype), dtype
@@ -251,7 +255,7 @@ def public(dtype: DType) -> Any:
     result = _TO_TORCH.get(dtype)
     if result is not None:
         return result
-    if "torch" not in sys.modules:
+    if sys.modules.get("torch") is None:  # not imported (or blocked: None)
         return dtype
     return to_torch(dtype)
 

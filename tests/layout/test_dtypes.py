@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensord
+import torch
 from tensord import dtypes as D
 
 
@@ -36,7 +37,10 @@ def test_aliases_and_package_exports() -> None:
     assert D.float is D.float32 and D.double is D.float64 and D.half is D.float16
     assert D.int is D.int32 and D.long is D.int64 and D.short is D.int16
     assert D.cfloat is D.complex64 and D.cdouble is D.complex128
-    assert tensord.float32 is D.float32 and tensord.bool is D.bool and tensord.long is D.int64
+    # once torch is imported the package's names are torch's own dtypes (torch is imported
+    # here: the DTypes before that are held in a fresh interpreter, test_torch_interop)
+    assert tensord.float32 is torch.float32 and tensord.long is torch.int64
+    assert tensord.float32 == D.float32 and tensord.bool == D.bool and tensord.long == D.int64
     assert tensord.promote_types is D.promote_types and tensord.result_type is D.result_type
 
 

@@ -88,7 +88,7 @@ def _torch_outcome(data, dtype: str | None) -> tuple:  # type: ignore[no-untyped
 
 def _our_outcome(data, dtype: str | None) -> tuple:  # type: ignore[no-untyped-def, type-arg]
     def make():  # type: ignore[no-untyped-def]
-        array, dt = _convert.as_array(data, getattr(tensord, dtype) if dtype else None)
+        array, dt = _convert.as_array(data, getattr(tensord.dtypes, dtype) if dtype else None)
         return array, dt.name
 
     return _outcome(make)

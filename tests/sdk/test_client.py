@@ -123,7 +123,7 @@ def test_to_forms_and_conversions(client: tensord.Client) -> None:
     assert x.to("cpu") is x and x.cpu() is x
     y = x.to("cpu", copy=True)
     assert y is not x and y.data_ptr() != x.data_ptr() and y.tolist() == x.tolist()
-    assert x.to(tensord.float16).dtype == dtypes.float16 is tensord.half
+    assert x.to(tensord.float16).dtype == dtypes.float16 == tensord.half
     assert x.to("cpu", tensord.bool).dtype == tensord.bool
     assert x.to(torch.float64).dtype == dtypes.float64
     assert x.to("cpu", tensord.dtypes.int8).dtype == dtypes.int8

@@ -429,11 +429,42 @@ def test_torch_takes_tensord_dtypes_and_devices(client: tensord.Client) -> None:
     x = client.ones(2, 3)
     same(torch.zeros(3, dtype=x.dtype, device=x.device), torch.zeros(3))
     same(torch.zeros_like(x, dtype=x.dtype), torch.zeros(2, 3))
-    same(
-        F.softmax(x, 0, dtype=tensord.float64), F.softmax(torch.ones(2, 3), 0, dtype=torch.float64)
-    )
-    same(x.sum(dtype=tensord.float64), torch.ones(2, 3).sum(dtype=torch.float64))
+    f64 = tensord.dtypes.float64  # a DType: torch's Python functions take it too
+    same(F.softmax(x, 0, dtype=f64), F.softmax(torch.ones(2, 3), 0, dtype=torch.float64))
+    same(x.sum(dtype=f64), torch.ones(2, 3).sum(dtype=torch.float64))
     assert x.to(torch.float16).dtype == tensord.float16  # tensord's own to() takes torch's
+
+
+DTYPE_NAMES = (
+    "bfloat16", "bool", "cdouble", "cfloat", "complex64", "complex128", "double", "float",
+    "float16", "float32", "float64", "half", "int", "int8", "int16", "int32", "int64", "long",
+    "short", "uint8", "uint16", "uint32", "uint64",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+def test_torch_factories_take_the_packages_dtype_names(name: str) -> None:
+    # no tensord tensor in the call: torch's C++ parser sees tensord.<name> itself
+    dtype = getattr(tensord, name)
+    assert dtype is getattr(torch, name)
+    assert torch.zeros(3, dtype=dtype).dtype is getattr(torch, name)
+    assert dtype == getattr(tensord.dtypes, name) and getattr(tensord.dtypes, name) == dtype
+
+
+def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
+    code = (
+        "import sys, tensord\n"
+        "early = tensord.float32\n"
+        "assert type(early) is tensord.DType and 'torch' not in sys.modules\n"
+        "import torch\n"
+        "assert tensord.float32 is torch.float32 and early == torch.float32\n"
+        "from tensord import int64\n"
+        "assert torch.ones(2, dtype=int64).dtype is torch.int64\n"
+        "assert type(tensord.dtypes.float32) is tensord.DType\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
 
 
 # ---- errors ------------------------------------------------------------------------------------
