@@ -716,20 +716,16 @@ def test_an_interrupt_inside_an_exchange_never_leaves_its_answer_for_the_next(
 
     channel = client._conn.call_channel
     client.zeros(2).view(2)  # bound
+    receive_exactly = channel_module._receive_exactly
     interrupted: list[bool] = []
 
-    def interrupted_once(read: Any) -> Any:
-        def reading(*args: Any) -> bytes:
-            if not interrupted:
-                interrupted.append(True)
-                raise KeyboardInterrupt
-            return read(*args)
+    def interrupted_once(*args: Any) -> bytes:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return receive_exactly(*args)
 
-        return reading
-
-    # a worker thread's reads, and the main thread's peeks (its answers are taken whole)
-    for name in ("_receive_exactly", "_peek_exactly"):
-        monkeypatch.setattr(channel_module, name, interrupted_once(getattr(channel_module, name)))
+    monkeypatch.setattr(channel_module, "_receive_exactly", interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         channel.unary("ServerInfo", pb.ServerInfoRequest(), 5.0)
     monkeypatch.undo()
@@ -738,60 +734,6 @@ def test_an_interrupt_inside_an_exchange_never_leaves_its_answer_for_the_next(
         "View", pb.ViewRequest(handle=x.handle, view=pb.ViewShape(shape=[3, 1])), 5.0
     )
     assert made is not None and list(made.tensors[0].shape) == [3, 1]
-
-
-def test_the_main_threads_calls_on_the_channel_take_no_workers_hop(
-    client: Any, monkeypatch: Any
-) -> None:
-    # its socket waits are ones a signal interrupts cleanly: no handoff to a worker thread
-    from tensord.wire import worker
-
-    client.put("no-hop", np.arange(4, dtype=np.float32), overwrite=True)
-    client.synchronize()
-    channel = client._conn.call_channel
-    hops: list[Any] = []
-    real = worker.start_job
-    monkeypatch.setattr(worker, "start_job", lambda job: hops.append(job) or real(job))
-    before = channel.calls
-    for _ in range(5):
-        assert client.get("no-hop").tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert channel.calls - before >= 5
-    assert len(hops) <= 1, hops  # (a call that found the channel busy takes gRPC on one)
-
-
-def test_a_call_interrupted_on_the_main_thread_hands_its_answer_to_orphaned(
-    client: Any, server: Any, monkeypatch: Any
-) -> None:
-    # Ctrl-C while the main thread waits for a channel call's answer: the caller gets the
-    # KeyboardInterrupt at once, a thread reads the answer and hands it to ``orphaned``
-    # (which releases what the call made), and the next call gets its own answer.
-    from tensord.wire import channel as channel_module
-
-    client.put("orphaned-get", np.arange(3, dtype=np.float32), overwrite=True)
-    client.synchronize()
-    channel = client._conn.call_channel
-    peek_exactly = channel_module._peek_exactly
-    main = threading.main_thread()
-    interrupted: list[bool] = []
-
-    def interrupted_once(*args: Any) -> bytes:
-        if not interrupted and threading.current_thread() is main:
-            interrupted.append(True)
-            raise KeyboardInterrupt  # as a signal while it waits for the answer
-        return peek_exactly(*args)
-
-    orphans: list[Any] = []
-    monkeypatch.setattr(channel_module, "_peek_exactly", interrupted_once)
-    with pytest.raises(KeyboardInterrupt):
-        client._conn.call("GetName", pb.GetNameRequest(name="orphaned-get"), orphans.append)
-    assert interrupted
-    assert wait_until(lambda: bool(orphans), timeout=10)
-    (meta,) = orphans
-    session = server.daemon.sessions.get(client.session_id)
-    assert server.daemon.sessions.lookup(session, meta.handle) is not None  # a live handle
-    monkeypatch.undo()
-    assert client.get("orphaned-get").tolist() == [0.0, 1.0, 2.0]
-    assert channel.calls >= 1
 
 
 def test_threads_calling_at_once_each_get_their_own_answer(server: Any) -> None:

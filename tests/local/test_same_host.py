@@ -28,7 +28,6 @@ from tensord import schema as pb
 from tensord.errors import FailedPreconditionError
 from tensord.local import channel, copies, segments, transfers
 from tensord.tensor import assign_data
-from tensord.wire import channel as wire_channel
 from tensord.wire import worker
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain.quotas import QuotaSpec
@@ -1305,10 +1304,8 @@ def test_an_export_whose_caller_was_interrupted_is_released(
     # the interrupt lands while the answer is on its way
     slow_export, answered = slowed_exports(table, 0.0 if answered_first else 0.3)
     monkeypatch.setattr(table, "export", slow_export)
-    if answered_first:  # the interrupt comes once the answer is here, before it is taken
+    if answered_first:  # the interrupt comes once the worker holds the answer
         monkeypatch.setattr(worker.Job, "outcome", _interrupt_first(worker.Job.outcome))
-        parse = wire_channel._parse_answer  # the main thread's own call-channel calls
-        monkeypatch.setattr(wire_channel, "_parse_answer", _interrupt_once_taken(parse))
     with interrupted_after(None if answered_first else 0.05):
         torch.from_dlpack(x) if call == "dlpack" else client.tensor(big)
     monkeypatch.undo()
@@ -1328,20 +1325,6 @@ def _interrupt_first(outcome: Any) -> Any:
             fired.append(True)
             raise KeyboardInterrupt
         return outcome(job)
-
-    return interrupted
-
-
-def _interrupt_once_taken(parse: Any) -> Any:
-    """The call channel's answers raising KeyboardInterrupt once in the main thread, as a
-    signal landing once an answer was taken off the socket, before it was parsed."""
-    fired: list[bool] = []
-
-    def interrupted(frame: bytes) -> Any:
-        if not fired and threading.current_thread() is threading.main_thread():
-            fired.append(True)
-            raise KeyboardInterrupt
-        return parse(frame)
 
     return interrupted
 

@@ -25,8 +25,6 @@ server may have run it).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hmac
 import itertools
 import math
@@ -34,7 +32,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
@@ -57,13 +54,6 @@ BIND_TIMEOUT_S = 2.0
 # A call waits this long for the channel another call holds (a short call ends sooner, and
 # the wait costs less than gRPC's round trip), then takes gRPC.
 CHANNEL_WAIT_S = 0.002
-# The main thread's answers up to this long are taken whole (:class:`_Taking`): an
-# interrupt leaves them whole for ``orphaned``; well within a unix socket's buffer.
-TAKEN_WHOLE_BYTES = 64 << 10
-# While a frame's rest is on its way, the main thread peeks again after this pause.
-PEEK_PAUSE_S = 0.00005
-# An interrupted call's answer is read for its ``orphaned`` at most this long.
-ORPHAN_READ_S = 30.0
 # Requests longer than this take gRPC: their copies cost more than the round trip saved.
 MAX_CHANNEL_REQUEST_BYTES = 1 << 20
 # The longest answer taken: gRPC's message limit; and the longest error texts, together.
@@ -116,66 +106,6 @@ def _receive_exactly(sock: socket.socket, nbytes: int, deadline: float | None) -
     return bytes(data)
 
 
-class _Taking:
-    """Where the main thread takes an answer whole (:meth:`CallChannel._answer_whole`)."""
-
-    __slots__ = ("buffer", "consuming", "total")
-
-    def __init__(self) -> None:
-        self.buffer = bytearray(TAKEN_WHOLE_BYTES)
-        self.consuming = False  # its bytes are in the socket, or (once read) in ``buffer``
-        self.total = 0
-
-
-def _peek_exactly(sock: socket.socket, nbytes: int, deadline: float | None) -> bytes:
-    """The next ``nbytes`` waiting in ``sock``, left there; waits for them (a signal may
-    interrupt the wait: nothing was read)."""
-    while True:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer on the call channel")
-            sock.settimeout(left)
-        else:
-            sock.settimeout(None)
-        data = sock.recv(nbytes, socket.MSG_PEEK)
-        if not data:
-            raise ConnectionResetError("the server closed the call channel")
-        if len(data) >= nbytes:
-            return data
-        time.sleep(PEEK_PAUSE_S)  # the rest of the frame is on its way
-
-
-def _waiting(sock: socket.socket, request_id: int) -> bool:
-    """Whether the answer to ``request_id`` is still the next frame waiting in ``sock``
-    (never waits; the frame after it, a CHANNEL_CLOSING, may be there either way)."""
-    try:
-        header = sock.recv(ANSWER_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return False
-    return len(header) == ANSWER_HEADER.size and ANSWER_HEADER.unpack(header)[0] == request_id
-
-
-def _parse_answer(frame: bytes) -> Answer:
-    """A whole answer frame (its header, texts and body) as an Answer."""
-    _, code, message, error_type, details, _ = ANSWER_HEADER.unpack_from(frame)
-    rest = memoryview(frame)[ANSWER_HEADER.size :]
-    texts = message + error_type + details
-    a, b = message, message + error_type
-    return Answer(
-        code,
-        bytes(rest[:a]).decode("utf-8", "replace"),
-        bytes(rest[a:b]).decode("ascii", "replace"),
-        bytes(rest[b:texts]).decode("utf-8", "replace"),
-        bytes(rest[texts:]),
-    )
-
-
-def _take_orphan(method: str, orphaned: Callable[[Any], None], answer: Answer) -> None:
-    """An interrupted call's answer, parsed, for its ``orphaned``."""
-    orphaned(_ANSWER_TYPES[method].FromString(answer.body))
-
-
 class CallChannel:
     """A session's call channel: one connection to the server's fd socket, bound to the
     session by its key.  Thread-safe (one call at a time; another waits CHANNEL_WAIT_S for
@@ -196,23 +126,14 @@ class CallChannel:
         self._used = 0.0
         self._retry_at = 0.0
         self._closed = False  # closed: no call from now on; the one in progress drops it
-        self._taking = _Taking()  # the main thread's answers, each taken whole
 
-    def unary(
-        self,
-        method: str,
-        request: Any,
-        timeout: float | None,
-        orphaned: Callable[[Any], None] | None = None,
-    ) -> Any:
+    def unary(self, method: str, request: Any, timeout: float | None) -> Any:
         """The answer to ``method`` (as the schema names it) with ``request``, or None (not
         sent or not read: use gRPC; ``last_reason`` says why).  Raises the call's error as
         gRPC's would read back, TimeoutError past ``timeout`` (None: no deadline), or
-        ChannelBroken.  ``orphaned``: given the answer of a call its caller was
-        interrupted in (a signal in the main thread), which a thread reads to its end."""
+        ChannelBroken."""
         body = request.SerializeToString()
-        orphan = None if orphaned is None else functools.partial(_take_orphan, method, orphaned)
-        answer = self.call(method, body, timeout, orphan)
+        answer = self.call(method, body, timeout)
         if answer is None:
             return None
         if answer.code == DEADLINE_EXCEEDED and not answer.error_type:
@@ -226,15 +147,8 @@ class CallChannel:
             self.close()
             raise ChannelBroken(f"an answer to {method} that does not parse ({exc})") from None
 
-    def call(
-        self,
-        method: str,
-        body: bytes,
-        timeout: float | None,
-        orphaned: Callable[[Answer], None] | None = None,
-    ) -> Answer | None:
-        """One call's answer, or None (not sent, or known unread: use gRPC); ``orphaned``:
-        see :meth:`unary`."""
+    def call(self, method: str, body: bytes, timeout: float | None) -> Answer | None:
+        """One call's answer, or None (not sent, or known unread: use gRPC)."""
         if (
             os.getpid() != self.pid
             or len(body) > MAX_CHANNEL_REQUEST_BYTES
@@ -253,7 +167,7 @@ class CallChannel:
                 return None
             if sock is None:
                 return None
-            return self._exchange(sock, method, body, timeout, deadline, orphaned)
+            return self._exchange(sock, method, body, timeout, deadline)
         finally:
             if self._closed:  # closed while this call ran
                 self._drop()
@@ -266,7 +180,6 @@ class CallChannel:
         body: bytes,
         timeout: float | None,
         deadline: float | None,
-        orphaned: Callable[[Answer], None] | None = None,
     ) -> Answer | None:
         """(lock held) One frame out and its answer in."""
         request_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)
@@ -280,15 +193,8 @@ class CallChannel:
             self.last_reason = f"the call channel took no request ({exc})"
             self._drop()
             return None
-        except BaseException:  # an interrupt while sending: the frame may be whole
-            self._finish_elsewhere(request_id, deadline, orphaned)
-            raise
-        taking = self._taking if threading.current_thread() is threading.main_thread() else None
         try:
-            if taking is None:
-                answer = self._answer(sock, request_id, deadline)
-            else:
-                answer = self._answer_whole(sock, request_id, deadline, taking)
+            answer = self._answer(sock, request_id, deadline)
         except TimeoutError:
             self._drop()  # its answer may come later: never read as the next call's
             raise
@@ -296,14 +202,7 @@ class CallChannel:
             self._drop()
             raise ChannelBroken(str(exc)) from None
         except BaseException:  # an interrupt mid-exchange: its answer may be on its way,
-            # and must never be read as the next call's
-            if taking is not None and taking.consuming and not _waiting(sock, request_id):
-                self._drop()  # it was taken whole: ``orphaned`` gets it from here
-                if orphaned is not None:
-                    with contextlib.suppress(Exception):
-                        orphaned(_parse_answer(bytes(taking.buffer[: taking.total])))
-            else:
-                self._finish_elsewhere(request_id, deadline, orphaned)
+            self._drop()  # and must never be read as the next call's
             raise
         if answer is None:  # the server closed the channel without reading it
             self._drop()
@@ -311,37 +210,6 @@ class CallChannel:
         self._used = time.monotonic()
         self.calls += 1
         return answer
-
-    def _answer_whole(
-        self, sock: socket.socket, request_id: int, deadline: float | None, taking: _Taking
-    ) -> Answer | None:
-        """(the main thread) :meth:`_answer`, an answer of at most TAKEN_WHOLE_BYTES taken
-        off the socket in one read once all of it is there (peeked), so that a signal
-        leaves it either wholly in the socket or wholly in ``taking``; a longer one is read
-        as :meth:`_answer` reads it."""
-        taking.consuming = False
-        header = _peek_exactly(sock, ANSWER_HEADER.size, deadline)
-        answered, _, message, error_type, details, nbytes = ANSWER_HEADER.unpack(header)
-        texts = message + error_type + details
-        if texts > MAX_ANSWER_TEXT_BYTES or nbytes > MAX_ANSWER_BYTES:
-            raise ValueError(f"an answer of {texts} + {nbytes} bytes")
-        total = ANSWER_HEADER.size + texts + nbytes
-        if total > TAKEN_WHOLE_BYTES:
-            return self._answer(sock, request_id, deadline)
-        _peek_exactly(sock, total, deadline)
-        taking.total = total
-        taking.consuming = True  # from here the socket's bytes or the buffer hold it
-        got = sock.recv_into(taking.buffer, total, socket.MSG_WAITALL)
-        if got != total:
-            raise ConnectionResetError(f"{got} of a peeked answer's {total} bytes")
-        if answered == CHANNEL_CLOSING:
-            self.last_reason = bytes(taking.buffer[ANSWER_HEADER.size : total]).decode(
-                "utf-8", "replace"
-            )
-            return None
-        if answered != request_id:
-            raise ValueError(f"an answer to request {answered}, not {request_id}")
-        return _parse_answer(bytes(taking.buffer[:total]))
 
     def _answer(
         self, sock: socket.socket, request_id: int, deadline: float | None
@@ -404,52 +272,6 @@ class CallChannel:
             raise
         self._sock, self._used, self._retry_at = sock, now, 0.0
         return sock
-
-    def _finish_elsewhere(
-        self,
-        request_id: int,
-        deadline: float | None,
-        orphaned: Callable[[Answer], None] | None,
-    ) -> None:
-        """(lock held) The call's caller was interrupted: the connection leaves the channel
-        (the next call makes a new one); without ``orphaned`` it is closed, else a thread
-        reads the call's answer (within its deadline, at most ORPHAN_READ_S) and hands it
-        to ``orphaned``, so what the call made on the server is released, then closes it."""
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        if orphaned is None:
-            sock.close()
-            return
-        limit = time.monotonic() + ORPHAN_READ_S
-        until = limit if deadline is None else min(deadline, limit)
-        reader = threading.Thread(
-            target=self._read_orphan,
-            args=(sock, request_id, until, orphaned),
-            name="tensord-orphan",
-            daemon=True,
-        )
-        try:
-            reader.start()
-        except BaseException:  # no thread now (interpreter exit): the session's end frees it
-            sock.close()
-            raise
-
-    def _read_orphan(
-        self,
-        sock: socket.socket,
-        request_id: int,
-        deadline: float,
-        orphaned: Callable[[Answer], None],
-    ) -> None:
-        try:
-            answer = self._answer(sock, request_id, deadline)
-            if answer is not None and not answer.code:
-                orphaned(answer)
-        except Exception:  # not answered in time, or broken: the session's end frees it
-            pass
-        finally:
-            sock.close()
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
