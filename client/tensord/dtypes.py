@@ -278,7 +278,9 @@ def _to_complex(d: DType) -> DType:
 
 
 def promote_types(a: DType, b: DType) -> DType:
-    """torch.promote_types: the smallest dtype both ``a`` and ``b`` convert to safely."""
+    """torch.promote_types: the smallest dtype both ``a`` and ``b`` convert to safely (each a
+    DType or a torch.dtype: ``tensord.float16`` is torch's once torch is imported)."""
+    a, b = canonical(a), canonical(b)
     if a is b:
         return a
     if a in BAREBONES_UNSIGNED or b in BAREBONES_UNSIGNED:

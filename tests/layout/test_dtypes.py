@@ -196,3 +196,13 @@ def test_result_type_three_operands_match_torch_ops() -> None:
         assert D.to_torch(ours) == expected, (da, na, db, nb, dc, nc)
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("float16", "bfloat16"), ("uint8", "int8"), ("bool", "uint8"), ("float64", "complex64")],
+)
+def test_promote_types_takes_the_packages_names_once_torch_is_imported(a: str, b: str) -> None:
+    # tensord.<name> is torch's own dtype then: promotion must read it as its DType
+    ours = tensord.promote_types(getattr(tensord, a), getattr(tensord, b))
+    assert ours == torch.promote_types(getattr(torch, a), getattr(torch, b))

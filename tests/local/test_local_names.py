@@ -33,7 +33,8 @@ def record_calls(client: Any, monkeypatch: Any) -> list[str]:
     download_into = client._conn.download_into
 
     def unary(method: str, *args: Any) -> Any:
-        made.append(method)
+        if threading.current_thread().name != "tensord-release":  # not the flusher's releases
+            made.append(method)
         return unary_now(method, *args)
 
     def uploading(*args: Any) -> Any:

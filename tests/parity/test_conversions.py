@@ -219,10 +219,12 @@ def test_arange_kernel_matches_torch_bit_for_bit(args) -> None:  # type: ignore[
     expected = _arange_outcome(lambda: torch.arange(start, end, step, dtype=getattr(torch, dtype)))
     ours = _arange_outcome(
         lambda: (
-            torch.from_numpy(kernels.arange_values(np, start, end, step, getattr(tensord, dtype)))
+            torch.from_numpy(
+                kernels.arange_values(np, start, end, step, getattr(tensord.dtypes, dtype))
+            )
             if dtype != "bfloat16"
             else torch.from_numpy(
-                kernels.arange_values(np, start, end, step, tensord.bfloat16).view(np.int16)
+                kernels.arange_values(np, start, end, step, tensord.dtypes.bfloat16).view(np.int16)
             ).view(torch.bfloat16)
         )
     )

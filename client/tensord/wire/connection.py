@@ -266,8 +266,12 @@ class Connection:
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
-        # set when the queue is full: the flusher sends it at once, not at its next tick
-        self._flush_wanted = threading.Event()
+        # released when the queue is full: the flusher sends it at once, not at its next
+        # tick.  A plain Lock, not an Event: its release and acquire are one C call each,
+        # which a signal in the main thread cannot interrupt halfway (an Event's set takes
+        # a Condition in Python code, which an interrupt there would leave held)
+        self._flush_wanted = threading.Lock()
+        self._flush_wanted.acquire()
         self._flusher = threading.Thread(
             target=self._flush_forever, name="tensord-release", daemon=True
         )
@@ -584,8 +588,8 @@ class Connection:
                 self.flush_scheduler(lambda: self._flush(wait=False))
         elif queued >= PIPELINE_QUEUE_MAX:
             self._flush(wait=False)  # the server far behind: wait for the Batches before
-        elif not self._flush_wanted.is_set():
-            self._flush_wanted.set()  # the flusher sends it (once its Batch before is answered)
+        elif self._flush_wanted.locked():
+            self._wake_flusher()  # the flusher sends it (once its Batch before is answered)
 
     def _busy(self) -> bool:
         """Whether a Batch is in flight and not answered yet (the server still works on it)."""
@@ -863,11 +867,14 @@ class Connection:
                 with contextlib.suppress(errors.TensordError):
                     self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
+    def _wake_flusher(self) -> None:
+        with contextlib.suppress(RuntimeError):  # woken already
+            self._flush_wanted.release()
+
     def _flush_forever(self) -> None:
-        wanted = self._flush_wanted
+        ticked = time.monotonic()
         while not self._closed.is_set():
-            full = wanted.wait(RELEASE_INTERVAL_S)
-            wanted.clear()
+            full = self._flush_wanted.acquire(timeout=RELEASE_INTERVAL_S)
             if self._closed.is_set():
                 return
             with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
@@ -876,8 +883,10 @@ class Connection:
                     # what the caller queued meanwhile is sent at once if it is full too
                     self._flush(wait=False)
                     if len(self._queue) >= PIPELINE_BATCH:
-                        wanted.set()
-                    continue
+                        self._wake_flusher()
+                    if time.monotonic() - ticked < RELEASE_INTERVAL_S:
+                        continue  # else the tick's work too: a queue kept full never starves it
+                ticked = time.monotonic()
                 if self.local is not None:
                     self.local.let_go()  # gets' exports held past their time go first
                 if self.pipelining:
@@ -1001,7 +1010,7 @@ class Connection:
                 "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
             )
         self._closed.set()
-        self._flush_wanted.set()  # the flusher sees the end now
+        self._wake_flusher()  # the flusher sees the end now
         if self._watchdog is not None:
             self._watchdog.stop()
         # a beat or a release in flight has its own deadline, and closing the channel
