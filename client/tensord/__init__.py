@@ -184,12 +184,13 @@ if TYPE_CHECKING:  # what type checkers and the API reference read: the same nam
 def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        if module == "tensord.dtypes" and name in _DTYPE_NAMES:
+        home = importlib.import_module(module)
+        value = getattr(home, name)
+        if name in _DTYPE_NAMES:
             # what x.dtype is: torch's own dtype once torch is imported (torch's arguments
             # take only those: torch.zeros(3, dtype=tensord.float32)), else the DType; never
             # kept, so an import of torch later is seen
-            return importlib.import_module(module).public(value)
+            return home.public(value)
     elif not name.startswith("__") and importlib.util.find_spec(f"tensord.{name}") is not None:
         value = importlib.import_module(f"tensord.{name}")  # tensord.aio, tensord.layout, ...
     else:

@@ -175,11 +175,7 @@ class PressureSteps(BlockCache):
             return None, note
         # the request waits: a merged segment may end in a free rest under 1 MiB
         result = merge(self._moves(), self.relocator, self, needed, room, exact=True)
-        self._count_result(result)
-        block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
-        if block is not None:
-            return block, ""
-        return None, note + f" Merging segments released {format_size(result.plan.released)}."
+        return self._reserve_after(result, pool, alloc_size, stream, note, "Merging segments")
 
     def _repack_and_retry(
         self, pool: BlockPool, alloc_size: int, stream: int, note: str
@@ -191,11 +187,24 @@ class PressureSteps(BlockCache):
         if needed <= 0 or self._small.free_bytes() + self._large.free_bytes() < needed:
             return None, note
         result = repack(self._moves(), self.relocator, self, needed)
+        return self._reserve_after(result, pool, alloc_size, stream, note, "Repacking")
+
+    def _reserve_after(
+        self,
+        result: CompactionResult,
+        pool: BlockPool,
+        alloc_size: int,
+        stream: int,
+        note: str,
+        what: str,
+    ) -> tuple[Block | None, str]:
+        """Count ``result`` (``what`` made it) and reserve ``alloc_size`` again: the block,
+        or None and ``note`` with what ``what`` released, for the out-of-memory message."""
         self._count_result(result)
         block = self._alloc_block(pool, alloc_size, stream, is_retry=False)
         if block is not None:
             return block, ""
-        return None, note + f" Repacking released {format_size(result.plan.released)}."
+        return None, note + f" {what} released {format_size(result.plan.released)}."
 
     def _compact_and_retry(
         self, pool: BlockPool, alloc_size: int, stream: int
