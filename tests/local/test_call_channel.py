@@ -836,3 +836,48 @@ def test_garbage_requests_on_a_channel_are_refused_never_internal(server: Any) -
             sock.close()
         assert grpc.StatusCode.INVALID_ARGUMENT.value[0] in codes
         session.close()
+
+
+def test_method_names_no_service_has_are_counted_under_one_label(server: Any) -> None:
+    """The client names a frame's method: names of no method must not each make a series
+    of their own in the metrics (a client could grow them without bound)."""
+    requests = server.grpc_server.calls.observer.requests
+
+    def counted() -> dict[str, float]:
+        return {
+            sample.labels["method"]: sample.value
+            for metric in requests.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total") and sample.labels["code"] == "UNIMPLEMENTED"
+        }
+
+    before = counted()
+    with open_channel(server.address) as grpc_channel:
+        session = RawSession(grpc_channel)
+        for i in range(20):  # a frame refused unread closes its channel: a bind each
+            sock = bind(session.path, session.key)
+            try:
+                code, *_ = ask(sock, f"NoSuchMethod{i}", pb.ServerInfoRequest())
+            finally:
+                sock.close()
+            assert code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+        session.close()
+    after = counted()
+    assert not [name for name in after if name.startswith("NoSuchMethod")]
+    unknown = rpc_calls.UNKNOWN_METHOD
+    assert after[unknown] == before.get(unknown, 0.0) + 20
+
+
+def test_a_channel_in_steady_use_is_not_closed_as_idle(fresh_server: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(fd_socket, "CHANNEL_IDLE_S", 0.3)
+    table = fresh_server.daemon.exports
+    fd = fresh_server.grpc_server.calls.fd_socket
+    with tensord.connect(fresh_server.address, pipelining=False) as client:
+        x = client.arange(16.0)
+        x.view(4, 4)
+        binds = fd._served
+        for _ in range(12):  # 1.2 s of calls 0.1 s apart: never 0.3 s idle
+            x.view(4, 4)
+            time.sleep(0.1)
+        assert table.channel_count() == 1 and fd._served == binds
+        assert wait_until(lambda: table.channel_count() == 0, timeout=5)  # then idle: closed

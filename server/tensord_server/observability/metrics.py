@@ -294,6 +294,7 @@ class Observer:
             buckets=RPC_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._per_call: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
         self.uploaded = Counter(
             "tensord_uploaded_bytes", "Tensor bytes received by Upload", registry=self.registry
         )
@@ -333,8 +334,14 @@ class Observer:
     ) -> None:
         """Count and log one finished call."""
         elapsed = time.perf_counter() - started
-        self.requests.labels(method, code.name).inc()
-        self.latency.labels(method, code.name).observe(elapsed)
+        counted = self._per_call.get((method, code))
+        if counted is None:  # methods and codes are few: each pair's series looked up once
+            counted = self._per_call[(method, code)] = (
+                self.requests.labels(method, code.name),
+                self.latency.labels(method, code.name),
+            )
+        counted[0].inc()
+        counted[1].observe(elapsed)
         if access.isEnabledFor(logging.DEBUG):
             access.debug(
                 "%s %s %.6fs",

@@ -190,6 +190,8 @@ MAX_DOWNLOAD_CHUNK_BYTES = 1 << 20
 
 Metadatum = collections.namedtuple("Metadatum", "key value")
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+# The metrics' method label of a call-channel frame naming no method of the service.
+UNKNOWN_METHOD = "(unknown)"
 
 
 class ClientGone(ConnectionError):
@@ -585,8 +587,11 @@ class Calls:
         if frame.timeout is not None:
             call.deadline = time.monotonic() + frame.timeout
         idle_timeout = self.store.gate.idle_timeout
+        method = self._unary_methods.get(frame.method)
+        # what the metrics count it under: the client names the method, so a name that is
+        # none of the service's is counted under one label, not one per name sent
+        observed_as = method.name if method is not None else UNKNOWN_METHOD
         try:
-            method = self._unary_methods.get(frame.method)
             if method is None:
                 raise CallAborted(
                     grpc.StatusCode.UNIMPLEMENTED,
@@ -597,12 +602,15 @@ class Calls:
             describe = self.describe(call)
             with self.budget.reserve(call.key, frame.nbytes, describe):
                 try:
-                    raw = await self._read_within(
-                        call, method, functools.partial(conn.read_request, frame.nbytes)
-                    )
+                    # a small frame arrives whole: nothing to wait for, no read slot taken
+                    raw = conn.buffered_request(frame.nbytes)
+                    if raw is None:
+                        raw = await self._read_within(
+                            call, method, functools.partial(conn.read_request, frame.nbytes)
+                        )
                 except OSError as exc:  # the client went mid-request: nobody to answer
                     call.ended(grpc.StatusCode.CANCELLED)
-                    self.observed(method.name, call, started)
+                    self.observed(observed_as, call, started)
                     call.terminated()
                     raise ClientGone(str(exc)) from None
                 work = self._run(method, raw, call, describe)
@@ -621,7 +629,7 @@ class Calls:
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("internal error in a tensord handler", exc_info=exc)
             call.ended(code, message)
-            self.observed(frame.method, call, started)
+            self.observed(observed_as, call, started)
             call.terminated()
             await conn.answer(
                 frame.request_id, code.value[0], message, error_type, details, b"", idle_timeout

@@ -114,7 +114,18 @@ class ChannelConnection:
     was asked (at most READ_BYTES beyond it), and once bound its channel's idle state.  Used
     on the event loop only."""
 
-    __slots__ = ("_loop", "buffer", "idle", "peer", "request_read", "sock", "task", "woken")
+    __slots__ = (
+        "_idle_timer",
+        "_loop",
+        "buffer",
+        "idle",
+        "idle_since",
+        "peer",
+        "request_read",
+        "sock",
+        "task",
+        "woken",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str) -> None:
         self._loop = loop
@@ -127,6 +138,10 @@ class ChannelConnection:
         self.idle = False  # waiting for the next call: a wake ends the wait at once
         self.woken = False  # the server closes it once its call in progress (if any) ends
         self.request_read = False  # the current frame's request bytes were taken
+        # when its wait for the next call began (the loop's clock): one idle timer per
+        # CHANNEL_IDLE_S that looks at this, not one per call
+        self.idle_since = loop.time()
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def wake(self) -> None:
         """Close the channel: now if it waits for a call, else once its call is answered."""
@@ -162,6 +177,14 @@ class ChannelConnection:
             await self._fill(nbytes)
         return self._take(nbytes)
 
+    def buffered_request(self, nbytes: int) -> bytes | None:
+        """The current frame's request bytes if they were all read with its header (a small
+        frame arrives whole): nothing left to wait for; None: :meth:`read_request`."""
+        if len(self.buffer) < nbytes:
+            return None
+        self.request_read = True
+        return self._take(nbytes)
+
     async def line(self) -> bytes | None:
         """The first line, without its newline; None past MAX_TICKET_LINE bytes or at the
         stream's end.  What follows it stays in the buffer (a bound channel's first frame)."""
@@ -185,7 +208,11 @@ class ChannelConnection:
             if self.woken:
                 return None
             self.idle = True
-            timer = self._loop.call_later(CHANNEL_IDLE_S, self.wake)
+            self.idle_since = self._loop.time()
+            if self._idle_timer is None:
+                self._idle_timer = self._loop.call_at(
+                    self.idle_since + CHANNEL_IDLE_S, self._idle_check
+                )
             try:
                 piece = await self._loop.sock_recv(self.sock, READ_BYTES)
             except asyncio.CancelledError:
@@ -197,7 +224,6 @@ class ChannelConnection:
                 return None
             finally:
                 self.idle = False
-                timer.cancel()
             if not piece:
                 return None
             self.buffer += piece
@@ -205,8 +231,35 @@ class ChannelConnection:
             CALL_HEADER.size, FD_REQUEST_TIMEOUT_S, "a call frame's header came too slowly"
         )
 
+    def _idle_check(self) -> None:
+        """The idle timer: close a channel that has waited CHANNEL_IDLE_S for its next call;
+        else look again when its current wait will have lasted that long (a call in
+        progress: CHANNEL_IDLE_S from now)."""
+        self._idle_timer = None
+        if self.woken or self.sock.fileno() < 0:
+            return
+        now = self._loop.time()
+        due = self.idle_since + CHANNEL_IDLE_S if self.idle else now + CHANNEL_IDLE_S
+        if self.idle and now >= due:
+            self.wake()
+            return
+        self._idle_timer = self._loop.call_at(due, self._idle_check)
+
+    def stop_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
     async def send(self, data: bytes | memoryview, timeout: float) -> None:
-        await within(self._loop.sock_sendall(self.sock, data), timeout, "a reader too slow")
+        """All of ``data`` within ``timeout``: written at once where the socket has room (a
+        small answer to a reader waiting for it), else through the loop, bounded."""
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            rest = memoryview(data)[sent:]
+            await within(self._loop.sock_sendall(self.sock, rest), timeout, "a reader too slow")
 
     async def answer(
         self,
@@ -341,6 +394,7 @@ class FdSocket:
                 await self._serve_channel(conn, channel)
         finally:
             self._connections.discard(conn)
+            conn.stop_idle_timer()
             conn.sock.close()
 
     async def _answer(self, conn: ChannelConnection, uid: int) -> Channel | None:
