@@ -25,6 +25,7 @@ from tensord.protocol import AUTHORIZATION_KEY, SESSION_KEY
 
 from tensord_server.domain import auth
 from tensord_server.observability.log_budget import LogBudget
+from tensord_server.observability.node_info import NodeInfoCollector
 
 if TYPE_CHECKING:
     from tensord_server.domain.sessions import Session
@@ -281,6 +282,7 @@ class Observer:
         # a registry per TensorStore: tests run many servers in one process
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(store))
+        self.registry.register(NodeInfoCollector(store))
         self.requests = Counter(
             "tensord_rpc_requests",
             "RPCs handled, by method and status code",
