@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tensord
 import torch
-from conftest import SessionStub, interrupted_after, open_channel, wait_until
+from conftest import SessionStub, open_channel, wait_until
 from tensord import schema as pb
 from tensord.protocol import ANSWER_HEADER, CALL_HEADER, ERROR_DETAILS_KEY, ERROR_TYPE_KEY
 from tensord.wire import connection
@@ -881,65 +881,3 @@ def test_a_channel_in_steady_use_is_not_closed_as_idle(fresh_server: Any, monkey
             time.sleep(0.1)
         assert table.channel_count() == 1 and fd._served == binds
         assert wait_until(lambda: table.channel_count() == 0, timeout=5)  # then idle: closed
-
-
-def test_the_main_thread_sends_its_frame_and_a_worker_reads_the_answer(
-    client: Any, monkeypatch: Any
-) -> None:
-    # the frame leaves from the main thread (no worker woken before it can go); the answer
-    # is read on a worker while the main thread waits on a lock a signal interrupts
-    client.put("read-by-worker", np.arange(4, dtype=np.float32), overwrite=True)
-    client.synchronize()
-    channel = client._conn.call_channel
-    senders: list[str] = []
-    readers: list[str] = []
-    answer = CallChannel._answer
-    exchange = CallChannel._exchange
-
-    def reading(self: Any, *args: Any) -> Any:
-        readers.append(threading.current_thread().name)
-        return answer(self, *args)
-
-    def exchanging(self: Any, *args: Any) -> Any:
-        senders.append(threading.current_thread().name)
-        return exchange(self, *args)
-
-    monkeypatch.setattr(CallChannel, "_answer", reading)
-    monkeypatch.setattr(CallChannel, "_exchange", exchanging)
-    before = channel.calls
-    assert client.get("read-by-worker").tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert channel.calls > before
-    assert not senders  # not the worker's whole exchange
-    assert readers and threading.main_thread().name not in readers
-
-
-def test_a_signal_while_the_main_thread_waits_hands_the_answer_to_orphaned(
-    client: Any, server: Any, monkeypatch: Any
-) -> None:
-    # Ctrl-C (here SIGALRM delivered as KeyboardInterrupt) while the main thread waits for
-    # a channel call's answer: the caller gets the interrupt at once, the worker reads the
-    # answer for ``orphaned`` (which releases what the call made), and the next call on the
-    # channel gets its own answer.
-    client.put("orphaned-get", np.arange(3, dtype=np.float32), overwrite=True)
-    client.synchronize()
-    channel = client._conn.call_channel
-    answer = CallChannel._answer
-
-    def slow_answer(self: Any, *args: Any) -> Any:
-        time.sleep(0.3)  # the signal comes while the main thread waits
-        return answer(self, *args)
-
-    monkeypatch.setattr(CallChannel, "_answer", slow_answer)
-    orphans: list[Any] = []
-    started = time.monotonic()
-    with interrupted_after(0.05):
-        client._conn.call("GetName", pb.GetNameRequest(name="orphaned-get"), orphans.append)
-    assert time.monotonic() - started < 0.25  # at once, not once the answer came
-    assert wait_until(lambda: bool(orphans), timeout=10)
-    (meta,) = orphans
-    session = server.daemon.sessions.get(client.session_id)
-    assert server.daemon.sessions.lookup(session, meta.handle) is not None  # a live handle
-    monkeypatch.undo()
-    assert client.get("orphaned-get").tolist() == [0.0, 1.0, 2.0]
-    made = channel.unary("ServerInfo", pb.ServerInfoRequest(), 5.0)
-    assert made is not None and made.version

@@ -28,14 +28,14 @@ def record_calls(client: Any, monkeypatch: Any) -> list[str]:
     """Every unary method the client calls from now on (through gRPC or its call channel;
     a Batch is sent apart), and the streams, as "Upload" and "Download"."""
     made: list[str] = []
-    unary_call = client._conn._unary
+    unary_now = client._conn._unary_now
     upload = client._conn.upload
     download_into = client._conn.download_into
 
-    def unary(method: str, *args: Any, **kwargs: Any) -> Any:
+    def unary(method: str, *args: Any) -> Any:
         if threading.current_thread().name != "tensord-release":  # not the flusher's releases
             made.append(method)
-        return unary_call(method, *args, **kwargs)
+        return unary_now(method, *args)
 
     def uploading(*args: Any) -> Any:
         made.append("Upload")
@@ -45,7 +45,7 @@ def record_calls(client: Any, monkeypatch: Any) -> list[str]:
         made.append("Download")
         return download_into(*args)
 
-    monkeypatch.setattr(client._conn, "_unary", unary)
+    monkeypatch.setattr(client._conn, "_unary_now", unary)
     monkeypatch.setattr(client._conn, "upload", uploading)
     monkeypatch.setattr(client._conn, "download_into", downloading)
     return made

@@ -25,8 +25,6 @@ server may have run it).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hmac
 import itertools
 import math
@@ -34,7 +32,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
@@ -49,7 +46,6 @@ from tensord.protocol import (
     MAX_MESSAGE_BYTES,
 )
 from tensord.wire.status import error_from_answer
-from tensord.wire.worker import Job, start_job
 
 # After a failed connect or a refused bind, calls take gRPC this long before a new try.
 CHANNEL_RETRY_S = 5.0
@@ -110,57 +106,6 @@ def _receive_exactly(sock: socket.socket, nbytes: int, deadline: float | None) -
     return bytes(data)
 
 
-class _Reading:
-    """A worker's read of one main-thread call's answer; whoever ends last (the read, or
-    the caller handing the connection over after an interrupt) closes the connection."""
-
-    __slots__ = ("_ended", "_handed_over", "_lock", "channel", "deadline", "request_id", "sock")
-
-    def __init__(
-        self, channel: CallChannel, sock: socket.socket, request_id: int, deadline: float | None
-    ) -> None:
-        self.channel = channel
-        self.sock = sock
-        self.request_id = request_id
-        self.deadline = deadline
-        self._lock = threading.Lock()
-        self._ended = False
-        self._handed_over = False
-
-    def run(self) -> Answer | BaseException | None:
-        """The answer, None (the server's closing notice), or the error that ended the read
-        (TimeoutError, or a broken connection's); never raises."""
-        try:
-            return self.channel._answer(self.sock, self.request_id, self.deadline)
-        except (OSError, ValueError) as exc:  # TimeoutError among them
-            return exc
-        finally:
-            with self._lock:
-                self._ended = True
-                close = self._handed_over
-            if close:
-                self.sock.close()
-
-    def hand_over(self) -> None:
-        """(the interrupted caller) The connection leaves the channel, half-closed: the
-        server answers a frame it has whole, then sees the end; the read ends with it."""
-        self.channel._forget(self.sock)
-        with self._lock:
-            self._handed_over = True
-            ended = self._ended
-        if ended:
-            self.sock.close()
-            return
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-
-
-def _take_orphan(method: str, orphaned: Callable[[Any], None], answer: Any) -> None:
-    """An interrupted call's answer, parsed, for its ``orphaned`` (errors have none)."""
-    if isinstance(answer, Answer) and not answer.code:
-        orphaned(_ANSWER_TYPES[method].FromString(answer.body))
-
-
 class CallChannel:
     """A session's call channel: one connection to the server's fd socket, bound to the
     session by its key.  Thread-safe (one call at a time; another waits CHANNEL_WAIT_S for
@@ -182,21 +127,13 @@ class CallChannel:
         self._retry_at = 0.0
         self._closed = False  # closed: no call from now on; the one in progress drops it
 
-    def unary(
-        self,
-        method: str,
-        request: Any,
-        timeout: float | None,
-        orphaned: Callable[[Any], None] | None = None,
-    ) -> Any:
+    def unary(self, method: str, request: Any, timeout: float | None) -> Any:
         """The answer to ``method`` (as the schema names it) with ``request``, or None (not
         sent or not read: use gRPC; ``last_reason`` says why).  Raises the call's error as
         gRPC's would read back, TimeoutError past ``timeout`` (None: no deadline), or
-        ChannelBroken.  ``orphaned``: given the answer of a main-thread call whose caller
-        was interrupted (a signal), once a worker has read it (:meth:`call`)."""
+        ChannelBroken."""
         body = request.SerializeToString()
-        orphan = None if orphaned is None else functools.partial(_take_orphan, method, orphaned)
-        answer = self.call(method, body, timeout, orphan)
+        answer = self.call(method, body, timeout)
         if answer is None:
             return None
         if answer.code == DEADLINE_EXCEEDED and not answer.error_type:
@@ -210,21 +147,8 @@ class CallChannel:
             self.close()
             raise ChannelBroken(f"an answer to {method} that does not parse ({exc})") from None
 
-    def call(
-        self,
-        method: str,
-        body: bytes,
-        timeout: float | None,
-        orphaned: Callable[[Answer], None] | None = None,
-    ) -> Answer | None:
-        """One call's answer, or None (not sent, or known unread: use gRPC).
-
-        From the main thread the frame is sent there and a worker reads the answer while
-        the main thread waits on a plain lock (which a signal interrupts cleanly), so the
-        worker is woken while the server works, not before the frame can leave.  An
-        interrupt takes the connection out of the channel (the next call makes another)
-        and half-closes it, so the server answers a whole frame and then closes; the worker
-        reads that answer for ``orphaned`` and closes the connection."""
+    def call(self, method: str, body: bytes, timeout: float | None) -> Answer | None:
+        """One call's answer, or None (not sent, or known unread: use gRPC)."""
         if (
             os.getpid() != self.pid
             or len(body) > MAX_CHANNEL_REQUEST_BYTES
@@ -243,8 +167,6 @@ class CallChannel:
                 return None
             if sock is None:
                 return None
-            if threading.current_thread() is threading.main_thread():
-                return self._exchange_waiting(sock, method, body, timeout, deadline, orphaned)
             return self._exchange(sock, method, body, timeout, deadline)
         finally:
             if self._closed:  # closed while this call ran
@@ -260,7 +182,10 @@ class CallChannel:
         deadline: float | None,
     ) -> Answer | None:
         """(lock held) One frame out and its answer in."""
-        request_id, frame = self._frame(method, body, timeout)
+        request_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        name = method.encode("ascii")
+        deadline_ms = 0 if timeout is None else min(max(math.ceil(timeout * 1000), 1), 2**32 - 1)
+        frame = CALL_HEADER.pack(request_id, deadline_ms, len(name), len(body)) + name + body
         try:
             sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 0.001))
             sock.sendall(frame)
@@ -285,61 +210,6 @@ class CallChannel:
         self._used = time.monotonic()
         self.calls += 1
         return answer
-
-    def _frame(self, method: str, body: bytes, timeout: float | None) -> tuple[int, bytes]:
-        """(lock held) A new request id and the call's frame."""
-        request_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)
-        name = method.encode("ascii")
-        deadline_ms = 0 if timeout is None else min(max(math.ceil(timeout * 1000), 1), 2**32 - 1)
-        return request_id, CALL_HEADER.pack(request_id, deadline_ms, len(name), len(body)) + (
-            name + body
-        )
-
-    def _exchange_waiting(
-        self,
-        sock: socket.socket,
-        method: str,
-        body: bytes,
-        timeout: float | None,
-        deadline: float | None,
-        orphaned: Callable[[Answer], None] | None,
-    ) -> Answer | None:
-        """(lock held, the main thread) :meth:`_exchange`, the answer read by a worker."""
-        request_id, frame = self._frame(method, body, timeout)
-        reading = _Reading(self, sock, request_id, deadline)
-        job = Job(reading.run, orphaned)
-        try:
-            try:
-                sock.settimeout(
-                    None if deadline is None else max(deadline - time.monotonic(), 0.001)
-                )
-                sock.sendall(frame)
-            except OSError as exc:  # not all sent: the server never runs a partial frame
-                self.last_reason = f"the call channel took no request ({exc})"
-                self._drop()
-                return None
-            if not start_job(job):  # no thread can start (interpreter exit): read it here
-                job.started = True
-                job.run()
-            else:
-                job.done.acquire()  # a signal interrupts this wait, and nothing else
-            outcome = job.outcome()
-        except BaseException:  # an interrupt: the answer (if any) is the worker's to read
-            reading.hand_over()
-            if not job.started:
-                start_job(job)
-            job.abandon()
-            raise
-        if isinstance(outcome, Answer):
-            self._used = time.monotonic()
-            self.calls += 1
-            return outcome
-        self._drop()  # an answer that may come later is never read as the next call's
-        if outcome is None:  # the server closed the channel without reading the frame
-            return None
-        if isinstance(outcome, TimeoutError):
-            raise outcome
-        raise ChannelBroken(str(outcome))
 
     def _answer(
         self, sock: socket.socket, request_id: int, deadline: float | None
@@ -407,11 +277,6 @@ class CallChannel:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-
-    def _forget(self, sock: socket.socket) -> None:
-        """``sock`` is no longer the channel's connection (without closing it)."""
-        if self._sock is sock:
-            self._sock = None
 
     def close(self) -> None:
         """Close the connection, now or, when a call is in progress, as it ends (never

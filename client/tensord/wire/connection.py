@@ -365,52 +365,20 @@ class Connection:
         """One unary call with ``timeout`` (default: call_timeout; inf or None: no deadline);
         ``orphaned``: see :func:`tensord.wire.worker.off_main_thread`."""
         self._check_open()
-        channel = session and self.call_channel is not None
-        if channel and threading.current_thread() is threading.main_thread():
-            # the channel sends the frame here and a worker reads its answer while this
-            # thread waits on a lock (CallChannel.call): the worker is woken while the
-            # server works; gRPC, if the channel cannot take the call, on a worker
-            session_id = self.session_id
-            answered = self._in_session(
-                session_id,
-                functools.partial(
-                    self._on_channel,
-                    method,
-                    request,
-                    session_id,
-                    self._deadline_s(timeout),
-                    orphaned,
-                ),
-                sync=sync,
-            )
-            if answered is not None:
-                return answered
-            channel = False
         return off_main_thread(
-            functools.partial(self._unary_now, method, request, session, timeout, sync, channel),
-            orphaned,
+            functools.partial(self._unary_now, method, request, session, timeout, sync), orphaned
         )
 
-    def _deadline_s(self, timeout: float | None) -> float | None:
-        """A call's deadline in seconds: ``timeout``, else call_timeout (None: none)."""
-        deadline = self.call_timeout if timeout is None else timeout
-        return None if deadline is None or math.isinf(deadline) else deadline
-
     def _unary_now(
-        self,
-        method: str,
-        request: Any,
-        session: bool,
-        timeout: float | None,
-        sync: bool,
-        channel: bool = True,
+        self, method: str, request: Any, session: bool, timeout: float | None, sync: bool
     ) -> Any:
         stub_method = getattr(self._stub, method)
-        grpc_timeout = self._deadline_s(timeout)
+        deadline = self.call_timeout if timeout is None else timeout
+        grpc_timeout = None if deadline is None or math.isinf(deadline) else deadline
         metadata = self.metadata() if session else self._auth
 
         def send() -> Any:
-            if session and channel:
+            if session:
                 answered = self._on_channel(method, request, metadata[0][1], grpc_timeout)
                 if answered is not None:
                     return answered
@@ -463,22 +431,15 @@ class Connection:
         if old is not None:
             old.close()
 
-    def _on_channel(
-        self,
-        method: str,
-        request: Any,
-        session_id: str,
-        timeout: float | None,
-        orphaned: Callable[[Any], None] | None = None,
-    ) -> Any:
+    def _on_channel(self, method: str, request: Any, session_id: str, timeout: float | None) -> Any:
         """The answer of a call in ``session_id`` on its call channel, or None: take gRPC
         (no channel, or it could not take this call now).  The call's errors are raised as
-        gRPC's would read back; ``orphaned``: see CallChannel.unary."""
+        gRPC's would read back."""
         channel = self.call_channel
         if channel is None or channel.session_id != session_id:
             return None
         try:
-            return channel.unary(method, request, timeout, orphaned)
+            return channel.unary(method, request, timeout)
         except errors.TensordError:  # the server's own word (a DeadlineExceededError among them)
             raise
         except TimeoutError:

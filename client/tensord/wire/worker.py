@@ -46,7 +46,6 @@ class Job:
         "error",
         "orphaned",
         "result",
-        "started",
         "work",
     )
 
@@ -66,7 +65,6 @@ class Job:
         self.orphaned = orphaned
         self._state = threading.Lock()  # orders the work's end with the caller's walking away
         self._finished = False
-        self.started = False  # handed to a worker (or run by its caller)
 
     def run(self) -> None:
         try:
@@ -160,7 +158,6 @@ def start_job(job: Job) -> bool:
             worker = _Worker()
         except RuntimeError:  # "can't create new thread at interpreter shutdown"
             return False
-    job.started = True
     worker.hand(job)
     return True
 
