@@ -15,8 +15,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
+import numpy as np
 import pytest
 
 # the server's lease: a client whose heartbeat is stuck loses its session in lease + grace
@@ -139,3 +141,55 @@ def test_an_interrupted_call_leaves_the_client_working(make_server: Any, mode: s
     )
     assert run.returncode == 0, run.stdout + run.stderr[-6000:]
     assert "ok " in run.stdout, run.stdout + run.stderr[-6000:]
+
+
+class _InterruptedOnAcquire:
+    """A lock whose main-thread acquire succeeds and then raises KeyboardInterrupt, as a
+    signal landing right after the acquire returns does."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        got = self.real.acquire(*args, **kwargs)
+        if got and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        return bool(got)
+
+    def release(self) -> None:
+        self.real.release()
+
+    def locked(self) -> bool:
+        return bool(self.real.locked())
+
+    def __enter__(self) -> None:
+        self.real.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.release()
+
+
+def test_a_main_thread_flush_with_nothing_to_send_takes_no_lock_a_signal_could_keep(
+    client: Any,
+) -> None:
+    """The main thread's look at whether a flush has anything to do never acquires the
+    send lock: a signal between that acquire and its release kept it for good, and every
+    later flush, call and close hung."""
+    x = client.tensor(np.arange(6, dtype=np.float32))
+    client.synchronize()
+    conn = client._conn
+    real = conn._send_lock
+    conn._send_lock = _InterruptedOnAcquire(real)
+    interrupted = False
+    try:
+        client.synchronize()  # nothing queued: answered on the main thread
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        conn._send_lock = real
+    leaked = real.locked()
+    if leaked:
+        real.release()  # so the client can close
+    assert not interrupted and not leaked
+    y = x + 1  # a queued op, then a flush on the worker: they need the lock
+    np.testing.assert_array_equal(y.numpy(), np.arange(6, dtype=np.float32) + 1)

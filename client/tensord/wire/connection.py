@@ -230,6 +230,7 @@ class Connection:
         # yet -> its place in _queue; such a view dropped before its flush is never sent
         self._elidable: dict[str, int] = {}
         self._send_lock = threading.Lock()
+        self._sends = 0  # flushes that took _send_lock (counted under it)
         # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
         self._inflight: BatchInFlight | None = None
         self._async_error: errors.TensordError | None = None
@@ -629,22 +630,24 @@ class Connection:
 
     def _idle(self, releases: bool) -> bool:
         """Whether a flush has nothing to do: no op queued, no Batch in flight or being
-        sent, and (with ``releases``) no release pending.  Seen under _send_lock, which
-        every flush holds from taking the queue until it has sent it (and answered, when
-        it waits): an op taken but not yet in flight is never missed; a flush under way
-        answers False."""
+        sent, and (with ``releases``) no release pending.  Every flush holds _send_lock
+        from taking the queue until it has sent it (and answered, when it waits), so an op
+        taken but not yet in flight is never missed: a flush under way, or one that began
+        while this looked, answers False."""
         if self._queue or self._inflight is not None or (releases and self._pending):
             return False
-        lock = self._send_lock
-        if not lock.acquire(blocking=False):
+        # never acquired here: this runs on the main thread, where a signal landing between
+        # an acquire and its release would leave the lock held for good.  A flush that took
+        # the lock after the first look has counted itself in _sends before taking anything.
+        sends = self._sends
+        if self._send_lock.locked():
             return False
-        try:
-            return not (self._queue or self._inflight is not None or (releases and self._pending))
-        finally:
-            lock.release()
+        idle = not (self._queue or self._inflight is not None or (releases and self._pending))
+        return idle and not self._send_lock.locked() and self._sends == sends
 
     def _flush_now(self, wait: bool, releases: bool) -> None:
         with self._send_lock:
+            self._sends += 1  # before anything is taken: what _idle looks for
             self._collect()  # at most one Batch in flight: the server applies them in order
             with self._queue_lock:
                 queued = [op for op in self._queue if op is not None]
@@ -785,6 +788,7 @@ class Connection:
         if not self.pipelining:
             return take(self._pending, RELEASE_BATCH)
         with self._send_lock:
+            self._sends += 1
             self._collect()  # the Batch in flight issued its handles
             with self._queue_lock:
                 if any(op is not None for op in self._queue):
