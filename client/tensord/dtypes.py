@@ -29,8 +29,11 @@ class DType:
     """One element type.  Instances are singletons: compare with ``==`` or ``is``.
 
     Equal, both ways, to the ``torch.dtype`` of its name (``tensord.float32 ==
-    torch.float32``), which is what a tensor's ``dtype`` gives once torch is imported.  The
-    two hash differently (torch's hashes by identity): as dict keys, use one kind."""
+    torch.float32``), which is what a tensor's ``dtype`` gives once torch is imported.  Equal
+    objects must hash alike, and torch's hashes by identity: a DType made while torch is
+    imported (torch imported before tensord) takes its torch.dtype's hash, so either kind
+    finds the other as a dict key.  One made before torch is imported hashes by its name
+    (a hash never changes), apart from torch's."""
 
     name: str  # "float32": torch's canonical name without the "torch." prefix
     itemsize: builtins.int  # bytes per element
@@ -40,6 +43,7 @@ class DType:
     scalar_type: str  # c10's ScalarType name ("Float"), used in torch's error texts
     legacy_type: str  # what torch's Tensor::toString() prints on CPU, ditto (see tensor_type_name)
     numpy_dtype: np.dtype[Any] = field(compare=False, hash=False)
+    hash_value: builtins.int = field(compare=False, hash=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
         assert self.itemsize in (1, 2, 4, 8, 16), f"bad itemsize {self.itemsize} for {self.name}"
@@ -65,7 +69,7 @@ class DType:
         return NotImplemented
 
     def __hash__(self) -> builtins.int:
-        return hash(self.name)
+        return self.hash_value
 
     def __repr__(self) -> str:
         return f"tensord.{self.name}"
@@ -98,7 +102,17 @@ def _make(
         # only the pre-1.0 types have a legacy name; the rest print as "CPU<ScalarType>Type"
         legacy_type=f"torch.{legacy}Tensor" if legacy else f"CPU{scalar_type}Type",
         numpy_dtype=np.dtype(np_dtype),
+        hash_value=_hash_for(name),
     )
+
+
+def _hash_for(name: str) -> builtins.int:
+    """The hash of the torch.dtype named ``name`` when torch is imported, else the name's."""
+    torch = sys.modules.get("torch")
+    torch_dtype = getattr(torch, name, None) if torch is not None else None
+    if torch is not None and isinstance(torch_dtype, torch.dtype):
+        return hash(torch_dtype)
+    return hash(name)
 
 
 bool = _make(

@@ -467,6 +467,23 @@ def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
 
 
+def test_with_torch_imported_first_the_dtypes_hash_as_torchs() -> None:
+    # equal objects hash alike: either kind finds the other as a dict key or set member
+    code = (
+        "import torch, tensord.dtypes as d\n"
+        f"names = {DTYPE_NAMES!r}\n"
+        "for name in names:\n"
+        "    ours, theirs = getattr(d, name), getattr(torch, name)\n"
+        "    assert ours == theirs and hash(ours) == hash(theirs), name\n"
+        "    assert {theirs: name}[ours] == name and {ours: name}[theirs] == name, name\n"
+        "    assert ours in {theirs} and theirs in {ours}, name\n"
+        "assert len({d.float32, d.float64, torch.float32, torch.float64}) == 2\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 
