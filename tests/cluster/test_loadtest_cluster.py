@@ -175,6 +175,9 @@ def test_a_cluster_load_test_crosses_nodes_and_leaks_nothing_on_any(
         # every node, in the order given, back to what it held before the run
         assert [n["node"] for n in summary["nodes"]] == [node_id(n) for n in nodes]
         assert [n["address"] for n in summary["nodes"]] == [n.address for n in nodes]
+        # the users spread over the nodes (each workload's in turn, so not exactly 3 each)
+        users = [n["users"] for n in summary["nodes"]]
+        assert sum(users) == 9 and all(u > 0 for u in users), users
         for report, baseline in zip(summary["nodes"], before, strict=True):
             assert report["leaked_bytes"] == 0, report
             assert report["baseline_allocated_bytes"] == baseline > 0 or report["node"] != node_id(

@@ -851,9 +851,16 @@ def test_every_node_is_read_until_it_is_back_to_its_baseline() -> None:
     nodes.wait_for_baselines([back, leaky], "cpu", 2.0, clock=lambda: now[0], sleep=sleep)
     assert now[0] == pytest.approx(2.0)  # the leaky one was waited for until the timeout
     assert back.report()["leaked_bytes"] == 0 and back.report()["final_allocated_bytes"] == 100
+    # the users each node got: its connect row's successes
+    connects = [
+        {"Name": workloads.connect_op("a:1"), "Request Count": "3", "Failure Count": "1"},
+        {"Name": workloads.connect_op("a:10"), "Request Count": "5", "Failure Count": "0"},
+    ]
+    assert back.report(connects)["users"] == 2 and leaky.report(connects)["users"] == 0
     assert leaky.report() == {
         "node": "b",
         "address": "b:1",
+        "users": 0,
         "baseline_allocated_bytes": 0,
         "final_allocated_bytes": 40,
         "leaked_bytes": 40,
@@ -893,7 +900,7 @@ def test_a_cluster_summary_fails_on_any_nodes_leak_and_without_cross_node_ops(
     assert clean["passed"] and clean["leaked_bytes"] == 0
     assert clean["cross_node_ops"] == {"get": 4, "to": 3, "attach": 2}  # a failed check: not done
     markdown = loadtest.render_markdown(clean, command="tensord loadtest", settings={})
-    assert "| b | b:1 | 4,096 -> 4,096 B | 0 |" in markdown
+    assert "| b | b:1 | 0 | 4,096 -> 4,096 B | 0 |" in markdown
     assert "Cross-node operations done and checked: get 4, to 3, attach 2" in markdown
     # one node leaked, though the first one (whose pool figures the summary gives) did not
     leak = summary([node("a", 0, 0), node("b", 4096, 8192), node("c", 100, 0)])

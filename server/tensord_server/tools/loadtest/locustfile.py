@@ -15,7 +15,8 @@ Configuration, by environment variable (read by master and workers alike):
 
 - ``TENSORD_ADDRESS``: the server, when ``--host`` is not given;
 - ``TENSORD_ADDRESSES``: the nodes of a cluster, comma-separated: each user connects to one
-  of them, round robin (:func:`user_address`), overriding ``--host``;
+  of them, round robin (:func:`user_address`), overriding ``--host``, and its connect is
+  the op ``session.connect ADDRESS`` (the users each node got);
 - ``TENSORD_WORKERS``: how many Locust workers share the users (for that round robin);
 - ``TENSORD_TOKEN``: the tenant's token every user (and the sampler) presents, as the SDK
   reads it;
@@ -71,6 +72,7 @@ from tensord_server.tools.loadtest.workloads import (  # noqa: E402
     OpFailed,
     TraceReplay,
     Workload,
+    connect_op,
     parse_weights,
     seeded_step,
     user_address,
@@ -106,15 +108,17 @@ class TensordUser(User):
         self.seed_key = (number, worker)
         self.steps = 0
         address: str | None = self.host or os.environ.get("TENSORD_ADDRESS")
-        if ADDRESSES:  # a cluster: this user's node, round robin
+        connect = "session.connect"
+        if ADDRESSES:  # a cluster: this user's node, round robin; its row names the node
             address = user_address(ADDRESSES, self.workload_class.name, number, worker, WORKERS)
+            connect = connect_op(address)
         start = time.perf_counter()
         try:
             self.client = tensord.connect(address)
         except Exception as exc:
-            self._record("session.connect", time.perf_counter() - start, 0, exc, False)
+            self._record(connect, time.perf_counter() - start, 0, exc, False)
             raise
-        self._record("session.connect", time.perf_counter() - start, 0, None, False)
+        self._record(connect, time.perf_counter() - start, 0, None, False)
         rng = workload_rng(SEED, self.workload_class.name, number, worker)
         kwargs: dict[str, Any] = {"rng": rng, "scale": SCALE, "run_id": RUN_ID}
         kwargs["device"] = os.environ.get("TENSORD_DEVICE", "cpu").split("=")[0]

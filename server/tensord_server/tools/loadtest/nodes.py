@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensord_server.tools.loadtest.workloads import connect_op
+
 #: the allocated bytes a node must come back to (torch's key)
 ALLOCATED = "allocated_bytes.all.current"
 
@@ -88,10 +90,13 @@ class NodeMonitor:
     def leaked_bytes(self) -> int:
         return int(self.final.get(ALLOCATED, 0)) - int(self.baseline.get(ALLOCATED, 0))
 
-    def report(self) -> dict[str, Any]:
+    def report(self, ops: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
+        """The node's figures; ``ops``: Locust's ``locust_stats.csv`` rows, for the users
+        that connected to it (its ``session.connect ADDRESS`` row)."""
         return {
             "node": self.node,
             "address": self.address,
+            "users": done(ops, connect_op(self.address)),
             "baseline_allocated_bytes": int(self.baseline.get(ALLOCATED, 0)),
             "final_allocated_bytes": int(self.final.get(ALLOCATED, 0)),
             "leaked_bytes": self.leaked_bytes(),
@@ -124,11 +129,13 @@ def cross_node_counts(ops: Sequence[Mapping[str, str]]) -> dict[str, int]:
     """Per cross-node operation, how many were done and checked: the successful rows of its
     check in Locust's ``locust_stats.csv`` rows (``ops``)."""
 
-    def done(name: str) -> int:
-        return sum(
-            int(float(r.get("Request Count") or 0)) - int(float(r.get("Failure Count") or 0))
-            for r in ops
-            if r.get("Name") == name
-        )
+    return {kind: done(ops, check) for kind, check in CROSS_NODE_CHECKS.items()}
 
-    return {kind: done(check) for kind, check in CROSS_NODE_CHECKS.items()}
+
+def done(ops: Sequence[Mapping[str, str]], name: str) -> int:
+    """How many of the op ``name`` succeeded, from Locust's ``locust_stats.csv`` rows."""
+    return sum(
+        int(float(r.get("Request Count") or 0)) - int(float(r.get("Failure Count") or 0))
+        for r in ops
+        if r.get("Name") == name
+    )

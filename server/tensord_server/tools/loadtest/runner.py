@@ -645,11 +645,12 @@ def render_markdown(
         lines += [
             "Nodes (the pool figures above are the first one's):",
             "",
-            "| node | address | allocated: baseline -> after users left | leaked bytes |",
-            "| --- | --- | --- | ---: |",
+            "| node | address | users | allocated: baseline -> after users left | leaked bytes |",
+            "| --- | --- | ---: | --- | ---: |",
             *(
-                f"| {n['node']} | {n['address']} | {n['baseline_allocated_bytes']:,} -> "
-                f"{n['final_allocated_bytes']:,} B | {n['leaked_bytes']:,} |"
+                f"| {n['node']} | {n['address']} | {n.get('users', 0)} | "
+                f"{n['baseline_allocated_bytes']:,} -> {n['final_allocated_bytes']:,} B | "
+                f"{n['leaked_bytes']:,} |"
                 for n in s["nodes"]
             ),
             "",
@@ -1080,7 +1081,9 @@ def run(args: argparse.Namespace) -> int:
             leftover_names=leftover,
             fresh_server=server is not None,
             capacity=capacity,
-            nodes=[n.report() for n in nodes] if cluster else None,
+            nodes=[n.report(read_csv(out / "locust_stats.csv")) for n in nodes]
+            if cluster
+            else None,
             cross_node=weights.get("cross", 0) > 0,
         )
         summary["locust_exit_status"] = locust_status

@@ -817,3 +817,9 @@ def user_address(addresses: Sequence[str], workload: str, number: int, worker: i
     offset = list(WORKLOADS).index(workload) if workload in WORKLOADS else 0
     index = offset + number * max(1, workers) + worker
     return addresses[index % len(addresses)]
+
+
+def connect_op(address: str) -> str:
+    """The op a user's connect is recorded as in a cluster run: one row per node's address,
+    so the report tells how many users each node got."""
+    return f"session.connect {address}"
