@@ -9,6 +9,7 @@ etcd-server), Locust or matplotlib; Locust (gevent) never enters this process.
 from __future__ import annotations
 
 import contextlib
+import csv
 import importlib.util
 import json
 import os
@@ -178,6 +179,14 @@ def test_a_cluster_load_test_crosses_nodes_and_leaks_nothing_on_any(
         # the users spread over the nodes (each workload's in turn, so not exactly 3 each)
         users = [n["users"] for n in summary["nodes"]]
         assert sum(users) == 9 and all(u > 0 for u in users), users
+        # each node sampled into its own time series, through the whole run
+        names = [n["timeseries"] for n in summary["nodes"]]
+        assert names == ["timeseries.csv", *(f"timeseries-{node_id(n)}.csv" for n in (b, c))]
+        for report in summary["nodes"]:
+            with open(out / report["timeseries"], newline="") as f:
+                phases = Counter(row["phase"] for row in csv.DictReader(f))
+            assert phases["baseline"] == 1 and phases["load"] > 5 and phases["after"] == 1
+            assert report["peak_allocated_bytes"] > report["baseline_allocated_bytes"]
         for report, baseline in zip(summary["nodes"], before, strict=True):
             assert report["leaked_bytes"] == 0, report
             assert report["baseline_allocated_bytes"] == baseline > 0 or report["node"] != node_id(

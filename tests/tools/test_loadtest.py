@@ -857,10 +857,19 @@ def test_every_node_is_read_until_it_is_back_to_its_baseline() -> None:
         {"Name": workloads.connect_op("a:10"), "Request Count": "5", "Failure Count": "0"},
     ]
     assert back.report(connects)["users"] == 2 and leaky.report(connects)["users"] == 0
+    # its time series: a file of its own, and the peak its samples saw
+    samples = [{"allocated_bytes": "100"}, {"allocated_bytes": "700"}, {"allocated_bytes": ""}]
+    assert leaky.report(samples=samples)["peak_allocated_bytes"] == 700
+    assert leaky.report()["timeseries"] == "timeseries-b.csv"
+    assert nodes.NodeMonitor("a", "a:1", None, series_name="timeseries.csv").series_name == (
+        "timeseries.csv"
+    )
     assert leaky.report() == {
         "node": "b",
         "address": "b:1",
         "users": 0,
+        "timeseries": "timeseries-b.csv",
+        "peak_allocated_bytes": 0,
         "baseline_allocated_bytes": 0,
         "final_allocated_bytes": 40,
         "leaked_bytes": 40,
@@ -900,7 +909,7 @@ def test_a_cluster_summary_fails_on_any_nodes_leak_and_without_cross_node_ops(
     assert clean["passed"] and clean["leaked_bytes"] == 0
     assert clean["cross_node_ops"] == {"get": 4, "to": 3, "attach": 2}  # a failed check: not done
     markdown = loadtest.render_markdown(clean, command="tensord loadtest", settings={})
-    assert "| b | b:1 | 0 | 4,096 -> 4,096 B | 0 |" in markdown
+    assert "| b | b:1 | 0 | 0.0 MiB | 4,096 -> 4,096 B | 0 |" in markdown
     assert "Cross-node operations done and checked: get 4, to 3, attach 2" in markdown
     # one node leaked, though the first one (whose pool figures the summary gives) did not
     leak = summary([node("a", 0, 0), node("b", 4096, 8192), node("c", 100, 0)])

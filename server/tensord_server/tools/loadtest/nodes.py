@@ -68,6 +68,12 @@ def node_addresses(listed: Sequence[Mapping[str, Any]], given: Mapping[str, str]
     return found
 
 
+def node_series_name(node: str) -> str:
+    """The time series of a cluster's node: ``timeseries-<node>.csv`` (a node id is
+    letters, digits, ``.``, ``_`` and ``-``)."""
+    return f"timeseries-{node}.csv"
+
+
 def own_node(listed: Sequence[Mapping[str, Any]]) -> str:
     """The id of the node that answered ``client.nodes()`` (its ``self`` entry)."""
     for entry in listed:
@@ -86,17 +92,31 @@ class NodeMonitor:
     client: Any
     baseline: dict[str, Any] = field(default_factory=dict)
     final: dict[str, Any] = field(default_factory=dict)
+    #: its time series' file in the results folder (the runner names the first node's
+    #: ``timeseries.csv``)
+    series_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.series_name = self.series_name or node_series_name(self.node)
 
     def leaked_bytes(self) -> int:
         return int(self.final.get(ALLOCATED, 0)) - int(self.baseline.get(ALLOCATED, 0))
 
-    def report(self, ops: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
+    def report(
+        self, ops: Sequence[Mapping[str, str]] = (), samples: Sequence[Mapping[str, str]] = ()
+    ) -> dict[str, Any]:
         """The node's figures; ``ops``: Locust's ``locust_stats.csv`` rows, for the users
-        that connected to it (its ``session.connect ADDRESS`` row)."""
+        that connected to it (its ``session.connect ADDRESS`` row); ``samples``: its time
+        series' rows, for its peak allocated bytes."""
         return {
             "node": self.node,
             "address": self.address,
             "users": done(ops, connect_op(self.address)),
+            "timeseries": self.series_name,
+            "peak_allocated_bytes": max(
+                (int(float(r["allocated_bytes"])) for r in samples if r.get("allocated_bytes")),
+                default=0,
+            ),
             "baseline_allocated_bytes": int(self.baseline.get(ALLOCATED, 0)),
             "final_allocated_bytes": int(self.final.get(ALLOCATED, 0)),
             "leaked_bytes": self.leaked_bytes(),

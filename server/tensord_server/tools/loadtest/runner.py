@@ -20,8 +20,8 @@ Against a cluster (``--address`` given again, or a comma-separated list, of its 
 or one node's address) each user connects to one of the nodes given, round robin; the
 mix adds the ``cross`` users (names, copies and share tokens handed from node to node),
 every live node of the cluster is checked for leaks, and the summary counts the
-cross-node operations done (:mod:`.nodes`).  The time series and the pool figures are
-the first node's.
+cross-node operations done (:mod:`.nodes`).  ``timeseries.csv`` and the pool figures
+are the first node's; every other node samples into ``timeseries-<node>.csv``.
 
 It exits 1 when a request failed unexpectedly, a workload raised, or the
 server's allocated bytes did not return to their baseline after all users left
@@ -645,12 +645,14 @@ def render_markdown(
         lines += [
             "Nodes (the pool figures above are the first one's):",
             "",
-            "| node | address | users | allocated: baseline -> after users left | leaked bytes |",
-            "| --- | --- | ---: | --- | ---: |",
+            "| node | address | users | peak allocated (sampled) | "
+            "allocated: baseline -> after users left | leaked bytes | time series |",
+            "| --- | --- | ---: | ---: | --- | ---: | --- |",
             *(
                 f"| {n['node']} | {n['address']} | {n.get('users', 0)} | "
+                f"{mib(n.get('peak_allocated_bytes', 0))} | "
                 f"{n['baseline_allocated_bytes']:,} -> {n['final_allocated_bytes']:,} B | "
-                f"{n['leaked_bytes']:,} |"
+                f"{n['leaked_bytes']:,} | `{n.get('timeseries', '')}` |"
                 for n in s["nodes"]
             ),
             "",
@@ -1033,9 +1035,14 @@ def run(args: argparse.Namespace) -> int:
                     "a cluster's node)"
                 )
             series = TimeSeries(out / "timeseries.csv", device=device)
+            nodes[0].series_name = series.path.name
+            # every other node of a cluster: its own time series, on the same clock
+            node_series = [
+                TimeSeries(out / n.series_name, device=device, t0=series.t0) for n in nodes[1:]
+            ]
             try:
-                for node in nodes[1:]:
-                    node.baseline = node.client.memory_stats(device)
+                for node, its_series in zip(nodes[1:], node_series, strict=True):
+                    node.baseline = its_series.sample(node.client, "baseline")
                 baseline = series.sample(monitor, "baseline")
                 nodes[0].baseline = baseline
                 devices = monitor.server_info()["devices"]
@@ -1043,8 +1050,13 @@ def run(args: argparse.Namespace) -> int:
                     (d["capacity_bytes"] for d in devices if d["device"] == device), None
                 )
                 sampler = Sampler(monitor, series, args.interval)
-                sampler.phase = "load"
-                sampler.start()
+                samplers = [sampler] + [
+                    Sampler(n.client, its_series, args.interval)
+                    for n, its_series in zip(nodes[1:], node_series, strict=True)
+                ]
+                for each in samplers:
+                    each.phase = "load"
+                    each.start()
                 progress = None
                 if args.progress_interval > 0:
                     history = out / "locust_stats_history.csv"
@@ -1065,15 +1077,20 @@ def run(args: argparse.Namespace) -> int:
                 finally:
                     if progress is not None:
                         progress.stop()
-                sampler.phase = "drain"
+                for each in samplers:
+                    each.phase = "drain"
                 wait_for_baselines(nodes, device, args.leak_timeout)
-                sampler.stop()
+                for each in samplers:
+                    each.stop()
                 final = series.sample(monitor, "after")  # the figures the verdict reads
                 nodes[0].final = final
+                for node, its_series in zip(nodes[1:], node_series, strict=True):
+                    node.final = its_series.sample(node.client, "after")
                 prefix = f"loadtest/{run_id}/"
                 leftover = sorted(n for n in monitor.names() if n.startswith(prefix))
             finally:
-                series.close()
+                for each_series in (series, *node_series):
+                    each_series.close()
         summary = summarize(
             out,
             baseline=baseline,
@@ -1081,7 +1098,10 @@ def run(args: argparse.Namespace) -> int:
             leftover_names=leftover,
             fresh_server=server is not None,
             capacity=capacity,
-            nodes=[n.report(read_csv(out / "locust_stats.csv")) for n in nodes]
+            nodes=[
+                n.report(read_csv(out / "locust_stats.csv"), read_csv(out / n.series_name))
+                for n in nodes
+            ]
             if cluster
             else None,
             cross_node=weights.get("cross", 0) > 0,
