@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -27,10 +28,12 @@ from tensord import _torch as torch_interop
 from tensord_server.data import bundled_traces
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.grpc_server import create_server
+from tensord_server.tools.loadtest import nodes, workloads
 from tensord_server.tools.loadtest import runner as loadtest
-from tensord_server.tools.loadtest import workloads
 
 REPO = Path(__file__).resolve().parents[2]
+#: the workloads a server alone runs (the cross-node one needs a cluster: tests/cluster)
+SINGLE_SERVER = sorted(n for n, w in workloads.WORKLOADS.items() if not w.needs_cluster)
 
 
 # -- a real server in this process ----------------------------------------------------
@@ -101,7 +104,7 @@ def wait_for_allocated(client: Any, target: int, timeout_steps: int = 100) -> in
 
 # -- workloads -------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+@pytest.mark.parametrize("name", SINGLE_SERVER)
 def test_each_workload_runs_clean_and_gives_everything_back(gib_server: Running, name: str) -> None:
     log = Log()
     drive(gib_server.address, name, steps=25, log=log)
@@ -123,7 +126,7 @@ class Sequence:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+@pytest.mark.parametrize("name", SINGLE_SERVER)
 def test_a_seed_makes_a_workload_choose_alike_run_after_run(gib_server: Running, name: str) -> None:
     """tensord loadtest --seed: a user seeded alike (workload_rng) makes the same calls with
     the same sizes in every run, so paired runs of two policies serve the same work; a
@@ -284,7 +287,7 @@ def test_no_workload_lets_torch_compute(
         for _ in range(400):
             kv.step()
         kv.stop()
-    for name in sorted(set(workloads.WORKLOADS) - {"kv"}):
+    for name in sorted(set(SINGLE_SERVER) - {"kv"}):
         drive(gib_server.address, name, steps=25, log=log)
     assert used == []
     assert log.failures == []
@@ -322,7 +325,15 @@ def _raise_oom() -> None:
 
 def test_weights() -> None:
     defaults = workloads.parse_weights("")
-    assert set(defaults) == set(workloads.WORKLOADS) and all(w > 0 for w in defaults.values())
+    assert set(defaults) == set(workloads.WORKLOADS)
+    assert all(defaults[name] > 0 for name in SINGLE_SERVER) and defaults["cross"] == 0
+    # against a cluster the default mix adds the cross-node users
+    cluster = workloads.parse_weights("", cluster=True)
+    assert cluster == defaults | {"cross": workloads.CrossNode.cluster_weight}
+    assert workloads.parse_weights("kv,cross") == dict.fromkeys(workloads.WORKLOADS, 0) | {
+        "kv": workloads.KVCache.default_weight,
+        "cross": workloads.CrossNode.cluster_weight,
+    }
     weights = workloads.parse_weights("kv=5,views")
     assert weights["kv"] == 5 and weights["views"] == workloads.ViewHeavy.default_weight
     assert weights["trace"] == 0
@@ -713,3 +724,241 @@ def test_the_top_level_locustfile_runs_the_packages_users() -> None:
     names, same = json.loads(result.stdout.strip().splitlines()[-1])
     assert same, names
     assert {"KVCacheUser", "TrainingStepUser", "TraceReplayUser"} <= set(names)
+
+
+# -- against a cluster (the run itself: tests/cluster/test_loadtest_cluster.py) ---------
+def test_the_address_given_again_or_as_a_list_names_every_node() -> None:
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    args = parser.parse_args(["--address", "a:1,b:2", "--address", " c:3"])
+    assert nodes.parse_addresses(args.address) == ["a:1", "b:2", "c:3"]
+    assert nodes.parse_addresses(parser.parse_args([]).address) == []  # start a server
+    assert nodes.parse_addresses(["a:1"]) == ["a:1"]
+    with pytest.raises(ValueError, match="an empty address"):
+        nodes.parse_addresses(["a:1,,b:2"])
+    with pytest.raises(ValueError, match="a:1 is given twice"):
+        nodes.parse_addresses(["a:1", "b:2,a:1"])
+
+
+def test_a_bad_address_list_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--address", "a:1", "--address", "a:1", "--out", str(out)])
+    assert loadtest.run(args) == 2
+    assert "--address: a:1 is given twice" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_users_spread_round_robin_over_the_nodes() -> None:
+    addresses = ["a:1", "b:2", "c:3"]
+    for name in workloads.WORKLOADS:
+        # each workload's users in turn over the nodes: six users, two on each
+        spread = [workloads.user_address(addresses, name, n) for n in range(6)]
+        assert Counter(spread) == dict.fromkeys(addresses, 2), (name, spread)
+        assert all(a != b for a, b in itertools.pairwise(spread))
+    # the workloads' first users start on different nodes
+    firsts = [workloads.user_address(addresses, name, 0) for name in ("kv", "train", "churn")]
+    assert sorted(firsts) == addresses
+    # with Locust workers, the n-th user of each worker goes elsewhere, and all spread evenly
+    by_worker = [workloads.user_address(addresses, "kv", n, w, 2) for n in range(3) for w in (0, 1)]
+    assert Counter(by_worker) == dict.fromkeys(addresses, 2)
+    assert workloads.user_address(addresses, "kv", 0, 0, 2) != workloads.user_address(
+        addresses, "kv", 0, 1, 2
+    )
+    assert {workloads.user_address(["only:1"], "cross", n) for n in range(5)} == {"only:1"}
+    with pytest.raises(ValueError, match="no address"):
+        workloads.user_address([], "kv", 0)
+
+
+def test_the_nodes_given_come_first_then_every_other_live_node() -> None:
+    listed = [
+        {"node": "a", "address": "10.0.0.1:5", "self": True},
+        {"node": "b", "address": "10.0.0.2:5", "self": False},
+        {"node": "c", "address": "10.0.0.3:5", "self": False},
+    ]
+    assert nodes.own_node(listed) == "a"
+    # the address given for a node wins over the one it registered
+    assert nodes.node_addresses(listed, {"c": "localhost:3", "a": "localhost:1"}) == {
+        "c": "localhost:3",
+        "a": "localhost:1",
+        "b": "10.0.0.2:5",
+    }
+    with pytest.raises(ValueError, match=r"localhost:9 \(z\) not among the cluster's live nodes"):
+        nodes.node_addresses(listed, {"z": "localhost:9"})
+
+
+class FakeNodeClient:
+    """A session on a fake node: its listing of the cluster, and its allocated bytes, one
+    reading after the other (the last one repeats)."""
+
+    def __init__(self, me: str | None, members: str = "abc", allocated: Any = (0,)) -> None:
+        self.me, self.members = me, members
+        self.readings = list(allocated)
+        self.closed = False
+
+    def nodes(self) -> list[dict[str, Any]]:
+        if self.me is None:
+            raise tensord.errors.FailedPreconditionError("not part of a cluster")
+        return [{"node": m, "address": f"{m}.reg:1", "self": m == self.me} for m in self.members]
+
+    def memory_stats(self, device: str = "cpu") -> dict[str, int]:
+        value = self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+        return {"allocated_bytes.all.current": value}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_cluster_run_opens_a_session_on_every_live_node() -> None:
+    alone = FakeNodeClient(None)
+    assert [(n.node, n.address) for n in loadtest.open_nodes(alone, ["s:1"], None)] == [("", "s:1")]
+    with pytest.raises(RuntimeError, match="not a node of a cluster"):
+        loadtest.open_nodes(alone, ["s:1", "s:2"], None)
+    opened: dict[str, FakeNodeClient] = {}
+
+    def connect(address: str) -> FakeNodeClient:
+        opened[address] = FakeNodeClient({"given-b:2": "b"}.get(address, "a"))
+        return opened[address]
+
+    monitor = FakeNodeClient("a")
+    found = loadtest.open_nodes(monitor, ["given-a:1", "given-b:2"], connect)
+    assert [(n.node, n.address) for n in found] == [
+        ("a", "given-a:1"),
+        ("b", "given-b:2"),
+        ("c", "c.reg:1"),  # not given: where it registered
+    ]
+    assert found[0].client is monitor and found[1].client is opened["given-b:2"]
+    # two addresses of one node: refused, and the sessions opened for it closed
+    opened.clear()
+    with pytest.raises(RuntimeError, match="both node 'a'"):
+        loadtest.open_nodes(FakeNodeClient("a"), ["given-a:1", "other-a:1"], connect)
+    assert all(client.closed for client in opened.values())
+
+
+def test_every_node_is_read_until_it_is_back_to_its_baseline() -> None:
+    now = [0.0]
+    back = nodes.NodeMonitor("a", "a:1", FakeNodeClient("a", allocated=(300, 200, 100)))
+    leaky = nodes.NodeMonitor("b", "b:1", FakeNodeClient("b", allocated=(50, 40)))
+    for monitor in (back, leaky):
+        monitor.baseline = {"allocated_bytes.all.current": 100 if monitor is back else 0}
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    nodes.wait_for_baselines([back, leaky], "cpu", 2.0, clock=lambda: now[0], sleep=sleep)
+    assert now[0] == pytest.approx(2.0)  # the leaky one was waited for until the timeout
+    assert back.report()["leaked_bytes"] == 0 and back.report()["final_allocated_bytes"] == 100
+    # the users each node got: its connect row's successes
+    connects = [
+        {"Name": workloads.connect_op("a:1"), "Request Count": "3", "Failure Count": "1"},
+        {"Name": workloads.connect_op("a:10"), "Request Count": "5", "Failure Count": "0"},
+    ]
+    assert back.report(connects)["users"] == 2 and leaky.report(connects)["users"] == 0
+    # its time series: a file of its own, and the peak its samples saw
+    samples = [{"allocated_bytes": "100"}, {"allocated_bytes": "700"}, {"allocated_bytes": ""}]
+    assert leaky.report(samples=samples)["peak_allocated_bytes"] == 700
+    assert leaky.report()["timeseries"] == "timeseries-b.csv"
+    assert nodes.NodeMonitor("a", "a:1", None, series_name="timeseries.csv").series_name == (
+        "timeseries.csv"
+    )
+    assert leaky.report() == {
+        "node": "b",
+        "address": "b:1",
+        "users": 0,
+        "timeseries": "timeseries-b.csv",
+        "peak_allocated_bytes": 0,
+        "baseline_allocated_bytes": 0,
+        "final_allocated_bytes": 40,
+        "leaked_bytes": 40,
+    }
+
+
+def test_a_cluster_summary_fails_on_any_nodes_leak_and_without_cross_node_ops(
+    tmp_path: Path,
+) -> None:
+    header = ["Type", "Name", "Request Count", "Failure Count", "Median Response Time"]
+    header += ["Requests/s", "95%", "50%", "99%"]
+    rows = [
+        ["grpc", "cross.get", "5", "0", "5", "1.0", "8", "5", "9"],
+        ["check", "cross.get.verify", "5", "1", "0", "1.0", "0", "0", "0"],
+        ["check", "cross.to.verify", "3", "0", "0", "1.0", "0", "0", "0"],
+        ["check", "cross.attach.verify", "2", "0", "0", "1.0", "0", "0", "0"],
+        ["", "Aggregated", "15", "0", "5", "4.0", "8", "5", "9"],
+    ]
+    with open(tmp_path / "locust_stats.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    with loadtest.TimeSeries(tmp_path / "timeseries.csv"):
+        pass
+    key = "allocated_bytes.all.current"
+
+    def node(name: str, before: int, after: int) -> dict[str, Any]:
+        return {"node": name, "address": f"{name}:1", "baseline_allocated_bytes": before,
+                "final_allocated_bytes": after, "leaked_bytes": after - before}  # fmt: skip
+
+    def summary(reports: list[dict[str, Any]], ops: list[list[str]] | None = None) -> Any:
+        if ops is not None:
+            with open(tmp_path / "locust_stats.csv", "w", newline="") as f:
+                csv.writer(f).writerows([header, *ops])
+        return loadtest.summarize(tmp_path, baseline={key: 0}, final={key: 0},
+                                  leftover_names=[], nodes=reports, cross_node=True)  # fmt: skip
+
+    clean = summary([node("a", 0, 0), node("b", 4096, 4096), node("c", 0, 0)])
+    assert clean["passed"] and clean["leaked_bytes"] == 0
+    assert clean["cross_node_ops"] == {"get": 4, "to": 3, "attach": 2}  # a failed check: not done
+    markdown = loadtest.render_markdown(clean, command="tensord loadtest", settings={})
+    assert "| b | b:1 | 0 | 0.0 MiB | 4,096 -> 4,096 B | 0 |" in markdown
+    assert "Cross-node operations done and checked: get 4, to 3, attach 2" in markdown
+    # one node leaked, though the first one (whose pool figures the summary gives) did not
+    leak = summary([node("a", 0, 0), node("b", 4096, 8192), node("c", 100, 0)])
+    assert not leak["passed"] and leak["leaked_bytes"] == 4096
+    # no attach across nodes was done: the cross-node mix was not tested
+    none = summary([node("a", 0, 0), node("b", 0, 0)], [r for r in rows if "attach" not in r[1]])
+    assert none["cross_node_ops"]["attach"] == 0 and not none["passed"]
+    # a run without the cross users does not ask for them
+    plain = loadtest.summarize(tmp_path, baseline={key: 0}, final={key: 0}, leftover_names=[])
+    assert plain["passed"] and plain["nodes"] == []
+
+
+def test_locust_gets_the_nodes_and_the_cluster_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    envs: list[dict[str, str]] = []
+
+    def popen(command: list[str], **kwargs: Any) -> None:
+        envs.append(kwargs["env"])
+        raise OSError("not started")
+
+    monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    monkeypatch.setenv("TENSORD_ADDRESSES", "left:1,over:2")  # not the run's: removed
+    args = parser.parse_args(["--workers", "3", "--workloads", "kv"])
+    with pytest.raises(OSError):
+        loadtest.run_locust(
+            args, "a:1", tmp_path, "run", nodes=["a:1", "b:2"], workloads="kv=1,cross=2"
+        )
+    with pytest.raises(OSError):
+        loadtest.run_locust(args, "a:1", tmp_path, "run")
+    cluster, alone = envs
+    assert cluster["TENSORD_ADDRESSES"] == "a:1,b:2" and cluster["TENSORD_WORKERS"] == "3"
+    assert cluster["TENSORD_WORKLOADS"] == "kv=1,cross=2"
+    assert "TENSORD_ADDRESSES" not in alone and alone["TENSORD_WORKLOADS"] == "kv"
+
+
+def test_the_cross_workload_needs_a_cluster(
+    gib_server: Running, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = Log()
+    drive(gib_server.address, "cross", steps=5, log=log)
+    assert log.failures == []  # a server alone refuses nodes(): expected, and nothing more
+    assert set(log.ops) == {("cross.nodes", "expected")}
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    out = tmp_path / "out"
+    argv = ["--address", gib_server.address, "--workloads", "kv,cross", "--out", str(out)]
+    assert loadtest.run(parser.parse_args(argv)) == 2
+    assert "the cross workload needs a cluster of two nodes or more" in capsys.readouterr().err
+    assert not out.exists()

@@ -14,6 +14,12 @@ show in their own rows and never count as failures.
 Configuration, by environment variable (read by master and workers alike):
 
 - ``TENSORD_ADDRESS``: the server, when ``--host`` is not given;
+- ``TENSORD_ADDRESSES``: the nodes of a cluster, comma-separated: each user connects to one
+  of them, round robin (:func:`user_address`), overriding ``--host``, and its connect is
+  the op ``session.connect ADDRESS`` (the users each node got);
+- ``TENSORD_WORKERS``: how many Locust workers share the users (for that round robin);
+- ``TENSORD_TOKEN``: the tenant's token every user (and the sampler) presents, as the SDK
+  reads it;
 - ``TENSORD_WORKLOADS``: weights, e.g. ``kv=3,train=2,churn=3`` (unnamed: off;
   empty: every workload at its default weight);
 - ``TENSORD_DEVICE``: the device every tensor lives on (default ``cpu``; ``cuda:0``
@@ -66,8 +72,10 @@ from tensord_server.tools.loadtest.workloads import (  # noqa: E402
     OpFailed,
     TraceReplay,
     Workload,
+    connect_op,
     parse_weights,
     seeded_step,
+    user_address,
     workload_rng,
 )
 
@@ -76,6 +84,8 @@ SCALE = float(os.environ.get("TENSORD_SCALE", "1.0"))
 RUN_ID = os.environ.get("TENSORD_RUN_ID", "run")
 WAIT_MIN, WAIT_MAX = (float(v) for v in os.environ.get("TENSORD_WAIT", "0,0.05").split(","))
 SEED = os.environ.get("TENSORD_SEED") or None
+ADDRESSES = [a for a in os.environ.get("TENSORD_ADDRESSES", "").split(",") if a]
+WORKERS = int(os.environ.get("TENSORD_WORKERS") or 1)
 # The stats history (--csv-full-history) on disk each second, not every 5 s: tensord
 # loadtest's progress lines read it while the run goes on.
 locust.stats.CSV_STATS_FLUSH_INTERVAL_SEC = 1
@@ -97,14 +107,18 @@ class TensordUser(User):
         worker = getattr(self.environment.runner, "worker_index", 0)
         self.seed_key = (number, worker)
         self.steps = 0
-        address = self.host or os.environ.get("TENSORD_ADDRESS")
+        address: str | None = self.host or os.environ.get("TENSORD_ADDRESS")
+        connect = "session.connect"
+        if ADDRESSES:  # a cluster: this user's node, round robin; its row names the node
+            address = user_address(ADDRESSES, self.workload_class.name, number, worker, WORKERS)
+            connect = connect_op(address)
         start = time.perf_counter()
         try:
             self.client = tensord.connect(address)
         except Exception as exc:
-            self._record("session.connect", time.perf_counter() - start, 0, exc, False)
+            self._record(connect, time.perf_counter() - start, 0, exc, False)
             raise
-        self._record("session.connect", time.perf_counter() - start, 0, None, False)
+        self._record(connect, time.perf_counter() - start, 0, None, False)
         rng = workload_rng(SEED, self.workload_class.name, number, worker)
         kwargs: dict[str, Any] = {"rng": rng, "scale": SCALE, "run_id": RUN_ID}
         kwargs["device"] = os.environ.get("TENSORD_DEVICE", "cpu").split("=")[0]

@@ -16,9 +16,17 @@ gives its users, requests/s, requests, failures and expected errors (read from
 the stats history it writes every second) and the pool's allocated and reserved
 bytes (from the sampler).
 
+Against a cluster (``--address`` given again, or a comma-separated list, of its nodes;
+or one node's address) each user connects to one of the nodes given, round robin; the
+mix adds the ``cross`` users (names, copies and share tokens handed from node to node),
+every live node of the cluster is checked for leaks, and the summary counts the
+cross-node operations done (:mod:`.nodes`).  ``timeseries.csv`` and the pool figures
+are the first node's; every other node samples into ``timeseries-<node>.csv``.
+
 It exits 1 when a request failed unexpectedly, a workload raised, or the
 server's allocated bytes did not return to their baseline after all users left
-(a leak); 2 when the run itself could not be made, and then the results folder
+(a leak; in a cluster, any node's, or no cross-node operation of a kind was done);
+2 when the run itself could not be made, and then the results folder
 is removed if nothing was written to it.  Locust and matplotlib are imported
 only in the processes that need them.
 """
@@ -39,9 +47,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+from tensord_server.tools.loadtest.nodes import (
+    NodeMonitor,
+    cross_node_counts,
+    node_addresses,
+    own_node,
+    parse_addresses,
+    wait_for_baselines,
+)
 
 #: this package's folder: the locustfile and its workloads ship inside it, so an install
 #: (not only a checkout) runs the load test
@@ -313,18 +330,31 @@ def free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_locust(args: argparse.Namespace, address: str, out: Path, run_id: str) -> int:
-    """Locust headless (a master and ``--workers`` workers when asked); returns its exit status."""
+def run_locust(
+    args: argparse.Namespace,
+    address: str,
+    out: Path,
+    run_id: str,
+    *,
+    nodes: Sequence[str] = (),
+    workloads: str | None = None,
+) -> int:
+    """Locust headless (a master and ``--workers`` workers when asked); returns its exit
+    status.  ``nodes``: a cluster's addresses, the users spread over them round robin;
+    ``workloads``: the weights to run (default ``--workloads``)."""
     env = dict(os.environ)
+    env.pop("TENSORD_ADDRESSES", None)
     env.update(
         TENSORD_ADDRESS=address,
-        TENSORD_WORKLOADS=args.workloads or "",
+        TENSORD_WORKLOADS=(args.workloads or "") if workloads is None else workloads,
         TENSORD_SCALE=str(args.scale),
         TENSORD_TRACE_DIVISOR=str(args.trace_divisor),
         TENSORD_RUN_ID=run_id,
         TENSORD_DEVICE=args.device,
         TENSORD_SAMPLER="off",  # this process samples
     )
+    if nodes:
+        env.update(TENSORD_ADDRESSES=",".join(nodes), TENSORD_WORKERS=str(max(1, args.workers)))
     if args.trace:
         env["TENSORD_TRACE"] = str(args.trace)
     if args.wait:
@@ -412,8 +442,16 @@ def summarize(
     leftover_names: list[str],
     fresh_server: bool = True,
     capacity: int | None = None,
+    nodes: Sequence[Mapping[str, Any]] | None = None,
+    cross_node: bool = False,
 ) -> dict[str, Any]:
     """The run's figures from Locust's CSVs, the time series and the server's last stats.
+
+    ``nodes``: against a cluster, every node's :meth:`~.nodes.NodeMonitor.report` (its
+    allocated bytes before and after): the run leaked when any node did, and
+    ``leaked_bytes`` adds up the nodes' leaks (the pool figures are the first node's, whose
+    ``baseline`` and ``final`` these are).  ``cross_node``: the ``cross`` users ran, so each
+    kind of cross-node operation must have been done at least once for the run to pass.
 
     Peaks come from the server's own peak counters when it was started for this
     run (``fresh_server``), else from the samples alone (the counters would
@@ -452,6 +490,10 @@ def summarize(
     peak_reserved = peak("reserved_bytes", "reserved_bytes.all.peak")
     allocated_key = STAT_KEYS["allocated_bytes"]
     leaked = int(_num(final.get(allocated_key, 0)) - _num(baseline.get(allocated_key, 0)))
+    node_reports = [dict(n) for n in nodes or ()]
+    if node_reports:
+        leaked = sum(max(0, int(n["leaked_bytes"])) for n in node_reports)
+    cross_ops = cross_node_counts(per_op)
     requests = int(_num(total["Request Count"])) if total else 0
     # allocated bytes at the samples where the OOM count rose: did requests fail while memory was free?
     at_oom = [
@@ -510,6 +552,8 @@ def summarize(
         "final_allocated_bytes": int(_num(final.get(allocated_key, 0))),
         "final_reserved_bytes": int(_num(final.get(STAT_KEYS["reserved_bytes"], 0))),
         "leaked_bytes": leaked,
+        "nodes": node_reports,
+        "cross_node_ops": cross_ops,
         "leftover_names": leftover_names,
         "samples": len(series),
         "locust_ran": total is not None,
@@ -531,7 +575,9 @@ def summarize(
         and summary["unexpected_failures"] == 0
         and summary["exceptions"] == 0
         and leaked <= 0
+        and all(int(n["leaked_bytes"]) <= 0 for n in node_reports)
         and not leftover_names
+        and (not cross_node or all(cross_ops.values()))
     )
     return summary
 
@@ -594,6 +640,28 @@ def render_markdown(
         f"| named tensors left behind | {len(s['leftover_names'])} |",
         "",
     ]
+    if s.get("nodes"):
+        cross = s.get("cross_node_ops", {})
+        lines += [
+            "Nodes (the pool figures above are the first one's):",
+            "",
+            "| node | address | users | peak allocated (sampled) | "
+            "allocated: baseline -> after users left | leaked bytes | time series |",
+            "| --- | --- | ---: | ---: | --- | ---: | --- |",
+            *(
+                f"| {n['node']} | {n['address']} | {n.get('users', 0)} | "
+                f"{mib(n.get('peak_allocated_bytes', 0))} | "
+                f"{n['baseline_allocated_bytes']:,} -> {n['final_allocated_bytes']:,} B | "
+                f"{n['leaked_bytes']:,} | `{n.get('timeseries', '')}` |"
+                for n in s["nodes"]
+            ),
+            "",
+            "Cross-node operations done and checked: "
+            + ", ".join(f"{kind} {count:,}" for kind, count in cross.items())
+            + " (`get`: a name read through a node that does not hold it; `to`: a copy to "
+            "another node; `attach`: a share token attached from a node it was not made on).",
+            "",
+        ]
     if s["expected_by_op"]:
         lines += ["Expected errors by op:", ""]
         lines += [f"- `{name}`: {n}" for name, n in s["expected_by_op"].items()]
@@ -721,7 +789,14 @@ def plot(out: Path, t0: float, capacity: int | None = None) -> Path:
 
 # -- the subcommand ------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", help="an existing server (default: start one on loopback)")
+    parser.add_argument(
+        "--address",
+        action="append",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="an existing server (default: start one on loopback); a cluster's nodes: the "
+        "option again or a comma-separated list, each user connecting to one of them, round "
+        "robin, with the cross-node users in the mix and every node checked for leaks",
+    )
     parser.add_argument("-u", "--users", type=int, default=20, help="Locust users (default 20)")
     parser.add_argument(
         "-r", "--spawn-rate", type=float, default=10.0, help="users started per second"
@@ -741,7 +816,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default="",
-        help="weights, e.g. kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1",
+        help="weights, e.g. kv=3,train=2,churn=3,bimodal=1,views=2,sharing=1,trace=1 (those "
+        "are the defaults; against a cluster cross=2 too: the cross-node users)",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every allocation size")
     parser.add_argument(
@@ -811,8 +887,9 @@ def remove_if_empty(folders: list[Path]) -> None:
             return
 
 
-def workload_weights(locustfile: Path, spec: str) -> dict[str, int]:
-    """The weights ``spec`` gives, checked by the ``workloads.py`` beside the locustfile."""
+def workload_weights(locustfile: Path, spec: str, *, cluster: bool = False) -> dict[str, int]:
+    """The weights ``spec`` gives, checked by the ``workloads.py`` beside the locustfile
+    (``cluster``: the default mix of a run against a cluster, the ``cross`` users in it)."""
     import importlib.util
 
     path = locustfile.parent / "workloads.py"
@@ -821,8 +898,48 @@ def workload_weights(locustfile: Path, spec: str) -> dict[str, int]:
         return {}
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    weights: dict[str, int] = module.parse_weights(spec)
+    weights: dict[str, int] = (
+        module.parse_weights(spec, cluster=True) if cluster else module.parse_weights(spec)
+    )
     return weights
+
+
+def open_nodes(monitor: Any, addresses: Sequence[str], connect: Any) -> list[NodeMonitor]:
+    """The nodes of the run: ``monitor`` (a session on ``addresses[0]``) alone for a server
+    alone, else every live node of its cluster, each with a session of its own (``connect``:
+    ``tensord.connect``), the nodes given first.  Raises RuntimeError when several
+    addresses name no cluster, or one that is not a live node of the first one's."""
+    import tensord
+
+    try:
+        listed = monitor.nodes()
+    except tensord.errors.FailedPreconditionError:
+        if len(addresses) > 1:
+            raise RuntimeError(
+                f"{addresses[0]} is not a node of a cluster: several --address must be the "
+                "nodes of one cluster (tensord serve --cluster)"
+            ) from None
+        return [NodeMonitor("", addresses[0], monitor)]
+    given = {own_node(listed): addresses[0]}
+    opened: dict[str, Any] = {}
+    try:
+        for address in addresses[1:]:
+            client = connect(address)
+            node = own_node(client.nodes())
+            opened[node] = client
+            if node in given:
+                raise RuntimeError(f"{address} and {given[node]} are both node {node!r}")
+            given[node] = address
+        found = node_addresses(listed, given)
+        for node, address in found.items():
+            if node not in given:
+                opened[node] = connect(address)
+    except (ValueError, RuntimeError, tensord.TensordError) as exc:
+        for client in opened.values():
+            client.close()
+        raise RuntimeError(f"the cluster's nodes: {exc}") from exc
+    opened[own_node(listed)] = monitor
+    return [NodeMonitor(node, address, opened[node]) for node, address in found.items()]
 
 
 def missing_extra() -> str | None:
@@ -848,6 +965,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     parse_duration(args.run_time)
+    try:
+        addresses = parse_addresses(args.address)
+    except ValueError as exc:
+        print(f"tensord loadtest: --address: {exc}", file=sys.stderr)
+        return 2
     if args.seed is not None and args.workers > 0:
         # Locust's master numbers its workers in the order they connect and hands out users
         # in another order: which worker runs which users changes from run to run
@@ -888,47 +1010,87 @@ def run(args: argparse.Namespace) -> int:
     )
     device = args.device.split("=")[0]  # where the workloads allocate, and what is sampled
     server = None
+    nodes: list[NodeMonitor] = []
     try:
-        if args.address:
-            address = args.address
+        if addresses:
+            address = addresses[0]
         else:
             server, address = start_server(args, out / "server.log")
-        print(f"tensord loadtest: server {address}, results in {out}", flush=True)
-        with (
-            tensord.connect(address) as monitor,
-            TimeSeries(out / "timeseries.csv", device=device) as series,
-        ):
-            baseline = series.sample(monitor, "baseline")
-            devices = monitor.server_info()["devices"]
-            capacity = next((d["capacity_bytes"] for d in devices if d["device"] == device), None)
-            sampler = Sampler(monitor, series, args.interval)
-            sampler.phase = "load"
-            sampler.start()
-            progress = None
-            if args.progress_interval > 0:
-                history = out / "locust_stats_history.csv"
-                run_time = parse_duration(args.run_time)
-                progress = Progress(history, sampler, run_time, args.progress_interval)
-                progress.start()
+            addresses = [address]
+        print(f"tensord loadtest: server {', '.join(addresses)}, results in {out}", flush=True)
+        with tensord.connect(address) as monitor:
+            nodes = open_nodes(monitor, addresses, tensord.connect)
+            cluster = len(nodes) > 1
+            if cluster:
+                weights = workload_weights(args.locustfile, args.workloads, cluster=True)
+                print(
+                    "tensord loadtest: cluster of "
+                    + ", ".join(f"{n.node} ({n.address})" for n in nodes)
+                    + f"; users on {', '.join(addresses)}",
+                    flush=True,
+                )
+            if weights.get("cross", 0) > 0 and not cluster:
+                raise RuntimeError(
+                    "the cross workload needs a cluster of two nodes or more (--address of "
+                    "a cluster's node)"
+                )
+            series = TimeSeries(out / "timeseries.csv", device=device)
+            nodes[0].series_name = series.path.name
+            # every other node of a cluster: its own time series, on the same clock
+            node_series = [
+                TimeSeries(out / n.series_name, device=device, t0=series.t0) for n in nodes[1:]
+            ]
             try:
-                locust_status = run_locust(args, address, out, run_id)
+                for node, its_series in zip(nodes[1:], node_series, strict=True):
+                    node.baseline = its_series.sample(node.client, "baseline")
+                baseline = series.sample(monitor, "baseline")
+                nodes[0].baseline = baseline
+                devices = monitor.server_info()["devices"]
+                capacity = next(
+                    (d["capacity_bytes"] for d in devices if d["device"] == device), None
+                )
+                sampler = Sampler(monitor, series, args.interval)
+                samplers = [sampler] + [
+                    Sampler(n.client, its_series, args.interval)
+                    for n, its_series in zip(nodes[1:], node_series, strict=True)
+                ]
+                for each in samplers:
+                    each.phase = "load"
+                    each.start()
+                progress = None
+                if args.progress_interval > 0:
+                    history = out / "locust_stats_history.csv"
+                    run_time = parse_duration(args.run_time)
+                    progress = Progress(history, sampler, run_time, args.progress_interval)
+                    progress.start()
+                try:
+                    locust_status = run_locust(
+                        args,
+                        address,
+                        out,
+                        run_id,
+                        nodes=addresses if cluster else (),
+                        workloads=",".join(f"{k}={w}" for k, w in weights.items() if w)
+                        if cluster
+                        else None,
+                    )
+                finally:
+                    if progress is not None:
+                        progress.stop()
+                for each in samplers:
+                    each.phase = "drain"
+                wait_for_baselines(nodes, device, args.leak_timeout)
+                for each in samplers:
+                    each.stop()
+                final = series.sample(monitor, "after")  # the figures the verdict reads
+                nodes[0].final = final
+                for node, its_series in zip(nodes[1:], node_series, strict=True):
+                    node.final = its_series.sample(node.client, "after")
+                prefix = f"loadtest/{run_id}/"
+                leftover = sorted(n for n in monitor.names() if n.startswith(prefix))
             finally:
-                if progress is not None:
-                    progress.stop()
-            sampler.phase = "drain"
-            allocated_key = STAT_KEYS["allocated_bytes"]
-            deadline = time.monotonic() + args.leak_timeout
-            final = monitor.memory_stats(device)
-            while (
-                final.get(allocated_key, 0) > baseline.get(allocated_key, 0)
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.25)
-                final = monitor.memory_stats(device)
-            sampler.stop()
-            final = series.sample(monitor, "after")  # the figures the verdict reads
-            prefix = f"loadtest/{run_id}/"
-            leftover = sorted(n for n in monitor.names() if n.startswith(prefix))
+                for each_series in (series, *node_series):
+                    each_series.close()
         summary = summarize(
             out,
             baseline=baseline,
@@ -936,6 +1098,13 @@ def run(args: argparse.Namespace) -> int:
             leftover_names=leftover,
             fresh_server=server is not None,
             capacity=capacity,
+            nodes=[
+                n.report(read_csv(out / "locust_stats.csv"), read_csv(out / n.series_name))
+                for n in nodes
+            ]
+            if cluster
+            else None,
+            cross_node=weights.get("cross", 0) > 0,
         )
         summary["locust_exit_status"] = locust_status
         if locust_status not in (0, 1):  # 1: Locust saw failures, which the summary counts
@@ -945,9 +1114,14 @@ def run(args: argparse.Namespace) -> int:
             "spawn rate": args.spawn_rate,
             "run time": args.run_time,
             "workers": args.workers,
-            "server": args.address
+            "server": ", ".join(parse_addresses(args.address))
             or f"started here, --device {args.device}"
             + (f" --policy {args.policy}" if args.policy else ""),
+            **(
+                {"nodes": ", ".join(f"{n['node']} ({n['address']})" for n in summary["nodes"])}
+                if summary["nodes"]
+                else {}
+            ),
             "workloads": ",".join(f"{k}={w}" for k, w in weights.items() if w) or args.workloads,
             "size scale": args.scale,
             "seed": "unseeded" if args.seed is None else args.seed,
@@ -964,6 +1138,8 @@ def run(args: argparse.Namespace) -> int:
         remove_if_empty(made)  # a run that wrote nothing leaves no folder behind
         return 2
     finally:
+        for node in nodes[1:]:  # the first is the monitor, closed above
+            node.client.close()
         if server is not None:
             stop_process(server)
     print(
@@ -972,7 +1148,14 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['unexpected_failures']} unexpected failures, {summary['exceptions']} exceptions, "
         f"{summary['expected_errors']} expected errors, peak reserved/allocated "
         f"{mib(summary['peak_reserved_bytes'])}/{mib(summary['peak_allocated_bytes'])}, "
-        f"leaked {summary['leaked_bytes']:,} B; {out / 'summary.md'}",
+        f"leaked {summary['leaked_bytes']:,} B"
+        + (
+            f" on {len(summary['nodes'])} nodes, cross-node "
+            + ", ".join(f"{k} {n:,}" for k, n in summary["cross_node_ops"].items())
+            if summary["nodes"]
+            else ""
+        )
+        + f"; {out / 'summary.md'}",
         flush=True,
     )
     return 0 if summary["passed"] else 1

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 from tensord import dtypes
-from tensord.errors import NotFoundError, OutOfMemoryError
+from tensord.errors import FailedPreconditionError, NotFoundError, OutOfMemoryError
 
 from tensord_server.data import DEFAULT_TRACE_NAME, bundled_trace, resolve_trace
 
@@ -76,6 +76,8 @@ class Workload:
     name: ClassVar[str]
     #: relative share of users when the operator does not say otherwise
     default_weight: ClassVar[int] = 1
+    #: runs against the nodes of a cluster only (``tensord loadtest`` refuses it otherwise)
+    needs_cluster: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -518,6 +520,146 @@ class Sharing(Workload):
         self.own.clear()
 
 
+#: share tokens the ``cross`` users made, with the node each was made on, handed between
+#: users of one process (a Locust process runs users of every node, round robin)
+_NODE_TOKENS: deque[tuple[str, str]] = deque(maxlen=64)
+
+
+class CrossNode(Workload):
+    """Cluster only: tensors handed from node to node, every step one of each.
+
+    ``put`` names a tensor on the user's own node; ``get`` reads a ``cross`` name (another
+    user's or its own) through a client of a node that does not hold it (the user's own
+    client for another node's name, its session on another node for its own name), so the
+    node asked redirects to the holder; ``to`` copies a tensor to another node
+    (``x.to("b/cpu")``); ``share`` makes a token on the user's node, and ``attach`` attaches
+    the oldest token waiting (made by any ``cross`` user of this process) from a node it was
+    not made on.  Each of ``get``, ``to`` and ``attach`` is checked (``.verify``): the handle
+    lives on the node that holds the bytes, not the one asked, and the bytes read back are
+    what was written (every tensor is filled with one value).  Against a single server
+    (``nodes()`` refused: an expected error), or a cluster of one node, the workload does
+    nothing more: ``tensord loadtest`` runs it against a cluster only (weight
+    ``cluster_weight`` in a cluster run's default mix).
+    """
+
+    name = "cross"
+    default_weight = 0  # off against a single server
+    needs_cluster = True
+    cluster_weight = 2  # its weight in a cluster run's default mix
+    slots = 2
+
+    def start(self) -> None:
+        self.prefix = f"loadtest/{self.run_id}/cross/"
+        self.own: set[str] = set()
+        self.held: list[Any] = []  # what this user got, copied or attached, kept a few steps
+        self.turn = 0
+        listed = self.call("cross.nodes", self.client.nodes, expect=(FailedPreconditionError,))
+        self.node_id: str = next((n["node"] for n in listed or () if n["self"]), "")
+        self.others: list[str] = [n["node"] for n in listed or () if not n["self"]]
+        # where this user's sessions on the nodes are (a redirect or a copy opens them there)
+        self.registered: dict[str, str] = {n["node"]: n["address"] for n in listed or ()}
+        self.published = self._make() if self.others else None
+
+    def _make(self) -> tuple[Any, float] | None:
+        n = self.size(self.rng.randint(1, 16) * 4 * KiB) // 4 or 1
+        value = float(self.rng.randint(1, 1000))
+        t = self.call("cross.make", self.client.full, (n,), value, device=self.device)
+        return None if t is None else (t, value)
+
+    def _other(self) -> str:
+        """Another node, round robin over them step by step."""
+        return self.others[self.turn % len(self.others)]
+
+    def _asker(self, holder: str) -> Any:
+        """A client of a node other than ``holder``: the user's own client, or for its own
+        node's bytes its session on another node."""
+        if holder != self.node_id:
+            return self.client
+        return self.call("cross.node", self.client.node, self._other())
+
+    def _check(self, op: str, t: Any, holder: str, asker: Any, value: float | None) -> None:
+        """The handle lives on ``holder`` (in a session there, at the address it registered),
+        not on the node ``asker`` asked, and holds one value (``value``, when known)."""
+        got = self.call(f"{op}.numpy", t.numpy, force=True)
+        whole = bool((got == got[0]).all()) and (value is None or bool(got[0] == value))
+        placed = t.client is not asker and t.client.address == self.registered[holder]
+        self.verify(
+            f"{op}.verify",
+            whole and placed,
+            f"{op} of {holder}'s bytes: "
+            + ("the handle is not on the holder" if whole else "wrong values"),
+        )
+        self.held.append(t)
+
+    def step(self) -> None:
+        if not self.others:
+            return
+        self.turn += 1
+        self._put()
+        self._get()
+        self._to()
+        self._share_and_attach()
+        self.held = self.held[-8:]
+
+    def _put(self) -> None:
+        made = self._make()
+        if made is None:
+            return
+        name = f"{self.prefix}{self.node_id}/{self.user_id}/{self.rng.randrange(self.slots)}"
+        self.own.add(name)  # before the call: a put cut short may still land
+        self.call("cross.put", self.client.put, name, made[0], overwrite=True)
+
+    def _get(self) -> None:
+        names = self.call("cross.names", self.client.names)
+        # a cross name says its node: loadtest/<run>/cross/<node>/<user>/<slot>; one of a
+        # node that joined after this user started is left alone (its address is unknown)
+        ours = [
+            (n, n[len(self.prefix) :].split("/", 1)[0]) for n in names if n.startswith(self.prefix)
+        ]
+        known = [(n, holder) for n, holder in ours if holder in self.registered]
+        if not known:
+            return
+        name, holder = self.rng.choice(known)
+        asker = self._asker(holder)
+        if asker is None:
+            return
+        t = self.call("cross.get", asker.get, name, expect=(NotFoundError,))
+        if t is not None:
+            self._check("cross.get", t, holder, asker, None)
+
+    def _to(self) -> None:
+        if self.published is None:
+            return
+        source, value = self.published
+        target = self._other()
+        y = self.call("cross.to", source.to, f"{target}/{self.device}")
+        if y is not None:
+            self._check("cross.to", y, target, self.client, value)
+
+    def _share_and_attach(self) -> None:
+        if self.published is not None:
+            token = self.call("cross.share", self.published[0].share)
+            if token is not None:
+                _NODE_TOKENS.append((self.node_id, token))  # it ends with this session
+        if not _NODE_TOKENS:
+            return
+        holder, token = _NODE_TOKENS.popleft()
+        if holder not in self.registered:  # a node that joined after this user started
+            return
+        asker = self._asker(holder)
+        if asker is None:
+            return
+        t = self.call("cross.attach", asker.attach, token, expect=(NotFoundError,))
+        if t is not None:
+            self._check("cross.attach", t, holder, asker, None)
+
+    def stop(self) -> None:
+        self.held, self.published = [], None
+        for name in sorted(self.own):
+            self.call("cross.delete", self.client.delete, name, expect=(NotFoundError,))
+        self.own.clear()
+
+
 #: (is_alloc, block id, bytes) for each alloc / free_completed of a trace
 TraceOps = list[tuple[bool, int, int]]
 _TRACE_CACHE: dict[tuple[str, int], TraceOps] = {}
@@ -599,7 +741,17 @@ class TraceReplay(Workload):
 
 
 WORKLOADS: dict[str, type[Workload]] = {
-    w.name: w for w in (KVCache, TrainingStep, SmallChurn, Bimodal, ViewHeavy, Sharing, TraceReplay)
+    w.name: w
+    for w in (
+        KVCache,
+        TrainingStep,
+        SmallChurn,
+        Bimodal,
+        ViewHeavy,
+        Sharing,
+        TraceReplay,
+        CrossNode,
+    )
 }
 
 
@@ -631,17 +783,43 @@ def seeded_step(workload: Workload, seed: str | None, number: int, worker: int, 
     workload.step()
 
 
-def parse_weights(spec: str | None) -> dict[str, int]:
-    """``"kv=3,train=2"`` (or ``"kv,train"``, weight 1) -> weights; empty: every default.
+def parse_weights(spec: str | None, *, cluster: bool = False) -> dict[str, int]:
+    """``"kv=3,train=2"`` (or ``"kv,train"``, weight 1) -> weights; empty: every default
+    (with ``cluster``, the ``cross`` users' too: :attr:`CrossNode.cluster_weight`).
 
     Workloads not named get weight 0.  Raises ValueError naming an unknown workload.
     """
     if not spec:
-        return {name: w.default_weight for name, w in WORKLOADS.items()}
+        weights = {name: w.default_weight for name, w in WORKLOADS.items()}
+        if cluster:
+            weights[CrossNode.name] = CrossNode.cluster_weight
+        return weights
     weights = dict.fromkeys(WORKLOADS, 0)
     for item in spec.split(","):
         name, _, weight = item.strip().partition("=")
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-        weights[name] = int(weight) if weight else WORKLOADS[name].default_weight
+        default = (
+            CrossNode.cluster_weight if name == CrossNode.name else WORKLOADS[name].default_weight
+        )
+        weights[name] = int(weight) if weight else default
     return weights
+
+
+def user_address(addresses: Sequence[str], workload: str, number: int, worker: int = 0,
+                 workers: int = 1) -> str:  # fmt: skip
+    """The address the ``number``-th user (from 0, in start order) of ``workload`` in Locust
+    worker ``worker`` (of ``workers``) connects to: round robin over ``addresses``, so each
+    workload's users spread evenly over the nodes; each workload starts at its own place in
+    :data:`WORKLOADS`, so the first users of the workloads go to different nodes too."""
+    if not addresses:
+        raise ValueError("no address to connect to")
+    offset = list(WORKLOADS).index(workload) if workload in WORKLOADS else 0
+    index = offset + number * max(1, workers) + worker
+    return addresses[index % len(addresses)]
+
+
+def connect_op(address: str) -> str:
+    """The op a user's connect is recorded as in a cluster run: one row per node's address,
+    so the report tells how many users each node got."""
+    return f"session.connect {address}"
