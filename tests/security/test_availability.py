@@ -11,6 +11,7 @@ undelivered-answer budget.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -446,6 +447,27 @@ def test_a_stop_does_not_wait_its_grace_for_connected_clients() -> None:
     assert time.monotonic() - started < 5.0  # the grace is 10 s
     running.daemon.close()
     client.close()
+
+
+def test_a_keepalive_stream_that_reaches_its_handler_as_the_stop_begins_is_ended() -> None:
+    """The stop ends the KeepAlive streams it knows of, then waits for the calls in flight:
+    a stream accepted just before the stop, whose handler ran after that, held the whole
+    grace."""
+    running = start_server(devices=("cpu=16MiB",))
+    calls = running.grpc_server.calls
+    loop = running.grpc_server._loop
+    try:
+        asyncio.run_coroutine_threadsafe(calls.end_keepalives(), loop).result(10)
+        client = tensord.connect(running.address)  # its KeepAlive reaches the handler now
+        client.arange(3)
+        deadline = time.monotonic() + 10
+        while calls._keepalives and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not calls._keepalives  # ended at once, not held until the stop's grace
+        client.close()
+    finally:
+        running.grpc_server.stop(0).wait(30)
+        running.daemon.close()
 
 
 def test_a_call_over_many_inputs_takes_the_registrys_lock_a_few_times(

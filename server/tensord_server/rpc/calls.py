@@ -323,8 +323,10 @@ class Calls:
         }
         self._reads: dict[Hashable, _Readers] = {}
         self._answers: dict[Hashable, int] = {}
-        # the KeepAlive streams' calls, ended first when the server stops
+        # the KeepAlive streams' calls, ended first when the server stops; from then on a
+        # stream that reaches its handler (accepted before the stop) is ended at once
         self._keepalives: set[grpc.aio.ServicerContext] = set()
+        self._ending_keepalives = False
         # health Checks answer without a token: a few read at once, so their bodies (up to
         # gRPC's message limit) cannot pile up in the server
         self._unauthenticated_reads = asyncio.Semaphore(UNAUTHENTICATED_READS)
@@ -340,9 +342,17 @@ class Calls:
     async def end_keepalives(self) -> None:
         """End every KeepAlive stream with UNAVAILABLE (the server is stopping: an open
         stream would hold the stop for its whole grace)."""
+        self._ending_keepalives = True
         for context in list(self._keepalives):
             with contextlib.suppress(Exception):  # abort raises once the status is sent
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+
+    async def _held_open(self, context: grpc.aio.ServicerContext) -> None:
+        """Count a stream that stays open until its client ends it, which the server's stop
+        ends first; one that reached its handler after the stop began is ended now."""
+        self._keepalives.add(context)
+        if self._ending_keepalives:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
 
     # -- the steps every call takes ------------------------------------------------------
 
@@ -792,8 +802,8 @@ class Calls:
         call: Call | None = None
         session = None
         sessions = self.store.sessions
-        self._keepalives.add(context)
         try:
+            await self._held_open(context)
             call = self.start(context)
             describe = self.describe(call)
             # no stream admission: a session holds at most a few (sessions.stream_opened)
@@ -883,8 +893,8 @@ class Calls:
 
         started = time.perf_counter()
         call: Call | None = None
-        self._keepalives.add(context)
         try:
+            await self._held_open(context)
             call = self.start(context)
             with self._admitted(call, "Watch"):
                 raw = await self.read(context, call, _HEALTH_WATCH)
