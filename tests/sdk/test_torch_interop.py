@@ -451,6 +451,14 @@ def test_torch_factories_take_the_packages_dtype_names(name: str) -> None:
     assert dtype == getattr(tensord.dtypes, name) and getattr(tensord.dtypes, name) == dtype
 
 
+def assert_runs_fresh(code: str) -> None:
+    """``code``'s assertions hold in a fresh interpreter (an import order of its own)."""
+    run = subprocess.run(
+        [sys.executable, "-c", code + "print('ok')\n"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
 def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
     code = (
         "import sys, tensord\n"
@@ -461,10 +469,8 @@ def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
         "from tensord import int64\n"
         "assert torch.ones(2, dtype=int64).dtype is torch.int64\n"
         "assert type(tensord.dtypes.float32) is tensord.DType\n"
-        "print('ok')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+    assert_runs_fresh(code)
 
 
 def test_with_torch_imported_first_the_dtypes_hash_as_torchs() -> None:
@@ -478,10 +484,8 @@ def test_with_torch_imported_first_the_dtypes_hash_as_torchs() -> None:
         "    assert {theirs: name}[ours] == name and {ours: name}[theirs] == name, name\n"
         "    assert ours in {theirs} and theirs in {ours}, name\n"
         "assert len({d.float32, d.float64, torch.float32, torch.float64}) == 2\n"
-        "print('ok')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+    assert_runs_fresh(code)
 
 
 # ---- errors ------------------------------------------------------------------------------------
