@@ -616,7 +616,7 @@ class TensordService:
             return None
         with self._link_lock:
             if self._link is None:
-                self._link = NodeLink(token)
+                self._link = NodeLink(token, self.store.cluster_roots)
             return self._link
 
     # -- the pool -------------------------------------------------------------------
