@@ -903,7 +903,12 @@ class Client:
             FailedPreconditionError: the server is not part of a cluster.
             ClusterUnavailableError: the server cannot reach etcd now.
         """
-        answer = self._call("ListNodes", requests.list_nodes())
+        return self._listed_nodes()
+
+    def _listed_nodes(self, looking_for: str = "") -> list[dict[str, Any]]:
+        """:meth:`nodes`; ``looking_for``: a node id the server reads etcd again for when
+        its members in memory lack it (one that joined a moment ago)."""
+        answer = self._call("ListNodes", requests.list_nodes(looking_for))
         return [
             {
                 "node": n.node,
@@ -932,7 +937,7 @@ class Client:
             known = self._peers.get(node)
         if known is not None and not known.closed:
             return known  # a node lost since answers NodeLostError at its first call
-        listed = {n["node"]: n for n in self.nodes()}
+        listed = {n["node"]: n for n in self._listed_nodes(node)}
         found = listed.get(node)
         if found is None:
             raise errors.NotFoundError(

@@ -281,7 +281,9 @@ def test_lookups_are_answered_from_the_watch_until_what_they_read_changes(
     listings: list[bytes] = []
     read, listing = b.etcd.read, b.etcd.listing
     b.etcd.read = lambda key: reads.append(key) or read(key)  # type: ignore[method-assign]
-    b.etcd.listing = lambda start, *more: listings.append(start) or listing(start, *more)  # type: ignore[method-assign]
+    b.etcd.listing = lambda start, *more, **options: (  # type: ignore[method-assign]
+        listings.append(start) or listing(start, *more, **options)
+    )
     try:
         revision = a.claim("t", "x", overwrite=False)
 

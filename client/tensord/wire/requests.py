@@ -479,8 +479,8 @@ def server_info() -> pb.ServerInfoRequest:
     return pb.ServerInfoRequest()
 
 
-def list_nodes() -> pb.ListNodesRequest:
-    return pb.ListNodesRequest()
+def list_nodes(looking_for: str = "") -> pb.ListNodesRequest:
+    return pb.ListNodesRequest(node=looking_for)
 
 
 def copy_to_node(

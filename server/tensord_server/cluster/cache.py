@@ -16,7 +16,9 @@ nothing enters and nothing is answered.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
 
 V = TypeVar("V")
@@ -99,3 +101,35 @@ class WatchedCache(Generic[V]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+
+class RereadBudget:
+    """How often a lookup that missed in memory may read etcd again: a token bucket of
+    ``burst`` reads refilled at ``per_second``.  A node that joined a moment ago is not in
+    the members the watch has told of yet, so a miss is read once more; a client naming
+    ids that never exist must not turn each of its calls into an etcd read.  Thread-safe.
+
+    Invariants (under ``_lock``): ``0 <= _tokens <= burst``."""
+
+    def __init__(
+        self, per_second: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        assert per_second > 0 and burst >= 1, f"a budget of {per_second}/s, burst {burst}"
+        self.per_second = per_second
+        self.burst = burst
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def take(self) -> bool:
+        """Whether a read may be made now (it is then counted)."""
+        with self._lock:
+            now = self._clock()
+            elapsed = max(0.0, now - self._at)
+            self._tokens = min(float(self.burst), self._tokens + elapsed * self.per_second)
+            self._at = now
+            if self._tokens < 1.0:
+                return False
+            self._tokens -= 1.0
+            return True

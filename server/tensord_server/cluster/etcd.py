@@ -210,11 +210,19 @@ class Etcd:
         listed = self.listing(start, end, limit, keys_only)
         return listed.kvs, listed.more
 
-    def listing(self, start: bytes, end: bytes, limit: int = 0, keys_only: bool = False) -> Listing:
+    def listing(
+        self,
+        start: bytes,
+        end: bytes,
+        limit: int = 0,
+        keys_only: bool = False,
+        timeout: float | None = None,
+    ) -> Listing:
         """:meth:`range` with the newest ``mod_revision`` among the keys listed and the
-        revision read at."""
+        revision read at; ``timeout``: this call's deadline (None: the client's)."""
         request = rpc.RangeRequest(key=start, range_end=end, limit=limit, keys_only=keys_only)
-        answer = self.call("listing", lambda s: s.kv.Range(request, timeout=self.timeout))
+        deadline = self.timeout if timeout is None else timeout
+        answer = self.call("listing", lambda s: s.kv.Range(request, timeout=deadline))
         kvs = [(bytes(kv.key), bytes(kv.value)) for kv in answer.kvs]
         newest = max((int(kv.mod_revision) for kv in answer.kvs), default=0)
         return Listing(kvs, bool(answer.more), newest, int(answer.header.revision))

@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 from tensord.errors import AlreadyExistsError, ClusterUnavailableError
 from tensord.protocol import VERSION
 
-from tensord_server.cluster.cache import WatchedCache
+from tensord_server.cluster.cache import RereadBudget, WatchedCache
 from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
 from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
 
@@ -52,6 +52,11 @@ WATCH_RETRY_S = 0.5
 MAX_LOST_NAMES = 65_536
 # Owners of other nodes' names kept from earlier lookups (the least recently used go first).
 MAX_CACHED_OWNERS = 65_536
+# A member missing from the members held in memory (it may have joined a moment ago, its
+# record not yet told by the watch) is read from etcd once more, within this deadline...
+MISS_READ_TIMEOUT_S = 0.5
+# ...at most this many times a second (after a burst of as many), whatever ids are asked.
+MISS_READS_PER_S = 4.0
 
 log = logging.getLogger("tensord.cluster")
 
@@ -62,6 +67,10 @@ def name_key(tenant: str, name: str) -> bytes:
 
 def tenant_prefix(tenant: str) -> bytes:
     return NAMES + quote(tenant, safe="").encode() + b"/"
+
+
+def _find(records: Iterable[NodeRecord], node: str) -> NodeRecord | None:
+    return next((record for record in records if record.node == node), None)
 
 
 def split_name_key(key: bytes) -> tuple[str, str]:
@@ -106,6 +115,7 @@ class ClusterNode:
         # a name's key -> its owner; NODES -> the members: both as the watch keeps them
         self._owners: WatchedCache[NameOwner] = WatchedCache(MAX_CACHED_OWNERS)
         self._members: WatchedCache[tuple[NodeRecord, ...]] = WatchedCache(1)
+        self._miss_reads = RereadBudget(MISS_READS_PER_S, round(MISS_READS_PER_S))
 
     # ---- membership --------------------------------------------------------------------
 
@@ -255,7 +265,25 @@ class ClusterNode:
         cached = self._members.get(NODES)
         if cached is not None:
             return list(cached)
-        listed = self.etcd.listing(NODES, prefix_end(NODES))
+        return self._read_members()
+
+    def member(self, node: str) -> NodeRecord | None:
+        cached = self._members.get(NODES)
+        records = list(cached) if cached is not None else self._read_members()
+        found = _find(records, node)
+        if found is not None or cached is None:  # read just now: etcd's own answer
+            return found
+        if not self._miss_reads.take():
+            return None
+        try:
+            return _find(self._read_members(MISS_READ_TIMEOUT_S), node)
+        except ClusterUnavailableError as exc:  # the members in memory answer, as before
+            log.info("cluster: reading the members again for %r: %s", node, exc)
+            return None
+
+    def _read_members(self, timeout: float | None = None) -> list[NodeRecord]:
+        """The members as etcd lists them now, kept until the watch tells of a change."""
+        listed = self.etcd.listing(NODES, prefix_end(NODES), timeout=timeout)
         records = []
         for _, value in listed.kvs:
             r = json.loads(value)

@@ -70,6 +70,12 @@ class NameDirectory(Protocol):
         """The live members, sorted by id."""
         ...
 
+    def member(self, node: str) -> NodeRecord | None:
+        """The live member ``node`` (None: none).  Unlike :meth:`nodes`, a member missing
+        from what this node last heard is looked for in the directory itself (rate-limited),
+        so a node that joined a moment ago is found."""
+        ...
+
     def lost_owner(self, tenant: str, name: str) -> NameOwner | None:
         """The node ``name`` was on when that node's membership lapsed (it was lost, not
         deleted), as long as the name was not claimed again since; None otherwise.  Told

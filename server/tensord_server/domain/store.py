@@ -117,6 +117,9 @@ class TensorStore:
         #: the cluster's shared secret that node-to-node calls present (--cluster-token-file;
         #: None: this node accepts none)
         self.cluster_token: str | None = None
+        #: PEM roots a TLS node checks the other nodes' certificates against in its node
+        #: calls (--cluster-ca; None: this node serves plaintext, and so do its node calls)
+        self.cluster_roots: bytes | None = None
         # same-host zero copy's books (the fd socket that serves them is the rpc layer's)
         self.exports = ExportTable(
             self.storages, self.sessions, tenants=self.auth_tokens is not None

@@ -393,7 +393,7 @@ class TensordService:
             return token
         if node == directory.node:
             return local
-        owner = next((n for n in directory.nodes() if n.node == node), None)
+        owner = directory.member(node)
         if owner is None:
             raise NotFoundError(
                 f"the share token's node {node!r} is not in the cluster (it was lost or "
@@ -545,6 +545,8 @@ class TensordService:
             raise FailedPreconditionError(
                 "this server is not part of a cluster (tensord serve --cluster etcd://...)"
             )
+        if request.node:  # one the caller looks for: a node that just joined is listed too
+            directory.member(request.node)
         return pb.ListNodesResponse(
             node=directory.node,
             nodes=[
@@ -582,7 +584,7 @@ class TensordService:
             )
         if not request.target_session_id or not request.device:
             raise InvalidArgumentError("CopyToNode needs the device and the target session")
-        target = next((n for n in directory.nodes() if n.node == request.node), None)
+        target = directory.member(request.node)
         if target is None:
             raise NotFoundError(f"no live node {request.node!r} in the cluster")
         ref = self.store.sessions.lookup(session, request.handle)
@@ -614,7 +616,7 @@ class TensordService:
             return None
         with self._link_lock:
             if self._link is None:
-                self._link = NodeLink(token)
+                self._link = NodeLink(token, self.store.cluster_roots)
             return self._link
 
     # -- the pool -------------------------------------------------------------------

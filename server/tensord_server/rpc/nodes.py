@@ -7,6 +7,11 @@ token: the target then treats it as that tenant's call, with the same limits (th
 tenant's streams, bytes in flight, quotas, handles per session).  Where the target
 is comes from etcd's member record, never from the client, so a client cannot point
 this node's credential at an address of its choosing.
+
+A node that serves TLS calls the others over TLS, checking each one's certificate against
+the cluster's roots (``--cluster-ca``) for the address it registered: the secret and the
+tensor bytes are never sent in the clear, and a certificate the roots do not vouch for
+fails the call (there is no plaintext fallback).
 """
 
 from __future__ import annotations
@@ -47,20 +52,33 @@ _CHANNEL_OPTIONS = [
 
 
 class NodeLink:
-    """Channels to the other nodes, one per address, opened on first use.  Thread-safe."""
+    """Channels to the other nodes, one per address, opened on first use: TLS checked
+    against ``roots`` (PEM) when given, else plaintext.  Thread-safe."""
 
-    def __init__(self, cluster_token: str) -> None:
+    def __init__(self, cluster_token: str, roots: bytes | None = None) -> None:
         self._token = cluster_token
+        self._credentials = (
+            grpc.ssl_channel_credentials(root_certificates=roots) if roots is not None else None
+        )
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+
+    @property
+    def tls(self) -> bool:
+        return self._credentials is not None
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = self._open(address)
                 self._channels[address] = channel
             return channel
+
+    def _open(self, address: str) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS)
 
     def _metadata(self, tenant: str, session_id: str) -> list[tuple[str, Any]]:
         return [
@@ -107,7 +125,7 @@ class NodeLink:
             window.close()
             meta = call.result()
         except grpc.RpcError as err:
-            raise _error(err, node, address) from None
+            raise _error(err, node, address, self.tls) from None
         except BaseException:
             call.cancel()  # the target drops what it got
             raise
@@ -198,15 +216,24 @@ class CopyWindow:
             yield chunk
 
 
-def _error(err: grpc.RpcError, node: str, address: str) -> errors.TensordError:
+def _error(err: grpc.RpcError, node: str, address: str, tls: bool) -> errors.TensordError:
     """The target's refusal as the tensord error it raised there; a target that does not
-    answer is a lost node."""
+    answer is a lost node, and one whose certificate the roots do not vouch for (or that
+    does not speak TLS) says so."""
     call = err if isinstance(err, grpc.Call) else None
     code = call.code() if call is not None else None
     message = (call.details() if call is not None else None) or str(err)
     trailers = dict(call.trailing_metadata() or ()) if call is not None else {}
     error_type = trailers.get(ERROR_TYPE_KEY)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not error_type:
+    unanswered = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    if unanswered and not error_type and tls and _handshake_failed(message):
+        return errors.UnavailableError(
+            f"node {node!r} of the cluster ({address}) did not take the copy: the TLS "
+            f"handshake failed (is its certificate, for {address}, issued by a CA of this "
+            f"node's --cluster-ca, and does it serve TLS?); node calls never fall back to "
+            f"plaintext: {message}"
+        )
+    if unanswered and not error_type:
         return errors.NodeLostError(
             f"node {node!r} of the cluster ({address}) did not take the copy: {message}",
             node=node,
@@ -218,3 +245,12 @@ def _error(err: grpc.RpcError, node: str, address: str) -> errors.TensordError:
         f"node {node!r} refused the copy: {message}",
         trailers.get(ERROR_DETAILS_KEY, ""),
     )
+
+
+# What gRPC's message of a failed connection says when the TLS handshake was the failure.
+_HANDSHAKE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tsi_")
+
+
+def _handshake_failed(message: str) -> bool:
+    lowered = message.lower()
+    return any(marker in lowered for marker in _HANDSHAKE_MARKERS)

@@ -4,6 +4,9 @@ With TLS the channel is encrypted and the client checks the server's
 certificate against its roots (the SDK's ``root_certificates=``, or the system's),
 so bearer tokens and tensor bytes can cross an untrusted network.  Clients are
 not asked for certificates: they authenticate with ``--auth-tokens``.
+
+A node of a cluster that serves TLS makes its node-to-node calls over TLS too, checking
+the other node's certificate against ``--cluster-ca`` (:func:`read_roots`).
 """
 
 from __future__ import annotations
@@ -48,3 +51,17 @@ def server_credentials(cert_path: str | Path, key_path: str | Path) -> grpc.Serv
     key, cert = read_pem(key_path, "private key"), read_pem(cert_path, "certificate")
     check_key_pair(cert_path, key_path)
     return grpc.ssl_server_credentials([(key, cert)])
+
+
+def read_roots(path: str | Path, flag: str) -> bytes:
+    """A PEM bundle of root certificates (``flag``'s file); ValueError naming the flag and
+    the file when unreadable, not PEM, or holding no certificate a TLS client can load."""
+    data = read_pem(path, f"root certificates ({flag})")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cadata=data.decode("ascii", errors="replace"))
+    except ssl.SSLError as exc:
+        raise ValueError(
+            f"{flag} {str(path)!r} holds no usable certificate: {exc.reason or exc}"
+        ) from None
+    return data

@@ -51,7 +51,7 @@ from tensord_server.pool import (
 )
 from tensord_server.pool.policy import ADAPTIVE, WARM_RESERVE_MAX, WARM_RESERVE_SHARE
 from tensord_server.rpc.grpc_server import create_server
-from tensord_server.rpc.tls import server_credentials
+from tensord_server.rpc.tls import read_roots, server_credentials
 from tensord_server.tools import serve_observability  # observability hook
 
 if TYPE_CHECKING:
@@ -304,6 +304,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without it neither makes nor accepts them (default: $TENSORD_CLUSTER_TOKEN_FILE)",
     )
     parser.add_argument(
+        "--cluster-ca",
+        metavar="FILE",
+        help="PEM root certificates (one or more CAs, or the nodes' self-signed "
+        "certificates) that a node serving TLS checks the other nodes' certificates "
+        "against in its node-to-node calls, which then use TLS and never plaintext; "
+        "needed with --cluster and --tls-cert, refused without --tls-cert",
+    )
+    parser.add_argument(
         "--host-tier",
         metavar="LIMIT",
         help="host memory, outside every pool, that Storages spill to when a device pool is "
@@ -498,6 +506,8 @@ def cluster_problem(args: argparse.Namespace) -> str | None:
     if args.cluster is None:
         if args.node_id is not None:
             return "--node-id needs --cluster"
+        if args.cluster_ca is not None:
+            return "--cluster-ca needs --cluster"
         return None
     if args.node_id is None:
         return "--cluster needs --node-id NAME"
@@ -511,6 +521,24 @@ def cluster_problem(args: argparse.Namespace) -> str | None:
         return str(exc)
     if lease < MIN_CLUSTER_LEASE_S:
         return f"--cluster-lease must be at least {MIN_CLUSTER_LEASE_S:g}s, got {lease:g}s"
+    return node_tls_problem(args)
+
+
+def node_tls_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS of a cluster's node calls (None: nothing).  A node that
+    serves TLS calls the others over TLS only, so it must know whom to trust; one that
+    serves plaintext has no TLS to call with."""
+    if args.tls_cert is not None and args.cluster_ca is None:
+        return (
+            "--tls-cert in a cluster needs --cluster-ca FILE: the PEM root certificates "
+            "the other nodes' certificates are checked against in node-to-node calls "
+            "(the CA that issued them, or for self-signed nodes their certificates)"
+        )
+    if args.tls_cert is None and args.cluster_ca is not None:
+        return (
+            "--cluster-ca needs --tls-cert/--tls-key: node calls use TLS when the nodes "
+            "serve it (every node of a cluster serves TLS, or none does)"
+        )
     return None
 
 
@@ -615,6 +643,9 @@ def run(args: argparse.Namespace) -> int:
             if args.cluster_token_file is not None and args.cluster is not None
             else None
         )
+        cluster_roots = (
+            read_roots(args.cluster_ca, "--cluster-ca") if args.cluster_ca is not None else None
+        )
         quotas = [parse_quota(text) for text in args.quotas]
         warm_reserve = None if args.warm_reserve is None else parse_bytes(args.warm_reserve)
         host_tier = None if args.host_tier is None else parse_host_tier(args.host_tier)
@@ -645,6 +676,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensord serve: {exc}", file=sys.stderr)
         return 2
     store.cluster_token = cluster_token
+    store.cluster_roots = cluster_roots
     configure_pools(store, args.policy, warm_reserve, args.record_history)
     try:
         server, port = create_server(

@@ -683,8 +683,10 @@ class ListNamesResponse(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class CopyToNodeRequest(_message.Message):
     __slots__ = ("handle", "node", "device", "target_session_id")
