@@ -208,7 +208,7 @@ def test_the_pools_check_names_a_broken_idle_segment() -> None:
         pool.assert_invariants()
     split = CachingPool(BookkeepingBackend(), policy=policy_named("pytorch"))
     block = split.malloc(4 * MiB)
-    split._idle.became_idle(block.segment, 0.0, block.segment.size)
+    split._idle.record.became_idle(block.segment, 0.0, block.segment.size)
     with pytest.raises(AssertionError, match="is counted idle but is not one free block"):
         split.assert_invariants()
 

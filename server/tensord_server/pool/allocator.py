@@ -31,7 +31,7 @@ collaborator that owns its fields and invariants:
 - tight segments on the out-of-memory path, idle segments given back after a free
   (policy ``tight_segments``, ``release_threshold``);
 - idle segments kept for a while before they go back (policy ``release_idle_s``:
-  :class:`~.idle.IdleSegments`), a bounded warm reserve of them for longer (policy
+  :class:`~.idle.IdleKeeping`), a bounded warm reserve of them for longer (policy
   ``warm_reserve_s``, the pool's ``warm_reserve`` bytes);
 - free page ranges of split segments given back to the device, the segment kept
   (policy ``decommit``, on backends that can: :class:`~.commit.CommitLedger`): then
@@ -218,11 +218,6 @@ class CachingPool(PressureSteps):
         return self._lock.waiting
 
     @property
-    def allocated_bytes(self) -> int:
-        """Bytes of the blocks allocated now (no lock): what the tiers' watermarks measure."""
-        return self._allocated()
-
-    @property
     def reserved_bytes(self) -> int:
         """Bytes of the segments reserved now, decommitted pages included (no lock): under a
         commit cap up to the policy's virtual_capacity_factor x capacity."""
@@ -252,7 +247,7 @@ class CachingPool(PressureSteps):
         background compactor paces and budgets copies), or None when there is nothing
         (more) to do."""
         with self._lock:
-            kept = self._kept_idle_segments()
+            kept = self._idle.kept()
             excess = self._compaction_excess(kept)
             if not excess or max_moved <= 0:
                 return None
@@ -276,15 +271,10 @@ class CachingPool(PressureSteps):
         kept ones, it would have slept on, with them reserved, until the next doorbell),
         else until the first kept one may go back; None when there is nothing to wait for."""
         with self._lock:
-            if not self._keeps_idle_segments():
+            if not self._idle.keeps():
                 return None
-            kept = self._kept_idle_segments()
-            decayed = (
-                address
-                for address in self._idle
-                if address not in kept and self._releasable_segment(self._segments[address])
-            )
-            if any(decayed) and self._compaction_excess(kept):
+            kept = self._idle.kept()
+            if self._idle.decayed_beyond(kept) and self._compaction_excess(kept):
                 return 0.0
             return max(0.0, min(kept.values()) - self.clock()) if kept else None
 
@@ -397,7 +387,6 @@ class CachingPool(PressureSteps):
 
     def _parts(self) -> PoolParts:
         """What the invariants are checked over (the caller holds the lock)."""
-        warm = self._idle.warm(self.policy, self.clock(), self.warm_reserve)
         return PoolParts(
             segments=self._segments,
             small=self._small,
@@ -406,8 +395,6 @@ class CachingPool(PressureSteps):
             ledger=self._ledger,
             decommits=self._decommits(),
             idle=self._idle,
-            warm=warm.keys(),
-            warm_reserve=self.warm_reserve,
             consolidation=self._consolidation,
             shapes=self._shapes,
             max_split_size=self.max_split_size,
@@ -428,13 +415,9 @@ class CachingPool(PressureSteps):
         """Planning's view of ``segment``'s blocks (kept between plans)."""
         return self._segment_shape(segment)
 
-    def releasable_segment(self, segment: Segment) -> bool:
-        """Whether ``segment``, once wholly free, may go back to the device now."""
-        return self._releasable_segment(segment)
-
     def kept_idle_addresses(self) -> Collection[int]:
         """The addresses of the wholly free segments kept now (policy ``release_idle_s``)."""
-        return self._kept_idle_segments().keys()
+        return self._idle.kept().keys()
 
     def allocate_for_move(
         self, target: Block, size: int, requested: int, exact: bool = False
@@ -457,12 +440,6 @@ class CachingPool(PressureSteps):
     def free_moved(self, block: Block) -> None:
         """Free the allocated ``block`` a Storage moved out of."""
         self._free_allocated(block)
-
-    def release_free_segment(self, address: int) -> None:
-        """Give the wholly free segment at ``address`` back to the device."""
-        head = self._segments[address].head
-        assert head is not None and not head.allocated and not head.is_split(), head
-        self._release_block(head)
 
     def free_segment_size(self, address: int) -> int | None:
         """The size of the segment at ``address`` if it is wholly free and may go back now,

@@ -47,7 +47,7 @@ from tensord_server.pool.compaction import (
 )
 from tensord_server.pool.consolidation import Consolidation
 from tensord_server.pool.history import TRACE_MAX_ENTRIES, MemoryHistory
-from tensord_server.pool.idle import IdleSegments
+from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.pages import Span
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
@@ -109,8 +109,9 @@ class BlockCache:
         # beyond torch (policy decommit): each segment's decommitted pages, and the free
         # blocks worth decommitting
         self._ledger = CommitLedger(decommitter(backend), (self._small, self._large))
-        # beyond torch (policy release_idle_s): the wholly free segments, and which are kept
-        self._idle = IdleSegments(costly_segment_churn(backend))
+        # beyond torch (policy release_idle_s): the wholly free segments, which are kept, and
+        # giving them back (over this cache as its IdleSite)
+        self._idle = IdleKeeping(self, costly_segment_churn(backend))
         # beyond torch: when free bytes go back (consolidation, thresholds after a free)
         self._consolidation = Consolidation()
         # beyond torch: compaction planning's view of each segment's blocks, kept between
@@ -254,8 +255,7 @@ class BlockCache:
             net_blocks += 1
             net_bytes += block.size
         else:
-            segment = block.segment
-            self._idle.became_idle(segment, self.clock(), self._ledger.committed_in(segment))
+            self._idle.became_idle(block.segment)
         stats = self._stats
         kind = pool.kind
         if net_blocks > 0:
@@ -358,6 +358,7 @@ class BlockCache:
         return True
 
     def _releasable_segment(self, segment: Segment) -> bool:
+        """Whether ``segment``, once wholly free, may go back to the device now."""
         if segment in self._copying_from:
             return False
         veto = self.segment_releasable
@@ -366,6 +367,61 @@ class BlockCache:
     def _releasable(self, block: Block) -> bool:
         """Whether the segment of a whole free block may go back to the device now."""
         return self._releasable_segment(block.segment)
+
+    # -- the cache's side of idle-segment keeping (IdleKeeping's IdleSite) --------------------
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the blocks allocated now (no lock): what the tiers' watermarks measure."""
+        return self._allocated()
+
+    def compacts_in_background(self) -> bool:
+        """Whether a background compactor may give back what a free leaves (a doorbell is
+        set, the policy has a compact_threshold, and blocks may move)."""
+        return (
+            self.compaction_wanted is not None
+            and self.policy.compact_threshold is not None
+            and self.relocator is not None
+        )
+
+    def near_the_edge(self) -> bool:
+        """Whether the device is used beyond the policy's keep_idle_below (no idle segment
+        is kept there)."""
+        return self._consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
+
+    def segment_at(self, address: int) -> Segment:
+        """The live segment at ``address``."""
+        return self._segments[address]
+
+    def has_whole_free_block(self) -> bool:
+        """Whether some free block spans its whole segment: the free blocks of a pool less
+        those of split segments (stat ``inactive_split``), in O(1)."""
+        split = self._stats.inactive_split
+        return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
+
+    def whole_free_blocks(self) -> list[Block]:
+        """The free blocks that span their whole segment: the large pool's, then the small
+        pool's, each by (stream, size, address)."""
+        return [
+            block
+            for pool in (self._large, self._small)
+            for block in (pool.free_blocks[key[2]] for key in pool.keys)
+            if not block.is_split()
+        ]
+
+    def releasable_segment(self, segment: Segment) -> bool:
+        """Whether ``segment``, once wholly free, may go back to the device now."""
+        return self._releasable_segment(segment)
+
+    def release_free_segment(self, address: int) -> None:
+        """Give the wholly free segment at ``address`` back to the device."""
+        head = self._segments[address].head
+        assert head is not None and not head.allocated and not head.is_split(), head
+        self._release_block(head)
+
+    def committed_in(self, segment: Segment) -> int:
+        """``segment``'s committed bytes (its size less its decommitted pages)."""
+        return self._ledger.committed_in(segment)
 
     # -- beyond torch: decommitted page ranges (CommitLedger) ---------------------------------
 

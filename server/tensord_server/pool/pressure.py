@@ -5,7 +5,7 @@ pool's :class:`~.policy.PoolPolicy` asks for: a tight segment, then compaction, 
 and merging of segments (planned and executed by :mod:`.compaction` through a
 :class:`~.compaction.MoveTarget`), each followed by a retry of the reservation.  Before a
 segment is reserved near the device's edge it consolidates; after a free it gives idle
-segments back, or keeps them for a while (:class:`~.idle.IdleSegments`), and compacts or
+segments back, or keeps them for a while (:class:`~.idle.IdleKeeping`), and compacts or
 rings the background compactor; :class:`~.consolidation.Consolidation` holds the
 thresholds.  It words the out-of-memory (and out-of-descriptors) errors, the pool's
 figures as their details.
@@ -296,7 +296,7 @@ class PressureSteps(BlockCache):
         if policy.compact_threshold is None or self.relocator is None:
             return 0
         if kept is None:
-            kept = self._kept_idle_segments()
+            kept = self._idle.kept()
         committed_in = self._ledger.committed_in
         kept_bytes = sum(committed_in(self._segments[address]) for address in kept)
         threshold = self._consolidation.background_threshold(policy)
@@ -328,22 +328,20 @@ class PressureSteps(BlockCache):
             excess = self._wake_excess()
             if excess:
                 released = False
-                if not self._keeps_idle_segments() or (
-                    self._near_the_edge() and not self._idle.costly_churn
-                ):
+                if not self._idle.keeps() or (self.near_the_edge() and not self._idle.costly_churn):
                     # none kept, or near the edge: idle segments go back now, not when the
                     # compactor comes; but where giving one back waits for the whole device
                     # (costly churn) the compactor does it, off the request
-                    released = self._release_idle_segments(excess)
-                elif self._idle.keep_fraction(policy) is not None:
-                    released = self._release_unkept_idle_segments()
+                    released = self._idle.release_largest(excess)
+                elif self._idle.keeps_within_a_fraction():
+                    released = self._idle.release_unkept()
                 if not released or self._wake_excess():
                     wanted()
             return
         if policy.release_threshold is not None:
             excess = self._excess(policy.release_threshold)
             if excess:
-                self._release_idle_segments(excess)
+                self._idle.release_largest(excess)
         if policy.compact_threshold is None or self.relocator is None:
             return
         excess = self._consolidation.compaction_due(policy, self._committed(), self._allocated())
@@ -353,85 +351,6 @@ class PressureSteps(BlockCache):
             self._moves(max_moved=policy.max_moved_bytes), self.relocator, self, excess
         )
         self._count_result(result)
-
-    def _release_idle_segments(self, target: int) -> bool:
-        """Give back whole free segments, the largest first, until ``target`` bytes went
-        back; whether any went back."""
-        if not self._has_idle_segment():
-            return False  # most calls: looking costs a walk of every free block
-        idle = [
-            block
-            for pool in (self._large, self._small)
-            for block in (pool.free_blocks[key[2]] for key in pool.keys)
-            if not block.is_split() and self._releasable(block)
-        ]
-        released = 0
-        for block in sorted(idle, key=lambda b: (-b.size, b.address)):
-            if released >= target:
-                break
-            released += self._ledger.committed_in(block.segment)
-            self._release_block(block)
-        return bool(idle)
-
-    def _has_idle_segment(self) -> bool:
-        """Whether some free block spans its whole segment: the free blocks of a pool less
-        those of split segments (stat ``inactive_split``), in O(1)."""
-        split = self._stats.inactive_split
-        return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
-
-    def _near_the_edge(self) -> bool:
-        """Whether the device is used beyond the policy's keep_idle_below (no idle segment
-        is kept there)."""
-        return self._consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
-
-    # -- beyond torch: idle segments kept for a while (IdleSegments) --------------------------
-
-    def _keeps_idle_segments(self) -> bool:
-        """Whether the policy's release_idle_s applies: only where a background compactor
-        gives kept segments back later (compaction_wanted set, and compaction possible)."""
-        policy = self.policy
-        return (
-            policy.release_idle_s is not None
-            and self.compaction_wanted is not None
-            and policy.compact_threshold is not None
-            and self.relocator is not None
-        )
-
-    def _kept_idle_segments(self) -> dict[int, float]:
-        """The wholly free segments kept now (policy ``release_idle_s``, and the warm
-        reserve's, ``warm_reserve_s``): address -> the clock() time from which they may go
-        back.  Background compaction neither empties nor fills them, nor counts them as
-        excess; the out-of-memory paths ignore this."""
-        if not self._idle or not self._keeps_idle_segments() or self._near_the_edge():
-            return {}
-        return self._idle.kept(
-            self.policy, self.clock(), self._allocated(), reserve=self.warm_reserve
-        )
-
-    def _release_unkept_idle_segments(self) -> bool:
-        """Give back the wholly free segments beyond the kept ones' budget (policy
-        keep_idle_fraction), the warm reserve's excepted: no copy, so cheap on a freeing
-        call, and the room is back before the compactor, woken, would come.  Whether any
-        went back."""
-        if len(self._idle) <= 1:
-            return False  # the most recently freed one is kept whatever its size
-        if self._idle.all_within_budget(self.policy, self._allocated()):
-            return False  # every idle segment together fits the budget (most frees)
-        policy, now, allocated = self.policy, self.clock(), self._allocated()
-        unbudgeted = self._idle.kept(policy, now, allocated, budgeted=False)
-        if len(unbudgeted) <= 1:
-            return False  # within any budget
-        warm = self._idle.warm(policy, now, self.warm_reserve)
-        released = False
-        for address in self._idle.beyond_budget(policy, unbudgeted, allocated):
-            if address in warm:
-                continue  # the warm reserve keeps it
-            head = self._segments[address].head
-            assert head is not None
-            if self._releasable(head):
-                self._release_block(head)
-                released = True
-        return released
 
 
 def tight_allocation_size(size: int, small: bool) -> int:
