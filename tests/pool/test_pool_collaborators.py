@@ -250,6 +250,6 @@ def test_a_free_compacts_once_per_compact_every_and_only_with_excess() -> None:
 
 def test_the_pools_check_names_a_broken_count_of_frees() -> None:
     pool = CachingPool(BookkeepingBackend())
-    pool._consolidation.frees_since_compaction = -1
+    pool._pressure.consolidation.frees_since_compaction = -1
     with pytest.raises(AssertionError, match="-1"):
         pool.assert_invariants()

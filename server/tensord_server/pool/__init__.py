@@ -11,14 +11,16 @@
 - :mod:`.consolidation`: when free bytes go back beyond PyTorch (the thresholds, the edge)
 - :mod:`.cache`: :class:`~.cache.BlockCache`, one device's blocks and segments and
   PyTorch's steps over them (alloc_block, free_block, release_block, ...), the commit cap
-- :mod:`.pressure`: what a pool does under pressure beyond PyTorch (the out-of-memory
-  steps, consolidation, idle segments after a free) and its out-of-memory errors
+- :mod:`.pressure`: :class:`~.pressure.PressureSteps`, what a pool does under pressure
+  beyond PyTorch (the out-of-memory steps, consolidation, the thresholds after a free),
+  over the narrow :class:`~.pressure.PressureSite` the pool gives it
 - :mod:`.moves`: :class:`PoolMoves`, the pool as compaction's MoveTarget, over the narrow
   :class:`MoveSite` the pool gives it
 - :mod:`.invariants`: :func:`check_pool_invariants` over the :class:`PoolParts` a pool gives
 - :mod:`.history`: :class:`MemoryHistory`, the device trace of _record_memory_history
 - :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release,
-  empty_cache) and the statistics, over the modules above under its one lock
+  empty_cache), the statistics and its out-of-memory errors, over the modules above under
+  its one lock
 
 The names other layers use are re-exported here.
 """

@@ -10,10 +10,11 @@ cap (policy ``decommit``: the capacity bounds committed bytes, not segment bytes
 :class:`~.commit.CommitLedger` says which pages went back); each step records its event
 in the pool's :class:`~.history.MemoryHistory`.
 
-It takes no lock and decides nothing beyond torch's rules: :class:`~.pressure.PressureSteps`
-adds what the pool does under pressure, :class:`~.allocator.CachingPool` the lock and the
-public API over both.  One lock, the pool's, guards every field below, the collaborators'
-included.
+It takes no lock and decides nothing beyond torch's rules: its
+:class:`~.allocator.CachingPool` adds the lock and the public API, and lends its
+collaborators beyond torch (:class:`~.idle.IdleKeeping`, :class:`~.pressure.PressureSteps`)
+the narrow sites they act through, whose methods are written here.  One lock, the pool's,
+guards every field below, the collaborators' included.
 """
 
 from __future__ import annotations
@@ -112,8 +113,6 @@ class BlockCache:
         # beyond torch (policy release_idle_s): the wholly free segments, which are kept, and
         # giving them back (over this cache as its IdleSite)
         self._idle = IdleKeeping(self, costly_segment_churn(backend))
-        # beyond torch: when free bytes go back (consolidation, thresholds after a free)
-        self._consolidation = Consolidation()
         # beyond torch: compaction planning's view of each segment's blocks, kept between
         # plans; a segment's entry is dropped whenever one of its blocks changes, so each
         # plan walks only the segments touched since the last
@@ -368,7 +367,7 @@ class BlockCache:
         """Whether the segment of a whole free block may go back to the device now."""
         return self._releasable_segment(block.segment)
 
-    # -- the cache's side of idle-segment keeping (IdleKeeping's IdleSite) --------------------
+    # -- the cache's side of its collaborators (IdleSite, PressureSite) -----------------------
 
     @property
     def allocated_bytes(self) -> int:
@@ -387,7 +386,7 @@ class BlockCache:
     def near_the_edge(self) -> bool:
         """Whether the device is used beyond the policy's keep_idle_below (no idle segment
         is kept there)."""
-        return self._consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
+        return Consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
 
     def segment_at(self, address: int) -> Segment:
         """The live segment at ``address``."""
@@ -418,6 +417,27 @@ class BlockCache:
         head = self._segments[address].head
         assert head is not None and not head.allocated and not head.is_split(), head
         self._release_block(head)
+
+    def committed_bytes(self) -> int:
+        """Reserved bytes less decommitted ones (``reserved_bytes``)."""
+        return self._committed()
+
+    def segment_bytes(self) -> int:
+        """Bytes of every segment, decommitted pages included."""
+        return self._reserved()
+
+    def segment_capacity(self) -> int:
+        """What segment bytes may reach."""
+        return self._segment_capacity()
+
+    def free_bytes(self) -> int:
+        """The bytes of every free block, of both pools."""
+        return self._small.free_bytes() + self._large.free_bytes()
+
+    def new_segment_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
+        """Reserve a new segment of ``size`` bytes for ``pool``: its one free block (not in
+        the pool), or None when the device refuses (alloc_block, not a retry)."""
+        return self._alloc_block(pool, size, stream, is_retry=False)
 
     def committed_in(self, segment: Segment) -> int:
         """``segment``'s committed bytes (its size less its decommitted pages)."""
