@@ -31,6 +31,7 @@ from tensord.errors import OutOfMemoryError
 from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory, HostBackend
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool.commit import CommitCap
 from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.pages import span_bytes
 from test_fragmentation import HoldingRelocator, ops
@@ -782,14 +783,14 @@ def test_a_free_looks_at_no_free_block_given_back_before(monkeypatch: pytest.Mon
         pool.free(blocks[1])  # 24 holes of 6 MiB, given back
     assert stat(pool, "decommitted_bytes.all.current") == 24 * 6 * MiB
     looked = 0
-    decommit_free_block = CachingPool._decommit_free_block
+    decommit_free_block = CommitCap.decommit_free_block
 
-    def counting(self: CachingPool, block: Block, minimum: int | None = None) -> int:
+    def counting(self: CommitCap, block: Block, minimum: int | None = None) -> int:
         nonlocal looked
         looked += 1
         return decommit_free_block(self, block, minimum)
 
-    monkeypatch.setattr(CachingPool, "_decommit_free_block", counting)
+    monkeypatch.setattr(CommitCap, "decommit_free_block", counting)
     for blocks in segments:
         pool.free(blocks[3])  # a 2 MiB tail each: committed above allocated, nothing to give
     monkeypatch.undo()

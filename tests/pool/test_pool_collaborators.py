@@ -44,7 +44,7 @@ def decommitting_pool() -> CachingPool:
 
 def test_the_ledger_counts_untouched_pages_and_takes_them_back_when_a_block_lands() -> None:
     pool = decommitting_pool()
-    ledger = pool._ledger
+    ledger = pool._commits.ledger
     (seg,) = pool._segments.values()
     assert ledger.decommitted_in(seg) == 2 * MiB  # the tail no block was allocated over
     assert ledger.committed_in(seg) == 18 * MiB
@@ -58,12 +58,12 @@ def test_the_ledger_counts_untouched_pages_and_takes_them_back_when_a_block_land
 
 def test_a_decommit_gives_back_whole_pages_once_and_the_pool_counts_them() -> None:
     pool = decommitting_pool()
-    ledger = pool._ledger
+    ledger = pool._commits.ledger
     hole = next(b for b in pool._large.free_blocks.values() if b.size == 6 * MiB)
     assert hole.is_split() and ledger.committed_pages_of(hole) == [
         (hole.address, hole.address + 6 * MiB)
     ]
-    assert pool._decommit_free_block(hole, minimum=0) == 6 * MiB
+    assert pool._commits.decommit_free_block(hole, minimum=0) == 6 * MiB
     stats = pool.memory_stats()
     assert stats["num_decommits"] == 1 and stats["reserved_bytes.all.current"] == 12 * MiB
     assert ledger.decommit(hole, minimum=0) == (0, 0)  # nothing left to give
@@ -74,22 +74,22 @@ def test_a_decommit_gives_back_whole_pages_once_and_the_pool_counts_them() -> No
 
 
 def shift_a_span(pool: CachingPool) -> None:
-    spans = next(iter(pool._ledger.spans.values()))
+    spans = next(iter(pool._commits.ledger.spans.values()))
     start, end = spans[0]
     spans[0] = (start + 512, end)
 
 
 def span_over_an_allocated_block(pool: CachingPool) -> None:
     (seg,) = pool._segments.values()
-    pool._ledger.spans[seg.address].insert(0, (seg.address, seg.address + PAGE))
+    pool._commits.ledger.spans[seg.address].insert(0, (seg.address, seg.address + PAGE))
 
 
 def span_of_no_segment(pool: CachingPool) -> None:
-    pool._ledger.spans[1 << 50] = [(1 << 50, (1 << 50) + PAGE)]
+    pool._commits.ledger.spans[1 << 50] = [(1 << 50, (1 << 50) + PAGE)]
 
 
 def forget_the_candidates(pool: CachingPool) -> None:
-    pool._ledger.candidates.clear()
+    pool._commits.ledger.candidates.clear()
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ collaborator that owns its fields and invariants:
   :class:`~.idle.IdleKeeping`), a bounded warm reserve of them for longer (policy
   ``warm_reserve_s``, the pool's ``warm_reserve`` bytes);
 - free page ranges of split segments given back to the device, the segment kept
-  (policy ``decommit``, on backends that can: :class:`~.commit.CommitLedger`): then
+  (policy ``decommit``, on backends that can: :class:`~.commit.CommitCap`): then
   ``reserved_bytes`` counts committed bytes, capacity bounds committed bytes (free pages
   elsewhere are given back to make room before anything else) and segment bytes have
   their own bound, ``virtual_capacity_factor`` x capacity.
@@ -113,9 +113,9 @@ class CachingPool(BlockCache):
 
     Its base, :class:`~.cache.BlockCache`, holds the blocks and segments and torch's steps
     over them; what it does beyond torch is its collaborators', each reached through the
-    narrow site it is given: the idle segments (:class:`~.idle.IdleKeeping`), the steps
-    under pressure (:class:`~.pressure.PressureSteps`), compaction's moves
-    (:class:`~.moves.PoolMoves`).
+    narrow site it is given: the idle segments (:class:`~.idle.IdleKeeping`), the commit
+    cap (:class:`~.commit.CommitCap`), the steps under pressure
+    (:class:`~.pressure.PressureSteps`), compaction's moves (:class:`~.moves.PoolMoves`).
     """
 
     def __init__(
@@ -162,29 +162,29 @@ class CachingPool(BlockCache):
             if self._beyond_any_room(size):
                 figures = self._oom_figures(nbytes)
                 self._out_of_memory(self._oom_message(figures), figures, size, stream, count_oom)
-            # each block found must have room to commit its pages (_admit: always, unless
+            # each block found must have room to commit its pages (admit: always, unless
             # the capacity bounds committed bytes), else it goes back and the next path runs
-            block = self._admit(self._get_free_block(pool, size, stream), size)
+            block = self._commits.admit(self._get_free_block(pool, size, stream), size)
             if block is None and self._pressure.should_consolidate(alloc_size):
                 self._pressure.consolidate(alloc_size)
             if block is None:
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
                 )
             if block is None and self._release_available_cached_blocks(pool, size, stream):
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
                 )
             if block is None:
                 self._release_cached_blocks()
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=True), size
                 )
             if block is None:
                 figures = self._oom_figures(nbytes)  # as they stand before the extra paths
                 message = self._oom_message(figures)
                 block, note = self._pressure.beyond_torch_on_oom(pool, size, alloc_size, stream)
-                block = self._admit(block, size)
+                block = self._commits.admit(block, size)
                 message += note
             if block is None and self._descriptor_refusal is not None:
                 self._out_of_descriptors(nbytes, self._descriptor_refusal)
@@ -210,8 +210,8 @@ class CachingPool(BlockCache):
             ):
                 raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
             self._free_allocated(block)
-            if self._decommits() and self.policy.decommit_threshold is not None:
-                self._decommit_excess(self.policy.decommit_threshold)
+            if self._commits.decommits() and self.policy.decommit_threshold is not None:
+                self._commits.decommit_excess(self.policy.decommit_threshold)
             if self.policy.acts_after_free:
                 self._pressure.after_free()
 
@@ -430,8 +430,8 @@ class CachingPool(BlockCache):
             small=self._small,
             large=self._large,
             stats=self._stats,
-            ledger=self._ledger,
-            decommits=self._decommits(),
+            ledger=self._commits.ledger,
+            decommits=self._commits.decommits(),
             idle=self._idle,
             consolidation=self._pressure.consolidation,
             shapes=self._shapes,
@@ -483,9 +483,9 @@ class CachingPool(BlockCache):
         block_pool = target.pool
         assert block_pool is not None and not target.allocated, target
         block_pool.remove(target)
-        if self._caps_commit() and not self._admit_move(target, size):
+        if self._commits.caps_commit() and not self._commits.admit_move(target, size):
             block_pool.insert(target)
-            self._note_decommit_candidate(target)  # making room may have popped its entry
+            self._commits.note_candidate(target)  # making room may have popped its entry
             return None
         split = should_split(target.size, size, block_pool.is_small, self.max_split_size)
         split = split or (exact and target.size > size)
@@ -570,7 +570,7 @@ class CachingPool(BlockCache):
         every other request for a request that cannot be served.  Under PyTorch's rules
         (capacity on segment bytes) the paths run as PyTorch's do, and
         ``num_alloc_retries`` counts as theirs."""
-        if not self._caps_commit():
+        if not self._commits.caps_commit():
             return False
         return self._allocated() + size > self.capacity
 
@@ -603,7 +603,7 @@ class CachingPool(BlockCache):
             f"Of the allocated memory {format_size(allocated)} is allocated by tensord, "
             f"and {format_size(reserved - allocated)} is reserved by tensord but unallocated."
         )
-        if not self._caps_commit():
+        if not self._commits.caps_commit():
             return message  # PyTorch's, word for word: capacity bounds segment bytes
         # under a commit cap "free" counts pages given back inside segments; a request
         # that needs a new segment may still fail on the segments' own bound: say so

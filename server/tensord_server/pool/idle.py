@@ -277,9 +277,10 @@ class IdleKeeping:
     def costly_churn(self) -> bool:
         return self.record.costly_churn
 
-    def cached_heads(self, segments: Mapping[int, Segment]) -> list[Block]:
+    def cached_heads(self) -> list[Block]:
         """The idle segments' blocks, the largest first, less one out of its pool."""
-        return self.record.cached_heads(segments)
+        segment_at = self.site.segment_at
+        return self.record.cached_heads({address: segment_at(address) for address in self.record})
 
     # -- which are kept ----------------------------------------------------------------
 
