@@ -1,4 +1,4 @@
-"""The pool's collaborators: the commit ledger, the idle segments and consolidation.
+"""The pool's collaborators: the commit cap and its ledger, the idle segments, consolidation.
 
 Each owns its fields and checks its invariants from ``CachingPool.assert_invariants``:
 these tests run their rules on plain numbers and segments, and break each invariant on
@@ -7,15 +7,30 @@ purpose to see the pool's check name it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import random
 from collections.abc import Callable
 
 import pytest
 from tensord_server.devices.memory import BookkeepingBackend
-from tensord_server.pool import CachingPool, DeviceMemory, Segment, policy_named
+from tensord_server.pool import (
+    BlockCache,
+    CachingPool,
+    DeviceMemory,
+    PoolMoves,
+    Segment,
+    commit,
+    idle,
+    moves,
+    policy_named,
+    pressure,
+)
+from tensord_server.pool.commit import CommitCap
 from tensord_server.pool.consolidation import Consolidation
-from tensord_server.pool.idle import IdleSegments
+from tensord_server.pool.idle import IdleKeeping, IdleSegments
+from tensord_server.pool.pressure import PressureSteps
 from test_pool_figures import DecommittingBackend
 
 MiB = 1 << 20
@@ -253,3 +268,28 @@ def test_the_pools_check_names_a_broken_count_of_frees() -> None:
     pool._pressure.consolidation.frees_since_compaction = -1
     with pytest.raises(AssertionError, match="-1"):
         pool.assert_invariants()
+
+
+# -- composition ----------------------------------------------------------------------
+
+
+def test_the_collaborators_are_composed_and_know_the_pool_only_by_their_sites() -> None:
+    """The pool derives from its block cache alone; each collaborator beyond torch is an
+    object it holds, whose module imports neither the cache nor the pool (it sees them
+    only through the narrow site protocol it declares)."""
+    assert CachingPool.__mro__ == (CachingPool, BlockCache, object)
+    pool = CachingPool(BookkeepingBackend(), policy=ADAPTIVE)
+    held = {type(value) for value in vars(pool).values()}
+    assert {IdleKeeping, CommitCap, PressureSteps} <= held
+    for collaborator in (IdleKeeping, CommitCap, PressureSteps, PoolMoves):
+        assert not issubclass(collaborator, BlockCache), collaborator
+    for module in (idle, commit, pressure, moves):
+        imported = {
+            node.module
+            for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        }
+        assert not imported & {"tensord_server.pool.cache", "tensord_server.pool.allocator"}, (
+            module.__name__,
+            imported,
+        )
