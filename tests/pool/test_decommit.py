@@ -31,6 +31,8 @@ from tensord.errors import OutOfMemoryError
 from tensord_server.devices.memory import BookkeepingBackend, DeviceMemory, HostBackend
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.pool import Block, CachingPool, PoolPolicy, policy_named
+from tensord_server.pool.commit import CommitCap
+from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.pages import span_bytes
 from test_fragmentation import HoldingRelocator, ops
 
@@ -694,28 +696,28 @@ def test_random_sequences_as_a_server_runs_them_keep_invariants_bytes_and_pages(
     the paths they are for: bytes moved in the background, kept segments given back
     beyond the budget, and by a free near the device's edge."""
     released_unkept = released_at_the_edge = 0
-    unkept = CachingPool._release_unkept_idle_segments
-    idle = CachingPool._release_idle_segments
+    unkept = IdleKeeping.release_unkept
+    idle = IdleKeeping.release_largest
 
-    def counting(self: CachingPool) -> bool:
+    def counting(self: IdleKeeping) -> bool:
         nonlocal released_unkept
-        before = len(self._segments)
+        before = len(self.site.segments_by_address())
         released = unkept(self)
-        released_unkept += before - len(self._segments)
+        released_unkept += before - len(self.site.segments_by_address())
         return released
 
-    def counting_at_the_edge(self: CachingPool, target: int) -> bool:
+    def counting_at_the_edge(self: IdleKeeping, target: int) -> bool:
         # with a doorbell only a free calls it, and in a pool that keeps segments only
         # near the edge
         nonlocal released_at_the_edge
-        before = len(self._segments)
+        before = len(self.site.segments_by_address())
         released = idle(self, target)
-        if self._keeps_idle_segments():
-            released_at_the_edge += before - len(self._segments)
+        if self.keeps():
+            released_at_the_edge += before - len(self.site.segments_by_address())
         return released
 
-    monkeypatch.setattr(CachingPool, "_release_unkept_idle_segments", counting)
-    monkeypatch.setattr(CachingPool, "_release_idle_segments", counting_at_the_edge)
+    monkeypatch.setattr(IdleKeeping, "release_unkept", counting)
+    monkeypatch.setattr(IdleKeeping, "release_largest", counting_at_the_edge)
     runs_that_moved = 0
     for seed in range(24):
         rng = random.Random(seed)
@@ -781,14 +783,14 @@ def test_a_free_looks_at_no_free_block_given_back_before(monkeypatch: pytest.Mon
         pool.free(blocks[1])  # 24 holes of 6 MiB, given back
     assert stat(pool, "decommitted_bytes.all.current") == 24 * 6 * MiB
     looked = 0
-    decommit_free_block = CachingPool._decommit_free_block
+    decommit_free_block = CommitCap.decommit_free_block
 
-    def counting(self: CachingPool, block: Block, minimum: int | None = None) -> int:
+    def counting(self: CommitCap, block: Block, minimum: int | None = None) -> int:
         nonlocal looked
         looked += 1
         return decommit_free_block(self, block, minimum)
 
-    monkeypatch.setattr(CachingPool, "_decommit_free_block", counting)
+    monkeypatch.setattr(CommitCap, "decommit_free_block", counting)
     for blocks in segments:
         pool.free(blocks[3])  # a 2 MiB tail each: committed above allocated, nothing to give
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""The pool's collaborators: the commit ledger, the idle segments and consolidation.
+"""The pool's collaborators: the commit cap and its ledger, the idle segments, consolidation.
 
 Each owns its fields and checks its invariants from ``CachingPool.assert_invariants``:
 these tests run their rules on plain numbers and segments, and break each invariant on
@@ -7,15 +7,30 @@ purpose to see the pool's check name it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import random
 from collections.abc import Callable
 
 import pytest
 from tensord_server.devices.memory import BookkeepingBackend
-from tensord_server.pool import CachingPool, DeviceMemory, Segment, policy_named
+from tensord_server.pool import (
+    BlockCache,
+    CachingPool,
+    DeviceMemory,
+    PoolMoves,
+    Segment,
+    commit,
+    idle,
+    moves,
+    policy_named,
+    pressure,
+)
+from tensord_server.pool.commit import CommitCap
 from tensord_server.pool.consolidation import Consolidation
-from tensord_server.pool.idle import IdleSegments
+from tensord_server.pool.idle import IdleKeeping, IdleSegments
+from tensord_server.pool.pressure import PressureSteps
 from test_pool_figures import DecommittingBackend
 
 MiB = 1 << 20
@@ -44,7 +59,7 @@ def decommitting_pool() -> CachingPool:
 
 def test_the_ledger_counts_untouched_pages_and_takes_them_back_when_a_block_lands() -> None:
     pool = decommitting_pool()
-    ledger = pool._ledger
+    ledger = pool._commits.ledger
     (seg,) = pool._segments.values()
     assert ledger.decommitted_in(seg) == 2 * MiB  # the tail no block was allocated over
     assert ledger.committed_in(seg) == 18 * MiB
@@ -58,12 +73,12 @@ def test_the_ledger_counts_untouched_pages_and_takes_them_back_when_a_block_land
 
 def test_a_decommit_gives_back_whole_pages_once_and_the_pool_counts_them() -> None:
     pool = decommitting_pool()
-    ledger = pool._ledger
+    ledger = pool._commits.ledger
     hole = next(b for b in pool._large.free_blocks.values() if b.size == 6 * MiB)
     assert hole.is_split() and ledger.committed_pages_of(hole) == [
         (hole.address, hole.address + 6 * MiB)
     ]
-    assert pool._decommit_free_block(hole, minimum=0) == 6 * MiB
+    assert pool._commits.decommit_free_block(hole, minimum=0) == 6 * MiB
     stats = pool.memory_stats()
     assert stats["num_decommits"] == 1 and stats["reserved_bytes.all.current"] == 12 * MiB
     assert ledger.decommit(hole, minimum=0) == (0, 0)  # nothing left to give
@@ -74,22 +89,22 @@ def test_a_decommit_gives_back_whole_pages_once_and_the_pool_counts_them() -> No
 
 
 def shift_a_span(pool: CachingPool) -> None:
-    spans = next(iter(pool._ledger.spans.values()))
+    spans = next(iter(pool._commits.ledger.spans.values()))
     start, end = spans[0]
     spans[0] = (start + 512, end)
 
 
 def span_over_an_allocated_block(pool: CachingPool) -> None:
     (seg,) = pool._segments.values()
-    pool._ledger.spans[seg.address].insert(0, (seg.address, seg.address + PAGE))
+    pool._commits.ledger.spans[seg.address].insert(0, (seg.address, seg.address + PAGE))
 
 
 def span_of_no_segment(pool: CachingPool) -> None:
-    pool._ledger.spans[1 << 50] = [(1 << 50, (1 << 50) + PAGE)]
+    pool._commits.ledger.spans[1 << 50] = [(1 << 50, (1 << 50) + PAGE)]
 
 
 def forget_the_candidates(pool: CachingPool) -> None:
-    pool._ledger.candidates.clear()
+    pool._commits.ledger.candidates.clear()
 
 
 @pytest.mark.parametrize(
@@ -208,7 +223,7 @@ def test_the_pools_check_names_a_broken_idle_segment() -> None:
         pool.assert_invariants()
     split = CachingPool(BookkeepingBackend(), policy=policy_named("pytorch"))
     block = split.malloc(4 * MiB)
-    split._idle.became_idle(block.segment, 0.0, block.segment.size)
+    split._idle.record.became_idle(block.segment, 0.0, block.segment.size)
     with pytest.raises(AssertionError, match="is counted idle but is not one free block"):
         split.assert_invariants()
 
@@ -250,6 +265,31 @@ def test_a_free_compacts_once_per_compact_every_and_only_with_excess() -> None:
 
 def test_the_pools_check_names_a_broken_count_of_frees() -> None:
     pool = CachingPool(BookkeepingBackend())
-    pool._consolidation.frees_since_compaction = -1
+    pool._pressure.consolidation.frees_since_compaction = -1
     with pytest.raises(AssertionError, match="-1"):
         pool.assert_invariants()
+
+
+# -- composition ----------------------------------------------------------------------
+
+
+def test_the_collaborators_are_composed_and_know_the_pool_only_by_their_sites() -> None:
+    """The pool derives from its block cache alone; each collaborator beyond torch is an
+    object it holds, whose module imports neither the cache nor the pool (it sees them
+    only through the narrow site protocol it declares)."""
+    assert CachingPool.__mro__ == (CachingPool, BlockCache, object)
+    pool = CachingPool(BookkeepingBackend(), policy=ADAPTIVE)
+    held = {type(value) for value in vars(pool).values()}
+    assert {IdleKeeping, CommitCap, PressureSteps} <= held
+    for collaborator in (IdleKeeping, CommitCap, PressureSteps, PoolMoves):
+        assert not issubclass(collaborator, BlockCache), collaborator
+    for module in (idle, commit, pressure, moves):
+        imported = {
+            node.module
+            for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        }
+        assert not imported & {"tensord_server.pool.cache", "tensord_server.pool.allocator"}, (
+            module.__name__,
+            imported,
+        )

@@ -6,19 +6,24 @@
 - :mod:`.compaction`: compaction planning (pure) and its execution through two narrow
   interfaces (the pool's MoveTarget, the owner's Relocator)
 - :mod:`.policy`: what a pool does beyond PyTorch (``pytorch``, ``oom-compaction``, ``adaptive``)
-- :mod:`.commit`: the commit ledger, each segment's decommitted pages (policy ``decommit``)
-- :mod:`.idle`: the wholly free segments and which are kept (policy ``release_idle_s``)
+- :mod:`.commit`: the commit ledger, each segment's decommitted pages, and the commit cap's
+  steps over it (policy ``decommit``), over the narrow ``CommitSite`` the pool gives
+- :mod:`.idle`: the wholly free segments, which are kept and giving them back (policy
+  ``release_idle_s``), over the narrow ``IdleSite`` the pool gives
 - :mod:`.consolidation`: when free bytes go back beyond PyTorch (the thresholds, the edge)
 - :mod:`.cache`: :class:`~.cache.BlockCache`, one device's blocks and segments and
-  PyTorch's steps over them (alloc_block, free_block, release_block, ...), the commit cap
-- :mod:`.pressure`: what a pool does under pressure beyond PyTorch (the out-of-memory
-  steps, consolidation, idle segments after a free) and its out-of-memory errors
+  PyTorch's steps over them (alloc_block, free_block, release_block, ...), the bounds
+  under a commit cap, and the sites its collaborators act through
+- :mod:`.pressure`: :class:`~.pressure.PressureSteps`, what a pool does under pressure
+  beyond PyTorch (the out-of-memory steps, consolidation, the thresholds after a free),
+  over the narrow :class:`~.pressure.PressureSite` the pool gives it
 - :mod:`.moves`: :class:`PoolMoves`, the pool as compaction's MoveTarget, over the narrow
   :class:`MoveSite` the pool gives it
 - :mod:`.invariants`: :func:`check_pool_invariants` over the :class:`PoolParts` a pool gives
 - :mod:`.history`: :class:`MemoryHistory`, the device trace of _record_memory_history
 - :mod:`.allocator`: :class:`CachingPool`, PyTorch's policy (malloc, free, release,
-  empty_cache) and the statistics, over the modules above under its one lock
+  empty_cache), the statistics and its out-of-memory errors, over the modules above under
+  its one lock
 
 The names other layers use are re-exported here.
 """

@@ -31,10 +31,10 @@ collaborator that owns its fields and invariants:
 - tight segments on the out-of-memory path, idle segments given back after a free
   (policy ``tight_segments``, ``release_threshold``);
 - idle segments kept for a while before they go back (policy ``release_idle_s``:
-  :class:`~.idle.IdleSegments`), a bounded warm reserve of them for longer (policy
+  :class:`~.idle.IdleKeeping`), a bounded warm reserve of them for longer (policy
   ``warm_reserve_s``, the pool's ``warm_reserve`` bytes);
 - free page ranges of split segments given back to the device, the segment kept
-  (policy ``decommit``, on backends that can: :class:`~.commit.CommitLedger`): then
+  (policy ``decommit``, on backends that can: :class:`~.commit.CommitCap`): then
   ``reserved_bytes`` counts committed bytes, capacity bounds committed bytes (free pages
   elsewhere are given back to make room before anything else) and segment bytes have
   their own bound, ``virtual_capacity_factor`` x capacity.
@@ -52,11 +52,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
-from tensord.errors import InvalidArgumentError
+from tensord.errors import InvalidArgumentError, OutOfMemoryError, ResourceExhaustedError
 
+from tensord_server.pool.backend import Backend
 from tensord_server.pool.blocks import (
     ALL,
     NULL_SEGMENT,
@@ -66,20 +68,25 @@ from tensord_server.pool.blocks import (
     BlockPool,
     Segment,
     device_index,
+    format_size,
     get_allocation_size,
     is_small_size,
     round_size,
     should_split,
 )
+from tensord_server.pool.cache import BlockCache
 from tensord_server.pool.compaction import (
+    CompactionResult,
     MoveTarget,
+    Relocator,
     SegmentShape,
     compact_step,
 )
 from tensord_server.pool.history import TRACE_MAX_ENTRIES
 from tensord_server.pool.invariants import PoolParts, check_pool_invariants
 from tensord_server.pool.moves import PoolMoves
-from tensord_server.pool.pressure import PressureSteps
+from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
+from tensord_server.pool.pressure import PressureSteps, tight_allocation_size
 from tensord_server.pool.stats import (
     external_fragmentation,
     format_summary,
@@ -101,8 +108,39 @@ class SegmentsPart(NamedTuple):
 # The pool
 
 
-class CachingPool(PressureSteps):
-    """One device's caching allocator (torch's DeviceCachingAllocator); thread-safe."""
+class CachingPool(BlockCache):
+    """One device's caching allocator (torch's DeviceCachingAllocator); thread-safe.
+
+    Its base, :class:`~.cache.BlockCache`, holds the blocks and segments and torch's steps
+    over them; what it does beyond torch is its collaborators', each reached through the
+    narrow site it is given: the idle segments (:class:`~.idle.IdleKeeping`), the commit
+    cap (:class:`~.commit.CommitCap`), the steps under pressure
+    (:class:`~.pressure.PressureSteps`), compaction's moves (:class:`~.moves.PoolMoves`).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        capacity: int | None = None,
+        max_split_size: int | None = None,
+        record_history: bool = False,
+        relocator: Relocator | None = None,
+        policy: PoolPolicy = OOM_COMPACTION,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            backend,
+            capacity=capacity,
+            max_split_size=max_split_size,
+            record_history=record_history,
+            relocator=relocator,
+            policy=policy,
+            clock=clock,
+        )
+        # beyond torch: the out-of-memory steps, consolidation, the thresholds after a
+        # free (over this pool as its PressureSite)
+        self._pressure = PressureSteps(self, self._idle)
 
     # -- public API ---------------------------------------------------------
 
@@ -124,29 +162,29 @@ class CachingPool(PressureSteps):
             if self._beyond_any_room(size):
                 figures = self._oom_figures(nbytes)
                 self._out_of_memory(self._oom_message(figures), figures, size, stream, count_oom)
-            # each block found must have room to commit its pages (_admit: always, unless
+            # each block found must have room to commit its pages (admit: always, unless
             # the capacity bounds committed bytes), else it goes back and the next path runs
-            block = self._admit(self._get_free_block(pool, size, stream), size)
-            if block is None and self._should_consolidate(alloc_size):
-                self._consolidate(alloc_size)
+            block = self._commits.admit(self._get_free_block(pool, size, stream), size)
+            if block is None and self._pressure.should_consolidate(alloc_size):
+                self._pressure.consolidate(alloc_size)
             if block is None:
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
                 )
             if block is None and self._release_available_cached_blocks(pool, size, stream):
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=False), size
                 )
             if block is None:
                 self._release_cached_blocks()
-                block = self._admit(
+                block = self._commits.admit(
                     self._alloc_block(pool, alloc_size, stream, is_retry=True), size
                 )
             if block is None:
                 figures = self._oom_figures(nbytes)  # as they stand before the extra paths
                 message = self._oom_message(figures)
-                block, note = self._beyond_torch_on_oom(pool, size, alloc_size, stream)
-                block = self._admit(block, size)
+                block, note = self._pressure.beyond_torch_on_oom(pool, size, alloc_size, stream)
+                block = self._commits.admit(block, size)
                 message += note
             if block is None and self._descriptor_refusal is not None:
                 self._out_of_descriptors(nbytes, self._descriptor_refusal)
@@ -172,10 +210,10 @@ class CachingPool(PressureSteps):
             ):
                 raise InvalidArgumentError(f"invalid device pointer: {block.address:#x}")
             self._free_allocated(block)
-            if self._decommits() and self.policy.decommit_threshold is not None:
-                self._decommit_excess(self.policy.decommit_threshold)
+            if self._commits.decommits() and self.policy.decommit_threshold is not None:
+                self._commits.decommit_excess(self.policy.decommit_threshold)
             if self.policy.acts_after_free:
-                self._after_free()
+                self._pressure.after_free()
 
     def empty_cache(self) -> None:
         """Return every whole free segment to the backend (torch.cuda.empty_cache)."""
@@ -218,11 +256,6 @@ class CachingPool(PressureSteps):
         return self._lock.waiting
 
     @property
-    def allocated_bytes(self) -> int:
-        """Bytes of the blocks allocated now (no lock): what the tiers' watermarks measure."""
-        return self._allocated()
-
-    @property
     def reserved_bytes(self) -> int:
         """Bytes of the segments reserved now, decommitted pages included (no lock): under a
         commit cap up to the policy's virtual_capacity_factor x capacity."""
@@ -239,7 +272,7 @@ class CachingPool(PressureSteps):
         """Reserved bytes beyond the policy's compact_threshold x allocated (0: nothing to do,
         no threshold, or no relocator)."""
         with self._lock:
-            return self._compaction_excess()
+            return self._pressure.compaction_excess()
 
     def compact_step(
         self, max_moved: int, proceed: Callable[[], bool] = lambda: False
@@ -252,8 +285,8 @@ class CachingPool(PressureSteps):
         background compactor paces and budgets copies), or None when there is nothing
         (more) to do."""
         with self._lock:
-            kept = self._kept_idle_segments()
-            excess = self._compaction_excess(kept)
+            kept = self._idle.kept()
+            excess = self._pressure.compaction_excess(kept)
             if not excess or max_moved <= 0:
                 return None
             assert self.relocator is not None
@@ -276,15 +309,10 @@ class CachingPool(PressureSteps):
         kept ones, it would have slept on, with them reserved, until the next doorbell),
         else until the first kept one may go back; None when there is nothing to wait for."""
         with self._lock:
-            if not self._keeps_idle_segments():
+            if not self._idle.keeps():
                 return None
-            kept = self._kept_idle_segments()
-            decayed = (
-                address
-                for address in self._idle
-                if address not in kept and self._releasable_segment(self._segments[address])
-            )
-            if any(decayed) and self._compaction_excess(kept):
+            kept = self._idle.kept()
+            if self._idle.decayed_beyond(kept) and self._pressure.compaction_excess(kept):
                 return 0.0
             return max(0.0, min(kept.values()) - self.clock()) if kept else None
 
@@ -397,18 +425,15 @@ class CachingPool(PressureSteps):
 
     def _parts(self) -> PoolParts:
         """What the invariants are checked over (the caller holds the lock)."""
-        warm = self._idle.warm(self.policy, self.clock(), self.warm_reserve)
         return PoolParts(
             segments=self._segments,
             small=self._small,
             large=self._large,
             stats=self._stats,
-            ledger=self._ledger,
-            decommits=self._decommits(),
+            ledger=self._commits.ledger,
+            decommits=self._commits.decommits(),
             idle=self._idle,
-            warm=warm.keys(),
-            warm_reserve=self.warm_reserve,
-            consolidation=self._consolidation,
+            consolidation=self._pressure.consolidation,
             shapes=self._shapes,
             max_split_size=self.max_split_size,
             capacity=self.capacity,
@@ -417,8 +442,24 @@ class CachingPool(PressureSteps):
 
     # -- the pool's side of a compaction (PoolMoves's MoveSite; the caller holds the lock) --
 
-    def _moves(self, max_moved: int | None = None) -> MoveTarget:
+    def moves(self, max_moved: int | None = None) -> MoveTarget:
+        """The target a compaction executes one plan through, at most ``max_moved`` bytes
+        copied by it (None: no bound)."""
         return PoolMoves(self, max_moved=max_moved)
+
+    def count_compaction(self, result: CompactionResult) -> None:
+        """A compaction counts once, when it gives segments back; bytes it moved count even
+        when it gave none back (a move that found no room to commit ended its plan)."""
+        if result.plan.evacuated:
+            self._count_compaction(result.moved, result.plan.released)
+        else:
+            self._stats.compaction_moved_bytes += result.moved
+
+    def _count_compaction(self, moved: int, released: int) -> None:
+        stats = self._stats
+        stats.num_compactions += 1
+        stats.compaction_moved_bytes += moved
+        stats.compaction_released_bytes += released
 
     def segments_by_address(self) -> list[Segment]:
         """Every segment, by address."""
@@ -428,13 +469,9 @@ class CachingPool(PressureSteps):
         """Planning's view of ``segment``'s blocks (kept between plans)."""
         return self._segment_shape(segment)
 
-    def releasable_segment(self, segment: Segment) -> bool:
-        """Whether ``segment``, once wholly free, may go back to the device now."""
-        return self._releasable_segment(segment)
-
     def kept_idle_addresses(self) -> Collection[int]:
         """The addresses of the wholly free segments kept now (policy ``release_idle_s``)."""
-        return self._kept_idle_segments().keys()
+        return self._idle.kept().keys()
 
     def allocate_for_move(
         self, target: Block, size: int, requested: int, exact: bool = False
@@ -446,9 +483,9 @@ class CachingPool(PressureSteps):
         block_pool = target.pool
         assert block_pool is not None and not target.allocated, target
         block_pool.remove(target)
-        if self._caps_commit() and not self._admit_move(target, size):
+        if self._commits.caps_commit() and not self._commits.admit_move(target, size):
             block_pool.insert(target)
-            self._note_decommit_candidate(target)  # making room may have popped its entry
+            self._commits.note_candidate(target)  # making room may have popped its entry
             return None
         split = should_split(target.size, size, block_pool.is_small, self.max_split_size)
         split = split or (exact and target.size > size)
@@ -457,12 +494,6 @@ class CachingPool(PressureSteps):
     def free_moved(self, block: Block) -> None:
         """Free the allocated ``block`` a Storage moved out of."""
         self._free_allocated(block)
-
-    def release_free_segment(self, address: int) -> None:
-        """Give the wholly free segment at ``address`` back to the device."""
-        head = self._segments[address].head
-        assert head is not None and not head.allocated and not head.is_split(), head
-        self._release_block(head)
 
     def free_segment_size(self, address: int) -> int | None:
         """The size of the segment at ``address`` if it is wholly free and may go back now,
@@ -502,6 +533,93 @@ class CachingPool(PressureSteps):
             left = self._copying_from.pop(segment) - 1
             if left:
                 self._copying_from[segment] = left
+
+    # -- out of memory ------------------------------------------------------------------------
+
+    def _out_of_memory(
+        self, message: str, figures: dict[str, Any], size: int, stream: int, count: bool
+    ) -> NoReturn:
+        """Count and record an out-of-memory (where ``count``), and raise it with the pool's
+        ``figures`` as its details (the caller holds the lock)."""
+        if count:
+            self._count_oom(size, stream)
+        raise OutOfMemoryError(message, **figures)
+
+    def _count_oom(self, size: int, stream: int) -> None:
+        self._stats.num_ooms += 1
+        self._history.record("oom", self.capacity - self._capacity_used(), size, stream)
+
+    def _out_of_descriptors(self, nbytes: int, refusal: str) -> NoReturn:
+        """Raise the failure of a malloc whose new segment found no descriptor: the pool
+        may have all the memory asked for, and an out-of-memory would send the operator
+        after the wrong limit (the caller holds the lock)."""
+        free = max(self.capacity - self._capacity_used(), 0)
+        raise ResourceExhaustedError(
+            f"{self.device} cannot allocate {format_size(nbytes)}: {refusal}. A new segment "
+            f"needs file descriptors; the pool is not out of memory ({format_size(free)} of "
+            f"{format_size(self.capacity)} free), and allocations succeed again once the "
+            "server's descriptors are freed."
+        )
+
+    def _beyond_any_room(self, size: int) -> bool:
+        """Under a commit cap, whether no path can serve ``size`` bytes, so none is tried:
+        committed bytes are never fewer than allocated ones (decommitted pages lie inside
+        free blocks) and a block adds at least ``size`` to those, so with allocated +
+        ``size`` beyond capacity neither a free block, a new segment, pages given back nor
+        compaction can make the room, and walking them all under the lock would hold up
+        every other request for a request that cannot be served.  Under PyTorch's rules
+        (capacity on segment bytes) the paths run as PyTorch's do, and
+        ``num_alloc_retries`` counts as theirs."""
+        if not self._commits.caps_commit():
+            return False
+        return self._allocated() + size > self.capacity
+
+    def _oom_figures(self, nbytes: int) -> dict[str, Any]:
+        """The pool's figures an out-of-memory of ``nbytes`` names: its message's numbers,
+        and the details of its OutOfMemoryError (tensord.errors)."""
+        allocated = self._stats.allocated_bytes[ALL].current
+        reserved = self._capacity_used()  # committed bytes where those are what capacity bounds
+        return {
+            "device": str(self.device),
+            "requested_bytes": nbytes,
+            "capacity_bytes": self.capacity,
+            "free_bytes": max(self.capacity - reserved, 0),
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+        }
+
+    def _oom_message(self, figures: dict[str, Any]) -> str:
+        """PyTorch's out-of-memory message, with tensord's names.
+
+        PyTorch names the segment size it tried to reserve; the bytes the caller
+        asked for are what an operator can act on, so those are named here.
+        """
+        nbytes, allocated = figures["requested_bytes"], figures["allocated_bytes"]
+        reserved = figures["reserved_bytes"]
+        message = (
+            f"{self.device} out of memory. Tried to allocate {format_size(nbytes)}. "
+            f"Device {self.device} has a total capacity of {format_size(self.capacity)} "
+            f"of which {format_size(figures['free_bytes'])} is free. "
+            f"Of the allocated memory {format_size(allocated)} is allocated by tensord, "
+            f"and {format_size(reserved - allocated)} is reserved by tensord but unallocated."
+        )
+        if not self._commits.caps_commit():
+            return message  # PyTorch's, word for word: capacity bounds segment bytes
+        # under a commit cap "free" counts pages given back inside segments; a request
+        # that needs a new segment may still fail on the segments' own bound: say so
+        size = round_size(nbytes)
+        smallest = get_allocation_size(size)
+        if self.policy.tight_segments:
+            smallest = min(smallest, tight_allocation_size(size, is_small_size(size)))
+        spanned, bound = self._reserved(), self._segment_capacity()
+        if spanned + smallest <= bound:
+            return message
+        return message + (
+            f" The free bytes are pages given back inside tensord's segments, which span "
+            f"{format_size(spanned)} of the {format_size(bound)} they may reach "
+            f"(virtual_capacity_factor {self.policy.virtual_capacity_factor:g} x the total "
+            f"capacity): a new {format_size(smallest)} segment would pass that bound."
+        )
 
     # -- helpers ----------------------------------------------------------------
 

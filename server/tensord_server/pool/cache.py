@@ -5,15 +5,17 @@
 beyond torch) and the steps of ``c10/cuda/CUDACachingAllocator.cpp`` that move blocks
 between them, each named after torch's: ``get_free_block``, ``alloc_block``,
 ``alloc_found_block``, ``free_block``, ``try_merge_blocks``, ``release_block``,
-``release_available_cached_blocks``, ``release_cached_blocks``.  Beside them the commit
-cap (policy ``decommit``: the capacity bounds committed bytes, not segment bytes; the
-:class:`~.commit.CommitLedger` says which pages went back); each step records its event
-in the pool's :class:`~.history.MemoryHistory`.
+``release_available_cached_blocks``, ``release_cached_blocks``.  Beside them the bounds
+under a commit cap (policy ``decommit``: the capacity bounds committed bytes, not segment
+bytes; the :class:`~.commit.CommitCap` admits blocks and gives pages back, its
+:class:`~.commit.CommitLedger` says which went back); each step records its event in the
+pool's :class:`~.history.MemoryHistory`.
 
-It takes no lock and decides nothing beyond torch's rules: :class:`~.pressure.PressureSteps`
-adds what the pool does under pressure, :class:`~.allocator.CachingPool` the lock and the
-public API over both.  One lock, the pool's, guards every field below, the collaborators'
-included.
+It takes no lock and decides nothing beyond torch's rules: its
+:class:`~.allocator.CachingPool` adds the lock and the public API, and lends its
+collaborators beyond torch (:class:`~.idle.IdleKeeping`, :class:`~.pressure.PressureSteps`)
+the narrow sites they act through, whose methods are written here.  One lock, the pool's,
+guards every field below, the collaborators' included.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from tensord_server.pool.blocks import (
     Segment,
     oversize_rules_allow,
 )
-from tensord_server.pool.commit import DECOMMIT_SCAN_LIMIT, Candidate, CommitLedger
+from tensord_server.pool.commit import Candidate, CommitCap
 from tensord_server.pool.compaction import (
     Relocator,
     SegmentShape,
@@ -47,7 +49,7 @@ from tensord_server.pool.compaction import (
 )
 from tensord_server.pool.consolidation import Consolidation
 from tensord_server.pool.history import TRACE_MAX_ENTRIES, MemoryHistory
-from tensord_server.pool.idle import IdleSegments
+from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.locks import CountingLock
 from tensord_server.pool.pages import Span
 from tensord_server.pool.policy import OOM_COMPACTION, PoolPolicy
@@ -106,13 +108,15 @@ class BlockCache:
         self._large = BlockPool(is_small=False)
         self._segments: dict[int, Segment] = {}  # segment address -> segment
         self._stats = DeviceStats()
-        # beyond torch (policy decommit): each segment's decommitted pages, and the free
-        # blocks worth decommitting
-        self._ledger = CommitLedger(decommitter(backend), (self._small, self._large))
-        # beyond torch (policy release_idle_s): the wholly free segments, and which are kept
-        self._idle = IdleSegments(costly_segment_churn(backend))
-        # beyond torch: when free bytes go back (consolidation, thresholds after a free)
-        self._consolidation = Consolidation()
+        # beyond torch (policy release_idle_s): the wholly free segments, which are kept, and
+        # giving them back (over this cache as its IdleSite)
+        self._idle = IdleKeeping(self, costly_segment_churn(backend))
+        # beyond torch (policy decommit): the commit ledger, each segment's decommitted
+        # pages and the free blocks worth decommitting, and the commit cap's steps over it
+        # (over this cache as its CommitSite)
+        self._commits = CommitCap(
+            self, self._idle, decommitter(backend), (self._small, self._large)
+        )
         # beyond torch: compaction planning's view of each segment's blocks, kept between
         # plans; a segment's entry is dropped whenever one of its blocks changes, so each
         # plan walks only the segments touched since the last
@@ -153,7 +157,9 @@ class BlockCache:
             return None
         except BackendOutOfMemory:
             return None
-        if self._caps_commit() and not self._commit_room(self._ledger.edge_pages(memory)):
+        if self._commits.caps_commit() and not self._commits.commit_room(
+            self._commits.ledger.edge_pages(memory)
+        ):
             self.backend.release(memory)  # its partial edge pages would not fit
             return None
         segment = Segment(memory, stream, pool.is_small)
@@ -162,7 +168,7 @@ class BlockCache:
         self._segments[memory.address] = segment
         self._shapes.pop(memory.address, None)
         increase(self._stats.segment, pool.kind, 1)
-        untouched = self._ledger.untouched(segment) if self._decommits() else 0
+        untouched = self._commits.ledger.untouched(segment) if self._commits.decommits() else 0
         increase(self._stats.reserved_bytes, pool.kind, alloc_size - untouched)
         if untouched:
             increase(self._stats.decommitted_bytes, pool.kind, untouched)
@@ -194,7 +200,7 @@ class BlockCache:
             remaining.address += size
             remaining.size -= size
             pool.insert(remaining)
-            self._note_decommit_candidate(remaining)
+            self._commits.note_candidate(remaining)
             if already_split:
                 # An already-split free block shrinks by the bytes handed out.
                 decrease(stats.inactive_split_bytes, kind, size)
@@ -208,7 +214,7 @@ class BlockCache:
             decrease(stats.inactive_split, kind, 1)
         block.allocated = True
         block.requested_size = requested
-        self._recommit(block)
+        self._commits.recommit(block)
         increase(stats.allocation, kind, 1)
         increase(stats.allocated_bytes, kind, block.size)
         increase(stats.active, kind, 1)
@@ -254,8 +260,7 @@ class BlockCache:
             net_blocks += 1
             net_bytes += block.size
         else:
-            segment = block.segment
-            self._idle.became_idle(segment, self.clock(), self._ledger.committed_in(segment))
+            self._idle.became_idle(block.segment)
         stats = self._stats
         kind = pool.kind
         if net_blocks > 0:
@@ -269,9 +274,13 @@ class BlockCache:
         decrease(stats.active, kind, 1)
         decrease(stats.active_bytes, kind, original_size)
         decrease(stats.requested_bytes, kind, requested)
-        if block.is_split() and self._decommits() and self.policy.decommit_threshold is None:
-            self._decommit_free_block(block)
-        self._note_decommit_candidate(block)
+        if (
+            block.is_split()
+            and self._commits.decommits()
+            and self.policy.decommit_threshold is None
+        ):
+            self._commits.decommit_free_block(block)
+        self._commits.note_candidate(block)
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """Mirrors try_merge_blocks: ``dst`` absorbs its free neighbour ``src``; returns its size."""
@@ -311,7 +320,7 @@ class BlockCache:
         segment.memory = DeviceMemory(segment.address, segment.size)
         self._stats.num_device_free += 1
         decrease(self._stats.segment, pool.kind, 1)
-        decommitted = self._ledger.release(segment)
+        decommitted = self._commits.ledger.release(segment)
         if decommitted:
             decrease(self._stats.decommitted_bytes, pool.kind, decommitted)
         decrease(self._stats.reserved_bytes, pool.kind, block.size - decommitted)
@@ -358,6 +367,7 @@ class BlockCache:
         return True
 
     def _releasable_segment(self, segment: Segment) -> bool:
+        """Whether ``segment``, once wholly free, may go back to the device now."""
         if segment in self._copying_from:
             return False
         veto = self.segment_releasable
@@ -367,132 +377,120 @@ class BlockCache:
         """Whether the segment of a whole free block may go back to the device now."""
         return self._releasable_segment(block.segment)
 
-    # -- beyond torch: decommitted page ranges (CommitLedger) ---------------------------------
+    # -- the cache's side of its collaborators (IdleSite, CommitSite, PressureSite) -----------
 
-    def _decommits(self) -> bool:
-        return self._ledger.can_decommit and self.policy.decommit
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the blocks allocated now (no lock): what the tiers' watermarks measure."""
+        return self._allocated()
 
-    def _caps_commit(self) -> bool:
-        """Whether the capacity bounds committed bytes (a pool that decommits), not segment
-        bytes: fragmentation of the address space then costs no device memory."""
-        return self._decommits()
+    def compacts_in_background(self) -> bool:
+        """Whether a background compactor may give back what a free leaves (a doorbell is
+        set, the policy has a compact_threshold, and blocks may move)."""
+        return (
+            self.compaction_wanted is not None
+            and self.policy.compact_threshold is not None
+            and self.relocator is not None
+        )
+
+    def near_the_edge(self) -> bool:
+        """Whether the device is used beyond the policy's keep_idle_below (no idle segment
+        is kept there)."""
+        return Consolidation.near_the_edge(self.policy, self._capacity_used(), self.capacity)
+
+    def segment_at(self, address: int) -> Segment:
+        """The live segment at ``address``."""
+        return self._segments[address]
+
+    def has_whole_free_block(self) -> bool:
+        """Whether some free block spans its whole segment: the free blocks of a pool less
+        those of split segments (stat ``inactive_split``), in O(1)."""
+        split = self._stats.inactive_split
+        return any(len(pool.keys) > split[pool.kind].current for pool in (self._large, self._small))
+
+    def whole_free_blocks(self) -> list[Block]:
+        """The free blocks that span their whole segment: the large pool's, then the small
+        pool's, each by (stream, size, address)."""
+        return [
+            block
+            for pool in (self._large, self._small)
+            for block in (pool.free_blocks[key[2]] for key in pool.keys)
+            if not block.is_split()
+        ]
+
+    def releasable_segment(self, segment: Segment) -> bool:
+        """Whether ``segment``, once wholly free, may go back to the device now."""
+        return self._releasable_segment(segment)
+
+    def release_free_segment(self, address: int) -> None:
+        """Give the wholly free segment at ``address`` back to the device."""
+        head = self._segments[address].head
+        assert head is not None and not head.allocated and not head.is_split(), head
+        self._release_block(head)
+
+    def committed_bytes(self) -> int:
+        """Reserved bytes less decommitted ones (``reserved_bytes``)."""
+        return self._committed()
+
+    def segment_bytes(self) -> int:
+        """Bytes of every segment, decommitted pages included."""
+        return self._reserved()
+
+    def segment_capacity(self) -> int:
+        """What segment bytes may reach."""
+        return self._segment_capacity()
+
+    def free_bytes(self) -> int:
+        """The bytes of every free block, of both pools."""
+        return self._small.free_bytes() + self._large.free_bytes()
+
+    def new_segment_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
+        """Reserve a new segment of ``size`` bytes for ``pool``: its one free block (not in
+        the pool), or None when the device refuses (alloc_block, not a retry)."""
+        return self._alloc_block(pool, size, stream, is_retry=False)
+
+    def count_decommitted(self, block: Block, nbytes: int, ranges: int) -> None:
+        """``nbytes`` of the free ``block``'s pages went back, in ``ranges`` backend calls."""
+        assert block.pool is not None
+        decrease(self._stats.reserved_bytes, block.pool.kind, nbytes)
+        increase(self._stats.decommitted_bytes, block.pool.kind, nbytes)
+        self._stats.num_decommits += ranges
+
+    def count_recommitted(self, block: Block, nbytes: int) -> None:
+        """``nbytes`` of decommitted pages under the allocated ``block`` count as reserved
+        again."""
+        assert block.pool is not None
+        decrease(self._stats.decommitted_bytes, block.pool.kind, nbytes)
+        increase(self._stats.reserved_bytes, block.pool.kind, nbytes)
+
+    def committed_in(self, segment: Segment) -> int:
+        """``segment``'s committed bytes (its size less its decommitted pages)."""
+        return self._commits.ledger.committed_in(segment)
+
+    # -- beyond torch: the bounds under a commit cap (CommitCap) --------------------------------
 
     def _segment_capacity(self) -> int:
         """What segment bytes may reach: the capacity, or under a commit cap the policy's
         virtual_capacity_factor x capacity (address space, memfds)."""
-        if not self._caps_commit():
+        if not self._commits.caps_commit():
             return self.capacity
         return int(self.capacity * self.policy.virtual_capacity_factor)
 
     def _capacity_used(self) -> int:
         """The bytes the capacity bounds: committed ones under a commit cap, else segments'."""
-        return self._committed() if self._caps_commit() else self._reserved()
-
-    def _admit(self, block: Block | None, size: int) -> Block | None:
-        """``block`` (taken out of its pool, or a new segment's) if the device has room to
-        commit the pages ``size`` bytes at its front would take (free pages elsewhere given
-        back first, whole free segments released); else None, the block back in its pool
-        (a new segment's released)."""
-        if block is None or not self._caps_commit():
-            return block
-        if self._committed() + block.size + 2 * self._ledger.page <= self.capacity:
-            return block  # whatever it commits fits: its pages rounded out, < 2 pages more
-        cost = self._ledger.commit_cost(block, size, self.max_split_size)
-        if self._commit_room(cost, release_segments=True):
-            return block
-        assert block.pool is not None
-        block.pool.insert(block)
-        self._note_decommit_candidate(block)  # making room may have popped its entry
-        if not block.is_split() and self._releasable(block):  # as _commit_room did to others
-            self._release_block(block)
-        return None
-
-    def _admit_move(self, block: Block, size: int) -> bool:
-        """Whether a compaction move may take ``size`` bytes at the front of the free
-        ``block`` (out of its pool): room to commit its pages, made by decommitting free
-        pages elsewhere (no segment goes back: the plan may still use every free block)."""
-        return self._commit_room(self._ledger.commit_cost(block, size, self.max_split_size))
-
-    def _commit_room(self, nbytes: int, *, release_segments: bool = False) -> bool:
-        """Whether ``nbytes`` more committed bytes fit the capacity, giving back free pages
-        (the largest free blocks first: those of split segments, then wholly free segments,
-        released when ``release_segments``, else decommitted) until they do.  A free block
-        out of its pool (being allocated) is never touched."""
-        shortfall = self._committed() + nbytes - self.capacity
-        if shortfall <= 0:
-            return True
-        shortfall -= self._ledger.give_back(shortfall, self._decommit_free_block)
-        if shortfall <= 0:
-            return True
-        for block in self._idle.cached_heads(self._segments):
-            if not block.is_split() and release_segments and self._releasable(block):
-                shortfall -= self._ledger.committed_in(block.segment)
-                self._release_block(block)
-            else:
-                shortfall -= self._decommit_free_block(block, minimum=0)
-            if shortfall <= 0:
-                break
-        return shortfall <= 0
-
-    def _recommit(self, block: Block) -> None:
-        """A block allocated over decommitted pages: they count as reserved again."""
-        recommitted = self._ledger.recommit(block)
-        if recommitted:
-            assert block.pool is not None
-            decrease(self._stats.decommitted_bytes, block.pool.kind, recommitted)
-            increase(self._stats.reserved_bytes, block.pool.kind, recommitted)
-
-    def _decommit_free_block(self, block: Block, minimum: int | None = None) -> int:
-        """Give back the whole pages of a free block not given back yet, when the block has
-        at least ``minimum`` bytes (default: the policy's decommit_min_bytes), and count
-        them; the bytes decommitted now."""
-        if minimum is None:
-            minimum = self.policy.decommit_min_bytes
-        decommitted, ranges = self._ledger.decommit(block, minimum)
-        if decommitted:
-            assert block.pool is not None
-            decrease(self._stats.reserved_bytes, block.pool.kind, decommitted)
-            increase(self._stats.decommitted_bytes, block.pool.kind, decommitted)
-            self._stats.num_decommits += ranges
-            self._idle.decommitted(block.segment, decommitted)
-        return decommitted
-
-    def _decommit_excess(self, threshold: float) -> None:
-        """While committed bytes exceed ``threshold`` x allocated, give back the pages of
-        free blocks of split segments, the largest first (no copy: cheaper than compaction,
-        and the only way to shrink a hole between blocks that may not move), at most
-        DECOMMIT_SCAN_LIMIT candidates looked at, and only once committed bytes exceed the
-        policy's decommit_wake_threshold x allocated (hysteresis: below it freed holes stay
-        warm).  Wholly free segments keep theirs (the next request like the last one
-        reuses warm pages)."""
-        # wholly free segments keep their pages: counted, they would keep committed above
-        # the threshold (a server keeps them warm for release_idle_s) and every hole freed
-        # meanwhile would go back at once, hysteresis or not
-        committed = self._committed() - self._idle.committed
-        policy = self.policy
-        target = self._ledger.excess(policy, committed, self._allocated(), threshold)
-        if target:
-            minimum = policy.decommit_min_bytes
-            self._ledger.give_back(target, self._decommit_free_block, minimum, DECOMMIT_SCAN_LIMIT)
-
-    def _note_decommit_candidate(self, block: Block) -> None:
-        """A free block that may hold committed whole pages (a freed or split-off one):
-        _decommit_excess may give them back once its segment is split."""
-        if not self._decommits() or not block.is_split():
-            return
-        self._ledger.note_candidate(block)
+        return self._committed() if self._commits.caps_commit() else self._reserved()
 
     # -- what tests inspect of the commit ledger ----------------------------------------------
 
     @property
     def _decommitted(self) -> dict[int, list[Span]]:
         """The ledger's decommitted ranges, by segment address."""
-        return self._ledger.spans
+        return self._commits.ledger.spans
 
     @property
     def _decommit_candidates(self) -> list[Candidate]:
         """The ledger's decommit candidates (a heap)."""
-        return self._ledger.candidates
+        return self._commits.ledger.candidates
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -8,9 +8,16 @@ the pool's ``reserved_bytes`` counts the rest (committed bytes), and the device'
 then bounds committed bytes rather than segment bytes.
 
 The ledger also keeps the free blocks that may still hold committed pages (its
-candidates), so that giving pages back looks only at blocks that have some.  It counts
-no statistics (the pool does, from what its methods return) and takes no lock: the
-owning :class:`~.allocator.CachingPool` calls it with the pool's lock held.
+candidates), so that giving pages back looks only at blocks that have some.
+
+:class:`CommitCap`, the pool's collaborator, owns the ledger and the steps over it: whether
+the capacity bounds committed bytes, admitting a block only where its pages fit (free
+pages elsewhere given back first), giving back the pages of free blocks and the excess
+beyond the policy's decommit_threshold.  It reaches the pool only through the narrow
+:class:`CommitSite` (the policy and bounds, the committed and allocated bytes, giving a
+whole free segment back, and counting what went back or came back: the statistics are
+the pool's).  Neither counts statistics itself nor takes a lock: the owning
+:class:`~.allocator.CachingPool` calls them with the pool's lock held.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tensord_server.pool.backend import Decommit, DeviceMemory
 from tensord_server.pool.blocks import SMALL_POOL, Block, BlockPool, Segment, should_split
+from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.pages import (
     Span,
     add_spans,
@@ -289,3 +297,146 @@ class CommitLedger:
                     assert (-block.size, block.address, pool.kind) in entries, (
                         f"free {block} holds committed pages and is no decommit candidate"
                     )
+
+
+class CommitSite(Protocol):
+    """What :class:`CommitCap` needs of a pool: its policy and bounds, its committed and
+    allocated bytes, giving a whole free segment back, and counting the pages that went
+    back or came back.  The caller holds the pool's lock."""
+
+    policy: PoolPolicy
+    capacity: int
+    max_split_size: int
+
+    @property
+    def allocated_bytes(self) -> int: ...
+    def committed_bytes(self) -> int: ...
+    def releasable_segment(self, segment: Segment) -> bool: ...
+    def release_free_segment(self, address: int) -> None: ...
+    def count_decommitted(self, block: Block, nbytes: int, ranges: int) -> None: ...
+    def count_recommitted(self, block: Block, nbytes: int) -> None: ...
+
+
+class CommitCap:
+    """The commit cap (policy ``decommit``): the pool's :class:`CommitLedger`, and the steps
+    that keep committed bytes within the capacity and give free pages back.
+
+    Guarded by the owning pool's lock: every method is called with it held.  Its
+    invariants are its ledger's (:meth:`CommitLedger.assert_invariants`).
+    """
+
+    __slots__ = ("idle", "ledger", "site")
+
+    def __init__(
+        self,
+        site: CommitSite,
+        idle: IdleKeeping,
+        capability: tuple[Decommit, int] | None,
+        pools: tuple[BlockPool, BlockPool],
+    ) -> None:
+        self.site = site
+        self.idle = idle  # the pool's idle segments: given back, or their pages, for room
+        self.ledger = CommitLedger(capability, pools)
+
+    def decommits(self) -> bool:
+        return self.ledger.can_decommit and self.site.policy.decommit
+
+    def caps_commit(self) -> bool:
+        """Whether the capacity bounds committed bytes (a pool that decommits), not segment
+        bytes: fragmentation of the address space then costs no device memory."""
+        return self.decommits()
+
+    def admit(self, block: Block | None, size: int) -> Block | None:
+        """``block`` (taken out of its pool, or a new segment's) if the device has room to
+        commit the pages ``size`` bytes at its front would take (free pages elsewhere given
+        back first, whole free segments released); else None, the block back in its pool
+        (a new segment's released)."""
+        if block is None or not self.caps_commit():
+            return block
+        if self.site.committed_bytes() + block.size + 2 * self.ledger.page <= self.site.capacity:
+            return block  # whatever it commits fits: its pages rounded out, < 2 pages more
+        cost = self.ledger.commit_cost(block, size, self.site.max_split_size)
+        if self.commit_room(cost, release_segments=True):
+            return block
+        assert block.pool is not None
+        block.pool.insert(block)
+        self.note_candidate(block)  # making room may have popped its entry
+        if not block.is_split() and self.site.releasable_segment(
+            block.segment
+        ):  # as commit_room did to others
+            self.site.release_free_segment(block.segment.address)
+        return None
+
+    def admit_move(self, block: Block, size: int) -> bool:
+        """Whether a compaction move may take ``size`` bytes at the front of the free
+        ``block`` (out of its pool): room to commit its pages, made by decommitting free
+        pages elsewhere (no segment goes back: the plan may still use every free block)."""
+        return self.commit_room(self.ledger.commit_cost(block, size, self.site.max_split_size))
+
+    def commit_room(self, nbytes: int, *, release_segments: bool = False) -> bool:
+        """Whether ``nbytes`` more committed bytes fit the capacity, giving back free pages
+        (the largest free blocks first: those of split segments, then wholly free segments,
+        released when ``release_segments``, else decommitted) until they do.  A free block
+        out of its pool (being allocated) is never touched."""
+        shortfall = self.site.committed_bytes() + nbytes - self.site.capacity
+        if shortfall <= 0:
+            return True
+        shortfall -= self.ledger.give_back(shortfall, self.decommit_free_block)
+        if shortfall <= 0:
+            return True
+        for block in self.idle.cached_heads():
+            if (
+                not block.is_split()
+                and release_segments
+                and self.site.releasable_segment(block.segment)
+            ):
+                shortfall -= self.ledger.committed_in(block.segment)
+                self.site.release_free_segment(block.segment.address)
+            else:
+                shortfall -= self.decommit_free_block(block, minimum=0)
+            if shortfall <= 0:
+                break
+        return shortfall <= 0
+
+    def recommit(self, block: Block) -> None:
+        """A block allocated over decommitted pages: they count as reserved again."""
+        recommitted = self.ledger.recommit(block)
+        if recommitted:
+            self.site.count_recommitted(block, recommitted)
+
+    def decommit_free_block(self, block: Block, minimum: int | None = None) -> int:
+        """Give back the whole pages of a free block not given back yet, when the block has
+        at least ``minimum`` bytes (default: the policy's decommit_min_bytes), and count
+        them; the bytes decommitted now."""
+        if minimum is None:
+            minimum = self.site.policy.decommit_min_bytes
+        decommitted, ranges = self.ledger.decommit(block, minimum)
+        if decommitted:
+            self.site.count_decommitted(block, decommitted, ranges)
+            self.idle.decommitted(block.segment, decommitted)
+        return decommitted
+
+    def decommit_excess(self, threshold: float) -> None:
+        """While committed bytes exceed ``threshold`` x allocated, give back the pages of
+        free blocks of split segments, the largest first (no copy: cheaper than compaction,
+        and the only way to shrink a hole between blocks that may not move), at most
+        DECOMMIT_SCAN_LIMIT candidates looked at, and only once committed bytes exceed the
+        policy's decommit_wake_threshold x allocated (hysteresis: below it freed holes stay
+        warm).  Wholly free segments keep theirs (the next request like the last one
+        reuses warm pages)."""
+        # wholly free segments keep their pages: counted, they would keep committed above
+        # the threshold (a server keeps them warm for release_idle_s) and every hole freed
+        # meanwhile would go back at once, hysteresis or not
+        committed = self.site.committed_bytes() - self.idle.committed
+        policy = self.site.policy
+        target = self.ledger.excess(policy, committed, self.site.allocated_bytes, threshold)
+        if target:
+            minimum = policy.decommit_min_bytes
+            self.ledger.give_back(target, self.decommit_free_block, minimum, DECOMMIT_SCAN_LIMIT)
+
+    def note_candidate(self, block: Block) -> None:
+        """A free block that may hold committed whole pages (a freed or split-off one):
+        decommit_excess may give them back once its segment is split."""
+        if not self.decommits() or not block.is_split():
+            return
+        self.ledger.note_candidate(block)

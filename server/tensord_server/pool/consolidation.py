@@ -18,9 +18,9 @@ request its room (:mod:`.policy` names the switches):
   and a free gives them back itself rather than leaving them to the compactor.
 
 :class:`Consolidation` holds the arithmetic of those thresholds and the count of frees
-since the last compaction; the pool runs what it decides (compaction, repacking,
-releases) and counts it.  It takes no lock: the owning :class:`~.allocator.CachingPool`
-calls it with the pool's lock held.
+since the last compaction; its owner, :class:`~.pressure.PressureSteps`, runs what it
+decides (compaction, repacking, releases) and the pool counts it.  It takes no lock: it
+is called with the pool's lock held.
 """
 
 from __future__ import annotations

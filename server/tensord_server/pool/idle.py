@@ -17,9 +17,12 @@ after their last free, so a client's put after a pause of a few seconds finds it
 segment warm; the reserve never holds more than its bytes, and segments beyond it keep
 the schedule above.
 
-:class:`IdleSegments` records the idle segments and answers which are kept; whether the
-pool keeps any at all (a compactor runs, the device is not near its edge) is the pool's
-to say.  It takes no lock: the owning :class:`~.allocator.CachingPool` calls it with the
+:class:`IdleSegments` records the idle segments and answers, on plain numbers, which are
+kept.  :class:`IdleKeeping`, the pool's collaborator, owns that record and acts on it
+through the narrow :class:`IdleSite` the pool gives it: whether the pool keeps any at all
+(a background compactor runs, the device is not near its edge), which are kept now, and
+giving idle segments back (those beyond the budget, or the largest ones after a free).
+Neither takes a lock: the owning :class:`~.allocator.CachingPool` calls them with the
 pool's lock held.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from tensord_server.pool.blocks import Block, Segment
 from tensord_server.pool.policy import PoolPolicy
@@ -211,3 +215,162 @@ class IdleSegments:
             )
         total = sum(entry.committed for entry in self._entries.values())
         assert self.committed == total, "the idle segments' committed bytes"
+
+
+class IdleSite(Protocol):
+    """What :class:`IdleKeeping` needs of a pool: its policy and clock, its allocated bytes,
+    its whole free segments and giving them back.  The caller holds the pool's lock."""
+
+    policy: PoolPolicy
+    clock: Callable[[], float]
+    warm_reserve: int
+
+    @property
+    def allocated_bytes(self) -> int: ...
+    def compacts_in_background(self) -> bool: ...
+    def near_the_edge(self) -> bool: ...
+    def segment_at(self, address: int) -> Segment: ...
+    def has_whole_free_block(self) -> bool: ...
+    def whole_free_blocks(self) -> list[Block]: ...
+    def releasable_segment(self, segment: Segment) -> bool: ...
+    def release_free_segment(self, address: int) -> None: ...
+    def committed_in(self, segment: Segment) -> int: ...
+
+
+class IdleKeeping:
+    """The pool's idle segments (an :class:`IdleSegments` it owns), which of them it keeps
+    now, and giving them back (policy ``release_idle_s``, ``keep_idle_fraction``,
+    ``warm_reserve_s``, and after a free ``release_threshold``).
+
+    Guarded by the owning pool's lock: every method is called with it held.  Its
+    invariants are its record's (:meth:`IdleSegments.assert_invariants`) and the warm
+    reserve's bound (:meth:`assert_invariants`).
+    """
+
+    __slots__ = ("record", "site")
+
+    def __init__(self, site: IdleSite, costly_churn: bool) -> None:
+        self.site = site
+        self.record = IdleSegments(costly_churn)
+
+    # -- what the pool's steps tell it (the record's changes) ------------------------
+
+    def became_idle(self, segment: Segment) -> None:
+        """``segment`` is one free block again (a free merged its last block)."""
+        site = self.site
+        self.record.became_idle(segment, site.clock(), site.committed_in(segment))
+
+    def left(self, segment: Segment) -> None:
+        """``segment`` is no longer idle: a block is allocated from it, or it goes back."""
+        self.record.left(segment)
+
+    def decommitted(self, segment: Segment, nbytes: int) -> None:
+        """``nbytes`` of ``segment``'s pages went back to the device."""
+        self.record.decommitted(segment, nbytes)
+
+    @property
+    def committed(self) -> int:
+        """The idle segments' committed bytes, summed."""
+        return self.record.committed
+
+    @property
+    def costly_churn(self) -> bool:
+        return self.record.costly_churn
+
+    def cached_heads(self) -> list[Block]:
+        """The idle segments' blocks, the largest first, less one out of its pool."""
+        segment_at = self.site.segment_at
+        return self.record.cached_heads({address: segment_at(address) for address in self.record})
+
+    # -- which are kept ----------------------------------------------------------------
+
+    def keeps(self) -> bool:
+        """Whether the policy's release_idle_s applies: only where a background compactor
+        gives kept segments back later (the pool has a doorbell, and may compact)."""
+        return self.site.policy.release_idle_s is not None and self.site.compacts_in_background()
+
+    def kept(self) -> dict[int, float]:
+        """The wholly free segments kept now (policy ``release_idle_s``, and the warm
+        reserve's, ``warm_reserve_s``): address -> the clock() time from which they may go
+        back.  Background compaction neither empties nor fills them, nor counts them as
+        excess; the out-of-memory paths ignore this."""
+        site = self.site
+        if not self.record or not self.keeps() or site.near_the_edge():
+            return {}
+        return self.record.kept(
+            site.policy, site.clock(), site.allocated_bytes, reserve=site.warm_reserve
+        )
+
+    def warm(self) -> dict[int, float]:
+        """The warm reserve now (:meth:`IdleSegments.warm`)."""
+        site = self.site
+        return self.record.warm(site.policy, site.clock(), site.warm_reserve)
+
+    def decayed_beyond(self, kept: Mapping[int, float]) -> bool:
+        """Whether some idle segment not ``kept`` may go back now."""
+        site = self.site
+        return any(
+            address not in kept and site.releasable_segment(site.segment_at(address))
+            for address in self.record
+        )
+
+    def keeps_within_a_fraction(self) -> bool:
+        """Whether the kept ones are bounded by keep_idle_fraction (not a costly churn)."""
+        return self.record.keep_fraction(self.site.policy) is not None
+
+    # -- giving them back --------------------------------------------------------------
+
+    def release_unkept(self) -> bool:
+        """Give back the wholly free segments beyond the kept ones' budget (policy
+        keep_idle_fraction), the warm reserve's excepted: no copy, so cheap on a freeing
+        call, and the room is back before the compactor, woken, would come.  Whether any
+        went back."""
+        record, site = self.record, self.site
+        if len(record) <= 1:
+            return False  # the most recently freed one is kept whatever its size
+        policy, allocated = site.policy, site.allocated_bytes
+        if record.all_within_budget(policy, allocated):
+            return False  # every idle segment together fits the budget (most frees)
+        now = site.clock()
+        unbudgeted = record.kept(policy, now, allocated, budgeted=False)
+        if len(unbudgeted) <= 1:
+            return False  # within any budget
+        warm = record.warm(policy, now, site.warm_reserve)
+        released = False
+        for address in record.beyond_budget(policy, unbudgeted, allocated):
+            if address in warm:
+                continue  # the warm reserve keeps it
+            if site.releasable_segment(site.segment_at(address)):
+                site.release_free_segment(address)
+                released = True
+        return released
+
+    def release_largest(self, target: int) -> bool:
+        """Give back whole free segments, the largest first, until ``target`` bytes went
+        back; whether any went back."""
+        site = self.site
+        if not site.has_whole_free_block():
+            return False  # most calls: looking costs a walk of every free block
+        idle = [
+            block for block in site.whole_free_blocks() if site.releasable_segment(block.segment)
+        ]
+        released = 0
+        for block in sorted(idle, key=lambda b: (-b.size, b.address)):
+            if released >= target:
+                break
+            released += site.committed_in(block.segment)
+            site.release_free_segment(block.segment.address)
+        return bool(idle)
+
+    # -- invariants --------------------------------------------------------------------
+
+    def assert_invariants(
+        self, segments: Mapping[int, Segment], committed_in: Callable[[Segment], int]
+    ) -> None:
+        """The record's invariants, and the warm reserve holds no more than its bytes."""
+        self.record.assert_invariants(segments, committed_in)
+        reserve = self.site.warm_reserve
+        held = sum(committed_in(segments[address]) for address in self.warm())
+        assert held <= reserve, (
+            f"the warm reserve holds {held} committed bytes, beyond its {reserve}"
+        )

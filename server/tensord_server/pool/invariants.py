@@ -8,7 +8,7 @@ over a :class:`PoolParts` the pool gives under its lock; the tests call it (thro
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from tensord_server.pool.blocks import (
@@ -26,7 +26,7 @@ from tensord_server.pool.compaction import (
     segment_shape,
 )
 from tensord_server.pool.consolidation import Consolidation
-from tensord_server.pool.idle import IdleSegments
+from tensord_server.pool.idle import IdleKeeping
 from tensord_server.pool.stats import (
     STAT_ARRAY_NAMES,
     DeviceStats,
@@ -42,9 +42,7 @@ class PoolParts(NamedTuple):
     stats: DeviceStats
     ledger: CommitLedger
     decommits: bool  # whether the policy decommits, on a backend that can
-    idle: IdleSegments
-    warm: Collection[int]  # the addresses of the segments the warm reserve keeps now
-    warm_reserve: int  # the bytes the warm reserve may hold
+    idle: IdleKeeping
     consolidation: Consolidation
     shapes: Mapping[int, SegmentShape]  # segment address -> planning's kept shape
     max_split_size: int
@@ -60,10 +58,6 @@ def check_pool_invariants(pool: PoolParts) -> None:
     # the collaborators first: the statistics below are checked against what they hold
     ledger.assert_invariants(pool.segments, pool.decommits)
     pool.idle.assert_invariants(pool.segments, ledger.committed_in)
-    held = sum(ledger.committed_in(pool.segments[address]) for address in pool.warm)
-    assert held <= pool.warm_reserve, (
-        f"the warm reserve holds {held} committed bytes, beyond its {pool.warm_reserve}"
-    )
     pool.consolidation.assert_invariants()
     expected = {name: [0, 0, 0] for name in STAT_ARRAY_NAMES}
     oversize_allocations = oversize_segments = 0
