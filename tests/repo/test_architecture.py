@@ -133,6 +133,8 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("threads", ("worker", "streams")),
         # the one builder of every request message
         ("requests", ("requests",)),
+        # the op pipeline's state: the queue, the Batch in flight, the releases, the flusher
+        ("pipelining", ("batches",)),
         ("connection", ("connection",)),
     ),
     "tensord.local": (
