@@ -633,10 +633,10 @@ class Connection:
                     self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
     def _tick(self) -> None:
-        """The flusher's work of each interval (on its thread), before it sends what is
-        queued: gets' exports held past their time, then the export releases (in one
-        ordered Batch with the queued ops, the handle releases are the pipeline's), or
-        without pipelining every release."""
+        """The flusher's work of each interval (on its thread), before the pipeline sends
+        what is queued: gets' exports held past their time, then the export releases; without
+        pipelining the handle releases too (with it they ride in the pipeline's ordered Batch,
+        after the queued view that issued each handle)."""
         if self.local is not None:
             self.local.let_go()  # gets' exports held past their time go first
         if self.pipelining:
