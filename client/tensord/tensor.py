@@ -369,7 +369,7 @@ class Tensor(TensorBase, TorchInterop):
         """A view the server cannot refuse while this tensor's handle is live: its result
         keeps a subset of this one's dims and strides, reaches a subset of its elements and
         takes one handle.  Queued (with pipelining) as a view that, dropped unused before
-        its Batch, is never sent (see Connection.enqueue)."""
+        its Batch, is never sent (see Pipeline.enqueue in tensord.wire.batches)."""
         conn = self._session.conn
         if not conn.pipelining:
             return self._view(layout, op)

@@ -25,7 +25,7 @@ import torch
 from conftest import SessionStub, open_channel, wait_until
 from tensord import schema as pb
 from tensord.protocol import ANSWER_HEADER, CALL_HEADER, ERROR_DETAILS_KEY, ERROR_TYPE_KEY
-from tensord.wire import connection
+from tensord.wire import batches
 from tensord.wire.channel import CallChannel
 from tensord_server.domain import exports as server_exports
 from tensord_server.rpc import calls as rpc_calls
@@ -176,7 +176,7 @@ def test_a_clients_unary_calls_take_the_channel_and_answer_as_torch(
 ) -> None:
     # no background release while it runs: its call could hold the channel a while, and
     # a call meanwhile take gRPC
-    monkeypatch.setattr(connection, "RELEASE_INTERVAL_S", 60.0)
+    monkeypatch.setattr(batches, "RELEASE_INTERVAL_S", 60.0)
     with tensord.connect(server.address, pipelining=False) as client:
         channel = client._conn.call_channel
         assert channel is not None and channel.path == server.fd_socket.path

@@ -418,7 +418,7 @@ def test_a_delete_that_does_not_wait_is_queued_with_the_pipelined_ops(
 def test_a_delete_many_that_does_not_wait_is_one_queued_op_all_or_nothing(client: Any) -> None:
     client.put_many({"dm-1": [1], "dm-2": [2]})
     client.delete_many(["dm-1", "dm-missing"], wait=False)
-    assert len(client._conn._queue) == 1
+    assert client._conn.pipeline.queued == 1
     with pytest.raises(NotFoundError, match=r"item 1 \('dm-missing'\)"):
         client.synchronize()
     assert {"dm-1", "dm-2"} <= set(client.names())  # neither deleted

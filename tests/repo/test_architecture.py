@@ -82,8 +82,9 @@ SDK_LAYERS = tuple(layer for layer, _ in LAYERS if layer.startswith("sdk."))
 # (and the tools above it); in the SDK, only by its wire.
 GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status")
 GRPC_FREE_LAYERS = ("pool", "devices", "domain", *(sdk for sdk in SDK_LAYERS if sdk != "sdk.wire"))
-# Inside the rpc layer, the transport beside the gRPC server speaks no gRPC either.
-GRPC_FREE_MODULES = ("tensord_server.rpc.fd_socket",)
+# Inside the rpc layer, the transport beside the gRPC server speaks no gRPC either; inside
+# the SDK's wire, nor does the op pipeline (the connection sends its Batches).
+GRPC_FREE_MODULES = ("tensord_server.rpc.fd_socket", "tensord.wire.batches")
 
 # Layers inside a package, lowest first, as LAYERS orders the packages: a module imports its
 # own inner layer and those below it.  Prefixes are relative to the package ("" with ``$``:
@@ -133,6 +134,8 @@ INNER_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("threads", ("worker", "streams")),
         # the one builder of every request message
         ("requests", ("requests",)),
+        # the op pipeline's state: the queue, the Batch in flight, the releases, the flusher
+        ("pipelining", ("batches",)),
         ("connection", ("connection",)),
     ),
     "tensord.local": (

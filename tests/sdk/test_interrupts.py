@@ -177,16 +177,16 @@ def test_a_main_thread_flush_with_nothing_to_send_takes_no_lock_a_signal_could_k
     later flush, call and close hung."""
     x = client.tensor(np.arange(6, dtype=np.float32))
     client.synchronize()
-    conn = client._conn
-    real = conn._send_lock
-    conn._send_lock = _InterruptedOnAcquire(real)
+    pipeline = client._conn.pipeline
+    real = pipeline._send_lock
+    pipeline._send_lock = _InterruptedOnAcquire(real)
     interrupted = False
     try:
         client.synchronize()  # nothing queued: answered on the main thread
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        conn._send_lock = real
+        pipeline._send_lock = real
     leaked = real.locked()
     if leaked:
         real.release()  # so the client can close

@@ -430,7 +430,7 @@ def test_a_flush_with_nothing_to_send_stays_on_the_main_thread(
 ) -> None:
     """A read's settle with nothing queued or in flight costs no hop to the worker; one
     with an op queued still sends it, and waits for it."""
-    from tensord.wire import connection
+    from tensord.wire import batches, connection
 
     hops: list[Any] = []
     real = connection.off_main_thread
@@ -443,6 +443,7 @@ def test_a_flush_with_nothing_to_send_stays_on_the_main_thread(
     x = client.zeros(4, 3)
     client.synchronize()
     monkeypatch.setattr(connection, "off_main_thread", counted)
+    monkeypatch.setattr(batches, "off_main_thread", counted)  # the pipeline's flushes
     client.synchronize()
     client.flush()
     assert hops == []
@@ -478,7 +479,7 @@ def test_a_full_queue_is_sent_by_the_flusher_not_by_its_caller(
     """A loop of queued deletes well past a Batch's size never waits for the server (no
     flush runs on its thread: the flusher thread sends each full queue), and every delete
     is applied by the next wait; only a queue of PIPELINE_QUEUE_MAX makes its caller send."""
-    from tensord.wire import connection, pipeline
+    from tensord.wire import batches, connection, pipeline
 
     count = 3 * pipeline.PIPELINE_BATCH_MAX
     names = [f"full-queue-{i}" for i in range(count)]
@@ -487,15 +488,16 @@ def test_a_full_queue_is_sent_by_the_flusher_not_by_its_caller(
         client.put_many(dict.fromkeys(names[start : start + 256], one))
     client.synchronize()
     flushed_by: list[str] = []
-    real = connection.Connection._flush_now
+    real = batches.Pipeline._flush_now
 
     def recorded(self: Any, wait: bool, releases: bool) -> None:
         flushed_by.append(threading.current_thread().name)
         real(self, wait, releases)
 
-    monkeypatch.setattr(connection.Connection, "_flush_now", recorded)
+    monkeypatch.setattr(batches.Pipeline, "_flush_now", recorded)
     caller = threading.current_thread().name
     monkeypatch.setattr(connection, "off_main_thread", lambda work, *args: work())
+    monkeypatch.setattr(batches, "off_main_thread", lambda work, *args: work())
     for name in names:
         client.delete(name, wait=False)
     assert caller not in flushed_by, flushed_by

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from tensord import schema as pb
-from tensord.wire import connection
+from tensord.wire import batches as pipeline_batches
 
 
 def _count_acquisitions(monkeypatch: Any, *locks: Any) -> list[int]:
@@ -109,7 +109,7 @@ def test_a_dropped_unused_view_is_never_sent(
     client.synchronize()
     # the background flusher may send a view while its statement still holds it (it is
     # alive then, so sent, rightly): it sleeps through this test (once its 50 ms wait ends)
-    monkeypatch.setattr(connection, "RELEASE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(pipeline_batches, "RELEASE_INTERVAL_S", 3600.0)
     time.sleep(0.2)
     session = server.daemon.sessions.get(client.session_id)
     handles = server.daemon.sessions.handle_count(session)

@@ -229,7 +229,9 @@ def test_torch_waits_for_queued_writes_only(client: tensord.Client) -> None:
         waits.append(args)
         original(*args, **kwargs)
 
+    # the connection's and its pipeline's (what settle calls): each wait counted once
     conn.synchronize = counted
+    conn.pipeline.synchronize = counted
     try:
         for row in range(4):
             assert (x[row] + 1).tolist() == [1.0] * 4  # a queued view writes nothing: no wait
@@ -240,6 +242,7 @@ def test_torch_waits_for_queued_writes_only(client: tensord.Client) -> None:
         assert len(waits) == 1
     finally:
         conn.synchronize = original
+        del conn.pipeline.synchronize
 
 
 def test_one_export_per_storage_however_many_ops(client: tensord.Client) -> None:

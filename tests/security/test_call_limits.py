@@ -202,7 +202,7 @@ def test_the_sdk_sends_a_long_queue_in_batches_within_the_limits(
     sizes.clear()
     with monkeypatch.context() as held:
         held.setattr(conn, "flush_scheduler", lambda flush: None)  # nothing sent meanwhile
-        with conn._send_lock:  # nor by the background flusher
+        with conn.pipeline._send_lock:  # nor by the background flusher
             rows = [x[i] for i in range(2500)]
             pieces = [x.narrow(0, 1000 * i, 1000).unbind() for i in range(3)]
     rows[2499].fill_(-1.0)
@@ -233,7 +233,7 @@ def test_a_failed_batch_skips_the_batches_of_the_same_flush_after_it(
     monkeypatch.setattr(writes, "fill", fill)
     with monkeypatch.context() as held:
         held.setattr(conn, "flush_scheduler", lambda flush: None)
-        with conn._send_lock:
+        with conn.pipeline._send_lock:
             for _ in range(limits.MAX_BATCH_OPS + 10):
                 x.fill_(7.0)  # all after the first skipped with it, in its Batch and the next
     with pytest.raises(RuntimeError, match="the first fill fails"):

@@ -12,5 +12,6 @@ exceptions; none of them names a protobuf message.
   pipeline    a queued op (QueuedOp), the Batch sizes, cutting a queue into Batches
   channel     the session's call channel: its unary calls over the server's fd socket
   requests    every request message, built from plain values
-  connection  Connection: the channel, the session, the queues
+  batches     Pipeline: the queued ops, the Batch in flight, the releases, their flusher
+  connection  Connection: the channel, the session, the calls; it sends the pipeline's Batches
 """

@@ -4,8 +4,10 @@ Everything a Client's tensors send goes through one :class:`Connection`: unary c
 (each under the call deadline, its failure raised as :mod:`tensord.errors`' class by
 :mod:`tensord.wire.status`; on the server's host over the session's call channel,
 :mod:`tensord.wire.channel`, whenever it can take them), raw-byte transfers (:mod:`tensord.wire.streams`), the
-pipelined ops and the batched releases (:mod:`tensord.wire.pipeline`), and the
+pipelined ops and the batched releases (:mod:`tensord.wire.batches`), and the
 session's liveness (a KeepAlive stream, a new session when the server lost the old).
+The pipeline's state (the queue, the Batch in flight, the releases, the flusher) is its
+:class:`~tensord.wire.batches.Pipeline`'s; the connection sends its Batches.
 The main thread's calls run on worker threads (:mod:`tensord.wire.worker`); a fork
 waits for the background ones (:mod:`tensord.wire.fork`).
 """
@@ -22,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
@@ -37,22 +39,15 @@ from tensord.protocol import (
     SESSION_KEY,
     UPLOAD_HEADER_KEY,
 )
-from tensord.wire import requests
+from tensord.wire import fork, requests
 from tensord.wire.address import Probe, probe, serve_hint
+from tensord.wire.batches import BatchFuture, Pipeline
 from tensord.wire.channel import CallChannel, ChannelBroken
 from tensord.wire.config import CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT_S
 from tensord.wire.fork import FORK_GATE, LIVE_CONNECTIONS
-from tensord.wire.pipeline import (
-    PIPELINE_BATCH,
-    PIPELINE_BATCH_MAX,
-    PIPELINE_QUEUE_MAX,
-    CopyAnswered,
-    QueuedOp,
-    batch_parts,
-    describe,
-)
-from tensord.wire.status import batch_error, error_from_rpc, is_own_deadline
+from tensord.wire.pipeline import QueuedOp, take
 from tensord.wire.status import call as _call
+from tensord.wire.status import error_from_rpc, is_own_deadline
 from tensord.wire.streams import StreamWatchdog, WatchedStream, chunks, progressing
 from tensord.wire.worker import off_main_thread, track
 
@@ -68,8 +63,8 @@ CHANNEL_OPTIONS = (
     # per download that is still winding down when the caller forks next (tensord.wire.fork).
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 )
-# Dropped handles are sent in one Release per interval (or sooner once this many wait).
-RELEASE_INTERVAL_S = 0.05
+# Dropped handles are sent in one Release per interval of the pipeline's flusher
+# (tensord.wire.batches.RELEASE_INTERVAL_S), this many at most in one.
 RELEASE_BATCH = 1024
 # the longest wait between heartbeats, whatever lease the server grants (one hour)
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
@@ -98,48 +93,23 @@ class Settled:
         callback(self)
 
 
-class BatchInFlight(NamedTuple):
-    """The Batch sent and not yet collected (one at a time: the server applies them in order)."""
-
-    future: grpc.Future | Settled
-    queued: list[QueuedOp]
-    released: list[str]
-    #: the copies' callbacks, in op order (BatchResponse.copies answers them)
-    answered: list[CopyAnswered]
-    #: whether an op in it writes bytes (any but a view): a read of the pool waits for it
-    writes: bool
-
-
 # A forked child inherits every Connection (its session id, its channel) but none of its
 # threads.  The session is the parent's: the child must never close, release or beat it.
 # Nor may the child touch the inherited gRPC channel: closing it there hangs (a gRPC core
 # thread that held its locks exists only in the parent).  So in the child every inherited
 # Connection refuses use, its close does nothing, and its channel is kept referenced for
 # the life of the process (deallocating a channel closes it).
-# This process's id, kept by the fork hook: every pipelined view asks whether its
-# connection was inherited, and os.getpid() is a system call each time.
-_PROCESS_ID = os.getpid()
+# (this process's id is fork.PROCESS_ID, kept by the fork hook)
 _INHERITED_CHANNELS: list[grpc.Channel] = []
 # every connection's channel, for the child to keep (the connection is held weakly)
 _CHANNELS: weakref.WeakKeyDictionary[Connection, grpc.Channel] = weakref.WeakKeyDictionary()
 
 
 def _after_fork_in_child() -> None:
-    global _PROCESS_ID
-    _PROCESS_ID = os.getpid()
     _INHERITED_CHANNELS.extend(_CHANNELS.values())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def take(pending: collections.deque[str], limit: int) -> list[str]:
-    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
-    batch: list[str] = []
-    with contextlib.suppress(IndexError):
-        while len(batch) < limit:
-            batch.append(pending.popleft())
-    return batch
 
 
 def session_lost_message(session_id: str) -> str:
@@ -218,27 +188,20 @@ class Connection:
         )
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._pending: collections.deque[str] = collections.deque()
-        # pipelining: ops queued in issue order (with a word each for errors), the Batch in
-        # flight (one at a time, so the server applies them in order) and the first error
-        # of a Batch, raised at the next call that waits
-        self._queue: list[QueuedOp | None] = []  # None: a dead view's place (elided)
-        self._queued_writes = 0  # the ops in _queue that write bytes (not views)
-        self._queue_lock = threading.Lock()
-        # dead-view elision: each queued view that may be elided (one result, an op the
-        # server cannot refuse on a live base) whose id no later op and no caller has read
-        # yet -> its place in _queue; such a view dropped before its flush is never sent
-        self._elidable: dict[str, int] = {}
-        self._send_lock = threading.Lock()
-        self._sends = 0  # flushes that took _send_lock (counted under it)
-        # the Batch in flight: its future, its queued ops, its releases, the copies' callbacks
-        self._inflight: BatchInFlight | None = None
-        self._async_error: errors.TensordError | None = None
-        # the last Batch answered (set by gRPC's callback): _busy() compares it with _inflight's
-        self._answered_batch: grpc.Future | Settled | None = None
-        #: where a full queue's flush runs (None: in the thread that filled it); tensord.aio
-        #: hands it to an executor so a view never blocks the event loop
-        self.flush_scheduler: Callable[[Callable[[], None]], None] | None = None
+        #: the queued ops, the Batch in flight, the pending releases and their flusher
+        self.pipeline = Pipeline(
+            send=self._send_batch,
+            answer=self._batch_answer,
+            tick=self._tick,
+            closed=self._closed,
+            pipelining=pipelining,
+        )
+        # the pipeline's own methods, not wrappers: one Python call per view, not two
+        self.enqueue = self.pipeline.enqueue
+        self.handle_used = self.pipeline.handle_used
+        self.queue_release = self.pipeline.queue_release
+        self.synchronize = self.pipeline.synchronize
+        self.settle = self.pipeline.settle
         # same-host zero copy (tensord.local): ended exports, sent in batches like handles
         self._pending_exports: collections.deque[str] = collections.deque()
         self.local: Any = None  # the client's LocalMapper, when it may map the server's memory
@@ -267,17 +230,8 @@ class Connection:
         self._keepalive = threading.Thread(
             target=self._heartbeat_forever, name="tensord-heartbeat", daemon=True
         )
-        # released when the queue is full: the flusher sends it at once, not at its next
-        # tick.  A plain Lock, not an Event: its release and acquire are one C call each,
-        # which a signal in the main thread cannot interrupt halfway (an Event's set takes
-        # a Condition in Python code, which an interrupt there would leave held)
-        self._flush_wanted = threading.Lock()
-        self._flush_wanted.acquire()
-        self._flusher = threading.Thread(
-            target=self._flush_forever, name="tensord-release", daemon=True
-        )
         self._keepalive.start()
-        self._flusher.start()
+        self.pipeline.start()
 
     def _not_ready_message(self, probed: Probe, timeout: float) -> str:
         """Why the channel was not ready in ``timeout``, as far as the probe tells."""
@@ -331,7 +285,7 @@ class Connection:
     @property
     def inherited(self) -> bool:
         """True in a process forked from the one that connected: the session is the parent's."""
-        return self._pid != _PROCESS_ID
+        return self._pid != fork.PROCESS_ID
 
     def _check_open(self) -> None:
         if self.inherited:
@@ -549,132 +503,24 @@ class Connection:
             "the server may be hung or overloaded"
         )
 
-    # ---- pipelining (tensord.wire.pipeline) -----------------------------------------
+    # ---- pipelining (tensord.wire.batches) ------------------------------------------
+    # enqueue, handle_used, queue_release, synchronize and settle are the pipeline's own
+    # (bound in __init__); the connection sends its Batches and reads their answers
 
-    def enqueue(
-        self,
-        method: str,
-        verb: str,
-        handle: str,
-        message: Any,
-        results: tuple[str, ...] = (),
-        copied: CopyAnswered | None = None,
-        elidable: bool = False,
-    ) -> None:
-        """Queue the op of RPC ``method`` (its request ``message``) on ``handle``, its result
-        known here; sent in order in the next Batch, which builds its BatchOp
-        (:func:`tensord.wire.requests.batch`).  ``verb`` names the op in its error; of a
-        "View", it is the ViewRequest field ``message`` goes in.  ``copied``: for an op that makes a new Storage, called with what the
-        server issued once the Batch is answered (the Storage's id and address are the server's).
-        ``elidable``: a view of one result that the server cannot refuse while its input is
-        live (no room beyond its input's, no new dims or strides): dropped before it is
-        sent, and unused, it is removed from the queue with its release (:meth:`queue_release`)."""
-        # not _check_open() again: every caller took ``handle`` through Tensor.handle, which did
-        with self._queue_lock:
-            queue = self._queue
-            elidable_views = self._elidable
-            if elidable_views:
-                elidable_views.pop(handle, None)  # its input is used now: that view must go
-            # tuple.__new__: NamedTuple's own __new__ is a Python call, and this runs per view
-            queue.append(tuple.__new__(QueuedOp, (method, verb, handle, message, results, copied)))
-            if method != "View":
-                self._queued_writes += 1
-            if elidable:
-                elidable_views[results[0]] = len(queue) - 1
-            queued = len(queue)
-        if queued < PIPELINE_BATCH:
-            return
-        if self.flush_scheduler is not None:
-            if queued >= PIPELINE_BATCH_MAX or not self._busy():
-                self.flush_scheduler(lambda: self._flush(wait=False))
-        elif queued >= PIPELINE_QUEUE_MAX:
-            self._flush(wait=False)  # the server far behind: wait for the Batches before
-        elif self._flush_wanted.locked():
-            self._wake_flusher()  # the flusher sends it (once its Batch before is answered)
+    @property
+    def flush_scheduler(self) -> Callable[[Callable[[], None]], None] | None:
+        """Where a full queue's flush runs (None: in the thread that filled it); tensord.aio
+        hands it to an executor so a view never blocks the event loop."""
+        return self.pipeline.flush_scheduler
 
-    def _busy(self) -> bool:
-        """Whether a Batch is in flight and not answered yet (the server still works on it)."""
-        inflight = self._inflight
-        return inflight is not None and self._answered_batch is not inflight.future
+    @flush_scheduler.setter
+    def flush_scheduler(self, scheduler: Callable[[Callable[[], None]], None] | None) -> None:
+        self.pipeline.flush_scheduler = scheduler
 
-    def _batch_answered(self, future: grpc.Future | Settled) -> None:
-        # gRPC's done() takes the call's Condition, which a view (enqueue, on the main
-        # thread) must not: a signal there could leave it held; one store is atomic
-        self._answered_batch = future
-
-    def synchronize(self, releases: bool = True) -> None:
-        """Send what is queued and wait until the server applied it; raise the first error
-        a queued op met since the last wait (the error names that op)."""
-        self._flush(wait=True, releases=releases)
-        error, self._async_error = self._async_error, None
-        if error is not None:
-            raise error
-
-    def settle(self) -> None:
-        """:meth:`synchronize`, only when a write is queued or in flight (or an error kept):
-        what a read of the pooled bytes needs first.  Views write no bytes: a queue of views
-        is left to its Batch, so torch on a fresh view costs no round trip."""
-        if self._async_error is not None or self._writes_pending():
-            self.synchronize(releases=False)
-
-    def _writes_pending(self) -> bool:
-        inflight = self._inflight
-        return self._queued_writes > 0 or (inflight is not None and inflight.writes)
-
-    def _flush(self, wait: bool, releases: bool = True) -> None:
-        if self._idle(releases):
-            return  # nothing to send or wait for: no hop to the worker (a read's settle)
-        # all of it off the main thread, its lock included: an interrupted caller leaves
-        # the Batch to be sent and answered on the worker, in order with the next ones
-        off_main_thread(functools.partial(self._flush_now, wait, releases))
-
-    def _idle(self, releases: bool) -> bool:
-        """Whether a flush has nothing to do: no op queued, no Batch in flight or being
-        sent, and (with ``releases``) no release pending.  Every flush holds _send_lock
-        from taking the queue until it has sent it (and answered, when it waits), so an op
-        taken but not yet in flight is never missed: a flush under way, or one that began
-        while this looked, answers False."""
-        if self._queue or self._inflight is not None or (releases and self._pending):
-            return False
-        # never acquired here: this runs on the main thread, where a signal landing between
-        # an acquire and its release would leave the lock held for good.  A flush that took
-        # the lock after the first look has counted itself in _sends before taking anything.
-        sends = self._sends
-        if self._send_lock.locked():
-            return False
-        idle = not (self._queue or self._inflight is not None or (releases and self._pending))
-        return idle and not self._send_lock.locked() and self._sends == sends
-
-    def _flush_now(self, wait: bool, releases: bool) -> None:
-        with self._send_lock:
-            self._sends += 1  # before anything is taken: what _idle looks for
-            self._collect()  # at most one Batch in flight: the server applies them in order
-            with self._queue_lock:
-                queued = [op for op in self._queue if op is not None]
-                self._queue = []
-                self._queued_writes = 0
-                self._elidable.clear()  # sent now: past eliding
-            # releases after the ops queued so far: a handle dropped was issued before it
-            released = self._take_pending() if releases else []
-            if not (queued or released) or self._closed.is_set() or self.inherited:
-                return
-            parts = batch_parts(queued, released)
-            for index, (part, part_released) in enumerate(parts):
-                if index and not self._collect():
-                    # the part before failed: the ops after it are skipped, as they are
-                    # after a failed op in one Batch; the releases wait for the next one
-                    self._requeue_releases(released)
-                    return
-                # the last, when its caller waits for it at once: the call channel may take it
-                self._send_batch(part, part_released, wait and index == len(parts) - 1)
-            if wait:
-                self._collect()
-
-    def _send_batch(self, queued: list[QueuedOp], released: list[str], now: bool) -> None:
-        """Send one Batch of ``queued`` then ``released`` (the caller holds _send_lock and
-        collected the Batch before); ``now``: its caller waits for its answer at once, so the
-        call channel may answer it (a Batch left in flight goes through gRPC)."""
-        answered = [op.copied for op in queued if op.copied is not None]
+    def _send_batch(self, queued: list[QueuedOp], released: list[str], now: bool) -> BatchFuture:
+        """Send one Batch of ``queued`` then ``released`` (the pipeline holds its send lock
+        and collected the Batch before); ``now``: its caller waits for its answer at once, so
+        the call channel may answer it (a Batch left in flight goes through gRPC)."""
         request = requests.batch(queued, released)
         if self.local is not None:
             self.local.before_call()
@@ -682,92 +528,19 @@ class Connection:
         if future is None:
             timeout = None if self.call_timeout is None else self.call_timeout
             future = self._stub.Batch.future(request, metadata=self.metadata(), timeout=timeout)
-        writes = any(op.method != "View" for op in queued)
-        self._inflight = BatchInFlight(future, queued, released, answered, writes)
-        future.add_done_callback(self._batch_answered)
+        return future
 
-    def _take_pending(self) -> list[str]:
-        batch: list[str] = []
-        with contextlib.suppress(IndexError):
-            while len(batch) < PIPELINE_BATCH * 4 and self._pending:
-                batch.append(self._pending.popleft())
-        return batch
-
-    def _collect(self) -> bool:
-        """Wait for the Batch in flight; keep its first error for the next wait.  Whether
-        it was applied whole (True when none was in flight)."""
-        if self._inflight is None:
-            return True
-        future, queued, released, answered, _ = self._inflight
-        self._inflight = None
+    def _batch_answer(self, future: BatchFuture) -> Any:
+        """A sent Batch's BatchResponse once it is answered, or its failure as tensord's
+        error (returned: the pipeline keeps it for the next wait)."""
         try:
-            response = future.result()
+            return future.result()
         except grpc.RpcError as err:
-            self._keep_error(error_from_rpc(err, self.address, self.node))
-            return False
+            return error_from_rpc(err, self.address, self.node)
         except errors.TensordError as exc:  # a Batch the call channel answered
-            self._keep_error(exc)
-            return False
-        for copied, meta in zip(answered, response.copies, strict=False):  # the applied ones
-            copied(meta)
-        if response.failed:
-            index = response.failed_index
-            ops = len(queued) + bool(released)  # the releases ride last, in one op
-            if released and index < ops - 1:  # skipped
-                self._requeue_releases(released)
-            what = describe(queued, bool(released), index)
-            skipped = ops - index - 1
-            self._keep_error(
-                batch_error(
-                    response,
-                    f"{response.error_message} (pipelined op {what} failed on the server; "
-                    f"the {skipped} op(s) queued after it in the same batch were skipped)",
-                )
-            )
-            return False
-        return True
-
-    def _requeue_releases(self, released: list[str]) -> None:
-        """Handles whose release a Batch skipped (an op before it failed) go back to the
-        queue: without this they kept their Storages until the session ended.  Not after
-        an RPC error: the next Batch would fail too, and flush_releases loops while any wait."""
-        if not self._closed.is_set():
-            self._pending.extend(released)
-
-    def _keep_error(self, error: errors.TensordError) -> None:
-        if self._async_error is None:  # the first error is the one that explains the rest
-            self._async_error = error
+            return exc
 
     # ---- releases (batched) --------------------------------------------------------
-
-    def handle_used(self, handle: str) -> None:
-        """``handle`` was read (Tensor.handle: for another op, a call, a share, a name): a
-        queued view that issues it must be sent, even once its tensor is dropped."""
-        if handle in self._elidable:
-            with self._queue_lock:
-                self._elidable.pop(handle, None)
-
-    def queue_release(self, handle: str) -> None:
-        """Called from finalizers: must never block or raise, so it only appends, or elides
-        a dead view: when ``handle`` is a queued view's that nothing used (see enqueue),
-        that view and its release are never sent.  It only tries the queue's lock (a
-        finalizer may run in a thread holding it), and releases as usual when it is taken."""
-        # after close the session has freed them all; an inherited session is not ours to free
-        if self._closed.is_set() or self.inherited:
-            return
-        if handle in self._elidable and self._queue_lock.acquire(blocking=False):
-            try:
-                index = self._elidable.pop(handle, None)
-                if index is not None:
-                    queue = self._queue
-                    if index == len(queue) - 1:
-                        queue.pop()  # the commonest case: a view dropped at once
-                    else:
-                        queue[index] = None  # the places of the others stay as they are
-                    return
-            finally:
-                self._queue_lock.release()
-        self._pending.append(handle)
 
     def queue_export_release(self, export_id: str) -> None:
         """Called from array finalizers and DLPack deleters: only appends, like queue_release."""
@@ -785,15 +558,7 @@ class Connection:
         op queued before is applied, so no carried handle is one a queued op has yet to issue."""
         if self.inherited or self._closed.is_set():
             return []
-        if not self.pipelining:
-            return take(self._pending, RELEASE_BATCH)
-        with self._send_lock:
-            self._sends += 1
-            self._collect()  # the Batch in flight issued its handles
-            with self._queue_lock:
-                if any(op is not None for op in self._queue):
-                    return []  # queued since: the flusher sends them in order
-                return self._take_pending()
+        return self.pipeline.releases_applied_first(RELEASE_BATCH)
 
     def empty_export(self, empty: pb.EmptyRequest, carry_releases: bool) -> pb.EmptyExportResponse:
         """Empty then Export of the new tensor in one call (a same-host upload).
@@ -834,7 +599,7 @@ class Connection:
             response: pb.EmptyExportResponse = self._unary("EmptyExport", request, sync=False)
         except BaseException:
             if not self._closed.is_set():  # else the session's end frees them
-                self._pending.extendleft(reversed(handles))
+                self.pipeline.return_releases(handles)
                 self._pending_exports.extendleft(reversed(exports))
             raise
         return response
@@ -857,50 +622,27 @@ class Connection:
     def flush_releases(self) -> None:
         self.flush_export_releases()
         if self.pipelining:  # in order with the queued ops; an op's error waits for a sync
-            self._flush(wait=True)
-            while self._pending and not self.inherited and not self._closed.is_set():
-                self._flush(wait=True)
+            self.pipeline.flush_releases()
             return
-        while self._pending and not self.inherited:
-            batch: list[str] = []
-            with contextlib.suppress(IndexError):  # another flusher emptied the deque
-                while len(batch) < RELEASE_BATCH:
-                    batch.append(self._pending.popleft())
+        while self.pipeline.releases_pending and not self.inherited:
+            # (another flusher may have emptied it meanwhile)
+            batch = self.pipeline.take_releases(RELEASE_BATCH)
             if batch and not self._closed.is_set():
                 # A failed release is harmless: the session's close or grace frees them anyway.
                 with contextlib.suppress(errors.TensordError):
                     self._unary("Release", requests.release(batch), timeout=self._close_timeout)
 
-    def _wake_flusher(self) -> None:
-        with contextlib.suppress(RuntimeError):  # woken already
-            self._flush_wanted.release()
-
-    def _flush_forever(self) -> None:
-        ticked = time.monotonic()
-        while not self._closed.is_set():
-            full = self._flush_wanted.acquire(timeout=RELEASE_INTERVAL_S)
-            if self._closed.is_set():
-                return
-            with contextlib.suppress(Exception), FORK_GATE.busy():  # never die loudly
-                if full and self.pipelining:
-                    # sent now, after the Batch in flight is answered (waited for here);
-                    # what the caller queued meanwhile is sent at once if it is full too
-                    self._flush(wait=False)
-                    if len(self._queue) >= PIPELINE_BATCH:
-                        self._wake_flusher()
-                    if time.monotonic() - ticked < RELEASE_INTERVAL_S:
-                        continue  # else the tick's work too: a queue kept full never starves it
-                ticked = time.monotonic()
-                if self.local is not None:
-                    self.local.let_go()  # gets' exports held past their time go first
-                if self.pipelining:
-                    # queued ops and releases in one ordered Batch: a release sent alone
-                    # could overtake the queued view that issues its handle
-                    self.flush_export_releases()
-                    if not self._busy():  # else what is queued goes in one Batch after it
-                        self._flush(wait=False)
-                else:
-                    self.flush_releases()
+    def _tick(self) -> None:
+        """The flusher's work of each interval (on its thread), before the pipeline sends
+        what is queued: gets' exports held past their time, then the export releases; without
+        pipelining the handle releases too (with it they ride in the pipeline's ordered Batch,
+        after the queued view that issued each handle)."""
+        if self.local is not None:
+            self.local.let_go()  # gets' exports held past their time go first
+        if self.pipelining:
+            self.flush_export_releases()
+        else:
+            self.flush_releases()
 
     # ---- the session's liveness ------------------------------------------------------
 
@@ -1005,8 +747,8 @@ class Connection:
         deadline = time.monotonic() + self._close_timeout
         if self.pipelining:  # queued writes may reach Storages other sessions share
             with contextlib.suppress(errors.TensordError, grpc.RpcError):
-                self._flush(wait=True)
-            self._async_error = None  # the session ends: nothing waits for its ops any more
+                self.pipeline.flush(wait=True)
+            self.pipeline.drop_error()  # the session ends: nothing waits for its ops any more
         if self.local is not None:  # while the pool's memory there is still this session's
             self.local.make_private()
         with contextlib.suppress(errors.TensordError):
@@ -1014,7 +756,7 @@ class Connection:
                 "CloseSession", requests.close_session(), timeout=self._close_timeout, sync=False
             )
         self._closed.set()
-        self._wake_flusher()  # the flusher sees the end now
+        self.pipeline.wake_flusher()  # the flusher sees the end now
         if self._watchdog is not None:
             self._watchdog.stop()
         # a beat or a release in flight has its own deadline, and closing the channel
@@ -1023,8 +765,7 @@ class Connection:
             with contextlib.suppress(Exception):
                 self._keepalive_call.cancel()
         self._keepalive.join(timeout=max(deadline - time.monotonic(), 0.0))
-        self._flusher.join(timeout=max(deadline - time.monotonic(), 0.0))
-        self._pending.clear()
+        self.pipeline.stop(timeout=max(deadline - time.monotonic(), 0.0))
         self._pending_exports.clear()
         channel, self.call_channel = self.call_channel, None
         if channel is not None:  # the session's end made its key useless

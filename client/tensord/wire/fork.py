@@ -76,6 +76,18 @@ class ForkGate:
         self._forking = False
 
 
+#: this process's id, kept by the fork hook: every pipelined view asks whether its
+#: connection was inherited, and os.getpid() is a system call each time
+PROCESS_ID = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global PROCESS_ID
+    PROCESS_ID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 #: the one gate of this process (reset in place in a child, so importers keep it)
 FORK_GATE = ForkGate()
 

@@ -5,12 +5,14 @@ result's id chosen here) and sent in order with the ops before it, in one Batch 
 once PIPELINE_BATCH wait, at the next call that waits for the server, or within the
 release interval.  The server applies a Batch's ops in order and stops at the first that
 fails; the connection raises that error, naming the op, at the next call that waits.
-The queue itself is the connection's (:meth:`~tensord.wire.connection.Connection.enqueue`);
+The queue itself is the connection's pipeline (:meth:`tensord.wire.batches.Pipeline.enqueue`);
 this module holds its record and the pure rules for cutting it into Batches.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -92,3 +94,12 @@ def describe(queued: list[QueuedOp], released: bool, index: int) -> str:
         op = queued[index]
         return f"{op.verb} of {op.handle[:8]}..."
     return "release" if released and index == len(queued) else "?"
+
+
+def take(pending: collections.deque[str], limit: int) -> list[str]:
+    """Up to ``limit`` ids from the left of ``pending`` (other threads may take too)."""
+    batch: list[str] = []
+    with contextlib.suppress(IndexError):
+        while len(batch) < limit:
+            batch.append(pending.popleft())
+    return batch
