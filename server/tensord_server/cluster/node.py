@@ -36,7 +36,7 @@ from urllib.parse import quote, unquote
 from tensord.errors import AlreadyExistsError, ClusterUnavailableError
 from tensord.protocol import VERSION
 
-from tensord_server.cluster.cache import RereadBudget, WatchedCache
+from tensord_server.cluster.cache import RereadBudget, SharedRead, WatchedCache
 from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
 from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
 
@@ -53,7 +53,9 @@ MAX_LOST_NAMES = 65_536
 # Owners of other nodes' names kept from earlier lookups (the least recently used go first).
 MAX_CACHED_OWNERS = 65_536
 # A member missing from the members held in memory (it may have joined a moment ago, its
-# record not yet told by the watch) is read from etcd once more, within this deadline...
+# record not yet told by the watch) is read from etcd once more, within this deadline: it
+# bounds the whole re-read (one try, on the endpoint in use; one that runs out is a miss,
+# never a reason to fail over from an endpoint that may only be slower than this)...
 MISS_READ_TIMEOUT_S = 0.5
 # ...at most this many times a second (after a burst of as many), whatever ids are asked.
 MISS_READS_PER_S = 4.0
@@ -116,6 +118,8 @@ class ClusterNode:
         self._owners: WatchedCache[NameOwner] = WatchedCache(MAX_CACHED_OWNERS)
         self._members: WatchedCache[tuple[NodeRecord, ...]] = WatchedCache(1)
         self._miss_reads = RereadBudget(MISS_READS_PER_S, round(MISS_READS_PER_S))
+        # misses at once share one re-read (it reads every member, whatever id missed)
+        self._miss_read: SharedRead[list[NodeRecord] | None] = SharedRead()
 
     # ---- membership --------------------------------------------------------------------
 
@@ -273,11 +277,17 @@ class ClusterNode:
         found = _find(records, node)
         if found is not None or cached is None:  # read just now: etcd's own answer
             return found
+        reread = self._miss_read.read(lambda: self._reread_members(node))
+        return None if reread is None else _find(reread, node)
+
+    def _reread_members(self, node: str) -> list[NodeRecord] | None:
+        """The members read again for a miss of ``node`` (None: over the re-read budget,
+        or etcd did not answer in time: the members in memory answer, as before)."""
         if not self._miss_reads.take():
             return None
         try:
-            return _find(self._read_members(MISS_READ_TIMEOUT_S), node)
-        except ClusterUnavailableError as exc:  # the members in memory answer, as before
+            return self._read_members(MISS_READ_TIMEOUT_S)
+        except ClusterUnavailableError as exc:
             log.info("cluster: reading the members again for %r: %s", node, exc)
             return None
 
