@@ -272,3 +272,55 @@ def test_reads_at_once_share_one_read() -> None:
     with pytest.raises(errors.ClusterUnavailableError):
         shared.read(fails)
     assert shared.read(lambda: 8) == 8
+
+
+def test_an_id_no_node_can_have_reads_nothing_and_takes_no_budget(
+    silent_endpoints: list[str],
+) -> None:
+    from tensord_server.cluster.node import ClusterNode
+
+    a = ClusterNode("bad-ids", "127.0.0.1:1", silent_endpoints, LEASE_S, [("cpu", 1)])
+    try:
+        listings = count_listings(a)
+        a._miss_reads = RereadBudget(4.0, 4, FakeClock())
+        malformed = ["", "a b", "../nodes/x", "-leading-dash", "x" * 64, "y" * (4 << 20)]
+        assert [a.member(node) for node in malformed] == [None] * len(malformed)
+        assert listings == []  # etcd was not asked
+        assert [a._miss_reads.take() for _ in range(4)] == [True] * 4  # the budget is whole
+    finally:
+        a.close()
+
+
+def test_a_callers_node_id_is_shown_cut_short() -> None:
+    from tensord_server.cluster import SHOWN_NODE_ID_CHARS, shown_node_id
+
+    assert shown_node_id("node-b") == "'node-b'"
+    huge = shown_node_id("z" * (4 << 20))
+    assert len(huge) < 2 * SHOWN_NODE_ID_CHARS and f"({4 << 20} characters)" in huge
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_a_malformed_node_id_is_refused_before_any_lookup(
+    make_node: Callable[[str], InProcessNode],
+) -> None:
+    from tensord.wire import requests
+
+    a = make_node("ids-a")
+    listings = count_listings(a.member)
+    long = "q" * 4000  # within the request limits on strings, far past a node id
+    with tensord.connect(a.address, token="alice-token", local=False, call_timeout=10) as on_a:
+        conn = on_a._session.conn
+        x = on_a.tensor(np.arange(3, dtype=np.float32))
+        for bad in ("a b", "../names/alice", long):
+            listings.clear()
+            with pytest.raises(errors.InvalidArgumentError, match="is not a node id") as raised:
+                conn.call("ListNodes", requests.list_nodes(bad))
+            assert len(str(raised.value)) < 1000  # the id is not echoed in full
+            copy = requests.copy_to_node(x.handle, bad, "cpu", on_a.session_id)
+            with pytest.raises(errors.InvalidArgumentError, match="is not a node id"):
+                conn.call("CopyToNode", copy)
+            with pytest.raises(errors.NotFoundError, match="unknown share token"):
+                on_a.attach(f"{bad}~{'0' * 32}")
+            assert listings == []  # none of them read etcd
+        assert conn.call("ListNodes", requests.list_nodes(a.node_id)).node == a.node_id

@@ -36,6 +36,7 @@ from urllib.parse import quote, unquote
 from tensord.errors import AlreadyExistsError, ClusterUnavailableError
 from tensord.protocol import VERSION
 
+from tensord_server.cluster import NODE_ID, shown_node_id
 from tensord_server.cluster.cache import RereadBudget, SharedRead, WatchedCache
 from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
 from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
@@ -272,6 +273,8 @@ class ClusterNode:
         return self._read_members()
 
     def member(self, node: str) -> NodeRecord | None:
+        if NODE_ID.fullmatch(node) is None:  # no member's id: never worth a re-read
+            return None
         cached = self._members.get(NODES)
         records = list(cached) if cached is not None else self._read_members()
         found = _find(records, node)
@@ -282,13 +285,14 @@ class ClusterNode:
 
     def _reread_members(self, node: str) -> list[NodeRecord] | None:
         """The members read again for a miss of ``node`` (None: over the re-read budget,
-        or etcd did not answer in time: the members in memory answer, as before)."""
+        or etcd did not answer in time: the members in memory answer, as before).  Its
+        log lines are as few as the budget's re-reads, each with the id cut short."""
         if not self._miss_reads.take():
             return None
         try:
             return self._read_members(MISS_READ_TIMEOUT_S)
         except ClusterUnavailableError as exc:
-            log.info("cluster: reading the members again for %r: %s", node, exc)
+            log.info("cluster: reading the members again for %s: %s", shown_node_id(node), exc)
             return None
 
     def _read_members(self, timeout: float | None = None) -> list[NodeRecord]:
