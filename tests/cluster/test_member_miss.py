@@ -324,3 +324,29 @@ def test_a_malformed_node_id_is_refused_before_any_lookup(
                 on_a.attach(f"{bad}~{'0' * 32}")
             assert listings == []  # none of them read etcd
         assert conn.call("ListNodes", requests.list_nodes(a.node_id)).node == a.node_id
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_nodes_of_the_other_transport_neither_join_nor_take_copies(
+    make_node: Callable[[str], InProcessNode], etcd: EtcdServer
+) -> None:
+    from tensord.wire import requests
+    from tensord_server.cluster.node import ClusterNode, MixedTransportError
+
+    a = make_node("plain-a")  # serves plaintext, and its member record says so
+    t_id = f"tls-t-{os.getpid()}"
+    t = ClusterNode(t_id, "127.0.0.1:9", [etcd.endpoint], LEASE_S, [("cpu", 1)], tls=True)
+    try:
+        with pytest.raises(MixedTransportError, match="serves plaintext and this node TLS"):
+            t.join()
+        assert t_id not in [n.node for n in a.member.nodes()]
+        t._register()  # as a node that joined first, or at the same moment, would be
+        assert a.member.member(t_id) is not None and a.member.member(t_id).tls is True
+        with tensord.connect(a.address, token="alice-token", local=False) as on_a:
+            x = on_a.tensor(np.arange(3, dtype=np.float32))
+            copy = requests.copy_to_node(x.handle, t_id, "cpu", on_a.session_id)
+            with pytest.raises(errors.UnavailableError, match="serves TLS and this node plain"):
+                on_a._session.conn.call("CopyToNode", copy)  # refused before any dial
+    finally:
+        t.close()

@@ -86,6 +86,14 @@ class NodeIdTakenError(RuntimeError):
     """Another live member already registered under this --node-id."""
 
 
+class MixedTransportError(RuntimeError):
+    """A live member serves TLS where this node serves plaintext, or the other way round."""
+
+
+def _transport(tls: bool) -> str:
+    return "TLS" if tls else "plaintext"
+
+
 class ClusterNode:
     """One member of a tensord cluster (a :class:`NameDirectory` for the name table).
 
@@ -100,8 +108,10 @@ class ClusterNode:
         endpoints: list[str],
         lease_s: float,
         devices: Iterable[tuple[str, int]],
+        tls: bool = False,
     ) -> None:
         self._node = node
+        self.tls = tls  # whether this node serves TLS (its member record says so)
         self.address = address
         self.lease_s = lease_s
         self.ttl = max(1, round(lease_s))  # etcd's TTLs are whole seconds
@@ -133,13 +143,26 @@ class ClusterNode:
         return self._incarnation
 
     def join(self) -> None:
-        """Register (ClusterUnavailableError, NodeIdTakenError) and start the threads that
-        keep the lease and watch the names."""
+        """Register (ClusterUnavailableError, NodeIdTakenError, MixedTransportError) and
+        start the threads that keep the lease and watch the names."""
+        self._refuse_a_mixed_cluster()
         self._register()
         for target, what in ((self._keep_alive_forever, "lease"), (self._watch_forever, "watch")):
             thread = threading.Thread(target=target, name=f"tensord-cluster-{what}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _refuse_a_mixed_cluster(self) -> None:
+        """MixedTransportError when a live member serves TLS and this node does not, or
+        the other way round: their node calls could never succeed (a node call never
+        falls back to plaintext), so the node does not join."""
+        for member in self._read_members():
+            if member.node != self._node and member.tls is not None and member.tls != self.tls:
+                raise MixedTransportError(
+                    f"node {member.node!r} ({member.address}) of the cluster serves "
+                    f"{_transport(member.tls)} and this node {_transport(self.tls)}: every "
+                    "node of a cluster serves TLS (--tls-cert, --cluster-ca), or none does"
+                )
 
     def _register(self) -> None:
         lease = self.etcd.grant(self.ttl)
@@ -150,6 +173,7 @@ class ClusterNode:
             "devices": [list(device) for device in self.devices],
             "version": VERSION,
             "incarnation": incarnation,
+            "tls": self.tls,
         }
         created, _, held = self.etcd.create(
             NODES + self._node.encode(), json.dumps(record).encode(), lease
@@ -302,8 +326,16 @@ class ClusterNode:
         for _, value in listed.kvs:
             r = json.loads(value)
             devices = tuple((str(d), int(c)) for d, c in r.get("devices", ()))
+            tls = r.get("tls")
             records.append(
-                NodeRecord(r["node"], r["address"], devices, r["version"], r["incarnation"])
+                NodeRecord(
+                    r["node"],
+                    r["address"],
+                    devices,
+                    r["version"],
+                    r["incarnation"],
+                    tls if isinstance(tls, bool) else None,
+                )
             )
         records.sort()
         self._members.store(NODES, tuple(records), listed.revision, listed.read_at)

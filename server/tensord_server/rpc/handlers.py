@@ -27,6 +27,7 @@ from tensord.errors import (
     OwnedElsewhereError,
     ResourceExhaustedError,
     UnauthenticatedError,
+    UnavailableError,
 )
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
@@ -592,6 +593,14 @@ class TensordService:
         target = directory.member(request.node)
         if target is None:
             raise NotFoundError(f"no live node {request.node!r} in the cluster")
+        if target.tls is not None and target.tls != link.tls:
+            raise UnavailableError(
+                f"node {target.node!r} of the cluster ({target.address}) serves "
+                f"{'TLS' if target.tls else 'plaintext'} and this node "
+                f"{'TLS' if link.tls else 'plaintext'} (by its member record in etcd): "
+                "node calls never cross between the two; every node of a cluster serves "
+                "TLS, or none does"
+            )
         ref = self.store.sessions.lookup(session, request.handle)
         numel = ref.layout.numel
         header = pb.UploadHeader(
