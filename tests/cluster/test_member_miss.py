@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import tensord
-from conftest import start_server
+from conftest import start_server, wait_until
 from tensord import errors
-from tensord_server.cluster.cache import RereadBudget
+from tensord_server.cluster.cache import RereadBudget, SharedRead
 from test_cluster import CLUSTER_SECRET, ETCD, LEASE_S, EtcdServer, needs_etcd, start_etcd
 
 
@@ -179,3 +181,172 @@ def test_a_node_that_just_joined_is_a_copys_target_and_a_tokens_node(
             x.to("nowhere/cpu")
         with pytest.raises(errors.NotFoundError, match="not in the cluster"):
             on_a.attach("gone-node~" + token.partition("~")[2])
+
+
+@pytest.fixture
+def silent_endpoints() -> Iterator[list[str]]:
+    """Two loopback ports that take connections and never answer (a paused etcd): every
+    call to them runs out of its deadline."""
+    listeners = []
+    for _ in range(2):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listeners.append(listener)
+    yield [f"127.0.0.1:{listener.getsockname()[1]}" for listener in listeners]
+    for listener in listeners:
+        listener.close()
+
+
+def test_a_listing_with_its_own_deadline_fails_no_endpoint_over(
+    silent_endpoints: list[str],
+) -> None:
+    from tensord_server.cluster.etcd import Etcd
+    from tensord_server.cluster.node import NODES
+
+    client = Etcd(silent_endpoints)
+    try:
+        in_use = client.stubs
+        with pytest.raises(errors.ClusterUnavailableError, match="did not answer in time"):
+            client.listing(NODES, NODES + b"\xff", timeout=0.05)
+        assert client.stubs is in_use  # the same endpoint, its channel left open
+        assert in_use.endpoint == silent_endpoints[0]
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_a_miss_reread_that_runs_out_leaves_the_endpoint_and_its_channel(
+    etcd: EtcdServer,
+    silent_endpoints: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    wait_until: Callable[..., bool],
+) -> None:
+    import tensord_server.cluster.node as cluster_node
+
+    # etcd first, then a second endpoint; a re-read's deadline always runs out here
+    endpoints = [etcd.endpoint, silent_endpoints[0]]
+    a = cluster_node.ClusterNode("slow-a", "127.0.0.1:1", endpoints, LEASE_S, [("cpu", 1)])
+    a.join()
+    try:
+        listings = count_listings(a)
+        assert wait_until(lambda: members_from_memory(a, listings), timeout=5)
+        in_use = a.etcd.stubs
+        monkeypatch.setattr(cluster_node, "MISS_READ_TIMEOUT_S", 1e-6)
+        listings.clear()
+        assert [a.member(f"ghost-{i}") for i in range(3)] == [None] * 3
+        assert len(listings) == 3  # each was read, and ran out
+        assert a.etcd.stubs is in_use  # no tenant's miss moved the node off etcd
+        assert a.claim("bob", "after-the-misses", overwrite=False) > 0  # its channel works
+    finally:
+        a.close()
+
+
+def test_reads_at_once_share_one_read() -> None:
+    shared: SharedRead[int] = SharedRead()
+    reads: list[int] = []
+    release = threading.Event()
+
+    def read() -> int:
+        reads.append(1)
+        assert release.wait(timeout=10)
+        return 42
+
+    answers: list[int] = []
+    threads = [threading.Thread(target=lambda: answers.append(shared.read(read))) for _ in range(4)]
+    threads[0].start()
+    assert wait_until(lambda: len(reads) == 1, timeout=10)  # the first is reading
+    for thread in threads[1:]:
+        thread.start()
+    assert wait_until(lambda: shared.waiting == 3, timeout=10)  # the others wait for it
+    release.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert answers == [42] * 4 and len(reads) == 1
+    assert shared.read(lambda: 7) == 7  # the next read is a read of its own
+
+    def fails() -> int:
+        raise errors.ClusterUnavailableError("etcd did not answer")
+
+    with pytest.raises(errors.ClusterUnavailableError):
+        shared.read(fails)
+    assert shared.read(lambda: 8) == 8
+
+
+def test_an_id_no_node_can_have_reads_nothing_and_takes_no_budget(
+    silent_endpoints: list[str],
+) -> None:
+    from tensord_server.cluster.node import ClusterNode
+
+    a = ClusterNode("bad-ids", "127.0.0.1:1", silent_endpoints, LEASE_S, [("cpu", 1)])
+    try:
+        listings = count_listings(a)
+        a._miss_reads = RereadBudget(4.0, 4, FakeClock())
+        malformed = ["", "a b", "../nodes/x", "-leading-dash", "x" * 64, "y" * (4 << 20)]
+        assert [a.member(node) for node in malformed] == [None] * len(malformed)
+        assert listings == []  # etcd was not asked
+        assert [a._miss_reads.take() for _ in range(4)] == [True] * 4  # the budget is whole
+    finally:
+        a.close()
+
+
+def test_a_callers_node_id_is_shown_cut_short() -> None:
+    from tensord_server.cluster import SHOWN_NODE_ID_CHARS, shown_node_id
+
+    assert shown_node_id("node-b") == "'node-b'"
+    huge = shown_node_id("z" * (4 << 20))
+    assert len(huge) < 2 * SHOWN_NODE_ID_CHARS and f"({4 << 20} characters)" in huge
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_a_malformed_node_id_is_refused_before_any_lookup(
+    make_node: Callable[[str], InProcessNode],
+) -> None:
+    from tensord.wire import requests
+
+    a = make_node("ids-a")
+    listings = count_listings(a.member)
+    long = "q" * 4000  # within the request limits on strings, far past a node id
+    with tensord.connect(a.address, token="alice-token", local=False, call_timeout=10) as on_a:
+        conn = on_a._session.conn
+        x = on_a.tensor(np.arange(3, dtype=np.float32))
+        for bad in ("a b", "../names/alice", long):
+            listings.clear()
+            with pytest.raises(errors.InvalidArgumentError, match="is not a node id") as raised:
+                conn.call("ListNodes", requests.list_nodes(bad))
+            assert len(str(raised.value)) < 1000  # the id is not echoed in full
+            copy = requests.copy_to_node(x.handle, bad, "cpu", on_a.session_id)
+            with pytest.raises(errors.InvalidArgumentError, match="is not a node id"):
+                conn.call("CopyToNode", copy)
+            with pytest.raises(errors.NotFoundError, match="unknown share token"):
+                on_a.attach(f"{bad}~{'0' * 32}")
+            assert listings == []  # none of them read etcd
+        assert conn.call("ListNodes", requests.list_nodes(a.node_id)).node == a.node_id
+
+
+@pytest.mark.slow
+@needs_etcd
+def test_nodes_of_the_other_transport_neither_join_nor_take_copies(
+    make_node: Callable[[str], InProcessNode], etcd: EtcdServer
+) -> None:
+    from tensord.wire import requests
+    from tensord_server.cluster.node import ClusterNode, MixedTransportError
+
+    a = make_node("plain-a")  # serves plaintext, and its member record says so
+    t_id = f"tls-t-{os.getpid()}"
+    t = ClusterNode(t_id, "127.0.0.1:9", [etcd.endpoint], LEASE_S, [("cpu", 1)], tls=True)
+    try:
+        with pytest.raises(MixedTransportError, match="serves plaintext and this node TLS"):
+            t.join()
+        assert t_id not in [n.node for n in a.member.nodes()]
+        t._register()  # as a node that joined first, or at the same moment, would be
+        assert a.member.member(t_id) is not None and a.member.member(t_id).tls is True
+        with tensord.connect(a.address, token="alice-token", local=False) as on_a:
+            x = on_a.tensor(np.arange(3, dtype=np.float32))
+            copy = requests.copy_to_node(x.handle, t_id, "cpu", on_a.session_id)
+            with pytest.raises(errors.UnavailableError, match="serves TLS and this node plain"):
+                on_a._session.conn.call("CopyToNode", copy)  # refused before any dial
+    finally:
+        t.close()

@@ -95,13 +95,20 @@ def make_ca(directory: Path, name: str) -> tuple[Issued, Any, Any]:
     return files, cert, key
 
 
-def issue(directory: Path, name: str, ca_cert: Any, ca_key: Any) -> Issued:
-    """A node's certificate for localhost and 127.0.0.1, issued by the CA, and its key."""
+def issue(
+    directory: Path, name: str, ca_cert: Any, ca_key: Any, hosts: tuple[str, ...] = ()
+) -> Issued:
+    """A node's certificate for ``hosts`` (DNS names; by default localhost and
+    127.0.0.1), issued by the CA, and its key."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+    sans: list[Any] = [x509.DNSName(host) for host in hosts] or [
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     cert = (
@@ -112,12 +119,7 @@ def issue(directory: Path, name: str, ca_cert: Any, ca_key: Any) -> Issued:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage(
@@ -138,6 +140,7 @@ class Pki:
     ca: Issued  # the cluster's CA
     other_ca: Issued  # a CA that issued none of the nodes' certificates
     nodes: dict[str, Issued]  # each node's certificate, issued by ``ca``
+    elsewhere: Issued  # issued by ``ca``, for another host only (not 127.0.0.1)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +150,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     ca, ca_cert, ca_key = make_ca(directory, "cluster-ca")
     other, _, _ = make_ca(directory, "other-ca")
     nodes = {name: issue(directory, f"node-{name}", ca_cert, ca_key) for name in "abcp"}
-    return Pki(ca, other, nodes)
+    elsewhere = issue(directory, "node-elsewhere", ca_cert, ca_key, hosts=("other.example",))
+    return Pki(ca, other, nodes, elsewhere)
 
 
 @pytest.fixture(scope="module")
@@ -252,22 +256,64 @@ def test_a_node_call_to_an_unvouched_or_plaintext_peer_fails_clearly(
 ) -> None:
     a = serve_tls(etcd, tokens_file, pki, "a")
     c = serve_tls(etcd, tokens_file, pki, "c", ca=pki.other_ca)  # trusts none of its peers
-    p = start_nodes(etcd, tokens_file, "p")[0]  # serves plaintext
     try:
-        with connect(c, pki) as on_c, connect(a, pki) as on_a:
+        with connect(c, pki) as on_c:
             x = on_c.tensor(np.arange(6, dtype=np.float32))
             with pytest.raises(errors.UnavailableError, match="TLS handshake failed") as raised:
                 x.to(f"{node_id(a)}/cpu")
             assert "--cluster-ca" in str(raised.value) and a.address in str(raised.value)
             assert not isinstance(raised.value, errors.NodeLostError)
-            y = on_a.tensor(np.arange(6, dtype=np.float32))
-            with tensord.connect(p.address, token="alice-token", local=False) as on_p:
-                # the SDK's own copy call, into a session on p (a plaintext client of p)
-                request = requests.copy_to_node(y.handle, node_id(p), "cpu", on_p.session_id)
-                with pytest.raises(errors.UnavailableError, match="TLS handshake failed"):
-                    on_a._session.conn.call("CopyToNode", request)  # never in the clear
-                assert on_p.memory_stats()["allocated_bytes.all.current"] == 0
+        # a node serving plaintext does not join a cluster whose nodes serve TLS
+        refused = run_serve(
+            "--address", "127.0.0.1:0", "--auth-tokens", tokens_file, "--node-id", "p",
+            "--cluster", etcd.url(), "--cluster-lease", "2s",
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert "serves TLS and this node plaintext" in refused.stderr, refused.stderr
     finally:
-        p.stop()
         c.stop()
         a.stop()
+
+
+@pytest.mark.parametrize("peer", ["certified for another host", "serving plaintext"])
+def test_a_node_call_to_a_peer_certified_for_another_host_fails_clearly(
+    pki: Pki, peer: str
+) -> None:
+    """The cluster's CA vouches for the peer's certificate, but for another host than
+    the address it was dialled at, or the peer does not speak TLS (a record in etcd that
+    does not say, of an older node): a failed TLS handshake, not a lost node."""
+    from concurrent import futures
+
+    import grpc
+    from tensord_server.rpc.nodes import NodeLink
+
+    reached: list[bool] = []
+
+    def upload(chunks: Any, context: Any) -> None:
+        reached.append(True)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reached the handler")
+
+    handler = grpc.method_handlers_generic_handler(
+        "tensord.v1.Tensord", {"Upload": grpc.stream_unary_rpc_method_handler(upload)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([handler])
+    if peer == "serving plaintext":
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(pki.elsewhere.key.read_bytes(), pki.elsewhere.cert.read_bytes())]
+        )
+        address = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', credentials)}"
+    server.start()
+    link = NodeLink("cluster-secret-0123456789", pki.ca.cert.read_bytes())
+    try:
+        header = requests.upload_header((1,), "float32", "cpu", 4, False)
+        with pytest.raises(errors.UnavailableError, match="TLS handshake failed") as raised:
+            link.send("h", address, "alice", "session", header, [bytes(4)])
+        assert not isinstance(raised.value, errors.NodeLostError)
+        assert "--cluster-ca" in str(raised.value) and address in str(raised.value)
+        assert reached == []  # the call never got past the handshake
+    finally:
+        link.close()
+        server.stop(0)

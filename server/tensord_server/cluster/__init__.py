@@ -24,6 +24,8 @@ DEFAULT_CLUSTER_LEASE_S = 10.0
 MIN_CLUSTER_LEASE_S = 2.0
 # What a --node-id may be: it is part of etcd keys and of torch-style "node/device" names.
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# A node id a caller sent is shown (in an error, in the log) up to this many characters.
+SHOWN_NODE_ID_CHARS = 64
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -60,3 +62,11 @@ def check_node_id(node: str) -> str:
             f"or digit), got {node!r}"
         )
     return node
+
+
+def shown_node_id(node: str) -> str:
+    """``node`` quoted for a message, cut to SHOWN_NODE_ID_CHARS characters (and its
+    length then said): a caller's id may be megabytes."""
+    if len(node) <= SHOWN_NODE_ID_CHARS:
+        return repr(node)
+    return f"{node[:SHOWN_NODE_ID_CHARS]!r}... ({len(node)} characters)"

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Generic, NamedTuple, TypeVar
 
 V = TypeVar("V")
@@ -133,3 +134,47 @@ class RereadBudget:
                 return False
             self._tokens -= 1.0
             return True
+
+
+class SharedRead(Generic[V]):
+    """One read at a time, shared: a caller that comes while a read is under way waits
+    for it and gets its answer (or its exception) rather than starting another.  Many
+    tenants' lookups that miss at once then cost etcd one read, and one of the re-read
+    budget.  Thread-safe.
+
+    Invariants (under ``_lock``): ``_running`` is the read under way (None: none);
+    ``waiting`` counts the callers waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: Future[V] | None = None
+        self.waiting = 0
+
+    def read(self, read: Callable[[], V]) -> V:
+        """``read()``'s answer: this caller's own, or that of the read under way."""
+        with self._lock:
+            running = self._running
+            if running is None:
+                mine: Future[V] = Future()
+                self._running = mine
+            else:
+                self.waiting += 1
+        if running is not None:
+            try:
+                return running.result()
+            finally:
+                with self._lock:
+                    self.waiting -= 1
+        try:
+            answer = read()
+        except BaseException as exc:
+            self._done()
+            mine.set_exception(exc)
+            raise
+        self._done()
+        mine.set_result(answer)
+        return answer
+
+    def _done(self) -> None:
+        with self._lock:
+            self._running = None

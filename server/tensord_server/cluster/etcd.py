@@ -113,11 +113,17 @@ class Etcd:
             self._stubs = self._open(self.endpoints[self._index])
         failed.channel.close()
 
-    def call(self, what: str, fn: Callable[[Stubs], T]) -> T:
+    def call(self, what: str, fn: Callable[[Stubs], T], fail_over: bool = True) -> T:
         """``fn(stubs)``, retried once on each other endpoint while etcd is unreachable;
-        ClusterUnavailableError (``what`` failed, and why) when none answers."""
+        ClusterUnavailableError (``what`` failed, and why) when none answers.
+
+        Without ``fail_over``, ``fn`` is tried once, on the current endpoint, and its
+        failure moves no caller on: a call with a deadline shorter than the client's (a
+        quick look) that runs out says nothing about the endpoint, which may be healthy
+        but slower than that deadline, and failing it over would close the channel that
+        the watch, the lease's renewals and every other call in flight share."""
         error: grpc.RpcError | None = None
-        for _ in self.endpoints:
+        for _ in self.endpoints if fail_over else self.endpoints[:1]:
             stubs = self.stubs
             try:
                 return fn(stubs)
@@ -126,6 +132,10 @@ class Etcd:
                 if code not in _UNREACHABLE:
                     raise ClusterUnavailableError(
                         f"{what}: etcd at {stubs.endpoint} refused it: {_describe(err)}"
+                    ) from None
+                if not fail_over:
+                    raise ClusterUnavailableError(
+                        f"{what}: etcd at {stubs.endpoint} did not answer in time: {_describe(err)}"
                     ) from None
                 error = err
                 self._fail_over(stubs)
@@ -219,10 +229,16 @@ class Etcd:
         timeout: float | None = None,
     ) -> Listing:
         """:meth:`range` with the newest ``mod_revision`` among the keys listed and the
-        revision read at; ``timeout``: this call's deadline (None: the client's)."""
+        revision read at.  ``timeout``: a deadline for the whole listing (None: the
+        client's, failing over between the endpoints); given, it is one try on the current
+        endpoint, which no failure of it fails over (see :meth:`call`)."""
         request = rpc.RangeRequest(key=start, range_end=end, limit=limit, keys_only=keys_only)
         deadline = self.timeout if timeout is None else timeout
-        answer = self.call("listing", lambda s: s.kv.Range(request, timeout=deadline))
+        answer = self.call(
+            "listing",
+            lambda s: s.kv.Range(request, timeout=deadline),
+            fail_over=timeout is None,
+        )
         kvs = [(bytes(kv.key), bytes(kv.value)) for kv in answer.kvs]
         newest = max((int(kv.mod_revision) for kv in answer.kvs), default=0)
         return Listing(kvs, bool(answer.more), newest, int(answer.header.revision))

@@ -36,7 +36,8 @@ from urllib.parse import quote, unquote
 from tensord.errors import AlreadyExistsError, ClusterUnavailableError
 from tensord.protocol import VERSION
 
-from tensord_server.cluster.cache import RereadBudget, WatchedCache
+from tensord_server.cluster import NODE_ID, shown_node_id
+from tensord_server.cluster.cache import RereadBudget, SharedRead, WatchedCache
 from tensord_server.cluster.etcd import CompactedError, Etcd, prefix_end
 from tensord_server.domain.directory import NameLost, NameOwner, NodeRecord
 
@@ -53,7 +54,9 @@ MAX_LOST_NAMES = 65_536
 # Owners of other nodes' names kept from earlier lookups (the least recently used go first).
 MAX_CACHED_OWNERS = 65_536
 # A member missing from the members held in memory (it may have joined a moment ago, its
-# record not yet told by the watch) is read from etcd once more, within this deadline...
+# record not yet told by the watch) is read from etcd once more, within this deadline: it
+# bounds the whole re-read (one try, on the endpoint in use; one that runs out is a miss,
+# never a reason to fail over from an endpoint that may only be slower than this)...
 MISS_READ_TIMEOUT_S = 0.5
 # ...at most this many times a second (after a burst of as many), whatever ids are asked.
 MISS_READS_PER_S = 4.0
@@ -83,6 +86,14 @@ class NodeIdTakenError(RuntimeError):
     """Another live member already registered under this --node-id."""
 
 
+class MixedTransportError(RuntimeError):
+    """A live member serves TLS where this node serves plaintext, or the other way round."""
+
+
+def _transport(tls: bool) -> str:
+    return "TLS" if tls else "plaintext"
+
+
 class ClusterNode:
     """One member of a tensord cluster (a :class:`NameDirectory` for the name table).
 
@@ -97,8 +108,10 @@ class ClusterNode:
         endpoints: list[str],
         lease_s: float,
         devices: Iterable[tuple[str, int]],
+        tls: bool = False,
     ) -> None:
         self._node = node
+        self.tls = tls  # whether this node serves TLS (its member record says so)
         self.address = address
         self.lease_s = lease_s
         self.ttl = max(1, round(lease_s))  # etcd's TTLs are whole seconds
@@ -116,6 +129,8 @@ class ClusterNode:
         self._owners: WatchedCache[NameOwner] = WatchedCache(MAX_CACHED_OWNERS)
         self._members: WatchedCache[tuple[NodeRecord, ...]] = WatchedCache(1)
         self._miss_reads = RereadBudget(MISS_READS_PER_S, round(MISS_READS_PER_S))
+        # misses at once share one re-read (it reads every member, whatever id missed)
+        self._miss_read: SharedRead[list[NodeRecord] | None] = SharedRead()
 
     # ---- membership --------------------------------------------------------------------
 
@@ -128,13 +143,26 @@ class ClusterNode:
         return self._incarnation
 
     def join(self) -> None:
-        """Register (ClusterUnavailableError, NodeIdTakenError) and start the threads that
-        keep the lease and watch the names."""
+        """Register (ClusterUnavailableError, NodeIdTakenError, MixedTransportError) and
+        start the threads that keep the lease and watch the names."""
+        self._refuse_a_mixed_cluster()
         self._register()
         for target, what in ((self._keep_alive_forever, "lease"), (self._watch_forever, "watch")):
             thread = threading.Thread(target=target, name=f"tensord-cluster-{what}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _refuse_a_mixed_cluster(self) -> None:
+        """MixedTransportError when a live member serves TLS and this node does not, or
+        the other way round: their node calls could never succeed (a node call never
+        falls back to plaintext), so the node does not join."""
+        for member in self._read_members():
+            if member.node != self._node and member.tls is not None and member.tls != self.tls:
+                raise MixedTransportError(
+                    f"node {member.node!r} ({member.address}) of the cluster serves "
+                    f"{_transport(member.tls)} and this node {_transport(self.tls)}: every "
+                    "node of a cluster serves TLS (--tls-cert, --cluster-ca), or none does"
+                )
 
     def _register(self) -> None:
         lease = self.etcd.grant(self.ttl)
@@ -145,6 +173,7 @@ class ClusterNode:
             "devices": [list(device) for device in self.devices],
             "version": VERSION,
             "incarnation": incarnation,
+            "tls": self.tls,
         }
         created, _, held = self.etcd.create(
             NODES + self._node.encode(), json.dumps(record).encode(), lease
@@ -268,17 +297,26 @@ class ClusterNode:
         return self._read_members()
 
     def member(self, node: str) -> NodeRecord | None:
+        if NODE_ID.fullmatch(node) is None:  # no member's id: never worth a re-read
+            return None
         cached = self._members.get(NODES)
         records = list(cached) if cached is not None else self._read_members()
         found = _find(records, node)
         if found is not None or cached is None:  # read just now: etcd's own answer
             return found
+        reread = self._miss_read.read(lambda: self._reread_members(node))
+        return None if reread is None else _find(reread, node)
+
+    def _reread_members(self, node: str) -> list[NodeRecord] | None:
+        """The members read again for a miss of ``node`` (None: over the re-read budget,
+        or etcd did not answer in time: the members in memory answer, as before).  Its
+        log lines are as few as the budget's re-reads, each with the id cut short."""
         if not self._miss_reads.take():
             return None
         try:
-            return _find(self._read_members(MISS_READ_TIMEOUT_S), node)
-        except ClusterUnavailableError as exc:  # the members in memory answer, as before
-            log.info("cluster: reading the members again for %r: %s", node, exc)
+            return self._read_members(MISS_READ_TIMEOUT_S)
+        except ClusterUnavailableError as exc:
+            log.info("cluster: reading the members again for %s: %s", shown_node_id(node), exc)
             return None
 
     def _read_members(self, timeout: float | None = None) -> list[NodeRecord]:
@@ -288,8 +326,16 @@ class ClusterNode:
         for _, value in listed.kvs:
             r = json.loads(value)
             devices = tuple((str(d), int(c)) for d, c in r.get("devices", ()))
+            tls = r.get("tls")
             records.append(
-                NodeRecord(r["node"], r["address"], devices, r["version"], r["incarnation"])
+                NodeRecord(
+                    r["node"],
+                    r["address"],
+                    devices,
+                    r["version"],
+                    r["incarnation"],
+                    tls if isinstance(tls, bool) else None,
+                )
             )
         records.sort()
         self._members.store(NODES, tuple(records), listed.revision, listed.read_at)

@@ -32,6 +32,7 @@ class NodeRecord(NamedTuple):
     devices: tuple[tuple[str, int], ...]  # (device, capacity_bytes) of each pool it owns
     version: str  # tensord's
     incarnation: str  # new at each registration: a node back from a lapse is a new one
+    tls: bool | None = None  # whether it serves TLS (None: its record does not say)
 
 
 # Called by the directory when a name this node holds locally stopped being its own:

@@ -27,6 +27,7 @@ from tensord.errors import (
     OwnedElsewhereError,
     ResourceExhaustedError,
     UnauthenticatedError,
+    UnavailableError,
 )
 from tensord.protocol import (
     MAX_MESSAGE_BYTES,
@@ -35,12 +36,14 @@ from tensord.protocol import (
     VERSION,
 )
 
+from tensord_server.cluster import NODE_ID, shown_node_id
 from tensord_server.devices.shm import SharedHostBackend
 from tensord_server.domain import limits
 from tensord_server.domain.names import NameItem, item_error
 from tensord_server.domain.ops.context import Issued
 from tensord_server.domain.ops.transfers import DEFAULT_CHUNK_BYTES, UploadSink
 from tensord_server.domain.sessions import Session
+from tensord_server.domain.share_tokens import UNKNOWN_SHARE_TOKEN
 from tensord_server.domain.storage import TensorRef
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc import status
@@ -393,6 +396,8 @@ class TensordService:
             return token
         if node == directory.node:
             return local
+        if NODE_ID.fullmatch(node) is None:  # no node's: as unknown as any made-up token
+            raise NotFoundError(UNKNOWN_SHARE_TOKEN)
         owner = directory.member(node)
         if owner is None:
             raise NotFoundError(
@@ -546,7 +551,7 @@ class TensordService:
                 "this server is not part of a cluster (tensord serve --cluster etcd://...)"
             )
         if request.node:  # one the caller looks for: a node that just joined is listed too
-            directory.member(request.node)
+            directory.member(_checked_node_id(request.node, "ListNodesRequest.node"))
         return pb.ListNodesResponse(
             node=directory.node,
             nodes=[
@@ -578,6 +583,7 @@ class TensordService:
                 f"node {directory.node!r} has no cluster credential (--cluster-token-file): "
                 "it cannot copy to other nodes"
             )
+        _checked_node_id(request.node, "CopyToNodeRequest.node")
         if request.node == directory.node:
             raise InvalidArgumentError(
                 f"node {request.node!r} is this tensor's own node: use to({request.device!r})"
@@ -587,6 +593,14 @@ class TensordService:
         target = directory.member(request.node)
         if target is None:
             raise NotFoundError(f"no live node {request.node!r} in the cluster")
+        if target.tls is not None and target.tls != link.tls:
+            raise UnavailableError(
+                f"node {target.node!r} of the cluster ({target.address}) serves "
+                f"{'TLS' if target.tls else 'plaintext'} and this node "
+                f"{'TLS' if link.tls else 'plaintext'} (by its member record in etcd): "
+                "node calls never cross between the two; every node of a cluster serves "
+                "TLS, or none does"
+            )
         ref = self.store.sessions.lookup(session, request.handle)
         numel = ref.layout.numel
         header = pb.UploadHeader(
@@ -798,3 +812,14 @@ class TensordService:
                 list(request.stride.values) if request.HasField("stride") else None,
             )
         )
+
+
+def _checked_node_id(node: str, field: str) -> str:
+    """``node`` if it can be a node's id (``--node-id``'s rule), else InvalidArgumentError:
+    no id a node could not have is looked for in etcd, nor repeated in full."""
+    if NODE_ID.fullmatch(node) is None:
+        raise InvalidArgumentError(
+            f"{field}: {shown_node_id(node)} is not a node id (1-63 letters, digits, '_', "
+            "'.' or '-', starting with a letter or digit)"
+        )
+    return node

@@ -248,7 +248,17 @@ def _error(err: grpc.RpcError, node: str, address: str, tls: bool) -> errors.Ten
 
 
 # What gRPC's message of a failed connection says when the TLS handshake was the failure.
-_HANDSHAKE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tsi_")
+# gRPC gives nothing sturdier: such a call ends UNAVAILABLE like any unreachable peer,
+# with the reason in its details only.  "verification check failed" is how gRPC's
+# checks of a chain the roots did vouch for fail (its "Hostname Verification Check
+# failed", a certificate for another host; its "Custom verification check failed").
+_HANDSHAKE_MARKERS = (
+    "handshake",
+    "certificate_verify_failed",
+    "ssl_error",
+    "tsi_",
+    "verification check failed",
+)
 
 
 def _handshake_failed(message: str) -> bool:

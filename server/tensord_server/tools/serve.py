@@ -309,7 +309,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="PEM root certificates (one or more CAs, or the nodes' self-signed "
         "certificates) that a node serving TLS checks the other nodes' certificates "
         "against in its node-to-node calls, which then use TLS and never plaintext; "
-        "needed with --cluster and --tls-cert, refused without --tls-cert",
+        "needed with --cluster and --tls-cert, refused without --cluster or without "
+        "--tls-cert",
     )
     parser.add_argument(
         "--host-tier",
@@ -570,6 +571,7 @@ def join_cluster(args: argparse.Namespace, store: TensorStore, port: int) -> Clu
         parse_endpoints(args.cluster),
         parse_duration(args.cluster_lease),
         [(d.name, d.pool.capacity) for d in store.devices],
+        tls=args.tls_cert is not None,
     )
     try:
         node.join()
