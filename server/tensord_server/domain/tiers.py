@@ -53,9 +53,9 @@ IO_CHUNK_BYTES = 8 << 20
 # A move copies, then checksums, this much at a time (one system call on the disk), in
 # either direction and on either tier.  The piece and its source must both still be in
 # the core's L2 (2 MiB on the development VM) when the checksum reads it: over 1 MiB
-# pieces the copy has pushed part of the piece out and the CRC-32 runs at a third of its
-# cached rate, costing a warm host copy or a disk write a quarter of its rate; over 256
-# KiB it costs about a tenth.  Below 256 KiB the system calls of a disk move (a few
+# pieces the copy has pushed part of the piece out and the CRC-32 runs at about 40% of
+# its cached rate, costing a warm host copy or a disk write a quarter of its rate; over
+# 256 KiB it costs about a tenth.  Below 256 KiB the system calls of a disk move (a few
 # microseconds each) cost more than the cache saves.
 PASS_BYTES = 256 << 10
 assert IO_CHUNK_BYTES % PASS_BYTES == 0, "a pass never straddles two checksums"
