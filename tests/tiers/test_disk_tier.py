@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from tensord.errors import OutOfMemoryError, SpillCorruptedError
 from tensord_server.devices.table import DeviceTable
 from tensord_server.domain import storage as storage_module
+from tensord_server.domain import tiers as tiers_module
+from tensord_server.domain.checksum import crc32 as checksum_crc32
 from tensord_server.domain.storage import StorageRegistry
 from tensord_server.domain.tiers import (
     EXTENT_ALIGNMENT,
@@ -180,6 +182,67 @@ def test_each_chunk_has_zlibs_crc32_and_a_flip_in_a_later_piece_is_caught(
                 placement.tier.load(placement, np.zeros(nbytes, dtype=np.uint8), "c1")
         assert host.figures()["tier.host.num_corruptions"] == 1
         assert disk.figures()["tier.disk.num_corruptions"] == 1
+    finally:
+        disk.close()
+
+
+class RecordingIO(ExtentIO):
+    """A disk that records the (offset, length) of every write and read."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.calls: list[tuple[str, int, int]] = []
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self.calls.append(("write", offset, len(data)))
+        super().write(offset, data)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self.calls.append(("read", offset, len(out)))
+        super().read_into(offset, out)
+
+
+CACHED_PIECE_BYTES = 256 << 10  # a piece and its source fit a core's 2 MiB L2 together
+
+
+def test_every_move_checksums_pieces_that_its_copy_left_in_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tier stores and loads in pieces of at most 256 KiB, in order, each checksummed
+    right after its copy (over larger pieces the checksum reads bytes the copy already
+    pushed out of the core's L2), and on the disk one system call per piece."""
+    nbytes = IO_CHUNK_BYTES + (1 << 20) + 5000
+    source = data(nbytes, 5)
+    checksummed: list[int] = []
+
+    def recording_crc32(piece: Any, value: int = 0) -> int:
+        checksummed.append(len(piece))
+        return checksum_crc32(piece, value)
+
+    monkeypatch.setattr(tiers_module, "crc32", recording_crc32)
+    host = HostTier(nbytes)
+    disk = DiskTier(tmp_path, align_up(nbytes), "cpu", io=RecordingIO)
+    try:
+        for tier in (host, disk):
+            checksummed.clear()
+            placement = tier.store(source, "p1")
+            assert placement is not None
+            stored = list(checksummed)
+            checksummed.clear()
+            out = np.zeros(nbytes, dtype=np.uint8)
+            tier.load(placement, out, "p1")
+            assert np.array_equal(out, source)
+            for direction, pieces in (("store", stored), ("load", checksummed)):
+                assert sum(pieces) == nbytes, (tier.name, direction)
+                assert max(pieces) <= CACHED_PIECE_BYTES, (tier.name, direction)
+        io = disk.io
+        assert isinstance(io, RecordingIO)
+        for kind in ("write", "read"):
+            calls = [(offset, length) for k, offset, length in io.calls if k == kind]
+            assert max(length for _, length in calls) <= CACHED_PIECE_BYTES, kind
+            ends = [offset + length for offset, length in calls]
+            assert [offset for offset, _ in calls[1:]] == ends[:-1], kind  # in order, no gap
+            assert ends[-1] - calls[0][0] == nbytes, kind
     finally:
         disk.close()
 

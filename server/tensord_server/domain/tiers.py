@@ -50,16 +50,15 @@ from tensord_server.domain.checksum import crc32
 EXTENT_ALIGNMENT = 4096
 # Each chunk of this many bytes of a placement has its own CRC-32.
 IO_CHUNK_BYTES = 8 << 20
-# A move copies, then checksums, this much at a time (one system call on the disk): small
-# enough that the checksum reads what the copy just touched from the core's cache (its
-# CRC-32 runs 2-3x faster over 256 KiB than over 1 MiB on a core with 2 MiB of L2),
-# large enough that the calls cost little beside the copy.  (STORE_ for a store, LOAD_
-# for a load: a store's copy reads the piece, a load's writes it.)
-STORE_PASS_BYTES = 1 << 20
-LOAD_PASS_BYTES = 256 << 10
-assert IO_CHUNK_BYTES % STORE_PASS_BYTES == 0 and IO_CHUNK_BYTES % LOAD_PASS_BYTES == 0, (
-    "a pass never straddles two checksums"
-)
+# A move copies, then checksums, this much at a time (one system call on the disk), in
+# either direction and on either tier.  The piece and its source must both still be in
+# the core's L2 (2 MiB on the development VM) when the checksum reads it: over 1 MiB
+# pieces the copy has pushed part of the piece out and the CRC-32 runs at about 40% of
+# its cached rate, costing a warm host copy or a disk write a quarter of its rate; over
+# 256 KiB it costs about a tenth.  Below 256 KiB the system calls of a disk move (a few
+# microseconds each) cost more than the cache saves.
+PASS_BYTES = 256 << 10
+assert IO_CHUNK_BYTES % PASS_BYTES == 0, "a pass never straddles two checksums"
 # The name every scratch file of a disk tier starts with (the sweep removes only these).
 SCRATCH_PREFIX = "tensord-spill-"
 SCRATCH_SUFFIX = ".tier"
@@ -287,7 +286,7 @@ class HostTier(Tier):
                 piece[:] = source[start : start + len(piece)]
 
             # the copy is checksummed (what rests here), piece by piece as it is written
-            value = move_checksummed(buffer.data, copy, STORE_PASS_BYTES)
+            value = move_checksummed(buffer.data, copy, PASS_BYTES)
         except BaseException:
             with self._lock:
                 self.stats.current -= nbytes
@@ -306,7 +305,7 @@ class HostTier(Tier):
             piece[:] = stored[start : start + len(piece)]
 
         view = memoryview(out).cast("B")
-        if move_checksummed(view, copy, LOAD_PASS_BYTES) != placement.checksum:
+        if move_checksummed(view, copy, PASS_BYTES) != placement.checksum:
             with self._lock:
                 self.stats.corruptions += 1
             raise _corrupted(storage_id, self.name)
@@ -443,14 +442,14 @@ class DiskTier(Tier):
         def write(start: int, piece: memoryview) -> None:
             self.io.write(offset + start, piece)
 
-        return move_checksummed(view, write, STORE_PASS_BYTES)
+        return move_checksummed(view, write, PASS_BYTES)
 
     def load(self, placement: Placement, out: Any, storage_id: str) -> None:
         def read(start: int, piece: memoryview) -> None:
             self.io.read_into(placement.offset + start, piece)
 
         view = memoryview(out).cast("B")
-        if move_checksummed(view, read, LOAD_PASS_BYTES) != placement.checksum:
+        if move_checksummed(view, read, PASS_BYTES) != placement.checksum:
             with self._lock:
                 self.stats.corruptions += 1
             raise _corrupted(storage_id, self.name)
