@@ -125,14 +125,18 @@ def make_etcd() -> Iterator[Callable[[], EtcdServer]]:
         shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
+def running_etcd() -> Iterator[EtcdServer]:
+    """One etcd for a module's tests (skipped where none is installed); each cluster test
+    module makes it its ``etcd`` fixture."""
     if ETCD is None:
         pytest.skip("no etcd (apt-get install etcd-server)")
     server = start_etcd()
     yield server
     server.stop()
     shutil.rmtree(server.data_dir, ignore_errors=True)
+
+
+etcd = pytest.fixture(scope="module", name="etcd")(running_etcd)
 
 
 # ---- the flags ------------------------------------------------------------------------

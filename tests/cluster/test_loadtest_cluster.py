@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -25,18 +24,12 @@ from typing import Any
 import pytest
 import tensord
 from tensord_server.tools.loadtest import workloads
-from test_cluster import TOKENS, EtcdServer, Node, needs_etcd, node_id, start_etcd, start_nodes
+from test_cluster import TOKENS, EtcdServer, Node, needs_etcd, node_id, running_etcd, start_nodes
+
+etcd = pytest.fixture(scope="module", name="etcd")(running_etcd)
 
 # a Locust run of a few seconds, its start and its drain: well within this
 RUN_TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    server = start_etcd()
-    yield server
-    server.stop()
-    shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ it forget to drop the members it keeps (as a slow watch would, deterministically
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -23,17 +22,9 @@ import tensord
 from conftest import start_server, wait_until
 from tensord import errors
 from tensord_server.cluster.cache import RereadBudget, SharedRead
-from test_cluster import CLUSTER_SECRET, ETCD, LEASE_S, EtcdServer, needs_etcd, start_etcd
+from test_cluster import CLUSTER_SECRET, LEASE_S, EtcdServer, needs_etcd, running_etcd
 
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    if ETCD is None:
-        pytest.skip("no etcd (apt-get install etcd-server)")
-    server = start_etcd()
-    yield server
-    server.stop()
-    shutil.rmtree(server.data_dir, ignore_errors=True)
+etcd = pytest.fixture(scope="module", name="etcd")(running_etcd)
 
 
 class FakeClock:

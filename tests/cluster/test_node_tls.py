@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +22,16 @@ from conftest import run_serve
 from tensord import errors
 from tensord.wire import requests
 from test_cluster import (
-    ETCD,
     TOKENS,
     EtcdServer,
     Node,
     needs_etcd,
     node_id,
-    start_etcd,
+    running_etcd,
     start_nodes,
 )
+
+etcd = pytest.fixture(scope="module", name="etcd")(running_etcd)
 
 
 @dataclass(frozen=True)
@@ -152,16 +151,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     nodes = {name: issue(directory, f"node-{name}", ca_cert, ca_key) for name in "abcp"}
     elsewhere = issue(directory, "node-elsewhere", ca_cert, ca_key, hosts=("other.example",))
     return Pki(ca, other, nodes, elsewhere)
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdServer]:
-    if ETCD is None:
-        pytest.skip("no etcd (apt-get install etcd-server)")
-    server = start_etcd()
-    yield server
-    server.stop()
-    shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
 def tls_flags(pki: Pki, name: str, ca: Issued | None = None) -> list[str]:
