@@ -209,11 +209,11 @@ def test_seed_with_locust_workers_is_refused_before_anything_starts(
     assert not out.exists()
 
 
-def test_loadtest_seed_reaches_every_locust_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """tensord loadtest --seed N: Locust (master and workers) runs with TENSORD_SEED=N; without
-    it, with none (an inherited one removed would be a surprise too: it is passed through)."""
+def recorded_locust_envs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[argparse.ArgumentParser, list[dict[str, str]]]:
+    """The loadtest's parser, and the environments it starts Locust with, in order (each
+    start is recorded, then fails with OSError: no Locust runs)."""
     parser = argparse.ArgumentParser()
     loadtest.add_arguments(parser)
     envs: list[dict[str, str]] = []
@@ -223,6 +223,15 @@ def test_loadtest_seed_reaches_every_locust_process(
         raise OSError("not started")
 
     monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    return parser, envs
+
+
+def test_loadtest_seed_reaches_every_locust_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tensord loadtest --seed N: Locust (master and workers) runs with TENSORD_SEED=N; without
+    it, with none (an inherited one removed would be a surprise too: it is passed through)."""
+    parser, envs = recorded_locust_envs(monkeypatch)
     monkeypatch.delenv("TENSORD_SEED", raising=False)
     for argv in (["--seed", "11"], []):
         with pytest.raises(OSError):
@@ -925,15 +934,7 @@ def test_a_cluster_summary_fails_on_any_nodes_leak_and_without_cross_node_ops(
 def test_locust_gets_the_nodes_and_the_cluster_mix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    parser = argparse.ArgumentParser()
-    loadtest.add_arguments(parser)
-    envs: list[dict[str, str]] = []
-
-    def popen(command: list[str], **kwargs: Any) -> None:
-        envs.append(kwargs["env"])
-        raise OSError("not started")
-
-    monkeypatch.setattr(loadtest.subprocess, "Popen", popen)
+    parser, envs = recorded_locust_envs(monkeypatch)
     monkeypatch.setenv("TENSORD_ADDRESSES", "left:1,over:2")  # not the run's: removed
     args = parser.parse_args(["--workers", "3", "--workloads", "kv"])
     with pytest.raises(OSError):
