@@ -260,7 +260,7 @@ class Pipeline:
         from taking the queue until it has sent it (and answered, when it waits), so an op
         taken but not yet in flight is never missed: a flush under way, or one that began
         while this looked, answers False."""
-        if self._queue or self._inflight is not None or (releases and self._pending):
+        if not self._nothing_pending(releases):
             return False
         # never acquired here: this runs on the main thread, where a signal landing between
         # an acquire and its release would leave the lock held for good.  A flush that took
@@ -268,8 +268,11 @@ class Pipeline:
         sends = self._sends
         if self._send_lock.locked():
             return False
-        idle = not (self._queue or self._inflight is not None or (releases and self._pending))
+        idle = self._nothing_pending(releases)
         return idle and not self._send_lock.locked() and self._sends == sends
+
+    def _nothing_pending(self, releases: bool) -> bool:
+        return not (self._queue or self._inflight is not None or (releases and self._pending))
 
     def _flush_now(self, wait: bool, releases: bool) -> None:
         with self._send_lock:
