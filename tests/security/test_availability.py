@@ -420,6 +420,42 @@ def test_downloads_a_tenant_never_reads_hold_their_stream_slots_and_small_chunks
         running.stop()
 
 
+def test_a_download_ended_while_its_next_chunk_is_read_closes_its_chunks_after_the_read() -> None:
+    """The next chunk is read on a worker while gRPC takes the one before: a call that
+    fails or is cancelled meanwhile closes its generator (its held handle goes back) only
+    once that read ends; closed at once, the generator raised "already executing" and kept
+    its handle until garbage collection."""
+    reading_began, read_may_end = threading.Event(), threading.Event()
+    closed: list[bool] = []
+
+    def chunks() -> Iterator[bytes]:
+        try:
+            yield b"first"
+            reading_began.set()
+            read_may_end.wait(10)
+            yield b"second"
+        finally:
+            closed.append(True)
+
+    async def scenario() -> None:
+        generator = chunks()
+        next(generator)
+        loop = asyncio.get_running_loop()
+        reading = loop.run_in_executor(None, next, generator, None)
+        assert await loop.run_in_executor(None, reading_began.wait, 10)
+        await rpc_calls.Calls._close_chunks(generator, reading)  # never while it runs
+        assert not closed
+        read_may_end.set()
+        assert await reading == b"second"
+        for _ in range(200):  # closed on a thread once the read ended
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert closed == [True]
+
+
 def test_the_health_check_answers_without_a_token_and_reads_a_bounded_body(auth_server) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -287,6 +287,12 @@ class Call:
                 log.exception("a call's end callback failed")
 
 
+def _dropped(done: asyncio.Future[Any]) -> None:
+    """Mark a finished future's error as seen: its call failed for another reason first."""
+    if not done.cancelled():
+        done.exception()
+
+
 def _metadata_value(metadata: Any, key: str) -> Any:
     for item_key, value in metadata or ():
         if item_key == key:
@@ -743,6 +749,7 @@ class Calls:
         started = time.perf_counter()
         call: Call | None = None
         chunks: Iterator[bytes] | None = None
+        reading: asyncio.Future[bytes | None] | None = None  # the next chunk, on a worker
         try:
             call = self.start(context)
             raw = await self.read(context, call, method)
@@ -755,45 +762,74 @@ class Calls:
             self._admit_until_done(call, method.name)
             request = decode_message(pb.DownloadRequest, raw)
             request.chunk_bytes = min(request.chunk_bytes, MAX_DOWNLOAD_CHUNK_BYTES)
-            # gRPC holds the chunk being sent and the one written after it, until the call
-            # ends: counted as the stream's undelivered answer for its whole life
+            # gRPC holds the chunk being sent and the one written after it, and the chunk
+            # after those is read meanwhile: counted as the stream's undelivered answer for
+            # its whole life
             self.check_answers(call)
-            self.hold_answer(call, 2 * (request.chunk_bytes or DEFAULT_CHUNK_BYTES))
-            chunks = await self.work.run(
+            self.hold_answer(call, 3 * (request.chunk_bytes or DEFAULT_CHUNK_BYTES))
+            chunks, chunk = await self.work.run(
                 call.key,
-                functools.partial(self.service.download_chunks, request, call),
+                functools.partial(self._first_chunk, request, call),
                 describe,
             )
-            while True:
-                chunk = await self.work.run(
-                    call.key, functools.partial(next, chunks, None), describe
-                )
-                if chunk is None:
-                    break
+            while chunk is not None:
                 self.observer.downloaded.inc(len(chunk))
+                # the next chunk is read on a worker while gRPC takes this one
+                reading = asyncio.ensure_future(
+                    self.work.run(call.key, functools.partial(next, chunks, None), describe)
+                )
                 await within(
                     context.write(chunk),
                     timeout,
                     f"Download idle for {timeout:g}s (the client neither sent nor read "
                     f"anything; --stream-idle-timeout {timeout:g})",
                 )
+                # shielded: a cancelled call never cancels the read, whose end tells when
+                # the generator may be closed
+                chunk = await asyncio.shield(reading)
+                reading = None
+            chunks = None  # ran to its end: nothing to close
             call.ended(grpc.StatusCode.OK)
             self.observed(method.name, call, started)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await self._close_chunks(chunks)  # before the status: the client may look at once
+            # before the status: the client may look at once
+            await self._close_chunks(chunks, reading)
             chunks = None
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
-            await self._close_chunks(chunks)
+            await self._close_chunks(chunks, reading)
+
+    def _first_chunk(
+        self, request: pb.DownloadRequest, call: Call
+    ) -> tuple[Iterator[bytes], bytes | None]:
+        """A Download's chunks and the first of them (None: no bytes), in one worker's turn."""
+        chunks = self.service.download_chunks(request, call)
+        return chunks, next(chunks, None)
 
     @staticmethod
-    async def _close_chunks(chunks: Iterator[bytes] | None) -> None:
-        """End a Download's generator on a thread: its held handle goes back."""
+    async def _close_chunks(
+        chunks: Iterator[bytes] | None, reading: asyncio.Future[bytes | None] | None
+    ) -> None:
+        """End a Download's generator on a thread (its held handle goes back); while a
+        worker still reads its next chunk (``reading``), once that read ends: a generator
+        cannot be closed while it runs."""
         close = getattr(chunks, "close", None)
-        if close is not None:
-            await asyncio.get_running_loop().run_in_executor(None, close)
+        if close is None:
+            return
+        loop = asyncio.get_running_loop()
+        if reading is not None and not reading.done():
+
+            def read_ended(done: asyncio.Future[bytes | None]) -> None:
+                _dropped(done)
+                loop.run_in_executor(None, close)
+
+            reading.add_done_callback(read_ended)
+            return
+        if reading is not None:
+            _dropped(reading)
+        await loop.run_in_executor(None, close)
 
     async def keepalive(
         self, method: Method, requests: Any, context: grpc.aio.ServicerContext
