@@ -35,6 +35,29 @@ def test_upload_and_download_beyond_the_default_message_limit(client: tensord.Cl
     np.testing.assert_array_equal(x[:, ::3, 5].numpy(), array[:, ::3, 5])
 
 
+def test_uploads_either_side_of_the_one_message_size_arrive_whole(fresh_server: Any) -> None:
+    """Up to ONE_MESSAGE_UPLOAD_BYTES an Upload is one message, above it a stream of
+    chunks: both over gRPC (not shared memory), bit for bit, none left allocated."""
+    from tensord.wire.connection import ONE_MESSAGE_UPLOAD_BYTES
+
+    rng = np.random.default_rng(3)
+    sizes = (
+        1,
+        ONE_MESSAGE_UPLOAD_BYTES - 1,
+        ONE_MESSAGE_UPLOAD_BYTES,
+        ONE_MESSAGE_UPLOAD_BYTES + 1,
+    )
+    with tensord.connect(fresh_server.address, local=False) as remote:
+        for nbytes in (0, *sizes, 3 << 20):
+            array = rng.integers(0, 256, nbytes, dtype=np.uint8)
+            x = remote.from_numpy(array)
+            assert x.nbytes == nbytes
+            np.testing.assert_array_equal(x.numpy(), array)
+            del x
+        remote.flush()
+        assert wait_until(lambda: client_allocated(remote) == 0, WAIT_S)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [d for d in dtypes.ALL_DTYPES], ids=lambda d: d.name)
 def test_every_dtype_round_trips(client: tensord.Client, dtype: dtypes.DType) -> None:

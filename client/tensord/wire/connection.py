@@ -56,6 +56,8 @@ UNKNOWN_SESSION = "unknown session"
 
 # Payloads travel in ~1 MiB chunks: streaming beats one big message by 6-8x (DESIGN.md).
 CHUNK_BYTES = 1 << 20
+# an Upload of at most this many bytes goes as one message (see Connection.upload)
+ONE_MESSAGE_UPLOAD_BYTES = 64 << 10
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -179,6 +181,12 @@ class Connection:
             raise errors.UnavailableError(self._not_ready_message(probed, timeout)) from None
         self._stub = tensord_pb2_grpc.TensordStub(self._channel)  # type: ignore[no-untyped-call]
         self._upload = self._channel.stream_unary(
+            _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
+        )
+        # a small Upload as a call of one message: the same stream on the wire, without
+        # the thread gRPC starts to consume a stream's request iterator (a 1 MiB message
+        # sent by the caller's thread was slower than the stream)
+        self._upload_one = self._channel.unary_unary(
             _UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.TensorMeta.FromString
         )
         self._download = self._channel.unary_stream(
@@ -435,8 +443,11 @@ class Connection:
 
         def send() -> pb.TensorMeta:
             stream = WatchedStream()
-            pieces = progressing(chunks(data.cast("B"), chunk), stream)
-            call = self._upload.future(pieces, metadata=metadata)
+            if 0 < len(data) <= min(chunk, ONE_MESSAGE_UPLOAD_BYTES):
+                call = self._upload_one.future(bytes(data.cast("B")), metadata=metadata)
+            else:
+                pieces = progressing(chunks(data.cast("B"), chunk), stream)
+                call = self._upload.future(pieces, metadata=metadata)
             with self._watched(stream, call):
                 try:
                     meta: pb.TensorMeta = call.result()
