@@ -420,40 +420,68 @@ def test_downloads_a_tenant_never_reads_hold_their_stream_slots_and_small_chunks
         running.stop()
 
 
-def test_a_download_ended_while_its_next_chunk_is_read_closes_its_chunks_after_the_read() -> None:
+def test_a_downloads_chunks_close_only_after_a_read_under_way_ends() -> None:
     """The next chunk is read on a worker while gRPC takes the one before: a call that
-    fails or is cancelled meanwhile closes its generator (its held handle goes back) only
-    once that read ends; closed at once, the generator raised "already executing" and kept
-    its handle until garbage collection."""
+    fails or is cancelled meanwhile closes its chunks (its held handle goes back) once
+    that read ends; closed at once, the generator raised "already executing" and kept
+    its handle until garbage collection.  A read after the close gets None, and a second
+    close does nothing."""
     reading_began, read_may_end = threading.Event(), threading.Event()
     closed: list[bool] = []
 
-    def chunks() -> Iterator[bytes]:
+    def make() -> Iterator[bytes]:
         try:
             yield b"first"
             reading_began.set()
             read_may_end.wait(10)
             yield b"second"
+            yield b"third"
         finally:
             closed.append(True)
 
-    async def scenario() -> None:
-        generator = chunks()
-        next(generator)
-        loop = asyncio.get_running_loop()
-        reading = loop.run_in_executor(None, next, generator, None)
-        assert await loop.run_in_executor(None, reading_began.wait, 10)
-        await rpc_calls.Calls._close_chunks(generator, reading)  # never while it runs
-        assert not closed
-        read_may_end.set()
-        assert await reading == b"second"
-        for _ in range(200):  # closed on a thread once the read ended
-            if closed:
-                break
-            await asyncio.sleep(0.01)
-
-    asyncio.run(scenario())
+    chunks = rpc_calls._DownloadChunks(make)
+    assert chunks.next() == b"first"
+    second: list[bytes | None] = []
+    reader = threading.Thread(target=lambda: second.append(chunks.next()))
+    reader.start()
+    assert reading_began.wait(10)
+    closer = threading.Thread(target=chunks.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not closed  # waits for the read under way
+    read_may_end.set()
+    reader.join(10)
+    closer.join(10)
+    assert second == [b"second"] and closed == [True]
+    assert chunks.next() is None and not chunks.open
+    chunks.close()
     assert closed == [True]
+
+
+def test_a_download_counts_its_real_chunk_size_as_undelivered_answer() -> None:
+    """A negative chunk size asked for is the default one: counted as it was asked, it
+    made the tenant's undelivered answers negative, and nothing was refused after."""
+    running = start_server(devices=("cpu=64MiB",), auth_tokens=TOKENS)
+    try:
+        with open_channel(running.address) as channel:
+            session = SessionStub(channel, "asker", token="tok-alice")
+            meta = session.upload(np.zeros(1 << 20, np.float32))  # 4 MiB: 4 chunks
+            download = channel.unary_stream(
+                "/tensord.v1.Tensord/Download",
+                request_serializer=pb.DownloadRequest.SerializeToString,
+            )
+            answers = running.grpc_server.calls._answers
+            for asked in (-(1 << 50), 0, 1):
+                request = pb.DownloadRequest(handle=meta.handle, chunk_bytes=asked)
+                stream = download(request, metadata=session.md, timeout=30)
+                first = next(stream)
+                expected = len(first)  # the chunk size served
+                assert list(answers.values()) == [3 * expected], (asked, answers)
+                stream.cancel()
+                assert wait_until(lambda: not answers, 10)
+            session.close()
+    finally:
+        running.stop()
 
 
 def test_the_health_check_answers_without_a_token_and_reads_a_bounded_body(auth_server) -> None:

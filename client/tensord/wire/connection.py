@@ -441,12 +441,14 @@ class Connection:
         chunk = self.server_info.chunk_bytes or CHUNK_BYTES
         metadata = (*self.metadata(), (UPLOAD_HEADER_KEY, header.SerializeToString()))
 
+        flat = data.cast("B")
+
         def send() -> pb.TensorMeta:
             stream = WatchedStream()
-            if 0 < len(data) <= min(chunk, ONE_MESSAGE_UPLOAD_BYTES):
-                call = self._upload_one.future(bytes(data.cast("B")), metadata=metadata)
+            if 0 < len(flat) <= min(chunk, ONE_MESSAGE_UPLOAD_BYTES):
+                call = self._upload_one.future(bytes(flat), metadata=metadata)
             else:
-                pieces = progressing(chunks(data.cast("B"), chunk), stream)
+                pieces = progressing(chunks(flat, chunk), stream)
                 call = self._upload.future(pieces, metadata=metadata)
             with self._watched(stream, call):
                 try:

@@ -47,6 +47,7 @@ import collections
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -73,9 +74,9 @@ from tensord_server.domain import auth
 from tensord_server.domain.auth import describe_tenant
 from tensord_server.domain.exports import Channel
 from tensord_server.domain.ops.transfers import (
-    DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     UploadSink,
+    download_chunk_bytes,
 )
 from tensord_server.domain.store import TensorStore
 from tensord_server.observability import observer_for  # observability hook
@@ -287,10 +288,43 @@ class Call:
                 log.exception("a call's end callback failed")
 
 
-def _dropped(done: asyncio.Future[Any]) -> None:
+def _error_seen(done: asyncio.Future[Any]) -> None:
     """Mark a finished future's error as seen: its call failed for another reason first."""
     if not done.cancelled():
         done.exception()
+
+
+class _DownloadChunks:
+    """A Download's chunks, read and closed from any thread, one step at a time: a close
+    waits for a read under way (a generator cannot be closed while it runs), and a read
+    after the close gets None.  The generator is made by the first read."""
+
+    def __init__(self, make: Callable[[], Iterator[bytes]]) -> None:
+        self._make: Callable[[], Iterator[bytes]] | None = make
+        self._chunks: Iterator[bytes] | None = None
+        self._step = threading.Lock()
+
+    def next(self) -> bytes | None:
+        """The next chunk; None after the last one, or once closed."""
+        with self._step:
+            if self._make is not None:
+                self._chunks, self._make = self._make(), None
+            chunk = None if self._chunks is None else next(self._chunks, None)
+            if chunk is None:
+                self._chunks = None  # ran to its end: nothing left to close
+            return chunk
+
+    @property
+    def open(self) -> bool:
+        """Whether a close has anything to end (a read under way keeps it open)."""
+        return self._make is not None or self._chunks is not None
+
+    def close(self) -> None:
+        with self._step:
+            chunks, self._chunks, self._make = self._chunks, None, None
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
 
 
 def _metadata_value(metadata: Any, key: str) -> Any:
@@ -748,7 +782,7 @@ class Calls:
     ) -> None:
         started = time.perf_counter()
         call: Call | None = None
-        chunks: Iterator[bytes] | None = None
+        chunks: _DownloadChunks | None = None
         reading: asyncio.Future[bytes | None] | None = None  # the next chunk, on a worker
         try:
             call = self.start(context)
@@ -761,75 +795,53 @@ class Calls:
             # ends: chunks written to a reader that does not read stay in gRPC meanwhile
             self._admit_until_done(call, method.name)
             request = decode_message(pb.DownloadRequest, raw)
-            request.chunk_bytes = min(request.chunk_bytes, MAX_DOWNLOAD_CHUNK_BYTES)
+            # the size the chunks will have (none asked, or a negative size: the default)
+            request.chunk_bytes = download_chunk_bytes(
+                request.chunk_bytes, MAX_DOWNLOAD_CHUNK_BYTES
+            )
             # gRPC holds the chunk being sent and the one written after it, and the chunk
             # after those is read meanwhile: counted as the stream's undelivered answer for
             # its whole life
             self.check_answers(call)
-            self.hold_answer(call, 3 * (request.chunk_bytes or DEFAULT_CHUNK_BYTES))
-            chunks, chunk = await self.work.run(
-                call.key,
-                functools.partial(self._first_chunk, request, call),
-                describe,
-            )
+            self.hold_answer(call, 3 * request.chunk_bytes)
+            chunks = _DownloadChunks(functools.partial(self.service.download_chunks, request, call))
+            chunk = await self.work.run(call.key, chunks.next, describe)
             while chunk is not None:
                 self.observer.downloaded.inc(len(chunk))
                 # the next chunk is read on a worker while gRPC takes this one
-                reading = asyncio.ensure_future(
-                    self.work.run(call.key, functools.partial(next, chunks, None), describe)
-                )
+                reading = asyncio.ensure_future(self.work.run(call.key, chunks.next, describe))
                 await within(
                     context.write(chunk),
                     timeout,
                     f"Download idle for {timeout:g}s (the client neither sent nor read "
                     f"anything; --stream-idle-timeout {timeout:g})",
                 )
-                # shielded: a cancelled call never cancels the read, whose end tells when
-                # the generator may be closed
-                chunk = await asyncio.shield(reading)
+                chunk = await reading
                 reading = None
-            chunks = None  # ran to its end: nothing to close
             call.ended(grpc.StatusCode.OK)
             self.observed(method.name, call, started)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # before the status: the client may look at once
+            # before the status (the client may look at once): a read under way ends first
             await self._close_chunks(chunks, reading)
-            chunks = None
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
             await self._close_chunks(chunks, reading)
 
-    def _first_chunk(
-        self, request: pb.DownloadRequest, call: Call
-    ) -> tuple[Iterator[bytes], bytes | None]:
-        """A Download's chunks and the first of them (None: no bytes), in one worker's turn."""
-        chunks = self.service.download_chunks(request, call)
-        return chunks, next(chunks, None)
-
     @staticmethod
     async def _close_chunks(
-        chunks: Iterator[bytes] | None, reading: asyncio.Future[bytes | None] | None
+        chunks: _DownloadChunks | None, reading: asyncio.Future[bytes | None] | None
     ) -> None:
-        """End a Download's generator on a thread (its held handle goes back); while a
-        worker still reads its next chunk (``reading``), once that read ends: a generator
-        cannot be closed while it runs."""
-        close = getattr(chunks, "close", None)
-        if close is None:
-            return
-        loop = asyncio.get_running_loop()
-        if reading is not None and not reading.done():
-
-            def read_ended(done: asyncio.Future[bytes | None]) -> None:
-                _dropped(done)
-                loop.run_in_executor(None, close)
-
-            reading.add_done_callback(read_ended)
-            return
+        """End a Download's chunks on a thread (its held handle goes back): a read still
+        queued gives its turn back, one under way ends first (a no-op once closed)."""
         if reading is not None:
-            _dropped(reading)
-        await loop.run_in_executor(None, close)
+            if reading.done():
+                _error_seen(reading)
+            else:
+                reading.cancel()
+        if chunks is not None and chunks.open:
+            await asyncio.get_running_loop().run_in_executor(None, chunks.close)
 
     async def keepalive(
         self, method: Method, requests: Any, context: grpc.aio.ServicerContext

@@ -114,8 +114,7 @@ class Transfers:
         time; any other is gathered in logical order a chunk at a time (the server's
         temporary memory is a few chunks, whatever the tensor's logical size).
         """
-        chunk = DEFAULT_CHUNK_BYTES if chunk_bytes <= 0 else chunk_bytes
-        chunk = min(max(chunk, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        chunk = download_chunk_bytes(chunk_bytes)
         with self.ops.sessions.held(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self.ops.check_elements(layout.numel)
@@ -138,6 +137,13 @@ class Transfers:
                 lambda: activate(ref.device),
                 (lambda piece: kernels.apply_lazy_bits(piece, ref.conj, ref.neg)) if lazy else None,
             )
+
+
+def download_chunk_bytes(asked: int, most: int = MAX_CHUNK_BYTES) -> int:
+    """The size of a Download's chunks when ``asked`` (0 or less: the default) for them:
+    within [MIN_CHUNK_BYTES, ``most``]."""
+    chunk = DEFAULT_CHUNK_BYTES if asked <= 0 else asked
+    return min(max(chunk, MIN_CHUNK_BYTES), max(most, MIN_CHUNK_BYTES))
 
 
 def stored_crc32(backend: Backend, memory: DeviceMemory, offset: int, size: int, crc: int) -> int:
