@@ -506,11 +506,47 @@ def test_a_stop_does_not_wait_its_grace_for_connected_clients() -> None:
     running = start_server(devices=("cpu=16MiB",))
     client = tensord.connect(running.address)
     client.arange(3)
-    started = time.monotonic()
-    running.grpc_server.stop(10.0).wait(30)
-    assert time.monotonic() - started < 5.0  # the grace is 10 s
+    stopped = running.grpc_server.stop(10.0)
+    if not stopped.wait(5.0):  # the grace is 10 s
+        held = _in_flight(running.grpc_server.calls)
+        stopped.wait(30)
+        pytest.fail(f"the stop waited for its grace; 5 s into it: {held}")
     running.daemon.close()
     client.close()
+
+
+def _in_flight(calls: rpc_calls.Calls) -> str:
+    """What a stop may be waiting for (read from another thread: a snapshot, for a
+    failure's message)."""
+    fd_socket = calls.fd_socket
+    connections = [] if fd_socket is None else list(fd_socket._connections)
+    return (
+        f"{len(calls._keepalives)} KeepAlive streams; fd socket connections (idle, woken, "
+        f"task done): {[(c.idle, c.woken, c.task is None or c.task.done()) for c in connections]}; "
+        f"workers running/queued {calls.work.queue.running}/{calls.work.queue.queued}, "
+        f"liveness {calls.liveness.queue.running}/{calls.liveness.queue.queued}"
+    )
+
+
+def test_a_stop_does_not_wait_its_grace_for_a_silent_fd_socket_connection() -> None:
+    """A connection to the fd socket that never sends its first line (a ticket or a
+    channel bind) is in no call: a stop closed it only at the end of its grace."""
+    import socket
+
+    running = start_server(devices=("cpu=16MiB",))
+    calls = running.grpc_server.calls
+    assert calls.fd_socket is not None
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(calls.fd_socket.path)
+        fd_socket = calls.fd_socket
+        assert wait_until(lambda: any(c.task for c in fd_socket._connections), 10)
+        started = time.monotonic()
+        running.grpc_server.stop(10.0).wait(30)
+        assert time.monotonic() - started < 5.0  # the grace is 10 s
+    finally:
+        silent.close()
+        running.daemon.close()
 
 
 def test_a_keepalive_stream_that_reaches_its_handler_as_the_stop_begins_is_ended() -> None:
