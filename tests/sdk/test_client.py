@@ -15,6 +15,7 @@ import pytest
 import tensord
 from conftest import client_allocated, wait_until
 from tensord import dtypes
+from tensord.wire.connection import ONE_MESSAGE_UPLOAD_BYTES
 from tensord_server import cli
 
 torch = pytest.importorskip("torch")
@@ -38,8 +39,6 @@ def test_upload_and_download_beyond_the_default_message_limit(client: tensord.Cl
 def test_uploads_either_side_of_the_one_message_size_arrive_whole(fresh_server: Any) -> None:
     """Up to ONE_MESSAGE_UPLOAD_BYTES an Upload is one message, above it a stream of
     chunks: both over gRPC (not shared memory), bit for bit, none left allocated."""
-    from tensord.wire.connection import ONE_MESSAGE_UPLOAD_BYTES
-
     rng = np.random.default_rng(3)
     sizes = (
         1,

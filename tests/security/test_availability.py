@@ -12,6 +12,7 @@ undelivered-answer budget.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -531,8 +532,6 @@ def _in_flight(calls: rpc_calls.Calls) -> str:
 def test_a_stop_does_not_wait_its_grace_for_a_silent_fd_socket_connection() -> None:
     """A connection to the fd socket that never sends its first line (a ticket or a
     channel bind) is in no call: a stop closed it only at the end of its grace."""
-    import socket
-
     running = start_server(devices=("cpu=16MiB",))
     calls = running.grpc_server.calls
     assert calls.fd_socket is not None

@@ -288,12 +288,6 @@ class Call:
                 log.exception("a call's end callback failed")
 
 
-def _error_seen(done: asyncio.Future[Any]) -> None:
-    """Mark a finished future's error as seen: its call failed for another reason first."""
-    if not done.cancelled():
-        done.exception()
-
-
 class _DownloadChunks:
     """A Download's chunks, read and closed from any thread, one step at a time: a close
     waits for a read under way (a generator cannot be closed while it runs), and a read
@@ -836,10 +830,10 @@ class Calls:
         """End a Download's chunks on a thread (its held handle goes back): a read still
         queued gives its turn back, one under way ends first (a no-op once closed)."""
         if reading is not None:
-            if reading.done():
-                _error_seen(reading)
-            else:
+            if not reading.done():
                 reading.cancel()
+            elif not reading.cancelled():
+                reading.exception()  # seen: the call failed for another reason first
         if chunks is not None and chunks.open:
             await asyncio.get_running_loop().run_in_executor(None, chunks.close)
 
