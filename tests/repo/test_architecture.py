@@ -8,7 +8,9 @@ a cycle for the reader, and the next refactor that hoists the import turns it in
 from __future__ import annotations
 
 import ast
+import functools
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -165,6 +167,13 @@ class Module:
 
 
 def modules() -> dict[str, Module]:
+    """Every module of both packages, parsed once per test run (a copy of the table each
+    call: the checks may add to theirs)."""
+    return dict(_parsed_modules())
+
+
+@functools.cache
+def _parsed_modules() -> dict[str, Module]:
     found: dict[str, Module] = {}
     for package, root in ROOTS.items():
         for path in sorted(root.rglob("*.py")):
@@ -282,19 +291,16 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-@pytest.mark.slow
 def test_the_import_graph_has_no_cycles() -> None:
     cycles = strongly_connected(import_graph())
     assert not cycles, f"import cycles (lazy imports included): {cycles}"
 
 
-@pytest.mark.slow
 def test_every_module_belongs_to_a_layer() -> None:
     for name in modules():
         layer_of(name)
 
 
-@pytest.mark.slow
 def test_no_module_imports_a_layer_above_it() -> None:
     mods = modules()
     upward = []
@@ -336,7 +342,6 @@ def grpc_imports(mods: dict[str, Module]) -> list[str]:
     return found
 
 
-@pytest.mark.slow
 def test_pool_devices_and_domain_know_nothing_of_grpc() -> None:
     """A thin gRPC layer over a domain that knows nothing of gRPC: the status codes, the call
     contexts and the interceptors live in rpc/; in the SDK, everything gRPC is the wire's."""
@@ -372,7 +377,6 @@ def imported_aliases(module: Module, line: int) -> list[str]:
     ]
 
 
-@pytest.mark.slow
 def test_tensor_client_and_session_never_import_the_schema() -> None:
     """Tensor (and the client, and what a tensor holds of it) keep torch's surface and hand
     plain values to tensord.wire.requests, which builds every message."""
@@ -405,7 +409,6 @@ def inner_layer_crossings(graph: dict[str, set[str]]) -> list[str]:
     return crossings
 
 
-@pytest.mark.slow
 def test_the_domain_and_rpc_packages_keep_their_inner_layers() -> None:
     """Inside the domain the op families never reach the tables above them nor the store
     that builds them; inside rpc the handlers never reach the calls or the server; inside
@@ -451,7 +454,6 @@ def names_defined_in(tree: ast.Module) -> set[str]:
     return defined
 
 
-@pytest.mark.slow
 def test_no_private_member_is_used_across_modules() -> None:
     mods = modules()
     known = set(mods)
@@ -478,7 +480,6 @@ def test_no_private_member_is_used_across_modules() -> None:
     assert not crossings, "private members used outside their module:\n" + "\n".join(crossings)
 
 
-@pytest.mark.slow
 def test_the_checks_see_what_they_claim() -> None:
     """The checks above would pass on an empty graph: make sure they read the real one."""
     graph = import_graph()
@@ -571,3 +572,55 @@ def test_tensord_s_lazy_names_are_its_public_names_and_its_type_checked_imports(
     for name in tensord.__all__:
         assert getattr(tensord, name) is not None, name
     assert set(tensord.__all__) <= set(dir(tensord))
+
+
+# ---- docs/architecture.md is the map of this tree ------------------------------------------
+
+ARCHITECTURE_DOC = REPO / "docs" / "architecture.md"
+
+
+def doc_layer_rows(text: str) -> list[str]:
+    """The layer column of the doc's table of layers, in its order (rows ``| rank | layer |``
+    whose rank is a whole number: the SDK's own table ranks its layers 1.0, 1.1, ...)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            rows.append(cells[1])
+    return rows
+
+
+def unnamed_modules(text: str, names: list[str]) -> list[str]:
+    """The modules of ``names`` the doc never names: neither in backticks nor in a path
+    (``pool/allocator.py``, ``tensord.wire``, ``(`runner`, ...)``)."""
+    missing = []
+    for name in names:
+        stem = name.rsplit(".", 1)[-1]
+        named = re.search(r"[`/.(]" + re.escape(stem) + r"[`/.,) ]", text)
+        if named is None:
+            missing.append(name)
+    return missing
+
+
+def test_the_architecture_doc_lists_the_server_layers_in_order() -> None:
+    server_layers = [layer for layer, _ in LAYERS if not layer.startswith("sdk.")]
+    rows = doc_layer_rows(ARCHITECTURE_DOC.read_text())
+    assert rows == ["foundation", "SDK", *server_layers[1:]], (
+        "docs/architecture.md's table of layers differs from LAYERS: update one of them"
+    )
+
+
+def test_the_architecture_doc_names_every_module() -> None:
+    names = sorted(name for name in modules() if "." in name)
+    missing = unnamed_modules(ARCHITECTURE_DOC.read_text(), names)
+    assert not missing, f"docs/architecture.md never names these modules: {missing}"
+
+
+def test_the_doc_checks_find_what_is_missing() -> None:
+    table = "| rank | layer |\n|---|---|\n| 0 | foundation | x |\n| 1.0 | base | y |\n| 2 | pool | z |\n"
+    assert doc_layer_rows(table) == ["foundation", "pool"]
+    text = "`pool/allocator.py` and `tensord.wire`, (`runner`, `nodes`)"
+    assert unnamed_modules(
+        text,
+        ["tensord_server.pool.allocator", "tensord.wire", "x.runner", "x.nodes", "x.cache"],
+    ) == ["x.cache"]
