@@ -355,7 +355,8 @@ def test_above_the_threshold_only_the_excess_goes_the_largest_holes_first() -> N
     """decommit_threshold 1.05: a free that leaves committed / allocated at or below the
     threshold decommits nothing; above it, the largest holes go first, only until
     committed is back under it."""
-    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=1.05)
+    # (no slack: the ratio alone decides)
+    policy = dataclasses.replace(ADAPTIVE, decommit_threshold=1.05, decommit_min_slack=0)
     pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
     # three 20 MiB segments of [6][6][6][2] MiB: 60 MiB allocated, nothing free
     segments = [[pool.malloc(n * MiB) for n in (6, 6, 6, 2)] for _ in range(3)]
@@ -806,7 +807,8 @@ def test_holes_stay_warm_until_committed_exceeds_the_wake_threshold() -> None:
     (1.02), the largest holes first; a wholly free segment, kept warm, does not count (else
     it would keep the pool above the threshold and every hole freed meanwhile would go
     back at once, its pages faulted in again by the next block allocated there)."""
-    policy = dataclasses.replace(ADAPTIVE, release_threshold=None)  # the free segment stays
+    # the free segment stays; no slack: the ratios alone decide
+    policy = dataclasses.replace(ADAPTIVE, release_threshold=None, decommit_min_slack=0)
     pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=policy)
     # ten 20 MiB segments of [6][6][6][2] MiB: 200 MiB allocated, nothing free
     segments = [[pool.malloc(n * MiB) for n in (6, 6, 6, 2)] for _ in range(10)]
@@ -818,6 +820,36 @@ def test_holes_stay_warm_until_committed_exceeds_the_wake_threshold() -> None:
     assert stat(pool, "reserved_bytes.all.current") == (194 + 64) * MiB  # 194 / 192 = 1.01
     pool.free(segments[2][3])  # another 2 MiB: 194 / 190 = 1.021, under 1.04
     assert stat(pool, "decommitted_bytes.all.current") == 6 * MiB
+    pool.assert_invariants()
+
+
+def test_a_pool_holding_little_keeps_its_holes_within_the_slack_warm() -> None:
+    """Under adaptive, holes of at most decommit_min_slack (8 MiB) in all stay committed
+    whatever the ratio: a client that uploads 1 MiB arrays in turn beside a kept one frees
+    and reuses one 1 MiB hole (2 / 1 = 2x allocated after each free), and giving its pages
+    back on each free made every upload fault them in again.  Beyond the slack the ratio
+    rules again."""
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=ADAPTIVE)
+    kept = pool.malloc(1 * MiB)
+    for seed in range(8):
+        upload = pool.malloc(1 * MiB)
+        fill(pool, upload, seed)
+        pool.free(upload)
+        assert stat(pool, "decommitted_bytes.all.current") == 0
+    assert stat(pool, "num_decommits") == 0
+    pool.free(kept)
+    # a 20 MiB segment of seven 2 MiB blocks, the middle ones freed: a hole of 8 MiB (at
+    # the slack) stays warm, one of 10 MiB beyond it goes back
+    pool = CachingPool(SharedHostBackend(total_bytes=HOST_BYTES), policy=ADAPTIVE)
+    blocks = [pool.malloc(2 * MiB) for _ in range(7)]
+    untouched = stat(pool, "decommitted_bytes.all.current")  # the segment's 6 MiB tail
+    for block in blocks[1:5]:
+        pool.free(block)
+    assert stat(pool, "num_decommits") == 0
+    assert stat(pool, "reserved_bytes.all.current") == 14 * MiB
+    pool.free(blocks[5])
+    assert stat(pool, "num_decommits") == 1
+    assert stat(pool, "decommitted_bytes.all.current") > untouched
     pool.assert_invariants()
 
 

@@ -105,7 +105,12 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "eager-after-free": Scenario(
         dataclasses.replace(
-            ADAPTIVE, name="eager", min_slack=0, compact_every=1, release_threshold=1.0
+            ADAPTIVE,
+            name="eager",
+            min_slack=0,
+            decommit_min_slack=0,
+            compact_every=1,
+            release_threshold=1.0,
         ),
         "all",
     ),
@@ -125,6 +130,7 @@ SCENARIOS: dict[str, Scenario] = {
             name="server-eager",
             min_slack=0,
             background_min_slack=0,
+            decommit_min_slack=0,
             decommit_min_bytes=4096,
             keep_idle_fraction=0.01,
             keep_idle_below=10.0,

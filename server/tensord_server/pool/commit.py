@@ -131,8 +131,11 @@ class CommitLedger:
     def excess(policy: PoolPolicy, committed: int, allocated: int, threshold: float) -> int:
         """The bytes of pages to give back so that ``committed`` comes down to ``threshold``
         x ``allocated``; 0 (hysteresis: the holes stay warm) until ``committed`` exceeds the
-        policy's decommit_wake_threshold x ``allocated`` by decommit_min_bytes."""
+        policy's decommit_wake_threshold x ``allocated`` by decommit_min_bytes, and
+        ``allocated`` by more than decommit_min_slack."""
         wake = policy.decommit_wake_threshold
+        if committed - allocated <= policy.decommit_min_slack:
+            return 0
         if (
             committed - int(max(threshold, wake or threshold) * allocated)
             < policy.decommit_min_bytes

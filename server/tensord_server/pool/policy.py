@@ -97,7 +97,9 @@ what the pool does *besides*:
   ``decommit_wake_threshold`` too (hysteresis), a free starts giving pages back only
   once committed / allocated exceeds that, and then down to ``decommit_threshold``: the
   holes in between stay warm for the next requests (a given-back page faults in again,
-  zeroed, when a block is allocated over it: far dearer than writing a warm one).
+  zeroed, when a block is allocated over it: far dearer than writing a warm one), and
+  so do holes of at most ``decommit_min_slack`` committed-but-unallocated bytes in all
+  (a ratio alone would give back the one hole of a pool that holds little).
   The pages of a new segment count as decommitted until a block is allocated over
   them (a fresh memfd has none until touched).  Wholly free segments keep their pages
   (the kept idle ones are warm for the next upload); segments go back whole;
@@ -140,6 +142,9 @@ class PoolPolicy:
     decommit_min_bytes: int = 2 * MiB  # the smallest free range worth a decommit
     decommit_threshold: float | None = None  # None: every such range at once
     decommit_wake_threshold: float | None = None  # None: decommit_threshold
+    # up to this many committed-but-unallocated bytes in split segments, a free gives no
+    # page back (with decommit_threshold)
+    decommit_min_slack: int = 0
     # with decommit: segment bytes may reach this x capacity (committed ones stay <= capacity)
     virtual_capacity_factor: float = 2.0
 
@@ -182,6 +187,10 @@ ADAPTIVE = PoolPolicy(
     # hysteresis, at most background_threshold: below it a free leaves its hole warm (giving
     # back every byte freed makes the next blocks allocated there fault their pages in again)
     decommit_wake_threshold=1.04,
+    # and none while the holes hold at most what the background compactor leaves alone: a
+    # client that frees and allocates the same few MiB in turn (uploads of one size) reuses
+    # a warm hole, instead of giving its pages back on each free and faulting them in again
+    decommit_min_slack=8 * MiB,
     # small holes too (the small pool's and the 20 MiB segments' tails): left committed,
     # they are what the background compactor would copy Storages to close
     decommit_min_bytes=128 << 10,
