@@ -187,6 +187,7 @@ def tokens_file(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_serve_refuses_tls_in_a_cluster_without_whom_to_trust(pki: Pki, tmp_path: Path) -> None:
     cluster = ["--node-id", "a", "--cluster", "etcd://127.0.0.1:1"]
     node = pki.nodes["a"]

@@ -133,6 +133,7 @@ def test_every_family_has_a_worst_factor() -> None:
     assert set(WORST_FACTOR) == set(FAMILIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_generated_traces_at_their_worst_factor_have_no_oom_under_the_default_policy(
     family: str,
@@ -191,6 +192,7 @@ OOM_AT_1_01 = {
         for family in sorted(FAMILIES)
     ],
 )
+@pytest.mark.slow
 def test_generated_traces_at_1_01x_peak_have_no_oom_under_the_default_policy(
     family: str,
 ) -> None:

@@ -462,6 +462,7 @@ def assert_runs_fresh(code: str) -> None:
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
 
 
+@pytest.mark.slow
 def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
     code = (
         "import sys, tensord\n"
@@ -476,6 +477,7 @@ def test_the_packages_dtype_names_are_dtypes_until_torch_is_imported() -> None:
     assert_runs_fresh(code)
 
 
+@pytest.mark.slow
 def test_with_torch_imported_first_the_dtypes_hash_as_torchs() -> None:
     # equal objects hash alike: either kind finds the other as a dict key or set member
     code = (

@@ -457,6 +457,7 @@ def serve(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--spill-workers", "0"], "--spill-workers must be >= 1"),
     ],
 )
+@pytest.mark.slow
 def test_serve_refuses_bad_tier_flags(flags: list[str], message: str) -> None:
     done = serve("--device", "cpu=64MiB", *flags)
     assert done.returncode == 2

@@ -273,6 +273,7 @@ def test_sharing_users_read_each_others_tensors(gib_server: Running) -> None:
     assert log.kinds("ok") & {"share.get.verify", "share.attach.verify"}
 
 
+@pytest.mark.slow
 def test_no_workload_lets_torch_compute(
     gib_server: Running, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -662,6 +663,7 @@ def test_an_unknown_trace_is_refused_before_anything_starts(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []  # no server was started, nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["locust", "matplotlib"])
 def test_a_missing_extra_is_named_before_anything_starts(tmp_path: Path, module: str) -> None:
     # an install without '.[loadtest]': before, the server started, Locust's child failed
