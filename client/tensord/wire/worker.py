@@ -19,6 +19,7 @@ import collections
 import contextlib
 import functools
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -119,27 +120,30 @@ def _cancel_calls(calls: list[grpc.Future]) -> None:
 
 class _Worker:
     """A thread that runs the main thread's gRPC work, one job at a time; idle between
-    jobs (long-lived: a thread that starts or ends while the process forks is a hazard)."""
+    jobs (long-lived: a thread that starts or ends while the process forks is a hazard).
+
+    A job is handed through the worker's own queue, one C call (a signal can strike the
+    main thread between two bytecodes, never inside it); None hands it nothing, so a
+    worker taken from the idle ones but never handed its job still goes back to them."""
 
     def __init__(self) -> None:
-        self.job: Job | None = None
-        self._go = threading.Lock()
-        self._go.acquire()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name=WORKER_THREAD_NAME, daemon=True).start()
 
-    def hand(self, job: Job) -> None:
-        self.job = job
-        self._go.release()
+    def hand(self, job: Job | None) -> None:
+        self._jobs.put(job)
 
     def _serve(self) -> None:
         while True:
-            self._go.acquire()
-            job, self.job = self.job, None
+            job = self._jobs.get()
             if job is not None:
                 _CURRENT.job = job
                 job.run()
                 _CURRENT.job = None
-            _IDLE_WORKERS.append(self)
+                del job  # hold nothing of it while idle
+            # idle once, whichever of the job and a hand-back None came last
+            if self._jobs.empty() and self not in _IDLE_WORKERS:
+                _IDLE_WORKERS.append(self)
 
 
 _IDLE_WORKERS: collections.deque[_Worker] = collections.deque()
@@ -150,15 +154,25 @@ _CURRENT = threading.local()
 
 
 def start_job(job: Job) -> bool:
-    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start."""
+    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start.
+
+    A signal's exception between taking an idle worker and handing it the job would lose
+    that worker (idle for ever, never in the idle deque again): it is handed None then,
+    which puts it back; handed the job already, it runs it and goes back once."""
+    worker = None
     try:
-        worker = _IDLE_WORKERS.pop()
-    except IndexError:
         try:
-            worker = _Worker()
-        except RuntimeError:  # "can't create new thread at interpreter shutdown"
-            return False
-    worker.hand(job)
+            worker = _IDLE_WORKERS.pop()
+        except IndexError:
+            try:
+                worker = _Worker()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                return False
+        worker.hand(job)
+    except BaseException:
+        if worker is not None:
+            worker.hand(None)
+        raise
     return True
 
 
