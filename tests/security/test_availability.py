@@ -797,6 +797,86 @@ def test_an_export_is_a_workers_on_a_server_with_a_gpu(monkeypatch: pytest.Monke
     assert exports_on_the_loop(monkeypatch, gpu=True) == [False, False]
 
 
+def downloads_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> list[tuple[str, str, bool]]:
+    """(tensor, what served it, on the event loop) for each Download of a remote client of
+    an idle host-only server (made to count as one with a GPU when ``gpu``): "whole" a
+    one-chunk read, "chunks" the streamed generator; each read checked against NumPy."""
+    from tensord_server.rpc import calls as calls_module
+    from tensord_server.rpc import handlers
+    from tensord_server.rpc.grpc_server import create_server
+
+    ran: list[tuple[str, bool]] = []
+    whole, chunks = handlers.TensordService.download_whole, handlers.TensordService.download_chunks
+
+    def recording_whole(self: Any, request: Any, context: Any) -> Any:
+        read = whole(self, request, context)
+        ran.append(("whole" if read is not None else "none", on_loop()))
+        return read
+
+    def recording_chunks(self: Any, request: Any, context: Any) -> Any:
+        ran.append(("chunks", on_loop()))
+        return chunks(self, request, context)
+
+    def on_loop() -> bool:
+        return threading.current_thread().name == "tensord-rpc"
+
+    monkeypatch.setattr(handlers.TensordService, "download_whole", recording_whole)
+    monkeypatch.setattr(handlers.TensordService, "download_chunks", recording_chunks)
+    if gpu:
+        monkeypatch.setattr(calls_module, "is_gpu", lambda device: True)
+    server, port = create_server("127.0.0.1:0", ("cpu=64MiB",))
+    seen: list[tuple[str, str, bool]] = []
+    try:
+        with tensord.connect(f"127.0.0.1:{port}", local=False, pipelining=False) as client:
+            small = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: one chunk
+            large = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: three chunks
+            cases = {
+                "1 MiB": (client.from_numpy(small), small),
+                "4 KiB": (client.from_numpy(small[:1024]), small[:1024]),
+                "transposed": (
+                    client.from_numpy(small.reshape(512, 512)).t(),
+                    small.reshape(512, 512).T,
+                ),
+                "3 MiB": (client.from_numpy(large), large),
+            }
+            for label, (tensor, expected) in cases.items():
+                ran.clear()
+                assert np.array_equal(tensor.numpy(), expected), label
+                seen.extend((label, what, inline) for what, inline in ran)
+    finally:
+        server.stop(None).wait()
+    return seen
+
+
+def test_a_one_chunk_download_of_host_memory_is_read_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Download of one plain chunk (contiguous, at most 1 MiB) on an idle server is a
+    lookup and one copy: read on the event loop, without its generator's two thread
+    handoffs; a transposed view (gathered) and a tensor of several chunks stream from a
+    worker, after a look on the loop that finds them not plain."""
+    assert downloads_on_the_loop(monkeypatch, gpu=False) == [
+        ("1 MiB", "whole", True),
+        ("4 KiB", "whole", True),
+        ("transposed", "none", True),
+        ("transposed", "chunks", False),
+        ("3 MiB", "none", True),
+        ("3 MiB", "chunks", False),
+    ]
+
+
+def test_no_download_is_read_on_the_loop_of_a_server_with_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU tensor's read copies from the device: on a server with a GPU every Download
+    streams from a worker."""
+    assert {(what, inline) for _, what, inline in downloads_on_the_loop(monkeypatch, gpu=True)} == {
+        ("chunks", False)
+    }
+
+
 def test_a_flatten_that_copies_is_never_taken_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,7 +24,8 @@
 
 Streams are steps of the same shape: an Upload writes each chunk on a worker as it
 arrives, a Download computes each chunk on a worker and awaits its reader holding no
-thread (each wait bounded by the idle timeout), and a KeepAlive stream keeps its session
+thread (each wait bounded by the idle timeout; a Download of one plain chunk of host
+memory is read on the loop while no worker is busy, as a small unary call's work is), and a KeepAlive stream keeps its session
 connected for as long as gRPC keeps the stream open (its end is detected by gRPC itself:
 the client closing it, the connection breaking, or the transport's keepalive pings going
 unanswered), so no amount of load on the server can make a live client's session lapse.
@@ -798,6 +799,18 @@ class Calls:
             # its whole life
             self.check_answers(call)
             self.hold_answer(call, 3 * request.chunk_bytes)
+            whole = await self._read_whole_here(request, call, describe)
+            if whole is not None:
+                self.observer.downloaded.inc(len(whole))
+                await within(
+                    context.write(whole),
+                    timeout,
+                    f"Download idle for {timeout:g}s (the client did not read its answer; "
+                    f"--stream-idle-timeout {timeout:g})",
+                )
+                call.ended(grpc.StatusCode.OK)
+                self.observed(method.name, call, started)
+                return
             chunks = _DownloadChunks(functools.partial(self.service.download_chunks, request, call))
             chunk = await self.work.run(call.key, chunks.next, describe)
             while chunk is not None:
@@ -822,6 +835,20 @@ class Calls:
             await self._abort_observed(context, call, method.name, exc, started)
         finally:
             await self._close_chunks(chunks, reading)
+
+    async def _read_whole_here(
+        self, request: pb.DownloadRequest, call: Call, describe: str
+    ) -> bytes | None:
+        """A Download's one chunk read on the loop, while no worker is busy or awaited, when
+        it is one plain read of host memory (``Transfers.read_whole``: a lookup and a copy
+        of at most MAX_DOWNLOAD_CHUNK_BYTES): the two thread handoffs of its generator
+        would cost more than the copy.  None: the chunks stream from a worker (a GPU
+        server, tiers, a gathered or lazily conjugated tensor, one of several chunks, or
+        a busy server)."""
+        if self._has_gpu or self.store.storages.tiers or not self.work.idle:
+            return None
+        read = functools.partial(self.service.download_whole, request, call)
+        return await self.work.run(call.key, read, describe, inline=True)
 
     @staticmethod
     async def _close_chunks(

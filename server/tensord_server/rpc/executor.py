@@ -86,6 +86,11 @@ class FairExecutor:
             self.queue.drop_waiting(key, job)  # not started: its turn goes back
             raise
 
+    @property
+    def idle(self) -> bool:
+        """No call runs or waits: a ``run(..., inline=True)`` now runs on the loop."""
+        return self.queue.running == 0 and self.queue.queued == 0
+
     def _run_here(self, job: _Job) -> Any:
         started = time.thread_time()
         try:

@@ -364,6 +364,11 @@ class TensordService:
             checksum = sink.crc32() if sink.checksum_wanted else None
             return self._reply(session, sink.finish()), checksum
 
+    def download_whole(self, request: pb.DownloadRequest, context: Any) -> bytes | None:
+        """A Download's one chunk when it is a plain read of host memory, else None."""
+        session = self._session(context)
+        return self.store.transfers.read_whole(session, request.handle, request.chunk_bytes)
+
     def download_chunks(self, request: pb.DownloadRequest, context: Any) -> Iterator[bytes]:
         """A Download's chunks, a generator the rpc layer advances on a worker per chunk."""
         session = self._session(context)

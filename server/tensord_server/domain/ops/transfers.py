@@ -107,6 +107,21 @@ class Transfers:
             finally:
                 sink.abort()  # after finish: nothing left to undo
 
+    def read_whole(self, session: Session, handle: str, chunk_bytes: int = 0) -> bytes | None:
+        """The tensor's bytes when they are one plain read of at most one chunk: a
+        contiguous tensor with no lazy bits, of 1 to ``chunk_bytes`` bytes; None for any
+        other (its download streams its chunks).  The work is one lookup and one copy of at
+        most a chunk, whatever the tensor."""
+        chunk = download_chunk_bytes(chunk_bytes)
+        with self.ops.sessions.held(session, handle) as (ref,):
+            layout, itemsize = ref.layout, ref.dtype.itemsize
+            nbytes = layout.numel * itemsize
+            if not 0 < nbytes <= chunk or not layout.is_contiguous() or ref.conj or ref.neg:
+                return None
+            block, backend = ref.storage.block, ref.device.backend
+            base = block.offset + layout.offset * itemsize
+            return backend.read(block.segment.memory, base, nbytes)
+
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
         """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
 
