@@ -243,3 +243,35 @@ def test_serve_raises_its_soft_descriptor_limit_to_the_hard_limit() -> None:
             process.kill()
             _out, err = process.communicate(timeout=STARTUP_TIMEOUT_S)
     assert f"file descriptor limit raised from {low} to the hard limit {hard}" in err
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_pool_dropped_without_releasing_its_segments_closes_their_descriptors() -> None:
+    """A shared host pool collected with segments still reserved (an embedding program's,
+    or a test's, never emptied) closes their memfds: each kept one descriptor open for the
+    process's life.  A segment released first is closed once only (its number, reused by
+    another file since, is never closed again)."""
+    import gc
+
+    from tensord_server.devices.shm import SharedHostBackend
+    from tensord_server.pool import CachingPool
+
+    gc.collect()
+    before = open_descriptors()
+    pool = CachingPool(SharedHostBackend(total_bytes=256 * MiB))
+    blocks = [pool.malloc(size) for size in (1 * MiB, 4 * MiB, 30 * MiB)]  # three segments
+    assert open_descriptors() >= before + 3
+    released = pool.malloc(64 * MiB)
+    pool.free(released)
+    pool.empty_cache()  # its segment's descriptor closed by the release
+    reused = os.open(os.devnull, os.O_RDONLY)  # likely the number the release freed
+    try:
+        del pool, blocks, released
+        gc.collect()
+        assert open_descriptors() == before + 1  # only ``reused`` is left open
+        os.fstat(reused)  # still open: the collected segments closed their own numbers
+    finally:
+        os.close(reused)

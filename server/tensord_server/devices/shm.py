@@ -19,6 +19,7 @@ import mmap
 import os
 import pathlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,21 +44,33 @@ def next_segment_id() -> int:
     return next(_segment_ids)
 
 
+def _close_descriptor(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 @dataclass(eq=False)
 class HostSegment:
-    """One shared-memory segment: its memfd, the server's mapping and a uint8 array over it."""
+    """One shared-memory segment: its memfd, the server's mapping and a uint8 array over it.
+
+    Its descriptor is closed by :meth:`close` (the backend's release), or when the segment
+    is collected unreleased (a pool dropped without giving its segments back): never twice,
+    so a number the process has reused since is never closed."""
 
     id: int
     fd: int
     nbytes: int
     mapping: mmap.mmap = field(repr=False)
     array: np.ndarray = field(repr=False)
+    _closer: weakref.finalize[[int], HostSegment] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._closer = weakref.finalize(self, _close_descriptor, self.fd)
 
     def close(self) -> None:
         """Close the server's descriptor; the pages live on while any mapping (ours: until
         the last array over it is collected; a client's: until it unmaps) still holds them."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        self._closer()  # closes it once; a no-op after
         self.fd = -1
 
 
