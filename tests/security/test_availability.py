@@ -569,6 +569,48 @@ def test_a_keepalive_stream_that_reaches_its_handler_as_the_stop_begins_is_ended
         running.daemon.close()
 
 
+def test_a_stop_ends_a_keepalive_handler_still_waiting_for_its_liveness_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeepAlive whose handler still waits for a busy liveness worker when gRPC stops was
+    left pending on the loop, and the loop's close destroyed it mid-await ("Task was
+    destroyed but it is pending!"): the stop cancels what is left and lets it end."""
+    from tensord_server.rpc import handlers
+
+    release = threading.Event()
+    entered = threading.Event()
+    keepalive_session = handlers.TensordService.keepalive_session
+
+    def slow(self: Any, context: Any) -> Any:
+        entered.set()
+        release.wait(2)  # the liveness worker is busy past the stop
+        return keepalive_session(self, context)
+
+    monkeypatch.setattr(handlers.TensordService, "keepalive_session", slow)
+    running = start_server(devices=("cpu=16MiB",))
+    server = running.grpc_server
+    loop = server._loop
+    left: list[asyncio.Task[Any]] = []
+    close = loop.close
+
+    def recording_close() -> None:
+        left.extend(task for task in asyncio.all_tasks(loop) if not task.done())
+        close()
+
+    monkeypatch.setattr(loop, "close", recording_close)
+    client = None
+    try:
+        client = tensord.connect(running.address)
+        assert entered.wait(10)
+        assert server.stop(0).wait(30)
+    finally:
+        release.set()
+        running.daemon.close()
+        if client is not None:
+            client.close()
+    assert not left, f"tasks pending at the loop's close: {left}"
+
+
 def test_a_call_over_many_inputs_takes_the_registrys_lock_a_few_times(
     fresh_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ bound what a peer can hold without making any call at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterable
@@ -97,6 +98,22 @@ def unix_socket_path(address: str) -> str:
     return path[2:] if path.startswith("//") else path
 
 
+# How long a stopped server waits for the handlers it cancels to end (each is at an await).
+PENDING_END_TIMEOUT_S = 2.0
+
+
+async def _end_pending() -> None:
+    """Cancel what still runs on the loop once gRPC has stopped (a KeepAlive handler waiting
+    for a liveness worker past the grace, say) and let it end: a task the loop's close
+    finds pending is destroyed mid-await, its finally blocks never run."""
+    current = asyncio.current_task()
+    pending = [task for task in asyncio.all_tasks() if task is not current]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=PENDING_END_TIMEOUT_S)
+
+
 class AsyncServer:
     """A started asyncio server, driven from any thread."""
 
@@ -133,6 +150,9 @@ class AsyncServer:
             try:
                 stopping.result()
             finally:
+                with contextlib.suppress(Exception):  # a loop that will not drain still closes
+                    drained = asyncio.run_coroutine_threadsafe(_end_pending(), self._loop)
+                    drained.result(PENDING_END_TIMEOUT_S + 1.0)
                 self.calls.shutdown()
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join()
