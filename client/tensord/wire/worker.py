@@ -19,7 +19,6 @@ import collections
 import contextlib
 import functools
 import os
-import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -120,30 +119,27 @@ def _cancel_calls(calls: list[grpc.Future]) -> None:
 
 class _Worker:
     """A thread that runs the main thread's gRPC work, one job at a time; idle between
-    jobs (long-lived: a thread that starts or ends while the process forks is a hazard).
-
-    A job is handed through the worker's own queue, one C call (a signal can strike the
-    main thread between two bytecodes, never inside it); None hands it nothing, so a
-    worker taken from the idle ones but never handed its job still goes back to them."""
+    jobs (long-lived: a thread that starts or ends while the process forks is a hazard)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.job: Job | None = None
+        self._go = threading.Lock()
+        self._go.acquire()
         threading.Thread(target=self._serve, name=WORKER_THREAD_NAME, daemon=True).start()
 
-    def hand(self, job: Job | None) -> None:
-        self._jobs.put(job)
+    def hand(self, job: Job) -> None:
+        self.job = job
+        self._go.release()
 
     def _serve(self) -> None:
         while True:
-            job = self._jobs.get()
+            self._go.acquire()
+            job, self.job = self.job, None
             if job is not None:
                 _CURRENT.job = job
                 job.run()
                 _CURRENT.job = None
-                del job  # hold nothing of it while idle
-            # idle once, whichever of the job and a hand-back None came last
-            if self._jobs.empty() and self not in _IDLE_WORKERS:
-                _IDLE_WORKERS.append(self)
+            _IDLE_WORKERS.append(self)
 
 
 _IDLE_WORKERS: collections.deque[_Worker] = collections.deque()
@@ -154,25 +150,15 @@ _CURRENT = threading.local()
 
 
 def start_job(job: Job) -> bool:
-    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start.
-
-    A signal's exception between taking an idle worker and handing it the job would lose
-    that worker (idle for ever, never in the idle deque again): it is handed None then,
-    which puts it back; handed the job already, it runs it and goes back once."""
-    worker = None
+    """Hand ``job`` to an idle worker (a new one if none is); False if no thread can start."""
     try:
+        worker = _IDLE_WORKERS.pop()
+    except IndexError:
         try:
-            worker = _IDLE_WORKERS.pop()
-        except IndexError:
-            try:
-                worker = _Worker()
-            except RuntimeError:  # "can't create new thread at interpreter shutdown"
-                return False
-        worker.hand(job)
-    except BaseException:
-        if worker is not None:
-            worker.hand(None)
-        raise
+            worker = _Worker()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            return False
+    worker.hand(job)
     return True
 
 
