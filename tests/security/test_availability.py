@@ -909,6 +909,27 @@ def test_a_one_chunk_download_of_host_memory_is_read_on_the_loop(
     ]
 
 
+def test_a_download_read_on_the_loop_keeps_the_op_element_bound() -> None:
+    """--max-op-elements bounds a download whether it is read on the loop or streamed: the
+    read on the loop served a tensor the streamed path refuses, so whether a read was
+    refused depended on whether a worker was busy."""
+    from tensord_server.domain.store import TensorStore
+    from tensord_server.rpc.grpc_server import create_server
+
+    store = TensorStore(("cpu=64MiB",), max_op_elements=1000)
+    server, port = create_server("127.0.0.1:0", store=store)
+    try:
+        with tensord.connect(f"127.0.0.1:{port}", local=False, pipelining=False) as client:
+            fits = client.from_numpy(np.arange(1000, dtype=np.uint8))
+            assert np.array_equal(fits.numpy(), np.arange(1000, dtype=np.uint8))
+            over = client.from_numpy(np.zeros(4096, np.uint8))  # an upload is not an op
+            with pytest.raises(tensord.ResourceExhaustedError, match="--max-op-elements 1000"):
+                over.numpy()
+    finally:
+        server.stop(None).wait()
+        store.close()
+
+
 def test_no_download_is_read_on_the_loop_of_a_server_with_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -115,6 +115,7 @@ class Transfers:
         chunk = download_chunk_bytes(chunk_bytes)
         with self.ops.sessions.held(session, handle) as (ref,):
             layout, itemsize = ref.layout, ref.dtype.itemsize
+            self.ops.check_elements(layout.numel)  # as a streamed download is bounded
             nbytes = layout.numel * itemsize
             if not 0 < nbytes <= chunk or not layout.is_contiguous() or ref.conj or ref.neg:
                 return None
