@@ -275,3 +275,46 @@ def test_a_pool_dropped_without_releasing_its_segments_closes_their_descriptors(
         os.fstat(reused)  # still open: the collected segments closed their own numbers
     finally:
         os.close(reused)
+
+
+def test_a_same_host_client_cannot_resize_a_segment_it_was_handed() -> None:
+    """A same-host client is handed the memfd of the segment its tensor lies in; one that
+    truncated it made the server's next touch of that segment a SIGBUS that killed the
+    server and every tenant's data with it.  A segment's size is sealed before any client
+    holds it: truncating, growing or sealing it further is refused, and the server serves
+    on (here in a subprocess: an unsealed segment would take pytest down with it)."""
+    from conftest import start_serve_process
+    from tensord.local import channel as local_channel
+
+    process, address = start_serve_process("--address", "127.0.0.1:0", "--device", "cpu=64MiB")
+    received: list[int] = []
+    receive = local_channel.receive_segment_fd
+
+    def keeping(*args: Any) -> int:
+        fd = receive(*args)
+        received.append(os.dup(fd))
+        return fd
+
+    try:
+        local_channel.receive_segment_fd = keeping
+        import tensord
+
+        with tensord.connect(address) as client:
+            x = client.from_numpy(np.arange(1 << 16, dtype=np.float32))
+            assert np.array_equal(x.numpy(), np.arange(1 << 16, dtype=np.float32))
+            assert received, "the read took no segment descriptor (same-host mapping off?)"
+            for fd in received:
+                for size in (0, 1 << 30):  # shrunk (the SIGBUS) or grown
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, size)
+            with tensord.connect(address, local=False) as other:
+                assert np.array_equal(other.from_numpy(np.ones(4, np.float32)).numpy(), np.ones(4))
+            # the server copies from the segment the client was handed
+            assert np.array_equal(x.clone().numpy(), np.arange(1 << 16, dtype=np.float32))
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+    finally:
+        local_channel.receive_segment_fd = receive
+        for fd in received:
+            os.close(fd)
+        process.kill()
+        process.communicate(timeout=30)

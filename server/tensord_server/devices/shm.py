@@ -14,6 +14,7 @@ Pages of a fresh memfd read as zeros and are only backed once touched, like
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import mmap
 import os
@@ -119,6 +120,11 @@ def segment_error(what: str, exc: Exception) -> BackendOutOfDescriptors | Backen
     return BackendOutOfMemory(f"{what}: {exc}")
 
 
+# A segment's memfd can neither shrink nor grow, and no other seal can be added (a client's
+# F_SEAL_WRITE would refuse the server's own writes).
+SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 def create_segment(nbytes: int) -> HostSegment:
     """A new zero-filled memfd of ``nbytes`` mapped read-write and shared.
 
@@ -126,11 +132,15 @@ def create_segment(nbytes: int) -> HostSegment:
     the memfd or the mapping's copy of it (``mmap`` dups the descriptor);
     BackendOutOfMemory where the memory itself is refused.  Nothing is left open either way."""
     try:
-        fd = os.memfd_create(f"tensord-segment-{nbytes}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"tensord-segment-{nbytes}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         raise segment_error(f"memfd_create for {nbytes} bytes failed", exc) from exc
     try:
         os.ftruncate(fd, nbytes)
+        # its size is fixed for good before any client holds a descriptor of it: a client
+        # that truncated an exported memfd made the server's next touch of the segment a
+        # SIGBUS that killed it (a hole punched in it, as a decommit does, stays allowed)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
         mapping = mmap.mmap(
             fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
