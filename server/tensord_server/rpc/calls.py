@@ -25,8 +25,9 @@
 Streams are steps of the same shape: an Upload writes each chunk on a worker as it
 arrives, a Download computes each chunk on a worker and awaits its reader holding no
 thread (each wait bounded by the idle timeout; a Download of one plain chunk of host
-memory is read on the loop while no worker is busy, as a small unary call's work is), and a KeepAlive stream keeps its session
-connected for as long as gRPC keeps the stream open (its end is detected by gRPC itself:
+memory is read on the loop while no worker is busy, as a small unary call's work is),
+and a KeepAlive stream keeps its session connected for as long as gRPC keeps the stream
+open (its end is detected by gRPC itself:
 the client closing it, the connection breaking, or the transport's keepalive pings going
 unanswered), so no amount of load on the server can make a live client's session lapse.
 
@@ -799,31 +800,25 @@ class Calls:
             # its whole life
             self.check_answers(call)
             self.hold_answer(call, 3 * request.chunk_bytes)
-            whole = await self._read_whole_here(request, call, describe)
-            if whole is not None:
-                self.observer.downloaded.inc(len(whole))
-                await within(
-                    context.write(whole),
-                    timeout,
-                    f"Download idle for {timeout:g}s (the client did not read its answer; "
-                    f"--stream-idle-timeout {timeout:g})",
+            # a tensor of one plain chunk is read on the loop: it is the whole stream
+            chunk = await self._read_whole_here(request, call, describe)
+            if chunk is None:
+                chunks = _DownloadChunks(
+                    functools.partial(self.service.download_chunks, request, call)
                 )
-                call.ended(grpc.StatusCode.OK)
-                self.observed(method.name, call, started)
-                return
-            chunks = _DownloadChunks(functools.partial(self.service.download_chunks, request, call))
-            chunk = await self.work.run(call.key, chunks.next, describe)
+                chunk = await self.work.run(call.key, chunks.next, describe)
             while chunk is not None:
                 self.observer.downloaded.inc(len(chunk))
-                # the next chunk is read on a worker while gRPC takes this one
-                reading = asyncio.ensure_future(self.work.run(call.key, chunks.next, describe))
+                if chunks is not None:
+                    # the next chunk is read on a worker while gRPC takes this one
+                    reading = asyncio.ensure_future(self.work.run(call.key, chunks.next, describe))
                 await within(
                     context.write(chunk),
                     timeout,
                     f"Download idle for {timeout:g}s (the client neither sent nor read "
                     f"anything; --stream-idle-timeout {timeout:g})",
                 )
-                chunk = await reading
+                chunk = None if reading is None else await reading
                 reading = None
             call.ended(grpc.StatusCode.OK)
             self.observed(method.name, call, started)

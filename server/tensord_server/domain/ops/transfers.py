@@ -117,11 +117,10 @@ class Transfers:
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self.ops.check_elements(layout.numel)  # as a streamed download is bounded
             nbytes = layout.numel * itemsize
-            if not 0 < nbytes <= chunk or not layout.is_contiguous() or ref.conj or ref.neg:
+            if not 0 < nbytes <= chunk or not _stored_as_read(ref):
                 return None
             block, backend = ref.storage.block, ref.device.backend
-            base = block.offset + layout.offset * itemsize
-            return backend.read(block.segment.memory, base, nbytes)
+            return backend.read(block.segment.memory, _first_byte(ref), nbytes)
 
     def download(self, session: Session, handle: str, chunk_bytes: int = 0) -> Iterator[bytes]:
         """The tensor's elements in logical order, as raw chunks (a generator: held while it runs).
@@ -135,9 +134,9 @@ class Transfers:
             layout, itemsize = ref.layout, ref.dtype.itemsize
             self.ops.check_elements(layout.numel)
             nbytes = layout.numel * itemsize
-            if layout.is_contiguous() and not (ref.conj or ref.neg):
+            if _stored_as_read(ref):
                 block, backend = ref.storage.block, ref.device.backend
-                base = block.offset + layout.offset * itemsize
+                base = _first_byte(ref)
                 for start in range(0, nbytes, chunk):
                     size = min(chunk, nbytes - start)
                     yield backend.read(block.segment.memory, base + start, size)
@@ -153,6 +152,16 @@ class Transfers:
                 lambda: activate(ref.device),
                 (lambda piece: kernels.apply_lazy_bits(piece, ref.conj, ref.neg)) if lazy else None,
             )
+
+
+def _stored_as_read(ref: TensorRef) -> bool:
+    """Whether ``ref``'s values are its stored bytes in order: contiguous, no lazy bits."""
+    return ref.layout.is_contiguous() and not (ref.conj or ref.neg)
+
+
+def _first_byte(ref: TensorRef) -> int:
+    """The offset of ``ref``'s first element in its Storage's segment memory."""
+    return ref.storage.block.offset + ref.layout.offset * ref.dtype.itemsize
 
 
 def download_chunk_bytes(asked: int, most: int = MAX_CHUNK_BYTES) -> int:
