@@ -173,6 +173,7 @@ class Connection:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        fork.GATE_HOOKS.install()  # after gRPC's own, which its first channel installed
         left = max(connect_deadline - time.monotonic(), 0.001)
         try:
             off_main_thread(lambda: grpc.channel_ready_future(self._channel).result(timeout=left))

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 # How long a fork waits for calls in flight on SDK threads: a beat or a release has a
 # deadline of a few seconds (a connection's close timeout), so this is reached only with
@@ -119,14 +119,80 @@ def join_grpc_threads(timeout: float) -> None:
             thread.join(max(deadline - time.monotonic(), 0.0))
 
 
+def _grpc_fork_state() -> Any | None:
+    """gRPC's own record of the threads its fork support parks (GRPC_ENABLE_FORK_SUPPORT=1),
+    or None without that support or in a gRPC that keeps no such record."""
+    try:
+        from grpc._cython import cygrpc
+    except ImportError:
+        return None
+    if not cygrpc.is_fork_support_enabled():
+        return None
+    return getattr(cygrpc, "_fork_state", None)
+
+
+def await_grpc_threads_parked(timeout: float) -> None:
+    """Wait, at most ``timeout``, until gRPC's fork support counts none of its threads active.
+
+    gRPC's handler counts its threads once, before this module's, and the count can be
+    wrong: a thread the previous fork parked may not have woken yet when the next fork
+    begins (multiprocessing starts its workers back to back), so it is counted as parked,
+    then wakes and goes back into gRPC core.  Core then skips its own fork handlers
+    ("Other threads are currently calling into gRPC"), and the child's gRPC can hang.
+    Such a thread parks again within a second (gRPC's threads check for a fork that often).
+    """
+    state = _grpc_fork_state()
+    if state is None or not state.fork_in_progress:  # gRPC's handler has not run: it counts
+        return
+    state.active_thread_count.await_zero_threads(timeout)
+
+
 def _quiesce_before_fork() -> None:
     FORK_GATE.before_fork()
     if any(not connection.inherited for connection in list(LIVE_CONNECTIONS)):
         join_grpc_threads(FORK_GRPC_THREADS_S)
 
 
+def _recount_grpc_threads_before_fork() -> None:
+    if any(not connection.inherited for connection in list(LIVE_CONNECTIONS)):
+        await_grpc_threads_parked(FORK_QUIESCE_S)
+
+
+class _GateHooks:
+    """The gate's fork hooks, installed once a gRPC channel exists.
+
+    Python runs the ``before`` hooks of a fork last-installed first, and gRPC installs its
+    own when the process makes its first channel: the gate's, installed after that, run
+    before gRPC's.  So the SDK's threads leave gRPC while gRPC's threads still run (what
+    a call of theirs waits for may need gRPC's threads), gRPC parks its threads after,
+    and last the count of them is checked again (installed with this module, before any
+    channel: :func:`await_grpc_threads_parked`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def install(self) -> None:
+        """Install the hooks (the first call only); call it after making a gRPC channel."""
+        with self._lock:
+            if self._installed:
+                return
+            os.register_at_fork(
+                before=_quiesce_before_fork,
+                after_in_parent=FORK_GATE.after_fork_in_parent,
+                after_in_child=FORK_GATE.after_fork_in_child,
+            )
+            self._installed = True
+
+    def after_fork_in_child(self) -> None:
+        """A fresh lock: the parent's may have been held by a thread the child lacks."""
+        self._lock = threading.Lock()
+
+
+#: installs the gate's fork hooks once a channel exists (tensord.wire.connection does)
+GATE_HOOKS = _GateHooks()
+
 os.register_at_fork(
-    before=_quiesce_before_fork,
-    after_in_parent=FORK_GATE.after_fork_in_parent,
-    after_in_child=FORK_GATE.after_fork_in_child,
+    before=_recount_grpc_threads_before_fork, after_in_child=GATE_HOOKS.after_fork_in_child
 )
