@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("domain", ("tensord_server.domain",)),
     # membership and the shared namespace in etcd: implements the domain's NameDirectory
     ("cluster", ("tensord_server.cluster",)),
-    # metrics, the dashboard and logs: read the domain and the pools; rpc installs the interceptor
+    # metrics, the dashboard and logs: read the domain and the pools; rpc reports each call to them
     ("observability", ("tensord_server.observability",)),
     ("rpc", ("tensord_server.rpc",)),
     ("tools", ("tensord_server.tools",)),

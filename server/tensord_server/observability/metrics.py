@@ -1,5 +1,5 @@
 """Prometheus metrics of one TensorStore: its pools, tenants and sessions (read at scrape time) and
-its RPCs (counted by a gRPC server interceptor), plus the info-level event log.
+its RPCs (each reported by the rpc layer as it ends), plus the info-level event log.
 
 Names follow Prometheus' conventions: base units (bytes, seconds), ``_bytes``,
 ``_seconds``, ``_total`` on counters.  Labels are bounded: device (configured),

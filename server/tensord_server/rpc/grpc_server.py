@@ -28,8 +28,7 @@ from tensord_server.domain.sessions import DEFAULT_GRACE_S, DEFAULT_LEASE_S
 from tensord_server.domain.store import TensorStore
 from tensord_server.rpc.binding import bind_problem
 from tensord_server.rpc.calls import MAX_RECEIVE_BYTES, Calls
-from tensord_server.rpc.handlers import SERVICE_NAME
-from tensord_server.rpc.other_services import OtherServicesInterceptor
+from tensord_server.rpc.other_services import OtherServicesGate
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_MAX_WORKERS", "MAX_MESSAGE_BYTES", "create_server"]
 
@@ -80,16 +79,23 @@ def server_options() -> list[tuple[str, Any]]:
     ]
 
 
-def _add_reflection(server: grpc.aio.Server) -> None:
-    """gRPC server reflection of the Tensord and health services (health itself is served by
-    rpc.calls, under the same rules as Tensord's calls)."""
+def reflection_handlers(gate: OtherServicesGate) -> grpc.GenericRpcHandler:
+    """gRPC server reflection of the Tensord and health services, under the gate's rules
+    (health itself is served by rpc.calls, under the same rules as Tensord's calls)."""
     from grpc_health.v1 import health, health_pb2  # noqa: F401 (its descriptors, for reflection)
     from grpc_reflection.v1alpha import reflection
+    from grpc_reflection.v1alpha import reflection_pb2 as reflection_pb
 
     service_name = pb.DESCRIPTOR.services_by_name["Tensord"].full_name
-    reflection.enable_server_reflection(
-        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    servicer = reflection.aio.ReflectionServicer(
+        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     )
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb.ServerReflectionResponse.SerializeToString,
+    )
+    return gate.handlers(reflection.SERVICE_NAME, {"ServerReflectionInfo": info})
 
 
 def unix_socket_path(address: str) -> str:
@@ -195,16 +201,11 @@ def create_server(
     ready = threading.Event()
 
     async def start() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server(
-            interceptors=(
-                OtherServicesInterceptor(
-                    store.gate, SERVICE_NAME, calls.tenant_of, calls.observe_other
-                ),
-            ),
-            options=server_options(),
+        server = grpc.aio.server(options=server_options())
+        others = OtherServicesGate(store.gate, calls.tenant_of, calls.observe_other)
+        server.add_generic_rpc_handlers(
+            (calls.handlers(), calls.health_handlers(), reflection_handlers(others))
         )
-        server.add_generic_rpc_handlers((calls.handlers(), calls.health_handlers()))
-        _add_reflection(server)
         if credentials is None:
             port = server.add_insecure_port(address)
         else:

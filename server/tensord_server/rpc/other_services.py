@@ -1,9 +1,9 @@
 """The other services (gRPC health and reflection) under the rules of Tensord's own calls.
 
-:class:`OtherServicesInterceptor` wraps every call of a service other than Tensord:
-with ``--auth-tokens`` a valid token is required before the call's request is read
-(except the unary health Check, which load balancers probe without credentials); its
-streams are admitted within the stream limits (the domain's
+:class:`OtherServicesGate` wraps the method handlers of a service other than Tensord
+(reflection's: health is served by :mod:`tensord_server.rpc.calls`, whose unary Check
+needs no token, for load balancers): with ``--auth-tokens`` a valid token is required
+before the call's request is read; its streams are admitted within the stream limits (the domain's
 :class:`~tensord_server.domain.call_gate.CallGate`) and a stream whose client sends
 nothing for ``--stream-idle-timeout`` ends with DEADLINE_EXCEEDED.  Tensord's own calls
 take the same steps in :mod:`tensord_server.rpc.calls`.
@@ -15,24 +15,13 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from tensord_server.domain.call_gate import CallGate
 from tensord_server.rpc import status
-
-
-def _service_of(method: str) -> str:
-    """``/pkg.Service/Method`` -> ``pkg.Service``."""
-    return method.lstrip("/").rpartition("/")[0]
-
-
-# Calls of other services any caller may make, token or not: the unary health check.
-UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
-# Calls of other services that rpc.calls serves itself, under its own rules.
-OWN_READS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -63,33 +52,38 @@ async def idle_bounded(
         yield item
 
 
-class OtherServicesInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Every call of a service other than ``own_service`` under the gate's rules.
+class OtherServicesGate:
+    """The method handlers of another service, wrapped under the gate's rules.
 
     ``tenant_of(metadata)`` authenticates (raises UnauthenticatedError); ``observe`` records
-    every call in the metrics and logs, refused ones included."""
+    every call in the metrics and logs, refused ones included.  The handlers are wrapped
+    where they are registered, not intercepted per call: an interceptor would run for
+    every call of every service, Tensord's own among them."""
 
     def __init__(
         self,
         gate: CallGate,
-        own_service: str,
         tenant_of: Callable[[Any], str],
         observe: Callable[[str, grpc.aio.ServicerContext, float, BaseException | None], None],
     ) -> None:
         self._gate = gate
-        self._own_service = own_service
         self._tenant_of = tenant_of
         self._observe = observe  # (method, context, started, the error or None): metrics, logs
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or _service_of(method) == self._own_service or method in OWN_READS:
-            return handler
+    def handlers(
+        self, service: str, method_handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> grpc.GenericRpcHandler:
+        """``service``'s handlers, each under the gate's rules."""
+        return grpc.method_handlers_generic_handler(
+            service,
+            {
+                name: self.gated(handler, f"/{service}/{name}")
+                for name, handler in method_handlers.items()
+            },
+        )
+
+    def gated(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` of ``method`` (``/pkg.Service/Method``) under the gate's rules."""
         if not (handler.request_streaming or handler.response_streaming):
             return self._gated_unary(handler, method)
         return self._gated_stream(handler, method)
@@ -112,11 +106,10 @@ class OtherServicesInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with self._observed(method, context):
-                if method not in UNAUTHENTICATED_METHODS:
-                    try:
-                        self._tenant_of(context.invocation_metadata())
-                    except Exception as exc:
-                        await abort(context, exc)
+                try:
+                    self._tenant_of(context.invocation_metadata())
+                except Exception as exc:
+                    await abort(context, exc)
                 return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
